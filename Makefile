@@ -1,0 +1,73 @@
+# torch-multinode: from bare Linux GPU machines to a verified multi-node PyTorch run.
+# `make` alone lists the targets. Knobs below can be set on the command line:
+#   make train INVENTORY=my-cluster.yml NNODES=2
+
+NNODES    ?= 2
+INVENTORY ?=
+LINK      ?=
+SCRIPT    ?=
+ARGS      ?=
+ANSIBLE_ARGS ?=
+PYTHON    ?= python3
+VENV      ?= .venv
+
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+
+.PHONY: help  ## list the targets and the knobs
+help:
+	@echo "Usage: make TARGET [NNODES=2] [INVENTORY=path.yml] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
+	@echo
+	@grep -E '^\.PHONY: [a-z-]+ +## ' $(MAKEFILE_LIST) | \
+		sed -E 's/^\.PHONY: ([a-z-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
+
+# The first target that needs Python creates the environment (torch and torchvision pinned).
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "Error: $(PYTHON) is not installed (try apt-get install python3 python3-venv)"; exit 1; }
+	@echo "Creating $(VENV) with torch and torchvision (once, about 2 minutes)..."
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
+
+.PHONY: venv  ## create the Python environment (.venv) now
+venv: $(STAMP)
+
+.PHONY: provision  ## provision INVENTORY's nodes: names, SSH mesh, firewall, Docker, image
+provision: $(STAMP)
+	$(BIN)/cluster check -i "$(INVENTORY)"
+	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml $(ANSIBLE_ARGS)
+
+.PHONY: netcheck  ## pre-flight check of the first NNODES nodes of INVENTORY
+netcheck: $(STAMP)
+	$(BIN)/netcheck -i "$(INVENTORY)" --nnodes $(NNODES)
+
+.PHONY: train  ## train on NNODES nodes of INVENTORY (no INVENTORY: the default job, locally)
+train: $(STAMP)
+	$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)" --nnodes $(NNODES)) \
+		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(ARGS)),-- $(ARGS))
+
+.PHONY: check-inventory  ## validate INVENTORY (and NNODES) without touching any host
+check-inventory: $(STAMP)
+	$(BIN)/cluster check -i "$(INVENTORY)" --nnodes $(NNODES)
+
+.PHONY: sim-up  ## start NNODES (1-4) simulated nodes and write .sim/inventory.yml; LINK=1gbit shapes
+sim-up: $(STAMP)
+	$(BIN)/cluster sim up --nodes $(NNODES) $(if $(strip $(LINK)),--link $(LINK))
+
+.PHONY: sim-down  ## remove every container, network and volume of the simulated cluster
+sim-down: $(STAMP)
+	$(BIN)/cluster sim down
+
+.PHONY: lint  ## ruff, yamllint and ansible-lint (production profile)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+.PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
+test: $(STAMP)
+	$(BIN)/pytest
+
+.PHONY: check  ## exactly what CI runs: lint, then the tests
+check: lint test

@@ -1,0 +1,293 @@
+"""The one inventory: an Ansible YAML file that provisioning, netcheck and the launcher all read.
+
+Layout (see inventory.example.yml):
+
+    all:
+      vars:                       # cluster-wide
+        compute_subnet: 192.168.1.0/24
+        rendezvous_port: 29500
+      children:
+        nodes:
+          hosts:                  # in rank order: the first host is the master (rank 0)
+            pc1:
+              ansible_host: 192.168.1.10    # where SSH reaches the node
+              compute_ip: 192.168.1.10      # the address training traffic uses
+              compute_interface: enp3s0
+              gpus: 1
+
+Variables merge the way Ansible merges them: all.vars, then nodes.vars, then the host's own.
+Validation happens entirely here, before any caller acts, and the first problem found is raised
+as one ClusterError naming the host and the field.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from cluster.errors import ClusterError
+
+NODES_GROUP = "nodes"
+DEFAULT_RENDEZVOUS_PORT = 29500
+REQUIRED_HOST_FIELDS = ("ansible_host", "compute_ip", "compute_interface", "gpus")
+REQUIRED_CLUSTER_FIELDS = ("compute_subnet",)
+# RFC 1123 host label: letters, digits and hyphens, 1-63 long, no hyphen at either end.
+_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+# Linux interface names: at most 15 bytes, no slash, whitespace or colon.
+_IFNAME = re.compile(r"^[^/\s:]{1,15}$")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One node, with every field the project uses resolved and checked."""
+
+    name: str
+    ssh_address: str
+    ssh_port: int
+    ssh_user: str | None
+    ssh_key: Path | None
+    compute_ip: ipaddress.IPv4Address
+    compute_interface: str
+    gpus: int
+    python: str = "python3"
+    """The interpreter on the node that has torch (host mode; jobs in a container use its own)."""
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path
+    hosts: tuple[Host, ...]
+    compute_subnet: ipaddress.IPv4Network
+    rendezvous_port: int
+    known_hosts: Path | None
+
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    def select(self, nnodes: int) -> tuple[Host, ...]:
+        """The first `nnodes` hosts in inventory order (rank 0 first)."""
+        return self.hosts[: check_nnodes(nnodes, len(self.hosts), self.path)]
+
+
+def check_nnodes(nnodes: object, available: int, path: Path | str) -> int:
+    if isinstance(nnodes, str):
+        try:
+            nnodes = int(nnodes)
+        except ValueError:
+            raise ClusterError(f"NNODES={nnodes!r} is not a whole number") from None
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool):
+        raise ClusterError(f"NNODES={nnodes!r} is not a whole number")
+    if nnodes < 1:
+        raise ClusterError(f"NNODES={nnodes} is below 1", hint="NNODES=1 or more")
+    if nnodes > available:
+        raise ClusterError(
+            f"NNODES={nnodes} but inventory {path} lists {available} host(s)",
+            hint=f"NNODES={available} or add hosts to the inventory",
+        )
+    return nnodes
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys; a duplicated host name must be an error."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # let SafeLoader report an unhashable key itself
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first_line, line):
+        super().__init__(key)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+def load(path: str | os.PathLike | None) -> Inventory:
+    """Read and validate an inventory file. Raises ClusterError on the first problem."""
+    if path is None or str(path).strip() == "":
+        raise ClusterError(
+            "no inventory given",
+            hint="INVENTORY=path/to/inventory.yml (see inventory.example.yml), or "
+            "'make sim-up' and INVENTORY=.sim/inventory.yml for the simulated cluster",
+        )
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ClusterError(
+            f"inventory {path} does not exist", hint="a path to an existing file"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ClusterError(f"inventory {path} cannot be read: {exc}") from None
+    return parse(text, path)
+
+
+def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
+    path = Path(path)
+    where = f"inventory {path}"
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except _DuplicateKey as dup:
+        raise ClusterError(
+            f"{where}: line {dup.line}: duplicate key {dup.key!r} (first on line {dup.first_line})",
+            hint="giving each host a unique name",
+        ) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ClusterError(f"{where} is not valid YAML{at}: {problem}") from None
+
+    if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
+        raise ClusterError(
+            f"{where}: the top level must be a mapping with an 'all' key",
+            hint="the layout of inventory.example.yml",
+        )
+    top = data["all"]
+    cluster_vars = _mapping(top.get("vars"), f"{where}: all.vars")
+    children = _mapping(top.get("children"), f"{where}: all.children")
+    group = children.get(NODES_GROUP)
+    if (
+        not isinstance(group, dict)
+        or not isinstance(group.get("hosts"), dict)
+        or not group["hosts"]
+    ):
+        raise ClusterError(
+            f"{where}: no hosts under all.children.{NODES_GROUP}.hosts",
+            hint="listing the nodes as in inventory.example.yml",
+        )
+    group_vars = _mapping(group.get("vars"), f"{where}: all.children.{NODES_GROUP}.vars")
+    merged = {**cluster_vars, **group_vars}
+
+    for field in REQUIRED_CLUSTER_FIELDS:
+        if merged.get(field) in (None, ""):
+            raise ClusterError(f"{where}: cluster field '{field}' is missing (set it in all.vars)")
+    subnet = _subnet(merged["compute_subnet"], where)
+    port = _port(merged.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT), f"{where}: cluster")
+    known_hosts = _optional_path(merged.get("ssh_known_hosts_file"))
+
+    hosts: list[Host] = []
+    names: dict[str, str] = {}
+    ips: dict[object, str] = {}
+    ssh_targets: dict[tuple[str, int], str] = {}
+    for name, own in group["hosts"].items():
+        name = str(name)
+        host_where = f"{where}: host '{name}'"
+        if not _LABEL.match(name):
+            raise ClusterError(
+                f"{host_where}: name is not a valid RFC 1123 hostname label "
+                "(letters, digits and '-', 1-63 characters, no '-' at either end)"
+            )
+        if name.lower() in names:
+            raise ClusterError(
+                f"{host_where}: name duplicates host '{names[name.lower()]}' "
+                "(hostnames are case-insensitive)"
+            )
+        names[name.lower()] = name
+        values = {**merged, **_mapping(own, host_where)}
+        for field in REQUIRED_HOST_FIELDS:
+            if values.get(field) in (None, ""):
+                raise ClusterError(f"{host_where}: field '{field}' is missing")
+        host = _host(name, values, subnet, host_where)
+        if host.compute_ip in ips:
+            raise ClusterError(
+                f"{host_where}: field 'compute_ip': {host.compute_ip} is already used by "
+                f"host '{ips[host.compute_ip]}'"
+            )
+        ips[host.compute_ip] = name
+        target = (host.ssh_address, host.ssh_port)
+        if target in ssh_targets:
+            raise ClusterError(
+                f"{host_where}: field 'ansible_host': {host.ssh_address}:{host.ssh_port} is "
+                f"already used by host '{ssh_targets[target]}'"
+            )
+        ssh_targets[target] = name
+        hosts.append(host)
+    return Inventory(path, tuple(hosts), subnet, port, known_hosts)
+
+
+def _mapping(value, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ClusterError(f"{where} must be a mapping, not {type(value).__name__}")
+    return value
+
+
+def _subnet(value, where: str) -> ipaddress.IPv4Network:
+    try:
+        return ipaddress.IPv4Network(str(value), strict=True)
+    except ValueError as exc:
+        raise ClusterError(
+            f"{where}: cluster field 'compute_subnet': {value!r} is not an IPv4 network ({exc})",
+            hint="a form like 192.168.1.0/24",
+        ) from None
+
+
+def _port(value, where: str, field: str = "rendezvous_port") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ClusterError(f"{where}: field '{field}': {value!r} is not a port number (1-65535)")
+    return value
+
+
+def _optional_path(value) -> Path | None:
+    if value in (None, ""):
+        return None
+    return Path(os.path.expanduser(str(value)))
+
+
+def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) -> Host:
+    try:
+        compute_ip = ipaddress.IPv4Address(str(values["compute_ip"]))
+    except ValueError:
+        raise ClusterError(
+            f"{where}: field 'compute_ip': {values['compute_ip']!r} is not an IPv4 address"
+        ) from None
+    if compute_ip not in subnet:
+        raise ClusterError(
+            f"{where}: field 'compute_ip': {compute_ip} is outside compute_subnet {subnet}",
+            hint="an address inside the subnet, or correct compute_subnet",
+        )
+    interface = values["compute_interface"]
+    if not isinstance(interface, str) or not _IFNAME.match(interface):
+        raise ClusterError(
+            f"{where}: field 'compute_interface': {interface!r} is not a network interface name"
+        )
+    gpus = values["gpus"]
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise ClusterError(f"{where}: field 'gpus': {gpus!r} is not a whole number >= 0")
+    address = values["ansible_host"]
+    if not isinstance(address, str) or not address.strip() or any(c.isspace() for c in address):
+        raise ClusterError(f"{where}: field 'ansible_host': {address!r} is not a host address")
+    user = values.get("ansible_user")
+    if user is not None and (not isinstance(user, str) or not user.strip()):
+        raise ClusterError(f"{where}: field 'ansible_user': {user!r} is not a user name")
+    python = values.get("training_python", "python3")
+    if not isinstance(python, str) or not python.strip() or any(c.isspace() for c in python):
+        raise ClusterError(f"{where}: field 'training_python': {python!r} is not a program path")
+    return Host(
+        name=name,
+        ssh_address=address,
+        ssh_port=_port(values.get("ansible_port", 22), where, "ansible_port"),
+        ssh_user=user,
+        ssh_key=_optional_path(values.get("ansible_ssh_private_key_file")),
+        compute_ip=compute_ip,
+        compute_interface=interface,
+        gpus=gpus,
+        python=python,
+    )

@@ -1,0 +1,153 @@
+"""Every SSH connection the project makes goes through here.
+
+Fabric's default accepts any unknown host key (AutoAddPolicy). We never do: the key must
+already be in the known_hosts file the inventory names (or ~/.ssh/known_hosts), otherwise the
+connection is refused with a message that says how to add it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import paramiko
+from fabric import Connection
+
+from cluster.errors import ClusterError
+from cluster.inventory import Host, Inventory
+
+T = TypeVar("T")
+DEFAULT_CONNECT_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Result:
+    host: str
+    command: str
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Remote:
+    """One node reached over SSH, in batch mode: keys only, host key verified."""
+
+    def __init__(
+        self,
+        host: Host,
+        known_hosts: Path | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    ):
+        self.host = host
+        self.known_hosts = known_hosts or Path.home() / ".ssh" / "known_hosts"
+        self.connect_timeout = connect_timeout
+        self._connection: Connection | None = None
+
+    @classmethod
+    def for_inventory(cls, inventory: Inventory, host: Host, **kwargs) -> Remote:
+        return cls(host, known_hosts=inventory.known_hosts, **kwargs)
+
+    @property
+    def connection(self) -> Connection:
+        if self._connection is None:
+            self._connection = self._connect()
+        return self._connection
+
+    def _connect(self) -> Connection:
+        connect_kwargs = {
+            "allow_agent": False,
+            "look_for_keys": self.host.ssh_key is None,
+            "banner_timeout": self.connect_timeout,
+            "auth_timeout": self.connect_timeout,
+        }
+        if self.host.ssh_key is not None:
+            connect_kwargs["key_filename"] = str(self.host.ssh_key)
+        connection = Connection(
+            self.host.ssh_address,
+            user=self.host.ssh_user,
+            port=self.host.ssh_port,
+            connect_timeout=self.connect_timeout,
+            connect_kwargs=connect_kwargs,
+        )
+        client = connection.client
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        if self.known_hosts.exists():
+            client.load_host_keys(str(self.known_hosts))
+        try:
+            connection.open()
+        except paramiko.SSHException as exc:
+            if "not found in known_hosts" in str(exc):
+                raise ClusterError(
+                    f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not "
+                    f"in {self.known_hosts}",
+                    hint=f"ssh-keyscan -H {self.host.ssh_address} >> {self.known_hosts} after "
+                    "checking the fingerprint",
+                    exit_code=1,
+                ) from None
+            raise self._unreachable(exc) from None
+        except (TimeoutError, OSError, EOFError) as exc:
+            raise self._unreachable(exc) from None
+        return connection
+
+    def _unreachable(self, exc: BaseException) -> ClusterError:
+        reason = str(exc) or type(exc).__name__
+        return ClusterError(
+            f"host '{self.host.name}': cannot SSH to "
+            f"{self.host.ssh_user + '@' if self.host.ssh_user else ''}"
+            f"{self.host.ssh_address}:{self.host.ssh_port}: {reason}",
+            hint="checking that the node is up and its key is authorized",
+            exit_code=1,
+        )
+
+    def run(self, command: str, timeout: float | None = 60, check: bool = False) -> Result:
+        """Run a shell command; output is captured, never echoed."""
+        try:
+            out = self.connection.run(
+                command, hide=True, warn=True, timeout=timeout, in_stream=False
+            )
+        except ClusterError:
+            raise
+        except Exception as exc:  # invoke wraps timeouts and channel errors in its own types
+            raise ClusterError(
+                f"host '{self.host.name}': command {command!r} did not finish: "
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
+                exit_code=1,
+            ) from None
+        result = Result(self.host.name, command, out.exited, out.stdout, out.stderr)
+        if check and not result.ok:
+            last = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or [""]
+            raise ClusterError(
+                f"host '{self.host.name}': {command!r} exited {result.exit_code}: {last[0]}",
+                exit_code=1,
+            )
+        return result
+
+    def put(self, local: str | Path, remote: str) -> None:
+        self.connection.put(str(local), remote)
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def __enter__(self) -> Remote:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def on_all(hosts: tuple[Host, ...] | list[Host], work: Callable[[Host], T]) -> dict[str, T]:
+    """Run `work(host)` for every host in parallel; results keyed by host name, in host order."""
+    if not hosts:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+        futures = {host.name: pool.submit(work, host) for host in hosts}
+        return {name: future.result() for name, future in futures.items()}

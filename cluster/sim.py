@@ -1,0 +1,486 @@
+"""The simulated cluster: node containers on a private bridge network, reached over real SSH.
+
+Each node is a plain Debian host: sshd with key authentication, its own host keys, NET_ADMIN
+for ufw and tc, the capabilities a Docker engine of its own needs, and the controller's Python
+environment mounted read-only at the same paths (the way a lab shares /opt over NFS). Nothing
+that provisioning does is done here: no SSH mesh, no /etc/hosts entries, no firewall.
+
+Everything a cluster creates carries the label `torch-multinode.sim=<name>`, so `down` finds
+and removes all of it even when the state directory is gone.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from cluster.errors import ClusterError
+from cluster.inventory import Inventory, load
+from cluster.remote import Remote
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SIM_NODE_CONTEXT = REPO_ROOT / "docker" / "sim-node"
+BASE_IMAGE = "torch-multinode/sim-base:bookworm"
+NODE_IMAGE = "torch-multinode/sim-node:latest"
+LABEL = "torch-multinode.sim"
+DEFAULT_NAME = "tmn"
+DEFAULT_SUBNET = "172.29.77.0/24"
+DEFAULT_MGMT_SUBNET = "172.30.77.0/24"
+MGMT_INTERFACE = "eth0"  # SSH from the controller, like a lab's management LAN
+COMPUTE_INTERFACE = "eth1"  # training traffic, the inventory's compute_ip
+MAX_NODES = 4
+FIRST_HOST_OFFSET = 11  # nodes get .11, .12, ... so the gateway (.1) is never confused with one
+BASE_PACKAGES = (
+    "python3", "openssh-server", "iproute2", "iputils-ping", "procps", "sudo",
+    "ca-certificates", "less", "iptables",
+)  # fmt: skip
+PACKAGE_DIRS = ("cluster", "training", "netcheck")
+_LINK_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    name: str = DEFAULT_NAME
+    subnet: str = DEFAULT_SUBNET
+    state_dir: Path = REPO_ROOT / ".sim"
+    mgmt_subnet: str = DEFAULT_MGMT_SUBNET
+
+    @property
+    def network(self) -> str:
+        return f"{self.name}-net"
+
+    @property
+    def mgmt_network(self) -> str:
+        return f"{self.name}-mgmt"
+
+    def container(self, index: int) -> str:
+        return f"{self.name}-node{index}"
+
+    def volume(self, index: int) -> str:
+        return f"{self.name}-node{index}-docker"
+
+    def node_ip(self, index: int) -> str:
+        """The node's compute address."""
+        net = ipaddress.IPv4Network(self.subnet)
+        return str(net.network_address + FIRST_HOST_OFFSET + index - 1)
+
+    def mgmt_ip(self, index: int) -> str:
+        """The node's management address, where the controller's SSH reaches it."""
+        net = ipaddress.IPv4Network(self.mgmt_subnet)
+        return str(net.network_address + FIRST_HOST_OFFSET + index - 1)
+
+    @property
+    def inventory_path(self) -> Path:
+        return self.state_dir / "inventory.yml"
+
+    @property
+    def key_path(self) -> Path:
+        return self.state_dir / "id_ed25519"
+
+    @property
+    def known_hosts_path(self) -> Path:
+        return self.state_dir / "known_hosts"
+
+
+@dataclass
+class SimCluster:
+    config: SimConfig
+    nodes: list[str]
+    link: str | None
+    reused: bool
+    seconds: float = 0.0
+    inventory: Inventory | None = field(default=None, repr=False)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def docker(
+    *args: str, check: bool = True, timeout: float | None = 600
+) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(
+            ["docker", *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except FileNotFoundError:
+        raise ClusterError(
+            "the docker command is not installed", hint="apt-get install docker.io", exit_code=1
+        ) from None
+    if check and proc.returncode != 0:
+        detail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        raise ClusterError(
+            f"docker {args[0]} failed: {detail[-1] if detail else f'exit {proc.returncode}'}",
+            exit_code=1,
+        )
+    return proc
+
+
+def engine_available() -> tuple[bool, str]:
+    """Whether a Docker engine answers, and if not, why (for skip reasons and errors)."""
+    if shutil.which("docker") is None:
+        return False, "the docker client is not installed"
+    proc = subprocess.run(
+        ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
+        timeout=30, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        return False, "no Docker engine answers (start dockerd)"
+    return True, proc.stdout.strip()
+
+
+def require_engine() -> None:
+    ok, why = engine_available()
+    if not ok:
+        raise ClusterError(
+            why, hint="'apt-get install -y docker.io' and start dockerd (see README)", exit_code=1
+        )
+
+
+def _image_exists(image: str) -> bool:
+    return docker("image", "inspect", image, check=False).returncode == 0
+
+
+def debian_mirror(sources_dir: Path = Path("/etc/apt")) -> tuple[str, str]:
+    """The (mirror URI, suite) this machine's apt already uses: no mirror is hard-coded."""
+    candidates: list[tuple[str, str]] = []
+    for path in sorted(sources_dir.glob("sources.list.d/*.sources")):
+        for stanza in path.read_text().split("\n\n"):
+            fields = {}
+            for line in stanza.splitlines():
+                if ":" in line and not line.lstrip().startswith("#"):
+                    key, value = line.split(":", 1)
+                    fields[key.strip().lower()] = value.split()
+            for uri in fields.get("uris", []):
+                for suite in fields.get("suites", []):
+                    candidates.append((uri, suite))
+    legacy = sources_dir / "sources.list"
+    if legacy.exists():
+        for line in legacy.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "deb":
+                uri_index = 2 if parts[1].startswith("[") else 1
+                candidates.append((parts[uri_index], parts[uri_index + 1]))
+    for uri, suite in candidates:
+        if uri.startswith("http") and "security" not in uri and "-" not in suite:
+            return uri, suite
+    raise ClusterError(
+        f"no Debian mirror found in {sources_dir}/sources.list(.d)",
+        hint="running on a Debian machine whose apt sources name a mirror",
+        exit_code=1,
+    )
+
+
+def build_images(progress: Progress = _quiet, rebuild_base: bool = False) -> None:
+    """The base from Debian's packages once (about 30 s), then the node image (cached layers)."""
+    require_engine()
+    if rebuild_base or not _image_exists(BASE_IMAGE):
+        if shutil.which("mmdebstrap") is None:
+            raise ClusterError(
+                "mmdebstrap is needed to make the base image",
+                hint="apt-get install -y mmdebstrap",
+                exit_code=1,
+            )
+        mirror, suite = debian_mirror()
+        progress(f"Making the node base image from Debian {suite} packages (once, ~30 s)...")
+        with tempfile.TemporaryDirectory(prefix="sim-base-") as tmp:
+            tarball = Path(tmp) / "base.tar"
+            proc = subprocess.run(
+                ["mmdebstrap", "--variant=apt", f"--include={','.join(BASE_PACKAGES)}",
+                 suite, str(tarball), mirror],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+                raise ClusterError(f"mmdebstrap failed: {tail[0]}", exit_code=1)
+            docker("import", str(tarball), BASE_IMAGE)
+    progress("Building the node image (cached after the first time)...")
+    docker("build", "--quiet", "--build-arg", f"BASE={BASE_IMAGE}", "-t", NODE_IMAGE,
+           str(SIM_NODE_CONTEXT))  # fmt: skip
+
+
+def python_mounts() -> list[str]:
+    """Bind mounts giving a node this controller's Python environment at the same paths.
+
+    A venv is not relocatable (its interpreter link and script shebangs are absolute), so the
+    venv, its base interpreter and the project's package directories (the editable install
+    points at them) appear in the node exactly where they are here, read-only. The repository
+    itself is not mounted: the simulator's private key lives in it.
+    """
+    paths = [Path(sys.prefix)]
+    base = Path(sys.base_prefix)
+    if str(base) not in ("/", "/usr", "/usr/local"):
+        paths.append(base)
+    paths += [REPO_ROOT / name for name in PACKAGE_DIRS]
+    mounts = []
+    for path in paths:
+        mounts += ["-v", f"{path}:{path}:ro"]
+    return mounts
+
+
+def _labelled(kind: str, name: str) -> list[str]:
+    args = ["ls", "-q"] if kind != "container" else ["ps", "-aq"]
+    proc = docker(kind, *args, "--filter", f"label={LABEL}={name}")
+    return [line for line in proc.stdout.split() if line]
+
+
+def _existing_nodes(config: SimConfig) -> dict[int, dict]:
+    """Index -> docker inspect data of this cluster's node containers."""
+    ids = _labelled("container", config.name)
+    if not ids:
+        return {}
+    data = json.loads(docker("inspect", *ids).stdout)
+    nodes = {}
+    for item in data:
+        index = int(item["Config"]["Labels"].get(f"{LABEL}.index", "0"))
+        nodes[index] = item
+    return nodes
+
+
+def _ensure_key(config: SimConfig) -> str:
+    """The controller's key pair for this cluster; returns the public key line."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    public = config.key_path.with_suffix(".pub")
+    if not config.key_path.exists() or not public.exists():
+        key = Ed25519PrivateKey.generate()
+        private_bytes = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        )
+        public_bytes = key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        config.key_path.touch(mode=0o600, exist_ok=True)
+        config.key_path.chmod(0o600)
+        config.key_path.write_bytes(private_bytes)
+        public.write_text(public_bytes.decode() + f" torch-multinode-sim-{config.name}\n")
+    return public.read_text().strip()
+
+
+def _start_node(config: SimConfig, index: int, public_key: str) -> None:
+    container, volume = config.container(index), config.volume(index)
+    docker("volume", "create", "--label", f"{LABEL}={config.name}", volume)
+    docker(
+        "run", "-d", "--name", container, "--hostname", f"debian-{index}",
+        "--network", config.mgmt_network, "--ip", config.mgmt_ip(index),
+        "--label", f"{LABEL}={config.name}", "--label", f"{LABEL}.index={index}",
+        "--init",
+        # What a Docker engine inside the node needs (--privileged is refused on this kernel).
+        "--cap-add", "ALL", "--cap-drop", "SYS_RESOURCE",
+        "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
+        "--cgroupns", "private", "-v", f"{volume}:/var/lib/docker",
+        "-e", f"SIM_AUTHORIZED_KEY={public_key}",
+        *python_mounts(),
+        NODE_IMAGE,
+    )  # fmt: skip
+    # Connected after start so that it is always eth1, whatever docker's ordering of networks.
+    docker("network", "connect", "--ip", config.node_ip(index), config.network, container)
+
+
+def _host_key(container: str, deadline: float) -> str:
+    while True:
+        proc = docker("exec", container, "cat", "/etc/ssh/ssh_host_ed25519_key.pub", check=False)
+        if proc.returncode == 0 and proc.stdout.strip():
+            kind, key = proc.stdout.split()[:2]
+            return f"{kind} {key}"
+        if time.monotonic() > deadline:
+            raise ClusterError(f"node {container} made no SSH host key in time", exit_code=1)
+        time.sleep(0.2)
+
+
+def shape_link(container: str, link: str | None) -> None:
+    """Rate-limit the node's link like a 1 GbE port, or remove the limit when link is None."""
+    if link is None:
+        docker("exec", container, "tc", "qdisc", "del", "dev", COMPUTE_INTERFACE, "root",
+               check=False)  # fmt: skip
+        return
+    docker("exec", container, "tc", "qdisc", "replace", "dev", COMPUTE_INTERFACE, "root", "tbf",
+           "rate", link, "burst", "128kb", "latency", "20ms")  # fmt: skip
+
+
+def write_inventory(config: SimConfig, count: int) -> Path:
+    hosts = {
+        f"node{i}": {
+            "ansible_host": config.mgmt_ip(i),
+            "compute_ip": config.node_ip(i),
+            "compute_interface": COMPUTE_INTERFACE,
+            "gpus": 0,
+            "sim_container": config.container(i),
+        }
+        for i in range(1, count + 1)
+    }
+    document = {
+        "all": {
+            "vars": {
+                "compute_subnet": config.subnet,
+                "rendezvous_port": 29500,
+                "ansible_user": "root",
+                "ansible_ssh_private_key_file": str(config.key_path.resolve()),
+                "ssh_known_hosts_file": str(config.known_hosts_path.resolve()),
+                "ansible_ssh_common_args": (
+                    f"-o UserKnownHostsFile={config.known_hosts_path.resolve()} "
+                    "-o StrictHostKeyChecking=yes"
+                ),
+                "ansible_python_interpreter": "/usr/bin/python3",
+                # The controller's venv, mounted read-only at the same path on every node.
+                "training_python": str(Path(sys.prefix) / "bin" / "python"),
+                # The nodes do not own their network: docker assigns their addresses.
+                "netplan_enabled": False,
+                "sim_cluster": config.name,
+            },
+            "children": {"nodes": {"hosts": hosts}},
+        }
+    }
+    header = (
+        f"# Simulated cluster '{config.name}', written by 'cluster sim up'. Regenerated on every\n"
+        "# sim-up: edit a copy, not this file.\n"
+    )
+    config.inventory_path.write_text(header + yaml.safe_dump(document, sort_keys=False))
+    return config.inventory_path
+
+
+def up(
+    nnodes: int,
+    link: str | None = None,
+    config: SimConfig | None = None,
+    progress: Progress = _quiet,
+    ssh_timeout: float = 60.0,
+) -> SimCluster:
+    """Start (or reuse) an `nnodes`-node cluster; returns once every node answers over SSH."""
+    config = config or SimConfig()
+    started = time.monotonic()
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
+        raise ClusterError(
+            f"the simulated cluster takes 1 to {MAX_NODES} nodes, not {nnodes!r}",
+            hint="NNODES=2",
+        )
+    if link is not None and not _LINK_RATE.match(link):
+        raise ClusterError(f"LINK={link!r} is not a rate tc understands", hint="LINK=1gbit")
+    nets = []
+    for subnet in (config.subnet, config.mgmt_subnet):
+        try:
+            nets.append(ipaddress.IPv4Network(subnet))
+        except ValueError:
+            raise ClusterError(f"simulator subnet {subnet!r} is not an IPv4 network") from None
+        if nets[-1].num_addresses < FIRST_HOST_OFFSET + MAX_NODES + 1:
+            raise ClusterError(f"simulator subnet {subnet} is too small", hint="a /24")
+    if nets[0].overlaps(nets[1]):
+        raise ClusterError(f"simulator subnets {config.subnet} and {config.mgmt_subnet} overlap")
+    require_engine()
+
+    existing = _existing_nodes(config)
+    if existing and sorted(existing) != list(range(1, nnodes + 1)):
+        raise ClusterError(
+            f"simulated cluster '{config.name}' already has {len(existing)} node(s)",
+            hint=f"'make sim-down' first, or NNODES={len(existing)}",
+        )
+    build_images(progress)
+    public_key = _ensure_key(config)
+    reused = bool(existing)
+    if not reused:
+        existing_networks = set(
+            docker("network", "ls", "--format", "{{.Name}}",
+                   "--filter", f"label={LABEL}={config.name}").stdout.split()
+        )  # fmt: skip
+        for network, subnet in ((config.mgmt_network, config.mgmt_subnet),
+                                (config.network, config.subnet)):  # fmt: skip
+            if network not in existing_networks:
+                docker("network", "create", "--driver", "bridge", "--subnet", subnet,
+                       "--label", f"{LABEL}={config.name}", network)  # fmt: skip
+        for index in range(1, nnodes + 1):
+            progress(f"Starting {config.container(index)}: ssh {config.mgmt_ip(index)}, "
+                     f"compute {config.node_ip(index)} ({COMPUTE_INTERFACE})...")  # fmt: skip
+            _start_node(config, index, public_key)
+    else:
+        progress(f"Reusing the {nnodes} running node(s) of '{config.name}'.")
+        for index, item in existing.items():
+            if not item["State"]["Running"]:
+                docker("start", config.container(index))
+
+    deadline = time.monotonic() + ssh_timeout
+    known = [
+        f"{config.mgmt_ip(i)} {_host_key(config.container(i), deadline)}"
+        for i in range(1, nnodes + 1)
+    ]
+    config.known_hosts_path.write_text("\n".join(known) + "\n")
+    for index in range(1, nnodes + 1):
+        shape_link(config.container(index), link)
+    inventory = load(write_inventory(config, nnodes))
+    for host in inventory.hosts:
+        _wait_for_ssh(Remote.for_inventory(inventory, host), deadline)
+    return SimCluster(
+        config,
+        [h.name for h in inventory.hosts],
+        link,
+        reused,
+        time.monotonic() - started,
+        inventory,
+    )
+
+
+def _wait_for_ssh(remote: Remote, deadline: float) -> None:
+    while True:
+        try:
+            remote.run("true", timeout=10, check=True)
+            remote.close()
+            return
+        except ClusterError as exc:
+            remote.close()
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"node {remote.host.name} did not answer over SSH in time: {exc}", exit_code=1
+                ) from None
+            time.sleep(0.5)
+
+
+@dataclass
+class Removed:
+    containers: int
+    networks: int
+    volumes: int
+
+
+def down(config: SimConfig | None = None, progress: Progress = _quiet) -> Removed:
+    """Remove every container, network and volume of the cluster, and its generated files."""
+    config = config or SimConfig()
+    require_engine()
+    containers = _labelled("container", config.name)
+    if containers:
+        progress(f"Removing {len(containers)} node container(s)...")
+        docker("rm", "-f", "-v", *containers)
+    networks = _labelled("network", config.name)
+    if networks:
+        docker("network", "rm", *networks)
+    volumes = _labelled("volume", config.name)
+    if volumes:
+        docker("volume", "rm", "-f", *volumes)
+    for path in (config.inventory_path, config.known_hosts_path):
+        path.unlink(missing_ok=True)
+    return Removed(len(containers), len(networks), len(volumes))
+
+
+def status(config: SimConfig | None = None) -> list[tuple[str, str, bool]]:
+    """(container, ip, running) for each node of the cluster."""
+    config = config or SimConfig()
+    require_engine()
+    return [
+        (config.container(i), config.mgmt_ip(i), bool(item["State"]["Running"]))
+        for i, item in sorted(_existing_nodes(config).items())
+    ]

@@ -1,0 +1,90 @@
+"""Shared fixtures: the simulated cluster, started by the tests themselves.
+
+In CI (CI=true) the simulated cluster is required: a missing Docker engine fails the run.
+Elsewhere, tests marked `sim` skip with the reason when no engine answers.
+
+Every cluster a test run starts gets its own name and /24 subnet, so several test runs (or a
+developer's own `make sim-up` cluster) never share containers. SIM_TEST_PREFIX and
+SIM_TEST_OCTET move a whole run elsewhere when two runs must go on side by side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import sim
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+_PREFIX = os.environ.get("SIM_TEST_PREFIX", "tmntest")
+_OCTETS = itertools.count(int(os.environ.get("SIM_TEST_OCTET", "80")))
+
+
+def pytest_collection_modifyitems(config, items):
+    # In CI nothing is skipped: the sim_factory fixture fails the run instead.
+    ok, why = sim.engine_available()
+    if ok or os.environ.get("CI"):
+        return
+    skip = pytest.mark.skip(reason=f"simulated cluster unavailable: {why}")
+    for item in items:
+        if "sim" in item.keywords:
+            item.add_marker(skip)
+
+
+class SimFactory:
+    """Starts clusters on demand, each with its own name and subnet; removes them all at exit."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.started: list[sim.SimConfig] = []
+
+    def config(self) -> sim.SimConfig:
+        octet = next(_OCTETS)
+        name = f"{_PREFIX}{octet}"
+        return sim.SimConfig(name, f"172.29.{octet}.0/24", self.root / name, f"172.30.{octet}.0/24")
+
+    def up(self, nnodes: int, link: str | None = None) -> sim.SimCluster:
+        config = self.config()
+        self.started.append(config)
+        return sim.up(nnodes, link, config)
+
+    def down(self, cluster: sim.SimCluster) -> sim.Removed:
+        self.started.remove(cluster.config)
+        return sim.down(cluster.config)
+
+    def close(self) -> None:
+        for config in self.started:
+            sim.down(config)
+        self.started.clear()
+
+
+@pytest.fixture(scope="session")
+def sim_factory(tmp_path_factory):
+    ok, why = sim.engine_available()
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI requires the simulated cluster, but {why}", pytrace=False)
+        pytest.skip(f"simulated cluster unavailable: {why}")
+    factory = SimFactory(tmp_path_factory.mktemp("sim"))
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="session")
+def sim2(sim_factory):
+    """A plain 2-node cluster shared by tests that leave the nodes as they found them."""
+    return sim_factory.up(2)
+
+
+def run_cli(*args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+    """Run one of the project's console scripts from the venv, as a user would."""
+    command = [str(VENV_BIN / args[0]), *args[1:]]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
+    )
