@@ -1,0 +1,203 @@
+"""The launcher: commands it generates, and jobs on the simulated cluster that succeed, fail,
+lose a node or are interrupted, leaving no process or bound port behind."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import sim
+from cluster.inventory import load, parse
+from cluster.remote import Remote, on_all
+from tests.conftest import VENV_BIN, run_cli
+from training import launcher
+
+SCRIPTS = Path(__file__).parent / "launcher_scripts"
+
+INVENTORY = """\
+all:
+  vars: {compute_subnet: 10.7.0.0/24, rendezvous_port: 29400, training_python: /opt/venv/bin/python}
+  children:
+    nodes:
+      hosts:
+        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.9, compute_interface: eth1, gpus: 2}
+        n2: {ansible_host: 10.1.0.2, compute_ip: 10.7.0.10, compute_interface: ens5, gpus: 0}
+"""
+
+
+def test_torchrun_command_binds_rendezvous_to_the_compute_ip():
+    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
+    n1, n2 = inventory.hosts
+    spec = launcher.JobSpec(module="training.ddp", args=("--epochs", "1"), run_id="tmn-x")
+    command = launcher.torchrun_command(n2, n1, 2, spec, 29400, ["-m", "training.ddp"])
+    assert command == [
+        "/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes=2",
+        "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=10.7.0.9:29400",
+        "--rdzv-id=tmn-x", "--rdzv-conf=join_timeout=60,is_host=false",
+        "--local-addr=10.7.0.10", "--max-restarts=0", "--monitor-interval=1",
+        "-m", "training.ddp", "--epochs", "1",
+    ]  # fmt: skip
+    master = launcher.torchrun_command(n1, n1, 2, spec, 29400, ["-m", "training.ddp"])
+    assert "--nproc-per-node=2" in master and "--rdzv-conf=join_timeout=60,is_host=true" in master
+
+
+def test_remote_command_sets_interfaces_and_the_run_marker():
+    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
+    n1, n2 = inventory.hosts
+    envs = launcher.interface_env(inventory, inventory.hosts)
+    assert envs["n2"] == {"GLOO_SOCKET_IFNAME": "ens5", "NCCL_SOCKET_IFNAME": "=ens5"}
+    spec = launcher.JobSpec(script=Path("/home/me/my train.py"), run_id="tmn-y")
+    command = launcher.remote_command(n2, n1, 2, spec, 29400, envs["n2"])
+    words = shlex.split(command)
+    assert words[:5] == ["mkdir", "-p", "/tmp/torch-multinode/runs/tmn-y", "&&", "cd"]
+    assert "TMN_RUN_ID=tmn-y" in words and "NCCL_SOCKET_IFNAME==ens5" in words
+    assert words[-1] == "/tmp/torch-multinode/runs/tmn-y/my train.py"
+
+
+def test_netcheck_findings_override_the_inventory(tmp_path):
+    path = tmp_path / "inv.yml"
+    path.write_text(INVENTORY)
+    (tmp_path / launcher.NETCHECK_ENV_FILE).write_text(
+        json.dumps({"nodes": {"n1": {"GLOO_SOCKET_IFNAME": "bond0", "NCCL_SOCKET_IFNAME": "=bond0",
+                                     "NCCL_IB_DISABLE": "1"}}, "written_at": "now"})
+    )  # fmt: skip
+    inventory = load(path)
+    envs = launcher.interface_env(inventory, inventory.hosts)
+    assert envs["n1"]["NCCL_SOCKET_IFNAME"] == "=bond0" and envs["n1"]["NCCL_IB_DISABLE"] == "1"
+    assert envs["n2"]["GLOO_SOCKET_IFNAME"] == "ens5"
+
+
+def test_rank_order_warning_names_the_real_order():
+    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
+    assert launcher.rank_order_warning(inventory.hosts) == (
+        "note: c10d numbers nodes by compute IP, so node ranks follow n2 (10.7.0.10), "
+        "n1 (10.7.0.9); the rendezvous store stays on n1"
+    )
+    assert launcher.rank_order_warning(inventory.hosts[:1]) is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--script", "missing.py"], "Error: script missing.py does not exist (try a path to a .py file)"),
+        (["--nnodes", "2"], "Error: NNODES=2 needs an inventory (try INVENTORY=path.yml, or 'make "
+                            "sim-up' for a simulated cluster)"),
+        (["--nproc-per-node", "0"], "Error: --nproc-per-node=0 is below 1"),
+    ],
+)  # fmt: skip
+def test_bad_launch_arguments_are_one_line_errors(args, message):
+    proc = run_cli("train", *args)
+    assert (proc.returncode, proc.stderr) == (2, message + "\n")
+
+
+# --- On the simulated cluster -------------------------------------------------------------
+
+
+def _leftovers(inventory, run_id: str, hosts=None) -> dict[str, str]:
+    """Per node: processes still carrying the run's marker, and listeners on the rendezvous port."""
+    probe = (
+        f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self; "
+        f"ss -ltnH 'sport = :{inventory.rendezvous_port}'"
+    )
+
+    def look(host):
+        with Remote.for_inventory(inventory, host) as remote:
+            return remote.run(probe).stdout.strip()
+
+    return on_all(hosts or inventory.hosts, look)
+
+
+def _train(inventory_path, *args, timeout=240) -> subprocess.CompletedProcess:
+    return run_cli("train", "-i", str(inventory_path), *args, timeout=timeout)
+
+
+def _run_id(stdout: str) -> str:
+    return stdout.split("[launcher] job ", 1)[1].split(":", 1)[0]
+
+
+@pytest.mark.sim
+def test_tutorial_script_runs_unchanged_on_two_nodes(sim2):
+    proc = _train(sim2.config.inventory_path, "--nnodes", "2",
+                  "--script", str(SCRIPTS / "tutorial_ddp.py"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    ranks = sorted(line for line in lines if "identical on all ranks" in line)
+    assert len(ranks) == 2
+    assert ranks[0].startswith("[node1] rank 0/2 local 0 on debian-1")
+    assert ranks[1].startswith("[node2] rank 1/2 local 0 on debian-2")
+    assert ranks[0].split("checksum ")[1] == ranks[1].split("checksum ")[1]
+    assert "succeeded" in [line for line in lines if line.startswith("Job ")][0]
+    assert _leftovers(sim2.inventory, _run_id(proc.stdout)) == {"node1": "", "node2": ""}
+
+
+@pytest.mark.sim
+def test_a_failing_rank_stops_every_node_and_is_named(sim2):
+    proc = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "endless_allreduce.py"),
+                  "--", "5")  # fmt: skip
+    assert proc.returncode == 1
+    summary = proc.stdout[proc.stdout.index("\nJob ") + 1 :].splitlines()
+    assert summary[0].startswith(f"Job {_run_id(proc.stdout)} FAILED on node2 after ")
+    assert summary[1].split()[0] == "node1"  # stopped by us, or failed on its own first
+    assert summary[2].split()[:2] == ["node2", "exit"] and summary[2].split()[2] != "0"
+    assert summary[3] == "Last lines from node2:"
+    assert any("failing on purpose at step 5" in line for line in summary[4:])
+    assert _leftovers(sim2.inventory, _run_id(proc.stdout)) == {"node1": "", "node2": ""}
+
+
+def _start_endless(inventory_path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(VENV_BIN / "train"), "-i", str(inventory_path),
+         "--script", str(SCRIPTS / "endless_allreduce.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _wait_for(process: subprocess.Popen, text: str, limit: float = 120) -> list[str]:
+    seen, deadline = [], time.monotonic() + limit
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return seen
+    process.kill()
+    raise AssertionError(f"never saw {text!r}; output:\n{''.join(seen)}")
+
+
+@pytest.mark.sim
+def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
+    process = _start_endless(sim2.config.inventory_path)
+    seen = _wait_for(process, "rank 1 step 20")
+    run_id = _run_id("".join(seen))
+    killed_at = time.monotonic()
+    sim.docker("kill", sim2.config.container(2))
+    try:
+        rest, _ = process.communicate(timeout=60)
+        stopped_after = time.monotonic() - killed_at
+        assert process.returncode == 1
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop"
+        assert f"Job {run_id} FAILED on node2" in rest
+        survivor = sim2.inventory.hosts[:1]
+        assert _leftovers(sim2.inventory, run_id, survivor) == {"node1": ""}
+    finally:
+        sim.up(2, None, sim2.config)  # node2 back for the tests that follow
+
+
+@pytest.mark.sim
+def test_ctrl_c_stops_every_node(sim2):
+    process = _start_endless(sim2.config.inventory_path)
+    seen = _wait_for(process, "rank 1 step 10")
+    run_id = _run_id("".join(seen))
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=30)
+    assert process.returncode == 130
+    assert "[launcher] Ctrl-C: stopping the job on every node..." in rest
+    assert f"Job {run_id} interrupted" in rest
+    assert _leftovers(sim2.inventory, run_id) == {"node1": "", "node2": ""}

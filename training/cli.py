@@ -1,0 +1,116 @@
+"""`train`: run a job on the first NNODES nodes of the inventory, or locally without one.
+
+train                                   # the default job on this machine
+train -i cluster.yml --nnodes 2         # the default job (DDP ResNet) on two nodes
+train -i cluster.yml --script my_train.py -- --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+from cluster import inventory as inventory_module
+from cluster.errors import ClusterError
+from training import launcher
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train",
+        description="Launch a torchrun job on every node of the inventory over SSH, streaming "
+        "each node's output; if any node fails or Ctrl-C is pressed, the job is stopped on every "
+        "node. Without an inventory the job runs on this machine (torchrun --standalone).",
+        epilog="Arguments after '--' go to the script or module. Exit: 0 success, 1 the job "
+        "failed (the summary names the node), 2 bad input, 130 interrupted.",
+    )
+    parser.add_argument("-i", "--inventory", help="Ansible YAML inventory (default: run locally)")
+    parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
+        "--script", type=Path, help="your torchrun-compatible script; copied to every node"
+    )
+    what.add_argument(
+        "--module", default=launcher.DEFAULT_MODULE,
+        help="a module importable on the nodes (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=None,
+        help="processes per node (default: the node's GPU count, or 1 on a CPU node; 2 locally)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rendezvous-timeout", type=int, default=60,
+        help="seconds to wait for every node to join (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-restarts", type=int, default=0,
+        help="torchrun restarts after a failure (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+_print_lock = threading.Lock()
+
+
+def _emit(line: str) -> None:
+    with _print_lock:
+        print(line, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    extra = list(args.args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    if args.script is not None and not args.script.is_file():
+        raise ClusterError(f"script {args.script} does not exist", hint="a path to a .py file")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ClusterError(f"--nproc-per-node={args.nproc_per_node} is below 1")
+    spec = launcher.JobSpec(
+        script=args.script,
+        module=args.module,
+        args=tuple(extra),
+        nproc_per_node=args.nproc_per_node,
+        rendezvous_timeout=args.rendezvous_timeout,
+        max_restarts=args.max_restarts,
+    )
+    if not args.inventory:
+        if args.nnodes not in (None, "", "1"):
+            raise ClusterError(
+                f"NNODES={args.nnodes} needs an inventory",
+                hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
+            )
+        return launcher.run_local(spec, _emit)
+
+    inventory = inventory_module.load(args.inventory)
+    hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+    _emit(
+        f"[launcher] job {spec.run_id}: {len(hosts)} node(s), master {hosts[0].name} "
+        f"{hosts[0].compute_ip}:{inventory.rendezvous_port}, "
+        + ("script " + str(args.script) if args.script else f"module {spec.module}")
+    )
+    warning = launcher.rank_order_warning(hosts)
+    if warning:
+        _emit(f"[launcher] {warning}")
+    result = launcher.Launcher(inventory, hosts, spec, _emit).run()
+    for line in launcher.summary(result, hosts):
+        _emit(line)
+    return result.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except ClusterError as exc:
+        print(exc.line(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

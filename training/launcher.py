@@ -1,0 +1,461 @@
+"""Run a torchrun job on every node of the inventory, and never leave a mess behind.
+
+One SSH session per node runs torchrun (c10d rendezvous on the master's compute IP). Every
+process the job starts carries TMN_RUN_ID in its environment, so stopping a node means killing
+exactly the processes with that marker, even ones torchrun started in new sessions. The job is
+stopped everywhere as soon as one node fails, stops answering, or the user presses Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.errors import ClusterError
+from cluster.inventory import Host, Inventory
+from cluster.remote import Remote
+
+DEFAULT_MODULE = "training.ddp"
+REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
+NETCHECK_ENV_FILE = "netcheck-env.json"
+TAIL_LINES = 120
+EXCERPT_LINES = 12
+LIVENESS_INTERVAL = 2.0
+LIVENESS_FAILURES = 2
+STOP_GRACE = 3.0
+BLAME_GRACE = 3.0  # after a first failure, how long the others may take to report their own
+# What a rank says when a *peer* died: evidence against that peer, not against this node.
+_COLLATERAL = re.compile(
+    r"Connection closed by peer \[(?P<peer>[0-9.]+)\]|Connection reset by peer|Broken pipe"
+    r"|Connection refused|got signal: 15|SignalException"
+)
+
+Emit = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run, and how. The command is the same on every node; only the host differs."""
+
+    script: Path | None = None
+    module: str = DEFAULT_MODULE
+    args: tuple[str, ...] = ()
+    nproc_per_node: int | None = None
+    run_id: str = field(default_factory=lambda: f"tmn-{uuid.uuid4().hex[:10]}")
+    rendezvous_timeout: int = 60
+    max_restarts: int = 0
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class NodeOutcome:
+    host: str
+    exit_code: int | None = None
+    error: str | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.error is None
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    outcomes: dict[str, NodeOutcome]
+    failed_node: str | None
+    interrupted: bool
+    seconds: float
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return 130
+        return 0 if all(o.ok for o in self.outcomes.values()) else 1
+
+
+def nproc_for(host: Host, spec: JobSpec) -> int:
+    if spec.nproc_per_node is not None:
+        return spec.nproc_per_node
+    return host.gpus if host.gpus > 0 else 1
+
+
+def interface_env(inventory: Inventory, hosts: tuple[Host, ...]) -> dict[str, dict[str, str]]:
+    """Per node, the socket interface settings: netcheck's findings if it wrote them, else the
+    inventory's compute_interface. Exact-match form for NCCL so 'eth1' never also means 'eth10'."""
+    found: dict[str, dict[str, str]] = {}
+    env_file = inventory.path.parent / NETCHECK_ENV_FILE
+    if env_file.exists():
+        from netcheck.envfile import load as load_env
+
+        found = load_env(env_file)
+    settings = {}
+    for host in hosts:
+        settings[host.name] = found.get(host.name) or {
+            "GLOO_SOCKET_IFNAME": host.compute_interface,
+            "NCCL_SOCKET_IFNAME": f"={host.compute_interface}",
+        }
+    return settings
+
+
+def rank_order_warning(hosts: tuple[Host, ...]) -> str | None:
+    """c10d numbers nodes by the sorted string of their address: say so when that is not the
+    inventory's order, rather than let the user think rank 0 runs on the first host."""
+    by_address = sorted(hosts, key=lambda h: str(h.compute_ip))
+    if [h.name for h in by_address] == [h.name for h in hosts]:
+        return None
+    order = ", ".join(f"{h.name} ({h.compute_ip})" for h in by_address)
+    return (
+        f"note: c10d numbers nodes by compute IP, so node ranks follow {order}; the rendezvous "
+        f"store stays on {hosts[0].name}"
+    )
+
+
+def torchrun_command(
+    host: Host, master: Host, nnodes: int, spec: JobSpec, port: int, entry: list[str]
+) -> list[str]:
+    return [
+        host.python, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_for(host, spec)}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={master.compute_ip}:{port}",
+        f"--rdzv-id={spec.run_id}",
+        f"--rdzv-conf=join_timeout={spec.rendezvous_timeout},"
+        f"is_host={'true' if host.name == master.name else 'false'}",
+        # Bind the agent to the compute IP: a hostname may resolve to 127.0.1.1 on the node.
+        f"--local-addr={host.compute_ip}",
+        f"--max-restarts={spec.max_restarts}",
+        "--monitor-interval=1",
+        *entry,
+        *spec.args,
+    ]  # fmt: skip
+
+
+def remote_command(
+    host: Host, master: Host, nnodes: int, spec: JobSpec, port: int, env: dict[str, str]
+) -> str:
+    run_dir = f"{REMOTE_RUN_ROOT}/{spec.run_id}"
+    if spec.script is not None:
+        entry = [f"{run_dir}/{spec.script.name}"]
+    else:
+        entry = ["-m", spec.module]
+    variables = {
+        "TMN_RUN_ID": spec.run_id,
+        "PYTHONUNBUFFERED": "1",
+        "TMN_NODE_NAME": host.name,
+        **env,
+        **dict(spec.extra_env),
+    }
+    command = torchrun_command(host, master, nnodes, spec, port, entry)
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
+    return (
+        f"mkdir -p {shlex.quote(run_dir)} && cd {shlex.quote(run_dir)} && "
+        f"exec env {assignments} {shlex.join(command)}"
+    )
+
+
+def stop_command(run_id: str) -> str:
+    """Kill every process carrying the run's marker: TERM, a grace period, then KILL."""
+    marker = shlex.quote(f"TMN_RUN_ID={run_id}")
+    return (
+        "found() { grep -lsaF " + marker + " /proc/[0-9]*/environ 2>/dev/null "
+        "| cut -d/ -f3 | grep -vx $$; }; "
+        'pids=$(found); [ -z "$pids" ] && exit 0; kill -TERM $pids 2>/dev/null; '
+        f'for _ in $(seq {int(STOP_GRACE * 10)}); do pids=$(found); [ -z "$pids" ] && exit 0; '
+        "sleep 0.1; done; kill -KILL $pids 2>/dev/null; sleep 0.2; exit 0"
+    )
+
+
+class _LineWriter:
+    """A file-like that fabric writes remote output into; emits whole lines with a prefix."""
+
+    def __init__(self, prefix: str, emit: Emit, outcome: NodeOutcome):
+        self.prefix, self.emit, self.outcome = prefix, emit, outcome
+        self.buffer = ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text.replace("\r", "")
+        while "\n" in self.buffer:
+            line, self.buffer = self.buffer.split("\n", 1)
+            if line.strip():
+                self.outcome.tail.append(line)
+                self.emit(f"{self.prefix} {line}")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.write("\n")
+
+
+class Launcher:
+    def __init__(
+        self,
+        inventory: Inventory,
+        hosts: tuple[Host, ...],
+        spec: JobSpec,
+        emit: Emit = print,
+        connect_timeout: float = 5.0,
+    ):
+        self.inventory, self.hosts, self.spec, self.emit = inventory, hosts, spec, emit
+        self.connect_timeout = connect_timeout
+        self.outcomes = {h.name: NodeOutcome(h.name) for h in hosts}
+        self.done = threading.Event()
+        self.first_failure: str | None = None
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+        self._remotes: dict[str, Remote] = {}
+
+    def _remote(self, host: Host) -> Remote:
+        return Remote.for_inventory(self.inventory, host, connect_timeout=self.connect_timeout)
+
+    def _fail(self, name: str) -> None:
+        with self._lock:
+            if self.first_failure is None:
+                self.first_failure = name
+            self.failures.append(name)
+        self.done.set()
+
+    def _blame(self) -> str | None:
+        """The node that caused the failure. Peers of a crashed rank fail too, often first
+        ("Connection closed by peer"): prefer a node whose own output shows no such sign, then
+        a node that such messages name, then simply the first to fail."""
+        if not self.failures:
+            return None
+        for name in self.failures:
+            outcome = self.outcomes[name]
+            if outcome.error or not any(_COLLATERAL.search(line) for line in outcome.tail):
+                return name
+        by_ip = {str(h.compute_ip): h.name for h in self.hosts}
+        for name in self.failures:
+            for line in self.outcomes[name].tail:
+                match = _COLLATERAL.search(line)
+                if match and match.group("peer") in by_ip:
+                    return by_ip[match.group("peer")]
+        return self.failures[0]
+
+    def _prepare(self, host: Host) -> None:
+        remote = self._remote(host)
+        self._remotes[host.name] = remote
+        run_dir = f"{REMOTE_RUN_ROOT}/{self.spec.run_id}"
+        remote.run(f"mkdir -p {shlex.quote(run_dir)}", timeout=15, check=True)
+        if self.spec.script is not None:
+            remote.put(self.spec.script, f"{run_dir}/{self.spec.script.name}")
+
+    def _run_node(self, host: Host, command: str) -> None:
+        outcome = self.outcomes[host.name]
+        writer = _LineWriter(f"[{host.name}]", self.emit, outcome)
+        try:
+            result = self._remotes[host.name].connection.run(
+                command, pty=True, warn=True, hide=True, out_stream=writer, err_stream=writer,
+                in_stream=False,
+            )  # fmt: skip
+            writer.flush()
+            outcome.exit_code = result.exited
+            if result.exited == -1:  # the channel closed with no exit status
+                outcome.error = "the SSH session ended without an exit status: node down?"
+        except Exception as exc:  # a dropped connection surfaces as several invoke/paramiko types
+            writer.flush()
+            outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
+        if not outcome.ok:
+            self._fail(host.name)
+        elif all(o.exit_code is not None for o in self.outcomes.values()):
+            self.done.set()
+
+    def _watch(self) -> None:
+        """A node that stops answering is failed within a few seconds, not at TCP's leisure."""
+        misses = collections.Counter()
+        while not self.done.wait(LIVENESS_INTERVAL):
+            for host in self.hosts:
+                if self.outcomes[host.name].exit_code is not None:
+                    continue
+                try:
+                    socket.create_connection((host.ssh_address, host.ssh_port), timeout=2).close()
+                    misses[host.name] = 0
+                except OSError:
+                    misses[host.name] += 1
+                    if misses[host.name] >= LIVENESS_FAILURES:
+                        self.outcomes[
+                            host.name
+                        ].error = f"stopped answering on {host.ssh_address}:{host.ssh_port}"
+                        self._fail(host.name)
+                        return
+
+    def stop_everywhere(self) -> dict[str, bool]:
+        """Kill the run's processes on every node that still answers, in parallel."""
+        stopped: dict[str, bool] = {}
+
+        def stop(host: Host) -> None:
+            try:
+                with self._remote(host) as remote:
+                    remote.run(stop_command(self.spec.run_id), timeout=STOP_GRACE + 8, check=True)
+                stopped[host.name] = True
+            except ClusterError:
+                stopped[host.name] = False
+
+        threads = [threading.Thread(target=stop, args=(h,), daemon=True) for h in self.hosts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(STOP_GRACE + 10)
+        return stopped
+
+    def run(self) -> JobResult:
+        started = time.monotonic()
+        master, nnodes = self.hosts[0], len(self.hosts)
+        envs = interface_env(self.inventory, self.hosts)
+        prepare_errors: list[ClusterError] = []
+
+        def prepare(host: Host) -> None:
+            try:
+                self._prepare(host)
+            except ClusterError as exc:
+                prepare_errors.append(exc)
+
+        threads = [threading.Thread(target=prepare, args=(h,)) for h in self.hosts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if prepare_errors:
+            self._close()
+            raise prepare_errors[0]
+
+        interrupted = False
+        runners = [
+            threading.Thread(
+                target=self._run_node,
+                args=(h, remote_command(h, master, nnodes, self.spec, self.inventory.rendezvous_port, envs[h.name])),
+                daemon=True,
+            )
+            for h in self.hosts
+        ]  # fmt: skip
+        watcher = threading.Thread(target=self._watch, daemon=True)
+        try:
+            for runner in runners:
+                runner.start()
+            watcher.start()
+            while not self.done.wait(0.2):
+                pass
+        except KeyboardInterrupt:
+            interrupted = True
+            self.emit("[launcher] Ctrl-C: stopping the job on every node...")
+        finally:
+            if self.first_failure is not None and not interrupted:
+                deadline = time.monotonic() + BLAME_GRACE
+                for runner in runners:
+                    runner.join(max(0.0, deadline - time.monotonic()))
+                self.first_failure = self._blame()
+                self.emit(
+                    f"[launcher] {self.first_failure} failed: stopping the job on every node..."
+                )
+            if interrupted or self.first_failure is not None:
+                self.stop_everywhere()
+            self.done.set()
+            for runner in runners:
+                runner.join(5)
+            self._close()
+        return JobResult(
+            self.spec.run_id, self.outcomes, self.first_failure, interrupted,
+            time.monotonic() - started,
+        )  # fmt: skip
+
+    def _close(self) -> None:
+        for remote in self._remotes.values():
+            try:
+                remote.close()
+            except Exception:  # closing a session to a dead node may raise anything
+                pass
+
+
+def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
+    """What happened, node by node; for a failed node, its last lines."""
+    verdict = (
+        "interrupted"
+        if result.interrupted
+        else "succeeded"
+        if result.exit_code == 0
+        else f"FAILED on {result.failed_node}"
+    )
+    lines = [f"Job {result.run_id} {verdict} after {result.seconds:.1f} s on {len(hosts)} node(s)."]
+    for host in hosts:
+        outcome = result.outcomes[host.name]
+        state = (
+            outcome.error
+            if outcome.error
+            else "stopped"
+            if outcome.exit_code is None
+            else f"exit {outcome.exit_code}"
+        )
+        lines.append(f"  {host.name:<12} {state}")
+    if result.failed_node and not result.interrupted:
+        excerpt = failure_excerpt(list(result.outcomes[result.failed_node].tail))
+        if excerpt:
+            lines.append(f"Last lines from {result.failed_node}:")
+            lines += [f"  | {line}" for line in excerpt]
+    return lines
+
+
+def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
+    """The worker's last words, not torchrun's: a failed torchrun ends with its own traceback
+    (ChildFailedError) and a report; what the worker said comes just before them."""
+    cut = len(lines)
+    for index in range(len(lines) - 1, -1, -1):
+        if lines[index].lstrip().startswith("Traceback (most recent call last):") and any(
+            "ChildFailedError" in line for line in lines[index:]
+        ):
+            cut = index
+            break
+    report = [
+        line.strip() for line in lines[cut:] if re.match(r"\s*(host|rank|exitcode)\s*:", line)
+    ]
+    return lines[max(0, cut - limit) : cut] + report
+
+
+def run_local(spec: JobSpec, emit: Emit = print) -> int:
+    """No inventory: the job on this machine alone (torchrun standalone), one process per GPU or
+    two on the CPU."""
+    if spec.nproc_per_node is not None:
+        nproc = spec.nproc_per_node
+    else:
+        nproc = _local_gpu_count() or 2
+    entry = [str(spec.script)] if spec.script else ["-m", spec.module]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", *entry, *spec.args,
+    ]  # fmt: skip
+    emit(f"[launcher] local job: {shlex.join(command)}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMN_RUN_ID": spec.run_id}
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        emit("[launcher] Ctrl-C: stopping the local job...")
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(STOP_GRACE + 5)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        return 130
+
+
+def _local_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA setup means: run on the CPU
+        return 0
