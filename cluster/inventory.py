@@ -34,6 +34,8 @@ from cluster.errors import ClusterError
 
 NODES_GROUP = "nodes"
 DEFAULT_RENDEZVOUS_PORT = 29500
+DEFAULT_TRAINING_IMAGE = "torch-multinode/train:latest"
+LAUNCH_MODES = ("container", "host")
 REQUIRED_HOST_FIELDS = ("ansible_host", "compute_ip", "compute_interface", "gpus")
 REQUIRED_CLUSTER_FIELDS = ("compute_subnet",)
 # RFC 1123 host label: letters, digits and hyphens, 1-63 long, no hyphen at either end.
@@ -65,6 +67,9 @@ class Inventory:
     compute_subnet: ipaddress.IPv4Network
     rendezvous_port: int
     known_hosts: Path | None
+    launch_mode: str = "container"
+    """'container': jobs run in training_image on each node; 'host': with each node's Python."""
+    training_image: str = DEFAULT_TRAINING_IMAGE
 
     @property
     def master(self) -> Host:
@@ -180,6 +185,17 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
     subnet = _subnet(merged["compute_subnet"], where)
     port = _port(merged.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT), f"{where}: cluster")
     known_hosts = _optional_path(merged.get("ssh_known_hosts_file"))
+    launch_mode = merged.get("launch_mode", "container")
+    if launch_mode not in LAUNCH_MODES:
+        raise ClusterError(
+            f"{where}: cluster field 'launch_mode': {launch_mode!r} is not one of "
+            f"{', '.join(LAUNCH_MODES)}"
+        )
+    image = merged.get("training_image", DEFAULT_TRAINING_IMAGE)
+    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
+        raise ClusterError(
+            f"{where}: cluster field 'training_image': {image!r} is not an image name"
+        )
 
     hosts: list[Host] = []
     names: dict[str, str] = {}
@@ -218,7 +234,7 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
             )
         ssh_targets[target] = name
         hosts.append(host)
-    return Inventory(path, tuple(hosts), subnet, port, known_hosts)
+    return Inventory(path, tuple(hosts), subnet, port, known_hosts, launch_mode, image)
 
 
 def _mapping(value, where: str) -> dict:

@@ -339,7 +339,10 @@ def write_inventory(config: SimConfig, count: int) -> Path:
                     "-o StrictHostKeyChecking=yes"
                 ),
                 "ansible_python_interpreter": "/usr/bin/python3",
-                # The controller's venv, mounted read-only at the same path on every node.
+                # Jobs run with the controller's venv, mounted read-only at the same path on
+                # every node (the training image is for nodes that run Docker).
+                "launch_mode": "host",
+                # That venv's interpreter:
                 "training_python": str(Path(sys.prefix) / "bin" / "python"),
                 # The nodes do not own their network: docker assigns their addresses.
                 "netplan_enabled": False,

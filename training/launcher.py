@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster.errors import ClusterError
@@ -28,6 +28,8 @@ from cluster.inventory import Host, Inventory
 from cluster.remote import Remote
 
 DEFAULT_MODULE = "training.ddp"
+RUN_LABEL = "torch-multinode.run"
+CONTAINER_PYTHON = "python3"
 REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
 NETCHECK_ENV_FILE = "netcheck-env.json"
 TAIL_LINES = 120
@@ -145,7 +147,14 @@ def torchrun_command(
 
 
 def remote_command(
-    host: Host, master: Host, nnodes: int, spec: JobSpec, port: int, env: dict[str, str]
+    host: Host,
+    master: Host,
+    nnodes: int,
+    spec: JobSpec,
+    port: int,
+    env: dict[str, str],
+    mode: str = "host",
+    image: str | None = None,
 ) -> str:
     run_dir = f"{REMOTE_RUN_ROOT}/{spec.run_id}"
     if spec.script is not None:
@@ -159,6 +168,11 @@ def remote_command(
         **env,
         **dict(spec.extra_env),
     }
+    if mode == "container":
+        inside = replace(host, python=CONTAINER_PYTHON)
+        torchrun = torchrun_command(inside, master, nnodes, spec, port, entry)
+        command = docker_run_command(host, spec, image or "", variables, run_dir, torchrun)
+        return f"mkdir -p {shlex.quote(run_dir)} && exec {shlex.join(command)}"
     command = torchrun_command(host, master, nnodes, spec, port, entry)
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
     return (
@@ -167,10 +181,38 @@ def remote_command(
     )
 
 
+def docker_run_command(
+    host: Host, spec: JobSpec, image: str, env: dict[str, str], run_dir: str, command: list[str]
+) -> list[str]:
+    """The training container for one node: the job's whole lifetime, removed when it ends.
+
+    Host networking so NCCL and gloo see the real NICs (and the compute IP the rendezvous is
+    bound to); the host's IPC namespace so /dev/shm is as large as the machine's (DataLoader
+    workers and NCCL's shared-memory transport need more than Docker's 64 MB); memlock
+    unlimited for RDMA registration. GPUs only where the inventory says the node has them.
+    """
+    options = [
+        "docker", "run", "--rm", "--init", "--name", f"{spec.run_id}-{host.name}",
+        "--label", f"{RUN_LABEL}={spec.run_id}",
+        "--network", "host", "--ipc", "host",
+        "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864",
+    ]  # fmt: skip
+    if host.gpus > 0:
+        options += ["--gpus", "all"]
+    options += ["-v", f"{run_dir}:{run_dir}", "-w", run_dir]
+    for key, value in env.items():
+        options += ["-e", f"{key}={value}"]
+    return [*options, image, *command]
+
+
 def stop_command(run_id: str) -> str:
-    """Kill every process carrying the run's marker: TERM, a grace period, then KILL."""
+    """Remove the run's container if there is one (a closed SSH session does not stop it), and
+    kill every process carrying the run's marker: TERM, a grace period, then KILL."""
     marker = shlex.quote(f"TMN_RUN_ID={run_id}")
+    label = shlex.quote(f"label={RUN_LABEL}={run_id}")
     return (
+        f"if command -v docker >/dev/null 2>&1; then docker ps -q --filter {label} "
+        "| xargs -r docker rm -f >/dev/null 2>&1; fi; "
         "found() { grep -lsaF " + marker + " /proc/[0-9]*/environ 2>/dev/null "
         "| cut -d/ -f3 | grep -vx $$; }; "
         'pids=$(found); [ -z "$pids" ] && exit 0; kill -TERM $pids 2>/dev/null; '
@@ -253,6 +295,12 @@ class Launcher:
         remote.run(f"mkdir -p {shlex.quote(run_dir)}", timeout=15, check=True)
         if self.spec.script is not None:
             remote.put(self.spec.script, f"{run_dir}/{self.spec.script.name}")
+
+    def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
+        return remote_command(
+            host, master, nnodes, self.spec, self.inventory.rendezvous_port, env,
+            self.inventory.launch_mode, self.inventory.training_image,
+        )  # fmt: skip
 
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
@@ -337,7 +385,7 @@ class Launcher:
         runners = [
             threading.Thread(
                 target=self._run_node,
-                args=(h, remote_command(h, master, nnodes, self.spec, self.inventory.rendezvous_port, envs[h.name])),
+                args=(h, self._command(h, master, nnodes, envs[h.name])),
                 daemon=True,
             )
             for h in self.hosts

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster import sim
+from cluster.errors import ClusterError
 from cluster.inventory import load, parse
 from cluster.remote import Remote, on_all
 from tests.conftest import VENV_BIN, run_cli
@@ -58,6 +59,45 @@ def test_remote_command_sets_interfaces_and_the_run_marker():
     assert words[:5] == ["mkdir", "-p", "/tmp/torch-multinode/runs/tmn-y", "&&", "cd"]
     assert "TMN_RUN_ID=tmn-y" in words and "NCCL_SOCKET_IFNAME==ens5" in words
     assert words[-1] == "/tmp/torch-multinode/runs/tmn-y/my train.py"
+
+
+def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
+    text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "training_image: img:1}")
+    inventory = parse(text, "/nonexistent/inv.yml")
+    assert inventory.launch_mode == "container"
+    n1, n2 = inventory.hosts
+    spec = launcher.JobSpec(run_id="tmn-z")
+    envs = launcher.interface_env(inventory, inventory.hosts)
+    command = launcher.remote_command(
+        n1, n1, 2, spec, 29400, envs["n1"], inventory.launch_mode, inventory.training_image
+    )
+    words = shlex.split(command)
+    assert words[:5] == ["mkdir", "-p", "/tmp/torch-multinode/runs/tmn-z", "&&", "exec"]
+    docker = words[5 : words.index("img:1")]
+    assert docker == [
+        "docker", "run", "--rm", "--init", "--name", "tmn-z-n1",
+        "--label", "torch-multinode.run=tmn-z", "--network", "host", "--ipc", "host",
+        "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864", "--gpus", "all",
+        "-v", "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
+        "-w", "/tmp/torch-multinode/runs/tmn-z",
+        "-e", "TMN_RUN_ID=tmn-z", "-e", "PYTHONUNBUFFERED=1", "-e", "TMN_NODE_NAME=n1",
+        "-e", "GLOO_SOCKET_IFNAME=eth1", "-e", "NCCL_SOCKET_IFNAME==eth1",
+    ]  # fmt: skip
+    after = words[words.index("img:1") + 1 :]
+    assert after[:3] == ["python3", "-m", "torch.distributed.run"]
+    assert "--local-addr=10.7.0.9" in after and after[-2:] == ["-m", "training.ddp"]
+    # A CPU node gets no --gpus; stopping the job removes the container as well.
+    cpu = shlex.split(
+        launcher.remote_command(n2, n1, 2, spec, 29400, envs["n2"], "container", "img:1")
+    )
+    assert "--gpus" not in cpu and "--ipc" in cpu
+    assert "docker ps -q --filter label=torch-multinode.run=tmn-z" in launcher.stop_command("tmn-z")
+
+
+def test_bad_launch_mode_is_rejected():
+    text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "launch_mode: vm}")
+    with pytest.raises(ClusterError, match=r"cluster field 'launch_mode': 'vm' is not one of"):
+        parse(text, "inv.yml")
 
 
 def test_netcheck_findings_override_the_inventory(tmp_path):
