@@ -1,0 +1,115 @@
+"""`netcheck`: the pre-flight check before a multi-node training run.
+
+A thin edge: parse arguments, call netcheck.preflight, write the env file for the launcher,
+print the table (or --json) and exit 0 only when nothing FAILs. A ClusterError (no inventory,
+bad NNODES, unwritable env file) becomes one `Error: ...` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cluster import inventory as inventory_module
+from cluster.errors import ClusterError
+from netcheck import envfile
+from netcheck.preflight import DEFAULT_SWEEP_TIMEOUT, DEFAULT_TIMEOUT, Options, preflight
+from netcheck.report import render
+from netcheck.runner import SshRunner
+
+DESCRIPTION = """\
+Check that the nodes of an inventory can train together, before a job finds out the hard way:
+SSH, ping between every pair of nodes, name resolution, the rendezvous port and random high
+ports (really listened on and connected to), the compute interfaces (up, routes, MTU), the
+Python/torch/CUDA/NCCL versions, and a real all_reduce, all_gather and broadcast across all
+nodes (gloo on CPU, NCCL on GPU). Every check runs on all nodes in parallel; a node that does
+not answer is reported, not waited for.
+
+Writes the per-node NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME / NCCL_IB_DISABLE the launcher
+uses to --env-file (default: netcheck-env.json next to the inventory).
+"""
+
+EPILOG = """\
+exit status: 0 when nothing FAILs (WARNs allowed), 1 when a check FAILs, 2 on bad input.
+
+examples:
+  netcheck -i .sim/inventory.yml
+  netcheck -i inventory.yml --nnodes 2 --json
+  netcheck -i inventory.yml --sweep          # bandwidth: sizes to 64 MiB, busbw vs raw TCP
+  netcheck -i inventory.yml --pairwise       # raw TCP between every pair: finds a slow link
+"""
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="netcheck", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("-i", "--inventory", metavar="INVENTORY",
+                   help="the cluster's Ansible YAML inventory (required)")  # fmt: skip
+    p.add_argument("-n", "--nnodes", metavar="N",
+                   help="check the first N hosts of the inventory (default: all)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the report as JSON for machines")
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=False,
+                   help="measure bandwidth: message sizes from 1 KiB to 64 MiB, algbw and busbw "
+                   "beside raw TCP between the same nodes (default: off, two small sizes)")  # fmt: skip
+    p.add_argument("--bandwidth", dest="sweep", action="store_true", help="same as --sweep")
+    p.add_argument("--pairwise", action="store_true",
+                   help="raw TCP between every pair of nodes, one pair at a time, to find the "
+                   "slow link")  # fmt: skip
+    p.add_argument("--env-file", metavar="PATH",
+                   help=f"where to write the launcher's environment (default: "
+                   f"{envfile.FILENAME} next to the inventory)")  # fmt: skip
+    p.add_argument("--timeout", metavar="S", type=_positive,
+                   help=f"wall-clock seconds for each torch stage on a node (default: "
+                   f"{DEFAULT_TIMEOUT:g}, with --sweep {DEFAULT_SWEEP_TIMEOUT:g}); SSH "
+                   f"connections give up after 5 s")  # fmt: skip
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    inventory = inventory_module.load(args.inventory)
+    nnodes = None
+    if args.nnodes not in (None, ""):
+        nnodes = len(inventory.select(args.nnodes))  # validates: a clear Error line, exit 2
+    options = Options(nnodes=nnodes, sweep=args.sweep, pairwise=args.pairwise, timeout=args.timeout)
+    runner = SshRunner(inventory)
+    try:
+        report = preflight(inventory, options, runner)
+    finally:
+        runner.close()
+    if report.env:
+        path = args.env_file or envfile.default_path(inventory.path)
+        report.env_file = str(envfile.write(path, report.env))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(render(report))
+    return report.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return run(args)
+    except ClusterError as exc:
+        print(exc.line(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

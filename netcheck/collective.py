@@ -1,0 +1,206 @@
+"""Node side of the collective check: one rank of a real all_reduce, all_gather and broadcast.
+
+Run on every node as `PYTHON -m netcheck.collective --rank R --world-size N ...` with the
+socket interface variables set. It first reports the software probe's facts (so a node imports
+torch once per netcheck run), agrees with its peers over gloo whether every rank can use NCCL,
+then runs each op at each size on NCCL (GPU) or gloo (CPU). Every result is checked exactly
+(float32 holding small whole numbers sums exactly), then timed. Each stage (init, then each op at each size) runs under a
+watchdog: past --timeout seconds the rank prints which stage hung and exits, so a dead peer
+never leaves a process behind. Progress and the final result are JSON lines prefixed with
+RESULT_PREFIX; the controller reads the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+from netcheck import bandwidth
+from netcheck.softprobe import probe
+
+RESULT_PREFIX = "NETCHECK "
+WATCHDOG_EXIT = 3
+IMPORT_TIMEOUT = 60.0
+
+
+def emit(data: dict) -> None:
+    sys.stdout.write(RESULT_PREFIX + json.dumps(data) + "\n")
+    sys.stdout.flush()
+
+
+class Watchdog:
+    """Ends the process when one stage outlives the wall-clock limit."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+        self._timer: threading.Timer | None = None
+
+    def start(self, stage: str, seconds: float | None = None) -> None:
+        self.stop()
+        self._timer = threading.Timer(
+            seconds or self.seconds, self._expire, args=(stage, seconds or self.seconds)
+        )
+        self._timer.daemon = True
+        self._timer.start()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, stage: str, seconds: float) -> None:
+        emit({"rank": self.rank, "ok": False, "stage": stage,
+              "error": f"{stage} did not finish within {seconds:g} s"})  # fmt: skip
+        os._exit(WATCHDOG_EXIT)
+
+
+def describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+
+
+def pattern(torch, count: int, device):
+    """Small whole numbers, different at each position, exact in float32 after summing."""
+    return torch.arange(count, device=device, dtype=torch.float32) % 1021
+
+
+def run_op(torch, dist, op: str, count: int, rank: int, world: int, device, iterations: int,
+           synchronize, group=None):  # fmt: skip
+    """One op at one size: a checked call, then `iterations` timed calls. Returns (seconds, bad)."""
+    base = pattern(torch, count, device)
+    if op == "all_reduce":
+        data = base + rank
+        dist.all_reduce(data, group=group)
+        expected = base * world + world * (world - 1) // 2
+        bad = int((data != expected).sum())
+
+        def call():
+            dist.all_reduce(data, group=group)
+    elif op == "all_gather":
+        mine = base + rank
+        out = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine, group=group)
+        bad = sum(int((out[r] != base + r).sum()) for r in range(world))
+
+        def call():
+            dist.all_gather(out, mine, group=group)
+    elif op == "broadcast":
+        data = base + 7 if rank == 0 else torch.zeros_like(base)
+        dist.broadcast(data, src=0, group=group)
+        bad = int((data != base + 7).sum())
+
+        def call():
+            dist.broadcast(data, src=0, group=group)
+    else:
+        raise ValueError(op)
+    synchronize()
+    dist.barrier(group=group)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        call()
+    synchronize()
+    elapsed = (time.perf_counter() - started) / iterations
+    # The slowest rank defines the op's time.
+    slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest.item()), bad
+
+
+def choose_backend(stacks: list[dict], allow_nccl: bool) -> str:
+    """NCCL only when the inventory gives every node GPUs and every rank's torch can use them
+    with NCCL; otherwise gloo on the CPU. Every rank decides from the same gathered facts."""
+    usable = all(s.get("cuda_available") and s.get("gpus", 0) > 0 and s.get("nccl_backend")
+                 for s in stacks)  # fmt: skip
+    return "nccl" if allow_nccl and stacks and usable else "gloo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m netcheck.collective")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--allow-nccl", action="store_true",
+                        help="the inventory gives every node GPUs: use NCCL if all ranks can")  # fmt: skip
+    parser.add_argument("--sizes", default=bandwidth.sizes_text(bandwidth.QUICK_SIZES))
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per stage")
+    parser.add_argument(
+        "--import-timeout",
+        type=float,
+        default=IMPORT_TIMEOUT,
+        help="seconds to import torch (cold caches, network filesystems)",
+    )
+    parser.add_argument("--token", default="", help="marks the process for cleanup")
+    args = parser.parse_args(argv)
+    rank, world = args.rank, args.world_size
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    watchdog = Watchdog(rank, args.timeout)
+
+    # The software check's facts come from this very process: one torch import per node.
+    watchdog.start("import torch", args.import_timeout)
+    stack = probe()
+    emit({"rank": rank, "software": stack})
+    if "torch_error" in stack:
+        watchdog.stop()
+        emit({"rank": rank, "ok": False, "stage": "import torch", "error": stack["torch_error"]})
+        return 1
+    import torch
+    import torch.distributed as dist
+
+    # gloo carries the control traffic on every machine; the data group is NCCL only when
+    # every rank can use it.
+    watchdog.start("init_process_group")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master_addr}:{args.master_port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    results = []
+    try:
+        watchdog.start("agreeing on the backend")
+        stacks: list[dict] = [{} for _ in range(world)]
+        dist.all_gather_object(stacks, stack)
+        backend = choose_backend(stacks, args.allow_nccl)
+        if backend == "nccl":
+            device = torch.device("cuda", 0)
+            torch.cuda.set_device(device)
+            group = dist.new_group(backend="nccl")
+
+            def synchronize():
+                torch.cuda.synchronize(device)
+        else:
+            device, group = torch.device("cpu"), None
+
+            def synchronize():
+                pass
+
+        for op in bandwidth.OPS:
+            for size in sizes:
+                count = bandwidth.elements(op, size, world)
+                nbytes = count * bandwidth.ELEMENT_BYTES * (world if op == "all_gather" else 1)
+                watchdog.start(f"{op} of {nbytes} bytes")
+                seconds, bad = run_op(torch, dist, op, count, rank, world, device,
+                                      bandwidth.iterations(nbytes), synchronize, group)  # fmt: skip
+                results.append({"op": op, "bytes": nbytes, "seconds": seconds, "mismatches": bad})
+        watchdog.start("barrier")
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - the controller gets the reason as data
+        watchdog.stop()
+        emit({"rank": rank, "ok": False, "stage": "collective", "error": describe(exc)})
+        os._exit(1)
+    watchdog.stop()
+    emit({"rank": rank, "ok": all(r["mismatches"] == 0 for r in results),
+          "backend": backend, "world_size": world, "results": results})  # fmt: skip
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The environment netcheck hands to the launcher: per node, the variables that pin NCCL and gloo
+to the compute interface.
+
+    {"nodes": {"node1": {"NCCL_SOCKET_IFNAME": "=eth1", "GLOO_SOCKET_IFNAME": "eth1",
+                         "NCCL_IB_DISABLE": "1"}, ...},
+     "written_at": "2025-01-01T12:00:00+00:00"}
+
+"=eth1" is NCCL's exact-match form: a bare "eth1" would also match eth10, eth11, ...
+NCCL_IB_DISABLE is present only on nodes without InfiniBand devices.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from cluster.errors import ClusterError
+
+FILENAME = "netcheck-env.json"
+
+
+def default_path(inventory_path: str | os.PathLike) -> Path:
+    """Next to the inventory: the launcher finds it from the same INVENTORY."""
+    return Path(inventory_path).resolve().parent / FILENAME
+
+
+def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
+    """Replace the file atomically, so a launcher never reads half of it."""
+    path = Path(path)
+    document = {
+        "nodes": nodes,
+        "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".netcheck-env.", dir=path.parent)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(document, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ClusterError(
+            f"cannot write the netcheck env file {path}: {exc.strerror or exc}",
+            hint="--env-file with a writable path",
+            exit_code=1,
+        ) from None
+    return path
+
+
+def load(path: str | os.PathLike) -> dict[str, dict[str, str]]:
+    """Node name -> environment variables, as netcheck last wrote them."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ClusterError(
+            f"the netcheck env file {path} does not exist",
+            hint="'make netcheck' first: it writes the file next to the inventory",
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ClusterError(
+            f"the netcheck env file {path} cannot be read: {exc}",
+            hint="'make netcheck' again to rewrite it",
+        ) from None
+    nodes = data.get("nodes") if isinstance(data, dict) else None
+    if not isinstance(nodes, dict) or not all(
+        isinstance(name, str) and isinstance(env, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+        for name, env in nodes.items()
+    ):  # fmt: skip
+        raise ClusterError(
+            f"the netcheck env file {path} has no valid 'nodes' mapping of name -> variables",
+            hint="'make netcheck' again to rewrite it",
+        )
+    return {name: dict(env) for name, env in nodes.items()}

@@ -1,0 +1,396 @@
+"""The pre-flight run: every stage on all nodes in parallel, each under a wall-clock limit.
+
+    1. ssh        batch mode, 5 s to connect
+    2. facts      one round trip: names, interfaces, routes, pings to every peer
+    3. ports      listen on the rendezvous port and a random one, every peer connects
+    4. raw TCP    (--sweep: around the ring; --pairwise: each pair alone)
+    5. collective all_reduce, all_gather, broadcast across every node; each worker first
+                  reports the software facts, so a node imports torch once per run
+    6. software   from the workers, or, where they did not run, from the probe alone
+
+A node that does not answer is reported and left out of the later stages; a stage that needs
+every node (TCP, the collective) is then skipped with the reason. Nothing here prints: the
+result is a Report, and cluster.remote's ClusterError never escapes (it becomes a finding).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.inventory import Host, Inventory
+from cluster.remote import Result, on_all
+from netcheck import bandwidth, checks, facts
+from netcheck.collective import IMPORT_TIMEOUT, RESULT_PREFIX
+from netcheck.report import BANDWIDTH, CHECKS, Finding, Link, Report, Status
+from netcheck.runner import Context, Runner, context_for, python_command
+
+HERE = Path(__file__).resolve().parent
+SOCKPROBE = (HERE / "sockprobe.py").read_text()
+SOFTPROBE = (HERE / "softprobe.py").read_text()
+NODE_PYTHON = "python3"  # what Ansible needs on every node anyway; runs the stdlib probes
+
+SSH_TIMEOUT = 10.0
+FACTS_TIMEOUT = 20.0
+PORT_CONNECT_TIMEOUT = 2.0
+PORTS_TIMEOUT = 15.0
+LISTENER_LIFETIME = 30.0
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_SWEEP_TIMEOUT = 120.0
+TCP_BYTES = 128 << 20
+PAIRWISE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Options:
+    nnodes: int | None = None
+    """How many hosts, in inventory order (default: all)."""
+    sweep: bool = False
+    """Message sizes up to 64 MiB, and raw TCP around the ring to compare against."""
+    pairwise: bool = False
+    """Raw TCP between every pair of nodes, one pair at a time: finds the slow link."""
+    timeout: float | None = None
+    """Wall-clock seconds for each torch stage on a node (default 30, with the sweep 120)."""
+    tcp_bytes: int = TCP_BYTES
+    pairwise_bytes: int = PAIRWISE_BYTES
+
+    @property
+    def stage_timeout(self) -> float:
+        if self.timeout is not None:
+            return self.timeout
+        return DEFAULT_SWEEP_TIMEOUT if self.sweep else DEFAULT_TIMEOUT
+
+
+@dataclass(frozen=True)
+class Attempt:
+    result: Result | None
+    error: str | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.result is not None and self.result.ok
+
+    def why(self) -> str:
+        """Why the command did not succeed, in one line."""
+        if self.error is not None:
+            return self.error
+        assert self.result is not None
+        tail = (self.result.stderr.strip() or self.result.stdout.strip()).splitlines()[-1:]
+        return f"exit {self.result.exit_code}: {tail[0] if tail else 'no output'}"
+
+    def json(self, prefix: str = "") -> dict | None:
+        """The last JSON line of stdout (after `prefix`), or None."""
+        found = self.json_lines(prefix)
+        return found[-1] if found else None
+
+    def json_lines(self, prefix: str = "") -> list[dict]:
+        """Every JSON object line of stdout that starts with `prefix`, in order."""
+        found = []
+        for line in self.result.stdout.splitlines() if self.result is not None else []:
+            if line.startswith(prefix) and line[len(prefix) :].lstrip().startswith("{"):
+                try:
+                    found.append(json.loads(line[len(prefix) :]))
+                except json.JSONDecodeError:
+                    continue
+        return found
+
+
+def attempt(runner: Runner, host: Host, command: str, timeout: float) -> Attempt:
+    started = time.monotonic()
+    try:
+        result = runner.run(host, command, timeout)
+    except Exception as exc:  # noqa: BLE001 - ClusterError, or anything else a dead link throws
+        message = str(exc) or type(exc).__name__
+        return Attempt(
+            None, message.removeprefix(f"host '{host.name}': "), time.monotonic() - started
+        )
+    return Attempt(result, None, time.monotonic() - started)
+
+
+def _parallel(hosts: list[Host], work: Callable[[Host], Attempt]) -> dict[str, Attempt]:
+    return on_all(hosts, work) if hosts else {}
+
+
+def sockprobe(*args: str) -> str:
+    return python_command(NODE_PYTHON, SOCKPROBE, *args)
+
+
+def preflight(inventory: Inventory, options: Options, runner: Runner,
+              context: Context | None = None) -> Report:  # fmt: skip
+    started = time.monotonic()
+    context = context or context_for(inventory)
+    hosts = list(inventory.select(options.nnodes) if options.nnodes else inventory.hosts)
+    names = [h.name for h in hosts]
+    master = hosts[0]
+    rendezvous = str(master.compute_ip)
+    subnet = str(inventory.compute_subnet)
+    token = f"netcheck-{uuid.uuid4().hex[:12]}"
+    report = Report(str(inventory.path), names, master.name,
+                    f"{rendezvous}:{inventory.rendezvous_port}", context.where(master))  # fmt: skip
+    add = report.findings.extend
+
+    # 1. SSH, in batch mode with a short connect timeout.
+    ssh = _parallel(hosts, lambda h: attempt(runner, h, "true", SSH_TIMEOUT))
+    for host in hosts:
+        a = ssh[host.name]
+        add([checks.ssh_finding(host, None if a.ok else a.why(), a.seconds)])
+    up = [h for h in hosts if ssh[h.name].ok]
+    down = [h.name for h in hosts if not ssh[h.name].ok]
+
+    # 2, 3, 5. One round trip per node for names, interfaces, routes and pings.
+    gathered = _parallel(
+        up, lambda h: attempt(runner, h, facts.script(h, hosts, rendezvous), FACTS_TIMEOUT)
+    )
+    node_facts: dict[str, facts.NodeFacts] = {}
+    for name, a in gathered.items():
+        if a.ok:
+            node_facts[name] = facts.parse(a.result.stdout)
+        else:
+            for check in ("ping", "names", "interfaces"):
+                add([Finding(check, name, Status.FAIL, f"could not gather facts: {a.why()}",
+                             f"on {name}: check that a POSIX shell, iproute2 and getent are "
+                             f"installed")])  # fmt: skip
+    interfaces = checks.interface_findings(hosts, node_facts, master)
+    add(checks.ping_findings(hosts, node_facts, interfaces.broken, subnet, set(down)))
+    add(checks.name_findings(hosts, node_facts, rendezvous, master))
+    add(interfaces.findings)
+    report.env = interfaces.env
+    report.nic_speed_mbps = interfaces.speeds
+
+    # 4. Ports, for real: listen on the rendezvous port and a random one, connect from peers.
+    add(_ports(runner, hosts, up, master, inventory.rendezvous_port, interfaces.broken, subnet,
+               token))  # fmt: skip
+
+    # 6, 7. Raw TCP and the collective need every node, with working ports and interfaces.
+    # The collective's workers also report the software facts, so that each node imports torch
+    # once; where they cannot run (or did not get that far) the software probe runs alone.
+    blocked = _blocked(report, down)
+    measure_tcp = (options.sweep or options.pairwise) and len(hosts) > 1
+    stacks: dict[str, dict | str] = {}
+    if measure_tcp and blocked:
+        add(checks.skipped(BANDWIDTH, names, blocked))
+    elif measure_tcp:
+        report.ring, report.pairwise = _tcp(runner, hosts, options, token)
+    if blocked:
+        add(checks.skipped("collective", names, blocked))
+    else:
+        stacks = _collective(report, runner, context, hosts, options, token)
+    alone = [h for h in up if not isinstance(stacks.get(h.name), dict)]
+    probed = _parallel(alone, lambda h: attempt(
+        runner, h, context.wrap(h, python_command(context.python(h), SOFTPROBE), token),
+        IMPORT_TIMEOUT + 10))  # fmt: skip
+    leftover = context.cleanup(token)
+    if leftover and any(not a.ok for a in probed.values()):
+        _parallel(up, lambda h: attempt(runner, h, leftover, PORTS_TIMEOUT))
+    for name, a in probed.items():
+        stacks[name] = a.json() or a.why()
+    for name, stack in stacks.items():
+        if isinstance(stack, dict):
+            stack["infiniband"] = node_facts[name].infiniband if name in node_facts else []
+    add(checks.software_findings(hosts, {h.name: stacks[h.name] for h in up}, master, context))
+    if measure_tcp and not blocked:
+        add(checks.bandwidth_findings(hosts, master, report.measurements, report.ring,
+                                      report.pairwise, report.nic_speed_mbps))  # fmt: skip
+
+    for name in names:
+        for check in CHECKS:
+            if report.cell(name, check) is None:
+                if name in down:
+                    reason = f"not checked: {name} does not answer over SSH"
+                elif len(names) == 1:
+                    reason = "not checked: a single node has no peer"
+                else:
+                    reason = "not checked"
+                add([Finding(check, name, Status.SKIP, reason)])
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _blocked(report: Report, down: list[str]) -> str | None:
+    """Why the stages that need every node cannot run, or None."""
+    if down:
+        return f"needs every node; {', '.join(down)} does not answer over SSH"
+    failing = sorted({f.node for f in report.findings
+                      if f.check in ("ports", "interfaces") and f.status is Status.FAIL},
+                     key=report.nodes.index)  # fmt: skip
+    if failing:
+        return f"skipped until the ports/interfaces FAILs on {', '.join(failing)} are fixed"
+    return None
+
+
+def _ports(runner: Runner, hosts: list[Host], up: list[Host], master: Host, rendezvous_port: int,
+           broken: set[str], subnet: str, token: str) -> list[Finding]:  # fmt: skip
+    pidfile = f"/tmp/{token}-ports.pid"
+    serving = _parallel(up, lambda h: attempt(runner, h, sockprobe(
+        "serve", "--ports", f"{rendezvous_port},0", "--lifetime", str(LISTENER_LIFETIME),
+        "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+    listeners: dict[str, checks.Listening] = {}
+    for name, a in serving.items():
+        data = a.json()
+        if data is None:
+            listeners[name] = checks.Listening(name, [], a.why())
+        else:
+            listeners[name] = checks.Listening(name, data.get("ports", []))
+    try:
+
+        def connect(host: Host) -> Attempt:
+            targets = [
+                f"{peer.name}={peer.compute_ip}:{port['port']}"
+                for peer in up if peer.name != host.name and not listeners[peer.name].error
+                for port in listeners[peer.name].ports if port.get("ok")
+            ]  # fmt: skip
+            if not targets:
+                return Attempt(Result(host.name, "", 0, '{"results": []}', ""), None, 0.0)
+            return attempt(runner, host, sockprobe(
+                "connect", "--targets", ",".join(targets), "--source", str(host.compute_ip),
+                "--timeout", str(PORT_CONNECT_TIMEOUT)), PORTS_TIMEOUT)  # fmt: skip
+
+        connected = _parallel(up, connect)
+    finally:
+        _parallel([h for h in up if not listeners[h.name].error], lambda h: attempt(
+            runner, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+    connects: dict[str, list[dict] | str] = {}
+    for name, a in connected.items():
+        data = a.json()
+        connects[name] = data["results"] if data is not None else a.why()
+    return checks.port_findings(hosts, master, rendezvous_port, listeners, connects, broken, subnet)
+
+
+def _tcp(runner: Runner, hosts: list[Host], options: Options,
+         token: str) -> tuple[list[Link], list[Link]]:  # fmt: skip
+    """Raw TCP: every node sends to the next at once (the ring), then each pair on its own."""
+    pidfile = f"/tmp/{token}-tcp.pid"
+    budget = options.stage_timeout
+    pairs = (
+        [(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :]] if options.pairwise else []
+    )
+    lifetime = budget * (1 + len(pairs)) + 30
+    serving = _parallel(hosts, lambda h: attempt(runner, h, sockprobe(
+        "serve", "--ports", "0", "--lifetime", str(lifetime), "--pidfile", pidfile,
+        "--token", token), PORTS_TIMEOUT))  # fmt: skip
+    ports: dict[str, int | None] = {}
+    for name, a in serving.items():
+        data = a.json() or {}
+        bound = [p["port"] for p in data.get("ports", []) if p.get("ok")]
+        ports[name] = bound[0] if bound else None
+
+    def send(source: Host, target: Host, nbytes: int) -> Link:
+        if ports[target.name] is None:
+            return Link(source.name, target.name, nbytes, None,
+                        f"no listener on {target.name}: {serving[target.name].why()}")  # fmt: skip
+        a = attempt(runner, source, sockprobe(
+            "send", "--targets", f"{target.name}={target.compute_ip}:{ports[target.name]}",
+            "--source", str(source.compute_ip), "--bytes", str(nbytes), "--timeout", str(budget),
+        ), budget + 15)  # fmt: skip
+        data = a.json()
+        if data is None or not data.get("results"):
+            return Link(source.name, target.name, nbytes, None, a.why())
+        r = data["results"][0]
+        return Link(source.name, target.name, nbytes, r.get("seconds"),
+                    None if r.get("ok") else r.get("error"))  # fmt: skip
+
+    ring: list[Link] = []
+    pairwise: list[Link] = []
+    try:
+        if options.sweep:
+            after = {h.name: hosts[(i + 1) % len(hosts)] for i, h in enumerate(hosts)}
+            sent = on_all(hosts, lambda h: send(h, after[h.name], options.tcp_bytes))
+            ring = list(sent.values())
+        for first, second in pairs:
+            peer = {first.name: second, second.name: first}
+            both = on_all(
+                [first, second], lambda h, peer=peer: send(h, peer[h.name], options.pairwise_bytes)
+            )
+            pairwise += [both[first.name], both[second.name]]
+    finally:
+        _parallel([h for h in hosts if ports[h.name]], lambda h: attempt(
+            runner, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+    return ring, pairwise
+
+
+def worker_command(host: Host, rank: int, hosts: list[Host], master_port: int,
+                   sizes: tuple[int, ...], stage_timeout: float, env: dict[str, str],
+                   python: str, token: str) -> str:  # fmt: skip
+    """The torch worker for one rank, as the node's shell runs it (without the wall clock)."""
+    args = [
+        python, "-m", "netcheck.collective", "--rank", str(rank),
+        "--world-size", str(len(hosts)), "--master-addr", str(hosts[0].compute_ip),
+        "--master-port", str(master_port),
+        *(["--allow-nccl"] if all(h.gpus > 0 for h in hosts) else []),
+        "--sizes", bandwidth.sizes_text(sizes), "--timeout", f"{stage_timeout:g}",
+        "--token", token,
+    ]  # fmt: skip
+    variables = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    return " ".join(["env", *variables, *(shlex.quote(a) for a in args)])
+
+
+def wall_clock(command: str, seconds: float, pidfile: str) -> str:
+    """Run `command` under coreutils timeout, its pid in `pidfile` so leftovers can be ended."""
+    return (f"timeout -k 5 {seconds:g} {command} & echo $! > {shlex.quote(pidfile)}; "
+            f"wait $!; rc=$?; rm -f {shlex.quote(pidfile)}; exit $rc")  # fmt: skip
+
+
+def _collective(report: Report, runner: Runner, context: Context, hosts: list[Host],
+                options: Options, token: str) -> dict[str, dict | str]:  # fmt: skip
+    """Run the workers; record the collective's findings. Returns what each worker reported
+    of its software (the probe's facts), or why it did not."""
+    master = hosts[0]
+    names = [h.name for h in hosts]
+    free = attempt(runner, master, sockprobe("freeport", "--bind", str(master.compute_ip)),
+                   PORTS_TIMEOUT)  # fmt: skip
+    port = (free.json() or {}).get("port")
+    if not port:
+        report.findings.extend(checks.skipped("collective", names[1:], "skipped: no free port"))
+        report.findings.append(Finding(
+            "collective", master.name, Status.FAIL,
+            f"cannot find a free port on {master.compute_ip}: {free.why()}",
+            f"on {master.name}: check that {master.compute_ip} is assigned there"))  # fmt: skip
+        return {}
+    sizes = bandwidth.SWEEP_SIZES if options.sweep else bandwidth.QUICK_SIZES
+    stage = options.stage_timeout
+    # The watchdog inside each worker ends a hung stage; this only bounds a worker gone wrong.
+    outer = IMPORT_TIMEOUT + 3 * stage
+    pidfile = f"/tmp/{token}-collective.pid"
+    commands = {
+        h.name: worker_command(h, rank, hosts, port, sizes, stage, report.env.get(h.name, {}),
+                               context.python(h), token)
+        for rank, h in enumerate(hosts)
+    }  # fmt: skip
+    try:
+        ran = on_all(hosts, lambda h: attempt(
+            runner, h, context.wrap(h, wall_clock(commands[h.name], outer, pidfile), token),
+            outer + 15))  # fmt: skip
+    finally:
+        # Whatever is left of a worker that did not end on its own: by pid (host) or label
+        # (container), never by name.
+        stop = sockprobe("stop", "--pidfile", pidfile, "--token", token)
+        extra = context.cleanup(token)
+        on_all(hosts, lambda h: attempt(runner, h, f"{stop}; {extra}" if extra else stop,
+                                        PORTS_TIMEOUT))  # fmt: skip
+    results: dict[str, dict | str] = {}
+    stacks: dict[str, dict | str] = {}
+    for name, a in ran.items():
+        lines = a.json_lines(RESULT_PREFIX)
+        stack = next((line["software"] for line in lines if "software" in line), None)
+        stacks[name] = stack if stack is not None else a.why()
+        final = next((line for line in reversed(lines) if "ok" in line), None)
+        if final is not None:
+            results[name] = final
+        elif a.result is not None and a.result.exit_code == 124:
+            results[name] = f"killed after {outer:g} s (wall clock)"
+        else:
+            results[name] = a.why()
+    rank0 = results.get(master.name)
+    report.backend = rank0.get("backend", "gloo") if isinstance(rank0, dict) else "gloo"
+    report.findings.extend(
+        checks.collective_findings(hosts, results, report.backend, commands, stacks)
+    )
+    if isinstance(rank0, dict) and rank0.get("results"):
+        report.measurements = checks.measurements(rank0["results"], len(hosts))
+    return stacks

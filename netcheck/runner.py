@@ -1,0 +1,169 @@
+"""How netcheck reaches the nodes: one small seam, so the checks are plain code tests can drive.
+
+`Runner.run(host, command, timeout)` returns a cluster.remote.Result or raises ClusterError when
+the node cannot be reached or the command does not finish. SshRunner is the real one, through
+cluster.remote (batch mode, host keys verified); tests pass a fake.
+
+`Context` says where the training stack lives on a node, as the inventory's launch_mode says:
+on the host itself (`HostContext`, training_python) or inside the training image
+(`ContainerContext`, started as the launcher starts a job). Only the software probe and the
+collective go through it, since only they must see what the training job sees.
+"""
+
+from __future__ import annotations
+
+import shlex
+import threading
+from typing import Protocol
+
+from cluster.inventory import Host, Inventory
+from cluster.remote import Remote, Result
+
+SSH_CONNECT_TIMEOUT = 5.0
+
+
+class Runner(Protocol):
+    def run(self, host: Host, command: str, timeout: float) -> Result: ...
+
+    def close(self) -> None: ...
+
+
+class SshRunner:
+    """SSH connections to the nodes, opened on first use and reused by later stages.
+
+    Each node keeps a small pool: two stages may run on one node at once (the software probe
+    runs beside the network checks), each on its own connection. A connection that failed is
+    closed, not reused.
+    """
+
+    def __init__(self, inventory: Inventory, connect_timeout: float = SSH_CONNECT_TIMEOUT):
+        self.inventory = inventory
+        self.connect_timeout = connect_timeout
+        self._idle: dict[str, list[Remote]] = {}
+        self._all: list[Remote] = []
+        self._lock = threading.Lock()
+
+    def _checkout(self, host: Host) -> Remote:
+        with self._lock:
+            idle = self._idle.setdefault(host.name, [])
+            if idle:
+                return idle.pop()
+            remote = Remote.for_inventory(
+                self.inventory, host, connect_timeout=self.connect_timeout
+            )
+            self._all.append(remote)
+            return remote
+
+    def run(self, host: Host, command: str, timeout: float) -> Result:
+        remote = self._checkout(host)
+        try:
+            result = remote.run(command, timeout=timeout)
+        except BaseException:
+            _close_quietly(remote)
+            raise
+        with self._lock:
+            self._idle[host.name].append(remote)
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            for remote in self._all:
+                _close_quietly(remote)
+            self._all.clear()
+            self._idle.clear()
+
+
+def _close_quietly(remote: Remote) -> None:
+    try:
+        remote.close()
+    except Exception:  # noqa: BLE001 - closing a dead connection must not mask results
+        pass
+
+
+class Context(Protocol):
+    """Where the training stack runs on a node: what the software probe and workers see."""
+
+    name: str
+
+    def python(self, host: Host) -> str:
+        """The interpreter that has torch, as seen inside the context."""
+        ...
+
+    def where(self, host: Host) -> str:
+        """Where the training stack lives, for messages ("/opt/venv/bin/python")."""
+        ...
+
+    def wrap(self, host: Host, command: str, token: str) -> str:
+        """The shell command that runs `command` inside the context, marked with `token`."""
+        ...
+
+    def cleanup(self, token: str) -> str | None:
+        """A shell command ending whatever `wrap` started with `token`, if it needs one."""
+        ...
+
+
+class HostContext:
+    """Jobs run directly on the node with the inventory's training_python (launch_mode: host)."""
+
+    name = "host"
+
+    def python(self, host: Host) -> str:
+        return host.python
+
+    def where(self, host: Host) -> str:
+        return host.python
+
+    def wrap(self, host: Host, command: str, token: str) -> str:
+        return command
+
+    def cleanup(self, token: str) -> str | None:
+        return None
+
+
+NETCHECK_LABEL = "torch-multinode.netcheck"
+
+
+class ContainerContext:
+    """Jobs run in the training image (launch_mode: container), so the probes run there too,
+    started the way the launcher starts a job: host network and IPC, memlock unlimited, GPUs
+    where the inventory lists them. `--pull never`: a missing image is a finding, not a
+    download."""
+
+    name = "container"
+    PYTHON = "python3"  # the image's PATH puts its own torch-carrying interpreter first
+
+    def __init__(self, image: str):
+        self.image = image
+
+    def python(self, host: Host) -> str:
+        return self.PYTHON
+
+    def where(self, host: Host) -> str:
+        return f"the training image {self.image}"
+
+    def wrap(self, host: Host, command: str, token: str) -> str:
+        options = [
+            "docker", "run", "--rm", "--init", "--pull", "never",
+            "--label", f"{NETCHECK_LABEL}={token}",
+            "--network", "host", "--ipc", "host",
+            "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864",
+        ]  # fmt: skip
+        if host.gpus > 0:
+            options += ["--gpus", "all"]
+        return shlex.join([*options, self.image, "sh", "-c", command])
+
+    def cleanup(self, token: str) -> str | None:
+        label = shlex.quote(f"label={NETCHECK_LABEL}={token}")
+        return f"docker ps -q --filter {label} | xargs -r docker rm -f >/dev/null 2>&1; true"
+
+
+def context_for(inventory: Inventory) -> Context:
+    """The inventory's launch_mode decides where the training stack is checked."""
+    if getattr(inventory, "launch_mode", "host") == "container":
+        return ContainerContext(inventory.training_image)
+    return HostContext()
+
+
+def python_command(python: str, source: str, *args: str) -> str:
+    """`python -c SOURCE ARGS...`, quoted for the remote shell: ships a stdlib-only script."""
+    return " ".join(shlex.quote(part) for part in (python, "-c", source, *args))

@@ -1,0 +1,241 @@
+"""A fake cluster for netcheck's unit tests: answers each command netcheck sends as a healthy
+node would, with knobs to break one thing. No network, no SSH.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.errors import ClusterError
+from cluster.inventory import Host, parse
+from cluster.remote import Result
+from netcheck import preflight
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NETCHECK = Path(sys.executable).parent / "netcheck"
+
+
+def run_netcheck(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The installed console script, as the Makefile runs it."""
+    return subprocess.run([str(NETCHECK), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT, check=False)  # fmt: skip
+
+
+INVENTORY = """
+all:
+  vars:
+    compute_subnet: 10.9.0.0/24
+    rendezvous_port: 29500
+    launch_mode: host
+    training_python: /opt/venv/bin/python
+  children:
+    nodes:
+      hosts:
+        node1: {ansible_host: 10.8.0.11, compute_ip: 10.9.0.11, compute_interface: eth1, gpus: 0}
+        node2: {ansible_host: 10.8.0.12, compute_ip: 10.9.0.12, compute_interface: eth1, gpus: 0}
+        node3: {ansible_host: 10.8.0.13, compute_ip: 10.9.0.13, compute_interface: eth1, gpus: 0}
+"""
+
+
+def inventory(path="/nonexistent/inventory.yml", launch_mode="host"):
+    return parse(INVENTORY.replace("launch_mode: host", f"launch_mode: {launch_mode}"), path)
+
+
+def link(name, ip=None, mtu=1500, flags=("BROADCAST", "MULTICAST", "UP", "LOWER_UP")):
+    item = {"ifname": name, "flags": list(flags), "mtu": mtu, "operstate": "UP"}
+    item["addr_info"] = [{"family": "inet", "local": ip, "prefixlen": 24}] if ip else []
+    return item
+
+
+def ping_ok(ip, rtt=0.1):
+    return (f"PING {ip} ({ip}) 56(84) bytes of data.\n\n--- {ip} ping statistics ---\n"
+            f"5 packets transmitted, 5 received, 0% packet loss, time 818ms\n"
+            f"rtt min/avg/max/mdev = 0.081/{rtt}/0.122/0.014 ms\n")  # fmt: skip
+
+
+def ping_lost(ip):
+    return (f"PING {ip} ({ip}) 56(84) bytes of data.\n\n--- {ip} ping statistics ---\n"
+            f"7 packets transmitted, 0 received, 100% packet loss, time 1888ms\n")  # fmt: skip
+
+
+def getent(ip, name):
+    return f"{ip}   STREAM {name}\n{ip}   DGRAM  \n{ip}   RAW    \n"
+
+
+def facts_text(hostname, resolved, links, routes, pings, speed="10000", infiniband=""):
+    parts = [f"@@hostname\n{hostname}", f"@@fqdn\n{hostname}"]
+    for name, ips in resolved.items():
+        parts.append(f"@@resolve {name}\n" + "".join(getent(ip, name) for ip in ips))
+    parts.append("@@links\n" + json.dumps(links))
+    for ip, route in routes.items():
+        body = route if isinstance(route, str) else json.dumps([route])
+        parts.append(f"@@route {ip}\n{body}")
+    parts += [f"@@speed\n{speed}", f"@@infiniband\n{infiniband}"]
+    for name, text in pings.items():
+        parts.append(f"@@ping {name}\n{text}")
+    return "\n".join(parts) + "\n"
+
+
+@dataclass
+class FakeCluster:
+    """Healthy unless told otherwise; `calls` records (node, kind) in order."""
+
+    hosts: list[Host]
+    down: set[str] = field(default_factory=set)
+    held_port: dict[str, dict] = field(default_factory=dict)
+    firewalled: set[str] = field(default_factory=set)
+    """Nodes that drop new TCP connections to high ports from peers."""
+    loopback_name: set[str] = field(default_factory=set)
+    mtu: dict[str, int] = field(default_factory=dict)
+    torch: dict[str, str] = field(default_factory=dict)
+    broken_worker: set[str] = field(default_factory=set)
+    """Nodes where `python -m netcheck.collective` does not start."""
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    surprises: list[str] = field(default_factory=list)
+    """Commands the fake did not recognise: netcheck swallows errors, so tests check this."""
+
+    def __post_init__(self):
+        self.by_name = {h.name: h for h in self.hosts}
+        self.by_ip = {str(h.compute_ip): h for h in self.hosts}
+
+    def run(self, host: Host, command: str, timeout: float) -> Result:
+        if command.startswith("docker run "):
+            # The training container: answer for what runs inside it.
+            self.calls.append((host.name, "docker run"))
+            command = shlex.split(command)[-1]
+        if host.name not in self.by_name:
+            self.surprises.append(f"{host.name} is not in this fake cluster")
+        try:
+            kind = self.kind(command)
+        except (AssertionError, IndexError, ValueError):
+            self.surprises.append(command[:200])
+            raise
+        self.calls.append((host.name, kind))
+        if host.name in self.down:
+            raise ClusterError(
+                f"host '{host.name}': cannot SSH to {host.ssh_address}:22: timed out", exit_code=1
+            )
+        out = getattr(self, "on_" + kind)(host, command)
+        if isinstance(out, Result):
+            return out
+        return Result(host.name, command, 0, out, "")
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def kind(command: str) -> str:
+        if command == "true":
+            return "true"
+        if command.startswith("docker ps"):
+            return "docker cleanup"
+        if command.startswith("export LC_ALL=C"):
+            return "facts"
+        if "netcheck.collective" in command:
+            return "collective"
+        argv = shlex.split(command.rsplit("; docker ps", 1)[0])
+        if argv[2] == preflight.SOFTPROBE:
+            return "software"
+        assert argv[2] == preflight.SOCKPROBE, command[:80]
+        return argv[3]
+
+    def on_true(self, host, command):
+        return ""
+
+    def on_facts(self, host, command):
+        me = str(host.compute_ip)
+        resolved = {"own hostname": [me], "own FQDN": [me]}
+        for h in self.hosts:
+            resolved[h.name] = [str(h.compute_ip)]
+        if host.name in self.loopback_name:
+            resolved["own hostname"] = ["127.0.1.1", me]
+            resolved["own FQDN"] = ["127.0.1.1", me]
+            resolved[host.name] = ["127.0.1.1", me]
+        resolved[str(self.hosts[0].compute_ip)] = [str(self.hosts[0].compute_ip)]
+        links = [link("lo", "127.0.0.1", 65536), link("eth0", host.ssh_address),
+                 link("eth1", me, self.mtu.get(host.name, 1500))]  # fmt: skip
+        routes, pings = {}, {}
+        for peer in self.hosts:
+            if peer.name == host.name:
+                continue
+            ip = str(peer.compute_ip)
+            routes[ip] = {"dst": ip, "dev": "eth1", "prefsrc": me}
+            pings[peer.name] = ping_lost(ip) if peer.name in self.down else ping_ok(ip)
+        return facts_text(host.name, resolved, links, routes, pings)
+
+    def on_serve(self, host, command):
+        argv = shlex.split(command)
+        ports = [int(p) for p in argv[argv.index("--ports") + 1].split(",")]
+        results = []
+        for i, port in enumerate(ports):
+            held = self.held_port.get(host.name)
+            if held and port == held["port"]:
+                results.append({"requested": port, "ok": False, "error": "Address already in use",
+                                "in_use": True, "holders": held["holders"]})  # fmt: skip
+            else:
+                results.append({"requested": port, "ok": True, "port": port or 40000 + i})
+        return json.dumps({"pid": 4242, "ports": results}) + "\n"
+
+    def on_connect(self, host, command):
+        argv = shlex.split(command)
+        results = []
+        for item in argv[argv.index("--targets") + 1].split(","):
+            name, address = item.split("=")
+            ip, port = address.rsplit(":", 1)
+            result = {"name": name, "ip": ip, "port": int(port), "ok": True, "bytes": 0}
+            if name in self.firewalled and int(port) >= 32768:
+                result.update(ok=False, error="timed out")
+            results.append(result)
+        return json.dumps({"results": results}) + "\n"
+
+    def on_send(self, host, command):
+        argv = shlex.split(command)
+        name = argv[argv.index("--targets") + 1].split("=")[0]
+        nbytes = int(argv[argv.index("--bytes") + 1])
+        return json.dumps({"results": [{"name": name, "ok": True, "bytes": nbytes,
+                                        "seconds": nbytes / 1e9}]}) + "\n"  # fmt: skip
+
+    def on_docker_cleanup(self, host, command):
+        return ""
+
+    def on_stop(self, host, command):
+        return '{"stopped": true, "pid": 4242}\n'
+
+    def on_freeport(self, host, command):
+        return '{"port": 45555}\n'
+
+    def on_software(self, host, command):
+        return json.dumps(self.stack(host)) + "\n"
+
+    def stack(self, host):
+        return {
+            "python": "3.11.2", "executable": host.python,
+            "torch": self.torch.get(host.name, "2.14.1+cu130"), "cuda": "13.0",
+            "cuda_available": False, "gpus": 0, "nccl": "2.30.7", "gloo": True,
+            "nccl_backend": True, "netcheck": True, "shm_bytes": 64 << 20,
+            "memlock_bytes": 8 << 20, "nvidia_smi_gpus": None,
+        }  # fmt: skip
+
+    def on_collective(self, host, command):
+        if host.name in self.broken_worker:
+            return Result(host.name, command, 1, "",
+                          f"{host.python}: No module named netcheck.collective\n")  # fmt: skip
+        if self.broken_worker:
+            return "NETCHECK " + json.dumps({"rank": 0, "software": self.stack(host)}) + (
+                "\nNETCHECK " + json.dumps({"rank": 0, "ok": False, "stage": "init_process_group",
+                                            "error": "init_process_group did not finish within "
+                                            "30 s"}) + "\n")  # fmt: skip
+        argv = shlex.split(command.split(" & ")[0])
+        rank = int(argv[argv.index("--rank") + 1])
+        sizes = [int(s) for s in argv[argv.index("--sizes") + 1].split(",")]
+        results = [{"op": op, "bytes": size, "seconds": size / 1e9 + 1e-6, "mismatches": 0}
+                   for op in ("all_reduce", "all_gather", "broadcast") for size in sizes]  # fmt: skip
+        software = "NETCHECK " + json.dumps({"rank": rank, "software": self.stack(host)})
+        return software + "\nNETCHECK " + json.dumps({"rank": rank, "ok": True, "backend": "gloo",
+                                                      "world_size": len(self.hosts),
+                                                      "results": results}) + "\n"  # fmt: skip

@@ -1,0 +1,230 @@
+"""The CLI's edges and the whole pre-flight run against a fake cluster (no network)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
+
+from netcheck import cli, preflight
+from netcheck.report import CHECKS, Status
+from netcheck.runner import ContainerContext, HostContext, context_for
+
+
+def run(fake, **options):
+    options.setdefault("nnodes", len(fake.hosts))
+    report = preflight.preflight(fake_inventory(), preflight.Options(**options), fake)
+    assert fake.surprises == []
+    return report
+
+
+def fake_inventory():
+    return inventory()
+
+
+def fake(n=2, **faults):
+    return FakeCluster(list(fake_inventory().hosts[:n]), **faults)
+
+
+def cells(report):
+    return {node: {c: report.cell(node, c) for c in report.checks} for node in report.nodes}
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def test_no_inventory_is_one_error_line():
+    proc = run_netcheck()
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "Error: no inventory given (try INVENTORY=path/to/inventory.yml (see "
+        "inventory.example.yml), or 'make sim-up' and INVENTORY=.sim/inventory.yml for the "
+        "simulated cluster)"
+    ]
+
+
+def test_missing_inventory_and_bad_nnodes(tmp_path, capsys):
+    assert cli.main(["-i", str(tmp_path / "none.yml")]) == 2
+    assert capsys.readouterr().err == (f"Error: inventory {tmp_path / 'none.yml'} does not exist "
+                                       "(try a path to an existing file)\n")  # fmt: skip
+    path = tmp_path / "inventory.yml"
+    path.write_text(INVENTORY)
+    assert cli.main(["-i", str(path), "--nnodes", "5"]) == 2
+    assert capsys.readouterr().err == (f"Error: NNODES=5 but inventory {path} lists 3 host(s) "
+                                       "(try NNODES=3 or add hosts to the inventory)\n")  # fmt: skip
+
+
+def test_help_names_every_option():
+    proc = subprocess.run([sys.executable, "-m", "netcheck.cli", "--help"], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    assert proc.returncode == 0
+    for option in (
+        "--inventory",
+        "--nnodes",
+        "--json",
+        "--sweep",
+        "--no-sweep",
+        "--bandwidth",
+        "--pairwise",
+        "--env-file",
+        "--timeout",
+        "exit status: 0 when nothing FAILs",
+    ):
+        assert option in proc.stdout, option
+
+
+def test_bad_timeout_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["-i", "x.yml", "--timeout", "0"])
+    assert exit_info.value.code == 2
+    assert "'0' must be above 0" in capsys.readouterr().err
+
+
+def test_cli_writes_env_file_and_json(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "inventory.yml"
+    path.write_text(INVENTORY)
+    cluster = fake(3)
+    monkeypatch.setattr(cli, "SshRunner", lambda inventory: cluster)
+    assert cli.main(["-i", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is True and data["env_file"] == str(tmp_path / "netcheck-env.json")
+    written = json.loads((tmp_path / "netcheck-env.json").read_text())
+    assert written["nodes"]["node3"] == {"NCCL_SOCKET_IFNAME": "=eth1",
+                                         "GLOO_SOCKET_IFNAME": "eth1", "NCCL_IB_DISABLE": "1"}  # fmt: skip
+    other = tmp_path / "elsewhere" / "env.json"
+    assert cli.main(["-i", str(path), "-n", "2", "--env-file", str(other)]) == 0
+    assert "ready: 0 FAIL, 0 WARN, 0 SKIP" in capsys.readouterr().out
+    assert set(json.loads(other.read_text())["nodes"]) == {"node1", "node2"}
+    assert cluster.surprises == []
+
+
+# --- the whole run, on a fake cluster -------------------------------------------------------
+
+
+def test_healthy_cluster_passes_everything_and_cleans_up():
+    cluster = fake(3)
+    report = run(cluster)
+    assert report.ok and report.checks == list(CHECKS)
+    assert all(s is Status.PASS for row in cells(report).values() for s in row.values())
+    assert report.backend == "gloo" and len(report.measurements) == 6
+    kinds = [k for _, k in cluster.calls]
+    # Every listener and worker started is stopped again.
+    assert kinds.count("serve") == 3 and kinds.count("stop") == 6
+    assert kinds.count("collective") == 3 and kinds.count("freeport") == 1
+    # The workers reported the software facts: torch is imported once per node.
+    assert kinds.count("software") == 0
+    assert report.for_node("node2", "software")[0].detail.startswith("Python 3.11.2, torch 2.14.1")
+
+
+def test_down_node_is_reported_never_raised():
+    cluster = fake(3, down={"node3"})
+    report = run(cluster)
+    assert report.exit_code == 1
+    assert report.cell("node3", "ssh") is Status.FAIL
+    (ssh,) = report.for_node("node3", "ssh")
+    assert ssh.remedy.startswith("on node3: check that the node is up")
+    for check in ("names", "ports", "interfaces", "software"):
+        assert report.cell("node3", check) is Status.SKIP
+    assert report.cell("node3", "ping") is Status.FAIL  # its peers pinged it in vain
+    assert report.cell("node1", "ping") is Status.PASS
+    assert report.cell("node1", "collective") is Status.SKIP
+    assert report.for_node("node1", "collective")[0].detail == (
+        "needs every node; node3 does not answer over SSH"
+    )
+    # Nothing but SSH was attempted on the dead node.
+    assert [k for n, k in cluster.calls if n == "node3"] == ["true"]
+
+
+def test_firewall_fault_skips_the_collective():
+    cluster = fake(2, firewalled={"node2"})
+    report = run(cluster)
+    # Without workers, the software probe runs on its own on every node.
+    assert sorted(n for n, k in cluster.calls if k == "software") == ["node1", "node2"]
+    assert report.cell("node2", "software") is Status.PASS
+    assert report.cell("node2", "ports") is Status.FAIL
+    assert report.cell("node1", "ports") is Status.PASS
+    assert report.cell("node1", "collective") is Status.SKIP
+    assert report.measurements == []
+
+
+def test_loopback_name_and_held_port_and_version_skew():
+    holders = [{"pid": 99, "name": "python3", "command": "python3 -m old.job"}]
+    report = run(fake(2, loopback_name={"node2"}, held_port={"node1": {"port": 29500,
+                                                                        "holders": holders}},
+                      torch={"node2": "2.13.0"}))  # fmt: skip
+    assert report.cell("node2", "names") is Status.FAIL
+    assert report.cell("node1", "ports") is Status.FAIL
+    assert report.for_node("node1", "ports")[0].remedy.startswith("on node1: stop it (kill 99)")
+    assert report.cell("node2", "software") is Status.FAIL
+    assert report.cell("node1", "software") is Status.PASS  # a 1:1 tie goes to the master
+
+
+def test_sweep_and_pairwise_measure_tcp_and_add_the_bandwidth_column():
+    cluster = fake(3)
+    report = run(cluster, sweep=True, pairwise=True)
+    assert report.checks[-1] == "bandwidth"
+    assert [(x.source, x.target) for x in report.ring] == [
+        ("node1", "node2"),
+        ("node2", "node3"),
+        ("node3", "node1"),
+    ]
+    assert len(report.pairwise) == 6
+    assert len(report.measurements) == 27  # 3 ops x 9 sizes
+    # Fake links and collectives both move 1 GB/s; all_reduce busbw over 3 ranks is x 4/3.
+    assert report.busbw_vs_tcp()["ratio"] == pytest.approx(4 / 3, rel=1e-3)
+    assert all(report.cell(n, "bandwidth") is Status.PASS for n in report.nodes)
+
+
+# --- where the training stack is checked ----------------------------------------------------
+
+
+def test_container_context_starts_the_probe_like_the_launcher_starts_a_job():
+    host = fake_inventory().hosts[0]
+    gpu_host = host.__class__(**{**host.__dict__, "gpus": 2})
+    context = ContainerContext("train:1")
+    assert context.wrap(host, "python3 -c 'print(1)'", "netcheck-abc") == (
+        "docker run --rm --init --pull never --label torch-multinode.netcheck=netcheck-abc "
+        "--network host --ipc host --ulimit memlock=-1:-1 --ulimit stack=67108864 train:1 "
+        "sh -c 'python3 -c '\"'\"'print(1)'\"'\"''"
+    )
+    assert " --gpus all train:1 " in context.wrap(gpu_host, "true", "t")
+    assert context.cleanup("netcheck-abc") == (
+        "docker ps -q --filter label=torch-multinode.netcheck=netcheck-abc | xargs -r docker rm "
+        "-f >/dev/null 2>&1; true"
+    )
+    assert isinstance(context_for(fake_inventory()), HostContext)
+    chosen = context_for(inventory(launch_mode="container"))
+    assert isinstance(chosen, ContainerContext) and chosen.image == "torch-multinode/train:latest"
+
+
+def test_container_mode_runs_software_and_collective_in_the_image():
+    cluster = fake(2)
+    report = preflight.preflight(
+        inventory(launch_mode="container"), preflight.Options(nnodes=2), cluster
+    )
+    assert cluster.surprises == []
+    assert report.ok, report.findings
+    assert report.stack == "the training image torch-multinode/train:latest"
+    kinds = [k for n, k in cluster.calls if n == "node1"]
+    # The worker in the image reports the software too; then its leftovers are ended (the pid
+    # file and the container label, in one call).
+    assert kinds[-3:] == ["docker run", "collective", "stop"]
+    # The network checks stay on the host: only the training stack is in the container.
+    assert kinds.count("docker run") == 1 and "software" not in kinds
+
+
+def test_a_worker_that_cannot_start_gets_the_software_probe_alone():
+    cluster = fake(2, broken_worker={"node2"})
+    report = run(cluster)
+    assert [n for n, k in cluster.calls if k == "software"] == ["node2"]
+    (collective,) = report.for_node("node2", "collective")
+    assert collective.detail == ("the worker failed: exit 1: /opt/venv/bin/python: No module named "
+                                 "netcheck.collective")  # fmt: skip
+    assert report.cell("node2", "software") is Status.PASS
+    assert report.for_node("node1", "collective")[0].detail.endswith(
+        "(waiting for node2, which failed)"
+    )

@@ -1,0 +1,520 @@
+"""Fast tests of netcheck's arithmetic, parsers and judgements: no network, no Docker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from netcheck_fakes import facts_text, inventory, link, ping_lost, ping_ok
+
+from cluster.errors import ClusterError
+from netcheck import bandwidth, checks, collective, envfile, facts
+from netcheck.report import Finding, Link, Measurement, Report, Status, human_bytes, render
+from netcheck.runner import ContainerContext
+
+INV = inventory()
+N1, N2, N3 = INV.hosts
+SUBNET = "10.9.0.0/24"
+
+
+def healthy_facts(host, hosts=(N1, N2), **change):
+    me = str(host.compute_ip)
+    resolved = {"own hostname": [me], "own FQDN": [me], str(N1.compute_ip): [str(N1.compute_ip)]}
+    resolved.update({h.name: [str(h.compute_ip)] for h in hosts})
+    resolved.update(change.pop("resolved", {}))
+    links = change.pop("links", [link("lo", "127.0.0.1", 65536), link("eth1", me)])
+    routes = {str(h.compute_ip): {"dev": "eth1", "prefsrc": me} for h in hosts if h != host}
+    routes.update(change.pop("routes", {}))
+    pings = {h.name: ping_ok(str(h.compute_ip)) for h in hosts if h != host}
+    pings.update(change.pop("pings", {}))
+    text = facts_text(change.pop("hostname", host.name), resolved, links, routes, pings, **change)
+    return facts.parse(text)
+
+
+def only(findings, node, check=None, status=None):
+    found = [f for f in findings if f.node == node and (check is None or f.check == check)]
+    if status is not None:
+        found = [f for f in found if f.status is status]
+    return found
+
+
+# --- bandwidth arithmetic -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "n", "factor"),
+    [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75),
+     ("all_gather", 2, 0.5), ("all_gather", 4, 0.75), ("broadcast", 2, 1.0),
+     ("broadcast", 8, 1.0), ("all_reduce", 1, 0.0)],
+)  # fmt: skip
+def test_bus_factors_are_nccl_tests_formulas(op, n, factor):
+    assert bandwidth.bus_factor(op, n) == pytest.approx(factor)
+
+
+def test_algbw_and_busbw_in_gigabytes_per_second():
+    # 64 MiB in 0.5 s over 4 ranks: algbw 0.134217728 GB/s, all_reduce busbw x 1.5.
+    assert bandwidth.algbw(64 << 20, 0.5) == pytest.approx(0.134217728)
+    assert bandwidth.busbw("all_reduce", 64 << 20, 0.5, 4) == pytest.approx(0.201326592)
+    assert bandwidth.busbw("all_gather", 64 << 20, 0.5, 4) == pytest.approx(0.100663296)
+    assert bandwidth.busbw("broadcast", 64 << 20, 0.5, 4) == pytest.approx(0.134217728)
+
+
+def test_unknown_op_and_bad_rank_count_are_refused():
+    with pytest.raises(ValueError, match="unknown collective"):
+        bandwidth.bus_factor("reduce_scatter_v", 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        bandwidth.bus_factor("all_reduce", 0)
+
+
+def test_sizes_elements_and_iterations():
+    assert bandwidth.SWEEP_SIZES[0] == 1024 and bandwidth.SWEEP_SIZES[-1] == 64 << 20
+    assert bandwidth.elements("all_reduce", 1 << 20, 4) == 262144
+    # all_gather's size is the gathered whole, as in nccl-tests: each rank holds 1/n of it.
+    assert bandwidth.elements("all_gather", 1 << 20, 4) == 65536
+    assert bandwidth.iterations(1024) == bandwidth.MAX_ITERATIONS
+    assert bandwidth.iterations(64 << 20) == bandwidth.MIN_ITERATIONS
+
+
+def test_measurements_apply_the_formulas():
+    rows = [{"op": "all_reduce", "bytes": 1 << 20, "seconds": 0.01, "mismatches": 0}]
+    (m,) = checks.measurements(rows, 2)
+    assert m.algbw == pytest.approx(0.1048576) and m.busbw == pytest.approx(0.1048576)
+
+
+# --- parsers --------------------------------------------------------------------------------
+
+
+def test_parse_ping_success_loss_and_error():
+    ok = facts.parse_ping(ping_ok("10.9.0.12", 0.25))
+    assert (ok.transmitted, ok.received, ok.loss, ok.rtt_avg_ms) == (5, 5, 0.0, 0.25)
+    lost = facts.parse_ping(ping_lost("10.9.0.12"))
+    assert lost.loss == 100.0 and lost.rtt_avg_ms is None and lost.error is None
+    partial = facts.parse_ping("5 packets transmitted, 4 received, 20% packet loss, time 1ms\n"
+                               "rtt min/avg/max/mdev = 0.1/0.2/0.3/0.1 ms")  # fmt: skip
+    assert partial.loss == 20.0 and partial.rtt_avg_ms == 0.2
+    broken = facts.parse_ping("sh: 1: ping: not found")
+    assert broken.error == "sh: 1: ping: not found"
+
+
+def test_parse_getent_keeps_order_and_drops_repeats():
+    text = "172.30.0.11 STREAM debian-1\n172.30.0.11 DGRAM\n172.29.0.11 STREAM\n"
+    assert facts.parse_getent(text) == ["172.30.0.11", "172.29.0.11"]
+    assert facts.parse_getent("") == []
+
+
+def test_parse_route_and_speed():
+    assert facts.parse_route('[{"dst":"1.2.3.4","dev":"eth1","prefsrc":"1.2.3.5"}]') == \
+        facts.Route("eth1", "1.2.3.5")  # fmt: skip
+    assert facts.parse_route("RTNETLINK answers: Network is unreachable").error == \
+        "RTNETLINK answers: Network is unreachable"  # fmt: skip
+    assert facts.parse_speed("10000\n") == 10000
+    assert facts.parse_speed("-1") is None and facts.parse_speed("") is None
+
+
+def test_parse_facts_sections():
+    f = healthy_facts(N1, infiniband="mlx5_0\n")
+    assert f.hostname == "node1" and f.resolved["node2"] == ["10.9.0.12"]
+    assert f.interfaces["eth1"].mtu == 1500 and f.interfaces["eth1"].up
+    assert f.routes["10.9.0.12"].dev == "eth1" and f.pings["node2"].loss == 0.0
+    assert f.speed_mbps == 10000 and f.infiniband == ["mlx5_0"]
+    assert facts.parse("@@links\nnot json\n").errors == ["ip -j addr show: not JSON: not json"]
+
+
+def test_facts_script_asks_for_everything_with_quoting():
+    text = facts.script(N1, [N1, N2, N3], "10.9.0.11")
+    assert "ping -n -q -c 5 -i 0.2 -W 1 -w 3 10.9.0.12" in text
+    assert "getent ahostsv4 node3" in text and "ip -j route get 10.9.0.13" in text
+    assert "cat /sys/class/net/eth1/speed" in text and "/sys/class/infiniband" in text
+    assert "10.9.0.11 >" not in text  # never pings itself
+
+
+# --- names ----------------------------------------------------------------------------------
+
+
+def test_names_healthy_pass():
+    found = checks.name_findings([N1, N2], {"node1": healthy_facts(N1), "node2": healthy_facts(N2)},
+                                 "10.9.0.11", N1)  # fmt: skip
+    assert [f.status for f in found] == [Status.PASS, Status.PASS]
+
+
+def test_own_name_on_loopback_fails_on_that_node_with_the_fix():
+    bad = healthy_facts(N2, resolved={"node2": ["127.0.1.1", "10.9.0.12"],
+                                      "own hostname": ["127.0.1.1", "10.9.0.12"]})  # fmt: skip
+    found = checks.name_findings([N1, N2], {"node1": healthy_facts(N1), "node2": bad},
+                                 "10.9.0.11", N1)  # fmt: skip
+    (fail,) = only(found, "node2", status=Status.FAIL)
+    assert fail.detail == "node2 resolves its own name node2 to 127.0.1.1"
+    assert fail.remedy == ("on node2: in /etc/hosts map node2 to 10.9.0.12, not 127.0.1.1 "
+                           "(change or remove the 127.0.1.1 line)")  # fmt: skip
+    assert only(found, "node1")[0].status is Status.PASS
+
+
+def test_unresolvable_peer_and_wrong_first_address():
+    f = healthy_facts(N1, resolved={"node2": [], "node1": ["10.8.0.11", "10.9.0.11"]})
+    found = checks.name_findings([N1, N2], {"node1": f}, "10.9.0.11", N1)
+    details = sorted(x.detail for x in found)
+    assert details == [
+        "node1 cannot resolve node2",
+        "node1 resolves node1 to 10.8.0.11, 10.9.0.11, not its compute IP 10.9.0.11",
+    ]
+    remedies = {x.detail: x.remedy for x in found}
+    assert remedies["node1 cannot resolve node2"] == (
+        "on node1: add '10.9.0.12 node2' to /etc/hosts (provisioning does this)"
+    )
+
+
+def test_rendezvous_address_must_resolve_to_the_masters_ip():
+    f = healthy_facts(N2, resolved={"master": ["10.9.0.99"]})
+    found = checks.name_findings([N1, N2], {"node2": f}, "master", N1)
+    (fail,) = found
+    assert fail.detail == ("node2 resolves the rendezvous address master to 10.9.0.99, not "
+                           "node1's compute IP 10.9.0.11")  # fmt: skip
+
+
+def test_hostname_unlike_inventory_name_warns():
+    found = checks.name_findings([N1], {"node1": healthy_facts(N1, hosts=(N1,), hostname="pc7")},
+                                 "10.9.0.11", N1)  # fmt: skip
+    (warn,) = found
+    assert warn.status is Status.WARN and warn.remedy == "on node1: hostnamectl set-hostname node1"
+
+
+# --- interfaces -----------------------------------------------------------------------------
+
+
+def test_interfaces_healthy_give_exact_socket_env():
+    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1),
+                                                   "node2": healthy_facts(N2)}, N1)  # fmt: skip
+    assert [f.status for f in verdict.findings] == [Status.PASS, Status.PASS]
+    assert verdict.env["node2"] == {"NCCL_SOCKET_IFNAME": "=eth1", "GLOO_SOCKET_IFNAME": "eth1",
+                                    "NCCL_IB_DISABLE": "1"}  # fmt: skip
+    assert verdict.broken == set() and verdict.speeds == {"node1": 10000, "node2": 10000}
+
+
+def test_infiniband_present_leaves_ib_enabled():
+    assert checks.socket_env("ib0", ["mlx5_0"]) == {"NCCL_SOCKET_IFNAME": "=ib0",
+                                                   "GLOO_SOCKET_IFNAME": "ib0"}  # fmt: skip
+
+
+def test_interface_down_fails_once_with_the_command():
+    down = healthy_facts(N2, links=[link("eth1", "10.9.0.12", flags=("BROADCAST",))],
+                         routes={"10.9.0.11": {"dev": "eth0"}})  # fmt: skip
+    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": down}, N1)
+    (fail,) = only(verdict.findings, "node2")
+    assert fail.detail == "node2's eth1 is down"
+    assert fail.remedy == "on node2: ip link set eth1 up (and make it persistent in netplan)"
+    assert verdict.broken == {"node2"}
+
+
+def test_route_through_the_wrong_interface_fails():
+    f = healthy_facts(N2, routes={"10.9.0.11": {"dev": "eth0", "prefsrc": "10.8.0.12"}})
+    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": f}, N1)
+    (fail,) = only(verdict.findings, "node2")
+    assert fail.detail == "node2's route to node1 (10.9.0.11) leaves through eth0, not eth1"
+    assert fail.remedy.startswith("on node2: remove the route that sends 10.9.0.11 through eth0")
+
+
+def test_missing_interface_points_at_the_one_holding_the_ip():
+    f = healthy_facts(N2, links=[link("enp3s0", "10.9.0.12")])
+    verdict = checks.interface_findings([N2], {"node2": f}, N1)
+    (fail,) = verdict.findings
+    assert fail.detail == "node2 has no interface eth1 (it has enp3s0)"
+    assert (
+        fail.remedy
+        == "on node2: set compute_interface: enp3s0 in the inventory (10.9.0.12 is there)"
+    )
+    assert "node2" not in verdict.env
+
+
+def test_mtu_mismatch_blames_the_minority_and_the_master_breaks_ties():
+    odd = healthy_facts(N2, hosts=(N1, N2, N3), links=[link("eth1", "10.9.0.12", 1400)])
+    trio = {"node1": healthy_facts(N1, hosts=(N1, N2, N3)), "node2": odd,
+            "node3": healthy_facts(N3, hosts=(N1, N2, N3))}  # fmt: skip
+    verdict = checks.interface_findings([N1, N2, N3], trio, N1)
+    (fail,) = only(verdict.findings, "node2", status=Status.FAIL)
+    assert fail.detail == "node2's eth1 MTU is 1400, not 1500 as on node1, node3"
+    assert fail.remedy.startswith("on node2: ip link set eth1 mtu 1500")
+    pair = {
+        "node1": healthy_facts(N1),
+        "node2": healthy_facts(N2, links=[link("eth1", "10.9.0.12", 9000)]),
+    }
+    verdict = checks.interface_findings([N1, N2], pair, N1)
+    assert [f.node for f in verdict.findings if f.status is Status.FAIL] == ["node2"]
+
+
+def test_interface_names_and_speeds_compared_across_nodes():
+    f2 = healthy_facts(N2, links=[link("eth1", "10.9.0.12")], speed="1000")
+    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": f2}, N1)
+    (warn,) = only(verdict.findings, "node2", status=Status.WARN)
+    assert warn.detail == "node2's eth1 runs at 1000 Mb/s, others at 10000 Mb/s"
+
+
+# --- ping -----------------------------------------------------------------------------------
+
+
+def test_lost_pings_are_reported_on_the_node_at_fault():
+    f1 = healthy_facts(N1, pings={"node2": ping_lost("10.9.0.12")})
+    f2 = healthy_facts(N2, pings={"node1": ping_lost("10.9.0.11")})
+    found = checks.ping_findings([N1, N2], {"node1": f1, "node2": f2}, {"node2"}, SUBNET)
+    assert only(found, "node1")[0].status is Status.PASS
+    fails = only(found, "node2", status=Status.FAIL)
+    assert len(fails) == 2
+    assert all(f.remedy == "on node2: fix eth1 first (see interfaces)" for f in fails)
+
+
+def test_a_node_ssh_cannot_reach_is_named_in_its_ping_failure():
+    f1 = healthy_facts(N1, pings={"node2": ping_lost("10.9.0.12")})
+    found = checks.ping_findings([N1, N2], {"node1": f1}, set(), SUBNET, {"node2"})
+    (fail,) = only(found, "node2")
+    assert (
+        fail.detail
+        == "no reply from node2 (10.9.0.12) to ping from node1 (nor does SSH reach node2)"
+    )
+    assert fail.remedy == "on node2: check that the node is up and on the network"
+
+
+def test_partial_loss_and_high_rtt():
+    text = ("5 packets transmitted, 4 received, 20% packet loss, time 1ms\n"
+            "rtt min/avg/max/mdev = 0.1/0.2/0.3/0.1 ms")  # fmt: skip
+    found = checks.ping_findings([N1, N2], {"node1": healthy_facts(N1, pings={"node2": text}),
+                                            "node2": healthy_facts(N2, pings={
+                                                "node1": ping_ok("10.9.0.11", 7.5)})},
+                                 set(), SUBNET)  # fmt: skip
+    (loss,) = only(found, "node2", status=Status.FAIL)
+    assert loss.detail == "20% packet loss from node1 to node2 (10.9.0.12)"
+    (slow,) = only(found, "node2", status=Status.WARN)
+    assert slow.detail.startswith("rtt 7.50 ms from node2 to node1")
+
+
+# --- ports ----------------------------------------------------------------------------------
+
+
+def listening(node, *ports):
+    return checks.Listening(node, [{"requested": p, "ok": True, "port": p or 41000} for p in ports])
+
+
+def test_firewalled_high_port_fails_on_the_target():
+    listeners = {"node1": listening("node1", 29500, 0), "node2": listening("node2", 29500, 0)}
+    connects = {
+        "node1": [{"name": "node2", "port": 29500, "ok": True},
+                  {"name": "node2", "port": 41000, "ok": False, "error": "timed out"}],
+        "node2": [{"name": "node1", "port": 29500, "ok": True},
+                  {"name": "node1", "port": 41000, "ok": True}],
+    }  # fmt: skip
+    found = checks.port_findings([N1, N2], N1, 29500, listeners, connects, set(), SUBNET)
+    (fail,) = only(found, "node2")
+    assert fail.status is Status.FAIL
+    assert fail.detail == "node1 cannot connect to node2:41000 (random high port, timed out)"
+    assert fail.remedy == ("on node2: allow TCP on all ports from 10.9.0.0/24 in the firewall "
+                           "(e.g. ufw allow from 10.9.0.0/24); NCCL and gloo use random high ports")  # fmt: skip
+    assert only(found, "node1")[0].status is Status.PASS
+
+
+def test_rendezvous_port_in_use_on_the_master_names_the_process():
+    held = {"requested": 29500, "ok": False, "error": "Address already in use", "in_use": True,
+            "holders": [{"pid": 77, "name": "python3", "command": "python3 train.py"}]}  # fmt: skip
+    listeners = {"node1": checks.Listening("node1", [held, {"requested": 0, "ok": True, "port": 41000}]),
+                 "node2": listening("node2", 29500, 0)}  # fmt: skip
+    found = checks.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
+    (fail,) = only(found, "node1")
+    assert fail.detail == ("rendezvous port 29500 on the master node1 is in use: used by python3 "
+                           "(pid 77: python3 train.py)")  # fmt: skip
+    assert fail.remedy == ("on node1: stop it (kill 77), or set rendezvous_port to a free port in "
+                           "the inventory")  # fmt: skip
+    # On a worker the same is only a warning: just the master listens there.
+    listeners = {"node1": listening("node1", 29500, 0), "node2": checks.Listening("node2", [held])}
+    found = checks.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
+    assert only(found, "node2")[0].status is Status.WARN
+
+
+# --- software -------------------------------------------------------------------------------
+
+
+def probe(**change):
+    base = {"python": "3.11.2", "torch": "2.14.1", "cuda": "13.0", "nccl": "2.30.7", "gloo": True,
+            "netcheck": True, "gpus": 0, "shm_bytes": 64 << 20, "memlock_bytes": 8 << 20,
+            "cuda_available": False, "nccl_backend": True}  # fmt: skip
+    base.update(change)
+    return base
+
+
+def test_version_mismatch_fails_on_the_odd_node():
+    found = checks.software_findings(
+        [N1, N2, N3], {"node1": probe(), "node2": probe(torch="2.13.0"), "node3": probe()}, N1
+    )
+    (fail,) = only(found, "node2")
+    assert fail.detail == "torch 2.13.0 on node2, 2.14.1 on node1, node3"
+    assert (
+        fail.remedy == "on node2: install torch 2.14.1 in /opt/venv/bin/python (as on node1, node3)"
+    )
+    assert only(found, "node1")[0].status is Status.PASS
+
+
+def test_gpu_count_shm_and_missing_torch():
+    found = checks.software_findings(
+        [N1, N2], {"node1": probe(gpus=1, shm_bytes=32 << 20),
+                   "node2": "exit 125: Unable to find image 'train:1' locally"}, N1,
+        ContainerContext("train:1"),
+    )  # fmt: skip
+    details = [f.detail for f in only(found, "node1")]
+    assert details == ["torch sees 1 GPU(s) on node1, the inventory says 0",
+                       "/dev/shm is 32 MiB (container mode), below 64 MiB"]  # fmt: skip
+    (fail,) = only(found, "node2")
+    assert fail.detail == ("the training image train:1 did not answer: exit 125: Unable to find "
+                           "image 'train:1' locally")  # fmt: skip
+    assert fail.remedy == ("on node2: check that docker runs the training image train:1 there "
+                           "(docker image ls)")  # fmt: skip
+
+
+def test_backend_is_nccl_only_when_every_rank_has_usable_gpus():
+    gpu = probe(cuda_available=True, gpus=1)
+    assert collective.choose_backend([gpu, gpu], allow_nccl=True) == "nccl"
+    assert collective.choose_backend([gpu, probe()], allow_nccl=True) == "gloo"
+    assert collective.choose_backend([gpu, gpu], allow_nccl=False) == "gloo"
+    assert collective.choose_backend([gpu, {**gpu, "nccl_backend": False}], True) == "gloo"
+
+
+# --- collective and bandwidth ---------------------------------------------------------------
+
+
+def test_collective_mismatch_and_timeouts_name_the_failing_node():
+    results = {
+        "node1": {"rank": 0, "ok": False, "error": "all_reduce of 1024 bytes did not finish within 30 s"},
+        "node2": "exit 1: /usr/bin/python3: No module named netcheck.collective",
+        "node3": {"rank": 2, "ok": False, "results": [
+            {"op": "broadcast", "bytes": 1024, "seconds": 0.1, "mismatches": 3}]},
+    }  # fmt: skip
+    rerun = {n: f"rerun-{n}" for n in results}
+    stacks = {"node1": probe(), "node2": results["node2"], "node3": probe()}
+    found = checks.collective_findings([N1, N2, N3], results, "gloo", rerun, stacks)
+    by_node = {f.node: f for f in found}
+    assert by_node["node1"].detail.endswith("(waiting for node2, node3, which failed)")
+    assert by_node["node1"].remedy == "on node2: fix the failure reported there"
+    assert by_node["node2"].remedy == "on node2: run it by hand to see the whole error: rerun-node2"
+    assert by_node["node2"].detail == ("the worker failed: exit 1: /usr/bin/python3: No module "
+                                       "named netcheck.collective")  # fmt: skip
+    assert by_node["node3"].detail == "broadcast of 1024 bytes gave 3 wrong value(s) on node3"
+    # A worker that cannot import torch points at the software check.
+    found = checks.collective_findings(
+        [N1],
+        {"node1": {"rank": 0, "ok": False, "error": "ImportError: libcudnn.so.9"}},
+        "gloo",
+        {"node1": "x"},
+        {"node1": probe(torch_error="ImportError: libcudnn.so.9")},
+    )
+    assert (found[0].detail, found[0].remedy) == (
+        "the worker cannot import torch: ImportError: libcudnn.so.9",
+        "on node1: fix the software FAIL first",
+    )
+
+
+def test_busbw_far_below_raw_tcp_warns_and_slow_sender_is_named():
+    measured = [Measurement("all_reduce", 64 << 20, 1.0, 0.067, 0.05)]
+    ring = [Link("node1", "node2", 1 << 27, 1.0), Link("node2", "node1", 1 << 27, 1.0)]
+    pairwise = [Link("node1", "node2", 1 << 26, 0.1), Link("node2", "node1", 1 << 26, 0.1),
+                Link("node1", "node3", 1 << 26, 0.1), Link("node3", "node1", 1 << 26, 1.0),
+                Link("node2", "node3", 1 << 26, 0.1), Link("node3", "node2", 1 << 26, 1.0)]  # fmt: skip
+    found = checks.bandwidth_findings([N1, N2, N3], N1, measured, ring, pairwise, {})
+    (ratio,) = only(found, "node1", status=Status.WARN)
+    assert ratio.detail == "all_reduce busbw 0.050 GB/s at 64 MiB is 37% of raw TCP 0.134 GB/s"
+    slow = only(found, "node3", status=Status.WARN)
+    assert [f.detail.split(":")[0] for f in slow] == ["slow link node3 -> node1",
+                                                      "slow link node3 -> node2"]  # fmt: skip
+    assert all("(node3 is slow sending)" in f.detail and f.remedy.startswith("on node3:")
+               for f in slow)  # fmt: skip
+    assert only(found, "node2")[0].status is Status.PASS
+
+
+# --- report and env file --------------------------------------------------------------------
+
+
+def sample_report():
+    report = Report("inv.yml", ["node1", "node2"], "node1", "10.9.0.11:29500")
+    for check in ("ssh", "ping", "names", "ports", "interfaces", "software", "collective"):
+        report.findings.append(Finding(check, "node1", Status.PASS, "fine"))
+        report.findings.append(Finding(check, "node2", Status.PASS, "fine"))
+    return report
+
+
+def test_report_cells_exit_code_and_json_shape():
+    report = sample_report()
+    assert report.ok and report.exit_code == 0
+    report.findings.append(Finding("ports", "node2", Status.FAIL, "blocked", "on node2: open it"))
+    report.findings.append(Finding("ports", "node2", Status.WARN, "meh"))
+    assert report.cell("node2", "ports") is Status.FAIL and report.exit_code == 1
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["ok"] is False and data["exit_code"] == 1
+    assert data["checks"] == [
+        "ssh",
+        "ping",
+        "names",
+        "ports",
+        "interfaces",
+        "software",
+        "collective",
+    ]
+    assert data["results"]["node2"]["ports"] == {"status": "FAIL", "detail": "fine; blocked; meh",
+                                                 "remedies": ["on node2: open it"]}  # fmt: skip
+    assert data["counts"] == {"PASS": 14, "WARN": 1, "FAIL": 1, "SKIP": 0}
+
+
+def test_render_table_and_problems():
+    report = sample_report()
+    report.findings.append(Finding("names", "node2", Status.FAIL, "loopback", "on node2: fix it"))
+    report.measurements = [Measurement("all_reduce", 1 << 20, 0.01, 0.105, 0.105)]
+    report.backend = "gloo"
+    text = render(report)
+    assert "node   ssh   ping  names  ports  interfaces  software  collective" in text
+    assert "node2  PASS  PASS  FAIL   PASS   PASS        PASS      PASS" in text
+    assert "  all_reduce      1 MiB   10.00 ms  0.105 GB/s  0.105 GB/s" in text
+    assert "  FAIL names node2: loopback\n       try on node2: fix it" in text
+    assert text.endswith("NOT ready: 1 FAIL, 0 WARN, 0 SKIP in 0.0 s")
+    assert human_bytes(1 << 20) == "1 MiB" and human_bytes(1000) == "1000 B"
+
+
+def test_env_file_round_trip_and_errors(tmp_path):
+    env = {"node1": {"NCCL_SOCKET_IFNAME": "=eth1", "GLOO_SOCKET_IFNAME": "eth1",
+                     "NCCL_IB_DISABLE": "1"}}  # fmt: skip
+    path = envfile.write(tmp_path / "netcheck-env.json", env)
+    assert envfile.load(path) == env
+    assert set(json.loads(path.read_text())) == {"nodes", "written_at"}
+    assert envfile.default_path(tmp_path / "inv.yml") == tmp_path / "netcheck-env.json"
+    with pytest.raises(ClusterError) as missing:
+        envfile.load(tmp_path / "nope.json")
+    assert missing.value.line() == (f"Error: the netcheck env file {tmp_path / 'nope.json'} does "
+                                    "not exist (try 'make netcheck' first: it writes the file "
+                                    "next to the inventory)")  # fmt: skip
+    (tmp_path / "bad.json").write_text('{"nodes": {"node1": {"X": 1}}}')
+    with pytest.raises(ClusterError, match="no valid 'nodes' mapping"):
+        envfile.load(tmp_path / "bad.json")
+
+
+def test_ubuntu_style_loopback_hostname_fails_once_and_warns_about_the_name():
+    f = healthy_facts(N1, hosts=(N1,), hostname="pc7",
+                      resolved={"own hostname": ["127.0.1.1"], "own FQDN": ["127.0.1.1"]})  # fmt: skip
+    found = checks.name_findings([N1], {"node1": f}, "10.9.0.11", N1)
+    assert [(x.status, x.detail) for x in found] == [
+        (Status.FAIL, "node1's own hostname 'pc7' resolves to 127.0.1.1"),
+        (Status.WARN, "node1's hostname is 'pc7', the inventory calls it node1"),
+    ]
+    assert found[0].remedy == "on node1: in /etc/hosts map pc7 to 10.9.0.11, not 127.0.1.1"
+
+
+def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
+    from netcheck import preflight
+
+    env = checks.socket_env("eth1", [])
+    command = preflight.worker_command(N2, 1, [N1, N2], 45555, (1024,), 30.0, env, N2.python,
+                                       "netcheck-abc")  # fmt: skip
+    assert command == (
+        "env GLOO_SOCKET_IFNAME=eth1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME==eth1 "
+        "/opt/venv/bin/python -m netcheck.collective --rank 1 --world-size 2 --master-addr "
+        "10.9.0.11 --master-port 45555 --sizes 1024 --timeout 30 --token netcheck-abc"
+    )
+    gpus = [h.__class__(**{**h.__dict__, "gpus": 1}) for h in (N1, N2)]
+    assert " --allow-nccl " in preflight.worker_command(
+        gpus[0], 0, gpus, 1, (1,), 1.0, {}, "p", "t"
+    )
+    wrapped = preflight.wall_clock(command, 150, "/tmp/netcheck-abc-collective.pid")
+    assert wrapped.startswith("timeout -k 5 150 env ")
+    assert wrapped.endswith("& echo $! > /tmp/netcheck-abc-collective.pid; wait $!; rc=$?; "
+                            "rm -f /tmp/netcheck-abc-collective.pid; exit $rc")  # fmt: skip
