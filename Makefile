@@ -10,6 +10,7 @@ ARGS      ?=
 ANSIBLE_ARGS ?=
 PYTHON    ?= python3
 VENV      ?= .venv
+IMAGE     ?= torch-multinode/train:latest
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -48,6 +49,10 @@ train: $(STAMP)
 	$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)" --nnodes $(NNODES)) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(ARGS)),-- $(ARGS))
 
+.PHONY: image  ## build the training image: CUDA where nvidia-smi works, else the CPU twin
+image: $(STAMP)
+	$(BIN)/cluster image --tag $(IMAGE)
+
 .PHONY: check-inventory  ## validate INVENTORY (and NNODES) without touching any host
 check-inventory: $(STAMP)
 	$(BIN)/cluster check -i "$(INVENTORY)" --nnodes $(NNODES)
@@ -64,6 +69,7 @@ sim-down: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint docker/Dockerfile docker/sim-node/Dockerfile
 
 .PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
 test: $(STAMP)

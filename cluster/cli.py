@@ -13,6 +13,7 @@ from pathlib import Path
 from cluster import inventory as inventory_module
 from cluster import sim
 from cluster.errors import ClusterError
+from cluster.inventory import DEFAULT_TRAINING_IMAGE
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +31,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("-i", "--inventory", help="path of the Ansible YAML inventory")
     check.add_argument("-n", "--nnodes", help="how many nodes the job will use (default: all)")
+
+    image = commands.add_parser(
+        "image",
+        help="build the training image (CUDA where nvidia-smi works, else the CPU twin)",
+        description="Build the training image from docker/Dockerfile and print what it holds.",
+    )
+    image.add_argument(
+        "--kind", choices=("auto", "cpu", "cuda"), default="auto",
+        help="auto: CUDA when this machine has a working nvidia-smi, else CPU (default)",
+    )  # fmt: skip
+    image.add_argument("--tag", default=DEFAULT_TRAINING_IMAGE, help="default: %(default)s")
 
     simulated = commands.add_parser(
         "sim", help="the simulated cluster (node containers reached over SSH)"
@@ -80,6 +92,15 @@ def run(args: argparse.Namespace) -> int:
             role = "master" if rank == 0 else "worker"
             print(f"  node_rank {rank}  {host.name:<16} ssh {host.ssh_address:<16} compute "
                   f"{host.compute_ip} ({host.compute_interface})  gpus {host.gpus}  {role}")  # fmt: skip
+        return 0
+
+    if args.command == "image":
+        from cluster import images
+
+        built = images.build(args.kind, args.tag, progress=_progress)
+        print(f"Built {built.tag} ({built.kind}, {built.image_id[:19]}) in {built.seconds:.0f} s:")
+        for name, version in images.versions(built.tag).items():
+            print(f"  {name}: {version}")
         return 0
 
     config = sim.SimConfig(args.name, args.subnet, Path(args.state_dir), args.mgmt_subnet)

@@ -150,7 +150,7 @@ def require_engine() -> None:
         )
 
 
-def _image_exists(image: str) -> bool:
+def image_exists(image: str) -> bool:
     return docker("image", "inspect", image, check=False).returncode == 0
 
 
@@ -184,29 +184,35 @@ def debian_mirror(sources_dir: Path = Path("/etc/apt")) -> tuple[str, str]:
     )
 
 
-def build_images(progress: Progress = _quiet, rebuild_base: bool = False) -> None:
-    """The base from Debian's packages once (about 30 s), then the node image (cached layers)."""
+def debian_base(image: str, packages: tuple[str, ...], progress: Progress = _quiet) -> None:
+    """Make `image` from Debian's packages with mmdebstrap, once: no registry is needed."""
     require_engine()
-    if rebuild_base or not _image_exists(BASE_IMAGE):
-        if shutil.which("mmdebstrap") is None:
-            raise ClusterError(
-                "mmdebstrap is needed to make the base image",
-                hint="apt-get install -y mmdebstrap",
-                exit_code=1,
-            )
-        mirror, suite = debian_mirror()
-        progress(f"Making the node base image from Debian {suite} packages (once, ~30 s)...")
-        with tempfile.TemporaryDirectory(prefix="sim-base-") as tmp:
-            tarball = Path(tmp) / "base.tar"
-            proc = subprocess.run(
-                ["mmdebstrap", "--variant=apt", f"--include={','.join(BASE_PACKAGES)}",
-                 suite, str(tarball), mirror],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
-            if proc.returncode != 0:
-                tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-                raise ClusterError(f"mmdebstrap failed: {tail[0]}", exit_code=1)
-            docker("import", str(tarball), BASE_IMAGE)
+    if image_exists(image):
+        return
+    if shutil.which("mmdebstrap") is None:
+        raise ClusterError(
+            f"mmdebstrap is needed to make the base image {image}",
+            hint="apt-get install -y mmdebstrap",
+            exit_code=1,
+        )
+    mirror, suite = debian_mirror()
+    progress(f"Making {image} from Debian {suite} packages (once, ~30 s)...")
+    with tempfile.TemporaryDirectory(prefix="debian-base-") as tmp:
+        tarball = Path(tmp) / "base.tar"
+        proc = subprocess.run(
+            ["mmdebstrap", "--variant=apt", f"--include={','.join(packages)}",
+             suite, str(tarball), mirror],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            raise ClusterError(f"mmdebstrap failed: {tail[0]}", exit_code=1)
+        docker("import", str(tarball), image)
+
+
+def build_images(progress: Progress = _quiet) -> None:
+    """The node base from Debian's packages once, then the node image (cached layers)."""
+    debian_base(BASE_IMAGE, BASE_PACKAGES, progress)
     progress("Building the node image (cached after the first time)...")
     docker("build", "--quiet", "--build-arg", f"BASE={BASE_IMAGE}", "-t", NODE_IMAGE,
            str(SIM_NODE_CONTEXT))  # fmt: skip
