@@ -70,6 +70,8 @@ class Inventory:
     launch_mode: str = "container"
     """'container': jobs run in training_image on each node; 'host': with each node's Python."""
     training_image: str = DEFAULT_TRAINING_IMAGE
+    container_memlock: str = "unlimited"
+    """Locked-memory limit for the training container: 'unlimited' (what RDMA wants) or bytes."""
 
     @property
     def master(self) -> Host:
@@ -234,7 +236,17 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
             )
         ssh_targets[target] = name
         hosts.append(host)
-    return Inventory(path, tuple(hosts), subnet, port, known_hosts, launch_mode, image)
+    memlock = merged.get("container_memlock", "unlimited")
+    if memlock != "unlimited" and (
+        isinstance(memlock, bool) or not isinstance(memlock, int) or memlock < 0
+    ):
+        raise ClusterError(
+            f"{where}: cluster field 'container_memlock': {memlock!r} is neither 'unlimited' "
+            "nor a number of bytes"
+        )
+    return Inventory(
+        path, tuple(hosts), subnet, port, known_hosts, launch_mode, image, str(memlock)
+    )
 
 
 def _mapping(value, where: str) -> dict:

@@ -348,6 +348,9 @@ def write_inventory(config: SimConfig, count: int) -> Path:
                 # Jobs run with the controller's venv, mounted read-only at the same path on
                 # every node (the training image is for nodes that run Docker).
                 "launch_mode": "host",
+                # Nothing in this sandbox may raise RLIMIT_MEMLOCK (no CAP_SYS_RESOURCE), so a
+                # training container keeps the nodes' 8 MiB; real clusters use 'unlimited'.
+                "container_memlock": 8388608,
                 # That venv's interpreter:
                 "training_python": str(Path(sys.prefix) / "bin" / "python"),
                 # The nodes do not own their network: docker assigns their addresses.

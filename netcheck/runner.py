@@ -16,6 +16,7 @@ import shlex
 import threading
 from typing import Protocol
 
+from cluster.containers import training_container_options
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, Result
 
@@ -125,15 +126,14 @@ NETCHECK_LABEL = "torch-multinode.netcheck"
 
 class ContainerContext:
     """Jobs run in the training image (launch_mode: container), so the probes run there too,
-    started the way the launcher starts a job: host network and IPC, memlock unlimited, GPUs
-    where the inventory lists them. `--pull never`: a missing image is a finding, not a
-    download."""
+    started exactly the way the launcher starts a job (cluster.containers)."""
 
     name = "container"
     PYTHON = "python3"  # the image's PATH puts its own torch-carrying interpreter first
 
-    def __init__(self, image: str):
+    def __init__(self, image: str, memlock: str = "unlimited"):
         self.image = image
+        self.memlock = memlock
 
     def python(self, host: Host) -> str:
         return self.PYTHON
@@ -142,14 +142,7 @@ class ContainerContext:
         return f"the training image {self.image}"
 
     def wrap(self, host: Host, command: str, token: str) -> str:
-        options = [
-            "docker", "run", "--rm", "--init", "--pull", "never",
-            "--label", f"{NETCHECK_LABEL}={token}",
-            "--network", "host", "--ipc", "host",
-            "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864",
-        ]  # fmt: skip
-        if host.gpus > 0:
-            options += ["--gpus", "all"]
+        options = training_container_options(host, self.memlock, f"{NETCHECK_LABEL}={token}")
         return shlex.join([*options, self.image, "sh", "-c", command])
 
     def cleanup(self, token: str) -> str | None:
@@ -160,7 +153,7 @@ class ContainerContext:
 def context_for(inventory: Inventory) -> Context:
     """The inventory's launch_mode decides where the training stack is checked."""
     if getattr(inventory, "launch_mode", "host") == "container":
-        return ContainerContext(inventory.training_image)
+        return ContainerContext(inventory.training_image, inventory.container_memlock)
     return HostContext()
 
 

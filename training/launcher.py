@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from cluster.containers import training_container_options
 from cluster.errors import ClusterError
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote
@@ -155,6 +156,7 @@ def remote_command(
     env: dict[str, str],
     mode: str = "host",
     image: str | None = None,
+    memlock: str = "unlimited",
 ) -> str:
     run_dir = f"{REMOTE_RUN_ROOT}/{spec.run_id}"
     if spec.script is not None:
@@ -171,7 +173,7 @@ def remote_command(
     if mode == "container":
         inside = replace(host, python=CONTAINER_PYTHON)
         torchrun = torchrun_command(inside, master, nnodes, spec, port, entry)
-        command = docker_run_command(host, spec, image or "", variables, run_dir, torchrun)
+        command = docker_run_command(host, spec, image or "", variables, run_dir, torchrun, memlock)
         return f"mkdir -p {shlex.quote(run_dir)} && exec {shlex.join(command)}"
     command = torchrun_command(host, master, nnodes, spec, port, entry)
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
@@ -182,24 +184,17 @@ def remote_command(
 
 
 def docker_run_command(
-    host: Host, spec: JobSpec, image: str, env: dict[str, str], run_dir: str, command: list[str]
+    host: Host,
+    spec: JobSpec,
+    image: str,
+    env: dict[str, str],
+    run_dir: str,
+    command: list[str],
+    memlock: str = "unlimited",
 ) -> list[str]:
-    """The training container for one node: the job's whole lifetime, removed when it ends.
-
-    Host networking so NCCL and gloo see the real NICs (and the compute IP the rendezvous is
-    bound to); the host's IPC namespace so /dev/shm is as large as the machine's (DataLoader
-    workers and NCCL's shared-memory transport need more than Docker's 64 MB); memlock
-    unlimited for RDMA registration. GPUs only where the inventory says the node has them.
-    """
-    options = [
-        "docker", "run", "--rm", "--init", "--name", f"{spec.run_id}-{host.name}",
-        "--label", f"{RUN_LABEL}={spec.run_id}",
-        "--network", "host", "--ipc", "host",
-        "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864",
-    ]  # fmt: skip
-    if host.gpus > 0:
-        options += ["--gpus", "all"]
-    options += ["-v", f"{run_dir}:{run_dir}", "-w", run_dir]
+    """The training container for one node: the job's whole lifetime, removed when it ends."""
+    options = training_container_options(host, memlock, f"{RUN_LABEL}={spec.run_id}")
+    options += ["--name", f"{spec.run_id}-{host.name}", "-v", f"{run_dir}:{run_dir}", "-w", run_dir]
     for key, value in env.items():
         options += ["-e", f"{key}={value}"]
     return [*options, image, *command]
@@ -299,7 +294,7 @@ class Launcher:
     def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
         return remote_command(
             host, master, nnodes, self.spec, self.inventory.rendezvous_port, env,
-            self.inventory.launch_mode, self.inventory.training_image,
+            self.inventory.launch_mode, self.inventory.training_image, self.inventory.container_memlock,
         )  # fmt: skip
 
     def _run_node(self, host: Host, command: str) -> None:

@@ -75,10 +75,10 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     assert words[:5] == ["mkdir", "-p", "/tmp/torch-multinode/runs/tmn-z", "&&", "exec"]
     docker = words[5 : words.index("img:1")]
     assert docker == [
-        "docker", "run", "--rm", "--init", "--name", "tmn-z-n1",
+        "docker", "run", "--rm", "--init", "--pull", "never",
         "--label", "torch-multinode.run=tmn-z", "--network", "host", "--ipc", "host",
         "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864", "--gpus", "all",
-        "-v", "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
+        "--name", "tmn-z-n1", "-v", "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
         "-w", "/tmp/torch-multinode/runs/tmn-z",
         "-e", "TMN_RUN_ID=tmn-z", "-e", "PYTHONUNBUFFERED=1", "-e", "TMN_NODE_NAME=n1",
         "-e", "GLOO_SOCKET_IFNAME=eth1", "-e", "NCCL_SOCKET_IFNAME==eth1",
@@ -91,7 +91,16 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
         launcher.remote_command(n2, n1, 2, spec, 29400, envs["n2"], "container", "img:1")
     )
     assert "--gpus" not in cpu and "--ipc" in cpu
+    # Where memlock cannot be raised (the simulated cluster), the inventory says so.
+    capped = launcher.remote_command(n2, n1, 2, spec, 29400, {}, "container", "img:1", "8388608")
+    assert "memlock=8388608:8388608" in shlex.split(capped)
     assert "docker ps -q --filter label=torch-multinode.run=tmn-z" in launcher.stop_command("tmn-z")
+
+
+def test_bad_container_memlock_is_rejected():
+    text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "container_memlock: lots}")
+    with pytest.raises(ClusterError, match=r"'container_memlock': 'lots' is neither 'unlimited'"):
+        parse(text, "inv.yml")
 
 
 def test_bad_launch_mode_is_rejected():
