@@ -32,7 +32,7 @@ def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
     path = Path(path)
     document = {
         "nodes": nodes,
-        "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "written_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     PASS = "PASS"
     WARN = "WARN"
     FAIL = "FAIL"

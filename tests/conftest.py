@@ -82,6 +82,18 @@ def sim2(sim_factory):
     return sim_factory.up(2)
 
 
+@pytest.fixture(scope="session")
+def training_image(sim_factory):
+    """The CPU twin of the training image, built once per run (about 6 minutes the first time,
+    seconds when the layers are cached)."""
+    from cluster import images
+
+    return images.build("cpu", TEST_IMAGE, progress=lambda _: None)
+
+
+TEST_IMAGE = "torch-multinode/train:test"
+
+
 def run_cli(*args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
     """Run one of the project's console scripts from the venv, as a user would."""
     command = [str(VENV_BIN / args[0]), *args[1:]]
