@@ -7,6 +7,8 @@ INVENTORY ?=
 LINK      ?=
 SCRIPT    ?=
 ARGS      ?=
+GPUS      ?=
+DEBUG     ?=
 ANSIBLE_ARGS ?=
 PYTHON    ?= python3
 VENV      ?= .venv
@@ -20,6 +22,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help  ## list the targets and the knobs
 help:
 	@echo "Usage: make TARGET [NNODES=2] [INVENTORY=path.yml] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
+	@echo "                   [GPUS=0,2] [DEBUG=1] [IMAGE=torch-multinode/train:latest]"
 	@echo
 	@grep -E '^\.PHONY: [a-z-]+ +## ' $(MAKEFILE_LIST) | \
 		sed -E 's/^\.PHONY: ([a-z-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
@@ -47,6 +50,7 @@ netcheck: $(STAMP)
 .PHONY: train  ## train on NNODES nodes of INVENTORY (no INVENTORY: the default job, locally)
 train: $(STAMP)
 	$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)" --nnodes $(NNODES)) \
+		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(ARGS)),-- $(ARGS))
 
 .PHONY: image  ## build the training image: CUDA where nvidia-smi works, else the CPU twin

@@ -58,6 +58,8 @@ class Host:
     gpus: int
     python: str = "python3"
     """The interpreter on the node that has torch (host mode; jobs in a container use its own)."""
+    visible_gpus: tuple[int, ...] | None = None
+    """This node's own GPU selection (host var cuda_visible_devices), over the job's GPUS."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,9 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
     python = values.get("training_python", "python3")
     if not isinstance(python, str) or not python.strip() or any(c.isspace() for c in python):
         raise ClusterError(f"{where}: field 'training_python': {python!r} is not a program path")
+    visible = parse_gpu_list(
+        values.get("cuda_visible_devices"), f"{where}: field 'cuda_visible_devices'"
+    )
     return Host(
         name=name,
         ssh_address=address,
@@ -318,4 +323,23 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
         compute_interface=interface,
         gpus=gpus,
         python=python,
+        visible_gpus=visible,
     )
+
+
+def parse_gpu_list(value, where: str = "GPUS") -> tuple[int, ...] | None:
+    """'0,2' (or [0, 2], or 3) -> (0, 2); None or '' -> None (no selection)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    items = value if isinstance(value, list) else str(value).split(",")
+    indices = []
+    for item in items:
+        text = str(item).strip()
+        if not text.isdigit():
+            raise ClusterError(
+                f"{where}: {value!r} is not a list of GPU indices", hint="a form like 0,2"
+            )
+        indices.append(int(text))
+    if len(set(indices)) != len(indices):
+        raise ClusterError(f"{where}: {value!r} names a GPU twice")
+    return tuple(indices)

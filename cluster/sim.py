@@ -39,6 +39,7 @@ DEFAULT_SUBNET = "172.29.77.0/24"
 DEFAULT_MGMT_SUBNET = "172.30.77.0/24"
 MGMT_INTERFACE = "eth0"  # SSH from the controller, like a lab's management LAN
 COMPUTE_INTERFACE = "eth1"  # training traffic, the inventory's compute_ip
+SHARED_DIR = "/shared"
 MAX_NODES = 4
 FIRST_HOST_OFFSET = 11  # nodes get .11, .12, ... so the gateway (.1) is never confused with one
 BASE_PACKAGES = (
@@ -71,6 +72,11 @@ class SimConfig:
 
     def volume(self, index: int) -> str:
         return f"{self.name}-node{index}-docker"
+
+    @property
+    def shared_volume(self) -> str:
+        """Mounted at /shared on every node: the filesystem every rank sees (file:// init)."""
+        return f"{self.name}-shared"
 
     def node_ip(self, index: int) -> str:
         """The node's compute address."""
@@ -282,7 +288,8 @@ def _ensure_key(config: SimConfig) -> str:
 
 def _start_node(config: SimConfig, index: int, public_key: str) -> None:
     container, volume = config.container(index), config.volume(index)
-    docker("volume", "create", "--label", f"{LABEL}={config.name}", volume)
+    for name in (volume, config.shared_volume):
+        docker("volume", "create", "--label", f"{LABEL}={config.name}", name)
     docker(
         "run", "-d", "--name", container, "--hostname", f"debian-{index}",
         "--network", config.mgmt_network, "--ip", config.mgmt_ip(index),
@@ -292,6 +299,7 @@ def _start_node(config: SimConfig, index: int, public_key: str) -> None:
         "--cap-add", "ALL", "--cap-drop", "SYS_RESOURCE",
         "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
         "--cgroupns", "private", "-v", f"{volume}:/var/lib/docker",
+        "-v", f"{config.shared_volume}:{SHARED_DIR}",
         "-e", f"SIM_AUTHORIZED_KEY={public_key}",
         *python_mounts(),
         NODE_IMAGE,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cluster import inventory as inventory_module
 from cluster.errors import ClusterError
+from cluster.inventory import parse_gpu_list
 from training import launcher
 
 
@@ -48,6 +49,27 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0,
         help="torchrun restarts after a failure (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--gpus", default=None,
+        help="GPU indices every node uses, e.g. 0,2: one process per GPU, CUDA_VISIBLE_DEVICES "
+        "set for the job (a host's cuda_visible_devices in the inventory wins for that host)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--debug", nargs="?", const="info", default=None, choices=launcher.DEBUG_LEVELS,
+        help="NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=INFO and the C++ backend logs, on every "
+        "node, for this run only; '--debug detail' for TORCH_DISTRIBUTED_DEBUG=DETAIL (it "
+        "crashed DDP over gloo with torch 2.14.1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--local-rank-arg", choices=("auto", "none", "--local_rank", "--local-rank"),
+        default="auto",
+        help="scripts written for torch.distributed.launch get their local rank as this flag; "
+        "auto: if the script declares one (default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--log-dir", type=Path, default=None,
+        help="where each node's output is saved as NODE.log (default: .runs/JOB-ID)",
+    )  # fmt: skip
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
@@ -68,7 +90,20 @@ def run(args: argparse.Namespace) -> int:
         raise ClusterError(f"script {args.script} does not exist", hint="a path to a .py file")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ClusterError(f"--nproc-per-node={args.nproc_per_node} is below 1")
+    flag = None
+    if args.script is not None and args.local_rank_arg != "none":
+        flag = (
+            launcher.legacy_flag(args.script)
+            if args.local_rank_arg == "auto"
+            else args.local_rank_arg
+        )
+    run_id = launcher.JobSpec().run_id
     spec = launcher.JobSpec(
+        run_id=run_id,
+        gpus=parse_gpu_list(args.gpus),
+        debug=args.debug,
+        local_rank_flag=flag,
+        log_dir=args.log_dir or Path(".runs") / run_id,
         script=args.script,
         module=args.module,
         args=tuple(extra),
@@ -94,9 +129,14 @@ def run(args: argparse.Namespace) -> int:
     warning = launcher.rank_order_warning(hosts)
     if warning:
         _emit(f"[launcher] {warning}")
+    if flag:
+        _emit(f"[launcher] {args.script.name} parses {flag}: passing it the local rank")
+    if spec.debug:
+        _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
     result = launcher.Launcher(inventory, hosts, spec, _emit).run()
     for line in launcher.summary(result, hosts):
         _emit(line)
+    _emit(f"Logs: {spec.log_dir}/ (one file per node)")
     return result.exit_code
 
 

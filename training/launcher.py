@@ -60,6 +60,14 @@ class JobSpec:
     rendezvous_timeout: int = 60
     max_restarts: int = 0
     extra_env: tuple[tuple[str, str], ...] = ()
+    gpus: tuple[int, ...] | None = None
+    """GPU indices each node uses (CUDA_VISIBLE_DEVICES); one process per selected GPU."""
+    debug: str | None = None
+    """None, 'info' or 'detail' (TORCH_DISTRIBUTED_DEBUG's level; see DEBUG_ENV)."""
+    local_rank_flag: str | None = None
+    """For scripts written for torch.distributed.launch: the flag they parse (--local_rank
+    or --local-rank), passed to them by training.legacy. None: the script reads LOCAL_RANK."""
+    log_dir: Path | None = None
 
 
 @dataclass
@@ -89,10 +97,89 @@ class JobResult:
         return 0 if all(o.ok for o in self.outcomes.values()) else 1
 
 
+# What DEBUG=1 turns on, for that run only: NCCL's own log (interface choice and transports
+# included), c10d's debug checks and the C++ logs that show gloo's, DDP's and the store's work.
+# TORCH_DISTRIBUTED_DEBUG=DETAIL only on request (DEBUG=detail): with torch 2.14.1 it made DDP
+# over gloo die with SIGSEGV right after the Reducer started, on every rank (measured here).
+DEBUG_ENV = {
+    "NCCL_DEBUG": "INFO",
+    "NCCL_DEBUG_SUBSYS": "INIT,NET",
+    "TORCH_DISTRIBUTED_DEBUG": "INFO",
+    "TORCH_CPP_LOG_LEVEL": "INFO",
+}
+DEBUG_LEVELS = ("info", "detail")
+
+
+def debug_environment(level: str | None) -> dict[str, str]:
+    if level is None:
+        return {}
+    if level not in DEBUG_LEVELS:
+        raise ClusterError(f"DEBUG={level!r} is not one of 1, detail", hint="DEBUG=1")
+    return {**DEBUG_ENV, "TORCH_DISTRIBUTED_DEBUG": level.upper()}
+
+
+_LOCAL_RANK_FLAG = re.compile(r"""["'](--local[-_]rank)["']""")
+
+
+def visible_gpus(host: Host, spec: JobSpec) -> tuple[int, ...] | None:
+    """The GPUs this node's job may use: the host's own selection from the inventory, else the
+    job's GPUS. Checked against what the node has, before anything starts."""
+    selected = host.visible_gpus if host.visible_gpus is not None else spec.gpus
+    if selected is None:
+        return None
+    shown = ",".join(map(str, selected))
+    if host.gpus == 0:
+        raise ClusterError(
+            f"GPUS={shown} but node '{host.name}' has no GPU (inventory gpus: 0)",
+            hint="leaving GPUS unset on CPU nodes; --nproc-per-node sets the process count",
+        )
+    missing = [index for index in selected if index >= host.gpus]
+    if missing:
+        raise ClusterError(
+            f"GPUS={shown} asks for GPU {missing[0]}, but node '{host.name}' has {host.gpus} "
+            f"GPU(s) (0-{host.gpus - 1})",
+        )
+    return selected
+
+
 def nproc_for(host: Host, spec: JobSpec) -> int:
+    selected = visible_gpus(host, spec)
+    if selected is not None:
+        return len(selected)
     if spec.nproc_per_node is not None:
         return spec.nproc_per_node
     return host.gpus if host.gpus > 0 else 1
+
+
+def legacy_flag(script: Path) -> str | None:
+    """The --local_rank / --local-rank flag a torch.distributed.launch-era script parses, if
+    any (the dashed spelling wins when both are declared, as the old launcher passed it)."""
+    try:
+        found = set(_LOCAL_RANK_FLAG.findall(script.read_text(errors="replace")))
+    except OSError:
+        return None
+    if not found:
+        return None
+    return "--local-rank" if "--local-rank" in found else "--local_rank"
+
+
+def job_environment(host: Host, spec: JobSpec) -> dict[str, str]:
+    """What the job's processes get on top of the interface settings."""
+    variables = {"TMN_RUN_ID": spec.run_id, "PYTHONUNBUFFERED": "1", "TMN_NODE_NAME": host.name}
+    selected = visible_gpus(host, spec)
+    if selected is not None:
+        variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, selected))
+    variables.update(debug_environment(spec.debug))
+    return variables
+
+
+def entry_point(spec: JobSpec, run_dir: str) -> list[str]:
+    if spec.script is None:
+        return ["-m", spec.module]
+    script = f"{run_dir}/{spec.script.name}"
+    if spec.local_rank_flag:
+        return ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", script]
+    return [script]
 
 
 def interface_env(inventory: Inventory, hosts: tuple[Host, ...]) -> dict[str, dict[str, str]]:
@@ -159,17 +246,8 @@ def remote_command(
     memlock: str = "unlimited",
 ) -> str:
     run_dir = f"{REMOTE_RUN_ROOT}/{spec.run_id}"
-    if spec.script is not None:
-        entry = [f"{run_dir}/{spec.script.name}"]
-    else:
-        entry = ["-m", spec.module]
-    variables = {
-        "TMN_RUN_ID": spec.run_id,
-        "PYTHONUNBUFFERED": "1",
-        "TMN_NODE_NAME": host.name,
-        **env,
-        **dict(spec.extra_env),
-    }
+    entry = entry_point(spec, run_dir)
+    variables = {**job_environment(host, spec), **env, **dict(spec.extra_env)}
     if mode == "container":
         inside = replace(host, python=CONTAINER_PYTHON)
         torchrun = torchrun_command(inside, master, nnodes, spec, port, entry)
@@ -219,9 +297,10 @@ def stop_command(run_id: str) -> str:
 class _LineWriter:
     """A file-like that fabric writes remote output into; emits whole lines with a prefix."""
 
-    def __init__(self, prefix: str, emit: Emit, outcome: NodeOutcome):
+    def __init__(self, prefix: str, emit: Emit, outcome: NodeOutcome, log: Path | None = None):
         self.prefix, self.emit, self.outcome = prefix, emit, outcome
         self.buffer = ""
+        self.log = log.open("a", encoding="utf-8") if log else None
 
     def write(self, text: str) -> int:
         self.buffer += text.replace("\r", "")
@@ -230,11 +309,20 @@ class _LineWriter:
             if line.strip():
                 self.outcome.tail.append(line)
                 self.emit(f"{self.prefix} {line}")
+                if self.log:
+                    self.log.write(line + "\n")
         return len(text)
 
     def flush(self) -> None:
         if self.buffer:
             self.write("\n")
+        if self.log:
+            self.log.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self.log:
+            self.log.close()
 
 
 class Launcher:
@@ -299,18 +387,19 @@ class Launcher:
 
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
-        writer = _LineWriter(f"[{host.name}]", self.emit, outcome)
+        log = self.spec.log_dir / f"{host.name}.log" if self.spec.log_dir else None
+        writer = _LineWriter(f"[{host.name}]", self.emit, outcome, log)
         try:
             result = self._remotes[host.name].connection.run(
                 command, pty=True, warn=True, hide=True, out_stream=writer, err_stream=writer,
                 in_stream=False,
             )  # fmt: skip
-            writer.flush()
+            writer.close()
             outcome.exit_code = result.exited
             if result.exited == -1:  # the channel closed with no exit status
                 outcome.error = "the SSH session ended without an exit status: node down?"
         except Exception as exc:  # a dropped connection surfaces as several invoke/paramiko types
-            writer.flush()
+            writer.close()
             outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
         if not outcome.ok:
             self._fail(host.name)
@@ -359,6 +448,10 @@ class Launcher:
         started = time.monotonic()
         master, nnodes = self.hosts[0], len(self.hosts)
         envs = interface_env(self.inventory, self.hosts)
+        for host in self.hosts:
+            visible_gpus(host, self.spec)  # a GPU the node lacks stops us before any SSH
+        if self.spec.log_dir:
+            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         prepare_errors: list[ClusterError] = []
 
         def prepare(host: Host) -> None:
@@ -470,17 +563,39 @@ def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
 def run_local(spec: JobSpec, emit: Emit = print) -> int:
     """No inventory: the job on this machine alone (torchrun standalone), one process per GPU or
     two on the CPU."""
-    if spec.nproc_per_node is not None:
+    gpus_here = _local_gpu_count()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMN_RUN_ID": spec.run_id}
+    if spec.gpus is not None:
+        shown = ",".join(map(str, spec.gpus))
+        if gpus_here == 0:
+            raise ClusterError(
+                f"GPUS={shown} but this machine has no GPU",
+                hint="leaving GPUS unset; --nproc-per-node sets the process count",
+            )
+        missing = [index for index in spec.gpus if index >= gpus_here]
+        if missing:
+            raise ClusterError(
+                f"GPUS={shown} asks for GPU {missing[0]}, but this machine has {gpus_here} "
+                f"GPU(s) (0-{gpus_here - 1})"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = shown
+        nproc = len(spec.gpus)
+    elif spec.nproc_per_node is not None:
         nproc = spec.nproc_per_node
     else:
-        nproc = _local_gpu_count() or 2
-    entry = [str(spec.script)] if spec.script else ["-m", spec.module]
+        nproc = gpus_here or 2
+    env.update(debug_environment(spec.debug))
+    if spec.script is None:
+        entry = ["-m", spec.module]
+    elif spec.local_rank_flag:
+        entry = ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", str(spec.script)]
+    else:
+        entry = [str(spec.script)]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", *entry, *spec.args,
     ]  # fmt: skip
     emit(f"[launcher] local job: {shlex.join(command)}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMN_RUN_ID": spec.run_id}
     process = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return process.wait()

@@ -119,7 +119,7 @@ def test_three_nodes_up_and_down_leave_nothing_behind(sim_factory, tmp_path):
         assert f"Inventory: {tmp_path / 'inventory.yml'}" in proc.stdout
         assert len(_docker_ids("container", config.name)) == 3
         assert len(_docker_ids("network", config.name)) == 2
-        assert len(_docker_ids("volume", config.name)) == 3
+        assert len(_docker_ids("volume", config.name)) == 4  # one each, and /shared
         inventory = load(tmp_path / "inventory.yml")
         assert [h.name for h in inventory.hosts] == ["node1", "node2", "node3"]
 
@@ -133,7 +133,7 @@ def test_three_nodes_up_and_down_leave_nothing_behind(sim_factory, tmp_path):
         down = run_cli("cluster", "sim", "down", *common)
     assert down.returncode == 0, down.stderr
     assert down.stdout == (
-        f"Simulated cluster '{config.name}' removed: 3 container(s), 2 network(s), 3 volume(s).\n"
+        f"Simulated cluster '{config.name}' removed: 3 container(s), 2 network(s), 4 volume(s).\n"
     )
     for kind in ("container", "network", "volume"):
         assert _docker_ids(kind, config.name) == []
