@@ -1,0 +1,156 @@
+"""A fresh 2-node simulated cluster, provisioned twice: the second run changes nothing, and
+the nodes end up named, resolving, meshed, firewalled, with Docker and the same image."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+
+from tests.ansible.conftest import (
+    Listener,
+    PlaybookRun,
+    ansible_playbook,
+    image_args,
+    image_id,
+    node_sh,
+    node_tcp_connects,
+    tcp_connects,
+    ufw_status_lines,
+)
+
+pytestmark = pytest.mark.sim
+LISTEN_PORT = 47123
+
+
+@dataclass
+class Provisioned:
+    cluster: object
+    first: PlaybookRun
+    second: PlaybookRun
+
+    @property
+    def hosts(self):
+        return self.cluster.inventory.hosts
+
+    def container(self, host) -> str:
+        return self.cluster.config.container(self.hosts.index(host) + 1)
+
+
+@pytest.fixture(scope="module")
+def provisioned(sim_factory, tiny_image, tmp_path_factory):
+    cluster = sim_factory.up(2)
+    try:
+        # The Debian installer's line for the machine's own name, and an entry of the site's.
+        seeded = node_sh(
+            cluster.config.container(1),
+            r"printf '127.0.1.1\tnode1.lan node1\n192.0.2.7\tprinter\n' >> /etc/hosts",
+        )
+        assert seeded.returncode == 0, seeded.stderr
+        args = image_args(tiny_image, tmp_path_factory.mktemp("images"))
+        first = ansible_playbook(cluster.config.inventory_path, *args)
+        second = (
+            ansible_playbook(cluster.config.inventory_path, *args)
+            if first.returncode == 0
+            else first
+        )
+        yield Provisioned(cluster, first, second)
+    finally:
+        sim_factory.down(cluster)
+
+
+def test_first_run_provisions_every_node(provisioned):
+    run = provisioned.first
+    assert run.returncode == 0, run.describe()
+    assert run.failed() == {"localhost": 0, "node1": 0, "node2": 0}, run.describe()
+    assert run.changed()["node1"] > 0 and run.changed()["node2"] > 0, run.describe()
+
+
+def test_second_run_changes_nothing(provisioned):
+    run = provisioned.second
+    assert run.returncode == 0, run.describe()
+    assert run.changed() == {"localhost": 0, "node1": 0, "node2": 0}, run.describe()
+
+
+def test_every_hostname_is_the_inventory_name(provisioned):
+    for host in provisioned.hosts:
+        proc = node_sh(provisioned.container(host), "hostname; cat /etc/hostname")
+        assert proc.stdout.split() == [host.name, host.name]
+
+
+def test_every_node_resolves_every_node_to_its_compute_ip(provisioned):
+    for host, peer in itertools.product(provisioned.hosts, repeat=2):
+        proc = node_sh(provisioned.container(host), f"getent hosts {peer.name}")
+        assert proc.stdout.split() == [str(peer.compute_ip), peer.name], (host.name, peer.name)
+
+
+def test_own_name_leaves_loopback_and_other_entries_stay(provisioned):
+    node1 = provisioned.hosts[0]
+    lines = node_sh(provisioned.container(node1), "cat /etc/hosts").stdout.splitlines()
+    marker = "torch-multinode cluster nodes (managed by Ansible)"
+    assert lines[-4:] == [
+        f"# BEGIN {marker}",
+        *(f"{host.compute_ip}\t{host.name}" for host in provisioned.hosts),
+        f"# END {marker}",
+    ]
+    assert "127.0.1.1\tnode1.lan" in lines  # the seeded line, without our name
+    assert "192.0.2.7\tprinter" in lines
+    assert lines[0] == "127.0.0.1\tlocalhost"
+    ours = [line for line in lines[:-4] if "node1" in line.split("#")[0].split()[1:]]
+    assert ours == []
+
+
+def test_ssh_between_every_pair_of_nodes_with_host_keys_checked(provisioned):
+    for host, peer in itertools.product(provisioned.hosts, repeat=2):
+        for target in (peer.name, str(peer.compute_ip)):
+            proc = node_sh(
+                provisioned.container(host),
+                f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {target} hostname",
+            )
+            assert (proc.returncode, proc.stdout.strip()) == (0, peer.name), (
+                host.name,
+                target,
+                proc.stderr,
+            )
+    # An address whose key was never recorded (the peer's management side) is refused,
+    # and no key was learned on first use along the way.
+    node1, node2 = provisioned.hosts
+    proc = node_sh(
+        provisioned.container(node1),
+        f"ssh -o BatchMode=yes {node2.ssh_address} true; ls /root/.ssh",
+    )
+    assert "Host key verification failed." in proc.stderr
+    assert "known_hosts" not in proc.stdout.split()
+
+
+def test_firewall_is_active_with_exactly_our_rules(provisioned):
+    subnet = str(provisioned.cluster.inventory.compute_subnet)
+    for host in provisioned.hosts:
+        status = node_sh(provisioned.container(host), "ufw status").stdout
+        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(subnet)
+        verbose = node_sh(provisioned.container(host), "ufw status verbose").stdout
+        assert "Default: deny (incoming), allow (outgoing), deny (routed)" in verbose.splitlines()
+
+
+def test_firewall_drops_traffic_from_outside_the_compute_subnet_only(provisioned):
+    node1, node2 = provisioned.hosts
+    with Listener(provisioned.container(node1), LISTEN_PORT):
+        # From the controller and from a peer's management side: both outside the subnet.
+        assert not tcp_connects(node1.ssh_address, LISTEN_PORT)
+        assert not node_tcp_connects(provisioned.container(node2), node1.ssh_address, LISTEN_PORT)
+        # From the peer inside the subnet, by address and by name.
+        assert node_tcp_connects(provisioned.container(node2), str(node1.compute_ip), LISTEN_PORT)
+        assert node_tcp_connects(provisioned.container(node2), node1.name, LISTEN_PORT)
+        # SSH stays open from outside.
+        assert tcp_connects(node1.ssh_address, 22)
+
+
+def test_docker_runs_and_every_node_holds_the_controllers_image(provisioned, tiny_image):
+    expected = image_id(tiny_image)
+    assert expected.startswith("sha256:")
+    for host in provisioned.hosts:
+        container = provisioned.container(host)
+        engine = node_sh(container, "docker info --format '{{.ServerVersion}}'")
+        assert engine.returncode == 0 and engine.stdout.strip(), engine.stderr
+        assert image_id(tiny_image, container) == expected

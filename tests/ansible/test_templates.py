@@ -1,0 +1,184 @@
+"""What the roles write, checked without a cluster: the netplan file, the /etc/hosts edit,
+GPU detection and the Docker runtime merge of the nvidia role (no GPU needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import yaml
+
+from tests.ansible.conftest import ANSIBLE_DIR, PLAYBOOKS, ansible_playbook
+
+LOCAL = ["-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]
+
+
+def run_local(playbook: str, variables: dict):
+    run = ansible_playbook("localhost,", *LOCAL, "-e", json.dumps(variables),
+                           playbook=PLAYBOOKS / playbook)  # fmt: skip
+    assert run.returncode == 0, run.describe()
+    return run
+
+
+# --- netplan ---------------------------------------------------------------------------------
+
+
+def render_netplan(tmp_path, **variables) -> str:
+    dest = tmp_path / "compute.yaml"
+    base = {"compute_interface": "enp3s0", "compute_ip": "192.168.1.10",
+            "compute_subnet": "192.168.1.0/24", "dest": str(dest)}  # fmt: skip
+    run_local("render_netplan.yml", {**base, **variables})
+    return dest.read_text()
+
+
+def test_netplan_file_gives_the_compute_interface_its_static_address(tmp_path):
+    text = render_netplan(tmp_path)
+    assert text == (
+        "# Managed by Ansible (torch-multinode, netplan role): the compute interface's static "
+        "address.\n"
+        "# Edits here are overwritten on the next provisioning run.\n"
+        "network:\n"
+        "  version: 2\n"
+        "  ethernets:\n"
+        "    enp3s0:\n"
+        "      dhcp4: false\n"
+        "      dhcp6: false\n"
+        "      addresses:\n"
+        "        - 192.168.1.10/24\n"
+    )
+
+
+def test_netplan_file_carries_mtu_gateway_and_resolvers_when_given(tmp_path):
+    text = render_netplan(
+        tmp_path, compute_subnet="10.20.0.0/16", compute_ip="10.20.3.4", netplan_mtu=9000,
+        netplan_default_gateway="10.20.0.1", netplan_nameservers=["10.20.0.1", "10.20.0.2"],
+    )  # fmt: skip
+    assert yaml.safe_load(text) == {
+        "network": {
+            "version": 2,
+            "ethernets": {
+                "enp3s0": {
+                    "dhcp4": False,
+                    "dhcp6": False,
+                    "addresses": ["10.20.3.4/16"],
+                    "mtu": 9000,
+                    "routes": [{"to": "default", "via": "10.20.0.1"}],
+                    "nameservers": {"addresses": ["10.20.0.1", "10.20.0.2"]},
+                }
+            },
+        }
+    }
+
+
+# --- /etc/hosts ------------------------------------------------------------------------------
+
+MARKER = "torch-multinode cluster nodes (managed by Ansible)"
+ENTRIES = [["10.9.0.1", "node1"], ["10.9.0.2", "node2"]]
+BLOCK = f"# BEGIN {MARKER}\n10.9.0.1\tnode1\n10.9.0.2\tnode2\n# END {MARKER}\n"
+
+
+@pytest.fixture(scope="module")
+def hosts_file():
+    path = ANSIBLE_DIR / "roles" / "hostname" / "filter_plugins" / "hosts_file.py"
+    spec = importlib.util.spec_from_file_location("hosts_file_plugin", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.hosts_file
+
+
+def test_hosts_block_is_appended_and_other_entries_kept(hosts_file):
+    current = "127.0.0.1\tlocalhost\n192.0.2.7\tprinter # office\n"
+    assert hosts_file(current, ENTRIES, MARKER) == current + BLOCK
+
+
+def test_a_nodes_own_name_is_taken_off_loopback_and_stale_lines(hosts_file):
+    current = (
+        "127.0.0.1\tlocalhost node1\n"
+        "127.0.1.1\tnode1.lan node1\n"
+        "127.0.1.1\tNODE2\n"
+        "192.0.2.9\tnode2 # old address\n"
+        "# 127.0.1.1 node1 (a comment stays as it is)\n"
+    )
+    assert hosts_file(current, ENTRIES, MARKER) == (
+        "127.0.0.1\tlocalhost\n"
+        "127.0.1.1\tnode1.lan\n"
+        "# 127.0.1.1 node1 (a comment stays as it is)\n" + BLOCK
+    )
+
+
+def test_hosts_block_is_replaced_in_place_and_the_edit_is_a_fixed_point(hosts_file):
+    current = (
+        "127.0.0.1\tlocalhost\n"
+        f"# BEGIN {MARKER}\n10.9.0.99\tnode1\n10.9.0.98\tnode9\n# END {MARKER}\n"
+        "192.0.2.7\tprinter\n"
+    )
+    once = hosts_file(current, ENTRIES, MARKER)
+    assert once == "127.0.0.1\tlocalhost\n" + BLOCK + "192.0.2.7\tprinter\n"
+    assert hosts_file(once, ENTRIES, MARKER) == once
+
+
+def test_an_unterminated_block_is_an_error_not_a_truncated_file(hosts_file):
+    from ansible.errors import AnsibleFilterError
+
+    with pytest.raises(AnsibleFilterError, match="has no '# END"):
+        hosts_file(f"127.0.0.1 localhost\n# BEGIN {MARKER}\n10.9.0.1 node1\n", ENTRIES, MARKER)
+
+
+# --- nvidia ----------------------------------------------------------------------------------
+
+
+def fake_pci(root, devices: dict[str, tuple[str, str]]):
+    root.mkdir()
+    for address, (vendor, device_class) in devices.items():
+        (root / address).mkdir(parents=True)
+        (root / address / "vendor").write_text(vendor + "\n")
+        (root / address / "class").write_text(device_class + "\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    "devices, expected",
+    [
+        ({}, []),
+        (
+            {
+                "0000:01:00.0": ("0x10de", "0x030000"),  # NVIDIA VGA controller
+                "0000:01:00.1": ("0x10de", "0x040300"),  # its HDMI audio function
+                "0000:03:00.0": ("0x8086", "0x030000"),  # Intel integrated graphics
+                "0000:41:00.0": ("0x10de", "0x030200"),  # NVIDIA 3D controller (A100)
+            },
+            ["0000:01:00.0", "0000:41:00.0"],
+        ),
+    ],
+    ids=["no-gpu", "two-gpus-among-other-devices"],
+)
+def test_gpus_are_found_by_pci_vendor_and_class(tmp_path, devices, expected):
+    pci = fake_pci(tmp_path / "pci", devices)
+    result = tmp_path / "found.json"
+    run_local("nvidia_local.yml", {"nvidia_pci_devices_dir": str(pci), "result_file": str(result)})
+    assert json.loads(result.read_text()) == expected
+
+
+def test_nvidia_runtime_is_merged_into_daemon_json_once(tmp_path):
+    daemon_json = tmp_path / "daemon.json"
+    daemon_json.write_text(json.dumps({"log-driver": "local",
+                                       "runtimes": {"crun": {"path": "/usr/bin/crun"}}}))  # fmt: skip
+    variables = {"nvidia_pci_devices_dir": str(tmp_path), "result_file": str(tmp_path / "r"),
+                 "merge_runtime": True, "nvidia_docker_daemon_config": str(daemon_json)}  # fmt: skip
+    first = run_local("nvidia_local.yml", variables)
+    assert json.loads(daemon_json.read_text()) == {
+        "log-driver": "local",
+        "runtimes": {
+            "crun": {"path": "/usr/bin/crun"},
+            "nvidia": {"path": "nvidia-container-runtime", "args": []},
+        },
+    }
+    assert (tmp_path / "daemon.json.restarted").exists(), first.describe()
+    (tmp_path / "daemon.json.restarted").unlink()
+    again = run_local("nvidia_local.yml", {**variables, "nvidia_docker_default_runtime": False})
+    assert not (tmp_path / "daemon.json.restarted").exists(), again.describe()
+    assert again.changed() == {"localhost": 0}, again.describe()
+    default = run_local("nvidia_local.yml", {**variables, "nvidia_docker_default_runtime": True})
+    assert json.loads(daemon_json.read_text())["default-runtime"] == "nvidia", default.describe()
