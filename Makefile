@@ -28,11 +28,11 @@ help:
 		sed -E 's/^\.PHONY: ([a-z-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
 
 # The first target that needs Python creates the environment (torch and torchvision pinned).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml ansible/requirements.txt
 	@command -v $(PYTHON) >/dev/null || { echo "Error: $(PYTHON) is not installed (try apt-get install python3 python3-venv)"; exit 1; }
 	@echo "Creating $(VENV) with torch and torchvision (once, about 2 minutes)..."
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev]' -r ansible/requirements.txt
 	@touch $@
 
 .PHONY: venv  ## create the Python environment (.venv) now
@@ -41,6 +41,7 @@ venv: $(STAMP)
 .PHONY: provision  ## provision INVENTORY's nodes: names, SSH mesh, firewall, Docker, image
 provision: $(STAMP)
 	$(BIN)/cluster check -i "$(INVENTORY)"
+	$(BIN)/cluster image -i "$(INVENTORY)"
 	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml $(ANSIBLE_ARGS)
 
 .PHONY: netcheck  ## pre-flight check of the first NNODES nodes of INVENTORY
@@ -69,11 +70,13 @@ sim-up: $(STAMP)
 sim-down: $(STAMP)
 	$(BIN)/cluster sim down
 
-.PHONY: lint  ## ruff, yamllint and ansible-lint (production profile)
+.PHONY: lint  ## ruff, hadolint, yamllint and ansible-lint (production profile)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint docker/Dockerfile docker/sim-node/Dockerfile
+	$(BIN)/yamllint ansible
+	cd ansible && PATH="$(abspath $(BIN)):$$PATH" ansible-lint --profile production
 
 .PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
 test: $(STAMP)

@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
         help="auto: CUDA when this machine has a working nvidia-smi, else CPU (default)",
     )  # fmt: skip
     image.add_argument("--tag", default=DEFAULT_TRAINING_IMAGE, help="default: %(default)s")
+    image.add_argument(
+        "-i", "--inventory", default=None,
+        help="build what this inventory's jobs need: its training_image, CUDA if any node has "
+        "GPUs; nothing when launch_mode is host",
+    )  # fmt: skip
 
     simulated = commands.add_parser(
         "sim", help="the simulated cluster (node containers reached over SSH)"
@@ -97,7 +102,17 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "image":
         from cluster import images
 
-        built = images.build(args.kind, args.tag, progress=_progress)
+        kind, tag = args.kind, args.tag
+        if args.inventory:
+            inventory = inventory_module.load(args.inventory)
+            if inventory.launch_mode != "container":
+                print(f"inventory {inventory.path}: launch_mode {inventory.launch_mode}, no "
+                      "training image needed.")  # fmt: skip
+                return 0
+            tag = inventory.training_image
+            if kind == "auto":
+                kind = "cuda" if any(h.gpus > 0 for h in inventory.hosts) else "cpu"
+        built = images.build(kind, tag, progress=_progress)
         print(f"Built {built.tag} ({built.kind}, {built.image_id[:19]}) in {built.seconds:.0f} s:")
         for name, version in images.versions(built.tag).items():
             print(f"  {name}: {version}")

@@ -44,7 +44,7 @@ MAX_NODES = 4
 FIRST_HOST_OFFSET = 11  # nodes get .11, .12, ... so the gateway (.1) is never confused with one
 BASE_PACKAGES = (
     "python3", "openssh-server", "iproute2", "iputils-ping", "procps", "sudo",
-    "ca-certificates", "less", "iptables",
+    "ca-certificates", "less", "iptables", "mount",
 )  # fmt: skip
 PACKAGE_DIRS = ("cluster", "training", "netcheck")
 _LINK_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")

@@ -1,10 +1,35 @@
 #!/bin/sh
-# First start of a simulated node: its own SSH host keys, the controller's public key, sshd.
+# Boot of a simulated node, doing what a real host's init would: its own SSH host keys, the
+# controller's public key, writable cgroups and (once installed) the Docker engine, then sshd.
 set -eu
 [ -s /etc/ssh/ssh_host_ed25519_key ] || ssh-keygen -A >/dev/null
 if [ -n "${SIM_AUTHORIZED_KEY:-}" ] && ! grep -qxF "$SIM_AUTHORIZED_KEY" /root/.ssh/authorized_keys 2>/dev/null; then
     printf '%s\n' "$SIM_AUTHORIZED_KEY" >> /root/.ssh/authorized_keys
 fi
 chmod 600 /root/.ssh/authorized_keys 2>/dev/null || true
+
+# Docker mounts the container's cgroup hierarchies read-only; a Docker engine inside the node
+# must create cgroups for its containers, as it can on a real host. Mount the node's own
+# (private cgroup namespace) hierarchies again, read-write, with the same controllers.
+if [ -d /sys/fs/cgroup/cpuset ] && ! mkdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null; then
+    grep '^cgroup /sys/fs/cgroup/' /proc/self/mounts | while read -r _ path _ options _; do
+        controllers=$(echo "$options" | tr ',' '\n' \
+            | grep -vxE 'ro|rw|nosuid|nodev|noexec|relatime' | paste -sd, -)
+        case "$controllers" in name=*) controllers="none,$controllers" ;; esac
+        echo "$path $controllers"
+    done > /run/sim-cgroups
+    mount -t tmpfs -o mode=755 cgroup_root /sys/fs/cgroup
+    while read -r path controllers; do
+        mkdir -p "$path" && mount -t cgroup -o "$controllers" cgroup "$path"
+    done < /run/sim-cgroups
+else
+    rmdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null || true
+fi
+
+# A host with Docker installed starts it at boot; provisioning installs it.
+if command -v dockerd >/dev/null 2>&1 && ! pgrep -x dockerd >/dev/null; then
+    dockerd >/var/log/dockerd.log 2>&1 &
+fi
+
 mkdir -p /run/sshd
 exec /usr/sbin/sshd -D -e

@@ -24,6 +24,9 @@ for step in range(args.steps):
     loss.backward()
     optimizer.step()
 weight = model.module.weight.detach().sum().item()
-print(f"legacy rank {dist.get_rank()} local_rank {args.local_rank} steps {args.steps} "
-      f"weight {weight:.6f}", flush=True)
+print(
+    f"legacy rank {dist.get_rank()} local_rank {args.local_rank} steps {args.steps} "
+    f"weight {weight:.6f}",
+    flush=True,
+)
 dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """A user's script, written the way the PyTorch DDP tutorial teaches: everything from the env."""
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def main():
     assert all(torch.equal(g, gathered[0]) for g in gathered), gathered
     print(
         f"rank {rank}/{world_size} local {local_rank} on {os.uname().nodename}: "
-        f"params checksum {checksum.item():.6f} identical on all ranks"
+        f"params checksum {checksum.item():.6f} identical on all ranks (python {sys.executable})"
     )
     dist.destroy_process_group()
 

@@ -1,0 +1,115 @@
+"""The whole user flow on fresh simulated nodes, through the Makefile as a user types it:
+
+    make provision INVENTORY=...      (builds and ships the training image, among the rest)
+    make netcheck  INVENTORY=... NNODES=2
+    make train     INVENTORY=... NNODES=2 SCRIPT=...
+
+with jobs in the training image's CPU twin on every node (launch_mode: container): containers
+started by the launcher on each node, not the node's own Python.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.sim import docker
+from tests.conftest import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"
+
+
+def make(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["make", "--no-print-directory", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster_in_containers(sim_factory, training_image, tmp_path_factory):
+    """Fresh nodes; an inventory that runs jobs in the test image; `make provision` once."""
+    cluster = sim_factory.up(2)
+    document = yaml.safe_load(cluster.config.inventory_path.read_text())
+    document["all"]["vars"].update(launch_mode="container", training_image=training_image.tag)
+    inventory = tmp_path_factory.mktemp("e2e") / "inventory.yml"
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+    provision = make("provision", f"INVENTORY={inventory}")
+    try:
+        yield cluster, inventory, provision
+    finally:
+        sim_factory.down(cluster)
+
+
+@pytest.mark.sim
+def test_provision_builds_ships_and_succeeds(cluster_in_containers, training_image):
+    cluster, inventory, provision = cluster_in_containers
+    assert provision.returncode == 0, provision.stdout[-4000:] + provision.stderr[-2000:]
+    assert f"Built {training_image.tag} (cpu" in provision.stdout
+    for index in (1, 2):
+        node_image = docker(
+            "exec", cluster.config.container(index),
+            "docker", "image", "inspect", "--format", "{{.Id}}", training_image.tag,
+        ).stdout.strip()  # fmt: skip
+        assert node_image == training_image.image_id
+
+
+@pytest.mark.sim
+def test_netcheck_passes_in_the_training_image(cluster_in_containers, tmp_path):
+    _, inventory, provision = cluster_in_containers
+    assert provision.returncode == 0
+    proc = subprocess.run(
+        [str(REPO_ROOT / ".venv" / "bin" / "netcheck"), "-i", str(inventory), "--nnodes", "2",
+         "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True, proc.stdout[-4000:]
+    assert report["stack"] == f"the training image {report['stack'].split()[-1]}"
+    statuses = {check["status"] for node in report["results"].values() for check in node.values()}
+    assert statuses == {"PASS"}, report["results"]
+
+
+@pytest.mark.sim
+def test_make_train_runs_inside_the_image_on_both_nodes(cluster_in_containers):
+    cluster, inventory, provision = cluster_in_containers
+    assert provision.returncode == 0
+    proc = make("train", f"INVENTORY={inventory}", "NNODES=2", f"SCRIPT={SCRIPT}", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    ranks = sorted(line for line in proc.stdout.splitlines() if "identical on all ranks" in line)
+    assert len(ranks) == 2
+    # The image's interpreter, on each provisioned node (hostnames set by provisioning).
+    assert ranks[0].startswith("[node1] rank 0/2 local 0 on node1:")
+    assert ranks[1].startswith("[node2] rank 1/2 local 0 on node2:")
+    assert all(line.endswith("(python /opt/venv/bin/python3)") for line in ranks)
+    # The container was the job's lifetime: none is left on any node.
+    for index in (1, 2):
+        left = docker("exec", cluster.config.container(index), "docker", "ps", "-aq").stdout
+        assert left.strip() == ""
+
+
+def test_provision_ships_nothing_when_jobs_run_on_the_host(tmp_path):
+    """launch_mode: host needs no image: `cluster image -i` says so and builds nothing."""
+    document = {
+        "all": {
+            "vars": {"compute_subnet": "10.8.0.0/24", "launch_mode": "host"},
+            "children": {"nodes": {"hosts": {"a": {
+                "ansible_host": "10.8.0.1", "compute_ip": "10.8.0.1",
+                "compute_interface": "eth0", "gpus": 0,
+            }}}},
+        }
+    }  # fmt: skip
+    path = Path(tmp_path) / "inventory.yml"
+    path.write_text(yaml.safe_dump(document))
+    proc = subprocess.run(
+        [str(REPO_ROOT / ".venv" / "bin" / "cluster"), "image", "-i", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stdout) == (
+        0, f"inventory {path}: launch_mode host, no training image needed.\n"
+    )  # fmt: skip
