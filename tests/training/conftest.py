@@ -1,0 +1,190 @@
+"""Launching workloads the way a user does: `python -m training.X`, under torchrun or not.
+
+Every launch stays on loopback: the rendezvous endpoint and the worker-facing address are
+127.0.0.1 on a port picked free for that launch, and gloo is pinned to the `lo` interface.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+LOOPBACK = "127.0.0.1"
+# Small enough for two cores, and the same everywhere so runs can be compared.
+TINY = (
+    "--model", "tiny", "--image-size", "16", "--train-samples", "256", "--val-samples", "128",
+    "--global-batch-size", "32", "--workers", "0", "--lr", "0.2", "--warmup-steps", "1",
+    "--schedule", "constant", "--log-every", "4", "--no-tensorboard",
+)  # fmt: skip
+_TORCHRUN_VARIABLES = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GROUP_RANK", "TORCHELASTIC_RUN_ID",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finished:
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def lines(self, text: str) -> list[str]:
+        """Every output line containing `text`, from both streams."""
+        return [line for line in self.output.splitlines() if text in line]
+
+    def digests(self) -> dict[int, str]:
+        """rank -> parameter sha256, from the `[rank N] parameters sha256 ...` lines."""
+        found = re.findall(r"\[rank (\d+)\] parameters sha256 ([0-9a-f]{64})", self.stdout)
+        return {int(rank): digest for rank, digest in found}
+
+    def explain(self) -> str:
+        return f"$ {' '.join(self.command)}\nexit {self.returncode}\n{self.stdout}\n{self.stderr}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+def _environment(extra: dict[str, str] | None) -> dict[str, str]:
+    # A clean slate: a test run under torchrun must not leak its own rank into the launches.
+    environ = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
+    environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    environ.update(extra or {})
+    return environ
+
+
+def run_command(
+    command: list[str], cwd: Path, env: dict[str, str] | None, timeout: float
+) -> Finished:
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=_environment(env),
+        check=False,
+    )
+    return Finished(command, done.returncode, done.stdout, done.stderr)
+
+
+def torchrun_command(
+    module: str,
+    *args: str,
+    nproc: int = 2,
+    nnodes: int = 1,
+    port: int | None = None,
+    run_id: str = "test",
+) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={LOOPBACK}:{port or free_port()}", f"--rdzv-id={run_id}",
+        f"--local-addr={LOOPBACK}", "--max-restarts=0", "--monitor-interval=0.5",
+        "-m", module, *args,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def torchrun(tmp_path):
+    """torchrun(module, *args, nproc=2) -> Finished: one torchrun on this machine, loopback only."""
+
+    def launch(module: str, *args: str, nproc: int = 2, env=None, timeout: float = 180):
+        return run_command(torchrun_command(module, *args, nproc=nproc), tmp_path, env, timeout)
+
+    return launch
+
+
+@pytest.fixture
+def python_module(tmp_path):
+    """python_module(module, *args) -> Finished: `python -m module` without torchrun."""
+
+    def launch(module: str, *args: str, env=None, timeout: float = 120):
+        return run_command([sys.executable, "-m", module, *args], tmp_path, env, timeout)
+
+    return launch
+
+
+def two_node_launch(
+    module: str, *args: str, cwd: Path, nproc: int = 2, timeout: float = 180
+) -> list[Finished]:
+    """Two torchrun agents on this machine forming one job of 2 "nodes" x `nproc`."""
+    port = free_port()
+    processes = []
+    for _ in range(2):
+        command = torchrun_command(
+            module, *args, nproc=nproc, nnodes=2, port=port, run_id="two-nodes"
+        )
+        process = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=_environment(None),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        processes.append((command, process))
+    finished = []
+    for command, process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        finished.append(Finished(command, process.returncode, stdout, stderr))
+    return finished
+
+
+def load_state(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
+    assert left.keys() == right.keys()
+    return max((left[name] - right[name]).abs().max().item() for name in left)
+
+
+REFERENCE_STEPS = 12  # 8 steps per epoch at TINY's sizes, so runs cross an epoch boundary
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    finished: Finished
+    state: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="session")
+def reference_ddp(tmp_path_factory) -> ReferenceRun:
+    """One uninterrupted 2-process DDP run of the tiny model, which other runs must equal."""
+    directory = tmp_path_factory.mktemp("reference")
+    out = directory / "model.pt"
+    command = torchrun_command("training.ddp", *TINY, "--steps", str(REFERENCE_STEPS),
+                               "--out", str(out))  # fmt: skip
+    finished = run_command(command, directory, None, 180)
+    assert finished.returncode == 0, finished.explain()
+    return ReferenceRun(finished, load_state(out))
+
+
+def run_main(main, argv: list[str], capsys) -> tuple[int, str, str]:
+    """A workload's CLI entry, in this process: (exit code, stdout, stderr)."""
+    from training import console
+
+    with pytest.raises(SystemExit) as exited:
+        console.run(main, argv)
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err

@@ -1,0 +1,164 @@
+"""Checkpoints on node-local disks, written atomically, agreed on by every rank before loading.
+
+No shared filesystem is assumed: every rank writes its own file, `step-00000120-rank-00003.pt`,
+into the --checkpoint-dir of the node it runs on. A file only ever appears under that name
+complete (temp file in the same directory, fsync, os.replace, fsync of the directory), so a
+crash leaves at worst a dot-prefixed temp file that listing never matches.
+
+On resume each rank lists the steps it holds and the ranks resume from the newest step that
+every rank holds: the newest step of each rank's own list may differ when a node died while
+writing.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cluster.errors import ClusterError
+
+_NAME = re.compile(r"^step-(\d{8})-rank-(\d{5})\.pt$")
+
+
+def file_name(step: int, rank: int) -> str:
+    return f"step-{step:08d}-rank-{rank:05d}.pt"
+
+
+def write_atomically(path: Path, payload: Any) -> None:
+    """torch.save `payload` to `path` so that `path` is either absent, old, or complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+    )
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    # The rename is only durable once the directory entry is.
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+class CheckpointStore:
+    """This rank's checkpoint files in one node-local directory."""
+
+    def __init__(self, directory: Path, rank: int, keep: int):
+        self.directory, self.rank, self.keep = Path(directory), rank, keep
+
+    def steps(self) -> list[int]:
+        """The steps this rank holds complete checkpoints of, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            match = _NAME.match(entry.name)
+            if match and int(match.group(2)) == self.rank:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def path(self, step: int) -> Path:
+        return self.directory / file_name(step, self.rank)
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        path = self.path(step)
+        write_atomically(path, state)
+        self.prune()
+        return path
+
+    def load(self, step: int, device: torch.device) -> dict[str, Any]:
+        path = self.path(step)
+        try:
+            return torch.load(path, map_location=device, weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ClusterError(f"cannot load checkpoint {path}: {reason}", exit_code=1) from None
+
+    def prune(self) -> None:
+        for step in self.steps()[: -self.keep]:
+            self.path(step).unlink(missing_ok=True)
+
+    def remove_temporaries(self) -> None:
+        """Temp files this rank left behind when it died mid-write (no other rank writes them)."""
+        if self.directory.is_dir():
+            marker = f"-rank-{self.rank:05d}.pt."
+            for entry in self.directory.iterdir():
+                if entry.name.startswith(".step-") and marker in entry.name:
+                    entry.unlink(missing_ok=True)
+
+    def clear(self) -> int:
+        """Delete this rank's checkpoints; how many there were."""
+        steps = self.steps()
+        for step in steps:
+            self.path(step).unlink(missing_ok=True)
+        return len(steps)
+
+
+def newest_common_step(steps_per_rank: Iterable[Iterable[int]]) -> int | None:
+    """The newest step present in every rank's list, or None when there is none."""
+    common = None
+    for steps in steps_per_rank:
+        common = set(steps) if common is None else common & set(steps)
+    return max(common) if common else None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    step: int | None  # None: start from scratch
+    message: str
+
+
+def plan_resume(steps_per_rank: list[list[int]], resume: bool | None, directory: str) -> ResumePlan:
+    """Decide where to start from every rank's list of steps (identical on every rank)."""
+    held = "; ".join(
+        f"rank {rank} has {', '.join(map(str, steps)) if steps else 'none'}"
+        for rank, steps in enumerate(steps_per_rank)
+    )
+    if resume is False:
+        return ResumePlan(None, f"--no-resume: starting from step 0 in {directory}")
+    step = newest_common_step(steps_per_rank)
+    if step is None:
+        if resume is None and not any(steps_per_rank):
+            return ResumePlan(None, f"no checkpoints in {directory}: starting from step 0")
+        raise ClusterError(
+            f"no checkpoint step is present on every rank in {directory} ({held})",
+            hint="--no-resume to start over",
+        )
+    return ResumePlan(step, f"resuming from step {step}, the newest step every rank has ({held})")
+
+
+def rng_states() -> dict[str, Any]:
+    numpy_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # weights_only loading accepts tensors and plain containers, not numpy arrays.
+        "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].copy()), *numpy_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    name, keys, *rest = states["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    torch.set_rng_state(states["torch"].cpu())
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([state.cpu() for state in states["cuda"]])

@@ -1,0 +1,343 @@
+"""One typed config per workload: dataclass sections whose fields carry their own documentation.
+
+Precedence, lowest to highest: the defaults written here, then the YAML file given with
+`--config` (one mapping per section, e.g. `optim: {lr: 0.05}`), then command-line flags.
+Every field is a flag named after it (`global_batch_size` -> `--global-batch-size`), so field
+names are unique across the sections of one config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import yaml
+
+from cluster.errors import ClusterError
+from training.console import ArgumentParser
+
+T = TypeVar("T")
+
+DATASETS = ("synthetic", "cifar10", "imagefolder")
+MODELS = ("tiny", "resnet18", "resnet50")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+SCHEDULES = ("cosine", "constant")
+
+
+def doc(text: str, default: Any = None, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A field documented by `text`, which --help shows."""
+    return field(default=default, metadata={"help": text, "choices": choices})
+
+
+@dataclass
+class DataConfig:
+    """What the model is trained on."""
+
+    dataset: str = doc(
+        "synthetic (built in, learnable), cifar10 (python pickle batches in --data-dir) or "
+        "imagefolder (--data-dir with train/ and val/, one folder per class)",
+        choices=DATASETS,
+        default="synthetic",
+    )
+    data_dir: str | None = doc("where cifar10 or imagefolder data lives on every node")
+    image_size: int = doc("side in pixels of the square images the model sees", default=32)
+    num_classes: int = doc("synthetic: number of classes (the others count theirs)", default=10)
+    train_samples: int = doc("synthetic: size of the training split", default=4096)
+    val_samples: int = doc("synthetic: size of the validation split", default=1024)
+    noise: float = doc(
+        "synthetic: std of the gaussian noise on each class pattern (higher is harder)",
+        default=2.0,
+    )
+    augment: bool = doc(
+        "cifar10/imagefolder: random crop and flip on the train split", default=True
+    )
+    workers: int = doc(
+        "DataLoader worker processes per rank (0 loads in the main process)", default=1
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The network and the numerics it runs in."""
+
+    model: str = doc(
+        "resnet18 or resnet50 (torchvision), or tiny: a small CNN without BatchNorm for tests",
+        choices=MODELS,
+        default="resnet18",
+    )
+    sync_bn: bool = doc("convert BatchNorm to SyncBatchNorm (GPU only)", default=False)
+    precision: str = doc(
+        "auto is bf16 autocast on GPUs that support it and fp32 otherwise; fp16 adds a "
+        "GradScaler; bf16 and fp16 need a GPU",
+        choices=PRECISIONS,
+        default="auto",
+    )
+
+
+@dataclass
+class OptimConfig:
+    """Batch and optimizer: SGD with momentum, learning rate warmed up linearly, then decayed."""
+
+    global_batch_size: int = doc("samples per step over all ranks; split evenly", default=64)
+    lr: float = doc("learning rate", default=0.05)
+    momentum: float = doc("SGD momentum", default=0.9)
+    weight_decay: float = doc("L2 weight decay", default=5e-4)
+    warmup_steps: int = doc("steps over which the learning rate ramps up linearly", default=10)
+    schedule: str = doc(
+        "after warmup: cosine decay to zero at the last step, or constant",
+        choices=SCHEDULES,
+        default="cosine",
+    )
+
+
+@dataclass
+class DDPConfig:
+    """DistributedDataParallel knobs, passed through to torch."""
+
+    bucket_cap_mb: float = doc("gradient bucket size in MB", default=25.0)
+    gradient_as_bucket_view: bool = doc(
+        "let gradients alias the communication buckets (saves one copy of the gradients)",
+        default=False,
+    )
+    static_graph: bool = doc(
+        "promise the set of used parameters never changes between steps", default=False
+    )
+    comm_hook: str = doc(
+        "gradient compression for the all-reduce: none, fp16, bf16 or powersgd",
+        choices=COMM_HOOKS,
+        default="none",
+    )
+    powersgd_rank: int = doc("powersgd: matrix approximation rank", default=1)
+    powersgd_start_step: int = doc(
+        "powersgd: plain all-reduce before this step (at least 2)", default=10
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints on node-local disks: no shared filesystem is assumed."""
+
+    checkpoint_dir: str | None = doc(
+        "node-local directory every rank writes its own checkpoint files to; unset: none"
+    )
+    checkpoint_every: int = doc("steps between checkpoints (the last step is always saved)", 50)
+    keep: int = doc("checkpoints kept per rank, newest first", default=3)
+    resume: bool | None = doc(
+        "resume from the newest step every rank has; default: resume when the directory "
+        "holds checkpoints; --no-resume deletes this rank's checkpoints there and starts over"
+    )
+    stop_after_step: int | None = doc(
+        "test hook: exit with code 75 once this step is done and checkpointed"
+    )
+
+
+@dataclass
+class RunConfig:
+    """Length, seed, logging and outputs."""
+
+    steps: int = doc("optimizer steps to train for", default=60)
+    epochs: int | None = doc("train for this many passes over the train split instead of --steps")
+    seed: int = doc("seed for weights, data order and synthetic data; same on every rank", 0)
+    log_every: int = doc("steps between progress lines", default=20)
+    run_dir: str | None = doc(
+        "where TensorBoard scalars and profiler traces go; default .runs/<workload>-<run id>"
+    )
+    tensorboard: bool = doc("write TensorBoard scalars when tensorboard is installed", True)
+    profile: bool = doc("record torch.profiler traces of a few steps into <run dir>/profile", False)
+    out: str | None = doc("rank 0 writes the final model state_dict here (torch.save)")
+
+
+@dataclass
+class TrainConfig:
+    """Everything `python -m training.ddp` takes."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _field_type(hint: Any) -> tuple[type, bool]:
+    """(the concrete type, whether None is allowed) of a field annotation."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def _sections(config_type: type) -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(config_type)
+    return [(item.name, hints[item.name]) for item in dataclasses.fields(config_type)]
+
+
+def _leaves(section_type: type) -> list[tuple[dataclasses.Field, type, bool]]:
+    hints = typing.get_type_hints(section_type)
+    return [(item, *_field_type(hints[item.name])) for item in dataclasses.fields(section_type)]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _shown(default: Any) -> str:
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def _metavar(item: dataclasses.Field, kind: type) -> str | None:
+    if item.metadata["choices"]:
+        return None
+    if kind is int:
+        return "N"
+    if kind is float:
+        return item.name.split("_")[-1].upper()
+    return "DIR" if item.name.endswith("dir") else "PATH"
+
+
+def build_parser(
+    config_type: type, *, prog: str | None = None, description: str = "", epilog: str = ""
+):
+    parser = ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        # Only flags actually given appear in the namespace, which is what lets them win over
+        # the file without mistaking a default for an explicit choice.
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--config", metavar="YAML", help="settings file; flags given here override it"
+    )
+    seen: set[str] = set()
+    for section, section_type in _sections(config_type):
+        group = parser.add_argument_group(section, section_type.__doc__)
+        for item, kind, _ in _leaves(section_type):
+            if item.name in seen:
+                raise AssertionError(f"field {item.name} appears in two sections")
+            seen.add(item.name)
+            text = f"{item.metadata['help']} (default: {_shown(item.default)})"
+            if kind is bool:
+                group.add_argument(
+                    _flag(item.name),
+                    dest=item.name,
+                    action=argparse.BooleanOptionalAction,
+                    help=text,
+                )
+            else:
+                group.add_argument(
+                    _flag(item.name),
+                    dest=item.name,
+                    type=kind,
+                    choices=item.metadata["choices"],
+                    help=text,
+                    metavar=_metavar(item, kind),
+                )
+    return parser
+
+
+def _check_value(where: str, value: Any, kind: type, optional: bool) -> Any:
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise ClusterError(f"{where} must be {kind.__name__}, got {value!r}")
+
+
+def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
+    """The file's settings, checked against the config's sections and field types."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as error:
+        raise ClusterError(f"cannot read config file {path}: {error.strerror}") from error
+    except yaml.YAMLError as error:
+        raise ClusterError(f"{path} is not valid YAML: {error}") from error
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    sections = dict(_sections(config_type))
+    settings: dict[str, dict[str, Any]] = {}
+    for section, values in raw.items():
+        if section not in sections:
+            raise ClusterError(
+                f"{path}: unknown section {section!r}", hint=f"one of {', '.join(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ClusterError(f"{path}: section {section} must be a mapping")
+        leaves = {leaf[0].name: leaf for leaf in _leaves(sections[section])}
+        for name, value in values.items():
+            if name not in leaves:
+                raise ClusterError(
+                    f"{path}: unknown setting {section}.{name}",
+                    hint=f"one of {', '.join(leaves)}",
+                )
+            item, kind, optional = leaves[name]
+            checked = _check_value(f"{path}: {section}.{name}", value, kind, optional)
+            allowed = item.metadata["choices"]
+            if allowed and checked not in allowed:
+                raise ClusterError(
+                    f"{path}: {section}.{name} is {checked!r}, not one of {', '.join(allowed)}"
+                )
+            settings.setdefault(section, {})[name] = checked
+    return settings
+
+
+def parse(config_type: type[T], argv: list[str] | None, **parser_kwargs) -> T:
+    """Defaults, overridden by the --config file, overridden by flags."""
+    given = vars(build_parser(config_type, **parser_kwargs).parse_args(argv))
+    file_settings = load_file(config_type, Path(given.pop("config"))) if "config" in given else {}
+    sections = {}
+    for section, section_type in _sections(config_type):
+        values = dict(file_settings.get(section, {}))
+        names = {item.name for item in dataclasses.fields(section_type)}
+        values.update({name: value for name, value in given.items() if name in names})
+        sections[section] = section_type(**values)
+    return config_type(**sections)
+
+
+def check(config) -> None:
+    """The settings that are wrong whatever the cluster looks like."""
+    positive = {
+        "--steps": config.run.steps,
+        "--epochs": 1 if config.run.epochs is None else config.run.epochs,
+        "--global-batch-size": config.optim.global_batch_size,
+        "--image-size": config.data.image_size,
+        "--log-every": config.run.log_every,
+        "--checkpoint-every": config.checkpoint.checkpoint_every,
+        "--keep": config.checkpoint.keep,
+        "--train-samples": config.data.train_samples,
+        "--val-samples": config.data.val_samples,
+    }
+    ddp = getattr(config, "ddp", None)
+    if ddp is not None:
+        positive.update(
+            {"--bucket-cap-mb": ddp.bucket_cap_mb, "--powersgd-rank": ddp.powersgd_rank}
+        )
+        if ddp.powersgd_start_step < 2:
+            raise ClusterError(
+                "--powersgd-start-step must be at least 2 (torch's PowerSGD needs it)"
+            )
+    for flag, value in positive.items():
+        if value <= 0:
+            raise ClusterError(f"{flag} must be positive, got {value}")
+    if config.data.workers < 0:
+        raise ClusterError(f"--workers must be 0 or more, got {config.data.workers}")
+    if config.data.num_classes < 2:
+        raise ClusterError(f"--num-classes must be at least 2, got {config.data.num_classes}")
+    if config.model.sync_bn:
+        if ddp is None:
+            raise ClusterError("--sync-bn needs DDP: SyncBatchNorm synchronises through it")
+        if not torch.cuda.is_available():
+            raise ClusterError("--sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA")

@@ -1,0 +1,58 @@
+"""The edge of every workload: printing on the right rank, and errors as one `Error:` line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from cluster.errors import ClusterError
+from training import parallel
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are the project's one-line error, not usage-and-exit."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message: str):
+        raise ClusterError(message, hint="--help")
+
+
+def require_positive(args, *names: str) -> None:
+    """Bad numbers as the project's error, before they become a ZeroDivisionError somewhere."""
+    for name in names:
+        value = getattr(args, name)
+        if value <= 0:
+            raise ClusterError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def emit(text: str, stream=None) -> None:
+    """Write whole lines in one call: ranks share the terminal, and split writes interleave."""
+    stream = stream or sys.stdout
+    stream.write(text if text.endswith("\n") else text + "\n")
+    stream.flush()
+
+
+def say(env: parallel.DistEnv, *lines: str) -> None:
+    """Print on rank 0 only: the lines every rank would print identically."""
+    if env.is_main:
+        emit("\n".join(lines))
+
+
+def say_every_rank(env: parallel.DistEnv, line: str) -> None:
+    emit((f"[rank {env.rank}] " if env.launched else "") + line)
+
+
+def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
+    """Call `main`, turning ClusterError into one `Error: ...` line and its exit code."""
+    try:
+        code = main(argv)
+        parallel.stop(synchronize=True)
+    except ClusterError as error:
+        emit(error.line(), sys.stderr)
+        code = error.exit_code
+        parallel.stop()
+    sys.exit(code or 0)

@@ -1,0 +1,122 @@
+"""DDP image classification: the workload a cluster is verified with.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m training.ddp
+
+trains resnet18 for 60 steps on built-in synthetic data and prints the validation accuracy: on
+two CPU processes of a 2-core machine it takes under 30 s in all and reaches 100%.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from training import config as config_module
+from training import console, data, models, parallel
+from training.checkpoint import write_atomically
+from training.config import TrainConfig
+from training.trainer import STOP_EXIT_CODE, Trainer, TrainResult, resolve_numerics
+
+EPILOG = f"""\
+precedence: flags > --config YAML file (sections as above, e.g. `optim: {{lr: 0.1}}`) > defaults
+
+examples:
+  python -m torch.distributed.run --standalone --nproc-per-node 2 -m training.ddp
+  python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+      --rdzv-endpoint 192.168.1.10:29500 -m training.ddp --dataset cifar10 --data-dir /data/cifar
+  python -m training.ddp --model tiny --steps 20     # one process, no process group
+
+exit codes: 0 done, 1 failed, 2 bad input (one `Error:` line), {STOP_EXIT_CODE} --stop-after-step
+"""
+
+
+def default_run_dir(workload: str) -> str:
+    # torchrun hands every process of one job the same run id, so all ranks agree on the path.
+    return str(Path(".runs") / f"{workload}-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+
+
+def prepare(config, env: parallel.DistEnv, workload: str):
+    """The checks and choices that need no other process: bad input fails before rendezvous."""
+    config_module.check(config)
+    batch = parallel.per_rank_batch(config.optim.global_batch_size, env)
+    numerics = resolve_numerics(config.model.precision, env.device)
+    if config.run.run_dir is None:
+        config.run.run_dir = default_run_dir(workload)
+    return batch, numerics
+
+
+def build(config, env: parallel.DistEnv, numerics) -> tuple[nn.Module, data.Splits]:
+    torch.manual_seed(config.run.seed)  # identical initial weights on every rank
+    splits = data.build_splits(config.data, config.run.seed)
+    model = models.build_model(config.model.model, splits.num_classes)
+    if config.model.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(env.device)
+    if numerics.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model, splits
+
+
+def header(config, env, splits: data.Splits, model: nn.Module, trainer: Trainer) -> list[str]:
+    batch = trainer.batch
+    return [
+        f"world    {env.describe()}",
+        f"data     {splits.description}",
+        f"batch    {batch} per rank x {env.world_size} ranks = {batch * env.world_size} global",
+        f"steps    {trainer.total_steps}, {trainer.steps_per_epoch} per epoch",
+        f"model    {config.model.model}, {models.count_parameters(model) / 1e6:.2f}M parameters, "
+        f"{trainer.numerics.name}{', SyncBatchNorm' if config.model.sync_bn else ''}",
+    ]
+
+
+def summary(result: TrainResult, digest: str) -> list[str]:
+    resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
+    return [
+        "-" * 60,
+        f"steps          {result.steps}{resumed}",
+        f"time           {result.seconds:.1f} s training, "
+        f"{result.samples_per_second:,.0f} samples/s total",
+        f"train loss     {result.train_loss:.4f}, accuracy "
+        f"{100 * result.train_accuracy:.1f}% (steps since the previous report)",
+        f"val accuracy   {100 * result.val_accuracy:.2f}% of {result.val_samples} samples",
+        f"parameters     sha256 {digest[:16]}",
+        "-" * 60,
+    ]
+
+
+def save_model(path: str, model: nn.Module) -> None:
+    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    write_atomically(Path(path), state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_module.parse(
+        TrainConfig, argv, prog="python -m training.ddp", description=__doc__, epilog=EPILOG
+    )
+    env = parallel.read_env()
+    batch, numerics = prepare(config, env, "ddp")
+    parallel.start(env)
+    model, splits = build(config, env, numerics)
+    ddp_model = parallel.wrap_ddp(model, env, config.ddp)
+    trainer = Trainer(config, env, ddp_model, splits, batch_per_rank=batch, numerics=numerics)
+    console.say(env, *header(config, env, splits, model, trainer))
+    result = trainer.fit()
+    finish(config, env, model, result)
+    return 0
+
+
+def finish(config, env, model: nn.Module, result: TrainResult) -> None:
+    digest = parallel.parameter_digest(model)
+    console.say_every_rank(env, f"parameters sha256 {digest}")
+    parallel.barrier(env)  # keeps the per-rank lines above the summary
+    console.say(env, *summary(result, digest))
+    if config.run.out and env.is_main:
+        save_model(config.run.out, model)
+        console.say(env, f"model state_dict written to {config.run.out}")
+
+
+if __name__ == "__main__":
+    console.run(main)

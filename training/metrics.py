@@ -1,0 +1,110 @@
+"""Progress lines, TensorBoard scalars and profiler traces. Rank 0 reports; sums span all ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+
+from training import parallel
+from training.console import say
+
+PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 1, 3
+
+
+class Progress:
+    """Accumulates loss and accuracy on the device (no sync per step) and reports every N steps."""
+
+    def __init__(
+        self,
+        env: parallel.DistEnv,
+        *,
+        total_steps: int,
+        batch_per_rank: int,
+        log_every: int,
+        writer=None,
+    ):
+        self.env, self.total_steps, self.batch = env, total_steps, batch_per_rank
+        self.log_every, self.writer = log_every, writer
+        self.sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss, correct
+        self.samples = 0
+        self.steps_since = 0
+        self.since = time.perf_counter()
+        self.last: dict[str, float] = {}
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        correct = (logits.argmax(dim=1) == labels).sum()
+        self.sums += torch.stack([loss.detach().double() * labels.numel(), correct.double()])
+        self.samples += labels.numel()
+        self.steps_since += 1
+
+    def maybe_report(self, step: int, lr: float) -> None:
+        if step % self.log_every and step != self.total_steps:
+            return
+        loss_sum, correct, count = parallel.all_reduce_sum(
+            [*self.sums.tolist(), self.samples], self.env
+        )
+        elapsed = time.perf_counter() - self.since
+        per_rank = self.steps_since * self.batch / elapsed
+        self.last = {
+            "loss": loss_sum / count,
+            "accuracy": correct / count,
+            "samples_per_second_per_rank": per_rank,
+            "samples_per_second": per_rank * self.env.world_size,
+        }
+        width = len(str(self.total_steps))
+        say(
+            self.env,
+            (
+                f"step {step:>{width}}/{self.total_steps}  loss {self.last['loss']:.4f}  "
+                f"acc {100 * self.last['accuracy']:5.1f}%  lr {lr:.4g}  "
+                f"{per_rank:,.0f} samples/s/rank  "
+                f"{self.last['samples_per_second']:,.0f} samples/s total"
+            ),
+        )
+        if self.writer is not None:
+            for name, value in self.last.items():
+                self.writer.add_scalar(f"train/{name}", value, step)
+            self.writer.add_scalar("train/lr", lr, step)
+        self.sums.zero_()
+        self.samples = self.steps_since = 0
+        self.since = time.perf_counter()
+
+
+def tensorboard_writer(env: parallel.DistEnv, run_dir: Path, enabled: bool):
+    """A SummaryWriter on rank 0, or None (with one message) when tensorboard is missing."""
+    if not enabled or not env.is_main:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        say(env, "TensorBoard is not installed: skipping scalars (pip install tensorboard)")
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def profiler(env: parallel.DistEnv, run_dir: Path, enabled: bool):
+    """A torch.profiler over a few early steps, one trace file per rank; call .step() per step."""
+    if not enabled:
+        return contextlib.nullcontext(_NoProfiler())
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU]
+    if env.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(
+        activities=activities,
+        schedule=schedule(
+            wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1
+        ),
+        on_trace_ready=tensorboard_trace_handler(
+            str(run_dir / "profile"), worker_name=f"rank{env.rank}"
+        ),
+    )
+
+
+class _NoProfiler:
+    def step(self) -> None:
+        pass

@@ -1,0 +1,197 @@
+"""Model parallel ResNet-50: one model split over two devices, optionally pipelined, optionally
+replicated with DDP.
+
+    python -m training.model_parallel                      # one process, two devices
+    python -m training.model_parallel --split-size 4       # micro-batches overlap the devices
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m training.model_parallel
+
+conv1..layer2 run on the first device and layer3..fc on the second: cuda:0 and cuda:1 with two
+GPUs, otherwise cpu and cpu (the same code path, minus the speed). Under torchrun each process
+holds one such two-device replica (GPUs 2*LOCAL_RANK and 2*LOCAL_RANK+1) and DDP, which spans
+the devices when given device_ids=None, keeps the replicas equal.
+
+Without --split-size the second device idles while the first works and vice versa. With it,
+each batch is cut into micro-batches of that size and micro-batch i+1 enters the first device
+while micro-batch i is on the second; CUDA's asynchronous launches make the two overlap.
+BatchNorm then normalises per micro-batch, so train-mode outputs differ from the unsplit
+model's; eval-mode outputs do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.errors import ClusterError
+from training import console, parallel
+from training.data import SyntheticImages
+
+
+def stage_devices(env: parallel.DistEnv) -> tuple[torch.device, torch.device]:
+    """The two devices this process's replica spans."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return torch.device("cpu"), torch.device("cpu")
+    needed = 2 * env.local_world_size
+    if torch.cuda.device_count() < needed:
+        raise ClusterError(
+            f"{env.local_world_size} processes x 2 GPUs each need {needed} GPUs on this node, "
+            f"found {torch.cuda.device_count()}",
+            hint=f"--nproc-per-node {torch.cuda.device_count() // 2}",
+        )
+    first = 2 * env.local_rank
+    return torch.device(f"cuda:{first}"), torch.device(f"cuda:{first + 1}")
+
+
+def _resnet50(num_classes: int) -> nn.Module:
+    from torchvision.models import resnet50
+
+    return resnet50(weights=None, num_classes=num_classes)
+
+
+class ModelParallelResNet50(nn.Module):
+    """torchvision's resnet50 in two stages, one per device. Pass `base` to split an existing
+    resnet50 (its modules are moved, not copied): the weights are then exactly that model's."""
+
+    def __init__(
+        self, num_classes: int = 1000, devices=("cpu", "cpu"), base: nn.Module | None = None
+    ):
+        super().__init__()
+        base = base if base is not None else _resnet50(num_classes)
+        self.devices = tuple(torch.device(device) for device in devices)
+        self.seq1 = nn.Sequential(
+            base.conv1, base.bn1, base.relu, base.maxpool, base.layer1, base.layer2
+        ).to(self.devices[0])
+        self.seq2 = nn.Sequential(base.layer3, base.layer4, base.avgpool).to(self.devices[1])
+        self.fc = base.fc.to(self.devices[1])
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.seq2(hidden), 1))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self._head(self.seq1(images.to(self.devices[0])).to(self.devices[1]))
+
+
+class PipelinedModelParallelResNet50(ModelParallelResNet50):
+    """The same two stages, fed micro-batches of `split_size` so both devices work at once."""
+
+    def __init__(self, split_size: int = 20, **kwargs):
+        super().__init__(**kwargs)
+        self.split_size = split_size
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        chunks = iter(images.to(self.devices[0]).split(self.split_size, dim=0))
+        in_flight = self.seq1(next(chunks)).to(self.devices[1])
+        outputs = []
+        for chunk in chunks:
+            # Queued on the second device, then the next chunk on the first: they overlap.
+            outputs.append(self._head(in_flight))
+            in_flight = self.seq1(chunk).to(self.devices[1])
+        outputs.append(self._head(in_flight))
+        return torch.cat(outputs)
+
+
+def build(split_size: int, num_classes: int, devices, base: nn.Module | None = None) -> nn.Module:
+    if split_size:
+        return PipelinedModelParallelResNet50(
+            split_size=split_size, num_classes=num_classes, devices=devices, base=base
+        )
+    return ModelParallelResNet50(num_classes=num_classes, devices=devices, base=base)
+
+
+def parse_args(argv: list[str] | None):
+    parser = console.ArgumentParser(prog="python -m training.model_parallel", description=__doc__)
+    parser.add_argument(
+        "--split-size",
+        type=int,
+        metavar="N",
+        default=0,
+        help="micro-batch size for pipelining; 0: no pipelining (default: 0). "
+        "On two GPUs try --batch-size 120 --split-size 20",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, metavar="N", default=8, help="per process (default: 8)"
+    )
+    parser.add_argument(
+        "--image-size", type=int, metavar="N", default=64, help="default: 64 (224 on GPUs)"
+    )
+    parser.add_argument("--num-classes", type=int, metavar="N", default=10, help="default: 10")
+    parser.add_argument("--steps", type=int, metavar="N", default=3, help="default: 3")
+    parser.add_argument(
+        "--lr", type=float, default=0.001, help="SGD learning rate (default: 0.001)"
+    )
+    parser.add_argument("--seed", type=int, metavar="N", default=0, help="default: 0")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console.require_positive(args, "batch_size", "image_size", "num_classes", "steps")
+    if args.split_size < 0:
+        raise ClusterError("--split-size must be 0 (off) or positive")
+    smallest = (
+        (args.batch_size % args.split_size or args.split_size)
+        if args.split_size
+        else args.batch_size
+    )
+    side = math.ceil(args.image_size / 32)  # layer4's output side: resnet50 downsamples 32x
+    if smallest * side * side < 2:
+        raise ClusterError(
+            f"a micro-batch of {smallest} image(s) at {args.image_size}px leaves layer4's "
+            f"BatchNorm {smallest * side * side} value per channel; training needs at least 2",
+            hint="--image-size 64, or micro-batches of 2 or more images",
+        )
+    env = parallel.read_env()
+    devices = stage_devices(env)
+    # The process's own device is its first stage's, not cuda:LOCAL_RANK.
+    env = dataclasses.replace(env, device=devices[0])
+    parallel.start(env)
+    torch.manual_seed(args.seed)
+    model = build(args.split_size, args.num_classes, devices)
+    if env.launched:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # device_ids=None: the module spans two devices, so DDP must not pin it to one.
+        model = DistributedDataParallel(model, device_ids=None)
+    mode = f"pipelined, micro-batches of {args.split_size}" if args.split_size else "no pipelining"
+    console.say(
+        env,
+        f"world    {env.describe()}",
+        f"stages   conv1..layer2 on {devices[0]}, layer3..fc on {devices[1]} ({mode})",
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dataset = SyntheticImages(
+        split="train",
+        size=1 << 20,
+        num_classes=args.num_classes,
+        image_size=args.image_size,
+        noise=1.0,
+        seed=args.seed,
+    )
+    for step in range(1, args.steps + 1):
+        first = ((step - 1) * env.world_size + env.rank) * args.batch_size
+        samples = [dataset[first + i] for i in range(args.batch_size)]
+        images = torch.stack([sample[0] for sample in samples])
+        labels = torch.tensor([sample[1] for sample in samples], device=devices[1])
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(images), labels)  # outputs arrive on the second device
+        loss.backward()
+        optimizer.step()
+        for device in {d for d in devices if d.type == "cuda"}:
+            torch.cuda.synchronize(device)
+        console.say(
+            env,
+            f"step {step}/{args.steps}  loss {loss.item():.4f}  "
+            f"{time.perf_counter() - started:.3f} s",
+        )
+    console.say_every_rank(env, f"parameters sha256 {parallel.parameter_digest(model)}")
+    return 0
+
+
+if __name__ == "__main__":
+    console.run(main)

@@ -1,0 +1,190 @@
+"""Process group, device and DDP wrapping: everything that depends on how many processes run where.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Without
+them (plain `python -m ...`) a workload runs as one process with no process group at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cluster.errors import ClusterError
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launched: bool = False  # started by torchrun, so there is a process group to join
+    backend: str | None = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+    def describe(self) -> str:
+        if not self.launched:
+            return f"1 process, no process group, {self.device.type}"
+        return (
+            f"{self.world_size} processes on {self.nodes} node(s), "
+            f"{self.backend}, {self.device.type}"
+        )
+
+
+def _integer(name: str, environ: dict[str, str]) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ClusterError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def read_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """The job layout torchrun describes in the environment, and the device and backend to use."""
+    environ = dict(os.environ if environ is None else environ)
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" not in environ:
+        return DistEnv(device=torch.device("cuda:0" if cuda else "cpu"))
+    missing = [name for name in TORCHRUN_VARIABLES if name not in environ]
+    if missing:
+        raise ClusterError(
+            f"WORLD_SIZE is set but {', '.join(missing)} is not",
+            hint="launching with python -m torch.distributed.run",
+        )
+    rank, local_rank, world_size = (
+        _integer(n, environ) for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    )
+    local_world_size = _integer("LOCAL_WORLD_SIZE", environ) if "LOCAL_WORLD_SIZE" in environ else 1
+    if not 0 <= rank < world_size:
+        raise ClusterError(f"RANK {rank} is outside world size {world_size}")
+    if cuda:
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise ClusterError(
+                f"LOCAL_RANK {local_rank} needs GPU {local_rank} but this node has {visible}",
+                hint=f"--nproc-per-node {visible}",
+            )
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        launched=True,
+        backend="nccl" if cuda else "gloo",
+        device=torch.device(f"cuda:{local_rank}" if cuda else "cpu"),
+    )
+
+
+def start(env: DistEnv, timeout_seconds: float = 600) -> None:
+    """Join the process group (a no-op for a single unlaunched process)."""
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if env.launched and not dist.is_initialized():
+        dist.init_process_group(env.backend, timeout=timedelta(seconds=timeout_seconds))
+
+
+def stop(synchronize: bool = False) -> None:
+    """Leave the process group; `synchronize` (only when every rank gets here) first waits for
+    the others, since tearing gloo down under a peer still using it can abort the process."""
+    if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.launched:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
+    """Sum a few numbers over all ranks (identity for one process)."""
+    if not env.launched:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_gather(value: object, env: DistEnv) -> list:
+    """Every rank's `value`, in rank order."""
+    if not env.launched:
+        return [value]
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def per_rank_batch(global_batch: int, env: DistEnv) -> int:
+    if global_batch % env.world_size:
+        raise ClusterError(
+            f"global batch {global_batch} is not divisible by world size {env.world_size}",
+            hint=f"--global-batch-size {max(1, global_batch // env.world_size) * env.world_size}",
+        )
+    return global_batch // env.world_size
+
+
+def wrap_ddp(model: nn.Module, env: DistEnv, config) -> nn.Module:
+    """DDP with the options of a DDPConfig and its gradient-compression hook registered."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not env.launched:
+        return model
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        bucket_cap_mb=config.bucket_cap_mb,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+        static_graph=config.static_graph,
+    )
+    register_comm_hook(ddp, config)
+    return ddp
+
+
+def register_comm_hook(ddp: nn.Module, config) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if config.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif config.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif config.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=config.powersgd_rank,
+            start_powerSGD_iter=config.powersgd_start_step,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """sha256 over every parameter's bytes: equal digests mean bit-identical parameters."""
+    digest = hashlib.sha256()
+    for name, parameter in unwrap(model).named_parameters():
+        digest.update(name.encode())
+        digest.update(
+            parameter.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
+    return digest.hexdigest()

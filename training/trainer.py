@@ -1,0 +1,294 @@
+"""The training loop: steps, numerics, checkpoint/resume and validation, for any data-parallel
+wrapping. How gradients are synchronised is the caller's business: DDP does it inside backward,
+other strategies pass `gradient_sync`, called between backward and the optimizer step."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.errors import ClusterError
+from training import checkpoint, data, metrics, parallel
+from training.console import say
+
+STOP_EXIT_CODE = 75  # --stop-after-step: EX_TEMPFAIL, "try again", which is what resume does
+
+
+@dataclass(frozen=True)
+class Numerics:
+    autocast_dtype: torch.dtype | None
+    grad_scaler: bool
+    channels_last: bool
+    name: str
+
+
+def resolve_numerics(precision: str, device: torch.device) -> Numerics:
+    """What --precision means on this device; bf16/fp16 autocast and channels_last are GPU-only."""
+    if device.type != "cuda":
+        if precision in ("bf16", "fp16"):
+            raise ClusterError(
+                f"--precision {precision} needs a GPU; this run is on CPU", hint="--precision fp32"
+            )
+        return Numerics(None, False, False, "fp32")
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return Numerics(dtypes[precision], precision == "fp16", True, precision)
+
+
+def build_optimizer(config, parameters) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def learning_rate(config, step: int, total_steps: int) -> float:
+    """The rate for step `step` (0-based): a pure function of the step, so nothing to checkpoint."""
+    warmup = max(1, config.warmup_steps)
+    if step < warmup or config.schedule == "constant":
+        return config.lr * min(1.0, (step + 1) / warmup)
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Position:
+    """Where training is: checkpointed, and enough to continue exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: int
+    resumed_from: int | None
+    train_loss: float
+    train_accuracy: float
+    val_accuracy: float
+    val_samples: int
+    seconds: float
+    samples_per_second: float
+
+
+class Trainer:
+    def __init__(
+        self,
+        config,
+        env: parallel.DistEnv,
+        model: nn.Module,
+        splits: data.Splits,
+        *,
+        batch_per_rank: int,
+        numerics: Numerics,
+        gradient_sync: Callable[[nn.Module], None] | None = None,
+    ):
+        self.config, self.env, self.model, self.splits = config, env, model, splits
+        self.batch, self.numerics, self.gradient_sync = batch_per_rank, numerics, gradient_sync
+        self.optimizer = build_optimizer(config.optim, model.parameters())
+        self.scaler = torch.amp.GradScaler("cuda") if numerics.grad_scaler else None
+        pin = env.device.type == "cuda"
+        self.loader, self.sampler = data.train_loader(
+            splits.train,
+            rank=env.rank,
+            world_size=env.world_size,
+            batch_size=batch_per_rank,
+            seed=config.run.seed,
+            workers=config.data.workers,
+            pin_memory=pin,
+        )
+        self.val_loader = data.val_loader(
+            splits.val,
+            rank=env.rank,
+            world_size=env.world_size,
+            batch_size=batch_per_rank,
+            workers=config.data.workers,
+            pin_memory=pin,
+        )
+        self.steps_per_epoch = self.sampler.num_samples // batch_per_rank
+        epochs = config.run.epochs
+        self.total_steps = epochs * self.steps_per_epoch if epochs else config.run.steps
+        self.position = Position()
+        self.store = None
+        if config.checkpoint.checkpoint_dir:
+            self.store = checkpoint.CheckpointStore(
+                Path(config.checkpoint.checkpoint_dir), env.rank, config.checkpoint.keep
+            )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def resume(self) -> int | None:
+        """Load the newest checkpoint step that every rank holds; the step, or None."""
+        if self.store is None:
+            return None
+        settings = self.config.checkpoint
+        self.store.remove_temporaries()
+        plan = checkpoint.plan_resume(
+            parallel.all_gather(self.store.steps(), self.env),
+            settings.resume,
+            settings.checkpoint_dir,
+        )
+        say(self.env, plan.message)
+        if plan.step is None:
+            if settings.resume is False:
+                self.store.clear()
+            parallel.barrier(self.env)  # nobody writes step files while another rank clears
+            return None
+        state = self.store.load(plan.step, self.env.device)
+        expected = {"world_size": self.env.world_size, "batch_per_rank": self.batch}
+        for key, value in expected.items():
+            if state[key] != value:
+                raise ClusterError(
+                    f"checkpoint step {plan.step} in {settings.checkpoint_dir} has {key} "
+                    f"{state[key]}, this run has {value}: sampler positions would not match",
+                    hint="--no-resume, or the original world size and --global-batch-size",
+                )
+        parallel.unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.position = Position(**state["position"])
+        checkpoint.restore_rng_states(state["rng"])
+        return plan.step
+
+    def save(self) -> None:
+        self.store.save(
+            self.position.step,
+            {
+                "position": vars(self.position).copy(),
+                "world_size": self.env.world_size,
+                "batch_per_rank": self.batch,
+                "model": parallel.unwrap(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "rng": checkpoint.rng_states(),
+            },
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        run = self.config.run
+        resumed_from = self.resume()
+        run_dir = Path(run.run_dir)
+        writer = metrics.tensorboard_writer(self.env, run_dir, run.tensorboard)
+        progress = metrics.Progress(
+            self.env,
+            total_steps=self.total_steps,
+            batch_per_rank=self.batch,
+            log_every=run.log_every,
+            writer=writer,
+        )
+        started = time.perf_counter()
+        steps_before = self.position.step
+        self.model.train()
+        with metrics.profiler(self.env, run_dir, run.profile) as profiler:
+            while self.position.step < self.total_steps:
+                self._epoch(progress, profiler)
+        seconds = time.perf_counter() - started
+        val_accuracy, val_samples = self.evaluate()
+        if writer is not None:
+            writer.add_scalar("val/accuracy", val_accuracy, self.position.step)
+            writer.close()
+        trained = (self.position.step - steps_before) * self.batch * self.env.world_size
+        return TrainResult(
+            steps=self.position.step,
+            resumed_from=resumed_from,
+            train_loss=progress.last.get("loss", float("nan")),
+            train_accuracy=progress.last.get("accuracy", float("nan")),
+            val_accuracy=val_accuracy,
+            val_samples=val_samples,
+            seconds=seconds,
+            samples_per_second=trained / seconds if seconds else 0.0,
+        )
+
+    def _epoch(self, progress: metrics.Progress, profiler) -> None:
+        position = self.position
+        self.sampler.set_position(position.epoch, position.batch_in_epoch * self.batch)
+        if hasattr(self.splits.train, "set_epoch"):
+            self.splits.train.set_epoch(position.epoch)
+        for images, labels in self.loader:
+            lr = learning_rate(self.config.optim, position.step, self.total_steps)
+            loss, logits = self._step(images, labels, lr)
+            position.step += 1
+            position.batch_in_epoch += 1
+            if position.batch_in_epoch == self.steps_per_epoch:
+                position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+            progress.add(loss, logits, labels.to(logits.device))
+            progress.maybe_report(position.step, lr)
+            profiler.step()
+            self._after_step()
+            if position.step == self.total_steps or position.batch_in_epoch == 0:
+                return
+
+    def _step(self, images: torch.Tensor, labels: torch.Tensor, lr: float):
+        images = images.to(self.env.device, non_blocking=True)
+        labels = labels.to(self.env.device, non_blocking=True)
+        if self.numerics.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with self._autocast():
+            logits = self.model(images)
+            loss = F.cross_entropy(logits, labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if self.gradient_sync is not None:
+            self.gradient_sync(self.model)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return loss, logits
+
+    def _autocast(self):
+        dtype = self.numerics.autocast_dtype
+        return torch.autocast(self.env.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def _after_step(self) -> None:
+        settings, step = self.config.checkpoint, self.position.step
+        if self.store is not None and (
+            step % settings.checkpoint_every == 0 or step == self.total_steps
+        ):
+            self.save()
+        if settings.stop_after_step == step:
+            # Every rank's checkpoint is on disk before anyone leaves, so the test is repeatable.
+            parallel.barrier(self.env)
+            say(self.env, f"stopping after step {step} (--stop-after-step): exit {STOP_EXIT_CODE}")
+            sys.stdout.flush()
+            os._exit(STOP_EXIT_CODE)
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """Accuracy on the whole val split, each sample counted once across ranks."""
+        # The bare module: DDP's forward would broadcast buffers, a collective that deadlocks
+        # when val shards differ in batch count between ranks.
+        model = parallel.unwrap(self.model)
+        model.eval()
+        correct = total = 0
+        for images, labels in self.val_loader:
+            images = images.to(self.env.device, non_blocking=True)
+            labels = labels.to(self.env.device, non_blocking=True)
+            if self.numerics.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with self._autocast():
+                logits = model(images)
+            correct += int((logits.argmax(dim=1) == labels).sum())
+            total += labels.numel()
+        model.train()
+        correct, total = parallel.all_reduce_sum([correct, total], self.env)
+        return correct / max(1, total), int(total)
