@@ -6,6 +6,7 @@ NNODES    ?= 2
 INVENTORY ?=
 LINK      ?=
 SCRIPT    ?=
+MODULE    ?=
 ARGS      ?=
 GPUS      ?=
 DEBUG     ?=
@@ -22,7 +23,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help  ## list the targets and the knobs
 help:
 	@echo "Usage: make TARGET [NNODES=2] [INVENTORY=path.yml] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
-	@echo "                   [GPUS=0,2] [DEBUG=1] [IMAGE=torch-multinode/train:latest]"
+	@echo "                   [MODULE=training.comm_demo] [GPUS=0,2] [DEBUG=1] [IMAGE=torch-multinode/train:latest]"
 	@echo
 	@grep -E '^\.PHONY: [a-z-]+ +## ' $(MAKEFILE_LIST) | \
 		sed -E 's/^\.PHONY: ([a-z-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
@@ -52,7 +53,8 @@ netcheck: $(STAMP)
 train: $(STAMP)
 	$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)" --nnodes $(NNODES)) \
 		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
-		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(ARGS)),-- $(ARGS))
+		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
+		$(if $(strip $(ARGS)),-- $(ARGS))
 
 .PHONY: image  ## build the training image: CUDA where nvidia-smi works, else the CPU twin
 image: $(STAMP)

@@ -152,6 +152,9 @@ class RunConfig:
     tensorboard: bool = doc("write TensorBoard scalars when tensorboard is installed", True)
     profile: bool = doc("record torch.profiler traces of a few steps into <run dir>/profile", False)
     out: str | None = doc("rank 0 writes the final model state_dict here (torch.save)")
+    step_delay: float = doc(
+        "test hook: seconds every rank sleeps after each step (a slow job to interrupt)", 0.0
+    )
 
 
 @dataclass

@@ -265,6 +265,8 @@ class Trainer:
             step % settings.checkpoint_every == 0 or step == self.total_steps
         ):
             self.save()
+        if self.config.run.step_delay > 0:
+            time.sleep(self.config.run.step_delay)
         if settings.stop_after_step == step:
             # Every rank's checkpoint is on disk before anyone leaves, so the test is repeatable.
             parallel.barrier(self.env)

@@ -1,0 +1,132 @@
+"""The workloads across two simulated nodes, through the launcher: DDP equal to one process,
+communication demos on 2 nodes x 2 processes, a pipeline whose stages sit on different nodes,
+and a node killed mid-run whose job, run again, resumes and ends where an uninterrupted run
+does. Checkpoints live on each node's own disk; only --out goes to the shared volume."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from cluster import sim
+from tests.conftest import VENV_BIN, run_cli
+from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_difference
+from tests.training.test_ddp_equality import one_process
+from tests.training.test_pipeline import BATCH, STEPS
+from tests.training.test_pipeline import one_process as unsplit_pipeline
+from training import config as config_module
+from training.config import TrainConfig
+
+pytestmark = pytest.mark.sim
+CHECKPOINTING = ("--checkpoint-every", "4", "--keep", "2")
+
+
+def _train(cluster, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_cli("train", "-i", str(cluster.config.inventory_path), *args, timeout=timeout)
+
+
+def _fetch(cluster, remote: str, local) -> None:
+    """A file from node1 (where rank 0 writes --out) to this machine."""
+    sim.docker("cp", f"{cluster.config.container(1)}:{remote}", str(local))
+
+
+def _digests(stdout: str) -> dict[int, str]:
+    found = re.findall(r"\[rank (\d+)\] parameters sha256 ([0-9a-f]{64})", stdout)
+    return {int(rank): digest for rank, digest in found}
+
+
+def test_two_node_ddp_equals_one_process_on_the_same_global_batches(sim2, tmp_path):
+    out = f"/shared/{uuid.uuid4().hex}/model.pt"
+    proc = _train(sim2, "--", *TINY, "--steps", str(REFERENCE_STEPS), "--out", out)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "world    2 processes on 2 node(s), gloo, cpu" in proc.stdout
+    digests = _digests(proc.stdout)
+    assert sorted(digests) == [0, 1] and digests[0] == digests[1]
+    _fetch(sim2, out, tmp_path / "model.pt")
+    config = config_module.parse(TrainConfig, [*TINY, "--steps", str(REFERENCE_STEPS)])
+    expected = one_process(config, REFERENCE_STEPS)  # tiny has no BatchNorm: see that test
+    assert max_difference(expected.state_dict(), load_state(tmp_path / "model.pt")) < 1e-6
+
+
+def test_communication_demos_pass_on_two_nodes_of_two_processes(sim2):
+    proc = _train(sim2, "--nproc-per-node", "2", "--module", "training.comm_demo")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    final = [line for line in proc.stdout.splitlines() if "checks passed on 4 ranks" in line]
+    assert len(final) == 1 and final[0].startswith("[node1] all ")
+
+
+def test_pipeline_stages_on_two_nodes_match_the_unsplit_model(sim2, tmp_path):
+    directory = f"/shared/{uuid.uuid4().hex}"
+    proc = _train(sim2, "--module", "training.pipeline", "--", "--schedule", "1f1b",
+                  "--microbatches", "2", "--steps", str(STEPS), "--batch-size", str(BATCH),
+                  "--out-dir", directory)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "[node1] pipeline  2 stages: blocks 0-2 on rank 0, blocks 3-4 on rank 1" in proc.stdout
+    losses, parameters, gradients = unsplit_pipeline()
+    import torch
+
+    for rank in (0, 1):
+        _fetch(sim2, f"{directory}/stage-{rank}.pt", tmp_path / f"stage-{rank}.pt")
+    stages = [load_state(tmp_path / f"stage-{rank}.pt") for rank in (0, 1)]
+    assert stages[1]["losses"] == pytest.approx(losses, abs=1e-6)
+    for stage in stages:
+        for name, value in stage["parameters"].items():
+            assert torch.allclose(value, parameters[name], atol=1e-6), name
+        for name, value in stage["gradients"].items():
+            assert torch.allclose(value, gradients[name], atol=1e-6), name
+
+
+def test_node_killed_mid_run_then_rerun_resumes_to_the_uninterrupted_result(
+    sim2, reference_ddp, tmp_path
+):
+    checkpoints = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"  # each node's own disk
+    common = ["--", *TINY, "--steps", str(REFERENCE_STEPS), *CHECKPOINTING,
+              "--checkpoint-dir", checkpoints]  # fmt: skip
+    process = subprocess.Popen(
+        [str(VENV_BIN / "train"), "-i", str(sim2.config.inventory_path), *common,
+         "--log-every", "1", "--step-delay", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen, last_step = [], 0
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.match(r"\[node1\] step +(\d+)/", line)
+        if match:
+            last_step = int(match.group(1))
+            if last_step >= 9:  # the step-8 checkpoint is on both nodes' disks
+                break
+    assert last_step >= 9, "".join(seen)[-3000:]
+    killed_at = time.monotonic()
+    sim.docker("kill", sim2.config.container(2))
+    try:
+        rest, _ = process.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 15
+        assert process.returncode == 1
+        assert "FAILED on node2" in rest
+        run_id = "".join(seen).split("[launcher] job ", 1)[1].split(":", 1)[0]
+        left = sim.docker("exec", sim2.config.container(1), "sh", "-c",
+                          f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self; "
+                          "ss -ltnH 'sport = :29500'", check=False).stdout  # fmt: skip
+        assert left.strip() == ""
+    finally:
+        sim.up(2, None, sim2.config)  # node2 is back, its disk as it was
+
+    out = f"/shared/{uuid.uuid4().hex}/model.pt"
+    rerun = _train(sim2, *common, "--out", out)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    resumed = [line for line in rerun.stdout.splitlines() if "resuming from step" in line]
+    assert len(resumed) == 1
+    step = int(re.search(r"resuming from step (\d+)", resumed[0]).group(1))
+    assert last_step - step <= 4, "lost more steps than the checkpoint interval"
+    assert f"steps          {REFERENCE_STEPS} (resumed from step {step})" in rerun.stdout
+    _fetch(sim2, out, tmp_path / "model.pt")
+    assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
+    assert _digests(rerun.stdout)[0] == _digests(rerun.stdout)[1]
