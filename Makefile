@@ -60,6 +60,10 @@ train: $(STAMP)
 image: $(STAMP)
 	$(BIN)/cluster image --tag $(IMAGE)
 
+.PHONY: train-spawn  ## the default job on this machine started with mp.spawn, as the seeds do it
+train-spawn: $(STAMP)
+	$(BIN)/python -m training.spawn $(if $(strip $(ARGS)),-- $(ARGS))
+
 .PHONY: check-inventory  ## validate INVENTORY (and NNODES) without touching any host
 check-inventory: $(STAMP)
 	$(BIN)/cluster check -i "$(INVENTORY)" --nnodes $(NNODES)

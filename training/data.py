@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,6 +249,7 @@ def train_loader(
             f"train split of {len(dataset)} samples gives {sampler.num_samples} per rank over "
             f"{world_size} ranks, fewer than the per-rank batch {batch_size}"
         )
+    apply_sharing_strategy()
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -259,6 +261,24 @@ def train_loader(
         generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler
+
+
+def apply_sharing_strategy(environ: dict[str, str] | None = None) -> str | None:
+    """TMN_SHARING_STRATEGY (the training image sets file_system) picks how DataLoader workers
+    hand tensors back: file_system keeps working when /dev/shm is Docker's default 64 MB, where
+    the default file_descriptor strategy fails with "Bus error" once batches are large."""
+    wanted = (os.environ if environ is None else environ).get("TMN_SHARING_STRATEGY")
+    if not wanted:
+        return None
+    import torch.multiprocessing
+
+    if wanted not in torch.multiprocessing.get_all_sharing_strategies():
+        raise ClusterError(
+            f"TMN_SHARING_STRATEGY={wanted!r} is not one of "
+            f"{', '.join(sorted(torch.multiprocessing.get_all_sharing_strategies()))}"
+        )
+    torch.multiprocessing.set_sharing_strategy(wanted)
+    return wanted
 
 
 def val_loader(
