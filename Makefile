@@ -14,6 +14,8 @@ ANSIBLE_ARGS ?=
 PYTHON    ?= python3
 VENV      ?= .venv
 IMAGE     ?= torch-multinode/train:latest
+# Test workers: most simulated-cluster tests wait on SSH, apt and image I/O, not on the CPU.
+TEST_WORKERS ?= 3
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -86,7 +88,7 @@ lint: $(STAMP)
 
 .PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: check  ## exactly what CI runs: lint, then the tests
 check: lint test

@@ -23,10 +23,23 @@ from cluster import sim
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 _PREFIX = os.environ.get("SIM_TEST_PREFIX", "tmntest")
-_OCTETS = itertools.count(int(os.environ.get("SIM_TEST_OCTET", "80")))
+# Under pytest-xdist every worker starts its clusters in a band of subnets of its own.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+_OCTETS = itertools.count(int(os.environ.get("SIM_TEST_OCTET", "80")) + 30 * _WORKER)
+# Tests that share one expensive thing run in one xdist worker, one after the other.
+_GROUPS = {
+    "tests/docker/": "image",  # the training image, built once
+    "tests/test_end_to_end.py": "image",
+    "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
+}
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(item.fspath).relative_to(REPO_ROOT).as_posix()
+        for prefix, group in _GROUPS.items():
+            if path.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
     # In CI nothing is skipped: the sim_factory fixture fails the run instead.
     ok, why = sim.engine_available()
     if ok or os.environ.get("CI"):
