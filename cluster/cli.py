@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cluster import inventory as inventory_module
 from cluster import sim
-from cluster.errors import ClusterError
+from cluster.errors import at_the_edge
 from cluster.inventory import DEFAULT_TRAINING_IMAGE
 
 
@@ -151,14 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        return run(args)
-    except ClusterError as exc:
-        print(exc.line(), file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("Interrupted.", file=sys.stderr)
-        return 130
+    return at_the_edge(run, args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """The one exception type the project's CLIs turn into a single `Error: ...` line."""
 
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 class ClusterError(Exception):
     """A problem the user can fix. The message names what is wrong and, where known, the fix.
@@ -17,3 +23,16 @@ class ClusterError(Exception):
         if self.hint:
             text += f" (try {self.hint})"
         return text
+
+
+def at_the_edge(run: Callable[[T], int], args: T) -> int:
+    """A CLI's outermost call: a ClusterError becomes its one `Error: ...` line and exit code,
+    Ctrl-C exits 130 with one line; anything else is a bug and keeps its traceback."""
+    try:
+        return run(args)
+    except ClusterError as exc:
+        print(exc.line(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        return 130

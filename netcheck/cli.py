@@ -12,7 +12,7 @@ import json
 import sys
 
 from cluster import inventory as inventory_module
-from cluster.errors import ClusterError
+from cluster.errors import at_the_edge
 from netcheck import envfile
 from netcheck.preflight import DEFAULT_SWEEP_TIMEOUT, DEFAULT_TIMEOUT, Options, preflight
 from netcheck.report import render
@@ -101,14 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        return run(args)
-    except ClusterError as exc:
-        print(exc.line(), file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("Interrupted.", file=sys.stderr)
-        return 130
+    return at_the_edge(run, args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from cluster import inventory as inventory_module
-from cluster.errors import ClusterError
+from cluster.errors import ClusterError, at_the_edge
 from cluster.inventory import parse_gpu_list
 from training import launcher
 
@@ -142,14 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        return run(args)
-    except ClusterError as exc:
-        print(exc.line(), file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("Interrupted.", file=sys.stderr)
-        return 130
+    return at_the_edge(run, args)
 
 
 if __name__ == "__main__":
