@@ -69,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
             help="management (SSH) subnet (default: %(default)s)",
         )  # fmt: skip
         sub.add_argument(
-            "--state-dir", default=str(sim.REPO_ROOT / ".sim"),
-            help="where the inventory, SSH key and known_hosts go (default: %(default)s)",
+            "--state-dir", default=None,
+            help="where the inventory, SSH key and known_hosts go (default: .sim for the "
+            "default cluster, .sim/NAME for others)",
         )  # fmt: skip
         if name == "up":
             sub.add_argument("-n", "--nodes", type=int, default=2, help="1 to 4 (default: 2)")
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}: {version}")
         return 0
 
-    config = sim.SimConfig(args.name, args.subnet, Path(args.state_dir), args.mgmt_subnet)
+    state_dir = Path(args.state_dir) if args.state_dir else sim.default_state_dir(args.name)
+    config = sim.SimConfig(args.name, args.subnet, state_dir, args.mgmt_subnet)
     if args.sim_command == "up":
         cluster = sim.up(args.nodes, args.link, config, progress=_progress)
         inventory = cluster.config.inventory_path

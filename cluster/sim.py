@@ -52,6 +52,12 @@ _LINK_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 Progress = Callable[[str], None]
 
 
+def default_state_dir(name: str) -> Path:
+    """.sim for the default cluster; .sim/NAME for any other, so clusters never share files."""
+    root = REPO_ROOT / ".sim"
+    return root if name == DEFAULT_NAME else root / name
+
+
 @dataclass(frozen=True)
 class SimConfig:
     name: str = DEFAULT_NAME

@@ -32,6 +32,9 @@ DEFAULT_MODULE = "training.ddp"
 RUN_LABEL = "torch-multinode.run"
 CONTAINER_PYTHON = "python3"
 REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
+REMOTE_LOCK_ROOT = "/tmp/torch-multinode/locks"
+STALE_LOCK_SECONDS = 20  # a lock with no live process this old was left by a launcher that died
+LOCK_BUSY_EXIT = 3
 NETCHECK_ENV_FILE = "netcheck-env.json"
 TAIL_LINES = 120
 EXCERPT_LINES = 12
@@ -278,6 +281,30 @@ def docker_run_command(
     return [*options, image, *command]
 
 
+def lock_command(run_id: str, port: int) -> str:
+    """Claim the master's rendezvous port for this job: one job per port, so a second launch
+    is refused instead of joining or disturbing the first. A lock whose job has no process
+    left (its launcher was killed) is taken over once it is STALE_LOCK_SECONDS old."""
+    lock = shlex.quote(f"{REMOTE_LOCK_ROOT}/port-{port}")
+    run = shlex.quote(run_id)
+    return (
+        f"mkdir -p {REMOTE_LOCK_ROOT}; "
+        f"if mkdir {lock} 2>/dev/null; then echo {run} > {lock}/run_id; echo taken; exit 0; fi; "
+        f"old=$(cat {lock}/run_id 2>/dev/null); "
+        'if [ -n "$old" ] && grep -lsaF "TMN_RUN_ID=$old" /proc/[0-9]*/environ >/dev/null; '
+        f'then echo "busy $old"; exit {LOCK_BUSY_EXIT}; fi; '
+        f"age=$(( $(date +%s) - $(stat -c %Y {lock}) )); "
+        f'if [ "$age" -lt {STALE_LOCK_SECONDS} ]; then echo "busy $old"; exit {LOCK_BUSY_EXIT}; fi; '
+        f"rm -rf {lock} && mkdir {lock} && echo {run} > {lock}/run_id "
+        f'&& echo "stale $old" && exit 0; echo "busy $old"; exit {LOCK_BUSY_EXIT}'
+    )
+
+
+def unlock_command(run_id: str, port: int) -> str:
+    lock = shlex.quote(f"{REMOTE_LOCK_ROOT}/port-{port}")
+    return f'[ "$(cat {lock}/run_id 2>/dev/null)" = {shlex.quote(run_id)} ] && rm -rf {lock}; true'
+
+
 def stop_command(run_id: str) -> str:
     """Remove the run's container if there is one (a closed SSH session does not stop it), and
     kill every process carrying the run's marker: TERM, a grace period, then KILL."""
@@ -468,6 +495,11 @@ class Launcher:
         if prepare_errors:
             self._close()
             raise prepare_errors[0]
+        try:
+            self._claim_port(master)
+        except ClusterError:
+            self._close()
+            raise
 
         interrupted = False
         runners = [
@@ -499,6 +531,7 @@ class Launcher:
                 )
             if interrupted or self.first_failure is not None:
                 self.stop_everywhere()
+            self._release_port(master)
             self.done.set()
             for runner in runners:
                 runner.join(5)
@@ -507,6 +540,36 @@ class Launcher:
             self.spec.run_id, self.outcomes, self.first_failure, interrupted,
             time.monotonic() - started,
         )  # fmt: skip
+
+    def _claim_port(self, master: Host) -> None:
+        port = self.inventory.rendezvous_port
+        result = self._remotes[master.name].run(lock_command(self.spec.run_id, port), timeout=15)
+        words = result.stdout.split()
+        if result.exit_code == LOCK_BUSY_EXIT:
+            other = words[1] if len(words) > 1 else "another job"
+            raise ClusterError(
+                f"job {other} is already running on {master.name} (rendezvous port {port})",
+                hint="waiting for it to end, or Ctrl-C where it was started",
+                exit_code=1,
+            )
+        if not result.ok:
+            raise ClusterError(
+                f"host '{master.name}': could not claim rendezvous port {port}: "
+                f"{(result.stderr or result.stdout).strip()}",
+                exit_code=1,
+            )
+        if words[:1] == ["stale"]:
+            self.emit(f"[launcher] took over the lock of job {words[1] if len(words) > 1 else '?'}"
+                      f" on {master.name}: none of its processes is left")  # fmt: skip
+
+    def _release_port(self, master: Host) -> None:
+        try:
+            with self._remote(master) as remote:
+                remote.run(
+                    unlock_command(self.spec.run_id, self.inventory.rendezvous_port), timeout=10
+                )
+        except ClusterError:
+            pass  # the master is gone; the next launch finds the lock stale
 
     def _close(self) -> None:
         for remote in self._remotes.values():

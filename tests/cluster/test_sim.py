@@ -186,3 +186,8 @@ def test_inventory_written_for_the_sim_is_valid(tmp_path):
     assert [h.ssh_address for h in inventory.hosts][0] == "172.30.250.11"
     assert inventory.known_hosts == (tmp_path / "known_hosts").resolve()
     assert [h.compute_interface for h in inventory.hosts] == ["eth1"] * 3
+
+
+def test_each_named_cluster_keeps_its_files_apart():
+    assert sim.default_state_dir(sim.DEFAULT_NAME) == sim.REPO_ROOT / ".sim"
+    assert sim.default_state_dir("lab") == sim.REPO_ROOT / ".sim" / "lab"

@@ -250,3 +250,40 @@ def test_ctrl_c_stops_every_node(sim2):
     assert "[launcher] Ctrl-C: stopping the job on every node..." in rest
     assert f"Job {run_id} interrupted" in rest
     assert _leftovers(sim2.inventory, run_id) == {"node1": "", "node2": ""}
+
+
+@pytest.mark.sim
+def test_a_second_job_on_the_same_port_is_refused_and_the_first_goes_on(sim2):
+    first = _start_endless(sim2.config.inventory_path)
+    seen = _wait_for(first, "rank 1 step 10")
+    first_id = _run_id("".join(seen))
+    try:
+        second = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "tutorial_ddp.py"))
+        assert second.returncode == 1
+        assert second.stderr == (
+            f"Error: job {first_id} is already running on node1 (rendezvous port "
+            f"{sim2.inventory.rendezvous_port}) (try waiting for it to end, or Ctrl-C where it "
+            "was started)\n"
+        )
+        assert "identical on all ranks" not in second.stdout
+        _wait_for(first, "rank 1 step 30")  # undisturbed
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=30)
+    assert first.returncode == 130
+
+
+@pytest.mark.sim
+def test_a_lock_left_by_a_dead_launcher_is_taken_over(sim2):
+    port = sim2.inventory.rendezvous_port
+    lock = f"{launcher.REMOTE_LOCK_ROOT}/port-{port}"
+    sim.docker("exec", sim2.config.container(1), "sh", "-c",
+               f"mkdir -p {lock} && echo tmn-gone > {lock}/run_id && touch -d '-1 min' {lock}")  # fmt: skip
+    proc = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "tutorial_ddp.py"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    assert (
+        "[launcher] took over the lock of job tmn-gone on node1: none of its processes is left"
+        in proc.stdout
+    )
+    left = sim.docker("exec", sim2.config.container(1), "ls", launcher.REMOTE_LOCK_ROOT).stdout
+    assert left.strip() == ""  # released at the end
