@@ -34,6 +34,7 @@ _GROUPS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(item.fspath).relative_to(REPO_ROOT).as_posix()

@@ -177,10 +177,9 @@ def snapshot(containers: list[str]) -> dict[str, str]:
     return {container: node_sh(container, SNAPSHOT).stdout for container in containers}
 
 
-def image_args(image: str, archive_dir: Path) -> list[str]:
-    """Extra vars shipping the test image, through a directory of the test's own."""
-    return ["-e", f"image_distribution_name={image}",
-            "-e", f"image_distribution_controller_dir={archive_dir}"]  # fmt: skip
+def image_args(image: str) -> list[str]:
+    """Extra vars shipping the test image."""
+    return ["-e", f"image_distribution_name={image}"]
 
 
 def ufw_status_lines(subnet: str) -> list[str]:

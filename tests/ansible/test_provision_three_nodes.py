@@ -39,7 +39,7 @@ def provisioned(sim_factory, tiny_image, tmp_path_factory):
     try:
         inventory = cluster.config.inventory_path
         containers = [cluster.config.container(i) for i in (1, 2, 3)]
-        args = image_args(tiny_image, tmp_path_factory.mktemp("images"))
+        args = image_args(tiny_image)
         before = snapshot(containers)
         check = ansible_playbook(inventory, "--check", *args)
         after_check = snapshot(containers)

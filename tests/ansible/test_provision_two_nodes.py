@@ -48,7 +48,7 @@ def provisioned(sim_factory, tiny_image, tmp_path_factory):
             r"printf '127.0.1.1\tnode1.lan node1\n192.0.2.7\tprinter\n' >> /etc/hosts",
         )
         assert seeded.returncode == 0, seeded.stderr
-        args = image_args(tiny_image, tmp_path_factory.mktemp("images"))
+        args = image_args(tiny_image)
         first = ansible_playbook(cluster.config.inventory_path, *args)
         second = (
             ansible_playbook(cluster.config.inventory_path, *args)
