@@ -336,19 +336,20 @@ class _LineWriter:
             if line.strip():
                 self.outcome.tail.append(line)
                 self.emit(f"{self.prefix} {line}")
-                if self.log:
+                if self.log and not self.log.closed:
                     self.log.write(line + "\n")
         return len(text)
 
     def flush(self) -> None:
         if self.buffer:
             self.write("\n")
-        if self.log:
+        if self.log and not self.log.closed:
             self.log.flush()
 
     def close(self) -> None:
+        """Safe to call more than once, and from any error path."""
         self.flush()
-        if self.log:
+        if self.log and not self.log.closed:
             self.log.close()
 
 
@@ -421,17 +422,21 @@ class Launcher:
                 command, pty=True, warn=True, hide=True, out_stream=writer, err_stream=writer,
                 in_stream=False,
             )  # fmt: skip
-            writer.close()
             outcome.exit_code = result.exited
             if result.exited == -1:  # the channel closed with no exit status
                 outcome.error = "the SSH session ended without an exit status: node down?"
         except Exception as exc:  # a dropped connection surfaces as several invoke/paramiko types
-            writer.close()
             outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
-        if not outcome.ok:
-            self._fail(host.name)
-        elif all(o.exit_code is not None for o in self.outcomes.values()):
-            self.done.set()
+        finally:
+            # Whatever happened above, the launcher must hear of it: a runner that dies without
+            # a word leaves the main thread waiting forever.
+            try:
+                writer.close()
+            finally:
+                if not outcome.ok:
+                    self._fail(host.name)
+                elif all(o.exit_code is not None for o in self.outcomes.values()):
+                    self.done.set()
 
     def _watch(self) -> None:
         """A node that stops answering is failed within a few seconds, not at TCP's leisure."""
@@ -516,7 +521,8 @@ class Launcher:
                 runner.start()
             watcher.start()
             while not self.done.wait(0.2):
-                pass
+                if not any(runner.is_alive() for runner in runners):
+                    break  # every runner has ended: nothing is left to wait for
         except KeyboardInterrupt:
             interrupted = True
             self.emit("[launcher] Ctrl-C: stopping the job on every node...")
