@@ -27,8 +27,8 @@ help:
 	@echo "Usage: make TARGET [NNODES=2] [INVENTORY=path.yml] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
 	@echo "                   [MODULE=training.comm_demo] [GPUS=0,2] [DEBUG=1] [IMAGE=torch-multinode/train:latest]"
 	@echo
-	@grep -E '^\.PHONY: [a-z-]+ +## ' $(MAKEFILE_LIST) | \
-		sed -E 's/^\.PHONY: ([a-z-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
+	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
+		sed -E 's/^\.PHONY: ([a-z0-9-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
 
 # The first target that needs Python creates the environment (torch and torchvision pinned).
 $(STAMP): pyproject.toml ansible/requirements.txt
@@ -88,7 +88,11 @@ lint: $(STAMP)
 
 .PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not image_e2e"
+
+.PHONY: test-e2e  ## provision fresh simulated nodes with the training image, netcheck and train in it
+test-e2e: $(STAMP)
+	$(BIN)/pytest -m image_e2e tests/test_end_to_end.py
 
 .PHONY: check  ## exactly what CI runs: lint, then the tests
 check: lint test

@@ -46,6 +46,7 @@ def cluster_in_containers(sim_factory, training_image, tmp_path_factory):
 
 
 @pytest.mark.sim
+@pytest.mark.image_e2e
 def test_provision_builds_ships_and_succeeds(cluster_in_containers, training_image):
     cluster, inventory, provision = cluster_in_containers
     assert provision.returncode == 0, provision.stdout[-4000:] + provision.stderr[-2000:]
@@ -59,6 +60,7 @@ def test_provision_builds_ships_and_succeeds(cluster_in_containers, training_ima
 
 
 @pytest.mark.sim
+@pytest.mark.image_e2e
 def test_netcheck_passes_in_the_training_image(cluster_in_containers, tmp_path):
     _, inventory, provision = cluster_in_containers
     assert provision.returncode == 0
@@ -76,6 +78,7 @@ def test_netcheck_passes_in_the_training_image(cluster_in_containers, tmp_path):
 
 
 @pytest.mark.sim
+@pytest.mark.image_e2e
 def test_make_train_runs_inside_the_image_on_both_nodes(cluster_in_containers):
     cluster, inventory, provision = cluster_in_containers
     assert provision.returncode == 0
