@@ -12,12 +12,12 @@ from pathlib import Path
 
 from cluster import inventory as inventory_module
 from cluster import sim
-from cluster.errors import at_the_edge
-from cluster.inventory import DEFAULT_TRAINING_IMAGE
+from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown
+from cluster.inventory import DEFAULT_TRAINING_IMAGE, is_word
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="cluster",
         description="Inventory checks and the local simulated cluster.",
     )
@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         from cluster import images
 
         kind, tag = args.kind, args.tag
+        if not is_word(tag):  # the inventory's training_image is held to the same rule
+            raise ClusterError(f"--tag {shown(tag)} is not an image name")
         if args.inventory:
             inventory = inventory_module.load(args.inventory)
             if inventory.launch_mode != "container":

@@ -1,10 +1,13 @@
 """The one exception type the project's CLIs turn into a single `Error: ...` line."""
 
+import argparse
 import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+# What an error line shows of a bad value: enough to recognise it, never a screenful.
+SHOWN_CHARS = 80
 
 
 class ClusterError(Exception):
@@ -31,8 +34,32 @@ def at_the_edge(run: Callable[[T], int], args: T) -> int:
     try:
         return run(args)
     except ClusterError as exc:
-        print(exc.line(), file=sys.stderr)
+        # printable: a newline in a path or name from the command line must not split the line
+        print(printable(exc.line()), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("Interrupted.", file=sys.stderr)
         return 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are the one `Error: ... (try PROG --help)` line, exit 2,
+    instead of the usage text and a second line."""
+
+    def error(self, message: str):
+        self.exit(2, ClusterError(printable(message), hint=f"{self.prog} --help").line() + "\n")
+
+
+def shown(value: object) -> str:
+    """A value as an error line shows it: its repr, cut to SHOWN_CHARS."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python converts to decimal
+        return f"<{type(value).__name__} too long to show>"
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def printable(text: str) -> str:
+    """Text from the user as an error line shows it: control characters (a newline) escaped,
+    so the line stays one."""
+    return text if text.isprintable() else repr(text)[1:-1]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.errors import ClusterError
+from cluster.errors import ClusterError, printable, shown
 
 NODES_GROUP = "nodes"
 DEFAULT_RENDEZVOUS_PORT = 29500
@@ -39,9 +39,15 @@ LAUNCH_MODES = ("container", "host")
 REQUIRED_HOST_FIELDS = ("ansible_host", "compute_ip", "compute_interface", "gpus")
 REQUIRED_CLUSTER_FIELDS = ("compute_subnet",)
 # RFC 1123 host label: letters, digits and hyphens, 1-63 long, no hyphen at either end.
-_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
-# Linux interface names: at most 15 bytes, no slash, whitespace or colon.
-_IFNAME = re.compile(r"^[^/\s:]{1,15}$")
+# Matched whole (fullmatch): with match() and `$`, "pc1\n" passed as a valid name.
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+# Linux interface names: at most 15 bytes, no slash, whitespace, colon or control character.
+_IFNAME = re.compile(r"[^/\s:\x00-\x1f\x7f]{1,15}")
+IFNAME_BYTES = 15
+# More GPUs than any one machine holds; also keeps counts and indices short enough to print.
+MAX_GPUS = 1024
+# setrlimit takes a 64-bit value; docker's --ulimit a signed one.
+MAX_MEMLOCK = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,8 @@ def load(path: str | os.PathLike | None) -> Inventory:
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ClusterError(f"inventory {path} cannot be read: {exc}") from None
+    except ValueError as exc:  # a NUL in the path, possible only from inside Python
+        raise ClusterError(f"inventory {shown(str(path))} cannot be read: {exc}") from None
     return parse(text, path)
 
 
@@ -153,7 +161,8 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
     except _DuplicateKey as dup:
         raise ClusterError(
-            f"{where}: line {dup.line}: duplicate key {dup.key!r} (first on line {dup.first_line})",
+            f"{where}: line {dup.line}: duplicate key {shown(dup.key)} (first on line "
+            f"{dup.first_line})",
             hint="giving each host a unique name",
         ) from None
     except yaml.YAMLError as exc:
@@ -161,6 +170,14 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
         at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ClusterError(f"{where} is not valid YAML{at}: {problem}") from None
+    except RecursionError:
+        # PyYAML composes nested collections recursively: a few hundred '[' exhaust the stack.
+        raise ClusterError(f"{where} is nested too deeply to be an inventory") from None
+    except ValueError as exc:
+        # What SafeLoader's constructors let through: a date like 2024-02-30, or an integer of
+        # more digits than Python converts (its message goes on to suggest a Python setting).
+        reason = str(exc).split(";")[0]
+        raise ClusterError(f"{where} holds a value YAML cannot read: {reason}") from None
 
     if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
         raise ClusterError(
@@ -188,27 +205,30 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
             raise ClusterError(f"{where}: cluster field '{field}' is missing (set it in all.vars)")
     subnet = _subnet(merged["compute_subnet"], where)
     port = _port(merged.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT), f"{where}: cluster")
-    known_hosts = _optional_path(merged.get("ssh_known_hosts_file"))
+    known_hosts = _optional_path(merged.get("ssh_known_hosts_file"), where, "ssh_known_hosts_file")
     launch_mode = merged.get("launch_mode", "container")
     if launch_mode not in LAUNCH_MODES:
         raise ClusterError(
-            f"{where}: cluster field 'launch_mode': {launch_mode!r} is not one of "
+            f"{where}: cluster field 'launch_mode': {shown(launch_mode)} is not one of "
             f"{', '.join(LAUNCH_MODES)}"
         )
     image = merged.get("training_image", DEFAULT_TRAINING_IMAGE)
-    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
+    if not is_word(image):
         raise ClusterError(
-            f"{where}: cluster field 'training_image': {image!r} is not an image name"
+            f"{where}: cluster field 'training_image': {shown(image)} is not an image name"
         )
 
     hosts: list[Host] = []
     names: dict[str, str] = {}
     ips: dict[object, str] = {}
     ssh_targets: dict[tuple[str, int], str] = {}
-    for name, own in group["hosts"].items():
-        name = str(name)
-        host_where = f"{where}: host '{name}'"
-        if not _LABEL.match(name):
+    for key, own in group["hosts"].items():
+        try:
+            name = str(key)
+        except ValueError:  # an int of more digits than Python converts
+            raise ClusterError(f"{where}: host {shown(key)}: name is not a hostname") from None
+        host_where = f"{where}: host '{printable(name)}'"
+        if not _LABEL.fullmatch(name):
             raise ClusterError(
                 f"{host_where}: name is not a valid RFC 1123 hostname label "
                 "(letters, digits and '-', 1-63 characters, no '-' at either end)"
@@ -240,14 +260,24 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
         hosts.append(host)
     memlock = merged.get("container_memlock", "unlimited")
     if memlock != "unlimited" and (
-        isinstance(memlock, bool) or not isinstance(memlock, int) or memlock < 0
+        isinstance(memlock, bool) or not isinstance(memlock, int) or not 0 <= memlock <= MAX_MEMLOCK
     ):
         raise ClusterError(
-            f"{where}: cluster field 'container_memlock': {memlock!r} is neither 'unlimited' "
-            "nor a number of bytes"
+            f"{where}: cluster field 'container_memlock': {shown(memlock)} is neither "
+            f"'unlimited' nor a number of bytes (0 to 2**63-1)"
         )
     return Inventory(
         path, tuple(hosts), subnet, port, known_hosts, launch_mode, image, str(memlock)
+    )
+
+
+def is_word(value) -> bool:
+    """A non-empty string with no whitespace or control character: an address, a path, a
+    user, an image name. Such values reach command lines and environment variables."""
+    return (
+        isinstance(value, str)
+        and value != ""
+        and not any(c.isspace() or not c.isprintable() for c in value)
     )
 
 
@@ -264,21 +294,26 @@ def _subnet(value, where: str) -> ipaddress.IPv4Network:
         return ipaddress.IPv4Network(str(value), strict=True)
     except ValueError as exc:
         raise ClusterError(
-            f"{where}: cluster field 'compute_subnet': {value!r} is not an IPv4 network ({exc})",
+            f"{where}: cluster field 'compute_subnet': {shown(value)} is not an IPv4 network "
+            f"({printable(str(exc))})",
             hint="a form like 192.168.1.0/24",
         ) from None
 
 
 def _port(value, where: str, field: str = "rendezvous_port") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ClusterError(f"{where}: field '{field}': {value!r} is not a port number (1-65535)")
+        raise ClusterError(
+            f"{where}: field '{field}': {shown(value)} is not a port number (1-65535)"
+        )
     return value
 
 
-def _optional_path(value) -> Path | None:
-    if value in (None, ""):
+def _optional_path(value, where: str, field: str) -> Path | None:
+    if value is None or value == "":
         return None
-    return Path(os.path.expanduser(str(value)))
+    if not isinstance(value, str) or not value.isprintable():
+        raise ClusterError(f"{where}: field '{field}': {shown(value)} is not a file path")
+    return Path(os.path.expanduser(value))
 
 
 def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) -> Host:
@@ -286,7 +321,7 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
         compute_ip = ipaddress.IPv4Address(str(values["compute_ip"]))
     except ValueError:
         raise ClusterError(
-            f"{where}: field 'compute_ip': {values['compute_ip']!r} is not an IPv4 address"
+            f"{where}: field 'compute_ip': {shown(values['compute_ip'])} is not an IPv4 address"
         ) from None
     if compute_ip not in subnet:
         raise ClusterError(
@@ -294,22 +329,34 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
             hint="an address inside the subnet, or correct compute_subnet",
         )
     interface = values["compute_interface"]
-    if not isinstance(interface, str) or not _IFNAME.match(interface):
+    if (
+        not isinstance(interface, str)
+        or not _IFNAME.fullmatch(interface)
+        or len(interface.encode()) > IFNAME_BYTES
+        or interface in (".", "..")
+    ):
         raise ClusterError(
-            f"{where}: field 'compute_interface': {interface!r} is not a network interface name"
+            f"{where}: field 'compute_interface': {shown(interface)} is not a network interface "
+            "name"
         )
     gpus = values["gpus"]
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
-        raise ClusterError(f"{where}: field 'gpus': {gpus!r} is not a whole number >= 0")
+        raise ClusterError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0")
+    if gpus > MAX_GPUS:
+        raise ClusterError(
+            f"{where}: field 'gpus': {shown(gpus)} is more than one node holds (at most {MAX_GPUS})"
+        )
     address = values["ansible_host"]
-    if not isinstance(address, str) or not address.strip() or any(c.isspace() for c in address):
-        raise ClusterError(f"{where}: field 'ansible_host': {address!r} is not a host address")
+    if not is_word(address):
+        raise ClusterError(f"{where}: field 'ansible_host': {shown(address)} is not a host address")
     user = values.get("ansible_user")
-    if user is not None and (not isinstance(user, str) or not user.strip()):
-        raise ClusterError(f"{where}: field 'ansible_user': {user!r} is not a user name")
+    if user is not None and not is_word(user):
+        raise ClusterError(f"{where}: field 'ansible_user': {shown(user)} is not a user name")
     python = values.get("training_python", "python3")
-    if not isinstance(python, str) or not python.strip() or any(c.isspace() for c in python):
-        raise ClusterError(f"{where}: field 'training_python': {python!r} is not a program path")
+    if not is_word(python):
+        raise ClusterError(
+            f"{where}: field 'training_python': {shown(python)} is not a program path"
+        )
     visible = parse_gpu_list(
         values.get("cuda_visible_devices"), f"{where}: field 'cuda_visible_devices'"
     )
@@ -318,7 +365,9 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
         ssh_address=address,
         ssh_port=_port(values.get("ansible_port", 22), where, "ansible_port"),
         ssh_user=user,
-        ssh_key=_optional_path(values.get("ansible_ssh_private_key_file")),
+        ssh_key=_optional_path(
+            values.get("ansible_ssh_private_key_file"), where, "ansible_ssh_private_key_file"
+        ),
         compute_ip=compute_ip,
         compute_interface=interface,
         gpus=gpus,
@@ -331,15 +380,37 @@ def parse_gpu_list(value, where: str = "GPUS") -> tuple[int, ...] | None:
     """'0,2' (or [0, 2], or 3) -> (0, 2); None or '' -> None (no selection)."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    items = value if isinstance(value, list) else str(value).split(",")
+    if isinstance(value, list):
+        items = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        items = [value]  # not str(value): an int of over 4300 digits has no str()
+    else:
+        items = str(value).split(",")
     indices = []
     for item in items:
-        text = str(item).strip()
-        if not text.isdigit():
+        index = _gpu_index(item)
+        if index is None:
             raise ClusterError(
-                f"{where}: {value!r} is not a list of GPU indices", hint="a form like 0,2"
+                f"{where}: {shown(value)} is not a list of GPU indices", hint="a form like 0,2"
             )
-        indices.append(int(text))
+        if index >= MAX_GPUS:
+            raise ClusterError(
+                f"{where}: {shown(value)} names a GPU beyond what one node holds "
+                f"(indices 0-{MAX_GPUS - 1})"
+            )
+        indices.append(index)
     if len(set(indices)) != len(indices):
-        raise ClusterError(f"{where}: {value!r} names a GPU twice")
+        raise ClusterError(f"{where}: {shown(value)} names a GPU twice")
     return tuple(indices)
+
+
+def _gpu_index(item) -> int | None:
+    """A GPU index, MAX_GPUS for any index beyond it, or None when `item` is not one."""
+    if isinstance(item, int) and not isinstance(item, bool):
+        return min(item, MAX_GPUS) if item >= 0 else None
+    text = str(item).strip()
+    # ASCII only: '²' is a digit to str.isdigit() but not to int().
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"  # int() refuses strings of over 4300 digits
+    return int(digits) if len(digits) <= len(str(MAX_GPUS)) else MAX_GPUS

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from cluster import inventory as inventory_module
-from cluster.errors import at_the_edge
+from cluster.errors import ArgumentParser, at_the_edge
 from netcheck import envfile
 from netcheck.preflight import DEFAULT_SWEEP_TIMEOUT, DEFAULT_TIMEOUT, Options, preflight
 from netcheck.report import render
@@ -46,13 +47,15 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value):  # float() takes 'nan' and 'inf': no limit at all
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
     return value
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="netcheck", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip

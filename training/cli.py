@@ -13,13 +13,13 @@ import threading
 from pathlib import Path
 
 from cluster import inventory as inventory_module
-from cluster.errors import ClusterError, at_the_edge
+from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown
 from cluster.inventory import parse_gpu_list
 from training import launcher
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="train",
         description="Launch a torchrun job on every node of the inventory over SSH, streaming "
         "each node's output; if any node fails or Ctrl-C is pressed, the job is stopped on every "
@@ -90,6 +90,16 @@ def run(args: argparse.Namespace) -> int:
         raise ClusterError(f"script {args.script} does not exist", hint="a path to a .py file")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ClusterError(f"--nproc-per-node={args.nproc_per_node} is below 1")
+    # Checked here, not left to torchrun on every node, which would each fail its own way.
+    if args.rendezvous_timeout < 1:
+        raise ClusterError(f"--rendezvous-timeout={args.rendezvous_timeout} is below 1 second")
+    if args.max_restarts < 0:
+        raise ClusterError(f"--max-restarts={args.max_restarts} is below 0")
+    if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
+        raise ClusterError(
+            f"--module {shown(args.module)} is not a Python module name",
+            hint="a dotted name like training.ddp",
+        )
     flag = None
     if args.script is not None and args.local_rank_arg != "none":
         flag = (

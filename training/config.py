@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from cluster.errors import ClusterError
+from cluster.errors import ClusterError, printable, shown
 from training.console import ArgumentParser
 
 T = TypeVar("T")
@@ -254,20 +255,43 @@ def _check_value(where: str, value: Any, kind: type, optional: bool) -> Any:
     if value is None and optional:
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ClusterError(f"{where}: {shown(value)} is too large for a float") from None
+    if kind is str and isinstance(value, str) and "\x00" in value:
+        # Only YAML's "\0" makes one; every path or name with it fails later, on every rank.
+        raise ClusterError(f"{where}: {shown(value)} holds a NUL character")
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
-    raise ClusterError(f"{where} must be {kind.__name__}, got {value!r}")
+    raise ClusterError(f"{where} must be {kind.__name__}, got {shown(value)}")
+
+
+def _name(key: Any) -> str:
+    """A key of the file as an error line shows it."""
+    return printable(key) if isinstance(key, str) else shown(key)
 
 
 def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
     """The file's settings, checked against the config's sections and field types."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError as error:
-        raise ClusterError(f"cannot read config file {path}: {error.strerror}") from error
+        raise ClusterError(f"cannot read config file {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ClusterError(f"config file {path} is not UTF-8 text: {error.reason}") from None
     except yaml.YAMLError as error:
-        raise ClusterError(f"{path} is not valid YAML: {error}") from error
+        # One line: where and what, not PyYAML's several lines of context.
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ClusterError(f"{path} is not valid YAML{at}: {problem}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ClusterError(f"{path} is nested too deeply to be a config file") from None
+    except ValueError as error:  # a date like 2024-02-30, an int of over 4300 digits
+        raise ClusterError(
+            f"{path} holds a value YAML cannot read: {str(error).split(';')[0]}"
+        ) from None
     if not isinstance(raw, dict):
         raise ClusterError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
     sections = dict(_sections(config_type))
@@ -275,7 +299,7 @@ def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
     for section, values in raw.items():
         if section not in sections:
             raise ClusterError(
-                f"{path}: unknown section {section!r}", hint=f"one of {', '.join(sections)}"
+                f"{path}: unknown section {shown(section)}", hint=f"one of {', '.join(sections)}"
             )
         if not isinstance(values, dict):
             raise ClusterError(f"{path}: section {section} must be a mapping")
@@ -283,7 +307,7 @@ def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
         for name, value in values.items():
             if name not in leaves:
                 raise ClusterError(
-                    f"{path}: unknown setting {section}.{name}",
+                    f"{path}: unknown setting {section}.{_name(name)}",
                     hint=f"one of {', '.join(leaves)}",
                 )
             item, kind, optional = leaves[name]
@@ -291,7 +315,7 @@ def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
             allowed = item.metadata["choices"]
             if allowed and checked not in allowed:
                 raise ClusterError(
-                    f"{path}: {section}.{name} is {checked!r}, not one of {', '.join(allowed)}"
+                    f"{path}: {section}.{name} is {shown(checked)}, not one of {', '.join(allowed)}"
                 )
             settings.setdefault(section, {})[name] = checked
     return settings
@@ -332,13 +356,37 @@ def check(config) -> None:
             raise ClusterError(
                 "--powersgd-start-step must be at least 2 (torch's PowerSGD needs it)"
             )
+    # float() takes 'nan' and 'inf' from a flag or the file; neither trains anything.
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for item, kind, _ in _leaves(type(values)):
+            value = getattr(values, item.name)
+            if kind is float and value is not None and not math.isfinite(value):
+                raise ClusterError(f"{_flag(item.name)} must be a finite number, got {value}")
     for flag, value in positive.items():
         if value <= 0:
-            raise ClusterError(f"{flag} must be positive, got {value}")
+            raise ClusterError(f"{flag} must be positive, got {shown(value)}")
+    not_negative = {
+        "--lr": config.optim.lr,  # torch.optim.SGD refuses negative ones, on every rank
+        "--momentum": config.optim.momentum,
+        "--weight-decay": config.optim.weight_decay,
+        "--noise": config.data.noise,
+        "--step-delay": config.run.step_delay,  # time.sleep refuses a negative delay
+    }
+    for flag, value in not_negative.items():
+        if value < 0:
+            raise ClusterError(f"{flag} must be 0 or more, got {value}")
+    if not -(2**63) <= config.run.seed < 2**64:
+        raise ClusterError(
+            f"--seed {shown(config.run.seed)} is outside what torch.manual_seed takes "
+            "(-2**63 to 2**64-1)"
+        )
     if config.data.workers < 0:
-        raise ClusterError(f"--workers must be 0 or more, got {config.data.workers}")
+        raise ClusterError(f"--workers must be 0 or more, got {shown(config.data.workers)}")
     if config.data.num_classes < 2:
-        raise ClusterError(f"--num-classes must be at least 2, got {config.data.num_classes}")
+        raise ClusterError(
+            f"--num-classes must be at least 2, got {shown(config.data.num_classes)}"
+        )
     if config.model.sync_bn:
         if ddp is None:
             raise ClusterError("--sync-bn needs DDP: SyncBatchNorm synchronises through it")

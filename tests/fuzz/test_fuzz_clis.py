@@ -1,0 +1,412 @@
+"""The three CLIs, fuzzed in this process: any command line, with inventory, script and env
+files of any content, ends in exit 0, or exit 2 with one `Error:` line and nothing else, or
+reaches real work with input the seam finds valid. See guard.assert_clean for the contract.
+
+Nothing leaves the machine or changes it: the seams (netcheck's pre-flight, the launcher, the
+docker engine, image builds) raise Reached instead of working, and under them guard.py stops
+and reports any connection, DNS lookup, process, signal or file write outside the example's
+directory that some other code path might attempt.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401 - imported on first use inside train: here, where nothing is watched
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+import cluster.cli
+import netcheck.cli
+import netcheck.envfile  # noqa: F401 - the same, for netcheck
+import training.cli
+from cluster import images, sim
+from cluster.errors import ClusterError
+from cluster.inventory import Inventory, is_word
+from netcheck.preflight import Options
+from tests.fuzz.guard import Reached, assert_clean, call
+from tests.fuzz.strategies import (
+    FUZZ,
+    VALID_INVENTORY,
+    any_text,
+    dump,
+    inventory_texts,
+    near_valid_inventories,
+)
+from training import launcher
+
+# --- the seams: where real work would start --------------------------------------------------
+
+
+def fake_preflight(inventory: Inventory, options: Options, runner) -> None:
+    """What netcheck hands to its pre-flight, it must have checked."""
+    assert isinstance(inventory, Inventory) and inventory.hosts
+    assert options.nnodes is None or 1 <= options.nnodes <= len(inventory.hosts)
+    assert options.timeout is None or (math.isfinite(options.timeout) and options.timeout > 0)
+    raise Reached("netcheck pre-flight")
+
+
+class FakeLauncher:
+    """What train hands to the launcher, it must have checked."""
+
+    def __init__(self, inventory: Inventory, hosts, spec: launcher.JobSpec, emit) -> None:
+        assert isinstance(inventory, Inventory)
+        assert hosts and tuple(hosts) == inventory.hosts[: len(hosts)]
+        assert spec.rendezvous_timeout >= 1 and spec.max_restarts >= 0
+        assert spec.nproc_per_node is None or spec.nproc_per_node >= 1
+        assert spec.script is not None or all(p.isidentifier() for p in spec.module.split("."))
+        assert spec.script is None or spec.script.is_file()
+        raise Reached("launcher")
+
+
+def fake_build(kind: str, tag: str, progress=None) -> None:
+    assert kind in ("auto", "cpu", "cuda") and is_word(tag)
+    raise Reached("docker build")
+
+
+def no_engine() -> None:
+    raise Reached("docker engine")
+
+
+@pytest.fixture
+def seams(monkeypatch, tmp_path) -> Path:
+    """Seams patched, the working directory inside tmp_path: relative paths stay there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(netcheck.cli, "preflight", fake_preflight)
+    monkeypatch.setattr(launcher, "Launcher", FakeLauncher)
+    monkeypatch.setattr(images, "build", fake_build)
+    monkeypatch.setattr(sim, "require_engine", no_engine)
+    return tmp_path
+
+
+# --- command lines ---------------------------------------------------------------------------
+
+INVENTORY = "@inventory"  # replaced by the path of the example's inventory file
+SCRIPT = "@script"  # the example's script file
+MISSING = "@missing"  # a path that does not exist
+HERE = "@dir"  # the example's own directory
+
+
+@dataclass
+class Invocation:
+    argv: list[str]
+    inventory: str | bytes
+    script: str
+
+    def materialise(self, root: Path) -> list[str]:
+        """Write the files into a fresh directory under root; the argv with real paths."""
+        directory = Path(tempfile.mkdtemp(dir=root))
+        inventory = directory / "inventory.yml"
+        if isinstance(self.inventory, bytes):
+            inventory.write_bytes(self.inventory)
+        else:
+            inventory.write_text(self.inventory, encoding="utf-8")
+        script = directory / "train_script.py"
+        script.write_text(self.script, encoding="utf-8")
+        places = {INVENTORY: inventory, SCRIPT: script, MISSING: directory / "missing.yml"}
+        argv = []
+        for word in self.argv:
+            for mark, path in places.items():
+                word = word.replace(mark, str(path))
+            argv.append(word.replace(HERE, str(directory)))
+        return argv
+
+
+# Weighted towards inventories that load, so that calls get past the loader to the seams.
+inventory_contents = st.one_of(
+    st.just(dump(VALID_INVENTORY)),
+    st.just(dump(VALID_INVENTORY)),
+    near_valid_inventories().map(dump),
+    near_valid_inventories().map(dump),
+    inventory_texts,
+    st.binary(max_size=100),
+)
+script_contents = st.one_of(
+    st.sampled_from(["", "import argparse\nparser.add_argument('--local_rank')\n",
+                     "parser.add_argument('--local-rank', type=int)\n"]),
+    any_text,
+)  # fmt: skip
+
+
+def digits_beyond_int() -> str:
+    """More digits than int() converts (built, not listed: Hypothesis shows its strategies)."""
+    return "9" * 5000
+
+
+# Mostly numbers a user would give, so that several options are often valid at once.
+numbers = st.one_of(
+    st.sampled_from(["1", "2", "5", "60"]),
+    st.sampled_from(["1", "2", "5", "60"]),
+    st.sampled_from(["0", "3", "-1", "01", " 2", "1_0", "x", "", "nan", "inf", "1e400", "0.5",
+                     "²"]),
+    st.builds(digits_beyond_int),
+    any_text,
+)  # fmt: skip
+paths = st.one_of(
+    st.sampled_from([INVENTORY, MISSING, HERE, f"{HERE}/sub/dir", "relative/dir", ""]), any_text
+)
+
+
+def option(name: str, values: st.SearchStrategy) -> st.SearchStrategy:
+    return st.tuples(st.just(name), values).map(list)
+
+
+@st.composite
+def command_line(
+    draw, first: st.SearchStrategy[list[str]], pieces: list[st.SearchStrategy]
+) -> list[str]:
+    """The first words, then some of the pieces in any order, now and then a stray word."""
+    chosen = [draw(piece) for piece in pieces if draw(st.integers(0, 4)) < 2]
+    argv = draw(first) + [word for piece in draw(st.permutations(chosen)) for word in piece]
+    if draw(st.integers(0, 9)) == 0:
+        argv.insert(draw(st.integers(0, len(argv))), draw(any_text))
+    return argv
+
+
+def invocations(argv: st.SearchStrategy) -> st.SearchStrategy:
+    return st.builds(Invocation, argv, inventory_contents, script_contents)
+
+
+def words(*fixed: str) -> st.SearchStrategy[list[str]]:
+    return st.just(list(fixed))
+
+
+# Mostly the example's inventory file; sometimes another path, or none.
+inventory_option = st.one_of(
+    *[words("-i", INVENTORY)] * 6, option("--inventory", paths), words()
+)  # fmt: skip
+NETCHECK = command_line(
+    inventory_option,
+    [
+        option("-n", numbers), option("--nnodes", numbers),
+        st.sampled_from([["--json"], ["--sweep"], ["--no-sweep"], ["--bandwidth"], ["--pairwise"]]),
+        option("--env-file", paths), option("--timeout", numbers),
+    ],
+)  # fmt: skip
+TRAIN = command_line(
+    inventory_option,
+    [
+        option("-n", numbers),
+        st.one_of(option("--script", st.sampled_from([SCRIPT, MISSING, HERE])),
+                  option("--module", st.one_of(st.sampled_from(["training.ddp", "a..b", "", "1x",
+                                                                "-m", "pkg.mod"]), any_text))),
+        option("--nproc-per-node", numbers), option("--rendezvous-timeout", numbers),
+        option("--max-restarts", numbers),
+        option("--gpus", st.one_of(st.sampled_from(["0", "0,1", "0,0", "²", "", "1024", "x"]),
+                                   any_text)),
+        st.one_of(words("--debug"), option("--debug", st.sampled_from(["info", "detail", "x"]))),
+        option("--local-rank-arg", st.sampled_from(["auto", "none", "--local_rank", "x"])),
+        option("--log-dir", paths),
+        st.lists(any_text, max_size=3).map(lambda extra: ["--", *extra]),
+    ],
+)  # fmt: skip
+SIM_OPTIONS = [
+    option("--name", st.one_of(st.sampled_from(["tmn", "fuzz"]), any_text)),
+    option("--subnet", st.one_of(st.sampled_from(["172.29.77.0/24", "10.0.0.0/30", "x"]), any_text)),
+    option("--mgmt-subnet", st.sampled_from(["172.30.77.0/24", "172.29.77.0/24", "300.0.0.0/8"])),
+    option("--state-dir", paths),
+]  # fmt: skip
+CLUSTER = st.one_of(
+    command_line(inventory_option.map(lambda found: ["check", *found]), [option("-n", numbers)]),
+    command_line(
+        words("image"),
+        [option("--kind", st.sampled_from(["auto", "cpu", "cuda", "gpu"])),
+         option("--tag", st.one_of(st.sampled_from(["t:1", "a b", ""]), any_text)),
+         inventory_option],
+    ),
+    command_line(
+        words("sim", "up"),
+        [*SIM_OPTIONS, option("-n", numbers), option("--nodes", numbers),
+         option("--link", st.sampled_from(["1gbit", "100mbit", "fast", ""]))],
+    ),
+    command_line(words("sim", "down"), SIM_OPTIONS),
+    command_line(words("sim", "status"), SIM_OPTIONS),
+)  # fmt: skip
+KNOWN_WORDS = ["check", "image", "sim", "up", "down", "status", "-i", "-n", "--help", "-h", "--"]
+ANY_ARGV = st.lists(st.one_of(any_text, st.sampled_from(KNOWN_WORDS)), max_size=6)
+
+
+# --- the fuzz tests ----------------------------------------------------------------------------
+
+
+@FUZZ
+@given(invocations(st.one_of(NETCHECK, NETCHECK, NETCHECK, ANY_ARGV)))
+def test_netcheck(seams, invocation):
+    outcome = call(netcheck.cli.main, invocation.materialise(seams), seams)
+    event(outcome.kind())
+    assert_clean(outcome)
+
+
+@FUZZ
+@given(invocations(st.one_of(TRAIN, TRAIN, TRAIN, ANY_ARGV)))
+def test_train(seams, invocation):
+    outcome = call(training.cli.main, invocation.materialise(seams), seams)
+    event(outcome.kind())
+    # Without an inventory the job would start here (torchrun); the guard stops the process.
+    assert_clean(outcome, processes=True)
+
+
+@FUZZ
+@given(invocations(st.one_of(CLUSTER, CLUSTER, CLUSTER, ANY_ARGV)))
+def test_cluster(seams, invocation):
+    outcome = call(cluster.cli.main, invocation.materialise(seams), seams)
+    event(outcome.kind())
+    assert_clean(outcome)
+
+
+class DeadCluster:
+    """netcheck's runner when no node answers: what SshRunner raises for an unreachable host."""
+
+    def __init__(self, inventory: Inventory) -> None:
+        self.commands: list[str] = []
+
+    def run(self, host, command: str, timeout: float):
+        self.commands.append(command)
+        raise ClusterError(f"host '{host.name}': cannot SSH to {host.ssh_address}: timed out",
+                           exit_code=1)  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def dead_cluster(monkeypatch, tmp_path) -> Path:
+    """The real pre-flight, on a cluster where no node answers."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(netcheck.cli, "SshRunner", DeadCluster)
+    return tmp_path
+
+
+@FUZZ
+@given(near_valid_inventories(), st.sampled_from([[], ["--json"], ["--sweep"], ["--pairwise"]]))
+def test_netcheck_reports_any_valid_inventory_whose_nodes_do_not_answer(
+    dead_cluster, document, flags
+):
+    argv = Invocation(["-i", INVENTORY, "--env-file", f"{HERE}/env.json", *flags], dump(document),
+                      "").materialise(dead_cluster)  # fmt: skip
+    outcome = call(netcheck.cli.main, argv, dead_cluster)
+    event(outcome.kind())
+    if outcome.code == 1:  # a valid inventory: every node FAILs its SSH check, nothing else runs
+        assert outcome.stopped == [] and outcome.err == "", str(outcome)
+        assert "FAIL" in outcome.out and "does not answer over SSH" in outcome.out, str(outcome)
+    else:
+        assert_clean(outcome)
+        assert outcome.code == 2, str(outcome)
+
+
+# --- what the fuzzing found, one example each --------------------------------------------------
+
+
+def run(main, argv: list[str], root: Path):
+    outcome = call(main, argv, root)
+    assert_clean(outcome, processes=main is training.cli.main)
+    return outcome
+
+
+@pytest.mark.parametrize(
+    "main, argv, line",
+    [
+        # argparse printed its usage and a second line; now one line like every other error.
+        (cluster.cli.main, ["sim", "up", "--nodes", "x"],
+         "Error: argument -n/--nodes: invalid int value: 'x' (try cluster sim up --help)"),
+        (cluster.cli.main, ["sim"],
+         "Error: the following arguments are required: ACTION (try cluster sim --help)"),
+        (netcheck.cli.main, ["-i", "x.yml", "--bogus"],
+         "Error: unrecognized arguments: --bogus (try netcheck --help)"),
+        (training.cli.main, ["--debug", "x"], "Error: argument --debug: invalid choice: 'x' "
+         "(choose from 'info', 'detail') (try train --help)"),
+        (netcheck.cli.main, ["-i", "x.yml", "a\nb"],
+         "Error: unrecognized arguments: a\\nb (try netcheck --help)"),
+        # float() takes 'nan' and 'inf': a stage limit that never comes.
+        (netcheck.cli.main, ["-i", "x.yml", "--timeout", "nan"],
+         "Error: argument --timeout: 'nan' is not a number of seconds (try netcheck --help)"),
+        (netcheck.cli.main, ["-i", "x.yml", "--timeout", "inf"],
+         "Error: argument --timeout: 'inf' is not a number of seconds (try netcheck --help)"),
+        # Handed on to torchrun on every node, which failed each in its own way.
+        (training.cli.main, ["--rendezvous-timeout", "0"],
+         "Error: --rendezvous-timeout=0 is below 1 second"),
+        (training.cli.main, ["--max-restarts", "-1"], "Error: --max-restarts=-1 is below 0"),
+        (training.cli.main, ["--module", "a..b"],
+         "Error: --module 'a..b' is not a Python module name (try a dotted name like training.ddp)"),
+        (training.cli.main, ["--module", ""],
+         "Error: --module '' is not a Python module name (try a dotted name like training.ddp)"),
+        # str.isdigit('²') but not int('²'): a ValueError traceback.
+        (training.cli.main, ["--gpus", "²"],
+         "Error: GPUS: '²' is not a list of GPU indices (try a form like 0,2)"),
+        # Went to `docker build -t`.
+        (cluster.cli.main, ["image", "--tag", "a b"], "Error: --tag 'a b' is not an image name"),
+        # A newline in a path split the error line in two.
+        (training.cli.main, ["--script", "no\nsuch.py"],
+         "Error: script no\\nsuch.py does not exist (try a path to a .py file)"),
+    ],
+)  # fmt: skip
+def test_what_fuzzing_found_is_one_error_line(seams, main, argv, line):
+    outcome = run(main, argv, seams)
+    assert (outcome.code, outcome.err, outcome.out) == (2, line + "\n", "")
+
+
+def test_an_inventory_value_too_long_to_print_is_an_error_line_not_a_crash(seams):
+    path = seams / "inventory.yml"
+    path.write_text(dump(VALID_INVENTORY).replace("gpus: 1", "gpus: 0x" + "f" * 4000))
+    outcome = run(cluster.cli.main, ["check", "-i", str(path)], seams)
+    assert outcome.code == 2
+    assert outcome.err == (
+        f"Error: inventory {path}: host 'node2': field 'gpus': <int too long to show> is more "
+        "than one node holds (at most 1024)\n"
+    )
+
+
+def test_valid_input_reaches_each_seam_and_nothing_else(seams):
+    """The seams are where the fuzzed calls stop: prove each one is reached by valid input."""
+    path = seams / "inventory.yml"
+    path.write_text(dump(VALID_INVENTORY))
+    assert run(netcheck.cli.main, ["-i", str(path), "-n", "2"], seams).reached == (
+        "netcheck pre-flight"
+    )
+    assert run(training.cli.main, ["-i", str(path)], seams).reached == "launcher"
+    assert run(cluster.cli.main, ["image", "--kind", "cpu"], seams).reached == "docker build"
+    assert run(cluster.cli.main, ["sim", "status"], seams).reached == "docker engine"
+    checked = run(cluster.cli.main, ["check", "-i", str(path)], seams)
+    assert checked.code == 0 and checked.out.startswith(f"inventory {path}: valid, 2 host(s)")
+    local = run(training.cli.main, ["--nproc-per-node", "1"], seams)
+    assert [a.event for a in local.stopped] == ["subprocess.Popen"]
+    assert "torch.distributed.run" in local.stopped[0].detail
+    assert sys.executable in local.stopped[0].detail
+
+
+def test_the_guard_stops_and_reports_what_a_call_must_not_do(tmp_path):
+    """The net itself. Had it a hole, these would touch only this test's scratch space and
+    loopback: a file beside the watched directory, a connection to 127.0.0.1, localhost."""
+    import socket
+
+    watched, outside = tmp_path / "watched", tmp_path / "outside.txt"
+    watched.mkdir()
+
+    def misbehave(argv):
+        if argv[0] == "write":
+            outside.write_text("x")
+        elif argv[0] == "connect":
+            with socket.socket() as sock:
+                sock.settimeout(0.5)
+                sock.connect(("127.0.0.1", 9))
+        elif argv[0] == "resolve":
+            socket.getaddrinfo("localhost", 22)
+        else:
+            (watched / "inside.txt").write_text("x")
+        return 0
+
+    for action, audit_event in [("write", "open"), ("connect", "socket.connect"),
+                          ("resolve", "socket.getaddrinfo")]:  # fmt: skip
+        outcome = call(misbehave, [action], watched)
+        assert [a.event for a in outcome.stopped] == [audit_event]
+        with pytest.raises(AssertionError):
+            assert_clean(outcome)
+    assert not outside.exists()
+    allowed = call(misbehave, ["inside"], watched)
+    assert allowed.stopped == [] and allowed.code == 0
+    assert (watched / "inside.txt").read_text() == "x"
