@@ -88,9 +88,9 @@ lint: $(STAMP)
 
 .PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not image_e2e"
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: test-e2e  ## provision fresh simulated nodes with the training image, netcheck and train in it
+.PHONY: test-e2e  ## only the whole flow (part of make test): provision fresh nodes, netcheck and train in the image
 test-e2e: $(STAMP)
 	$(BIN)/pytest -m image_e2e tests/test_end_to_end.py
 
