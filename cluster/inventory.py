@@ -48,6 +48,17 @@ IFNAME_BYTES = 15
 MAX_GPUS = 1024
 # setrlimit takes a 64-bit value; docker's --ulimit a signed one.
 MAX_MEMLOCK = 2**63 - 1
+# Host keys are always checked (README, ansible.cfg): an inventory may not switch that off for
+# Ansible through the SSH options it passes, nor trust a key on first use.
+SSH_OPTION_FIELDS = (
+    "ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_ssh_args",
+    "ansible_scp_extra_args", "ansible_sftp_extra_args",
+)  # fmt: skip
+_UNCHECKED_HOST_KEYS = re.compile(
+    r"StrictHostKeyChecking\s*=?\s*[\"']?(no|off|false|accept-new)\b"
+    r"|(UserKnownHostsFile|GlobalKnownHostsFile)\s*=?\s*[\"']?/dev/null",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -204,6 +215,7 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
         if merged.get(field) in (None, ""):
             raise ClusterError(f"{where}: cluster field '{field}' is missing (set it in all.vars)")
     subnet = _subnet(merged["compute_subnet"], where)
+    _check_host_keys_stay_checked(merged, f"{where}: cluster")
     port = _port(merged.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT), f"{where}: cluster")
     known_hosts = _optional_path(merged.get("ssh_known_hosts_file"), where, "ssh_known_hosts_file")
     launch_mode = merged.get("launch_mode", "container")
@@ -240,6 +252,7 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
             )
         names[name.lower()] = name
         values = {**merged, **_mapping(own, host_where)}
+        _check_host_keys_stay_checked(values, host_where)
         for field in REQUIRED_HOST_FIELDS:
             if values.get(field) in (None, ""):
                 raise ClusterError(f"{host_where}: field '{field}' is missing")
@@ -279,6 +292,32 @@ def is_word(value) -> bool:
         and value != ""
         and not any(c.isspace() or not c.isprintable() for c in value)
     )
+
+
+def _check_host_keys_stay_checked(values: dict, where: str) -> None:
+    checking = values.get("ansible_host_key_checking", True)
+    if checking is False or _text(checking).strip().lower() in ("false", "no", "0", "off"):
+        raise ClusterError(
+            f"{where}: field 'ansible_host_key_checking': {shown(checking)} turns off SSH "
+            "host-key checking",
+            hint="removing it, and each node's key in known_hosts",
+        )
+    for field in SSH_OPTION_FIELDS:
+        found = _UNCHECKED_HOST_KEYS.search(_text(values.get(field) or ""))
+        if found:
+            raise ClusterError(
+                f"{where}: field '{field}': {shown(found.group(0))} turns off SSH host-key "
+                "checking",
+                hint="-o StrictHostKeyChecking=yes and each node's key in known_hosts",
+            )
+
+
+def _text(value) -> str:
+    """str(value) as Ansible would see it; '' for an int too long to convert."""
+    try:
+        return str(value)
+    except ValueError:
+        return ""
 
 
 def _mapping(value, where: str) -> dict:

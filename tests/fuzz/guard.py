@@ -65,6 +65,8 @@ class Guard:
         self.allowed: tuple[str, ...] = ()
         self.watching = False
         self.attempts: list[Attempt] = []
+        self.opened: list[str] = []
+        """Every file the watched call opened, read or write (the security tests use it)."""
         self._local = threading.local()
 
     def __call__(self, event: str, args: tuple) -> None:
@@ -88,6 +90,8 @@ class Guard:
             return Attempt("signal", event, _short(args))
         if event == "open":
             path, mode, flags = args
+            if not isinstance(path, int):
+                self.opened.append(os.path.abspath(os.fsdecode(path)))
             writes = any(c in mode for c in "wax+") if isinstance(mode, str) else (
                 mode is None and isinstance(flags, int) and flags & _WRITE_FLAGS
             )  # fmt: skip
@@ -117,6 +121,7 @@ class Guard:
         """Watch the calls made inside the block; yields the list of what was stopped."""
         self.allowed = tuple(os.path.abspath(p) for p in allowed)
         self.attempts = []
+        self.opened = []
         self.watching = True
         try:
             yield self.attempts
@@ -152,6 +157,7 @@ class Outcome:
     err: str
     reached: str | None = None
     stopped: list[Attempt] = field(default_factory=list)
+    opened: list[str] = field(default_factory=list)
 
     def kind(self) -> str:
         """What kind of ending this was, for Hypothesis's statistics."""
@@ -172,7 +178,8 @@ def call(main: Callable[[list[str]], int], argv: list[str], *allowed: Path) -> O
     """main(argv) in this process, watched, with its output captured."""
     out, err = io.StringIO(), io.StringIO()
     reached = None
-    with redirect_stdout(out), redirect_stderr(err), guard().watch(*allowed) as stopped:
+    watcher = guard()
+    with redirect_stdout(out), redirect_stderr(err), watcher.watch(*allowed) as stopped:
         try:
             code = main(argv)
         except SystemExit as exc:
@@ -182,7 +189,7 @@ def call(main: Callable[[list[str]], int], argv: list[str], *allowed: Path) -> O
         except Stopped as exc:
             code, reached = None, f"stopped: {exc}"
     return Outcome(argv, 0 if code is None and reached is None else code, out.getvalue(),
-                   err.getvalue(), reached, list(stopped))  # fmt: skip
+                   err.getvalue(), reached, list(stopped), list(watcher.opened))  # fmt: skip
 
 
 def assert_clean(outcome: Outcome, *, processes: bool = False) -> None:

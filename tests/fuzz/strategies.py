@@ -56,7 +56,7 @@ HOST_FIELDS = (
 )  # fmt: skip
 CLUSTER_FIELDS = (
     "compute_subnet", "rendezvous_port", "launch_mode", "training_image", "container_memlock",
-    "ssh_known_hosts_file",
+    "ssh_known_hosts_file", "ansible_ssh_common_args", "ansible_host_key_checking",
 )  # fmt: skip
 
 # Strings that broke, or nearly broke, the loader: kept in every run's mix.
@@ -142,7 +142,12 @@ FIELD_VALUES = {
     ),
     "launch_mode": st.sampled_from(["container", "host", "Host", "", None]),
     "container_memlock": st.one_of(st.sampled_from(["unlimited", "8m"]), big_ints),
-}
+    "ansible_ssh_common_args": st.sampled_from(
+        ["-o StrictHostKeyChecking=yes", "-o StrictHostKeyChecking=no", "-o ControlMaster=auto",
+         "-o UserKnownHostsFile=/dev/null"]
+    ),
+    "ansible_host_key_checking": st.sampled_from([True, False, "false", "yes", 0]),
+}  # fmt: skip
 
 
 def field_values(field: str) -> st.SearchStrategy:

@@ -256,6 +256,16 @@ def test_what_fuzzing_found_is_one_error_line(text, line):
     assert _error(text) == line
 
 
+def test_ssh_options_of_any_type_are_read_for_host_key_switches_without_a_crash():
+    """The host-key check reads these as text; str() of an int too long to convert raises."""
+    for value in (HugeInt(), ["-o", "X=y"], 3):
+        loaded = inventory.parse(_with_host(ansible_ssh_common_args=value), "inv.yml")
+        assert loaded.hosts[1].name == "node2"
+    assert "turns off SSH host-key checking" in _error(
+        _with_host(ansible_ssh_common_args=["-o", "StrictHostKeyChecking=no"])
+    )
+
+
 def test_a_nul_in_the_inventory_path_is_an_error_line():
     with pytest.raises(ClusterError) as caught:
         inventory.load("inv\x00.yml")
