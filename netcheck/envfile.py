@@ -51,6 +51,12 @@ def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
     return path
 
 
+def _text(value: object, empty: bool = False) -> bool:
+    """A string that can go into an environment variable and a command line as it is: no NUL,
+    newline or other control character."""
+    return isinstance(value, str) and (empty or value != "") and value.isprintable()
+
+
 def load(path: str | os.PathLike) -> dict[str, dict[str, str]]:
     """Node name -> environment variables, as netcheck last wrote them."""
     path = Path(path)
@@ -66,10 +72,17 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, str]]:
             f"the netcheck env file {path} cannot be read: {exc}",
             hint="'make netcheck' again to rewrite it",
         ) from None
+    except (ValueError, RecursionError) as exc:
+        # Not JSONDecodeError: an int of over 4300 digits, or arrays nested beyond the stack.
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+        raise ClusterError(
+            f"the netcheck env file {path} cannot be read: {reason}",
+            hint="'make netcheck' again to rewrite it",
+        ) from None
     nodes = data.get("nodes") if isinstance(data, dict) else None
     if not isinstance(nodes, dict) or not all(
-        isinstance(name, str) and isinstance(env, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+        _text(name) and isinstance(env, dict)
+        and all(_text(k) and "=" not in k and _text(v, empty=True) for k, v in env.items())
         for name, env in nodes.items()
     ):  # fmt: skip
         raise ClusterError(

@@ -242,8 +242,27 @@ def text_edits(draw, text: str) -> str:
     return text
 
 
+def _pathological(kind: int) -> str:
+    """Texts that break parsers in other ways than by syntax: nesting deeper than the stack,
+    numbers longer than int() converts, a date that does not exist."""
+    return [
+        "[" * 2000,
+        "{a: " * 700,
+        "- " * 1500 + "x",
+        "all: " + "1" * 5000,
+        '{"nodes": ' + "9" * 5000 + "}",
+        "[" * 100_000,
+        "all: 2024-02-30",
+        "\ufeffall: {vars: {compute_subnet: 192.0.2.0/24}}",
+    ][kind]
+
+
+# Built, not listed: Hypothesis shows a strategy's values, and these are long.
+pathological_texts = st.builds(_pathological, st.integers(0, 7))
+
 inventory_texts = st.one_of(
     any_text,
+    pathological_texts,
     st.text(max_size=400),
     yaml_values.map(dump),
     near_valid_inventories().map(dump),

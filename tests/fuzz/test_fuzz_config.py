@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster.errors import ClusterError
-from tests.fuzz.strategies import FUZZ, any_text, big_ints, dump, text_edits, yaml_values
+from tests.fuzz.strategies import (
+    FUZZ,
+    any_text,
+    big_ints,
+    dump,
+    pathological_texts,
+    text_edits,
+    yaml_values,
+)
 from training import config as config_module
 from training.config import TrainConfig, _field_type, _flag, _leaves, _sections
 
@@ -60,6 +68,7 @@ def near_valid_configs(draw) -> dict:
 
 config_texts = st.one_of(
     st.text(max_size=300),
+    pathological_texts,
     yaml_values.map(dump),
     near_valid_configs().map(dump),
     near_valid_configs().map(dump).flatmap(text_edits),
