@@ -1,6 +1,6 @@
-"""The three CLIs, fuzzed in this process: any command line, with inventory, script and env
-files of any content, ends in exit 0, or exit 2 with one `Error:` line and nothing else, or
-reaches real work with input the seam finds valid. See guard.assert_clean for the contract.
+"""The three CLIs, fuzzed in this process: any command line, with inventory and script files
+of any content, ends in exit 0, or exit 2 with one `Error:` line and nothing else, or reaches
+real work with input the seam finds valid. See guard.assert_clean for the contract.
 
 Nothing leaves the machine or changes it: the seams (netcheck's pre-flight, the launcher, the
 docker engine, image builds) raise Reached instead of working, and under them guard.py stops
