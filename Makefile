@@ -11,6 +11,7 @@ ARGS      ?=
 GPUS      ?=
 DEBUG     ?=
 ANSIBLE_ARGS ?=
+BENCH_ARGS ?=
 PYTHON    ?= python3
 VENV      ?= .venv
 IMAGE     ?= torch-multinode/train:latest
@@ -57,6 +58,10 @@ train: $(STAMP)
 		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
 		$(if $(strip $(ARGS)),-- $(ARGS))
+
+.PHONY: bench  ## benchmarks on fresh simulated nodes: bench-results/bench.md, .json, plots (~20 min)
+bench: $(STAMP)
+	$(BIN)/bench $(BENCH_ARGS)
 
 .PHONY: image  ## build the training image: CUDA where nvidia-smi works, else the CPU twin
 image: $(STAMP)

@@ -1,0 +1,120 @@
+"""`make bench`: what the link delivers and what training gets from it, on a simulated cluster
+of fresh nodes this run starts (and removes): two one-core nodes behind a 1 Gbit/s link, plus
+two more for netcheck's 4-node figure."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+from bench import measure, report
+from cluster import sim
+from cluster.errors import ArgumentParser, ClusterError, at_the_edge
+
+SECTIONS = ("provision", "netcheck", "bandwidth", "scaling", "accuracy", "launcher")
+# The workloads, full size and --quick (a smoke run of every code path in a few minutes).
+SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
+SCALING_QUICK = ["--image-size", "16", "--batch", "4", "--accumulate", "2", "--measure", "1"]
+ACCURACY = ["--steps", "40", "--log-every", "40", "--seed", "1"]
+ACCURACY_QUICK = ["--steps", "6", "--log-every", "6", "--model", "tiny"]
+FIRST_STEP = ["--steps", "2", "--log-every", "1"]
+NAME = "tmnbench"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  make bench\n  bench --only bandwidth,scaling --reps 5\n"
+        "  bench --quick --out /tmp/bench        # every path, tiny workloads",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="where bench.md, bench.json and the plots go (default: bench-results)")  # fmt: skip
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each figure (default: 3)")
+    p.add_argument("--link", default="1gbit", help="the shaped link's rate (default: 1gbit)")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma list of sections (default: all): {', '.join(SECTIONS)}")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help="tiny workloads: checks every path in minutes; figures not meaningful")  # fmt: skip
+    p.add_argument("--subnet-octet", type=int, default=61,
+                   help="third octet of the bench cluster's subnets (default: 61)")  # fmt: skip
+    return p
+
+
+def run(args: argparse.Namespace, progress=print) -> list[Path]:
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise ClusterError(f"--only {','.join(unknown)}: not a section",
+                           hint=f"one or more of {','.join(SECTIONS)}")  # fmt: skip
+    if not 1 <= args.reps <= 20:
+        raise ClusterError(f"--reps {args.reps} is not between 1 and 20", hint="--reps 3")
+    if not 1 <= args.subnet_octet <= 254:
+        raise ClusterError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
+    sim.require_engine()
+    octet = args.subnet_octet
+    config = sim.SimConfig(NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME),
+                           f"172.30.{octet}.0/24")  # fmt: skip
+    nnodes = 4 if "netcheck" in only else 2
+    started = time.monotonic()
+    data: dict = {
+        "command": "make bench" + (" (--quick)" if args.quick else ""),
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "reps": args.reps,
+    }
+    progress(f"bench: fresh {nnodes}-node simulated cluster '{NAME}', link {args.link}...")
+    sim.down(config)
+    try:
+        cluster = sim.up(nnodes, args.link, config)
+        measure.pin_cores(config, nnodes)
+        inventory = cluster.config.inventory_path
+        data["cluster"] = (f"{nnodes} Debian containers, one core each (2 cores in all), "
+                           f"compute link shaped to {args.link} with tbf")  # fmt: skip
+        if {"provision", "netcheck", "bandwidth"} & set(only):
+            # netcheck passes only on provisioned nodes (names, firewall); timed anyway.
+            data["provision"] = measure.measure_provision(inventory, args.reps, progress)
+            if "provision" not in only:
+                data.pop("provision")
+        if "netcheck" in only:
+            data["netcheck"] = measure.measure_netcheck(inventory, args.reps, progress)
+        if "bandwidth" in only:
+            data["bandwidth"] = measure.measure_bandwidth(
+                inventory, config, args.link, args.reps, progress
+            )
+        if "scaling" in only:
+            workload = SCALING_QUICK if args.quick else SCALING
+            data["scaling"] = measure.measure_scaling(inventory, workload, args.reps, progress)
+        if "accuracy" in only:
+            accuracy = ACCURACY_QUICK if args.quick else ACCURACY
+            data["powersgd_accuracy"] = measure.measure_powersgd_accuracy(
+                inventory, accuracy, progress
+            )
+        if "launcher" in only:
+            data["launcher"] = measure.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
+    finally:
+        sim.down(config)
+    data["minutes"] = (time.monotonic() - started) / 60
+    written = report.write(data, args.out)
+    progress("")
+    progress(report.markdown({**data}).split("\n## ")[0].rstrip())
+    progress("")
+    progress(f"bench: {data['minutes']:.1f} min; report in {', '.join(map(str, written))}")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return at_the_edge(_run, args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

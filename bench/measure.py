@@ -1,0 +1,338 @@
+"""The measurements behind `make bench`, each taken on a simulated cluster this run started.
+
+Every figure is a ratio of two things measured side by side in the same run, each repeated
+(median with the spread), never an absolute time alone. The functions here only measure and
+parse; bench.report turns what they return into the report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster import sim
+from cluster.errors import ClusterError
+from cluster.inventory import Inventory, load
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BIN = REPO_ROOT / ".venv" / "bin"
+BENCH_PREFIX = "BENCH "
+FIRST_STEP = re.compile(r"\bstep 1/\d+\b")
+VAL_ACCURACY = re.compile(r"val accuracy\s+([0-9.]+)%")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Series:
+    """Repeated measurements of one quantity."""
+
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def as_dict(self) -> dict:
+        return {
+            "median": self.median,
+            "min": min(self.values),
+            "max": max(self.values),
+            "n": len(self.values),
+            "values": self.values,
+        }
+
+
+def ratio_series(numerators: list[float], denominators: list[float]) -> Series:
+    """Ratios of paired measurements (rep i over rep i), so drift hits both sides alike."""
+    return Series([a / b for a, b in zip(numerators, denominators, strict=True)])
+
+
+def bench_rows(output: str) -> list[dict]:
+    """The BENCH lines a workload printed (the launcher prefixes each with [node])."""
+    rows = []
+    for line in output.splitlines():
+        _, found, payload = line.partition(BENCH_PREFIX)
+        if found:
+            rows.append(json.loads(payload))
+    return rows
+
+
+def run(command: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        raise ClusterError(f"{what} failed (exit {proc.returncode}):\n  " + "\n  ".join(tail))
+    return proc
+
+
+# -- the cluster ------------------------------------------------------------------------------
+
+
+def pin_cores(config: sim.SimConfig, nnodes: int) -> None:
+    """One core per node, as two one-core machines: node i on core (i-1) mod 2."""
+    for index in range(1, nnodes + 1):
+        sim.docker("update", "--cpuset-cpus", str((index - 1) % 2), config.container(index))
+
+
+def shape(config: sim.SimConfig, nnodes: int, link: str | None) -> None:
+    for index in range(1, nnodes + 1):
+        sim.shape_link(config.container(index), link)
+
+
+# -- 6. provisioning -------------------------------------------------------------------------
+
+
+def provision_seconds(inventory: Path) -> float:
+    started = time.monotonic()
+    run(
+        ["make", "--no-print-directory", "provision", f"INVENTORY={inventory}"],
+        timeout=1800,
+        what="make provision",
+    )
+    return time.monotonic() - started
+
+
+def measure_provision(inventory: Path, reps: int, progress: Progress) -> dict:
+    progress("provision: first run on fresh nodes...")
+    first = provision_seconds(inventory)
+    progress(f"provision: first run {first:.0f} s; second (idempotent) runs...")
+    second = Series([provision_seconds(inventory) for _ in range(reps)])
+    return {
+        "first_seconds": first,
+        "second_seconds": second.as_dict(),
+        "ratio": Series([s / first for s in second.values]).as_dict(),
+    }
+
+
+# -- 5. netcheck -----------------------------------------------------------------------------
+
+
+def netcheck_report(inventory: Path, nnodes: int, *extra: str, timeout: float = 600) -> dict:
+    proc = subprocess.run(
+        [str(BIN / "netcheck"), "-i", str(inventory), "-n", str(nnodes), "--json", *extra,
+         "--env-file", str(inventory.parent / "netcheck-env.json")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    try:
+        report = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise ClusterError(f"netcheck printed no report: {proc.stderr.strip()[-300:]}") from None
+    if not report.get("ok"):
+        failed = [f["detail"] for f in report.get("findings", []) if f["status"] == "FAIL"]
+        raise ClusterError(f"netcheck on {nnodes} nodes failed: {'; '.join(failed[:3])}")
+    return report
+
+
+def measure_netcheck(inventory: Path, reps: int, progress: Progress) -> dict:
+    times: dict[int, list[float]] = {2: [], 4: []}
+    for rep in range(reps):
+        for nnodes in (2, 4):  # interleaved: drift hits both alike
+            started = time.monotonic()
+            netcheck_report(inventory, nnodes)
+            times[nnodes].append(time.monotonic() - started)
+        progress(f"netcheck: rep {rep + 1}/{reps}: 2 nodes {times[2][-1]:.1f} s, "
+                 f"4 nodes {times[4][-1]:.1f} s")  # fmt: skip
+    return {
+        "two_nodes_seconds": Series(times[2]).as_dict(),
+        "four_nodes_seconds": Series(times[4]).as_dict(),
+        "ratio": ratio_series(times[4], times[2]).as_dict(),
+    }
+
+
+# -- 1. bus bandwidth against raw TCP --------------------------------------------------------
+
+
+def sweep(inventory: Path) -> dict:
+    """One netcheck --sweep: all_reduce busbw per size, raw TCP of the same link."""
+    report = netcheck_report(inventory, 2, "--sweep")
+    busbw = {
+        m["bytes"]: m["busbw"]
+        for m in report["collective"]["measurements"]
+        if m["op"] == "all_reduce"
+    }
+    ring = [link["gbps"] for link in report["tcp"]["ring"] if link.get("gbps")]
+    return {"busbw": busbw, "tcp": statistics.mean(ring)}
+
+
+def measure_bandwidth(
+    inventory: Path, config: sim.SimConfig, link: str, reps: int, progress: Progress
+) -> dict:
+    result = {}
+    for name, rate in (("shaped", link), ("unshaped", None)):
+        shape(config, 2, rate)
+        runs = [sweep(inventory) for _ in range(reps)]
+        sizes = sorted(runs[0]["busbw"])
+        largest = sizes[-1]
+        result[name] = {
+            "link": rate or "unshaped veth",
+            "busbw_by_size": {
+                str(size): Series([r["busbw"][size] for r in runs]).as_dict() for size in sizes
+            },
+            "tcp_gbytes_per_s": Series([r["tcp"] for r in runs]).as_dict(),
+            "largest_bytes": largest,
+            "busbw_over_tcp": ratio_series(
+                [r["busbw"][largest] for r in runs], [r["tcp"] for r in runs]
+            ).as_dict(),
+        }
+        progress(f"bandwidth ({name}): busbw at {largest >> 20} MiB "
+                 f"{result[name]['busbw_by_size'][str(largest)]['median']:.3f} GB/s, raw TCP "
+                 f"{result[name]['tcp_gbytes_per_s']['median']:.3f} GB/s")  # fmt: skip
+    shape(config, 2, link)
+    return result
+
+
+# -- 2 and 3. scaling efficiency per lever, auto -------------------------------------------
+
+
+def train(inventory: Path, nnodes: int, module: str, args: list[str], timeout: float) -> str:
+    proc = run(
+        [str(BIN / "train"), "-i", str(inventory), "--nnodes", str(nnodes), "--module", module,
+         "--", *args],
+        timeout=timeout, what=f"{module} on {nnodes} node(s)",
+    )  # fmt: skip
+    return proc.stdout
+
+
+def measure_scaling(inventory: Path, workload: list[str], reps: int, progress: Progress) -> dict:
+    """samples/s of 2 nodes over twice that of 1 node, per lever, same per-rank batch."""
+    common = [*workload, "--reps", str(reps)]
+    progress("scaling: 1 node (the baseline)...")
+    single = bench_rows(
+        train(inventory, 1, "training.bench_scaling", [*common, "--levers", "none"], 1800)
+    )
+    progress("scaling: 2 nodes, every lever...")
+    double = bench_rows(train(inventory, 2, "training.bench_scaling", common, 3600))
+    base = [r["samples_per_second"] for r in single if "samples_per_second" in r]
+    if len(base) != reps:
+        raise ClusterError(f"the 1-node run reported {len(base)} measurements, not {reps}")
+    levers: dict[str, dict] = {}
+    for row in double:
+        if "samples_per_second" not in row:
+            continue
+        levers.setdefault(row["lever"], {"rows": []})["rows"].append(row)
+    selection = next((r for r in double if r.get("lever") == "auto-selection"), None)
+    result: dict = {"baseline_samples_per_second": Series(base).as_dict(), "levers": {}}
+    for lever, item in levers.items():
+        rate = [r["samples_per_second"] for r in item["rows"]]
+        result["levers"][lever] = {
+            "samples_per_second": Series(rate).as_dict(),
+            # rep i of 2 nodes against rep i of 1 node: both ran in this bench run
+            "efficiency": ratio_series(rate, [2 * b for b in base[: len(rate)]]).as_dict(),
+            "seconds_per_step": Series([r["seconds_per_step"] for r in item["rows"]]).as_dict(),
+        }
+    result["auto_selection"] = selection
+    result["workload"] = {
+        k: double[0][k] for k in ("batch", "accumulate") if double and k in double[0]
+    }
+    for lever, item in result["levers"].items():
+        progress(f"scaling: {lever:9s} efficiency {item['efficiency']['median']:.2f}")
+    return result
+
+
+def measure_powersgd_accuracy(inventory: Path, args: list[str], progress: Progress) -> dict:
+    """Final validation accuracy with PowerSGD against no hook, same steps and seed."""
+    accuracy = {}
+    for hook in ("none", "powersgd"):
+        out = train(inventory, 2, "training.ddp", [*args, "--comm-hook", hook], 1800)
+        found = VAL_ACCURACY.findall(out)
+        if not found:
+            raise ClusterError(f"the {hook} run printed no validation accuracy")
+        accuracy[hook] = float(found[-1])
+        progress(f"powersgd accuracy: {hook} {accuracy[hook]:.2f} %")
+    return {
+        "args": args,
+        "val_accuracy_none": accuracy["none"],
+        "val_accuracy_powersgd": accuracy["powersgd"],
+        "cost_points": accuracy["none"] - accuracy["powersgd"],
+    }
+
+
+# -- 4. launcher overhead --------------------------------------------------------------------
+
+
+def _until_first_step(processes: list[subprocess.Popen], watch: int, timeout: float) -> float:
+    """Seconds until process `watch` prints the first training step; the rest must succeed."""
+    started = time.monotonic()
+    seen = threading.Event()
+    outputs: list[list[str]] = [[] for _ in processes]
+
+    def read(index: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            outputs[index].append(line)
+            if index == watch and FIRST_STEP.search(line) and not seen.is_set():
+                seen.set()
+
+    readers = [threading.Thread(target=read, args=(i, p), daemon=True)
+               for i, p in enumerate(processes)]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    if not seen.wait(timeout):
+        for proc in processes:
+            proc.kill()
+        raise ClusterError(f"no first training step within {timeout:.0f} s")
+    elapsed = time.monotonic() - started
+    for proc, reader, output in zip(processes, readers, outputs, strict=True):
+        if proc.wait(timeout=timeout) != 0:
+            raise ClusterError(f"a run failed: {''.join(output[-10:])}")
+        reader.join()
+    return elapsed
+
+
+def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
+    command = ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2",
+               f"ARGS={shlex.join(args)}"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return _until_first_step([proc], 0, 600)
+
+
+def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
+    """What a user does without us: on each node, over SSH, the same torchrun command."""
+    from training import launcher
+
+    hosts = inventory.hosts[:2]
+    spec = launcher.JobSpec(args=tuple(args))
+    env = launcher.interface_env(inventory, hosts)
+    processes = []
+    for host in hosts:
+        command = launcher.remote_command(
+            host, hosts[0], len(hosts), spec, inventory.rendezvous_port, env[host.name]
+        )
+        ssh = ["ssh", "-i", str(host.ssh_key), "-p", str(host.ssh_port),
+               "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+               "-o", f"UserKnownHostsFile={inventory.known_hosts}",
+               f"{host.ssh_user}@{host.ssh_address}", command]  # fmt: skip
+        processes.append(subprocess.Popen(ssh, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    return _until_first_step(processes, 0, 600)
+
+
+def measure_launcher(inventory_path: Path, args: list[str], reps: int, progress: Progress) -> dict:
+    inventory = load(inventory_path)
+    ours, by_hand = [], []
+    for rep in range(reps):
+        # Alternate which goes first, so warm caches on the nodes favour neither.
+        first_ours = rep % 2 == 1
+        if first_ours:
+            ours.append(make_train_to_first_step(inventory_path, args))
+        by_hand.append(by_hand_to_first_step(inventory, args))
+        if not first_ours:
+            ours.append(make_train_to_first_step(inventory_path, args))
+        progress(f"launcher: rep {rep + 1}/{reps}: make train {ours[-1]:.1f} s, "
+                 f"torchrun by hand {by_hand[-1]:.1f} s to the first step")  # fmt: skip
+    return {
+        "make_train_seconds": Series(ours).as_dict(),
+        "by_hand_seconds": Series(by_hand).as_dict(),
+        "ratio": ratio_series(ours, by_hand).as_dict(),
+    }

@@ -1,0 +1,213 @@
+"""The benchmark report: JSON (everything measured), Markdown (the figures against their
+targets) and PNG plots, from the dictionary bench.cli assembles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FIXED_LEVERS = ("none", "fp16", "bf16", "powersgd", "no_sync")
+
+# figure: (what it is, its target)
+TARGETS = {
+    "busbw_vs_tcp": ("all_reduce busbw at 64 MiB / raw TCP, 1 Gbit/s link", ">= 0.90"),
+    "best_efficiency": ("best lever's scaling efficiency, ResNet-18", ">= 0.80"),
+    "auto_vs_best": ("auto / best fixed lever (samples/s)", ">= 0.95"),
+    "auto_vs_plain": ("auto / plain DDP (samples/s)", ">= 0.98"),
+    "launcher": ("make train / torchrun by hand, time to first step", "<= 1.15"),
+    "netcheck": ("netcheck wall time, 4 nodes / 2 nodes", "<= 1.50"),
+    "provision": ("make provision, second run / first run", "(no target)"),
+}
+
+
+def _median(item: dict | None) -> float | None:
+    return None if item is None else item["median"]
+
+
+def _rate(scaling: dict, lever: str) -> float | None:
+    item = scaling.get("levers", {}).get(lever)
+    return None if item is None else item["samples_per_second"]["median"]
+
+
+def figures(data: dict) -> dict[str, float | None]:
+    """The headline ratios, each from measurements taken side by side in this run."""
+    found: dict[str, float | None] = dict.fromkeys(TARGETS)
+    bandwidth = data.get("bandwidth")
+    if bandwidth:
+        found["busbw_vs_tcp"] = _median(bandwidth["shaped"]["busbw_over_tcp"])
+    scaling = data.get("scaling")
+    if scaling:
+        fixed = {k: v for k, v in scaling["levers"].items() if k in FIXED_LEVERS}
+        if fixed:
+            found["best_efficiency"] = max(v["efficiency"]["median"] for v in fixed.values())
+            best_rate = max(_rate(scaling, k) for k in fixed)
+            auto = _rate(scaling, "auto")
+            if auto is not None:
+                found["auto_vs_best"] = auto / best_rate
+                if _rate(scaling, "none"):
+                    found["auto_vs_plain"] = auto / _rate(scaling, "none")
+    for key, section in (("launcher", "launcher"), ("netcheck", "netcheck"),
+                         ("provision", "provision")):  # fmt: skip
+        if data.get(section):
+            found[key] = _median(data[section]["ratio"])
+    return found
+
+
+def meets(key: str, value: float | None) -> str:
+    if value is None:
+        return "not measured"
+    target = TARGETS[key][1]
+    if target.startswith(">="):
+        return "meets" if value >= float(target[2:]) else "MISSES"
+    if target.startswith("<="):
+        return "meets" if value <= float(target[2:]) else "MISSES"
+    return ""
+
+
+def _spread(item: dict, fmt: str = "{:.3f}") -> str:
+    return (f"{fmt.format(item['median'])} ({fmt.format(item['min'])} to "
+            f"{fmt.format(item['max'])}, n={item['n']})")  # fmt: skip
+
+
+def markdown(data: dict) -> str:
+    found = figures(data)
+    lines = [
+        "# torch-multinode benchmark",
+        "",
+        f"`{data['command']}`, {data['date']}, {data['minutes']:.1f} min, on the simulated "
+        f"cluster: {data['cluster']}.",
+        "Every figure is a ratio of two things measured side by side in this run: median over "
+        "the repetitions (paired rep by rep), range and count in parentheses.",
+        "",
+        "| figure | value | target | |",
+        "|---|---|---|---|",
+    ]
+    for key, (text, target) in TARGETS.items():
+        value = found[key]
+        shown = "-" if value is None else f"{value:.2f}"
+        lines.append(f"| {text} | {shown} | {target} | {meets(key, value)} |")
+    bandwidth = data.get("bandwidth")
+    if bandwidth:
+        lines += ["", "## 1. Bus bandwidth against raw TCP (all_reduce, gloo, 2 nodes)", "",
+                  "| message | busbw 1 Gbit/s (GB/s) | busbw unshaped (GB/s) |", "|---|---|---|"]  # fmt: skip
+        shaped, free = bandwidth["shaped"], bandwidth["unshaped"]
+        for size, item in shaped["busbw_by_size"].items():
+            other = free["busbw_by_size"].get(size)
+            lines.append(f"| {_size(int(size))} | {_spread(item)} | "
+                         f"{_spread(other) if other else '-'} |")  # fmt: skip
+        lines.append(f"| raw TCP, same link | {_spread(shaped['tcp_gbytes_per_s'])} | "
+                     f"{_spread(free['tcp_gbytes_per_s'])} |")  # fmt: skip
+        lines.append(f"| busbw / TCP at {_size(shaped['largest_bytes'])} | "
+                     f"{_spread(shaped['busbw_over_tcp'], '{:.2f}')} | "
+                     f"{_spread(free['busbw_over_tcp'], '{:.2f}')} |")  # fmt: skip
+    scaling = data.get("scaling")
+    if scaling:
+        work = scaling.get("workload", {})
+        lines += ["", "## 2. Scaling efficiency per lever (ResNet-18, 1 Gbit/s link)", "",
+                  f"Per-rank micro-batch {work.get('batch')}, {work.get('accumulate')} "
+                  "micro-batches per optimizer step for every lever (the same global batch); "
+                  "each node pinned to its own core. Efficiency: samples/s of 2 nodes over "
+                  "twice that of 1 node "
+                  f"({_spread(scaling['baseline_samples_per_second'], '{:.1f}')} samples/s).",
+                  "", "| lever | samples/s (2 nodes) | scaling efficiency |", "|---|---|---|"]  # fmt: skip
+        for lever, item in scaling["levers"].items():
+            lines.append(f"| {lever} | {_spread(item['samples_per_second'], '{:.1f}')} | "
+                         f"{_spread(item['efficiency'], '{:.2f}')} |")  # fmt: skip
+        selection = scaling.get("auto_selection")
+        if selection:
+            timings = ", ".join(f"{k} {v:.2f}" for k, v in selection["timings"].items())
+            lines += ["", f"`auto` timed the candidates (s per optimizer step: {timings}) in "
+                      f"{selection['seconds']:.1f} s and chose **{selection['chosen']}**."]  # fmt: skip
+    accuracy = data.get("powersgd_accuracy")
+    if accuracy:
+        lines += ["", "## 3. PowerSGD's accuracy cost", "",
+                  f"Same job, same steps and seed (`{' '.join(accuracy['args'])}`): validation "
+                  f"accuracy {accuracy['val_accuracy_none']:.2f} % without a hook, "
+                  f"{accuracy['val_accuracy_powersgd']:.2f} % with PowerSGD "
+                  f"({accuracy['cost_points']:+.2f} points of cost)."]  # fmt: skip
+    for key, title, a, b in (
+        ("launcher", "4. Launcher overhead (time to the first training step)",
+         "make_train_seconds", "by_hand_seconds"),
+        ("netcheck", "5. netcheck wall time", "four_nodes_seconds", "two_nodes_seconds"),
+    ):  # fmt: skip
+        section = data.get(key)
+        if section:
+            lines += ["", f"## {title}", "", f"- {a}: {_spread(section[a], '{:.1f}')}",
+                      f"- {b}: {_spread(section[b], '{:.1f}')}",
+                      f"- ratio: {_spread(section['ratio'], '{:.2f}')}"]  # fmt: skip
+    provision = data.get("provision")
+    if provision:
+        lines += ["", "## 6. Provisioning", "",
+                  f"- first run on fresh nodes: {provision['first_seconds']:.0f} s (once: it "
+                  "needs fresh nodes)",
+                  f"- second, idempotent run: {_spread(provision['second_seconds'], '{:.0f}')} s",
+                  f"- ratio: {_spread(provision['ratio'], '{:.2f}')}"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def plots(data: dict, directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    written = []
+    bandwidth = data.get("bandwidth")
+    if bandwidth:
+        figure, axes = pyplot.subplots(figsize=(7, 4.5))
+        for name, style in (("shaped", "o-"), ("unshaped", "s-")):
+            item = bandwidth[name]
+            sizes = [int(s) for s in item["busbw_by_size"]]
+            medians = [v["median"] for v in item["busbw_by_size"].values()]
+            (line,) = axes.plot(sizes, medians, style, label=f"all_reduce busbw, {item['link']}")
+            axes.axhline(item["tcp_gbytes_per_s"]["median"], color=line.get_color(),
+                         linestyle="--", label=f"raw TCP, {item['link']}")  # fmt: skip
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("message size (bytes)")
+        axes.set_ylabel("GB/s")
+        axes.set_title("Bus bandwidth against raw TCP, 2 nodes (gloo)")
+        axes.legend(fontsize=8)
+        written.append(_save(figure, directory / "busbw.png"))
+    scaling = data.get("scaling")
+    if scaling:
+        figure, axes = pyplot.subplots(figsize=(7, 4.5))
+        levers = list(scaling["levers"])
+        efficiency = [scaling["levers"][k]["efficiency"] for k in levers]
+        medians = [e["median"] for e in efficiency]
+        lows = [e["median"] - e["min"] for e in efficiency]
+        highs = [e["max"] - e["median"] for e in efficiency]
+        axes.bar(levers, medians, yerr=[lows, highs], capsize=4, color="#4c72b0")
+        axes.axhline(0.8, color="grey", linestyle="--", label="target for the best lever")
+        axes.set_ylim(0, 1.05)
+        axes.set_ylabel("scaling efficiency (2 nodes)")
+        axes.set_title("ResNet-18 on a 1 Gbit/s link, per lever")
+        axes.legend(fontsize=8)
+        written.append(_save(figure, directory / "scaling.png"))
+    return written
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    import matplotlib.pyplot
+
+    matplotlib.pyplot.close(figure)
+    return path
+
+
+def write(data: dict, directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {**data, "figures": figures(data)}
+    json_path = directory / "bench.json"
+    json_path.write_text(json.dumps(data, indent=2) + "\n")
+    md_path = directory / "bench.md"
+    md_path.write_text(markdown(data))
+    return [md_path, json_path, *plots(data, directory)]

@@ -1,0 +1,146 @@
+"""make bench: the parsing, the figures against their targets, the report files, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import cli, measure, report
+
+
+def spread(*values: float) -> dict:
+    return measure.Series(list(values)).as_dict()
+
+
+def scaling_section() -> dict:
+    base = [10.0, 11.0, 9.0]
+    levers = {"none": [13.0, 14.0, 12.0], "no_sync": [17.0, 18.0, 15.0], "auto": [16.5, 18.0, 15.0]}
+    return {
+        "baseline_samples_per_second": spread(*base),
+        "levers": {
+            name: {
+                "samples_per_second": spread(*rates),
+                "efficiency": measure.ratio_series(rates, [2 * b for b in base]).as_dict(),
+                "seconds_per_step": spread(1.0, 1.0, 1.0),
+            }
+            for name, rates in levers.items()
+        },
+        "auto_selection": {
+            "lever": "auto-selection",
+            "seconds": 4.2,
+            "chosen": "fp16",
+            "timings": {"none": 2.0, "fp16": 1.8},
+        },  # fmt: skip
+        "workload": {"batch": 64, "accumulate": 2},
+    }
+
+
+def bench_data() -> dict:
+    return {
+        "command": "make bench", "date": "2026-11-22T12:00", "minutes": 17.5, "reps": 3,
+        "cluster": "4 Debian containers",
+        "bandwidth": {
+            name: {
+                "link": link,
+                "busbw_by_size": {"1048576": spread(0.09, 0.1, 0.1),
+                                  "67108864": spread(0.115, 0.116, 0.114)},
+                "tcp_gbytes_per_s": spread(tcp, tcp, tcp),
+                "largest_bytes": 67108864,
+                "busbw_over_tcp": spread(0.115 / tcp, 0.116 / tcp, 0.114 / tcp),
+            }
+            for name, link, tcp in (("shaped", "1gbit", 0.119), ("unshaped", "veth", 0.6))
+        },
+        "scaling": scaling_section(),
+        "powersgd_accuracy": {"args": ["--steps", "40"], "val_accuracy_none": 98.0,
+                              "val_accuracy_powersgd": 96.5, "cost_points": 1.5},
+        "launcher": {"make_train_seconds": spread(10, 11, 10), "by_hand_seconds": spread(9, 10, 9),
+                     "ratio": spread(10 / 9, 1.1, 10 / 9)},
+        "netcheck": {"two_nodes_seconds": spread(5, 5, 5), "four_nodes_seconds": spread(8, 8, 9),
+                     "ratio": spread(1.6, 1.6, 1.8)},
+        "provision": {"first_seconds": 100.0, "second_seconds": spread(40, 42, 41),
+                      "ratio": spread(0.4, 0.42, 0.41)},
+    }  # fmt: skip
+
+
+def test_bench_lines_are_read_through_the_launchers_node_prefix():
+    output = (
+        "[node1] world 2 processes\n"
+        '[node1] BENCH {"lever": "none", "rep": 1, "samples_per_second": 12.5}\n'
+        '[node2] something else\nBENCH {"lever": "auto-selection", "chosen": "fp16"}\n'
+    )
+    assert measure.bench_rows(output) == [
+        {"lever": "none", "rep": 1, "samples_per_second": 12.5},
+        {"lever": "auto-selection", "chosen": "fp16"},
+    ]
+
+
+def test_ratios_pair_the_repetitions_and_keep_the_spread():
+    series = measure.ratio_series([12.0, 6.0, 9.0], [6.0, 6.0, 3.0])
+    assert series.values == [2.0, 1.0, 3.0]
+    assert series.as_dict() == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3,
+                                "values": [2.0, 1.0, 3.0]}  # fmt: skip
+
+
+def test_figures_compare_auto_with_the_best_fixed_lever_and_plain_ddp():
+    found = report.figures(bench_data())
+    assert found["busbw_vs_tcp"] == pytest.approx(0.115 / 0.119)
+    # efficiency, paired rep by rep: no_sync 17/20, 18/22, 15/18 (the best fixed lever)
+    assert found["best_efficiency"] == pytest.approx(15 / 18)
+    assert found["auto_vs_best"] == pytest.approx(16.5 / 17.0)
+    assert found["auto_vs_plain"] == pytest.approx(16.5 / 13.0)
+    assert found["launcher"] == pytest.approx(10 / 9)
+    assert found["netcheck"] == pytest.approx(1.6)
+    assert report.meets("netcheck", found["netcheck"]) == "MISSES"
+    assert report.meets("auto_vs_best", found["auto_vs_best"]) == "meets"
+    assert report.meets("best_efficiency", None) == "not measured"
+
+
+def test_the_report_is_markdown_json_and_plots(tmp_path):
+    written = report.write(bench_data(), tmp_path)
+    names = sorted(p.name for p in written)
+    assert names == ["bench.json", "bench.md", "busbw.png", "scaling.png"]
+    for png in ("busbw.png", "scaling.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["figures"]["best_efficiency"] == pytest.approx(15 / 18)
+    text = (tmp_path / "bench.md").read_text()
+    assert (
+        "| all_reduce busbw at 64 MiB / raw TCP, 1 Gbit/s link | 0.97 | >= 0.90 | meets |" in text
+    )
+    assert "| netcheck wall time, 4 nodes / 2 nodes | 1.60 | <= 1.50 | MISSES |" in text
+    assert "| no_sync | 17.0 (15.0 to 18.0, n=3) | 0.83 (0.82 to 0.85, n=3) |" in text
+    assert "chose **fp16**" in text
+    assert "98.00 % without a hook, 96.50 % with PowerSGD (+1.50 points of cost)" in text
+
+
+def test_a_partial_run_reports_what_it_measured(tmp_path):
+    data = {k: v for k, v in bench_data().items() if k not in ("scaling", "bandwidth")}
+    written = report.write(data, tmp_path)
+    assert sorted(p.name for p in written) == ["bench.json", "bench.md"]
+    assert (
+        "| best lever's scaling efficiency, ResNet-18 | - | >= 0.80 | not measured |"
+        in (tmp_path / "bench.md").read_text()
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--only", "scaling,speed"], "Error: --only speed: not a section (try one or more of "),
+        (["--reps", "0"], "Error: --reps 0 is not between 1 and 20 (try --reps 3)"),
+        (["--subnet-octet", "300"], "Error: --subnet-octet 300 is not between 1 and 254"),
+        (["--reps", "x"], "Error: argument --reps: invalid int value: 'x' (try bench --help)"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_start_nothing(argv, message, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr(cli.sim, "up", lambda *a, **k: started.append(a))
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(message) and err.count("\n") == 1
+    assert started == []
