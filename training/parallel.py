@@ -142,12 +142,22 @@ def per_rank_batch(global_batch: int, env: DistEnv) -> int:
     return global_batch // env.world_size
 
 
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # what register_comm_hook registers
+
+
+def _check_hook(name: str) -> None:
+    if name not in COMM_HOOKS:
+        # "auto" is a choice made before wrapping (training.levers.choose), not a hook.
+        raise ValueError(f"comm hook {name!r} is not one of {', '.join(COMM_HOOKS)}")
+
+
 def wrap_ddp(model: nn.Module, env: DistEnv, config) -> nn.Module:
     """DDP with the options of a DDPConfig and its gradient-compression hook registered."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not env.launched:
         return model
+    _check_hook(config.comm_hook)
     ddp = DistributedDataParallel(
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -162,6 +172,7 @@ def wrap_ddp(model: nn.Module, env: DistEnv, config) -> nn.Module:
 def register_comm_hook(ddp: nn.Module, config) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    _check_hook(config.comm_hook)
     if config.comm_hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif config.comm_hook == "bf16":
@@ -172,7 +183,34 @@ def register_comm_hook(ddp: nn.Module, config) -> None:
             matrix_approximation_rank=config.powersgd_rank,
             start_powerSGD_iter=config.powersgd_start_step,
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        if dist.get_backend(ddp.process_group) == "gloo":
+            hook = in_bucket_order(hook)
+        ddp.register_comm_hook(state, hook)
+
+
+def in_bucket_order(hook):
+    """`hook` with each bucket started only once the previous bucket's result is in.
+
+    PowerSGD all-reduces a bucket twice, the second time from the first one's completion
+    callback. gloo runs those callbacks on its own threads, so one rank can enqueue bucket 1's
+    second all-reduce before bucket 2's first and another rank after it: a collective mismatch
+    that aborts the job ("Received data size doesn't match expected size") as soon as a model
+    has more than one bucket (ResNet-18 has three). Waiting keeps every rank's collectives in
+    one order, at the price of overlapping less of the communication with the backward pass.
+    NCCL completes those futures inline, in order, and needs none of this."""
+    previous = None
+
+    def ordered(state, bucket):
+        nonlocal previous
+        if previous is not None:
+            previous.wait()
+        future = hook(state, bucket)
+        previous = None if bucket.is_last() else future
+        return future
+
+    ordered.__name__ = ordered.__qualname__ = f"{hook.__name__}_in_bucket_order"
+    return ordered
 
 
 def unwrap(model: nn.Module) -> nn.Module:
