@@ -8,14 +8,16 @@ two CPU processes of a 2-core machine it takes under 30 s in all and reaches 100
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from training import config as config_module
-from training import console, data, models, parallel
+from training import console, data, levers, models, parallel
 from training.checkpoint import write_atomically
 from training.config import TrainConfig
 from training.trainer import STOP_EXIT_CODE, Trainer, TrainResult, resolve_numerics
@@ -60,6 +62,54 @@ def build(config, env: parallel.DistEnv, numerics) -> tuple[nn.Module, data.Spli
     return model, splits
 
 
+def first_batch(splits: data.Splits, env: parallel.DistEnv, batch: int, seed: int):
+    """This rank's first training batch, as the trainer's loader draws it, on the device."""
+    sampler = data.ResumableSampler(
+        splits.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed
+    )
+    indices = list(sampler)[:batch]
+    images, labels = torch.utils.data.default_collate([splits.train[i] for i in indices])
+    return images.to(env.device), labels.to(env.device)
+
+
+def choose_comm_hook(
+    config, env: parallel.DistEnv, model: nn.Module, splits: data.Splits, batch: int, numerics
+) -> str:
+    """--comm-hook auto: time every hook on a real batch of this run and keep the fastest (or
+    reuse a measurement of the same setup from the run directory, up to a day old)."""
+    if env.world_size <= 1:
+        return levers.choose(model, env, config.ddp, lambda _: None).hook
+    images, labels = first_batch(splits, env, batch, config.run.seed)
+    if numerics.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    dtype = numerics.autocast_dtype
+
+    def micro_step(ddp_model: nn.Module) -> None:
+        with torch.autocast(env.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(ddp_model(images), labels)
+        loss.backward()
+
+    settings = config.ddp
+    key = {
+        "workload": "ddp",
+        "model": config.model.model,
+        "image_size": config.data.image_size,
+        "precision": numerics.name,
+        "world_size": env.world_size,
+        "batch": batch,
+        "accumulate": 1,
+        "hosts": levers.node_names(env),
+        "device": env.device.type,
+        "bucket_cap_mb": settings.bucket_cap_mb,
+        "gradient_as_bucket_view": settings.gradient_as_bucket_view,
+        "static_graph": settings.static_graph,
+        "powersgd_rank": settings.powersgd_rank,
+        "torch": torch.__version__,
+    }
+    cache = levers.Cache(Path(config.run.run_dir) / levers.CACHE_FILE, key)
+    return levers.choose(model, env, settings, micro_step, 1, cache=cache).hook
+
+
 def header(config, env, splits: data.Splits, model: nn.Module, trainer: Trainer) -> list[str]:
     batch = trainer.batch
     return [
@@ -100,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     batch, numerics = prepare(config, env, "ddp")
     parallel.start(env)
     model, splits = build(config, env, numerics)
-    ddp_model = parallel.wrap_ddp(model, env, config.ddp)
+    ddp_settings = config.ddp
+    if ddp_settings.comm_hook == "auto":
+        hook = choose_comm_hook(config, env, model, splits, batch, numerics)
+        ddp_settings = dataclasses.replace(ddp_settings, comm_hook=hook)
+    ddp_model = parallel.wrap_ddp(model, env, ddp_settings)
     trainer = Trainer(config, env, ddp_model, splits, batch_per_rank=batch, numerics=numerics)
     console.say(env, *header(config, env, splits, model, trainer))
     result = trainer.fit()
