@@ -8,16 +8,20 @@ crash leaves at worst a dot-prefixed temp file that listing never matches.
 On resume each rank lists the steps it holds and the ranks resume from the newest step that
 every rank holds: the newest step of each rank's own list may differ when a node died while
 writing.
+
+A directory that cannot take a checkpoint (read-only, full) is one error line naming it; the
+checkpoints already there are left as they are.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +38,11 @@ def file_name(step: int, rank: int) -> str:
     return f"step-{step:08d}-rank-{rank:05d}.pt"
 
 
-def write_atomically(path: Path, payload: Any) -> None:
-    """torch.save `payload` to `path` so that `path` is either absent, old, or complete."""
+def write_atomically(
+    path: Path, payload: Any, before_rename: Callable[[Path], None] | None = None
+) -> None:
+    """torch.save `payload` to `path` so that `path` is either absent, old, or complete.
+    `before_rename` is called with the complete temp file just before it takes the name."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
@@ -45,6 +52,8 @@ def write_atomically(path: Path, payload: Any) -> None:
             torch.save(payload, file)
             file.flush()
             os.fsync(file.fileno())
+        if before_rename is not None:
+            before_rename(Path(temporary))
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -77,11 +86,52 @@ class CheckpointStore:
     def path(self, step: int) -> Path:
         return self.directory / file_name(step, self.rank)
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        prune: bool = True,
+        before_rename: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """Write this rank's checkpoint of `step`; then, unless told not to, prune older ones.
+        A write that fails leaves the older checkpoints as they were."""
         path = self.path(step)
-        write_atomically(path, state)
-        self.prune()
+        try:
+            write_atomically(path, state, before_rename)
+        except (OSError, RuntimeError) as error:
+            cause = _os_error(error)  # torch.save reports a failed write as a RuntimeError
+            if cause is None:
+                raise
+            kept = self.steps()
+            raise self._write_error(
+                f"cannot write checkpoint step {step} to", cause,
+                f"; step {kept[-1]} is kept" if kept else "",
+            ) from None  # fmt: skip
+        if prune:
+            self.prune()
         return path
+
+    def check_writable(self) -> None:
+        """Fail before training, naming the directory, rather than at the first checkpoint."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(
+                dir=self.directory, prefix=f".write-test-rank-{self.rank:05d}."
+            ):
+                pass
+        except OSError as error:
+            raise self._write_error("cannot write checkpoints to", error) from None
+
+    def _write_error(self, what: str, error: OSError, after: str = "") -> ClusterError:
+        reason = error.strerror or str(error) or type(error).__name__
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "freeing space there, a smaller --keep, or a --checkpoint-dir with more room"
+        elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            hint = "a writable --checkpoint-dir"
+        else:
+            hint = "another --checkpoint-dir"
+        return ClusterError(f"{what} {self.directory}: {reason}{after}", hint=hint, exit_code=1)
 
     def load(self, step: int, device: torch.device) -> dict[str, Any]:
         path = self.path(step)
@@ -109,6 +159,17 @@ class CheckpointStore:
         for step in steps:
             self.path(step).unlink(missing_ok=True)
         return len(steps)
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error`: itself, or what it was raised from or during."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def newest_common_step(steps_per_rank: Iterable[Iterable[int]]) -> int | None:

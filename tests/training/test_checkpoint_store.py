@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 
 import numpy as np
@@ -95,3 +97,84 @@ def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     checkpoint.restore_rng_states(torch.load(path, weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(()).item()) == expected
+
+
+def _disk_full_after(limit: int):
+    """A torch.save that writes `limit` bytes of the file and then finds the disk full, the way
+    torch reports it: a RuntimeError raised while handling the OSError."""
+
+    def save(payload, file):
+        file.write(b"x" * limit)
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            # As torch does it: implicitly chained, __context__ only.
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")  # noqa: B904
+
+    return save
+
+
+def test_a_full_disk_is_one_error_line_naming_the_directory_and_keeps_the_last_checkpoint(
+    tmp_path, monkeypatch
+):
+    store = CheckpointStore(tmp_path, rank=1, keep=1)
+    store.save(4, {"step": 4})
+    monkeypatch.setattr(checkpoint.torch, "save", _disk_full_after(100))
+    with pytest.raises(ClusterError) as error:
+        store.save(8, {"step": 8})
+    assert error.value.exit_code == 1
+    assert error.value.line() == (
+        f"Error: cannot write checkpoint step 8 to {tmp_path}: No space left on device; step 4 "
+        "is kept (try freeing space there, a smaller --keep, or a --checkpoint-dir with more "
+        "room)"
+    )
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == [file_name(4, 1)]  # no temp file left
+    assert store.load(4, torch.device("cpu")) == {"step": 4}
+
+
+def test_a_read_only_directory_is_refused_before_training(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path / "checkpoints", rank=0, keep=2)
+    store.check_writable()  # creates it, leaves nothing behind
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "checkpoints"))
+
+    monkeypatch.setattr(checkpoint.tempfile, "NamedTemporaryFile", read_only)
+    with pytest.raises(ClusterError) as error:
+        store.check_writable()
+    assert error.value.line() == (
+        f"Error: cannot write checkpoints to {tmp_path / 'checkpoints'}: Read-only file system "
+        "(try a writable --checkpoint-dir)"
+    )
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ClusterError) as error:
+        CheckpointStore(tmp_path / "a-file" / "sub", rank=0, keep=2).check_writable()
+    assert error.value.line() == (
+        f"Error: cannot write checkpoints to {tmp_path / 'a-file' / 'sub'}: Not a directory "
+        "(try another --checkpoint-dir)"
+    )
+
+
+def test_an_error_that_is_not_the_disks_keeps_its_traceback(tmp_path):
+    store = CheckpointStore(tmp_path, rank=0, keep=2)
+    with pytest.raises(RuntimeError, match="disk full"):  # Unpicklable's, not an OSError
+        store.save(5, {"bad": Unpicklable()})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_hook_before_the_rename_sees_a_complete_temp_file_and_no_final_name(tmp_path):
+    store = CheckpointStore(tmp_path, rank=0, keep=1)
+    store.save(4, {"step": 4})
+    seen = []
+
+    def before_rename(temporary):
+        seen.append((temporary.name, torch.load(temporary, weights_only=True), store.steps()))
+
+    store.save(8, {"step": 8}, prune=False, before_rename=before_rename)
+    [(name, payload, steps)] = seen
+    assert name.startswith(f".{file_name(8, 0)}.") and payload == {"step": 8} and steps == [4]
+    assert store.steps() == [4, 8]  # prune=False: the caller prunes once every rank has step 8
+    store.prune()
+    assert store.steps() == [8]
