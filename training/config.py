@@ -137,6 +137,13 @@ class CheckpointConfig:
     stop_after_step: int | None = doc(
         "test hook: exit with code 75 once this step is done and checkpointed"
     )
+    checkpoint_pause_step: int | None = doc(
+        "test hook: the checkpoint of this step pauses 120 s between its complete temp file "
+        "and the rename (a write to interrupt)"
+    )
+    checkpoint_pause_rank: int | None = doc(
+        "test hook: only this rank pauses in --checkpoint-pause-step (default: every rank)"
+    )
 
 
 @dataclass
@@ -155,6 +162,19 @@ class RunConfig:
     out: str | None = doc("rank 0 writes the final model state_dict here (torch.save)")
     step_delay: float = doc(
         "test hook: seconds every rank sleeps after each step (a slow job to interrupt)", 0.0
+    )
+    step_delay_rank: int | None = doc(
+        "test hook: only this rank sleeps --step-delay (default: every rank)"
+    )
+    collective_timeout: float = doc(
+        "seconds a collective waits for the other ranks before the job fails (a node or the "
+        "network between the nodes lost), from the first step on; torch's own is 30 min",
+        300.0,
+    )
+    slow_rank_factor: float = doc(
+        "every --log-every steps, warn about a rank whose own time per step (everything but "
+        "waiting for the others) exceeds this many times the other ranks' median; 0: never",
+        1.5,
     )
 
 
@@ -392,3 +412,12 @@ def check(config) -> None:
             raise ClusterError("--sync-bn needs DDP: SyncBatchNorm synchronises through it")
         if not torch.cuda.is_available():
             raise ClusterError("--sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA")
+    if not 0 < config.run.collective_timeout <= 86400:
+        raise ClusterError(
+            f"--collective-timeout must be above 0 and at most 86400 s, got "
+            f"{config.run.collective_timeout}"
+        )
+    if config.run.slow_rank_factor < 0:
+        raise ClusterError(
+            f"--slow-rank-factor must be 0 or more, got {config.run.slow_rank_factor}"
+        )

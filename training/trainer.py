@@ -1,26 +1,38 @@
 """The training loop: steps, numerics, checkpoint/resume and validation, for any data-parallel
 wrapping. How gradients are synchronised is the caller's business: DDP does it inside backward,
-other strategies pass `gradient_sync`, called between backward and the optimizer step."""
+other strategies pass `gradient_sync`, called between backward and the optimizer step.
+
+Faults it guards against: a collective that waits longer than --collective-timeout fails the job
+instead of hanging it; older checkpoints are deleted only once every rank holds the new one; a
+rank much slower than the others is named every --log-every steps."""
 
 from __future__ import annotations
 
 import math
 import os
+import socket
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from cluster.errors import ClusterError
 from training import checkpoint, data, metrics, parallel
-from training.console import say
+from training.console import say, say_every_rank
 
 STOP_EXIT_CODE = 75  # --stop-after-step: EX_TEMPFAIL, "try again", which is what resume does
+CHECKPOINT_PAUSE_SECONDS = 120.0  # --checkpoint-pause-step: long enough to kill or interrupt
+# A rank is only called slow when it also loses this much per step: on small steps, scheduling
+# noise alone makes ratios of 2 between ranks.
+SLOW_RANK_MIN_EXCESS = 0.02
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,66 @@ def learning_rate(config, step: int, total_steps: int) -> float:
         return config.lr * min(1.0, (step + 1) / warmup)
     progress = (step - warmup) / max(1, total_steps - warmup)
     return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    rank: int
+    node: str
+    seconds: float  # its own time per step
+    others: float  # the median of the other ranks' own time per step
+
+
+def slow_ranks(
+    per_rank: list[tuple[float, str]], factor: float, min_excess: float = SLOW_RANK_MIN_EXCESS
+) -> list[SlowRank]:
+    """The ranks whose own time per step (seconds, node) exceeds `factor` times the median of
+    the other ranks' and that median by at least `min_excess` seconds; none when factor is 0.
+    Of an even count of others the upper median: one fast rank does not make the rest slow."""
+    if factor <= 0 or len(per_rank) < 2:
+        return []
+    found = []
+    for rank, (seconds, node) in enumerate(per_rank):
+        others = statistics.median_high(t for other, (t, _) in enumerate(per_rank) if other != rank)
+        if seconds > factor * others and seconds - others >= min_excess:
+            found.append(SlowRank(rank, node, seconds, others))
+    return found
+
+
+class OwnTime:
+    """Seconds this rank spends on its own work: data loading, forward, optimizer step and
+    everything between steps, but not the time it waits for the other ranks (DDP's buffer
+    broadcast before forward, backward with its gradient all-reduce, the trainer's own
+    collectives). In a synchronous job every rank's wall time per step is the slowest rank's;
+    this is what tells them apart. Measured on the host: on a GPU it sees host-side slowness
+    (data loading, a busy CPU), not a slow GPU's kernels. A step's own time runs from the end
+    of the previous backward to the end of its forward."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self._current = 0.0
+        self._since: float | None = None
+
+    def resume(self) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._since is not None:
+            self._current += time.perf_counter() - self._since
+            self._since = None
+
+    def end_step(self) -> None:
+        self.pause()
+        self.steps.append(self._current)
+        self._current = 0.0
+
+    def take(self) -> float:
+        """The median own time of the steps since the last take (one stall of the machine
+        does not make a rank slow); starts afresh."""
+        median = statistics.median(self.steps) if self.steps else 0.0
+        self.steps = []
+        return median
 
 
 @dataclass
@@ -124,6 +196,24 @@ class Trainer:
             self.store = checkpoint.CheckpointStore(
                 Path(config.checkpoint.checkpoint_dir), env.rank, config.checkpoint.keep
             )
+        for flag, rank in (
+            ("--step-delay-rank", config.run.step_delay_rank),
+            ("--checkpoint-pause-rank", config.checkpoint.checkpoint_pause_rank),
+        ):
+            if rank is not None and not 0 <= rank < env.world_size:
+                raise ClusterError(
+                    f"{flag} {rank} is not a rank of this job (0 to {env.world_size - 1})"
+                )
+        if env.launched and dist.is_initialized():
+            # A peer that never answers (its node or the network to it gone) fails the job
+            # after this long, instead of the backend's default of half an hour.
+            dist.set_timeout(timedelta(seconds=config.run.collective_timeout))
+        self.node = os.environ.get("TMN_NODE_NAME") or socket.gethostname()
+        self.own_time = OwnTime()
+        self._pace_from = 0
+        # DDP's forward may first wait for a buffer broadcast: own time restarts when the
+        # wrapped module itself starts.
+        parallel.unwrap(model).register_forward_pre_hook(lambda *_: self.own_time.resume())
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -132,6 +222,7 @@ class Trainer:
         if self.store is None:
             return None
         settings = self.config.checkpoint
+        self.store.check_writable()
         self.store.remove_temporaries()
         plan = checkpoint.plan_resume(
             parallel.all_gather(self.store.steps(), self.env),
@@ -162,8 +253,23 @@ class Trainer:
         return plan.step
 
     def save(self) -> None:
+        step, settings = self.position.step, self.config.checkpoint
+        pause = None
+        if settings.checkpoint_pause_step == step and settings.checkpoint_pause_rank in (
+            None,
+            self.env.rank,
+        ):
+
+            def pause(temporary: Path) -> None:
+                say_every_rank(
+                    self.env,
+                    f"checkpoint step {step}: {temporary.name} written, pausing "
+                    f"{CHECKPOINT_PAUSE_SECONDS:.0f} s before the rename (--checkpoint-pause-step)",
+                )
+                time.sleep(CHECKPOINT_PAUSE_SECONDS)
+
         self.store.save(
-            self.position.step,
+            step,
             {
                 "position": vars(self.position).copy(),
                 "world_size": self.env.world_size,
@@ -173,7 +279,21 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": checkpoint.rng_states(),
             },
+            prune=False,
+            before_rename=pause,
         )
+        # Older checkpoints go only once every rank holds this one: whichever rank dies while
+        # writing, the others keep a step it holds too.
+        self._collective(parallel.barrier, self.env)
+        self.store.prune()
+
+    def _collective(self, function, *args):
+        """A collective of the trainer's own: waiting in it is not this rank's own time."""
+        self.own_time.pause()
+        try:
+            return function(*args)
+        finally:
+            self.own_time.resume()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -191,6 +311,9 @@ class Trainer:
         )
         started = time.perf_counter()
         steps_before = self.position.step
+        self._pace_from = self.position.step + 1
+        self.own_time = OwnTime()
+        self.own_time.resume()
         self.model.train()
         with metrics.profiler(self.env, run_dir, run.profile) as profiler:
             while self.position.step < self.total_steps:
@@ -225,9 +348,11 @@ class Trainer:
             if position.batch_in_epoch == self.steps_per_epoch:
                 position.epoch, position.batch_in_epoch = position.epoch + 1, 0
             progress.add(loss, logits, labels.to(logits.device))
-            progress.maybe_report(position.step, lr)
+            self._collective(progress.maybe_report, position.step, lr)
             profiler.step()
             self._after_step()
+            if position.step % self.config.run.log_every == 0 or position.step == self.total_steps:
+                self._check_pace(position.step)
             if position.step == self.total_steps or position.batch_in_epoch == 0:
                 return
 
@@ -238,9 +363,11 @@ class Trainer:
             images = images.contiguous(memory_format=torch.channels_last)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.own_time.pause()  # resumed by the forward pre-hook
         with self._autocast():
             logits = self.model(images)
             loss = F.cross_entropy(logits, labels)
+        self.own_time.end_step()  # backward waits for the other ranks' gradients
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -248,6 +375,7 @@ class Trainer:
             loss.backward()
         if self.gradient_sync is not None:
             self.gradient_sync(self.model)
+        self.own_time.resume()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -265,14 +393,32 @@ class Trainer:
             step % settings.checkpoint_every == 0 or step == self.total_steps
         ):
             self.save()
-        if self.config.run.step_delay > 0:
-            time.sleep(self.config.run.step_delay)
+        run = self.config.run
+        if run.step_delay > 0 and run.step_delay_rank in (None, self.env.rank):
+            time.sleep(run.step_delay)
         if settings.stop_after_step == step:
             # Every rank's checkpoint is on disk before anyone leaves, so the test is repeatable.
             parallel.barrier(self.env)
             say(self.env, f"stopping after step {step} (--stop-after-step): exit {STOP_EXIT_CODE}")
             sys.stdout.flush()
             os._exit(STOP_EXIT_CODE)
+
+    def _check_pace(self, step: int) -> None:
+        """Every rank's own time per step since the last check; rank 0 names a slow one."""
+        factor, first = self.config.run.slow_rank_factor, self._pace_from
+        self._pace_from = step + 1
+        if factor <= 0 or not self.env.launched:
+            return
+        per_rank = self._collective(
+            parallel.all_gather, (self.own_time.take(), self.node), self.env
+        )
+        for slow in slow_ranks(per_rank, factor):
+            say(
+                self.env,
+                f"warning: rank {slow.rank} on {slow.node} is slow: {slow.seconds:.3f} s of its "
+                f"own work per step (median of steps {first}-{step}), the other ranks' median "
+                f"{slow.others:.3f} s; every rank waits for it",
+            )
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, int]:
