@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for every node to join (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
+        "--network-timeout", type=float, default=launcher.DEFAULT_NETWORK_TIMEOUT,
+        help="seconds a node may be unable to reach the master over the compute network before "
+        "it is declared lost and the job stopped (default: %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-restarts", type=int, default=0,
         help="torchrun restarts after a failure (default: %(default)s)",
     )  # fmt: skip
@@ -90,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise ClusterError(f"script {args.script} does not exist", hint="a path to a .py file")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ClusterError(f"--nproc-per-node={args.nproc_per_node} is below 1")
+    if not 0 < args.network_timeout < float("inf"):
+        raise ClusterError(f"--network-timeout={args.network_timeout:g} is not a positive number")
     # Checked here, not left to torchrun on every node, which would each fail its own way.
     if args.rendezvous_timeout < 1:
         raise ClusterError(f"--rendezvous-timeout={args.rendezvous_timeout} is below 1 second")
@@ -118,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         module=args.module,
         args=tuple(extra),
         nproc_per_node=args.nproc_per_node,
+        network_timeout=args.network_timeout,
         rendezvous_timeout=args.rendezvous_timeout,
         max_restarts=args.max_restarts,
     )
