@@ -1,0 +1,390 @@
+"""The fault matrix of issue 7 on the simulated cluster: a node killed while a checkpoint is being
+written, a network partition mid-run, Ctrl-C during rendezvous and during a checkpoint write, a
+checkpoint directory that is full or read-only, and one node much slower than the others.
+
+Each test says what the fault cost. Checkpoints live on each node's own disk (/var/tmp), one
+directory per test; partitions are iptables rules inside a node container, removed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from cluster import sim
+from tests.conftest import VENV_BIN, run_cli
+from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_difference
+from tests.training.test_launcher import SCRIPTS, _leftovers, _run_id
+from training import launcher, trainer
+from training.checkpoint import file_name
+
+NO_LEFTOVERS = {"node1": "", "node2": ""}
+CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4")
+
+
+# --- Pure parts, no cluster ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("per_rank", "slow"),
+    [
+        ([(0.01, "a"), (0.31, "b")], [1]),  # 2 ranks: each is compared with the other
+        ([(0.01, "a"), (0.012, "b")], []),  # 1.2x: within the factor
+        ([(0.002, "a"), (0.009, "b")], []),  # 4.5x, but 7 ms: scheduling noise, not a slow node
+        ([(0.1, "a"), (0.1, "b"), (0.1, "c"), (0.4, "d")], [3]),
+        ([(0.1, "a"), (0.02, "b"), (0.1, "c")], []),  # a fast rank is not a problem
+        ([(0.5, "a")], []),  # one rank: nobody to compare with
+    ],
+)
+def test_slow_ranks_are_those_far_above_the_others_median(per_rank, slow):
+    found = trainer.slow_ranks(per_rank, 1.5)
+    assert [s.rank for s in found] == slow
+    for entry in found:
+        assert entry.node == per_rank[entry.rank][1]
+
+
+def test_slow_rank_factor_zero_turns_the_check_off():
+    assert trainer.slow_ranks([(0.01, "a"), (5.0, "b")], 0) == []
+
+
+def _probe_with(tmp_path, fake_ping: str | None) -> str:
+    """The probe's verdict when `ping` behaves like `fake_ping` (None: not installed)."""
+    for tool in ("sh", "tail", "sed", "printf"):
+        (tmp_path / tool).unlink(missing_ok=True)
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    (tmp_path / "ping").unlink(missing_ok=True)
+    if fake_ping is not None:
+        (tmp_path / "ping").write_text(f"#!/bin/sh\n{fake_ping}\n")
+        (tmp_path / "ping").chmod(0o755)
+    command = launcher.link_probe_command("192.0.2.1", wait=1)
+    return subprocess.run([str(tmp_path / "sh"), "-c", command], capture_output=True, text=True,
+                          check=True, env={"PATH": str(tmp_path)}).stdout  # fmt: skip
+
+
+def test_the_link_probe_tells_up_from_down_and_from_unknown(tmp_path):
+    # Fakes only: no test traffic may leave this machine.
+    assert _probe_with(tmp_path, "echo '1 received'") == "up\n"
+    assert _probe_with(tmp_path, "echo '0 received, 100% packet loss'; exit 1") == (
+        "down no answer\n"
+    )
+    unreachable = "echo 'ping: connect: Network is unreachable' >&2; exit 2"
+    assert _probe_with(tmp_path, unreachable) == "down Network is unreachable\n"
+    # No ping on the node: the link cannot be checked, which is not a link down.
+    assert _probe_with(tmp_path, None) == "unknown\n"
+
+
+# --- On the simulated cluster -------------------------------------------------------------
+
+
+@pytest.fixture
+def start(sim2):
+    """start(*args) -> the launcher running a job on sim2. One a test leaves running (it failed
+    early) gets Ctrl-C at teardown, so its job stops on the nodes too."""
+    started: list[subprocess.Popen] = []
+
+    def launch(*args: str) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [str(VENV_BIN / "train"), "-i", str(sim2.config.inventory_path), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        started.append(process)
+        return process
+
+    yield launch
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
+def _wait_for(process: subprocess.Popen, *texts: str | re.Pattern, limit: float = 150) -> str:
+    """Read the launcher's output until every one of `texts` (a string it contains, or a pattern
+    it matches) has appeared; what was read."""
+    seen, missing, deadline = [], list(texts), time.monotonic() + limit
+    while missing and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        missing = [
+            text
+            for text in missing
+            if not (text.search(line) if isinstance(text, re.Pattern) else text in line)
+        ]
+    if missing:  # the `start` fixture stops the job
+        raise AssertionError(f"never saw {missing}; output:\n{''.join(seen)[-4000:]}")
+    return "".join(seen)
+
+
+def _train(cluster, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_cli("train", "-i", str(cluster.config.inventory_path), *args, timeout=timeout)
+
+
+def _on_node(cluster, index: int, command: str, check: bool = True) -> str:
+    return sim.docker(
+        "exec", cluster.config.container(index), "sh", "-c", command, check=check
+    ).stdout
+
+
+def _summary(stdout: str) -> list[str]:
+    return stdout[stdout.index("\nJob ") + 1 :].splitlines()
+
+
+def _files(cluster, index: int, directory: str) -> list[str]:
+    return sorted(_on_node(cluster, index, f"ls -A {directory}").split())
+
+
+@contextlib.contextmanager
+def _dropped(cluster, index: int, *rules: str):
+    """iptables rules (each 'CHAIN match...', target DROP) in node `index`, removed at the end."""
+    for rule in rules:
+        _on_node(cluster, index, f"iptables -A {rule} -j DROP")
+    try:
+        yield
+    finally:
+        for rule in rules:
+            _on_node(cluster, index, f"iptables -D {rule} -j DROP", check=False)
+
+
+def _partitioned(cluster, index: int):
+    """Node `index` cut off the compute network, both ways, as if its cable were pulled."""
+    interface = sim.COMPUTE_INTERFACE
+    return _dropped(cluster, index, f"INPUT -i {interface}", f"OUTPUT -o {interface}")
+
+
+@pytest.fixture
+def checkpoint_dir(sim2):
+    """A fresh checkpoint directory path on every node's own disk, removed afterwards."""
+    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
+    yield directory
+    for index in (1, 2):
+        _on_node(sim2, index, f"umount {directory} 2>/dev/null; rm -rf {directory}", check=False)
+
+
+def _fetch_model(cluster, remote: str, local) -> dict:
+    sim.docker("cp", f"{cluster.config.container(1)}:{remote}", str(local))
+    return load_state(local)
+
+
+@pytest.mark.sim
+def test_node_killed_while_writing_a_checkpoint_loses_nothing_but_the_steps_since_the_last(
+    sim2, start, checkpoint_dir, reference_ddp, tmp_path
+):
+    # --keep 1: were older checkpoints pruned before every rank held the new one, the rank that
+    # finished writing step 8 would have deleted step 4, the only step both ranks hold.
+    common = ["--", *TINY, *CHECKPOINTING, "--keep", "1", "--checkpoint-dir", checkpoint_dir]
+    process = start(*common, "--checkpoint-pause-step", "8", "--checkpoint-pause-rank", "1")
+    seen = _wait_for(process, "[node2] [rank 1] checkpoint step 8: ")
+    # Rank 1 is between its complete temp file and the rename; rank 0 has renamed its own.
+    assert _files(sim2, 1, checkpoint_dir) == [file_name(4, 0), file_name(8, 0)]
+    written = _files(sim2, 2, checkpoint_dir)
+    assert written[0].startswith(f".{file_name(8, 1)}.") and written[1:] == [file_name(4, 1)]
+    killed_at = time.monotonic()
+    sim.docker("kill", sim2.config.container(2))
+    try:
+        rest, _ = process.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 15
+        assert process.returncode == 1
+        assert _summary(rest)[0].startswith(f"Job {_run_id(seen)} FAILED on node2")
+        assert _leftovers(sim2.inventory, _run_id(seen), sim2.inventory.hosts[:1]) == {"node1": ""}
+    finally:
+        sim.up(2, None, sim2.config)  # node2 is back, its disk as it was
+    # The partial step 8 never got its name; step 4 is intact and loads.
+    assert _files(sim2, 2, checkpoint_dir) == written
+    sim.docker("cp", f"{sim2.config.container(2)}:{checkpoint_dir}/{file_name(4, 1)}",
+               str(tmp_path / "step4.pt"))  # fmt: skip
+    assert load_state(tmp_path / "step4.pt")["position"]["step"] == 4
+
+    out = f"/shared/{uuid.uuid4().hex}/model.pt"
+    rerun = _train(sim2, *common, "--out", out)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert ("[node1] resuming from step 4, the newest step every rank has (rank 0 has 4, 8; "
+            "rank 1 has 4)") in rerun.stdout.splitlines()  # fmt: skip
+    assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun.stdout
+    # Lost: steps 5-8 had to be trained again; the result is the uninterrupted run's.
+    assert (
+        max_difference(_fetch_model(sim2, out, tmp_path / "model.pt"), reference_ddp.state) < 1e-6
+    )
+    assert _files(sim2, 2, checkpoint_dir) == [file_name(12, 1)]  # temp file cleared, keep 1
+
+
+@pytest.mark.sim
+def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost_node(sim2, start):
+    process = start("--", *TINY, "--steps", "100000", "--log-every", "1",
+                    "--step-delay", "0.2", "--collective-timeout", "10")  # fmt: skip
+    seen = _wait_for(process, re.compile(r"^\[node1\] step +3/"))
+    run_id = _run_id(seen)
+    with _partitioned(sim2, 2):
+        cut_at = time.monotonic()
+        rest, _ = process.communicate(timeout=120)
+        took = time.monotonic() - cut_at
+    assert process.returncode == 1, rest[-3000:]
+    # 10 s of collective timeout, then a few seconds to see both nodes fail and stop them.
+    assert took < 10 + 25, f"the job took {took:.0f} s to fail"
+    master = f"node1 ({sim2.inventory.hosts[0].compute_ip})"
+    assert f"[launcher] node2 cannot reach {master} over the compute network (no answer)" in rest
+    summary = _summary(rest)
+    assert summary[0].startswith(f"Job {run_id} FAILED on node2 after ")
+    node2 = next(line for line in summary if line.split()[0] == "node2")
+    assert f"compute link to {master} down for " in node2
+    assert "Timed out waiting 10000ms" in rest  # the ranks' own verdict, in the last lines
+    assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+
+
+@pytest.mark.sim
+def test_a_partition_stops_any_script_within_the_launchers_network_timeout(sim2, start):
+    # This script's collectives wait 10 min: only the launcher's own check ends the job.
+    process = start("--network-timeout", "8", "--script",
+                    str(SCRIPTS / "endless_allreduce.py"))  # fmt: skip
+    seen = _wait_for(process, "rank 1 step 10")
+    run_id = _run_id(seen)
+    with _partitioned(sim2, 2):
+        cut_at = time.monotonic()
+        rest, _ = process.communicate(timeout=120)
+        took = time.monotonic() - cut_at
+    assert process.returncode == 1, rest[-3000:]
+    # 8 s, plus up to a probe interval and a probe's wait before the first miss, and stopping.
+    assert took < 8 + 20, f"the job took {took:.0f} s to fail"
+    summary = _summary(rest)
+    assert summary[0].startswith(f"Job {run_id} FAILED on node2 after ")
+    master = f"node1 ({sim2.inventory.hosts[0].compute_ip})"
+    node2 = next(line for line in summary if line.split()[0] == "node2")
+    assert re.search(
+        rf"lost: compute link to {re.escape(master)} down for \d+ s \(no answer; "
+        r"--network-timeout 8\)",
+        node2,
+    ), node2
+    assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+
+
+def _interrupt(process: subprocess.Popen) -> tuple[str, float]:
+    """Ctrl-C at the launcher: its remaining output, and how long it took to end."""
+    process.send_signal(signal.SIGINT)
+    sent_at = time.monotonic()
+    rest, _ = process.communicate(timeout=60)
+    return rest, time.monotonic() - sent_at
+
+
+@pytest.mark.sim
+def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
+    port = sim2.inventory.rendezvous_port
+    # node2 cannot reach the rendezvous: node1's agent waits for it, node2's keeps trying.
+    with _dropped(sim2, 2, f"OUTPUT -o {sim.COMPUTE_INTERFACE} -p tcp --dport {port}"):
+        process = start("--", *TINY, "--steps", "4")
+        run_id = _run_id(process.stdout.readline())
+        marker = f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            waiting = _on_node(sim2, 1, f"ss -ltnH 'sport = :{port}'", check=False).strip()
+            joining = _on_node(sim2, 2, marker, check=False).strip()
+            if waiting and joining:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the agents never reached the rendezvous")
+        rest, took = _interrupt(process)
+    assert process.returncode == 130, rest
+    assert took < 10, f"the launcher took {took:.1f} s to end"
+    assert f"Job {run_id} interrupted" in rest
+    assert not re.search(r"\] step +\d+/", rest)  # no rank ever started training
+    assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+
+
+@pytest.mark.sim
+def test_ctrl_c_during_a_checkpoint_write_leaves_no_process_or_port_and_the_previous_checkpoint(
+    sim2, start, checkpoint_dir
+):
+    process = start("--", *TINY, *CHECKPOINTING, "--checkpoint-dir", checkpoint_dir,
+                    "--checkpoint-pause-step", "8")  # fmt: skip
+    seen = _wait_for(process, "[node1] [rank 0] checkpoint step 8: ",
+                     "[node2] [rank 1] checkpoint step 8: ")  # fmt: skip
+    rest, took = _interrupt(process)
+    assert process.returncode == 130, rest
+    assert took < 10, f"the launcher took {took:.1f} s to end"
+    assert f"Job {_run_id(seen)} interrupted" in rest
+    assert _leftovers(sim2.inventory, _run_id(seen)) == NO_LEFTOVERS
+    # Lost: steps 5-8. Step 4 is complete on both nodes; step 8 never got its name.
+    for index, rank in ((1, 0), (2, 1)):
+        files = _files(sim2, index, checkpoint_dir)
+        assert files[1:] == [file_name(4, rank)]
+        assert files[0].startswith(f".{file_name(8, rank)}.") and files[0].endswith(".tmp")
+
+
+@pytest.mark.sim
+def test_a_full_or_read_only_checkpoint_dir_is_one_error_line_and_the_last_checkpoint_is_kept(
+    sim2, checkpoint_dir, reference_ddp, tmp_path
+):
+    # node2's checkpoint directory is a small filesystem of its own; node1's is plain disk.
+    _on_node(sim2, 2, f"mkdir -p {checkpoint_dir} && mount -t tmpfs -o size=512k tmpfs "
+                      f"{checkpoint_dir}")  # fmt: skip
+    common = ["--", *TINY, *CHECKPOINTING, "--checkpoint-dir", checkpoint_dir]
+    first = _train(sim2, "--", *TINY, "--steps", "4", "--checkpoint-every", "4",
+                   "--checkpoint-dir", checkpoint_dir)  # fmt: skip
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert _files(sim2, 2, checkpoint_dir) == [file_name(4, 1)]
+
+    # Full: the write of step 8 fails on node2, naming the directory; step 4 stays.
+    _on_node(sim2, 2, f"dd if=/dev/zero of={checkpoint_dir}/filler bs=4k 2>/dev/null", check=False)
+    full = _train(sim2, *common)
+    assert full.returncode == 1
+    error = (f"Error: cannot write checkpoint step 8 to {checkpoint_dir}: No space left on "
+             "device; step 4 is kept (try freeing space there, a smaller --keep, or a "
+             "--checkpoint-dir with more room)")  # fmt: skip
+    assert f"[node2] {error}" in full.stdout.splitlines()
+    summary = _summary(full.stdout)
+    assert summary[0].startswith("Job ") and " FAILED on node2 after " in summary[0]
+    assert f"  | {error}" in summary
+    assert _files(sim2, 2, checkpoint_dir) == ["filler", file_name(4, 1)]
+
+    # Read-only: refused before the first step, naming the directory.
+    _on_node(sim2, 2, f"rm {checkpoint_dir}/filler && mount -o remount,ro {checkpoint_dir}")
+    read_only = _train(sim2, *common)
+    assert read_only.returncode == 1
+    error = (f"Error: cannot write checkpoints to {checkpoint_dir}: Read-only file system (try a "
+             "writable --checkpoint-dir)")  # fmt: skip
+    assert f"[node2] {error}" in read_only.stdout.splitlines()
+    assert " FAILED on node2 after " in _summary(read_only.stdout)[0]
+    assert not re.search(r"\] step +\d+/", read_only.stdout)  # not one step was trained
+
+    # Room again: the run resumes from the kept step 4 and ends where an uninterrupted run does.
+    _on_node(sim2, 2, f"mount -o remount,rw {checkpoint_dir}")
+    out = f"/shared/{uuid.uuid4().hex}/model.pt"
+    rerun = _train(sim2, *common, "--out", out)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun.stdout
+    assert (
+        max_difference(_fetch_model(sim2, out, tmp_path / "model.pt"), reference_ddp.state) < 1e-6
+    )
+
+
+@pytest.mark.sim
+def test_a_slow_node_is_named_with_its_step_time(sim2):
+    # Rank 1 (on node2: c10d ranks nodes by compute IP) sleeps 0.5 s after each step.
+    proc = _train(sim2, "--", *TINY, "--steps", "12", "--log-every", "4", "--step-delay", "0.5",
+                  "--step-delay-rank", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    warnings = [line for line in proc.stdout.splitlines() if " is slow: " in line]
+    pattern = re.compile(
+        r"\[node1\] warning: rank 1 on node2 is slow: (\d+\.\d+) s of its own work per step "
+        r"\(median of steps (\d+)-(\d+)\), the other ranks' median (\d+\.\d+) s; every rank "
+        r"waits for it"
+    )
+    matches = [pattern.fullmatch(line) for line in warnings]
+    assert all(matches), warnings
+    # Every window of 4 steps names it; its 0.5 s of extra work per step shows, and the others'
+    # time is their own, not the time they spent waiting for it.
+    windows = [(m.group(2), m.group(3)) for m in matches]
+    assert windows == [("1", "4"), ("5", "8"), ("9", "12")], proc.stdout[-3000:]
+    for match in matches:
+        assert float(match.group(1)) >= 0.5 > 1.5 * float(match.group(4))
