@@ -29,6 +29,7 @@ DATASETS = ("synthetic", "cifar10", "imagefolder")
 MODELS = ("tiny", "resnet18", "resnet50")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+COMM_HOOK_CHOICES = (*COMM_HOOKS, "auto")  # auto: timed at start (training.levers)
 SCHEDULES = ("cosine", "constant")
 
 
@@ -111,8 +112,10 @@ class DDPConfig:
         "promise the set of used parameters never changes between steps", default=False
     )
     comm_hook: str = doc(
-        "gradient compression for the all-reduce: none, fp16, bf16 or powersgd",
-        choices=COMM_HOOKS,
+        "gradient compression for the all-reduce: none, fp16, bf16 or powersgd; auto times "
+        "each for a few steps at start on the real model and link (or reuses a measurement of "
+        "the same setup from the run dir, up to a day old) and keeps the fastest",
+        choices=COMM_HOOK_CHOICES,
         default="none",
     )
     powersgd_rank: int = doc("powersgd: matrix approximation rank", default=1)

@@ -53,7 +53,7 @@ def test_help_documents_every_field_and_the_precedence(capsys):
     assert code == 0
     assert "precedence: flags > --config YAML file" in out
     assert "--global-batch-size N" in out and "(default: 64)" in out
-    assert "--comm-hook {none,fp16,bf16,powersgd}" in out
+    assert "--comm-hook {none,fp16,bf16,powersgd,auto}" in out
     assert "--resume, --no-resume" in out
     for section in ("data:", "model:", "optim:", "ddp:", "checkpoint:", "run:"):
         assert f"\n{section}\n" in out
