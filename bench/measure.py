@@ -232,9 +232,8 @@ def measure_scaling(inventory: Path, workload: list[str], reps: int, progress: P
             "seconds_per_step": Series([r["seconds_per_step"] for r in item["rows"]]).as_dict(),
         }
     result["auto_selection"] = selection
-    result["workload"] = {
-        k: double[0][k] for k in ("batch", "accumulate") if double and k in double[0]
-    }
+    first = next((r for r in double if "batch" in r), {})  # the auto-selection row has none
+    result["workload"] = {k: first[k] for k in ("batch", "accumulate") if k in first}
     for lever, item in result["levers"].items():
         progress(f"scaling: {lever:9s} efficiency {item['efficiency']['median']:.2f}")
     return result
