@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     data["minutes"] = (time.monotonic() - started) / 60
     written = report.write(data, args.out)
     progress("")
-    progress(report.markdown({**data}).split("\n## ")[0].rstrip())
+    progress(written[0].read_text().split("\n## ")[0].rstrip())  # bench.md up to its sections
     progress("")
     progress(f"bench: {data['minutes']:.1f} min; report in {', '.join(map(str, written))}")
     return written

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from netcheck.report import human_bytes
+
 FIXED_LEVERS = ("none", "fp16", "bf16", "powersgd", "no_sync")
 
 # figure: (what it is, its target)
@@ -93,11 +95,11 @@ def markdown(data: dict) -> str:
         shaped, free = bandwidth["shaped"], bandwidth["unshaped"]
         for size, item in shaped["busbw_by_size"].items():
             other = free["busbw_by_size"].get(size)
-            lines.append(f"| {_size(int(size))} | {_spread(item)} | "
+            lines.append(f"| {human_bytes(int(size))} | {_spread(item)} | "
                          f"{_spread(other) if other else '-'} |")  # fmt: skip
         lines.append(f"| raw TCP, same link | {_spread(shaped['tcp_gbytes_per_s'])} | "
                      f"{_spread(free['tcp_gbytes_per_s'])} |")  # fmt: skip
-        lines.append(f"| busbw / TCP at {_size(shaped['largest_bytes'])} | "
+        lines.append(f"| busbw / TCP at {human_bytes(shaped['largest_bytes'])} | "
                      f"{_spread(shaped['busbw_over_tcp'], '{:.2f}')} | "
                      f"{_spread(free['busbw_over_tcp'], '{:.2f}')} |")  # fmt: skip
     scaling = data.get("scaling")
@@ -143,13 +145,6 @@ def markdown(data: dict) -> str:
                   f"- second, idempotent run: {_spread(provision['second_seconds'], '{:.0f}')} s",
                   f"- ratio: {_spread(provision['ratio'], '{:.2f}')}"]  # fmt: skip
     return "\n".join(lines) + "\n"
-
-
-def _size(nbytes: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
 
 
 def plots(data: dict, directory: Path) -> list[Path]:
