@@ -46,8 +46,10 @@ def say_every_rank(env: parallel.DistEnv, line: str) -> None:
     emit((f"[rank {env.rank}] " if env.launched else "") + line)
 
 
-def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
-    """Call `main`, turning ClusterError into one `Error: ...` line and its exit code."""
+def call(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """Call `main` and leave the process group either way (a rank that exits with gloo still up
+    can abort at exit, "terminate called without an active exception"); a ClusterError becomes
+    one `Error: ...` line and its exit code."""
     try:
         code = main(argv)
         parallel.stop(synchronize=True)
@@ -55,4 +57,9 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
         emit(error.line(), sys.stderr)
         code = error.exit_code
         parallel.stop()
-    sys.exit(code or 0)
+    return code or 0
+
+
+def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
+    """`call`, then exit with its code: the edge of every workload's `python -m`."""
+    sys.exit(call(main, argv))

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cluster.errors import ClusterError
-from training import ddp
+from training import console, ddp
 
 LOOPBACK = "127.0.0.1"
 
@@ -37,11 +36,7 @@ def worker(rank: int, world_size: int, port: int, argv: list[str]) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
     )  # fmt: skip
-    try:
-        code = ddp.main(argv)
-    except ClusterError as exc:
-        print(exc.line(), file=sys.stderr, flush=True)
-        code = 2
+    code = console.call(ddp.main, argv)
     if code:
         sys.exit(code)
 
