@@ -49,6 +49,7 @@ DEFAULT_NETWORK_TIMEOUT = 300.0
 LINK_PROBE_INTERVAL = 2.0
 LINK_PROBE_WAIT = 3  # seconds a ping waits for its answer
 STOP_GRACE = 3.0
+RUNNER_GRACE = 5.0  # after the stop, how long the node runners may take to see their sessions end
 BLAME_GRACE = 3.0  # after a first failure, how long the others may take to report their own
 # What a rank says when a *peer* died: evidence against that peer, not against this node.
 _COLLATERAL = re.compile(
@@ -329,9 +330,10 @@ def unlock_command(run_id: str, port: int) -> str:
     return f'[ "$(cat {lock}/run_id 2>/dev/null)" = {shlex.quote(run_id)} ] && rm -rf {lock}; true'
 
 
-def stop_command(run_id: str) -> str:
+def stop_command(run_id: str, then: str = "") -> str:
     """Remove the run's container if there is one (a closed SSH session does not stop it), and
-    kill every process carrying the run's marker: TERM, a grace period, then KILL."""
+    kill every process carrying the run's marker: TERM, a grace period, then KILL. `then` runs
+    afterwards in the same session (the master frees the rendezvous port there)."""
     marker = shlex.quote(f"TMN_RUN_ID={run_id}")
     label = shlex.quote(f"label={RUN_LABEL}={run_id}")
     return (
@@ -339,9 +341,10 @@ def stop_command(run_id: str) -> str:
         "| xargs -r docker rm -f >/dev/null 2>&1; fi; "
         "found() { grep -lsaF " + marker + " /proc/[0-9]*/environ 2>/dev/null "
         "| cut -d/ -f3 | grep -vx $$; }; "
-        'pids=$(found); [ -z "$pids" ] && exit 0; kill -TERM $pids 2>/dev/null; '
-        f'for _ in $(seq {int(STOP_GRACE * 10)}); do pids=$(found); [ -z "$pids" ] && exit 0; '
-        "sleep 0.1; done; kill -KILL $pids 2>/dev/null; sleep 0.2; exit 0"
+        'stop() { pids=$(found); [ -z "$pids" ] && return 0; kill -TERM $pids 2>/dev/null; '
+        f'for _ in $(seq {int(STOP_GRACE * 10)}); do pids=$(found); [ -z "$pids" ] && return 0; '
+        "sleep 0.1; done; kill -KILL $pids 2>/dev/null; sleep 0.2; }; "
+        f"stop; {then + '; ' if then else ''}exit 0"
     )
 
 
@@ -556,25 +559,31 @@ class Launcher:
             except Exception:  # closing a session to a dead node may raise anything
                 pass
 
-    def stop_everywhere(self) -> dict[str, bool]:
-        """Kill the run's processes on every node that still answers, in parallel."""
+    def stop_everywhere(self, master: Host | None = None) -> dict[str, float | None]:
+        """Kill the run's processes on every node that still answers, in parallel, one SSH
+        session each; on `master` the same session frees the rendezvous port. Per node: the
+        seconds its stop took, or None where it could not be reached."""
         self.stopping.set()
-        stopped: dict[str, bool] = {}
+        stopped: dict[str, float | None] = {h.name: None for h in self.hosts}
+        unlock = unlock_command(self.spec.run_id, self.inventory.rendezvous_port)
+        started = time.monotonic()
 
         def stop(host: Host) -> None:
+            on_master = master is not None and host.name == master.name
+            command = stop_command(self.spec.run_id, then=unlock if on_master else "")
             try:
                 with self._remote(host) as remote:
-                    remote.run(stop_command(self.spec.run_id), timeout=STOP_GRACE + 8, check=True)
-                stopped[host.name] = True
+                    remote.run(command, timeout=STOP_GRACE + 8, check=True)
+                stopped[host.name] = time.monotonic() - started
             except ClusterError:
-                stopped[host.name] = False
+                pass
 
         threads = [threading.Thread(target=stop, args=(h,), daemon=True) for h in self.hosts]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(STOP_GRACE + 10)
-        return stopped
+            thread.join(max(0.0, started + STOP_GRACE + 10 - time.monotonic()))
+        return dict(stopped)
 
     def run(self) -> JobResult:
         started = time.monotonic()
@@ -641,11 +650,19 @@ class Launcher:
                     f"[launcher] {self.first_failure} failed: stopping the job on every node..."
                 )
             if interrupted or self.first_failure is not None:
-                self.stop_everywhere()
-            self._release_port(master)
+                stopped = self.stop_everywhere(master)
+                self.emit("[launcher] stopped: " + ", ".join(
+                    f"{name} in {seconds:.1f} s" if seconds is not None else f"{name} unreachable"
+                    for name, seconds in stopped.items()
+                ))  # fmt: skip
+                if stopped[master.name] is None:
+                    self._release_port(master)
+            else:
+                self._release_port(master)
             self.done.set()
+            deadline = time.monotonic() + RUNNER_GRACE
             for runner in runners:
-                runner.join(5)
+                runner.join(max(0.0, deadline - time.monotonic()))
             self._close()
         return JobResult(
             self.spec.run_id, self.outcomes, self.first_failure, interrupted,

@@ -4,6 +4,7 @@ lose a node or are interrupted, leaving no process or bound port behind."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -95,6 +96,32 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     capped = launcher.remote_command(n2, n1, 2, spec, 29400, {}, "container", "img:1", "8388608")
     assert "memlock=8388608:8388608" in shlex.split(capped)
     assert "docker ps -q --filter label=torch-multinode.run=tmn-z" in launcher.stop_command("tmn-z")
+
+
+def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_path):
+    """Run here on this machine's own processes: one that dies on TERM, one that ignores it
+    (KILLed after the grace), and one of another run, which is left alone."""
+    marked = {**os.environ, "TMN_RUN_ID": "tmn-stoptest"}
+    polite = subprocess.Popen(["sleep", "60"], env=marked)
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60"], env=marked)
+    other = subprocess.Popen(["sleep", "60"], env={**os.environ, "TMN_RUN_ID": "tmn-other"})
+    try:
+        time.sleep(0.2)  # the shell has installed its trap
+        unlock = f"echo freed > {tmp_path / 'after'}"
+        stop = launcher.stop_command("tmn-stoptest", then=unlock)
+        subprocess.run(["sh", "-c", stop], check=True, timeout=30)
+        assert polite.wait(1) == -signal.SIGTERM
+        assert stubborn.wait(1) == -signal.SIGKILL
+        assert other.poll() is None
+        assert (tmp_path / "after").read_text() == "freed\n"
+        # Nothing left to stop: the follow-up still runs, and the command succeeds.
+        (tmp_path / "after").unlink()
+        subprocess.run(["sh", "-c", stop], check=True, timeout=30)
+        assert (tmp_path / "after").read_text() == "freed\n"
+    finally:
+        for process in (polite, stubborn, other):
+            process.kill()
+            process.wait()
 
 
 def test_bad_container_memlock_is_rejected():
