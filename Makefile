@@ -9,6 +9,7 @@ SCRIPT    ?=
 MODULE    ?=
 ARGS      ?=
 GPUS      ?=
+RESTARTS  ?=
 DEBUG     ?=
 ANSIBLE_ARGS ?=
 BENCH_ARGS ?=
@@ -26,7 +27,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help  ## list the targets and the knobs
 help:
 	@echo "Usage: make TARGET [NNODES=2] [INVENTORY=path.yml] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
-	@echo "                   [MODULE=training.comm_demo] [GPUS=0,2] [DEBUG=1] [IMAGE=torch-multinode/train:latest]"
+	@echo "                   [MODULE=training.comm_demo] [GPUS=0,2] [DEBUG=1] [RESTARTS=1] [IMAGE=torch-multinode/train:latest]"
 	@echo
 	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
 		sed -E 's/^\.PHONY: ([a-z0-9-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
@@ -55,7 +56,7 @@ netcheck: $(STAMP)
 .PHONY: train  ## train on NNODES nodes of INVENTORY (no INVENTORY: the default job, locally)
 train: $(STAMP)
 	$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)" --nnodes $(NNODES)) \
-		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
+		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
 		$(if $(strip $(ARGS)),-- $(ARGS))
 

@@ -51,8 +51,19 @@ def _parser() -> argparse.ArgumentParser:
         "it is declared lost and the job stopped (default: %(default)g)",
     )  # fmt: skip
     parser.add_argument(
+        "--restarts", type=int, default=0,
+        help="after a failure (a node died, a rank crashed, the network was cut), wait for every "
+        "node to answer over SSH again and start the job again, up to this many times; the "
+        "training workloads resume from --checkpoint-dir (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--restart-wait", type=float, default=launcher.DEFAULT_RESTART_WAIT,
+        help="seconds a restart waits for every node to answer (default: %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-restarts", type=int, default=0,
-        help="torchrun restarts after a failure (default: %(default)s)",
+        help="torchrun's own restarts of the worker processes while every node stays up "
+        "(default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--gpus", default=None,
@@ -102,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         raise ClusterError(f"--rendezvous-timeout={args.rendezvous_timeout} is below 1 second")
     if args.max_restarts < 0:
         raise ClusterError(f"--max-restarts={args.max_restarts} is below 0")
+    if args.restarts < 0:
+        raise ClusterError(f"--restarts={args.restarts} is below 0")
+    if not 0 < args.restart_wait < float("inf"):
+        raise ClusterError(f"--restart-wait={args.restart_wait:g} is not a positive number")
     if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
         raise ClusterError(
             f"--module {shown(args.module)} is not a Python module name",
@@ -130,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
     )
     if not args.inventory:
+        if args.restarts:
+            raise ClusterError(
+                f"--restarts={args.restarts} needs an inventory: a local job has no node to "
+                "wait for", hint="INVENTORY=path.yml",
+            )  # fmt: skip
         if args.nnodes not in (None, "", "1"):
             raise ClusterError(
                 f"NNODES={args.nnodes} needs an inventory",
@@ -151,7 +171,10 @@ def run(args: argparse.Namespace) -> int:
         _emit(f"[launcher] {args.script.name} parses {flag}: passing it the local rank")
     if spec.debug:
         _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
-    result = launcher.Launcher(inventory, hosts, spec, _emit).run()
+    if args.restarts:
+        _emit(f"[launcher] up to {args.restarts} restart(s) after a failure, each once every node "
+              f"answers again (--restart-wait {args.restart_wait:g} s)")  # fmt: skip
+    result = launcher.run_job(inventory, hosts, spec, _emit, args.restarts, args.restart_wait)
     for line in launcher.summary(result, hosts):
         _emit(line)
     _emit(f"Logs: {spec.log_dir}/ (one file per node)")

@@ -9,6 +9,9 @@ A network partition leaves every node answering over SSH while the ranks wait on
 every other node pings the master's compute IP every few seconds, and a node that cannot reach
 it for --network-timeout seconds is declared lost and the job stopped. When the job
 fails for any reason while a node's compute link is down, that node is the one named.
+
+With restarts allowed (`run_job`), a failed job is started again once every node answers over
+SSH again; a workload that checkpoints resumes from the newest step every node holds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 from cluster.containers import training_container_options
 from cluster.errors import ClusterError
 from cluster.inventory import Host, Inventory
-from cluster.remote import Remote
+from cluster.remote import Remote, on_all
 
 DEFAULT_MODULE = "training.ddp"
 RUN_LABEL = "torch-multinode.run"
@@ -48,6 +51,8 @@ LIVENESS_FAILURES = 2
 DEFAULT_NETWORK_TIMEOUT = 300.0
 LINK_PROBE_INTERVAL = 2.0
 LINK_PROBE_WAIT = 3  # seconds a ping waits for its answer
+DEFAULT_RESTART_WAIT = 300.0  # seconds a restart waits for every node to answer again
+RESTART_POLL = 2.0
 STOP_GRACE = 3.0
 RUNNER_GRACE = 5.0  # after the stop, how long the node runners may take to see their sessions end
 BLAME_GRACE = 3.0  # after a first failure, how long the others may take to report their own
@@ -106,6 +111,8 @@ class JobResult:
     failed_node: str | None
     interrupted: bool
     seconds: float
+    restart: int = 0  # which restart this run was (0: the first run)
+    restarts: int = 0  # how many were allowed
 
     @property
     def exit_code(self) -> int:
@@ -716,7 +723,8 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
         if result.exit_code == 0
         else f"FAILED on {result.failed_node}"
     )
-    lines = [f"Job {result.run_id} {verdict} after {result.seconds:.1f} s on {len(hosts)} node(s)."]
+    lines = [f"Job {result.run_id} {verdict} after {result.seconds:.1f} s on {len(hosts)} node(s)"
+             + (f", restart {result.restart} of {result.restarts}." if result.restart else ".")]  # fmt: skip
     for host in hosts:
         outcome = result.outcomes[host.name]
         state = (
@@ -735,6 +743,79 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
             lines.append(f"Last lines from {result.failed_node}:")
             lines += [f"  | {line}" for line in excerpt]
     return lines
+
+
+def wait_for_nodes(
+    inventory: Inventory, hosts: tuple[Host, ...], wait: float, emit: Emit = print
+) -> float:
+    """Until every host answers over SSH (a command run, not only a port open): the seconds that
+    took. A host that never answers within `wait` seconds is a ClusterError naming it and why."""
+    started = time.monotonic()
+    missing = {host.name: host for host in hosts}
+    silent: dict[str, str] = {}  # host name -> why its last probe failed
+
+    def probe(host: Host) -> str | None:
+        try:
+            with Remote.for_inventory(inventory, host) as remote:
+                remote.run("true", timeout=10, check=True)
+            return None
+        except ClusterError as exc:
+            return str(exc)
+
+    while True:
+        for name, error in on_all(list(missing.values()), probe).items():
+            if error is None:
+                del missing[name]
+                if name in silent:
+                    emit(
+                        f"[launcher] {name} answers again after {time.monotonic() - started:.0f} s"
+                    )
+                    del silent[name]
+            else:
+                silent[name] = error
+        if not missing:
+            return time.monotonic() - started
+        if time.monotonic() - started >= wait:
+            name = next(iter(missing))
+            raise ClusterError(
+                f"{', '.join(missing)} did not answer within --restart-wait {wait:g} s: "
+                f"{silent[name]}",
+                hint="bringing the node back, then running the job again (it resumes from its "
+                "checkpoints)",
+                exit_code=1,
+            )
+        time.sleep(RESTART_POLL)
+
+
+def run_job(
+    inventory: Inventory,
+    hosts: tuple[Host, ...],
+    spec: JobSpec,
+    emit: Emit = print,
+    restarts: int = 0,
+    restart_wait: float = DEFAULT_RESTART_WAIT,
+) -> JobResult:
+    """The job, started again after a failure up to `restarts` times, each time once every node
+    answers again (for at most `restart_wait` seconds). Each run has its own run ID (the first
+    one's with -r1, -r2...) and rendezvous; the node logs go on in the same files. Before a
+    restart, whatever the failed run left (on a node that was cut off rather than down) is
+    stopped and its rendezvous port freed. Ctrl-C and refusals are never restarted."""
+    attempt = spec
+    for restart in range(restarts + 1):
+        result = Launcher(inventory, hosts, attempt, emit).run()
+        result.restart, result.restarts = restart, restarts
+        if result.exit_code != 1 or restart == restarts:
+            return result
+        for line in summary(result, hosts):
+            emit(line)
+        emit(f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
+             "for every node to answer...")  # fmt: skip
+        waited = wait_for_nodes(inventory, hosts, restart_wait, emit)
+        Launcher(inventory, hosts, attempt, emit).stop_everywhere(hosts[0])
+        attempt = replace(spec, run_id=f"{spec.run_id}-r{restart + 1}")
+        emit(f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
+             f"restart {restart + 1} of {restarts}")  # fmt: skip
+    raise AssertionError("unreachable")  # the loop returns on its last turn
 
 
 def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:

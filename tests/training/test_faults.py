@@ -220,6 +220,43 @@ def test_node_killed_while_writing_a_checkpoint_loses_nothing_but_the_steps_sinc
 
 
 @pytest.mark.sim
+def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_uninterrupted_result(
+    sim2, start, checkpoint_dir, reference_ddp, tmp_path
+):
+    # The master holds the rendezvous and the port lock: the harder node to lose.
+    out = f"/shared/{uuid.uuid4().hex}/model.pt"
+    process = start("--restarts", "1", "--restart-wait", "120",
+                    "--", *TINY, *CHECKPOINTING, "--checkpoint-dir", checkpoint_dir,
+                    "--log-every", "1", "--step-delay", "0.3", "--out", out)  # fmt: skip
+    seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))  # step 8 saved on both nodes
+    first = _run_id(seen)
+    killed_at = time.monotonic()
+    sim.docker("kill", sim2.config.container(1))
+    try:
+        seen += _wait_for(process, "[launcher] restart 1 of 1: waiting up to 120 s")
+        assert time.monotonic() - killed_at < 15
+        assert f"Job {first} FAILED on node1" in seen
+    finally:
+        sim.up(2, None, sim2.config)  # node1 is back, its disk as it was
+    rest, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, (seen + rest)[-4000:]
+    assert re.search(rf"\[launcher\] job {first}-r1: every node answers \(waited \d+ s\); "
+                     r"restart 1 of 1", rest)  # fmt: skip
+    resumed = re.findall(r"\[node1\] resuming from step (\d+)", rest)
+    assert resumed == ["8"], rest[-3000:]
+    assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
+    assert _summary(rest)[0].endswith(", restart 1 of 1.")
+    # Lost: the steps after 8, trained again; the result is the uninterrupted run's.
+    assert (
+        max_difference(_fetch_model(sim2, out, tmp_path / "model.pt"), reference_ddp.state) < 1e-6
+    )
+    for run_id in (first, f"{first}-r1"):
+        assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+    lock = f"{launcher.REMOTE_LOCK_ROOT}/port-{sim2.inventory.rendezvous_port}"
+    assert _on_node(sim2, 1, f"test -e {lock} && echo still held; true") == ""
+
+
+@pytest.mark.sim
 def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost_node(sim2, start):
     process = start("--", *TINY, "--steps", "100000", "--log-every", "1",
                     "--step-delay", "0.2", "--collective-timeout", "10")  # fmt: skip

@@ -3,6 +3,7 @@ lose a node or are interrupted, leaving no process or bound port behind."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shlex
@@ -122,6 +123,51 @@ def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_pa
         for process in (polite, stubborn, other):
             process.kill()
             process.wait()
+
+
+class _FlakyRemote:
+    """Stands in for Remote in wait_for_nodes: `answers[name]` probes fail before one works."""
+
+    answers: dict[str, int] = {}
+    probes: collections.Counter = collections.Counter()
+
+    def __init__(self, host):
+        self.host = host
+
+    @classmethod
+    def for_inventory(cls, inventory, host, **kwargs):
+        return cls(host)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def run(self, command, timeout=None, check=False):
+        _FlakyRemote.probes[self.host.name] += 1
+        if _FlakyRemote.probes[self.host.name] <= _FlakyRemote.answers.get(self.host.name, 0):
+            raise ClusterError(f"host '{self.host.name}': cannot SSH to it: timed out")
+
+
+def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does(monkeypatch):
+    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
+    monkeypatch.setattr(launcher, "Remote", _FlakyRemote)
+    monkeypatch.setattr(launcher, "RESTART_POLL", 0.01)
+    monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
+    monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 3})
+    said: list[str] = []
+    launcher.wait_for_nodes(inventory, inventory.hosts, 30, said.append)
+    assert _FlakyRemote.probes == {"n1": 1, "n2": 4}
+    assert len(said) == 1 and said[0].startswith("[launcher] n2 answers again after ")
+
+    monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 10**6})
+    with pytest.raises(ClusterError) as caught:
+        launcher.wait_for_nodes(inventory, inventory.hosts, 0.05, said.append)
+    assert caught.value.exit_code == 1
+    assert str(caught.value) == (
+        "n2 did not answer within --restart-wait 0.05 s: host 'n2': cannot SSH to it: timed out"
+    )
 
 
 def test_bad_container_memlock_is_rejected():
