@@ -30,25 +30,31 @@ def make(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def cluster_in_containers(sim_factory, training_image, tmp_path_factory):
-    """Fresh nodes; an inventory that runs jobs in the test image; `make provision` once."""
+@pytest.mark.sim
+@pytest.mark.image_e2e
+# One test, not a module fixture shared by three: under xdist a module fixture can be torn down
+# and set up again between its tests (seen here: provisioning twice, past the time limit). The
+# limit covers building the image too when no earlier test has.
+@pytest.mark.timeout(2400)
+def test_provision_then_netcheck_then_train_in_the_image_on_fresh_nodes(
+    sim_factory, training_image, tmp_path
+):
+    """Fresh nodes; an inventory that runs jobs in the test image; then the three commands."""
     cluster = sim_factory.up(2)
-    document = yaml.safe_load(cluster.config.inventory_path.read_text())
-    document["all"]["vars"].update(launch_mode="container", training_image=training_image.tag)
-    inventory = tmp_path_factory.mktemp("e2e") / "inventory.yml"
-    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
-    provision = make("provision", f"INVENTORY={inventory}")
     try:
-        yield cluster, inventory, provision
+        document = yaml.safe_load(cluster.config.inventory_path.read_text())
+        document["all"]["vars"].update(launch_mode="container", training_image=training_image.tag)
+        inventory = tmp_path / "inventory.yml"
+        inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+        _provision_builds_and_ships_the_image(cluster, inventory, training_image)
+        _netcheck_passes_in_the_training_image(inventory)
+        _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory)
     finally:
         sim_factory.down(cluster)
 
 
-@pytest.mark.sim
-@pytest.mark.image_e2e
-def test_provision_builds_ships_and_succeeds(cluster_in_containers, training_image):
-    cluster, inventory, provision = cluster_in_containers
+def _provision_builds_and_ships_the_image(cluster, inventory, training_image) -> None:
+    provision = make("provision", f"INVENTORY={inventory}")
     assert provision.returncode == 0, provision.stdout[-4000:] + provision.stderr[-2000:]
     assert f"Built {training_image.tag} (cpu" in provision.stdout
     # What provisioning built (the same ID as the fixture's, unless the code changed between).
@@ -61,11 +67,7 @@ def test_provision_builds_ships_and_succeeds(cluster_in_containers, training_ima
         assert node_image == controller_image.stdout.strip()
 
 
-@pytest.mark.sim
-@pytest.mark.image_e2e
-def test_netcheck_passes_in_the_training_image(cluster_in_containers, tmp_path):
-    _, inventory, provision = cluster_in_containers
-    assert provision.returncode == 0
+def _netcheck_passes_in_the_training_image(inventory) -> None:
     proc = subprocess.run(
         [str(REPO_ROOT / ".venv" / "bin" / "netcheck"), "-i", str(inventory), "--nnodes", "2",
          "--json"],
@@ -79,11 +81,7 @@ def test_netcheck_passes_in_the_training_image(cluster_in_containers, tmp_path):
     assert statuses == {"PASS"}, report["results"]
 
 
-@pytest.mark.sim
-@pytest.mark.image_e2e
-def test_make_train_runs_inside_the_image_on_both_nodes(cluster_in_containers):
-    cluster, inventory, provision = cluster_in_containers
-    assert provision.returncode == 0
+def _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory) -> None:
     proc = make("train", f"INVENTORY={inventory}", "NNODES=2", f"SCRIPT={SCRIPT}", timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
     ranks = sorted(line for line in proc.stdout.splitlines() if "identical on all ranks" in line)
