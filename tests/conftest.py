@@ -51,6 +51,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_UNGROUPED = pytest.StashKey[set]()
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own hook has renamed the grouped items
+def pytest_collection_finish(session):
+    """Under --dist loadgroup, a grouped test that xdist did not rename runs on any worker, each
+    starting its own copy of the group's expensive fixtures (seen with pytest 9.2): such tests
+    fail at once, saying why, instead of slowing the run down unnoticed."""
+    if getattr(session.config.option, "loadgroup", False):
+        session.config.stash[_UNGROUPED] = {
+            item.nodeid
+            for item in session.items
+            if (group := item.get_closest_marker("xdist_group")) is not None
+            and not item.nodeid.endswith(f"@{group.args[0]}")
+        }
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.nodeid in item.config.stash.get(_UNGROUPED, set()):
+        pytest.fail(
+            "pytest-xdist did not keep this test in its group: this pytest and pytest-xdist do "
+            "not work together (see the pin in pyproject.toml)",
+            pytrace=False,
+        )
+
+
 class SimFactory:
     """Starts clusters on demand, each with its own name and subnet; removes them all at exit."""
 

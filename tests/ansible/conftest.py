@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -128,6 +129,59 @@ def node_tcp_connects(container: str, address: str, port: int, timeout: float = 
     if proc.returncode not in (0, 3):  # anything else: the probe itself failed
         raise AssertionError(f"TCP probe in {container} failed: {proc.stderr}")
     return proc.returncode == 0
+
+
+# Run inside a node: argv is the source address, the timeout and the targets as JSON.
+_PROBE_FROM = """
+import json, socket, sys, threading
+source, timeout, targets = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3])
+result = {}
+def one(address, port):
+    with socket.socket() as s:
+        s.settimeout(timeout)
+        try:
+            s.bind((source, 0))
+            s.connect((address, port))
+            result[f"{address}:{port}"] = True
+        except OSError:
+            result[f"{address}:{port}"] = False
+threads = [threading.Thread(target=one, args=tuple(t)) for t in targets]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(result))
+"""
+
+
+def node_tcp_probe(
+    container: str, source: str, targets: list[tuple[str, int]], timeout: float = 3.0
+) -> dict[tuple[str, int], bool]:
+    """From inside a node, sending from its address `source`: which (address, port) targets
+    accept a TCP connection in time. All are probed at once: dropped ones cost one timeout."""
+    proc = subprocess.run(
+        ["docker", "exec", container, "python3", "-c", _PROBE_FROM, source, str(timeout),
+         json.dumps(targets)],
+        capture_output=True, text=True, timeout=timeout + 30, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(f"TCP probe in {container} failed: {proc.stderr}")
+    found = json.loads(proc.stdout)
+    return {(address, port): found[f"{address}:{port}"] for address, port in targets}
+
+
+def listening_tcp(container: str) -> list[tuple[str, int]]:
+    """(address, port) of every TCP listener in a node, loopback ones left out."""
+    out = node_sh(container, "ss -ltnH").stdout
+    found = []
+    for line in out.splitlines():
+        local = line.split()[3]  # State Recv-Q Send-Q Local:Port Peer:Port
+        address, _, port = local.rpartition(":")
+        address = address.strip("[]").split("%")[0]
+        if address.startswith("127.") or address == "::1":
+            continue
+        found.append((address, int(port)))
+    return sorted(set(found))
 
 
 class Listener:

@@ -4,6 +4,8 @@ the nodes end up named, resolving, meshed, firewalled, with Docker and the same 
 from __future__ import annotations
 
 import itertools
+import signal
+import subprocess
 from dataclasses import dataclass
 
 import pytest
@@ -14,11 +16,15 @@ from tests.ansible.conftest import (
     ansible_playbook,
     image_args,
     image_id,
+    listening_tcp,
     node_sh,
     node_tcp_connects,
+    node_tcp_probe,
     tcp_connects,
     ufw_status_lines,
 )
+from tests.conftest import VENV_BIN
+from tests.training.test_launcher import SCRIPTS
 
 pytestmark = pytest.mark.sim
 LISTEN_PORT = 47123
@@ -144,6 +150,50 @@ def test_firewall_drops_traffic_from_outside_the_compute_subnet_only(provisioned
         assert node_tcp_connects(provisioned.container(node2), node1.name, LISTEN_PORT)
         # SSH stays open from outside.
         assert tcp_connects(node1.ssh_address, 22)
+
+
+def test_while_a_job_runs_every_port_but_ssh_is_closed_from_outside_the_compute_subnet(
+    provisioned,
+):
+    """Every TCP listener of the master during a real job (sshd, the rendezvous store, gloo's
+    own ports), probed from a peer sending from its management address, which lies outside the
+    compute subnet: only SSH answers. The same peer sending from its compute address reaches
+    the rendezvous port."""
+    node1, node2 = provisioned.hosts
+    master, peer = provisioned.container(node1), provisioned.container(node2)
+    rendezvous = provisioned.cluster.inventory.rendezvous_port
+    job = subprocess.Popen(
+        [str(VENV_BIN / "train"), "-i", str(provisioned.cluster.config.inventory_path),
+         "--script", str(SCRIPTS / "endless_allreduce.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in job.stdout:
+            seen.append(line)
+            if "rank 1 step 10" in line:
+                break
+        else:
+            raise AssertionError("the job never ran:\n" + "".join(seen[-40:]))
+        listeners = listening_tcp(master)
+        ports = {port for _, port in listeners}
+        assert {22, rendezvous} <= ports and len(ports) >= 3, listeners  # gloo's too
+        targets = []
+        for address, port in listeners:
+            wildcard = address in ("0.0.0.0", "::", "*")
+            if wildcard or address == str(node1.compute_ip):
+                targets.append((str(node1.compute_ip), port))
+            if wildcard or address == node1.ssh_address:
+                targets.append((node1.ssh_address, port))
+        outside = node_tcp_probe(peer, node2.ssh_address, targets)
+        # SSH answering by either address proves the probe's packets get there and back.
+        assert outside == {target: target[1] == 22 for target in targets}, outside
+        inside = node_tcp_probe(peer, str(node2.compute_ip), [(str(node1.compute_ip), rendezvous)])
+        assert list(inside.values()) == [True]
+        assert job.poll() is None, "the job did not survive the probes"
+    finally:
+        job.send_signal(signal.SIGINT)
+        job.communicate(timeout=60)
 
 
 def test_docker_runs_and_every_node_holds_the_controllers_image(provisioned, tiny_image):
