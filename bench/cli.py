@@ -72,7 +72,8 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         cluster = sim.up(nnodes, args.link, config)
         measure.pin_cores(config, nnodes)
         inventory = cluster.config.inventory_path
-        data["cluster"] = (f"{nnodes} Debian containers, one core each (2 cores in all), "
+        data["cluster"] = (f"{nnodes} Debian containers on this machine's 2 cores (nodes 1 "
+                           "and 2, which run the bandwidth and scaling figures, on a core each), "
                            f"compute link shaped to {args.link} with tbf")  # fmt: skip
         if {"provision", "netcheck", "bandwidth"} & set(only):
             # netcheck passes only on provisioned nodes (names, firewall); timed anyway.
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
             if "provision" not in only:
                 data.pop("provision")
         if "netcheck" in only:
-            data["netcheck"] = measure.measure_netcheck(inventory, args.reps, progress)
+            data["netcheck"] = measure.measure_netcheck(inventory, config, args.reps, progress)
         if "bandwidth" in only:
             data["bandwidth"] = measure.measure_bandwidth(
                 inventory, config, args.link, args.reps, progress

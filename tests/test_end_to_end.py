@@ -1,17 +1,21 @@
 """The whole user flow on fresh simulated nodes, through the Makefile as a user types it:
 
     make provision INVENTORY=...      (builds and ships the training image, among the rest)
+    make train     INVENTORY=... NNODES=2 SCRIPT=...     (nothing in between)
     make netcheck  INVENTORY=... NNODES=2
-    make train     INVENTORY=... NNODES=2 SCRIPT=...
 
 with jobs in the training image's CPU twin on every node (launch_mode: container): containers
-started by the launcher on each node, not the node's own Python.
+started by the launcher on each node, not the node's own Python. Last, Ctrl-C at a running
+`make train` leaves no container, process or bound port on any node.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from cluster.sim import docker
 from tests.conftest import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"
+ENDLESS = SCRIPT.with_name("endless_allreduce.py")
 
 
 def make(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -32,14 +37,13 @@ def make(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
 
 @pytest.mark.sim
 @pytest.mark.image_e2e
-# One test, not a module fixture shared by three: under xdist a module fixture can be torn down
-# and set up again between its tests (seen here: provisioning twice, past the time limit). The
-# limit covers building the image too when no earlier test has.
+# One test for the steps that share one provisioned cluster (shipping the image is most of the
+# time). Its limit covers building the image too, when no earlier test has.
 @pytest.mark.timeout(2400)
-def test_provision_then_netcheck_then_train_in_the_image_on_fresh_nodes(
+def test_provision_then_train_then_netcheck_in_the_image_on_fresh_nodes(
     sim_factory, training_image, tmp_path
 ):
-    """Fresh nodes; an inventory that runs jobs in the test image; then the three commands."""
+    """Fresh nodes; an inventory that runs jobs in the test image; then the commands."""
     cluster = sim_factory.up(2)
     try:
         document = yaml.safe_load(cluster.config.inventory_path.read_text())
@@ -47,8 +51,9 @@ def test_provision_then_netcheck_then_train_in_the_image_on_fresh_nodes(
         inventory = tmp_path / "inventory.yml"
         inventory.write_text(yaml.safe_dump(document, sort_keys=False))
         _provision_builds_and_ships_the_image(cluster, inventory, training_image)
-        _netcheck_passes_in_the_training_image(inventory)
         _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory)
+        _netcheck_passes_in_the_training_image(inventory)
+        _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory)
     finally:
         sim_factory.down(cluster)
 
@@ -116,3 +121,36 @@ def test_provision_ships_nothing_when_jobs_run_on_the_host(tmp_path):
     assert (proc.returncode, proc.stdout) == (
         0, f"inventory {path}: launch_mode host, no training image needed.\n"
     )  # fmt: skip
+
+
+def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory) -> None:
+    # As a terminal's Ctrl-C does: SIGINT to make and everything it started.
+    process = subprocess.Popen(
+        ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2",
+         f"SCRIPT={ENDLESS}"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if "rank 1 step 10" in line:
+            break
+    else:
+        raise AssertionError("the job never ran:\n" + "".join(seen[-40:]))
+    running = docker("exec", cluster.config.container(1), "docker", "ps", "-q").stdout.split()
+    assert len(running) == 1, running  # the job's container, which Ctrl-C must take down
+    os.killpg(process.pid, signal.SIGINT)
+    sent_at = time.monotonic()
+    rest, _ = process.communicate(timeout=60)
+    took = time.monotonic() - sent_at
+    assert "interrupted" in rest and took < 10, f"{took:.1f} s:\n{rest[-3000:]}"
+    port = yaml.safe_load(inventory.read_text())["all"]["vars"].get("rendezvous_port", 29500)
+    for index in (1, 2):
+        left = docker(
+            "exec", cluster.config.container(index), "sh", "-c",
+            f"docker ps -aq; grep -lsaF TMN_RUN_ID= /proc/[0-9]*/environ | grep -v self; "
+            f"ss -ltnH 'sport = :{port}'",
+            check=False,
+        ).stdout  # fmt: skip
+        assert left.strip() == "", (index, left)

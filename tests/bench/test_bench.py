@@ -57,7 +57,9 @@ def bench_data() -> dict:
         "launcher": {"make_train_seconds": spread(10, 11, 10), "by_hand_seconds": spread(9, 10, 9),
                      "ratio": spread(10 / 9, 1.1, 10 / 9)},
         "netcheck": {"two_nodes_seconds": spread(5, 5, 5), "four_nodes_seconds": spread(8, 8, 9),
-                     "ratio": spread(1.6, 1.6, 1.8)},
+                     "ratio": spread(1.6, 1.6, 1.8),
+                     "two_nodes_own_cores_seconds": spread(4, 4, 4),
+                     "ratio_own_cores": spread(2.0, 2.0, 2.25)},
         "provision": {"first_seconds": 100.0, "second_seconds": spread(40, 42, 41),
                       "ratio": spread(0.4, 0.42, 0.41)},
     }  # fmt: skip
@@ -108,7 +110,11 @@ def test_the_report_is_markdown_json_and_plots(tmp_path):
     assert (
         "| all_reduce busbw at 64 MiB / raw TCP, 1 Gbit/s link | 0.97 | >= 0.90 | meets |" in text
     )
-    assert "| netcheck wall time, 4 nodes / 2 nodes | 1.60 | <= 1.50 | MISSES |" in text
+    assert (
+        "| netcheck wall time, 4 nodes / 2 nodes, half a core per node | 1.60 | <= 1.50 | MISSES |"
+        in text
+    )
+    assert "With the 2 nodes on a core each (4.0 (4.0 to 4.0, n=3) s), the ratio is 2.00" in text
     assert "| no_sync | 17.0 (15.0 to 18.0, n=3) | 0.83 (0.82 to 0.85, n=3) |" in text
     assert "chose **fp16**" in text
     assert "98.00 % without a hook, 96.50 % with PowerSGD (+1.50 points of cost)" in text
