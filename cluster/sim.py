@@ -449,8 +449,21 @@ def up(
     for index in range(1, nnodes + 1):
         shape_link(config.container(index), link)
     inventory = load(write_inventory(config, nnodes))
-    for host in inventory.hosts:
-        _wait_for_ssh(Remote.for_inventory(inventory, host), deadline)
+    for index, host in enumerate(inventory.hosts, start=1):
+        container = config.container(index)
+        try:
+            _wait_for_ssh(Remote.for_inventory(inventory, host), container, deadline)
+        except ClusterError as exc:
+            # Once seen in CI under heavy load: a fresh node whose sshd accepted every connection
+            # and closed it before its banner for a whole minute. Its sshd is told to start over
+            # (SIGHUP, which the container's init passes on: sshd executes itself again) and
+            # given as long again before the node is reported.
+            if reused:
+                raise
+            progress(f"{exc}; restarting the sshd of {container} once...")
+            docker("kill", "--signal", "HUP", container)
+            _wait_for_ssh(Remote.for_inventory(inventory, host), container,
+                          time.monotonic() + ssh_timeout)  # fmt: skip
     return SimCluster(
         config,
         [h.name for h in inventory.hosts],
@@ -461,7 +474,7 @@ def up(
     )
 
 
-def _wait_for_ssh(remote: Remote, deadline: float) -> None:
+def _wait_for_ssh(remote: Remote, container: str, deadline: float) -> None:
     while True:
         try:
             remote.run("true", timeout=10, check=True)
@@ -471,9 +484,19 @@ def _wait_for_ssh(remote: Remote, deadline: float) -> None:
             remote.close()
             if time.monotonic() > deadline:
                 raise ClusterError(
-                    f"node {remote.host.name} did not answer over SSH in time: {exc}", exit_code=1
+                    f"node {remote.host.name} did not answer over SSH in time: {exc}; "
+                    f"{_node_state(container)}",
+                    exit_code=1,
                 ) from None
             time.sleep(0.5)
+
+
+def _node_state(container: str) -> str:
+    """What the container's engine and its sshd (which logs to the container's output) say."""
+    state = docker("inspect", "--format", "{{.State.Status}}", container, check=False)
+    logs = docker("logs", "--tail", "5", container, check=False)
+    lines = " | ".join((logs.stdout + logs.stderr).strip().splitlines()[-5:]) or "none"
+    return f"container {container} is {state.stdout.strip() or 'gone'}, its last log lines: {lines}"
 
 
 @dataclass

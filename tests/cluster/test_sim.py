@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
@@ -191,3 +192,27 @@ def test_inventory_written_for_the_sim_is_valid(tmp_path):
 def test_each_named_cluster_keeps_its_files_apart():
     assert sim.default_state_dir(sim.DEFAULT_NAME) == sim.REPO_ROOT / ".sim"
     assert sim.default_state_dir("lab") == sim.REPO_ROOT / ".sim" / "lab"
+
+
+def test_a_node_that_never_answers_over_ssh_is_named_with_what_its_container_says(monkeypatch):
+    class Unreachable:
+        host = type("Host", (), {"name": "node1"})()
+
+        def run(self, command, timeout=None, check=False):
+            raise ClusterError("host 'node1': cannot SSH to root@172.30.80.11:22: reset by peer")
+
+        def close(self):
+            pass
+
+    def fake_docker(*args, check=True, timeout=None):
+        out = {"inspect": "running\n", "logs": "Server listening on 0.0.0.0 port 22.\n"}[args[0]]
+        return subprocess.CompletedProcess(["docker", *args], 0, out, "")
+
+    monkeypatch.setattr(sim, "docker", fake_docker)
+    with pytest.raises(ClusterError) as failure:
+        sim._wait_for_ssh(Unreachable(), "tmn-node1", deadline=time.monotonic() - 1)
+    assert str(failure.value) == (
+        "node node1 did not answer over SSH in time: host 'node1': cannot SSH to "
+        "root@172.30.80.11:22: reset by peer; container tmn-node1 is running, its last log "
+        "lines: Server listening on 0.0.0.0 port 22."
+    )
