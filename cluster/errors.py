@@ -1,6 +1,7 @@
 """The one exception type the project's CLIs turn into a single `Error: ...` line."""
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -28,15 +29,33 @@ class ClusterError(Exception):
         return text
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's stop), raised where Ctrl-C would be: the same clean stop."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
+def stop_on_sigterm() -> None:
+    """From here on SIGTERM stops this process the way Ctrl-C does, instead of at once (which
+    would leave whatever it started on other machines running)."""
+    signal.signal(signal.SIGTERM, _terminated)
+
+
 def at_the_edge(run: Callable[[T], int], args: T) -> int:
     """A CLI's outermost call: a ClusterError becomes its one `Error: ...` line and exit code,
-    Ctrl-C exits 130 with one line; anything else is a bug and keeps its traceback."""
+    Ctrl-C exits 130 with one line (SIGTERM, where stop_on_sigterm is on: 143); anything else is
+    a bug and keeps its traceback."""
     try:
         return run(args)
     except ClusterError as exc:
         # printable: a newline in a path or name from the command line must not split the line
         print(printable(exc.line()), file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print("Terminated.", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("Interrupted.", file=sys.stderr)
         return 130

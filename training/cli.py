@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from cluster import inventory as inventory_module
-from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown
+from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown, stop_on_sigterm
 from cluster.inventory import parse_gpu_list
 from training import launcher
 
@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
         "each node's output; if any node fails or Ctrl-C is pressed, the job is stopped on every "
         "node. Without an inventory the job runs on this machine (torchrun --standalone).",
         epilog="Arguments after '--' go to the script or module. Exit: 0 success, 1 the job "
-        "failed (the summary names the node), 2 bad input, 130 interrupted.",
+        "failed (the summary names the node), 2 bad input, 130 interrupted (Ctrl-C), 143 "
+        "terminated (SIGTERM: stopped on every node, as for Ctrl-C).",
     )
     parser.add_argument("-i", "--inventory", help="Ansible YAML inventory (default: run locally)")
     parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
@@ -183,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    stop_on_sigterm()  # a killed launcher stops the job on every node, as Ctrl-C does
     return at_the_edge(run, args)
 
 

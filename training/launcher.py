@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster.containers import training_container_options
-from cluster.errors import ClusterError
+from cluster.errors import ClusterError, Terminated
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, on_all
 
@@ -113,11 +113,12 @@ class JobResult:
     seconds: float
     restart: int = 0  # which restart this run was (0: the first run)
     restarts: int = 0  # how many were allowed
+    terminated: bool = False  # interrupted by SIGTERM rather than Ctrl-C
 
     @property
     def exit_code(self) -> int:
         if self.interrupted:
-            return 130
+            return 128 + signal.SIGTERM if self.terminated else 130
         return 0 if all(o.ok for o in self.outcomes.values()) else 1
 
 
@@ -622,7 +623,7 @@ class Launcher:
             self._close()
             raise
 
-        interrupted = False
+        interrupted = terminated = False
         runners = [
             threading.Thread(
                 target=self._run_node,
@@ -644,9 +645,11 @@ class Launcher:
             while not self.done.wait(0.2):
                 if not any(runner.is_alive() for runner in runners):
                     break  # every runner has ended: nothing is left to wait for
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as signalled:
             interrupted = True
-            self.emit("[launcher] Ctrl-C: stopping the job on every node...")
+            why = "SIGTERM" if isinstance(signalled, Terminated) else "Ctrl-C"
+            self.emit(f"[launcher] {why}: stopping the job on every node...")
+            terminated = isinstance(signalled, Terminated)
         finally:
             if self.first_failure is not None and not interrupted:
                 deadline = time.monotonic() + BLAME_GRACE
@@ -673,7 +676,7 @@ class Launcher:
             self._close()
         return JobResult(
             self.spec.run_id, self.outcomes, self.first_failure, interrupted,
-            time.monotonic() - started,
+            time.monotonic() - started, terminated=terminated,
         )  # fmt: skip
 
     def _claim_port(self, master: Host) -> None:
@@ -717,7 +720,7 @@ class Launcher:
 def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
     """What happened, node by node; for a failed node, its last lines."""
     verdict = (
-        "interrupted"
+        ("terminated (SIGTERM)" if result.terminated else "interrupted")
         if result.interrupted
         else "succeeded"
         if result.exit_code == 0
@@ -873,15 +876,16 @@ def run_local(spec: JobSpec, emit: Emit = print) -> int:
     process = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return process.wait()
-    except KeyboardInterrupt:
-        emit("[launcher] Ctrl-C: stopping the local job...")
+    except KeyboardInterrupt as signalled:
+        terminated = isinstance(signalled, Terminated)
+        emit(f"[launcher] {'SIGTERM' if terminated else 'Ctrl-C'}: stopping the local job...")
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(STOP_GRACE + 5)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        return 130
+        return 128 + signal.SIGTERM if terminated else 130
 
 
 def _local_gpu_count() -> int:

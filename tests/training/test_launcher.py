@@ -313,15 +313,21 @@ def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
 
 
 @pytest.mark.sim
-def test_ctrl_c_stops_every_node(sim2):
+@pytest.mark.parametrize(
+    "sent, name, code, verdict",
+    [(signal.SIGINT, "Ctrl-C", 130, "interrupted"),
+     (signal.SIGTERM, "SIGTERM", 143, "terminated (SIGTERM)")],
+    ids=["ctrl-c", "sigterm"],
+)  # fmt: skip
+def test_ctrl_c_or_sigterm_stops_every_node(sim2, sent, name, code, verdict):
     process = _start_endless(sim2.config.inventory_path)
     seen = _wait_for(process, "rank 1 step 10")
     run_id = _run_id("".join(seen))
-    process.send_signal(signal.SIGINT)
+    process.send_signal(sent)
     rest, _ = process.communicate(timeout=30)
-    assert process.returncode == 130
-    assert "[launcher] Ctrl-C: stopping the job on every node..." in rest
-    assert f"Job {run_id} interrupted" in rest
+    assert process.returncode == code, rest
+    assert f"[launcher] {name}: stopping the job on every node..." in rest
+    assert f"Job {run_id} {verdict} after" in rest
     assert _leftovers(sim2.inventory, run_id) == {"node1": "", "node2": ""}
 
 
