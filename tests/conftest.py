@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,14 @@ _GROUPS = {
     "tests/test_end_to_end.py": "image",
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
 }
+
+
+def pytest_configure(config):
+    """Tests press Ctrl-C by sending SIGINT to what they started. A shell ignores SIGINT in the
+    commands it starts in the background (`make check &`), and an ignored signal stays ignored
+    in every child: give ours back the terminal's default."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
