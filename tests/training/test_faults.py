@@ -267,8 +267,10 @@ def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost
         rest, _ = process.communicate(timeout=120)
         took = time.monotonic() - cut_at
     assert process.returncode == 1, rest[-3000:]
-    # 10 s of collective timeout, then a few seconds to see both nodes fail and stop them.
-    assert took < 10 + 25, f"the job took {took:.0f} s to fail"
+    # 10 s of collective timeout, then seeing both nodes fail and stopping them: 10-25 s here,
+    # more under load. Not a speed target: a bound well below the 300 s the launcher's own
+    # network check would take (its default), so only the collective timeout can have acted.
+    assert took < 10 + 60, f"the job took {took:.0f} s to fail"
     master = f"node1 ({sim2.inventory.hosts[0].compute_ip})"
     assert f"[launcher] node2 cannot reach {master} over the compute network (no answer)" in rest
     summary = _summary(rest)
@@ -291,8 +293,9 @@ def test_a_partition_stops_any_script_within_the_launchers_network_timeout(sim2,
         rest, _ = process.communicate(timeout=120)
         took = time.monotonic() - cut_at
     assert process.returncode == 1, rest[-3000:]
-    # 8 s, plus up to a probe interval and a probe's wait before the first miss, and stopping.
-    assert took < 8 + 20, f"the job took {took:.0f} s to fail"
+    # 8 s, plus up to a probe interval and a probe's wait before the first miss, and stopping;
+    # bounded well below the script's own 600 s collectives, whatever the load.
+    assert took < 8 + 60, f"the job took {took:.0f} s to fail"
     summary = _summary(rest)
     assert summary[0].startswith(f"Job {run_id} FAILED on node2 after ")
     master = f"node1 ({sim2.inventory.hosts[0].compute_ip})"
