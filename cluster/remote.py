@@ -7,6 +7,7 @@ connection is refused with a message that says how to add it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ from cluster.inventory import Host, Inventory
 
 T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 5.0
+
+# paramiko logs a failed connection with its traceback, which Python prints to stderr when the
+# program set no logging up (our CLIs): the ClusterError raised here already says what failed.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class Remote:
 
     def _connect(self) -> Connection:
         connect_kwargs = {
+            # here, not as fabric's connect_timeout, which fabric rounds down to whole seconds
+            "timeout": self.connect_timeout,
             "allow_agent": False,
             "look_for_keys": self.host.ssh_key is None,
             "banner_timeout": self.connect_timeout,
@@ -73,31 +80,62 @@ class Remote:
             self.host.ssh_address,
             user=self.host.ssh_user,
             port=self.host.ssh_port,
-            connect_timeout=self.connect_timeout,
             connect_kwargs=connect_kwargs,
         )
+        connection.connect_timeout = None  # not a ConnectTimeout from ~/.ssh/config either
         client = connection.client
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
         if self.known_hosts.exists():
             client.load_host_keys(str(self.known_hosts))
         try:
             connection.open()
-        except paramiko.SSHException as exc:
+        except BaseException as exc:
+            # paramiko leaves a transport that failed after the handshake (authentication slow or
+            # refused, host key rejected) connected, and fabric's close() skips a connection that
+            # never opened: a node then holds each retry as a pending login until its
+            # LoginGraceTime, and once 10 are pending its sshd drops every new connection.
+            client.close()
+            error = self._open_failed(exc)
+            if error is None:
+                raise
+            raise error from None
+        return connection
+
+    def _open_failed(self, exc: BaseException) -> ClusterError | None:
+        if isinstance(exc, paramiko.BadHostKeyException):
+            entry = self.host.ssh_address
+            if self.host.ssh_port != 22:
+                entry = f"[{entry}]:{self.host.ssh_port}"
+            return ClusterError(
+                f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not the "
+                f"one in {self.known_hosts}: the node was reinstalled, or this is not the node",
+                hint=f"if the node was reinstalled: ssh-keygen -f {self.known_hosts} -R '{entry}', "
+                "then check the new key's fingerprint and add it",
+                exit_code=1,
+            )
+        if isinstance(exc, paramiko.SSHException):
+            port = f" -p {self.host.ssh_port}" if self.host.ssh_port != 22 else ""
             if "not found in known_hosts" in str(exc):
-                raise ClusterError(
+                return ClusterError(
                     f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not "
                     f"in {self.known_hosts}",
-                    hint=f"ssh-keyscan -H {self.host.ssh_address} >> {self.known_hosts} after "
-                    "checking the fingerprint",
+                    hint=f"ssh-keyscan -H{port} {self.host.ssh_address} >> {self.known_hosts} "
+                    "after checking the fingerprint",
                     exit_code=1,
-                ) from None
-            raise self._unreachable(exc) from None
-        except (TimeoutError, OSError, EOFError) as exc:
-            raise self._unreachable(exc) from None
-        return connection
+                )
+            return self._unreachable(exc)
+        if isinstance(exc, (TimeoutError, OSError, EOFError)):
+            return self._unreachable(exc)
+        return None
 
     def _unreachable(self, exc: BaseException) -> ClusterError:
         reason = str(exc) or type(exc).__name__
+        if isinstance(exc, EOFError) or reason == "No existing session":
+            # paramiko's words for a key exchange cut short, by the node or by our timeout
+            reason = (
+                f"the SSH handshake was cut short (closed by the node, or not finished within "
+                f"{self.connect_timeout:g} s)"
+            )
         return ClusterError(
             f"host '{self.host.name}': cannot SSH to "
             f"{self.host.ssh_user + '@' if self.host.ssh_user else ''}"

@@ -47,6 +47,7 @@ BASE_PACKAGES = (
     "ca-certificates", "less", "iptables", "mount",
 )  # fmt: skip
 PACKAGE_DIRS = ("cluster", "training", "netcheck")
+SSH_HANDSHAKE_TIMEOUT = 15.0
 _LINK_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 
 Progress = Callable[[str], None]
@@ -387,7 +388,7 @@ def up(
     link: str | None = None,
     config: SimConfig | None = None,
     progress: Progress = _quiet,
-    ssh_timeout: float = 60.0,
+    ssh_timeout: float = 120.0,
 ) -> SimCluster:
     """Start (or reuse) an `nnodes`-node cluster; returns once every node answers over SSH."""
     config = config or SimConfig()
@@ -450,20 +451,10 @@ def up(
         shape_link(config.container(index), link)
     inventory = load(write_inventory(config, nnodes))
     for index, host in enumerate(inventory.hosts, start=1):
-        container = config.container(index)
-        try:
-            _wait_for_ssh(Remote.for_inventory(inventory, host), container, deadline)
-        except ClusterError as exc:
-            # Once seen in CI under heavy load: a fresh node whose sshd accepted every connection
-            # and closed it before its banner for a whole minute. Its sshd is told to start over
-            # (SIGHUP, which the container's init passes on: sshd executes itself again) and
-            # given as long again before the node is reported.
-            if reused:
-                raise
-            progress(f"{exc}; restarting the sshd of {container} once...")
-            docker("kill", "--signal", "HUP", container)
-            _wait_for_ssh(Remote.for_inventory(inventory, host), container,
-                          time.monotonic() + ssh_timeout)  # fmt: skip
+        # A generous handshake timeout: under load a fresh node's sshd can take seconds to
+        # answer, and an attempt given up mid-handshake only adds to that load.
+        remote = Remote.for_inventory(inventory, host, connect_timeout=SSH_HANDSHAKE_TIMEOUT)
+        _wait_for_ssh(remote, config.container(index), deadline)
     return SimCluster(
         config,
         [h.name for h in inventory.hosts],
