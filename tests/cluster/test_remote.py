@@ -89,21 +89,26 @@ def ssh_server(tmp_path):
         transport.close()
 
 
-def _open_client_transports() -> list[paramiko.Transport]:
-    return [
-        thread
-        for thread in threading.enumerate()
-        if isinstance(thread, paramiko.Transport) and not thread.server_mode and thread.active
-    ]
+def _open_client_transports(port: int) -> list[paramiko.Transport]:
+    """This process's live SSH connections to the test server (other tests may hold theirs)."""
+    found = []
+    for thread in threading.enumerate():
+        if isinstance(thread, paramiko.Transport) and not thread.server_mode and thread.active:
+            try:
+                if thread.sock.getpeername()[1] == port:
+                    found.append(thread)
+            except OSError:
+                pass  # closed meanwhile
+    return found
 
 
 def test_a_connection_that_opens_is_closed_by_close(ssh_server):
     host, known_hosts = ssh_server()
     remote = Remote(host, known_hosts=known_hosts, connect_timeout=5)
     assert remote.connection.is_connected
-    assert len(_open_client_transports()) == 1
+    assert len(_open_client_transports(host.ssh_port)) == 1
     remote.close()
-    assert _open_client_transports() == []
+    assert _open_client_transports(host.ssh_port) == []
 
 
 @pytest.mark.parametrize(
@@ -132,9 +137,9 @@ def test_a_failed_connection_leaves_nothing_open(ssh_server, behaviour, message)
             remote.run("true")
         remote.close()
     deadline = time.monotonic() + 5
-    while _open_client_transports() and time.monotonic() < deadline:
+    while _open_client_transports(host.ssh_port) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _open_client_transports() == []
+    assert _open_client_transports(host.ssh_port) == []
 
 
 _NO_BANNER = """
