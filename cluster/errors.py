@@ -29,6 +29,10 @@ class ClusterError(Exception):
         return text
 
 
+INTERRUPTED_EXIT = 128 + signal.SIGINT  # 130, Ctrl-C
+TERMINATED_EXIT = 128 + signal.SIGTERM  # 143
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`kill`, a scheduler's stop), raised where Ctrl-C would be: the same clean stop."""
 
@@ -55,10 +59,10 @@ def at_the_edge(run: Callable[[T], int], args: T) -> int:
         return exc.exit_code
     except Terminated:
         print("Terminated.", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return TERMINATED_EXIT
     except KeyboardInterrupt:
         print("Interrupted.", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -114,8 +114,8 @@ class Remote:
                 exit_code=1,
             )
         if isinstance(exc, paramiko.SSHException):
-            port = f" -p {self.host.ssh_port}" if self.host.ssh_port != 22 else ""
             if "not found in known_hosts" in str(exc):
+                port = f" -p {self.host.ssh_port}" if self.host.ssh_port != 22 else ""
                 return ClusterError(
                     f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not "
                     f"in {self.known_hosts}",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster.containers import training_container_options
-from cluster.errors import ClusterError, Terminated
+from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, ClusterError, Terminated
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, on_all
 
@@ -118,7 +118,7 @@ class JobResult:
     @property
     def exit_code(self) -> int:
         if self.interrupted:
-            return 128 + signal.SIGTERM if self.terminated else 130
+            return TERMINATED_EXIT if self.terminated else INTERRUPTED_EXIT
         return 0 if all(o.ok for o in self.outcomes.values()) else 1
 
 
@@ -647,9 +647,9 @@ class Launcher:
                     break  # every runner has ended: nothing is left to wait for
         except KeyboardInterrupt as signalled:
             interrupted = True
-            why = "SIGTERM" if isinstance(signalled, Terminated) else "Ctrl-C"
-            self.emit(f"[launcher] {why}: stopping the job on every node...")
             terminated = isinstance(signalled, Terminated)
+            why = "SIGTERM" if terminated else "Ctrl-C"
+            self.emit(f"[launcher] {why}: stopping the job on every node...")
         finally:
             if self.first_failure is not None and not interrupted:
                 deadline = time.monotonic() + BLAME_GRACE
@@ -885,7 +885,7 @@ def run_local(spec: JobSpec, emit: Emit = print) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        return 128 + signal.SIGTERM if terminated else 130
+        return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
 
 
 def _local_gpu_count() -> int:

@@ -36,6 +36,18 @@ class _Server(paramiko.ServerInterface):
         return paramiko.AUTH_FAILED
 
 
+def _listener() -> socket.socket:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    return listener
+
+
+def _local_host(port: int, key_file: Path | None = None) -> Host:
+    return Host("node1", "127.0.0.1", port, "root", key_file,
+                ipaddress.IPv4Address("10.0.0.1"), "eth0", 0)  # fmt: skip
+
+
 @pytest.fixture
 def ssh_server(tmp_path):
     """Start(slow=, authorize=) -> a Host for an SSH server on 127.0.0.1 and its known_hosts."""
@@ -43,9 +55,7 @@ def ssh_server(tmp_path):
     client_key = paramiko.ECDSAKey.generate()
     key_file = tmp_path / "id_ecdsa"
     client_key.write_private_key_file(str(key_file))
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
+    listener = _listener()
     port = listener.getsockname()[1]
     release = threading.Event()
     transports: list[paramiko.Transport] = []
@@ -78,9 +88,7 @@ def ssh_server(tmp_path):
         known_hosts.write_text(
             f"[127.0.0.1]:{port} {listed.get_name()} {listed.get_base64()}\n" if listed else ""
         )
-        host = Host("node1", "127.0.0.1", port, "root", key_file,
-                    ipaddress.IPv4Address("10.0.0.1"), "eth0", 0)  # fmt: skip
-        return host, known_hosts
+        return _local_host(port, key_file), known_hosts
 
     yield start
     release.set()
@@ -173,9 +181,7 @@ def test_a_node_that_never_sends_its_banner_is_one_error_with_no_traceback(tmp_p
 
 
 def test_a_handshake_that_stalls_after_the_banner_says_so(tmp_path):
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
+    listener = _listener()
     held = []
 
     def serve():
@@ -184,8 +190,7 @@ def test_a_handshake_that_stalls_after_the_banner_says_so(tmp_path):
         held.append(sock)
 
     threading.Thread(target=serve, daemon=True).start()
-    host = Host("node1", "127.0.0.1", listener.getsockname()[1], "root", None,
-                ipaddress.IPv4Address("10.0.0.1"), "eth0", 0)  # fmt: skip
+    host = _local_host(listener.getsockname()[1])
     try:
         with pytest.raises(ClusterError) as failure:
             Remote(host, known_hosts=tmp_path / "known_hosts", connect_timeout=0.5).run("true")
