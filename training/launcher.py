@@ -54,6 +54,9 @@ LINK_PROBE_WAIT = 3  # seconds a ping waits for its answer
 DEFAULT_RESTART_WAIT = 300.0  # seconds a restart waits for every node to answer again
 RESTART_POLL = 2.0
 STOP_GRACE = 3.0
+# A node already lost must accept a TCP connection to its SSH port within this before the stop
+# tries SSH on it: a dead node would otherwise hold the launcher for SSH's connect timeout.
+LOST_NODE_PROBE = 1.0
 RUNNER_GRACE = 5.0  # after the stop, how long the node runners may take to see their sessions end
 BLAME_GRACE = 3.0  # after a first failure, how long the others may take to report their own
 # What a rank says when a *peer* died: evidence against that peer, not against this node.
@@ -97,11 +100,17 @@ class NodeOutcome:
     link_down: str | None = None
     """While this node cannot reach the master over the compute network: since when, and why."""
     unreachable: bool = False  # stopped answering over SSH
+    session_lost: bool = False  # its SSH session ended with no exit status, or broke
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and self.error is None
+
+    @property
+    def lost(self) -> bool:
+        """The node itself (or its sshd) is gone, not just its job."""
+        return self.unreachable or self.session_lost
 
 
 @dataclass
@@ -388,6 +397,15 @@ class _LineWriter:
             self.log.close()
 
 
+def answers(host: Host, timeout: float) -> bool:
+    """Whether `host` accepts a TCP connection to its SSH port within `timeout` seconds."""
+    try:
+        socket.create_connection((host.ssh_address, host.ssh_port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 class Launcher:
     def __init__(
         self,
@@ -406,6 +424,7 @@ class Launcher:
         self.failures: list[str] = []
         self._lock = threading.Lock()
         self._remotes: dict[str, Remote] = {}
+        self.silent: set[str] = set()  # lost nodes that did not answer when the job was stopped
 
     def _remote(self, host: Host) -> Remote:
         return Remote.for_inventory(self.inventory, host, connect_timeout=self.connect_timeout)
@@ -478,9 +497,12 @@ class Launcher:
             if result.exited == -1 and self.stopping.is_set():
                 outcome.exit_code = None  # killed by our stop: the summary says "stopped"
             # An error already recorded (a watcher declared the node lost) says more.
-            elif result.exited == -1 and outcome.error is None:  # closed with no exit status
-                outcome.error = "the SSH session ended without an exit status: node down?"
+            elif result.exited == -1:  # closed with no exit status
+                outcome.session_lost = True
+                if outcome.error is None:
+                    outcome.error = "the SSH session ended without an exit status: node down?"
         except Exception as exc:  # a dropped connection surfaces as several invoke/paramiko types
+            outcome.session_lost = not self.stopping.is_set()
             if outcome.error is None:
                 outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
         finally:
@@ -501,10 +523,9 @@ class Launcher:
             for host in self.hosts:
                 if self.outcomes[host.name].exit_code is not None:
                     continue
-                try:
-                    socket.create_connection((host.ssh_address, host.ssh_port), timeout=2).close()
+                if answers(host, 2):
                     misses[host.name] = 0
-                except OSError:
+                else:
                     misses[host.name] += 1
                     if misses[host.name] >= LIVENESS_FAILURES:
                         outcome = self.outcomes[host.name]
@@ -579,6 +600,9 @@ class Launcher:
         def stop(host: Host) -> None:
             on_master = master is not None and host.name == master.name
             command = stop_command(self.spec.run_id, then=unlock if on_master else "")
+            if self.outcomes[host.name].lost and not answers(host, LOST_NODE_PROBE):
+                self.silent.add(host.name)
+                return
             try:
                 with self._remote(host) as remote:
                     remote.run(command, timeout=STOP_GRACE + 8, check=True)
@@ -652,9 +676,15 @@ class Launcher:
             self.emit(f"[launcher] {why}: stopping the job on every node...")
         finally:
             if self.first_failure is not None and not interrupted:
+                # The others may take a moment to report their own failure, which can say more
+                # than the first; not worth waiting for once a node is known to be gone.
                 deadline = time.monotonic() + BLAME_GRACE
-                for runner in runners:
-                    runner.join(max(0.0, deadline - time.monotonic()))
+                while (
+                    time.monotonic() < deadline
+                    and any(runner.is_alive() for runner in runners)
+                    and not any(self.outcomes[name].lost for name in self.failures)
+                ):
+                    time.sleep(0.1)
                 self.first_failure = self._blame()
                 self.emit(
                     f"[launcher] {self.first_failure} failed: stopping the job on every node..."
@@ -665,8 +695,8 @@ class Launcher:
                     f"{name} in {seconds:.1f} s" if seconds is not None else f"{name} unreachable"
                     for name, seconds in stopped.items()
                 ))  # fmt: skip
-                if stopped[master.name] is None:
-                    self._release_port(master)
+                if stopped[master.name] is None and master.name not in self.silent:
+                    self._release_port(master)  # a silent master: the next launch finds it stale
             else:
                 self._release_port(master)
             self.done.set()

@@ -194,7 +194,8 @@ def test_node_killed_while_writing_a_checkpoint_loses_nothing_but_the_steps_sinc
     sim.docker("kill", sim2.config.container(2))
     try:
         rest, _ = process.communicate(timeout=60)
-        assert time.monotonic() - killed_at < 15
+        stopped_after = time.monotonic() - killed_at
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{rest[-3000:]}"
         assert process.returncode == 1
         assert _summary(rest)[0].startswith(f"Job {_run_id(seen)} FAILED on node2")
         assert _leftovers(sim2.inventory, _run_id(seen), sim2.inventory.hosts[:1]) == {"node1": ""}
@@ -234,7 +235,8 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
     sim.docker("kill", sim2.config.container(1))
     try:
         seen += _wait_for(process, "[launcher] restart 1 of 1: waiting up to 120 s")
-        assert time.monotonic() - killed_at < 15
+        stopped_after = time.monotonic() - killed_at
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{seen[-3000:]}"
         assert f"Job {first} FAILED on node1" in seen
     finally:
         sim.up(2, None, sim2.config)  # node1 is back, its disk as it was

@@ -126,7 +126,8 @@ def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_pa
 
 
 class _FlakyRemote:
-    """Stands in for Remote in wait_for_nodes: `answers[name]` probes fail before one works."""
+    """Stands in for Remote in wait_for_nodes and the stop: `answers[name]` probes fail before one
+    works."""
 
     answers: dict[str, int] = {}
     probes: collections.Counter = collections.Counter()
@@ -168,6 +169,32 @@ def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does(
     assert str(caught.value) == (
         "n2 did not answer within --restart-wait 0.05 s: host 'n2': cannot SSH to it: timed out"
     )
+
+
+@pytest.mark.parametrize("n2_answers", [False, True], ids=["gone", "back"])
+def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(monkeypatch, n2_answers):
+    # A dead node would hold the stop for SSH's whole connect timeout (5 s here, more under
+    # load): a node already lost must first accept a TCP connection. Fakes only, no traffic.
+    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
+    monkeypatch.setattr(launcher, "Remote", _FlakyRemote)
+    monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
+    monkeypatch.setattr(_FlakyRemote, "answers", {})
+    probed: list[tuple[str, float]] = []
+    monkeypatch.setattr(
+        launcher, "answers",
+        lambda host, timeout: probed.append((host.name, timeout)) or n2_answers,
+    )  # fmt: skip
+    job = launcher.Launcher(inventory, inventory.hosts, launcher.JobSpec(), emit=lambda _: None)
+    job.outcomes["n2"].session_lost = True  # n1 is merely failed: no probe before its stop
+    stopped = job.stop_everywhere(inventory.hosts[0])
+    assert probed == [("n2", launcher.LOST_NODE_PROBE)]
+    assert stopped["n1"] is not None
+    if n2_answers:
+        assert _FlakyRemote.probes == {"n1": 1, "n2": 1} and stopped["n2"] is not None
+        assert job.silent == set()
+    else:
+        assert _FlakyRemote.probes == {"n1": 1} and stopped["n2"] is None
+        assert job.silent == {"n2"}
 
 
 def test_bad_container_memlock_is_rejected():
@@ -304,7 +331,7 @@ def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
         rest, _ = process.communicate(timeout=60)
         stopped_after = time.monotonic() - killed_at
         assert process.returncode == 1
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop"
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{rest[-3000:]}"
         assert f"Job {run_id} FAILED on node2" in rest
         survivor = sim2.inventory.hosts[:1]
         assert _leftovers(sim2.inventory, run_id, survivor) == {"node1": ""}

@@ -108,7 +108,8 @@ def test_node_killed_mid_run_then_rerun_resumes_to_the_uninterrupted_result(
     sim.docker("kill", sim2.config.container(2))
     try:
         rest, _ = process.communicate(timeout=60)
-        assert time.monotonic() - killed_at < 15
+        stopped_after = time.monotonic() - killed_at
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{rest[-3000:]}"
         assert process.returncode == 1
         assert "FAILED on node2" in rest
         run_id = "".join(seen).split("[launcher] job ", 1)[1].split(":", 1)[0]
