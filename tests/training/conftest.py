@@ -11,11 +11,15 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+from cluster import sim
 
 LOOPBACK = "127.0.0.1"
 # Small enough for two cores, and the same everywhere so runs can be compared.
@@ -52,6 +56,81 @@ class Finished:
 
     def explain(self) -> str:
         return f"$ {' '.join(self.command)}\nexit {self.returncode}\n{self.stdout}\n{self.stderr}"
+
+
+class TimedOutput:
+    """A process's output (text mode, stderr merged), read from now on by a thread of its own,
+    each line timed from `since` (a time.monotonic()). Reading goes on while the test does
+    something slow, such as a `docker kill` that waits for Docker to unmount the dead container:
+    what the process did and when is then measured apart from how long the test's own step took."""
+
+    def __init__(self, process: subprocess.Popen, since: float):
+        self.process, self.since = process, since
+        self.lines: list[tuple[float, str]] = []
+        self.ended: float | None = None  # seconds from `since` to the end of the output
+        self.marks: list[tuple[float, str]] = []  # what the test did meanwhile, and when
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append((time.monotonic() - self.since, line))
+                self._changed.notify_all()
+        with self._changed:
+            self.ended = time.monotonic() - self.since
+            self._changed.notify_all()
+
+    @property
+    def text(self) -> str:
+        with self._changed:
+            return "".join(line for _, line in self.lines)
+
+    def mark(self, what: str) -> None:
+        """Note that the test did `what` now, for `stamped`."""
+        with self._changed:
+            self.marks.append((time.monotonic() - self.since, f"--- {what} ---\n"))
+
+    @property
+    def stamped(self) -> str:
+        """Every line after the seconds since `since` when it arrived, the marks among them."""
+        with self._changed:
+            timed = sorted([*self.lines, *self.marks], key=lambda entry: entry[0])
+        return "".join(f"+{at:5.1f} s  {line}" for at, line in timed)
+
+    def first(self, text: str, timeout: float = 60) -> float:
+        """Seconds from `since` to the first line containing `text`."""
+
+        def found() -> float | None:
+            return next((at for at, line in self.lines if text in line), None)
+
+        with self._changed:
+            self._changed.wait_for(lambda: found() is not None or self.ended is not None, timeout)
+            at = found()
+        if at is None:
+            raise AssertionError(f"never saw {text!r}; output:\n{self.stamped[-4000:]}")
+        return at
+
+    def end(self, timeout: float = 60) -> float:
+        """Seconds from `since` to the end of the output; the process is waited for."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.ended is not None, timeout)
+            ended = self.ended
+        if ended is None:
+            self.process.kill()
+            raise AssertionError(f"still running {timeout:g} s on, killed:\n{self.stamped[-4000:]}")
+        self.process.wait()
+        return ended
+
+
+def kill_node(process: subprocess.Popen, container: str) -> TimedOutput:
+    """`docker kill` a node container while `process` (the launcher) runs; its output from here
+    on, timed from the start of the kill. The kill returns once Docker has cleaned up after the
+    container, which under heavy disk load takes 15 s and more: the launcher is timed apart."""
+    output = TimedOutput(process, time.monotonic())
+    sim.docker("kill", container)
+    output.mark("docker kill returned")
+    return output
 
 
 def free_port() -> int:

@@ -20,7 +20,13 @@ import pytest
 
 from cluster import sim
 from tests.conftest import VENV_BIN, run_cli
-from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_difference
+from tests.training.conftest import (
+    REFERENCE_STEPS,
+    TINY,
+    kill_node,
+    load_state,
+    max_difference,
+)
 from tests.training.test_launcher import SCRIPTS, _leftovers, _run_id
 from training import launcher, trainer
 from training.checkpoint import file_name
@@ -190,12 +196,11 @@ def test_node_killed_while_writing_a_checkpoint_loses_nothing_but_the_steps_sinc
     assert _files(sim2, 1, checkpoint_dir) == [file_name(4, 0), file_name(8, 0)]
     written = _files(sim2, 2, checkpoint_dir)
     assert written[0].startswith(f".{file_name(8, 1)}.") and written[1:] == [file_name(4, 1)]
-    killed_at = time.monotonic()
-    sim.docker("kill", sim2.config.container(2))
+    output = kill_node(process, sim2.config.container(2))
     try:
-        rest, _ = process.communicate(timeout=60)
-        stopped_after = time.monotonic() - killed_at
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{rest[-3000:]}"
+        stopped_after = output.end()
+        rest = output.text
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
         assert process.returncode == 1
         assert _summary(rest)[0].startswith(f"Job {_run_id(seen)} FAILED on node2")
         assert _leftovers(sim2.inventory, _run_id(seen), sim2.inventory.hosts[:1]) == {"node1": ""}
@@ -231,17 +236,17 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
                     "--log-every", "1", "--step-delay", "0.3", "--out", out)  # fmt: skip
     seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))  # step 8 saved on both nodes
     first = _run_id(seen)
-    killed_at = time.monotonic()
-    sim.docker("kill", sim2.config.container(1))
+    output = kill_node(process, sim2.config.container(1))
+    restarting = "[launcher] restart 1 of 1: waiting up to 120 s"
     try:
-        seen += _wait_for(process, "[launcher] restart 1 of 1: waiting up to 120 s")
-        stopped_after = time.monotonic() - killed_at
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{seen[-3000:]}"
-        assert f"Job {first} FAILED on node1" in seen
+        stopped_after = output.first(restarting)
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
+        assert f"Job {first} FAILED on node1" in output.text
     finally:
         sim.up(2, None, sim2.config)  # node1 is back, its disk as it was
-    rest, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, (seen + rest)[-4000:]
+    output.end(timeout=300)
+    rest = output.text[output.text.index(restarting) :]
+    assert process.returncode == 0, output.stamped[-4000:]
     assert re.search(rf"\[launcher\] job {first}-r1: every node answers \(waited \d+ s\); "
                      r"restart 1 of 1", rest)  # fmt: skip
     resumed = re.findall(r"\[node1\] resuming from step (\d+)", rest)

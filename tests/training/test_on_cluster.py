@@ -14,7 +14,13 @@ import pytest
 
 from cluster import sim
 from tests.conftest import VENV_BIN, run_cli
-from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_difference
+from tests.training.conftest import (
+    REFERENCE_STEPS,
+    TINY,
+    kill_node,
+    load_state,
+    max_difference,
+)
 from tests.training.test_ddp_equality import one_process
 from tests.training.test_pipeline import BATCH, STEPS
 from tests.training.test_pipeline import one_process as unsplit_pipeline
@@ -104,12 +110,11 @@ def test_node_killed_mid_run_then_rerun_resumes_to_the_uninterrupted_result(
             if last_step >= 9:  # the step-8 checkpoint is on both nodes' disks
                 break
     assert last_step >= 9, "".join(seen)[-3000:]
-    killed_at = time.monotonic()
-    sim.docker("kill", sim2.config.container(2))
+    output = kill_node(process, sim2.config.container(2))
     try:
-        rest, _ = process.communicate(timeout=60)
-        stopped_after = time.monotonic() - killed_at
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{rest[-3000:]}"
+        stopped_after = output.end()
+        rest = output.text
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
         assert process.returncode == 1
         assert "FAILED on node2" in rest
         run_id = "".join(seen).split("[launcher] job ", 1)[1].split(":", 1)[0]
