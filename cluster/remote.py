@@ -144,6 +144,11 @@ class Remote:
             exit_code=1,
         )
 
+    def connect(self) -> None:
+        """Open the SSH connection now rather than at the first command: a ClusterError here
+        means the node could not be reached, one from `run` that a command failed."""
+        self.connection  # noqa: B018 (the property connects)
+
     def run(self, command: str, timeout: float | None = 60, check: bool = False) -> Result:
         """Run a shell command; output is captured, never echoed."""
         try:

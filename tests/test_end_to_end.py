@@ -123,6 +123,11 @@ def test_provision_ships_nothing_when_jobs_run_on_the_host(tmp_path):
     )  # fmt: skip
 
 
+def _containers(cluster, index: int) -> list[str]:
+    """Every container on node `index`, running or not."""
+    return docker("exec", cluster.config.container(index), "docker", "ps", "-aq").stdout.split()
+
+
 def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory) -> None:
     # As a terminal's Ctrl-C does: SIGINT to make and everything it started.
     process = subprocess.Popen(
@@ -149,8 +154,15 @@ def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory
     for index in (1, 2):
         left = docker(
             "exec", cluster.config.container(index), "sh", "-c",
-            f"docker ps -aq; grep -lsaF TMN_RUN_ID= /proc/[0-9]*/environ | grep -v self; "
+            f"grep -lsaF TMN_RUN_ID= /proc/[0-9]*/environ | grep -v self; "
             f"ss -ltnH 'sport = :{port}'",
             check=False,
         ).stdout  # fmt: skip
         assert left.strip() == "", (index, left)
+    # The container itself: Docker removes it once its cleanup is done, at once on an idle disk,
+    # 15 s and more on a saturated one (unmounting syncs the disk); the stop does not wait for it.
+    deadline = time.monotonic() + 60
+    for index in (1, 2):
+        while (left := _containers(cluster, index)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == [], (index, left)

@@ -58,6 +58,9 @@ STOP_GRACE = 3.0
 # tries SSH on it: a dead node would otherwise hold the launcher for SSH's connect timeout.
 LOST_NODE_PROBE = 1.0
 RUNNER_GRACE = 5.0  # after the stop, how long the node runners may take to see their sessions end
+# After Ctrl-C or SIGTERM, less: their last lines say nothing new, and a container's `docker run`
+# holds its session until Docker has removed the container (15 s and more on a busy disk).
+INTERRUPTED_RUNNER_GRACE = 1.0
 BLAME_GRACE = 3.0  # after a first failure, how long the others may take to report their own
 # What a rank says when a *peer* died: evidence against that peer, not against this node.
 _COLLATERAL = re.compile(
@@ -348,20 +351,32 @@ def unlock_command(run_id: str, port: int) -> str:
 
 
 def stop_command(run_id: str, then: str = "") -> str:
-    """Remove the run's container if there is one (a closed SSH session does not stop it), and
-    kill every process carrying the run's marker: TERM, a grace period, then KILL. `then` runs
-    afterwards in the same session (the master frees the rendezvous port there)."""
+    """Stop the run on this node: its container, if it runs in one, and every process carrying
+    the run's marker (TERM, a grace period, then KILL); `then` runs afterwards in the same session
+    (the master frees the rendezvous port there).
+
+    `docker rm -f` kills a container at once but returns only once Docker has cleaned up after
+    it, and unmounting syncs the disk: 15 s and more on a busy one. So it runs in the background,
+    and the stop waits (for at most the grace period) only for the container's processes to be
+    gone; Docker then removes the container when its cleanup is done."""
     marker = shlex.quote(f"TMN_RUN_ID={run_id}")
     label = shlex.quote(f"label={RUN_LABEL}={run_id}")
     return (
-        f"if command -v docker >/dev/null 2>&1; then docker ps -q --filter {label} "
-        "| xargs -r docker rm -f >/dev/null 2>&1; fi; "
+        "inits=; if command -v docker >/dev/null 2>&1; then "
+        f"ids=$(docker ps -q --filter {label}); "
+        'if [ -n "$ids" ]; then '
+        "inits=$(docker inspect -f '{{.State.Pid}}' $ids 2>/dev/null); "
+        "nohup docker rm -f $ids >/dev/null 2>&1 & "
+        "fi; fi; "
         "found() { grep -lsaF " + marker + " /proc/[0-9]*/environ 2>/dev/null "
         "| cut -d/ -f3 | grep -vx $$; }; "
-        'stop() { pids=$(found); [ -z "$pids" ] && return 0; kill -TERM $pids 2>/dev/null; '
-        f'for _ in $(seq {int(STOP_GRACE * 10)}); do pids=$(found); [ -z "$pids" ] && return 0; '
-        "sleep 0.1; done; kill -KILL $pids 2>/dev/null; sleep 0.2; }; "
-        f"stop; {then + '; ' if then else ''}exit 0"
+        # a container's init is watched by its PID: a user in the docker group cannot read the
+        # environment of processes that run as root in a container
+        'alive() { for p in $inits; do [ -d "/proc/$p" ] && return 0; done; [ -n "$(found)" ]; }; '
+        'pids=$(found); [ -n "$pids" ] && kill -TERM $pids 2>/dev/null; '
+        f"for _ in $(seq {int(STOP_GRACE * 10)}); do alive || break; sleep 0.1; done; "
+        'pids=$(found); [ -n "$pids" ] && { kill -KILL $pids 2>/dev/null; sleep 0.2; }; '
+        f"{then + '; ' if then else ''}exit 0"
     )
 
 
@@ -502,9 +517,11 @@ class Launcher:
                 if outcome.error is None:
                     outcome.error = "the SSH session ended without an exit status: node down?"
         except Exception as exc:  # a dropped connection surfaces as several invoke/paramiko types
-            outcome.session_lost = not self.stopping.is_set()
-            if outcome.error is None:
-                outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
+            # Once the stop has begun, the launcher itself may close the session: "stopped".
+            if not self.stopping.is_set():
+                outcome.session_lost = True
+                if outcome.error is None:
+                    outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
         finally:
             # Whatever happened above, the launcher must hear of it: a runner that dies without
             # a word leaves the main thread waiting forever.
@@ -588,12 +605,15 @@ class Launcher:
             except Exception:  # closing a session to a dead node may raise anything
                 pass
 
-    def stop_everywhere(self, master: Host | None = None) -> dict[str, float | None]:
+    def stop_everywhere(self, master: Host | None = None) -> dict[str, float | str]:
         """Kill the run's processes on every node that still answers, in parallel, one SSH
         session each; on `master` the same session frees the rendezvous port. Per node: the
-        seconds its stop took, or None where it could not be reached."""
+        seconds its stop took, or why it was not confirmed."""
         self.stopping.set()
-        stopped: dict[str, float | None] = {h.name: None for h in self.hosts}
+        limit = STOP_GRACE + 8
+        stopped: dict[str, float | str] = {
+            h.name: f"not confirmed within {limit:g} s" for h in self.hosts
+        }
         unlock = unlock_command(self.spec.run_id, self.inventory.rendezvous_port)
         started = time.monotonic()
 
@@ -602,19 +622,25 @@ class Launcher:
             command = stop_command(self.spec.run_id, then=unlock if on_master else "")
             if self.outcomes[host.name].lost and not answers(host, LOST_NODE_PROBE):
                 self.silent.add(host.name)
+                stopped[host.name] = "unreachable"
                 return
-            try:
-                with self._remote(host) as remote:
-                    remote.run(command, timeout=STOP_GRACE + 8, check=True)
-                stopped[host.name] = time.monotonic() - started
-            except ClusterError:
-                pass
+            with self._remote(host) as remote:
+                try:
+                    remote.connect()
+                except ClusterError:
+                    stopped[host.name] = "unreachable"
+                    return
+                try:
+                    remote.run(command, timeout=limit, check=True)
+                    stopped[host.name] = time.monotonic() - started
+                except ClusterError:
+                    pass  # not confirmed: the command failed or outlasted its limit
 
         threads = [threading.Thread(target=stop, args=(h,), daemon=True) for h in self.hosts]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(max(0.0, started + STOP_GRACE + 10 - time.monotonic()))
+            thread.join(max(0.0, started + limit + 2 - time.monotonic()))
         return dict(stopped)
 
     def run(self) -> JobResult:
@@ -692,15 +718,17 @@ class Launcher:
             if interrupted or self.first_failure is not None:
                 stopped = self.stop_everywhere(master)
                 self.emit("[launcher] stopped: " + ", ".join(
-                    f"{name} in {seconds:.1f} s" if seconds is not None else f"{name} unreachable"
-                    for name, seconds in stopped.items()
+                    f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
+                    for name, done in stopped.items()
                 ))  # fmt: skip
-                if stopped[master.name] is None and master.name not in self.silent:
+                if not isinstance(stopped[master.name], float) and master.name not in self.silent:
                     self._release_port(master)  # a silent master: the next launch finds it stale
             else:
                 self._release_port(master)
             self.done.set()
-            deadline = time.monotonic() + RUNNER_GRACE
+            deadline = time.monotonic() + (
+                INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE
+            )
             for runner in runners:
                 runner.join(max(0.0, deadline - time.monotonic()))
             self._close()

@@ -4,6 +4,7 @@ lose a node or are interrupted, leaving no process or bound port behind."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import shlex
@@ -126,12 +127,54 @@ def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_pa
             process.wait()
 
 
+def test_the_stop_waits_for_a_containers_processes_not_for_dockers_cleanup(tmp_path):
+    """A stand-in `docker` whose `rm -f` kills the container at once and then, as Docker does on
+    a busy disk, takes 30 s more to clean up. The container's init is a process of this test,
+    unmarked (its environment unreadable to a user in the docker group)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    init = subprocess.Popen(["sleep", "60"])
+    (tmp_path / "init.pid").write_text(f"{init.pid}\n")
+    (bin_dir / "docker").write_text(f"""#!/bin/sh
+echo "$*" >> {tmp_path}/calls
+case "$1" in
+  ps) echo c1 ;;
+  inspect) cat {tmp_path}/init.pid ;;
+  rm) echo $$ > {tmp_path}/rm.pid; kill -KILL $(cat {tmp_path}/init.pid); exec sleep 30 ;;
+esac
+""")
+    (bin_dir / "docker").chmod(0o755)
+    environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    stop = launcher.stop_command("tmn-boxed", then=f"echo freed > {tmp_path / 'after'}")
+    try:
+        running = subprocess.Popen(["sh", "-c", stop], env=environment)
+        while running.poll() is None:
+            init.poll()  # reaps the killed init, as the container runtime would
+            time.sleep(0.05)
+        assert init.wait(1) == -signal.SIGKILL
+        assert running.returncode == 0
+        calls = (tmp_path / "calls").read_text().splitlines()
+        assert calls[0] == "ps -q --filter label=torch-multinode.run=tmn-boxed"
+        assert calls[1].startswith("inspect ") and calls[1].endswith(" c1")
+        assert calls[2] == "rm -f c1"
+        assert (tmp_path / "after").read_text() == "freed\n"
+        # the 30 s cleanup goes on without the stop: it returned with its `rm` still running
+        rm_pid = int((tmp_path / "rm.pid").read_text())
+        assert Path(f"/proc/{rm_pid}").exists()
+    finally:
+        init.kill()
+        init.wait()
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+            os.kill(int((tmp_path / "rm.pid").read_text()), signal.SIGKILL)
+
+
 class _FlakyRemote:
     """Stands in for Remote in wait_for_nodes and the stop: `answers[name]` probes fail before one
     works."""
 
     answers: dict[str, int] = {}
     probes: collections.Counter = collections.Counter()
+    closed: set[str] = set()  # nodes whose SSH connection fails at once
 
     def __init__(self, host):
         self.host = host
@@ -145,6 +188,10 @@ class _FlakyRemote:
 
     def __exit__(self, *exc):
         return None
+
+    def connect(self):
+        if self.host.name in _FlakyRemote.closed:
+            raise ClusterError(f"host '{self.host.name}': cannot SSH to it: connection refused")
 
     def run(self, command, timeout=None, check=False):
         _FlakyRemote.probes[self.host.name] += 1
@@ -189,13 +236,28 @@ def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(monke
     job.outcomes["n2"].session_lost = True  # n1 is merely failed: no probe before its stop
     stopped = job.stop_everywhere(inventory.hosts[0])
     assert probed == [("n2", launcher.LOST_NODE_PROBE)]
-    assert stopped["n1"] is not None
+    assert isinstance(stopped["n1"], float)
     if n2_answers:
-        assert _FlakyRemote.probes == {"n1": 1, "n2": 1} and stopped["n2"] is not None
+        assert _FlakyRemote.probes == {"n1": 1, "n2": 1} and isinstance(stopped["n2"], float)
         assert job.silent == set()
     else:
-        assert _FlakyRemote.probes == {"n1": 1} and stopped["n2"] is None
+        assert _FlakyRemote.probes == {"n1": 1} and stopped["n2"] == "unreachable"
         assert job.silent == {"n2"}
+
+
+def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(monkeypatch):
+    # Fakes only, no traffic: n1's SSH connection is refused; n2's stop command fails.
+    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
+    monkeypatch.setattr(launcher, "Remote", _FlakyRemote)
+    monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
+    monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 1})
+    monkeypatch.setattr(_FlakyRemote, "closed", {"n1"})
+    job = launcher.Launcher(inventory, inventory.hosts, launcher.JobSpec(), emit=lambda _: None)
+    stopped = job.stop_everywhere(inventory.hosts[0])
+    assert stopped == {
+        "n1": "unreachable",
+        "n2": f"not confirmed within {launcher.STOP_GRACE + 8:g} s",
+    }
 
 
 def test_bad_container_memlock_is_rejected():
@@ -365,12 +427,13 @@ def test_a_second_job_on_the_same_port_is_refused_and_the_first_goes_on(sim2):
     first_id = _run_id("".join(seen))
     try:
         second = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "tutorial_ddp.py"))
-        assert second.returncode == 1
+        said = f"exit {second.returncode}\n{second.stdout[-2000:]}\n{second.stderr}"
+        assert second.returncode == 1, said
         assert second.stderr == (
             f"Error: job {first_id} is already running on node1 (rendezvous port "
             f"{sim2.inventory.rendezvous_port}) (try waiting for it to end, or Ctrl-C where it "
             "was started)\n"
-        )
+        ), said
         assert "identical on all ranks" not in second.stdout
         _wait_for(first, "rank 1 step 30")  # undisturbed
     finally:
