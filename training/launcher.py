@@ -54,6 +54,8 @@ LINK_PROBE_WAIT = 3  # seconds a ping waits for its answer
 DEFAULT_RESTART_WAIT = 300.0  # seconds a restart waits for every node to answer again
 RESTART_POLL = 2.0
 STOP_GRACE = 3.0
+# How long one node's stop command may take before the stop there counts as unconfirmed.
+STOP_TIMEOUT = STOP_GRACE + 8
 # A node already lost must accept a TCP connection to its SSH port within this before the stop
 # tries SSH on it: a dead node would otherwise hold the launcher for SSH's connect timeout.
 LOST_NODE_PROBE = 1.0
@@ -610,9 +612,8 @@ class Launcher:
         session each; on `master` the same session frees the rendezvous port. Per node: the
         seconds its stop took, or why it was not confirmed."""
         self.stopping.set()
-        limit = STOP_GRACE + 8
         stopped: dict[str, float | str] = {
-            h.name: f"not confirmed within {limit:g} s" for h in self.hosts
+            h.name: f"not confirmed within {STOP_TIMEOUT:g} s" for h in self.hosts
         }
         unlock = unlock_command(self.spec.run_id, self.inventory.rendezvous_port)
         started = time.monotonic()
@@ -631,7 +632,7 @@ class Launcher:
                     stopped[host.name] = "unreachable"
                     return
                 try:
-                    remote.run(command, timeout=limit, check=True)
+                    remote.run(command, timeout=STOP_TIMEOUT, check=True)
                     stopped[host.name] = time.monotonic() - started
                 except ClusterError:
                     pass  # not confirmed: the command failed or outlasted its limit
@@ -640,7 +641,7 @@ class Launcher:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(max(0.0, started + limit + 2 - time.monotonic()))
+            thread.join(max(0.0, started + STOP_TIMEOUT + 2 - time.monotonic()))
         return dict(stopped)
 
     def run(self) -> JobResult:

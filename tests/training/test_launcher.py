@@ -256,7 +256,7 @@ def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(
     stopped = job.stop_everywhere(inventory.hosts[0])
     assert stopped == {
         "n1": "unreachable",
-        "n2": f"not confirmed within {launcher.STOP_GRACE + 8:g} s",
+        "n2": f"not confirmed within {launcher.STOP_TIMEOUT:g} s",
     }
 
 
