@@ -53,7 +53,8 @@ def test_invalid_inventory_fails_in_validation_and_changes_nothing(
     run = ansible_playbook(path)
     expected = f"inventory {path}: " + message.format(subnet=fresh.inventory.compute_subnet)
     assert run.returncode == 2, run.describe()
-    assert any(line.endswith(f"Action failed: {expected}") for line in run.errors), run.describe()
+    assert any(f"Action failed: {expected}" in line for line in run.errors), run.describe()
     assert "PLAY [Provision every node" not in run.output, run.describe()
-    assert run.changed() == {"localhost": 0, "node1": 0, "node2": 0}, run.describe()
+    # Only the controller ran anything: no task reached a node.
+    assert run.changed() == {"localhost": 0}, run.describe()
     assert snapshot(containers) == before

@@ -1,9 +1,11 @@
 """A fresh 2-node simulated cluster, provisioned twice: the second run changes nothing, and
-the nodes end up named, resolving, meshed, firewalled, with Docker and the same image."""
+the nodes end up named, resolving, meshed, firewalled, with Docker, rsync, the job directories
+and the same image."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -139,6 +141,49 @@ def test_firewall_is_active_with_exactly_our_rules(provisioned):
         assert "Default: deny (incoming), allow (outgoing), deny (routed)" in verbose.splitlines()
 
 
+def test_nccl_reads_the_compute_interface_from_its_own_configuration_file(provisioned):
+    """/etc/nccl.conf, which NCCL reads in every process (a launcher typed by hand included):
+    the inventory's compute interface in the exact-match form, and nothing else."""
+    for host in provisioned.hosts:
+        found = node_sh(
+            provisioned.container(host), "cat /etc/nccl.conf; stat -c '%a %U' /etc/nccl.conf"
+        )
+        assert found.stdout == f"NCCL_SOCKET_IFNAME=={host.compute_interface}\n644 root\n"
+
+
+def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
+    """A node exporter's port from one source, another port from anywhere: added beside ours,
+    a rerun changes nothing, and dropped again (rule removal stays on) once no longer asked."""
+    inventory = provisioned.cluster.config.inventory_path
+    extra = json.dumps({
+        "firewall_allowed_udp_ports": [9999],
+        "firewall_additional_rules": [{"port": 9100, "from_ip": "192.0.2.5"}],
+    })  # fmt: skip
+    wanted = ["ufw allow 9999/udp", "ufw allow from 192.0.2.5 to any port 9100 proto tcp"]
+    base = [
+        "ufw allow 22/tcp",
+        f"ufw allow from {provisioned.cluster.inventory.compute_subnet} proto tcp",
+    ]
+    try:
+        added = ansible_playbook(inventory, "--tags", "firewall", "-e", extra)
+        assert added.failed() == {"localhost": 0, "node1": 0, "node2": 0}, added.describe()
+        for host in provisioned.hosts:
+            shown = node_sh(provisioned.container(host), "ufw show added").stdout
+            assert [line for line in shown.splitlines() if line.startswith("ufw ")] == base + wanted
+        again = ansible_playbook(inventory, "--tags", "firewall", "-e", extra)
+        assert set(again.changed().values()) == {0}, again.describe()
+        bad = ansible_playbook(inventory, "--tags", "firewall", "-e",
+                               '{"firewall_allowed_tcp_ports": [70000]}')  # fmt: skip
+        assert bad.returncode != 0 and "take port numbers (1-65535)" in bad.output
+    finally:
+        removed = ansible_playbook(inventory, "--tags", "firewall")
+    assert removed.failed() == {"localhost": 0, "node1": 0, "node2": 0}, removed.describe()
+    subnet = str(provisioned.cluster.inventory.compute_subnet)
+    for host in provisioned.hosts:
+        status = node_sh(provisioned.container(host), "ufw status").stdout
+        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(subnet)
+
+
 def test_firewall_drops_traffic_from_outside_the_compute_subnet_only(provisioned):
     node1, node2 = provisioned.hosts
     with Listener(provisioned.container(node1), LISTEN_PORT):
@@ -205,3 +250,20 @@ def test_docker_runs_and_every_node_holds_the_controllers_image(provisioned, tin
         engine = node_sh(container, "docker info --format '{{.ServerVersion}}'")
         assert engine.returncode == 0 and engine.stdout.strip(), engine.stderr
         assert image_id(tiny_image, container) == expected
+
+
+def test_rsync_is_installed_and_the_job_directories_belong_to_the_training_user(provisioned):
+    inventory = provisioned.cluster.inventory
+    directories = [inventory.checkpoint_root, inventory.data_root, inventory.workdir_root]
+    for host in provisioned.hosts:
+        container = provisioned.container(host)
+        rsync = node_sh(container, r"dpkg-query -W -f '${Status}\n' rsync; command -v rsync")
+        assert rsync.stdout.splitlines() == ["install ok installed", "/usr/bin/rsync"], (
+            host.name, rsync.stderr,
+        )  # fmt: skip
+        group = node_sh(container, f"id -gn {host.ssh_user}").stdout.strip()
+        assert group, host.name
+        made = node_sh(container, "stat -c '%n %F %U:%G %a' " + " ".join(directories))
+        assert made.stdout.splitlines() == [
+            f"{directory} directory {host.ssh_user}:{group} 755" for directory in directories
+        ], (host.name, made.stderr)

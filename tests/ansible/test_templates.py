@@ -182,3 +182,37 @@ def test_nvidia_runtime_is_merged_into_daemon_json_once(tmp_path):
     assert again.changed() == {"localhost": 0}, again.describe()
     default = run_local("nvidia_local.yml", {**variables, "nvidia_docker_default_runtime": True})
     assert json.loads(daemon_json.read_text())["default-runtime"] == "nvidia", default.describe()
+
+
+@pytest.mark.parametrize(
+    "installed, install",
+    [("", True), ("1.17.0-1", True), ("1.17.8-1", False), ("1.18.0-1", False),
+     ("1.17.10-1", False)],
+    ids=["absent", "older", "the-pin", "newer", "newer-patch"],
+)  # fmt: skip
+def test_the_toolkit_pin_is_a_floor_so_a_newer_toolkit_is_never_downgraded(
+    tmp_path, installed, install
+):
+    # apt refuses to downgrade without --allow-downgrades: a node with a newer toolkit made the
+    # whole provisioning run fail, and forcing it would undo NVIDIA's security fixes.
+    result = tmp_path / "decision.json"
+    run_local("nvidia_toolkit.yml", {"nvidia_toolkit_installed": installed,
+                                     "result_file": str(result)})  # fmt: skip
+    assert json.loads(result.read_text()) is install
+    setup = yaml.safe_load((ANSIBLE_DIR / "roles" / "nvidia" / "tasks" / "setup.yml").read_text())
+    (apt,) = [t for t in setup if "apt" in str(t) and "container_toolkit_packages" in str(t)]
+    assert apt["when"] == "nvidia_toolkit_install | bool"
+
+
+def test_the_default_driver_branch_runs_the_cuda_of_the_pinned_torch():
+    # torch 2.14.1's wheels are CUDA 13 builds: NVIDIA's compatibility table asks for 580+.
+    import torch
+
+    from cluster.versions import driver_needed
+
+    defaults = yaml.safe_load(
+        (ANSIBLE_DIR / "roles" / "nvidia" / "defaults" / "main.yml").read_text()
+    )
+    needed = driver_needed(torch.version.cuda)
+    assert needed == 580
+    assert int(defaults["nvidia_driver_branch"]) >= needed
