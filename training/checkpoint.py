@@ -205,21 +205,32 @@ def plan_resume(steps_per_rank: list[list[int]], resume: bool | None, directory:
     return ResumePlan(step, f"resuming from step {step}, the newest step every rank has ({held})")
 
 
-def rng_states() -> dict[str, Any]:
+def rng_states(device: torch.device) -> dict[str, Any]:
+    """Every generator this rank draws from: Python's, numpy's, torch's CPU one and, on a GPU,
+    that of the rank's own device only. Every visible GPU's would tie the checkpoint to the
+    number of GPUs visible when it was written."""
     numpy_state = np.random.get_state()
     return {
         "python": random.getstate(),
         # weights_only loading accepts tensors and plain containers, not numpy arrays.
         "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].copy()), *numpy_state[2:]),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
 
 
-def restore_rng_states(states: dict[str, Any]) -> None:
+def restore_rng_states(states: dict[str, Any], device: torch.device) -> None:
     random.setstate(states["python"])
     name, keys, *rest = states["numpy"]
     np.random.set_state((name, keys.numpy(), *rest))
     torch.set_rng_state(states["torch"].cpu())
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state.cpu() for state in states["cuda"]])
+    if device.type != "cuda":
+        return
+    cuda = states["cuda"]
+    if isinstance(cuda, (list, tuple)):
+        # Checkpoints written before held every visible GPU's state, in visible order: this
+        # rank's is at its device's index, if that GPU was visible then.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda.cpu(), device)

@@ -2,17 +2,21 @@
 
 train                                   # the default job on this machine
 train -i cluster.yml --nnodes 2         # the default job (DDP ResNet) on two nodes
-train -i cluster.yml --script my_train.py -- --epochs 3
+train -i cluster.yml --script proj/train.py -- --epochs 3    # proj/ (or its git tree) travels
+train -i cluster.yml --script train.py --env WANDB_API_KEY --env HF_TOKEN=abc
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from cluster import inventory as inventory_module
+from cluster import staging, sync
 from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown, stop_on_sigterm
 from cluster.inventory import parse_gpu_list
 from training import launcher
@@ -28,15 +32,41 @@ def _parser() -> argparse.ArgumentParser:
         "failed (the summary names the node), 2 bad input, 130 interrupted (Ctrl-C), 143 "
         "terminated (SIGTERM: stopped on every node, as for Ctrl-C).",
     )
-    parser.add_argument("-i", "--inventory", help="Ansible YAML inventory (default: run locally)")
+    parser.add_argument(
+        "-i", "--inventory", help="the Ansible inventory, YAML or INI (default: run locally)"
+    )
     parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
-        "--script", type=Path, help="your torchrun-compatible script; copied to every node"
-    )
+        "--script", type=Path,
+        help="your torchrun-compatible script; its project (the git work tree it is in, else its "
+        "directory, or --workdir) is mirrored to every node and the job runs in it",
+    )  # fmt: skip
     what.add_argument(
         "--module", default=launcher.DEFAULT_MODULE,
         help="a module importable on the nodes (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workdir", type=Path, default=None,
+        help="the project directory that travels to every node (default: see --script; for a "
+        "--module, this project's own packages); what git ignores, .git, virtual environments "
+        "and caches stay behind",
+    )  # fmt: skip
+    parser.add_argument(
+        "--env-file", default=None, metavar="PATH",
+        help="netcheck's interface settings for each node, as netcheck --env-file wrote them "
+        "(default: netcheck-env.json next to the inventory, where netcheck writes it; without "
+        "one, each node's compute_interface)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workdir-limit", type=float, default=sync.DEFAULT_WORKDIR_LIMIT / 1e6,
+        help="MB a workdir may hold; datasets go through 'make data' (default: %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME[=VALUE]",
+        help="an environment variable for every rank (repeatable; several per flag, space "
+        "separated); a bare NAME passes this machine's value. Values never appear in output, "
+        "logs, docker inspect or any command line",
     )  # fmt: skip
     parser.add_argument(
         "--nproc-per-node", type=int, default=None,
@@ -116,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         raise ClusterError(f"--max-restarts={args.max_restarts} is below 0")
     if args.restarts < 0:
         raise ClusterError(f"--restarts={args.restarts} is below 0")
+    if not 0 < args.workdir_limit < float("inf"):
+        raise ClusterError(f"--workdir-limit={args.workdir_limit:g} is not a positive number")
     if not 0 < args.restart_wait < float("inf"):
         raise ClusterError(f"--restart-wait={args.restart_wait:g} is not a positive number")
     if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
@@ -144,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
         network_timeout=args.network_timeout,
         rendezvous_timeout=args.rendezvous_timeout,
         max_restarts=args.max_restarts,
+        workdir=args.workdir,
+        workdir_limit=int(args.workdir_limit * 1e6),
+        secret_env=staging.parse_env(args.env, os.environ),
+        env_file=Path(args.env_file) if args.env_file else None,
     )
     if not args.inventory:
         if args.restarts:
@@ -151,15 +187,26 @@ def run(args: argparse.Namespace) -> int:
                 f"--restarts={args.restarts} needs an inventory: a local job has no node to "
                 "wait for", hint="INVENTORY=path.yml",
             )  # fmt: skip
+        if args.workdir is not None or args.env:
+            raise ClusterError(
+                "WORKDIR and ENV are for jobs on an inventory's nodes; a local job runs here, in "
+                "this environment", hint="INVENTORY=path.yml",
+            )  # fmt: skip
         if args.nnodes not in (None, "", "1"):
             raise ClusterError(
                 f"NNODES={args.nnodes} needs an inventory",
                 hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
             )
+        if spec.script is None:
+            _importable_here(spec.module)
         return launcher.run_local(spec, _emit)
 
     inventory = inventory_module.load(args.inventory)
     hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+    # Everything decided here fails before any node is touched.
+    project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
+    resolved, notes = staging.resolve_paths(spec.args, inventory, project, launcher.run_dir(spec))
+    spec = replace(spec, args=resolved)
     _emit(
         f"[launcher] job {spec.run_id}: {len(hosts)} node(s), master {hosts[0].name} "
         f"{hosts[0].compute_ip}:{inventory.rendezvous_port}, "
@@ -170,16 +217,48 @@ def run(args: argparse.Namespace) -> int:
         _emit(f"[launcher] {warning}")
     if flag:
         _emit(f"[launcher] {args.script.name} parses {flag}: passing it the local rank")
+    for note in notes:
+        _emit(f"[launcher] {note}")
+    if spec.secret_env:
+        _emit(f"[launcher] environment for every rank: {staging.environment_names(spec.secret_env)}"
+              " (values not shown)")  # fmt: skip
     if spec.debug:
         _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
     if args.restarts:
         _emit(f"[launcher] up to {args.restarts} restart(s) after a failure, each once every node "
               f"answers again (--restart-wait {args.restart_wait:g} s)")  # fmt: skip
-    result = launcher.run_job(inventory, hosts, spec, _emit, args.restarts, args.restart_wait)
+    result = launcher.run_job(
+        inventory, hosts, spec, _emit, args.restarts, args.restart_wait, project
+    )
     for line in launcher.summary(result, hosts):
         _emit(line)
     _emit(f"Logs: {spec.log_dir}/ (one file per node)")
+    if result.brought_back:
+        _emit(f"Run directory of {hosts[0].name}: {result.brought_back}")
+        if (spec.log_dir / "tensorboard").is_dir():
+            _emit(f"TensorBoard: make tensorboard RUN={spec.log_dir.name}")
     return result.exit_code
+
+
+def _importable_here(module: str) -> None:
+    """A local job's module must exist before any process starts: otherwise every rank prints
+    'No module named' and torchrun adds its own traceback. Finds it the way `python -m` in this
+    directory would, importing its parent packages only."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path.pop(0)
+    if found is None:
+        raise ClusterError(
+            f"--module {module}: no module of that name here",
+            hint=f"MODULE={launcher.DEFAULT_MODULE}, one of the workloads listed in "
+            "training/__init__.py, or SCRIPT=path/to/train.py",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,7 +171,8 @@ class RunConfig:
     )
     collective_timeout: float = doc(
         "seconds a collective waits for the other ranks before the job fails (a node or the "
-        "network between the nodes lost), from the first step on; torch's own is 30 min",
+        "network between the nodes lost), from the first step on; torch's own is 10 min for "
+        "NCCL, 30 for gloo",
         300.0,
     )
     slow_rank_factor: float = doc(

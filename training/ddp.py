@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.jobenv import RUN_DIR_VARIABLE
 from training import config as config_module
 from training import console, data, levers, models, parallel
 from training.checkpoint import write_atomically
@@ -36,6 +37,10 @@ exit codes: 0 done, 1 failed, 2 bad input (one `Error:` line), {STOP_EXIT_CODE} 
 
 
 def default_run_dir(workload: str) -> str:
+    """The launcher's run directory for this job where it gave one (it copies the master's back
+    to the controller), else .runs/<workload>-<run id> here."""
+    if os.environ.get(RUN_DIR_VARIABLE):
+        return os.environ[RUN_DIR_VARIABLE]
     # torchrun hands every process of one job the same run id, so all ranks agree on the path.
     return str(Path(".runs") / f"{workload}-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
 
@@ -44,9 +49,14 @@ def prepare(config, env: parallel.DistEnv, workload: str):
     """The checks and choices that need no other process: bad input fails before rendezvous."""
     config_module.check(config)
     batch = parallel.per_rank_batch(config.optim.global_batch_size, env)
+    parallel.use_device(env)  # --precision auto asks the current GPU: this rank's, not GPU 0
     numerics = resolve_numerics(config.model.precision, env.device)
     if config.run.run_dir is None:
         config.run.run_dir = default_run_dir(workload)
+    if config.run.out and os.environ.get(RUN_DIR_VARIABLE) and not os.path.isabs(config.run.out):
+        # Under the launcher a relative --out lands in the run directory, which comes back to
+        # the controller, not in the synced project, which the next sync would overwrite.
+        config.run.out = os.path.join(os.environ[RUN_DIR_VARIABLE], config.run.out)
     return batch, numerics
 
 

@@ -22,15 +22,21 @@ import sys
 import torch
 import torch.distributed as dist
 
+from cluster.errors import ClusterError
+from training import parallel
+
 METHODS = ("env", "tcp", "file")
 
 
-def form_and_check(method: str, init_method: str, rank: int, world: int, backend: str) -> int:
+def form_and_check(
+    method: str, init_method: str, rank: int, world: int, backend: str, device: torch.device
+) -> int:
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
-    value = torch.tensor([float(rank + 1)])
+    # NCCL reduces GPU tensors only, each rank's on its own GPU.
+    value = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(value)
     expected = world * (world + 1) / 2
     dist.barrier()
@@ -61,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as missing:
         print(f"Error: {missing.args[0]} is not set (try running under torchrun)", file=sys.stderr)
         return 2
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        env = parallel.read_env()  # the job's backend (TMN_BACKEND) and this rank's device
+    except ClusterError as error:
+        print(error.line(), file=sys.stderr)
+        return error.exit_code
+    # Before any group forms: otherwise every rank's NCCL work lands on GPU 0.
+    parallel.use_device(env)
     failures = 0
     for method in options.methods.split(","):
         if method == "env":
@@ -77,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"Error: unknown method {method!r} (try env, tcp, file)", file=sys.stderr)
             return 2
-        failures += form_and_check(method, init, rank, world, backend)
+        failures += form_and_check(method, init, rank, world, env.backend, env.device)
     return 1 if failures else 0
 
 

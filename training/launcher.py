@@ -31,19 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from cluster import staging, sync
 from cluster.containers import training_container_options
-from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, ClusterError, Terminated
+from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, ClusterError, Terminated, printable
 from cluster.inventory import Host, Inventory
+from cluster.jobenv import BACKEND_VARIABLE, RUN_DIR_VARIABLE
 from cluster.remote import Remote, on_all
+from cluster.staging import REMOTE_RUN_ROOT, Project
+from training.node_output import NodeOutput
 
 DEFAULT_MODULE = "training.ddp"
 RUN_LABEL = "torch-multinode.run"
 CONTAINER_PYTHON = "python3"
-REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
 REMOTE_LOCK_ROOT = "/tmp/torch-multinode/locks"
 STALE_LOCK_SECONDS = 20  # a lock with no live process this old was left by a launcher that died
 LOCK_BUSY_EXIT = 3
-NETCHECK_ENV_FILE = "netcheck-env.json"
 TAIL_LINES = 120
 EXCERPT_LINES = 12
 LIVENESS_INTERVAL = 2.0
@@ -63,6 +65,10 @@ RUNNER_GRACE = 5.0  # after the stop, how long the node runners may take to see 
 # After Ctrl-C or SIGTERM, less: their last lines say nothing new, and a container's `docker run`
 # holds its session until Docker has removed the container (15 s and more on a busy disk).
 INTERRUPTED_RUNNER_GRACE = 1.0
+# Workloads whose every process spans more than one GPU (the default is one GPU per process).
+GPUS_PER_PROCESS = {"training.model_parallel": 2}
+# A node's GPUs, as its driver lists them: no answer, no NCCL job there.
+GPU_PROBE = "nvidia-smi --query-gpu=index --format=csv,noheader 2>&1"
 BLAME_GRACE = 3.0  # after a first failure, how long the others may take to report their own
 # What a rank says when a *peer* died: evidence against that peer, not against this node.
 _COLLATERAL = re.compile(
@@ -95,6 +101,13 @@ class JobSpec:
     log_dir: Path | None = None
     network_timeout: float = DEFAULT_NETWORK_TIMEOUT
     """Seconds a node may be unable to reach the master over the compute network."""
+    workdir: Path | None = None
+    """The project directory that travels (WORKDIR); None: see staging.project_root."""
+    workdir_limit: int = sync.DEFAULT_WORKDIR_LIMIT
+    secret_env: tuple[tuple[str, str], ...] = ()
+    """--env variables: reach the job through a file read once, never a command line."""
+    env_file: Path | None = None
+    """netcheck's environment file (--env-file); None: where netcheck writes it by default."""
 
 
 @dataclass
@@ -128,6 +141,7 @@ class JobResult:
     restart: int = 0  # which restart this run was (0: the first run)
     restarts: int = 0  # how many were allowed
     terminated: bool = False  # interrupted by SIGTERM rather than Ctrl-C
+    brought_back: str | None = None  # what became of the master's run directory
 
     @property
     def exit_code(self) -> int:
@@ -181,13 +195,77 @@ def visible_gpus(host: Host, spec: JobSpec) -> tuple[int, ...] | None:
     return selected
 
 
+def gpus_per_process(spec: JobSpec) -> int:
+    return GPUS_PER_PROCESS.get(spec.module, 1) if spec.script is None else 1
+
+
 def nproc_for(host: Host, spec: JobSpec) -> int:
+    """Processes on this node (see process_count)."""
     selected = visible_gpus(host, spec)
-    if selected is not None:
-        return len(selected)
+    gpus = len(selected) if selected is not None else host.gpus
+    given = f"GPUS={','.join(map(str, selected))}" if selected else f"inventory gpus: {host.gpus}"
+    return process_count(spec, gpus, f"node '{host.name}' has {gpus} for the job ({given})")
+
+
+def process_count(spec: JobSpec, gpus: int, has: str, cpu_default: int = 1) -> int:
+    """--nproc-per-node where given (checked against the `gpus` the job has there), else one
+    process per GPU, or per pair for a workload that spans two (model parallel), or
+    `cpu_default` without GPUs. Too few GPUs for even one process is refused: `has` says where
+    and what."""
+    per = gpus_per_process(spec)
+    what = spec.module if spec.script is None else spec.script.name
     if spec.nproc_per_node is not None:
+        if gpus and spec.nproc_per_node * per > gpus:
+            raise ClusterError(
+                f"--nproc-per-node={spec.nproc_per_node} of {what} needs "
+                f"{spec.nproc_per_node * per} GPU(s), but {has}",
+                hint=f"--nproc-per-node={max(1, gpus // per)}",
+            )
         return spec.nproc_per_node
-    return host.gpus if host.gpus > 0 else 1
+    if gpus == 0:
+        return cpu_default
+    if gpus < per:
+        raise ClusterError(
+            f"{what} spans {per} GPUs per process, but {has}",
+            hint=f"machines with {per} GPUs, or GPUS= naming {per} of them; without GPUs "
+            f"(gpus: 0) its stages run on the CPU",
+        )
+    return gpus // per
+
+
+def job_backend(hosts: tuple[Host, ...]) -> tuple[str, str | None]:
+    """One process group backend for the whole job, decided before launch: NCCL only when every
+    node has GPUs, else gloo everywhere (with a note naming the nodes without). Ranks mixing
+    the two would wait on each other until the timeout."""
+    without = [h.name for h in hosts if h.gpus == 0]
+    if not without:
+        return "nccl", None
+    if len(without) == len(hosts):
+        return "gloo", None
+    return "gloo", (
+        f"note: {', '.join(without)} {'has' if len(without) == 1 else 'have'} no GPU (inventory "
+        f"gpus: 0), so the whole job runs on the CPU with gloo: NCCL needs GPUs on every node"
+    )
+
+
+def gpu_problem(host: Host, spec: JobSpec, answer: str, ok: bool) -> str | None:
+    """Why this node's GPUs cannot take an NCCL job (from GPU_PROBE's answer), or None."""
+    selected = visible_gpus(host, spec)
+    needed = (max(selected) + 1) if selected else host.gpus
+    indices = [line.strip() for line in answer.splitlines() if line.strip().isdigit()]
+    if ok and len(indices) >= needed:
+        return None
+    said = answer.strip().splitlines()[-1:] if answer.strip() else []
+    reason = (
+        f"nvidia-smi lists {len(indices)} GPU(s), the job needs {needed}"
+        if ok
+        else f"nvidia-smi failed: {printable(said[0]) if said else 'no output'}"
+    )
+    return (
+        f"on {host.name}: its GPUs do not answer ({reason}); an NCCL job cannot start there "
+        f"(try nvidia-smi on {host.name}: load or reinstall the NVIDIA driver (a reboot after a "
+        f"kernel update), or set gpus: 0 for it in the inventory)"
+    )
 
 
 def legacy_flag(script: Path) -> str | None:
@@ -205,6 +283,10 @@ def legacy_flag(script: Path) -> str | None:
 def job_environment(host: Host, spec: JobSpec) -> dict[str, str]:
     """What the job's processes get on top of the interface settings."""
     variables = {"TMN_RUN_ID": spec.run_id, "PYTHONUNBUFFERED": "1", "TMN_NODE_NAME": host.name}
+    if host.gpus > 0:
+        # GPU indices as nvidia-smi numbers them (CUDA's default puts the fastest first), so
+        # GPUS=0,2 names the cards the user saw in nvidia-smi.
+        variables["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     selected = visible_gpus(host, spec)
     if selected is not None:
         variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, selected))
@@ -212,24 +294,34 @@ def job_environment(host: Host, spec: JobSpec) -> dict[str, str]:
     return variables
 
 
-def entry_point(spec: JobSpec, run_dir: str) -> list[str]:
+def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
+    """What torchrun runs: the module, or the script where it is on the node (in its project,
+    or, without one, in directory `where`)."""
     if spec.script is None:
         return ["-m", spec.module]
-    script = f"{run_dir}/{spec.script.name}"
+    script = where.script if isinstance(where, Project) else f"{where}/{spec.script.name}"
     if spec.local_rank_flag:
         return ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", script]
     return [script]
 
 
-def interface_env(inventory: Inventory, hosts: tuple[Host, ...]) -> dict[str, dict[str, str]]:
-    """Per node, the socket interface settings: netcheck's findings if it wrote them, else the
-    inventory's compute_interface. Exact-match form for NCCL so 'eth1' never also means 'eth10'."""
-    found: dict[str, dict[str, str]] = {}
-    env_file = inventory.path.parent / NETCHECK_ENV_FILE
-    if env_file.exists():
-        from netcheck.envfile import load as load_env
+def interface_env(
+    inventory: Inventory, hosts: tuple[Host, ...], env_file: Path | None = None
+) -> dict[str, dict[str, str]]:
+    """Per node, the socket interface settings: netcheck's findings if it wrote them (`env_file`,
+    or where netcheck writes by default), else the inventory's compute_interface. Exact-match
+    form for NCCL so 'eth1' never also means 'eth10'."""
+    from netcheck import envfile
 
-        found = load_env(env_file)
+    found: dict[str, dict[str, str]] = {}
+    path = env_file or envfile.default_path(inventory.path)
+    if env_file is not None and not env_file.is_file():
+        raise ClusterError(
+            f"--env-file {env_file} does not exist",
+            hint=f"make netcheck INVENTORY={inventory.path}, which writes it, or no --env-file",
+        )
+    if path.exists():
+        found = envfile.load(path)
     settings = {}
     for host in hosts:
         settings[host.name] = found.get(host.name) or {
@@ -273,6 +365,12 @@ def torchrun_command(
     ]  # fmt: skip
 
 
+def run_dir(spec: JobSpec) -> str:
+    """The job's run directory on every node: the workloads' outputs (TensorBoard events,
+    traces, a relative --out); the master's comes back to the controller."""
+    return f"{REMOTE_RUN_ROOT}/{spec.run_id}"
+
+
 def remote_command(
     host: Host,
     master: Host,
@@ -283,19 +381,37 @@ def remote_command(
     mode: str = "host",
     image: str | None = None,
     memlock: str = "unlimited",
+    project: Project | None = None,
+    mounts: tuple[tuple[str, bool], ...] = (),
 ) -> str:
-    run_dir = f"{REMOTE_RUN_ROOT}/{spec.run_id}"
-    entry = entry_point(spec, run_dir)
+    """The one shell command that runs a node's part of the job, in launch mode `mode`: in the
+    project's directory with the project on the import path (without a project: in the run
+    directory, as torchrun by hand would), secrets read from their file (and the file deleted)
+    before anything else starts. A container sees `mounts` (path, read-only) at the same paths."""
+    directory = run_dir(spec)
+    workdir = project.workdir if project is not None else directory
+    entry = entry_point(spec, project if project is not None else directory)
     variables = {**job_environment(host, spec), **env, **dict(spec.extra_env)}
+    if project is not None:
+        variables.update(PYTHONPATH=project.python_path)
+        variables[RUN_DIR_VARIABLE] = directory
+    secrets = staging.load_secrets(spec.run_id) + " && " if spec.secret_env else ""
     if mode == "container":
         inside = replace(host, python=CONTAINER_PYTHON)
         torchrun = torchrun_command(inside, master, nnodes, spec, port, entry)
-        command = docker_run_command(host, spec, image or "", variables, run_dir, torchrun, memlock)
-        return f"mkdir -p {shlex.quote(run_dir)} && exec {shlex.join(command)}"
+        if spec.secret_env:
+            torchrun = ["sh", "-c", secrets + 'exec "$@"', "tmn-job", *torchrun]
+        mounted = [(directory, False), *mounts]
+        if spec.secret_env:
+            mounted.append((staging.secrets_dir(spec.run_id), False))
+        command = docker_run_command(
+            host, spec, image or "", variables, workdir, torchrun, memlock, mounted
+        )
+        return f"mkdir -p {shlex.quote(directory)} && exec {shlex.join(command)}"
     command = torchrun_command(host, master, nnodes, spec, port, entry)
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
     return (
-        f"mkdir -p {shlex.quote(run_dir)} && cd {shlex.quote(run_dir)} && "
+        f"mkdir -p {shlex.quote(directory)} && cd {shlex.quote(workdir)} && {secrets}"
         f"exec env {assignments} {shlex.join(command)}"
     )
 
@@ -305,13 +421,21 @@ def docker_run_command(
     spec: JobSpec,
     image: str,
     env: dict[str, str],
-    run_dir: str,
+    workdir: str,
     command: list[str],
     memlock: str = "unlimited",
+    mounts: list[tuple[str, bool]] | None = None,
 ) -> list[str]:
-    """The training container for one node: the job's whole lifetime, removed when it ends."""
+    """The training container for one node: the job's whole lifetime, removed when it ends.
+    Every node directory the job reads or writes is mounted at the same path."""
     options = training_container_options(host, memlock, f"{RUN_LABEL}={spec.run_id}")
-    options += ["--name", f"{spec.run_id}-{host.name}", "-v", f"{run_dir}:{run_dir}", "-w", run_dir]
+    options += ["--name", f"{spec.run_id}-{host.name}"]
+    seen: set[str] = set()
+    for path, read_only in mounts or []:
+        if path not in seen:
+            seen.add(path)
+            options += ["-v", f"{path}:{path}" + (":ro" if read_only else "")]
+    options += ["-w", workdir]
     for key, value in env.items():
         options += ["-e", f"{key}={value}"]
     return [*options, image, *command]
@@ -378,40 +502,10 @@ def stop_command(run_id: str, then: str = "") -> str:
         'pids=$(found); [ -n "$pids" ] && kill -TERM $pids 2>/dev/null; '
         f"for _ in $(seq {int(STOP_GRACE * 10)}); do alive || break; sleep 0.1; done; "
         'pids=$(found); [ -n "$pids" ] && { kill -KILL $pids 2>/dev/null; sleep 0.2; }; '
+        # secrets a job that never started left unread
+        f"rm -rf {shlex.quote(staging.secrets_dir(run_id))}; "
         f"{then + '; ' if then else ''}exit 0"
     )
-
-
-class _LineWriter:
-    """A file-like that fabric writes remote output into; emits whole lines with a prefix."""
-
-    def __init__(self, prefix: str, emit: Emit, outcome: NodeOutcome, log: Path | None = None):
-        self.prefix, self.emit, self.outcome = prefix, emit, outcome
-        self.buffer = ""
-        self.log = log.open("a", encoding="utf-8") if log else None
-
-    def write(self, text: str) -> int:
-        self.buffer += text.replace("\r", "")
-        while "\n" in self.buffer:
-            line, self.buffer = self.buffer.split("\n", 1)
-            if line.strip():
-                self.outcome.tail.append(line)
-                self.emit(f"{self.prefix} {line}")
-                if self.log and not self.log.closed:
-                    self.log.write(line + "\n")
-        return len(text)
-
-    def flush(self) -> None:
-        if self.buffer:
-            self.write("\n")
-        if self.log and not self.log.closed:
-            self.log.flush()
-
-    def close(self) -> None:
-        """Safe to call more than once, and from any error path."""
-        self.flush()
-        if self.log and not self.log.closed:
-            self.log.close()
 
 
 def answers(host: Host, timeout: float) -> bool:
@@ -431,8 +525,10 @@ class Launcher:
         spec: JobSpec,
         emit: Emit = print,
         connect_timeout: float = 5.0,
+        project: Project | None = None,
     ):
         self.inventory, self.hosts, self.spec, self.emit = inventory, hosts, spec, emit
+        self.project = project
         self.connect_timeout = connect_timeout
         self.outcomes = {h.name: NodeOutcome(h.name) for h in hosts}
         self.done = threading.Event()
@@ -442,6 +538,8 @@ class Launcher:
         self._lock = threading.Lock()
         self._remotes: dict[str, Remote] = {}
         self.silent: set[str] = set()  # lost nodes that did not answer when the job was stopped
+        self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
+        self.backend = job_backend(hosts)[0]  # one for the whole job
 
     def _remote(self, host: Host) -> Remote:
         return Remote.for_inventory(self.inventory, host, connect_timeout=self.connect_timeout)
@@ -487,24 +585,93 @@ class Launcher:
             return None
         return self.hosts[0].name if len(others) >= 2 and len(down) == len(others) else down[0]
 
-    def _prepare(self, host: Host) -> None:
+    def _connect(self, host: Host) -> None:
         remote = self._remote(host)
         self._remotes[host.name] = remote
-        run_dir = f"{REMOTE_RUN_ROOT}/{self.spec.run_id}"
-        remote.run(f"mkdir -p {shlex.quote(run_dir)}", timeout=15, check=True)
-        if self.spec.script is not None:
-            remote.put(self.spec.script, f"{run_dir}/{self.spec.script.name}")
+        remote.connect()
+
+    def _prepare(self, host: Host, image_id: str | None) -> None:
+        """After the project's trees were sent: check this node's copy and image, make the
+        directories the job writes to, hand over its secrets."""
+        remote, inventory = self._remotes[host.name], self.inventory
+        if self.backend == "nccl":
+            answer = remote.run(GPU_PROBE, timeout=30)
+            problem = gpu_problem(host, self.spec, answer.stdout + answer.stderr, answer.ok)
+            if problem is not None:
+                message, _, hint = problem.rpartition(" (try ")
+                raise ClusterError(message, hint=hint.removesuffix(")"), exit_code=1)
+        for tree, destination in self.project.trees:
+            sync.verify(remote, tree, destination)
+        directories = [run_dir(self.spec), inventory.checkpoint_root, inventory.data_root]
+        made = remote.run(f"mkdir -p {shlex.join(directories)}", timeout=15)
+        if not made.ok:
+            said = (made.stderr or made.stdout).strip().splitlines()[-1:] or ["no reason given"]
+            raise ClusterError(
+                f"on {host.name}: cannot make {', '.join(directories[1:])}: {said[0]}",
+                hint=f"make provision INVENTORY={inventory.path} (it makes them for "
+                f"{host.ssh_user or 'the SSH user'})",
+                exit_code=1,
+            )
+        if image_id is not None:
+            answer = remote.run(staging.image_check_command(inventory.training_image), timeout=60)
+            problem = staging.image_mismatch(host, inventory, image_id, answer.stdout)
+            if problem is not None:
+                message, _, hint = problem.rpartition(" (try ")
+                raise ClusterError(message, hint=hint.removesuffix(")"), exit_code=1)
+        if self.spec.secret_env:
+            remote.run(
+                staging.write_secrets_command(self.spec.run_id), timeout=15, check=True,
+                stdin=staging.secrets_text(self.spec.secret_env),
+            )  # fmt: skip
 
     def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
+        inventory = self.inventory
         return remote_command(
-            host, master, nnodes, self.spec, self.inventory.rendezvous_port, env,
-            self.inventory.launch_mode, self.inventory.training_image, self.inventory.container_memlock,
+            host, master, nnodes, self.spec, inventory.rendezvous_port, env,
+            inventory.launch_mode, inventory.training_image, inventory.container_memlock,
+            self.project, tuple(staging.mounts(inventory, self.project, run_dir(self.spec))),
         )  # fmt: skip
+
+    def _parallel(self, work: Callable[[Host], None]) -> None:
+        """`work` on every host at once; the first ClusterError raised, after all have ended."""
+        errors: list[ClusterError] = []
+
+        def guarded(host: Host) -> None:
+            try:
+                work(host)
+            except ClusterError as exc:
+                errors.append(exc)
+
+        on_all(self.hosts, guarded)
+        if errors:
+            raise errors[0]
+
+    def _stage(self, master: Host) -> None:
+        """Everything before the first process starts: SSH to every node, the master's port,
+        the project on every node, checked, and each node's image and directories."""
+        self._parallel(self._connect)
+        self._claim_port(master)  # before the sync: a running job's code is never changed
+        try:
+            if self.project is None:
+                self.project = staging.plan(
+                    self.inventory, self.spec.script, self.spec.workdir, self.spec.workdir_limit
+                )
+            for tree, destination in self.project.trees:
+                sent = sync.push(self.inventory, self.hosts, tree, destination, self.emit)
+                self.emit("[launcher] " + sync.summary_line(tree, destination, sent))
+            image_id = None
+            if self.inventory.launch_mode == "container":
+                image_id = staging.local_image_id(self.inventory.training_image)
+            self._parallel(lambda host: self._prepare(host, image_id))
+        except BaseException:  # a refusal, or Ctrl-C while the project is sent: the port is free
+            self._release_port(master)
+            raise
 
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
         log = self.spec.log_dir / f"{host.name}.log" if self.spec.log_dir else None
-        writer = _LineWriter(f"[{host.name}]", self.emit, outcome, log)
+        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log)
+        self._writers.append(writer)
         try:
             result = self._remotes[host.name].connection.run(
                 command, pty=True, warn=True, hide=True, out_stream=writer, err_stream=writer,
@@ -647,30 +814,18 @@ class Launcher:
     def run(self) -> JobResult:
         started = time.monotonic()
         master, nnodes = self.hosts[0], len(self.hosts)
-        envs = interface_env(self.inventory, self.hosts)
+        envs = interface_env(self.inventory, self.hosts, self.spec.env_file)
         for host in self.hosts:
-            visible_gpus(host, self.spec)  # a GPU the node lacks stops us before any SSH
+            nproc_for(host, self.spec)  # a GPU the node lacks stops us before any SSH
+        note = job_backend(self.hosts)[1]
+        if note:
+            self.emit(f"[launcher] {note}")
+        envs = {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
         if self.spec.log_dir:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-        prepare_errors: list[ClusterError] = []
-
-        def prepare(host: Host) -> None:
-            try:
-                self._prepare(host)
-            except ClusterError as exc:
-                prepare_errors.append(exc)
-
-        threads = [threading.Thread(target=prepare, args=(h,)) for h in self.hosts]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if prepare_errors:
-            self._close()
-            raise prepare_errors[0]
         try:
-            self._claim_port(master)
-        except ClusterError:
+            self._stage(master)
+        except BaseException:
             self._close()
             raise
 
@@ -694,6 +849,8 @@ class Launcher:
             for watcher in watchers:
                 watcher.start()
             while not self.done.wait(0.2):
+                for writer in list(self._writers):
+                    writer.tick()  # a progress bar's latest state, every few seconds
                 if not any(runner.is_alive() for runner in runners):
                     break  # every runner has ended: nothing is left to wait for
         except KeyboardInterrupt as signalled:
@@ -815,11 +972,17 @@ def wait_for_nodes(
     started = time.monotonic()
     missing = {host.name: host for host in hosts}
     silent: dict[str, str] = {}  # host name -> why its last probe failed
+    # A node that booted again answers over SSH a moment before its Docker engine does.
+    command = (
+        "docker info >/dev/null 2>&1 || { echo 'its Docker engine does not answer yet'; exit 1; }"
+        if inventory.launch_mode == "container"
+        else "true"
+    )
 
     def probe(host: Host) -> str | None:
         try:
             with Remote.for_inventory(inventory, host) as remote:
-                remote.run("true", timeout=10, check=True)
+                remote.run(command, timeout=10, check=True)
             return None
         except ClusterError as exc:
             return str(exc)
@@ -856,16 +1019,20 @@ def run_job(
     emit: Emit = print,
     restarts: int = 0,
     restart_wait: float = DEFAULT_RESTART_WAIT,
+    project: Project | None = None,
 ) -> JobResult:
     """The job, started again after a failure up to `restarts` times, each time once every node
     answers again (for at most `restart_wait` seconds). Each run has its own run ID (the first
     one's with -r1, -r2...) and rendezvous; the node logs go on in the same files. Before a
     restart, whatever the failed run left (on a node that was cut off rather than down) is
     stopped and its rendezvous port freed. Ctrl-C and refusals are never restarted."""
+    if project is None:
+        project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
     attempt = spec
     for restart in range(restarts + 1):
-        result = Launcher(inventory, hosts, attempt, emit).run()
+        result = Launcher(inventory, hosts, attempt, emit, project=project).run()
         result.restart, result.restarts = restart, restarts
+        bring_back(inventory, hosts[0], attempt, result, emit)
         if result.exit_code != 1 or restart == restarts:
             return result
         for line in summary(result, hosts):
@@ -878,6 +1045,29 @@ def run_job(
         emit(f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
              f"restart {restart + 1} of {restarts}")  # fmt: skip
     raise AssertionError("unreachable")  # the loop returns on its last turn
+
+
+def bring_back(
+    inventory: Inventory, master: Host, spec: JobSpec, result: JobResult, emit: Emit
+) -> None:
+    """The master's run directory into the job's log directory, after a job that ended by
+    itself (successful or not); after Ctrl-C or SIGTERM the user wants it stopped now, so only
+    how to fetch it is said."""
+    if spec.log_dir is None:
+        return
+    where = f"{master.name}:{run_dir(spec)}"
+    if result.interrupted:
+        result.brought_back = f"not copied (interrupted): it stays in {where}"
+        return
+    if result.outcomes[master.name].lost:
+        result.brought_back = f"not copied: {master.name} was lost"
+        return
+    files, problem = staging.fetch_run_dir(inventory, master, run_dir(spec), spec.log_dir)
+    if problem is None:
+        result.brought_back = f"{files} file(s) from {where}"
+    else:
+        result.brought_back = f"not copied from {where}: {problem}"
+        emit(f"[launcher] the run directory {where} was {result.brought_back}")
 
 
 def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
@@ -915,11 +1105,11 @@ def run_local(spec: JobSpec, emit: Emit = print) -> int:
                 f"GPU(s) (0-{gpus_here - 1})"
             )
         env["CUDA_VISIBLE_DEVICES"] = shown
-        nproc = len(spec.gpus)
-    elif spec.nproc_per_node is not None:
-        nproc = spec.nproc_per_node
+        nproc = process_count(spec, len(spec.gpus), f"GPUS={shown} gives it {len(spec.gpus)}")
     else:
-        nproc = gpus_here or 2
+        nproc = process_count(spec, gpus_here, f"this machine has {gpus_here}", cpu_default=2)
+    if gpus_here:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # GPUS= indices as nvidia-smi shows them
     env.update(debug_environment(spec.debug))
     if spec.script is None:
         entry = ["-m", spec.module]

@@ -8,7 +8,8 @@ replicated with DDP.
 conv1..layer2 run on the first device and layer3..fc on the second: cuda:0 and cuda:1 with two
 GPUs, otherwise cpu and cpu (the same code path, minus the speed). Under torchrun each process
 holds one such two-device replica (GPUs 2*LOCAL_RANK and 2*LOCAL_RANK+1) and DDP, which spans
-the devices when given device_ids=None, keeps the replicas equal.
+the devices when given device_ids=None, keeps the replicas equal; a job on GPUs needs 2 of them
+per process on every node (fewer is an error), a job on gloo runs on the CPU.
 
 Without --split-size the second device idles while the first works and vice versa. With it,
 each batch is cut into micro-batches of that size and micro-batch i+1 enters the first device
@@ -33,15 +34,29 @@ from training.data import SyntheticImages
 
 
 def stage_devices(env: parallel.DistEnv) -> tuple[torch.device, torch.device]:
-    """The two devices this process's replica spans."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        return torch.device("cpu"), torch.device("cpu")
+    """The two devices this process's replica spans.
+
+    Indices are those torch sees, i.e. counted within CUDA_VISIBLE_DEVICES (what GPUS= sets).
+    A job on GPUs (NCCL) whose node has fewer than 2 per process stops here: falling back to
+    the CPU would leave DDP's first collective with CPU tensors NCCL cannot carry ("No backend
+    type associated with device type cpu")."""
+    cpu = torch.device("cpu")
+    if not env.launched:
+        if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+            return torch.device("cuda:0"), torch.device("cuda:1")
+        return cpu, cpu  # one process, no collective: the CPU does
+    if env.device.type != "cuda":
+        return cpu, cpu  # gloo: the job computes on the CPU
+    found = torch.cuda.device_count()
     needed = 2 * env.local_world_size
-    if torch.cuda.device_count() < needed:
+    if found < needed:
+        processes = "process" if env.local_world_size == 1 else "processes"
+        fewer = f"--nproc-per-node {found // 2}, " if found >= 2 else ""
         raise ClusterError(
-            f"{env.local_world_size} processes x 2 GPUs each need {needed} GPUs on this node, "
-            f"found {torch.cuda.device_count()}",
-            hint=f"--nproc-per-node {torch.cuda.device_count() // 2}",
+            f"on {parallel.node_name()}: {env.local_world_size} {processes} x 2 GPUs each need "
+            f"{needed} GPUs, found {found}",
+            hint=f"a node with 2 GPUs per process, {fewer}or GPUS= naming two GPU indices per "
+            "process, e.g. GPUS=0,1",
         )
     first = 2 * env.local_rank
     return torch.device(f"cuda:{first}"), torch.device(f"cuda:{first + 1}")

@@ -2,12 +2,19 @@
 
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Without
 them (plain `python -m ...`) a workload runs as one process with no process group at all.
+
+The launcher decides the backend once per job (TMN_BACKEND, nccl or gloo) and every rank follows
+it: a rank choosing for itself would join gloo to an NCCL job on a node whose driver is broken,
+and the job would hang until the timeout. Under torchrun typed by hand (TMN_BACKEND unset) each
+process still picks NCCL where it sees CUDA and gloo elsewhere.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,8 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from cluster.errors import ClusterError
+from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+BACKENDS = ("nccl", "gloo")
+NO_GPU_HINT = (
+    "nvidia-smi on that node; the NVIDIA driver and container toolkit (make provision), "
+    "or gpus: 0 in the inventory for it"
+)
 
 
 @dataclass(frozen=True)
@@ -57,10 +70,40 @@ def _integer(name: str, environ: dict[str, str]) -> int:
         raise ClusterError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def node_name(environ: dict[str, str] | None = None) -> str:
+    """This node's name in the inventory where the launcher gave it, else the host name."""
+    environ = os.environ if environ is None else environ
+    return environ.get(NODE_NAME_VARIABLE) or socket.gethostname()
+
+
+def _uses_cuda(environ: dict[str, str]) -> bool:
+    """Whether this process computes on a GPU (backend NCCL) or on the CPU (gloo)."""
+    backend = environ.get(BACKEND_VARIABLE)
+    if not backend:
+        return torch.cuda.is_available()
+    if backend not in BACKENDS:
+        raise ClusterError(
+            f"{BACKEND_VARIABLE}={backend!r} is neither nccl nor gloo",
+            hint="leaving it to the launcher, which sets nccl or gloo for the whole job",
+        )
+    if backend == "gloo":
+        return False
+    if not torch.cuda.is_available():
+        found = "CUDA is not available here"
+    elif torch.cuda.device_count() == 0:
+        found = "this node shows no GPU (torch.cuda.device_count() is 0)"
+    else:
+        return True
+    raise ClusterError(
+        f"on {node_name(environ)}: this job uses NCCL ({BACKEND_VARIABLE}=nccl) but {found}",
+        hint=NO_GPU_HINT,
+    )
+
+
 def read_env(environ: dict[str, str] | None = None) -> DistEnv:
     """The job layout torchrun describes in the environment, and the device and backend to use."""
     environ = dict(os.environ if environ is None else environ)
-    cuda = torch.cuda.is_available()
+    cuda = _uses_cuda(environ)
     if "WORLD_SIZE" not in environ:
         return DistEnv(device=torch.device("cuda:0" if cuda else "cpu"))
     missing = [name for name in TORCHRUN_VARIABLES if name not in environ]
@@ -93,21 +136,34 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
     )
 
 
-def start(env: DistEnv, timeout_seconds: float = 600) -> None:
-    """Join the process group (a no-op for a single unlaunched process)."""
+def use_device(env: DistEnv) -> None:
+    """Make this process's GPU the current one, before anything asks the current device (or
+    creates a CUDA context on GPU 0, which every rank would then hold memory on)."""
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
+
+
+def start(env: DistEnv, timeout_seconds: float = 600) -> None:
+    """Join the process group (a no-op for a single unlaunched process)."""
+    use_device(env)
     if env.launched and not dist.is_initialized():
         dist.init_process_group(env.backend, timeout=timedelta(seconds=timeout_seconds))
 
 
 def stop(synchronize: bool = False) -> None:
     """Leave the process group; `synchronize` (only when every rank gets here) first waits for
-    the others, since tearing gloo down under a peer still using it can abort the process."""
+    the others, since tearing gloo down under a peer still using it can abort the process.
+
+    destroy_process_group only drops c10d's own references: a DDP model (its reducer) that sits
+    in a reference cycle keeps the gloo group, with its worker threads, alive until the
+    interpreter's final collection, where destroying it aborts the process (SIGABRT,
+    "terminate called without an active exception"; pytorch/pytorch#179291). Collecting here
+    ends the group while the interpreter is whole."""
     if dist.is_available() and dist.is_initialized():
         if synchronize:
             dist.barrier()
         dist.destroy_process_group()
+    gc.collect()  # also after a workload that destroyed the group itself
 
 
 def barrier(env: DistEnv) -> None:

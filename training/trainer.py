@@ -52,7 +52,11 @@ def resolve_numerics(precision: str, device: torch.device) -> Numerics:
             )
         return Numerics(None, False, False, "fp32")
     if precision == "auto":
-        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        # Native bf16 only (Ampere and later): by default torch also counts the emulated bf16 of
+        # a T4 or V100, slower than fp32. torch asks the current device, which the caller has
+        # made this rank's (parallel.use_device) so that GPU 0 is not asked in every rank.
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        precision = "bf16" if native else "fp32"
     dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     return Numerics(dtypes[precision], precision == "fp16", True, precision)
 
@@ -206,7 +210,7 @@ class Trainer:
                 )
         if env.launched and dist.is_initialized():
             # A peer that never answers (its node or the network to it gone) fails the job
-            # after this long, instead of the backend's default of half an hour.
+            # after this long, instead of the backend's default (10 min for NCCL, 30 for gloo).
             dist.set_timeout(timedelta(seconds=config.run.collective_timeout))
         self.node = os.environ.get("TMN_NODE_NAME") or socket.gethostname()
         self.own_time = OwnTime()
@@ -249,7 +253,7 @@ class Trainer:
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.position = Position(**state["position"])
-        checkpoint.restore_rng_states(state["rng"])
+        checkpoint.restore_rng_states(state["rng"], self.env.device)
         return plan.step
 
     def save(self) -> None:
@@ -277,7 +281,7 @@ class Trainer:
                 "model": parallel.unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "rng": checkpoint.rng_states(),
+                "rng": checkpoint.rng_states(self.env.device),
             },
             prune=False,
             before_rename=pause,

@@ -250,7 +250,11 @@ class ReferenceRun:
 @pytest.fixture(scope="session")
 def reference_ddp(tmp_path_factory) -> ReferenceRun:
     """One uninterrupted 2-process DDP run of the tiny model, which other runs must equal."""
-    directory = tmp_path_factory.mktemp("reference")
+    return reference_run(tmp_path_factory.mktemp("reference"))
+
+
+def reference_run(directory: Path) -> ReferenceRun:
+    """The run behind `reference_ddp`, in `directory`."""
     out = directory / "model.pt"
     command = torchrun_command("training.ddp", *TINY, "--steps", str(REFERENCE_STEPS),
                                "--out", str(out))  # fmt: skip

@@ -92,10 +92,10 @@ def test_resume_plans():
 def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     path = tmp_path / "rng.pt"
-    checkpoint.write_atomically(path, checkpoint.rng_states())
+    checkpoint.write_atomically(path, checkpoint.rng_states(torch.device("cpu")))
     expected = (random.random(), np.random.rand(), torch.rand(()).item())
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    checkpoint.restore_rng_states(torch.load(path, weights_only=True))
+    checkpoint.restore_rng_states(torch.load(path, weights_only=True), torch.device("cpu"))
     assert (random.random(), np.random.rand(), torch.rand(()).item()) == expected
 
 

@@ -4,6 +4,7 @@ torch.distributed.launch, and the three init methods."""
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,116 @@ def test_three_init_methods_each_form_a_two_node_group(sim2):
         assert len(found) == 2, method
         assert all(line.endswith("all_reduce 3 == 3 OK") for line in found)
         assert {line.split()[0] for line in found} == {"[node1]", "[node2]"}
+
+
+# -- GPU day one: process counts, one backend per job, GPUs that do not answer -------------------
+
+
+def _nproc(words: list[str]) -> int:
+    return int(next(w for w in words if w.startswith("--nproc-per-node=")).split("=")[1])
+
+
+def test_nproc_per_node_is_honoured_with_a_gpu_selection():
+    inventory = parse(GPU_INVENTORY, "inv.yml")
+    big = inventory.hosts[0]
+    spec = launcher.JobSpec(run_id="tmn-n", gpus=(0, 1, 2, 3), nproc_per_node=2)
+    words = _command(big, spec, inventory)
+    assert _nproc(words) == 2 and "CUDA_VISIBLE_DEVICES=0,1,2,3" in words
+    with pytest.raises(ClusterError) as caught:
+        launcher.nproc_for(big, launcher.JobSpec(gpus=(0, 1), nproc_per_node=3))
+    assert str(caught.value) == (
+        "--nproc-per-node=3 of training.ddp needs 3 GPU(s), but node 'big' has 2 for the job "
+        "(GPUS=0,1)"
+    )
+
+
+def test_model_parallel_gets_one_process_per_pair_of_gpus():
+    inventory = parse(GPU_INVENTORY, "inv.yml")
+    big, small, cpu = inventory.hosts
+    model_parallel = launcher.JobSpec(run_id="tmn-m", module="training.model_parallel")
+    # The default on a 4-GPU node: two processes of two GPUs each.
+    assert _nproc(_command(big, model_parallel, inventory)) == 2
+    # GPUS=0,1: one process spanning both.
+    words = _command(big, replace(model_parallel, gpus=(0, 1)), inventory)
+    assert _nproc(words) == 1 and "CUDA_VISIBLE_DEVICES=0,1" in words
+    # On a CPU node the stages share the CPU: one process.
+    assert _nproc(_command(cpu, model_parallel, inventory)) == 1
+    # A node with one GPU for the job (its inventory selection is "1") is refused.
+    with pytest.raises(ClusterError) as caught:
+        launcher.nproc_for(small, model_parallel)
+    assert str(caught.value) == (
+        "training.model_parallel spans 2 GPUs per process, but node 'small' has 1 for the job "
+        "(GPUS=1)"
+    )
+    two_gpus = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 2"), "inv.yml").hosts[0]
+    assert launcher.nproc_for(two_gpus, model_parallel) == 1
+    one_gpu = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 1"), "inv.yml").hosts[0]
+    with pytest.raises(ClusterError, match="has 1 for the job \\(inventory gpus: 1\\)"):
+        launcher.nproc_for(one_gpu, model_parallel)
+    # Other workloads keep one process per GPU.
+    assert launcher.nproc_for(one_gpu, launcher.JobSpec()) == 1
+
+
+def test_one_backend_for_the_whole_job():
+    inventory = parse(GPU_INVENTORY, "inv.yml")
+    big, small, cpu = inventory.hosts
+    assert launcher.job_backend((big, small)) == ("nccl", None)
+    assert launcher.job_backend((cpu,)) == ("gloo", None)
+    backend, note = launcher.job_backend((big, small, cpu))
+    assert backend == "gloo"
+    assert note == (
+        "note: cpu has no GPU (inventory gpus: 0), so the whole job runs on the CPU with gloo: "
+        "NCCL needs GPUs on every node"
+    )
+
+
+def test_gpu_nodes_number_gpus_as_nvidia_smi_does():
+    inventory = parse(GPU_INVENTORY, "inv.yml")
+    big, _, cpu = inventory.hosts
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in _command(big, launcher.JobSpec(run_id="t"), inventory)
+    assert not any(
+        w.startswith("CUDA_DEVICE_ORDER") for w in _command(cpu, launcher.JobSpec(), inventory)
+    )
+
+
+@pytest.mark.parametrize(
+    "answer, ok, problem",
+    [
+        ("0\n1\n2\n3\n", True, None),
+        ("0\n1\n", True, "nvidia-smi lists 2 GPU(s), the job needs 4"),
+        ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure "
+         "that the latest NVIDIA driver is installed and running.\n", False,
+         "nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate with the "
+         "NVIDIA driver."),
+        ("sh: 1: nvidia-smi: not found\n", False, "nvidia-smi failed: sh: 1: nvidia-smi: not found"),
+    ],
+)  # fmt: skip
+def test_gpus_that_do_not_answer_stop_an_nccl_job_naming_the_node(answer, ok, problem):
+    big = parse(GPU_INVENTORY, "inv.yml").hosts[0]
+    found = launcher.gpu_problem(big, launcher.JobSpec(), answer, ok)
+    if problem is None:
+        assert found is None
+    else:
+        assert found.startswith(f"on big: its GPUs do not answer ({problem}"), found
+        assert found.endswith("or set gpus: 0 for it in the inventory)")
+    # A selection needs only the GPUs it names.
+    assert launcher.gpu_problem(big, launcher.JobSpec(gpus=(0, 1)), "0\n1\n", True) is None
+
+
+@pytest.mark.parametrize("module", ["training.nope", "nope", "training.ddp.deeper"])
+def test_a_local_module_that_does_not_exist_is_refused_before_anything_starts(module, tmp_path):
+    done = run_cli("train", "--module", module, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == ""  # no "[launcher] local job" line: nothing was started
+    assert done.stderr.splitlines() == [
+        f"Error: --module {module}: no module of that name here (try MODULE=training.ddp, one "
+        "of the workloads listed in training/__init__.py, or SCRIPT=path/to/train.py)"
+    ]
+
+
+def test_a_local_module_of_the_users_own_directory_is_found_and_not_run(tmp_path, monkeypatch):
+    from training import cli
+
+    (tmp_path / "mine.py").write_text("raise SystemExit('imported: find_spec must not run it')\n")
+    monkeypatch.chdir(tmp_path)
+    cli._importable_here("mine")  # no error, and no SystemExit from running it

@@ -19,6 +19,7 @@ from cluster import sim
 from cluster.errors import ClusterError
 from cluster.inventory import load, parse
 from cluster.remote import Remote, on_all
+from netcheck import envfile
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import kill_node
 from training import launcher
@@ -85,6 +86,7 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
         "--name", "tmn-z-n1", "-v", "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
         "-w", "/tmp/torch-multinode/runs/tmn-z",
         "-e", "TMN_RUN_ID=tmn-z", "-e", "PYTHONUNBUFFERED=1", "-e", "TMN_NODE_NAME=n1",
+        "-e", "CUDA_DEVICE_ORDER=PCI_BUS_ID",
         "-e", "GLOO_SOCKET_IFNAME=eth1", "-e", "NCCL_SOCKET_IFNAME==eth1",
     ]  # fmt: skip
     after = words[words.index("img:1") + 1 :]
@@ -275,7 +277,7 @@ def test_bad_launch_mode_is_rejected():
 def test_netcheck_findings_override_the_inventory(tmp_path):
     path = tmp_path / "inv.yml"
     path.write_text(INVENTORY)
-    (tmp_path / launcher.NETCHECK_ENV_FILE).write_text(
+    (tmp_path / envfile.FILENAME).write_text(
         json.dumps({"nodes": {"n1": {"GLOO_SOCKET_IFNAME": "bond0", "NCCL_SOCKET_IFNAME": "=bond0",
                                      "NCCL_IB_DISABLE": "1"}}, "written_at": "now"})
     )  # fmt: skip
@@ -283,6 +285,28 @@ def test_netcheck_findings_override_the_inventory(tmp_path):
     envs = launcher.interface_env(inventory, inventory.hosts)
     assert envs["n1"]["NCCL_SOCKET_IFNAME"] == "=bond0" and envs["n1"]["NCCL_IB_DISABLE"] == "1"
     assert envs["n2"]["GLOO_SOCKET_IFNAME"] == "ens5"
+
+
+def test_the_launcher_reads_netchecks_file_where_netcheck_writes_it(tmp_path):
+    """Through a symlinked inventory too (netcheck writes beside the file it resolves to), and
+    from --env-file, as netcheck --env-file wrote it."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "inv.yml").write_text(INVENTORY)
+    (tmp_path / "inv.yml").symlink_to(real / "inv.yml")
+    inventory = load(tmp_path / "inv.yml")
+    written = envfile.write(
+        envfile.default_path(inventory.path), {"n1": {"GLOO_SOCKET_IFNAME": "bond0"}}
+    )
+    assert written == real / envfile.FILENAME
+    assert launcher.interface_env(inventory, inventory.hosts)["n1"] == {
+        "GLOO_SOCKET_IFNAME": "bond0"
+    }
+    elsewhere = envfile.write(tmp_path / "other.json", {"n1": {"GLOO_SOCKET_IFNAME": "eth9"}})
+    envs = launcher.interface_env(inventory, inventory.hosts, elsewhere)
+    assert envs["n1"] == {"GLOO_SOCKET_IFNAME": "eth9"}
+    with pytest.raises(ClusterError, match=r"--env-file .*missing.json does not exist"):
+        launcher.interface_env(inventory, inventory.hosts, tmp_path / "missing.json")
 
 
 def test_rank_order_warning_names_the_real_order():

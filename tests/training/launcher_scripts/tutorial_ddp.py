@@ -31,6 +31,10 @@ def main():
         f"rank {rank}/{world_size} local {local_rank} on {os.uname().nodename}: "
         f"params checksum {checksum.item():.6f} identical on all ranks (python {sys.executable})"
     )
+    # Every rank leaves together: gloo torn down under a peer still finishing its last
+    # collective can abort that peer ("terminate called without an active exception", seen in
+    # CI once in several runs with torch 2.14.1), as training.parallel.stop says.
+    dist.barrier()
     dist.destroy_process_group()
 
 
