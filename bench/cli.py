@@ -14,7 +14,7 @@ from bench import measure, report
 from cluster import sim
 from cluster.errors import ArgumentParser, ClusterError, at_the_edge
 
-SECTIONS = ("provision", "netcheck", "bandwidth", "scaling", "accuracy", "launcher")
+SECTIONS = ("provision", "netcheck", "bandwidth", "scaling", "accuracy", "launcher", "editloop")
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
 SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
 SCALING_QUICK = ["--image-size", "16", "--batch", "4", "--accumulate", "2", "--measure", "1"]
@@ -96,6 +96,8 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
             )
         if "launcher" in only:
             data["launcher"] = measure.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
+        if "editloop" in only:
+            data["edit_loop"] = measure.measure_edit_loop(inventory, args.reps, progress)
     finally:
         sim.down(config)
     data["minutes"] = (time.monotonic() - started) / 60

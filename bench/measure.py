@@ -274,11 +274,16 @@ def measure_powersgd_accuracy(inventory: Path, args: list[str], progress: Progre
 # -- 4. launcher overhead --------------------------------------------------------------------
 
 
-def _until_first_step(processes: list[subprocess.Popen], watch: int, timeout: float) -> float:
-    """Seconds until process `watch` prints the first training step; the rest must succeed."""
+def _until_first_step(
+    processes: list[subprocess.Popen], watch: int, timeout: float, outputs: list | None = None
+) -> float:
+    """Seconds until process `watch` prints the first training step; the rest must succeed.
+    Each process's lines go into `outputs` (one list per process) when it is given."""
     started = time.monotonic()
     seen = threading.Event()
-    outputs: list[list[str]] = [[] for _ in processes]
+    if outputs is None:
+        outputs = []
+    outputs[:] = [[] for _ in processes]
 
     def read(index: int, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -290,10 +295,16 @@ def _until_first_step(processes: list[subprocess.Popen], watch: int, timeout: fl
                for i, p in enumerate(processes)]  # fmt: skip
     for reader in readers:
         reader.start()
-    if not seen.wait(timeout):
-        for proc in processes:
-            proc.kill()
-        raise ClusterError(f"no first training step within {timeout:.0f} s")
+    deadline = started + timeout
+    while not seen.wait(0.5):
+        ended = processes[watch].poll() is not None and not readers[watch].is_alive()
+        if ended or time.monotonic() > deadline:
+            for proc in processes:
+                proc.kill()
+            why = "it ended" if ended else f"within {timeout:.0f} s"
+            raise ClusterError(
+                f"no first training step ({why}): {''.join(outputs[watch][-15:])}", exit_code=1
+            )
     elapsed = time.monotonic() - started
     for proc, reader, output in zip(processes, readers, outputs, strict=True):
         if proc.wait(timeout=timeout) != 0:
@@ -348,4 +359,90 @@ def measure_launcher(inventory_path: Path, args: list[str], reps: int, progress:
         "make_train_seconds": Series(ours).as_dict(),
         "by_hand_seconds": Series(by_hand).as_dict(),
         "ratio": ratio_series(ours, by_hand).as_dict(),
+    }
+
+
+# -- 7. the edit loop ------------------------------------------------------------------------
+
+EDIT_LOOP_FILES = 1000
+EDIT_LOOP_ARGS = ["--model", "tiny", "--steps", "2", "--log-every", "1", "--no-tensorboard"]
+SENT = re.compile(r"(node\d+) (\d+) changed file\(s\), ([\d,]+) bytes sent")
+
+
+def edit_loop_project(root: Path) -> Path:
+    """A project of EDIT_LOOP_FILES small files: a package of modules and the script, which
+    imports one and runs the project's DDP workload."""
+    package = root / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    for index in range(EDIT_LOOP_FILES - 2):
+        (package / f"mod_{index:04d}.py").write_text(
+            f'"""Module {index} of a project of many small files."""\n\nVALUE = {index}\n'
+        )
+    script = root / "train.py"
+    script.write_text(
+        "import runpy\n\nimport pkg.mod_0000  # noqa: F401\n\n"
+        "runpy.run_module('training.ddp', run_name='__main__')\n"
+    )
+    return script
+
+
+def _train_in_containers(inventory: Path, script: Path) -> tuple[float, dict[str, int]]:
+    """make train of `script`: seconds to the first step, and the bytes the project's sync sent
+    each node."""
+    command = ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2",
+               f"SCRIPT={script}", f"ARGS={shlex.join(EDIT_LOOP_ARGS)}"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    outputs: list = []
+    seconds = _until_first_step([proc], 0, 900, outputs)
+    project_line = next(line for line in outputs[0] if f"{script.parent} (" in line)
+    sent = {node: int(size.replace(",", "")) for node, _, size in SENT.findall(project_line)}
+    return seconds, sent
+
+
+def measure_edit_loop(inventory_path: Path, reps: int, progress: Progress) -> dict:
+    """On nodes provisioned for jobs in containers: make train's time to the first step after a
+    one-line edit in a project of 1,000 files, over the same with nothing changed; and what the
+    edit cost on the wire, per node."""
+    import tempfile
+
+    import yaml
+
+    document = yaml.safe_load(inventory_path.read_text())
+    document["all"]["vars"]["launch_mode"] = "container"
+    hosts = document["all"]["children"]["nodes"]["hosts"]
+    document["all"]["children"]["nodes"]["hosts"] = dict(list(hosts.items())[:2])
+    inventory = inventory_path.with_name("inventory-containers.yml")
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+    progress("edit loop: provisioning 2 nodes for jobs in containers (builds and ships the "
+             "training image)...")  # fmt: skip
+    run(["make", "--no-print-directory", "provision", f"INVENTORY={inventory}"], timeout=3600,
+        what="make provision (containers)")  # fmt: skip
+    unchanged, edited, sent = [], [], []
+    with tempfile.TemporaryDirectory(prefix="bench-project-") as scratch:
+        script = edit_loop_project(Path(scratch) / "project")
+        size = sum(path.stat().st_size for path in script.parent.rglob("*") if path.is_file())
+        first, _ = _train_in_containers(inventory, script)  # the whole project travels once
+        progress(f"edit loop: first run {first:.1f} s to the first step (the whole project sent)")
+        module = script.parent / "pkg" / "mod_0500.py"
+        for rep in range(reps):
+            # Alternate which goes first, so warm caches on the nodes favour neither.
+            if rep % 2:
+                unchanged.append(_train_in_containers(inventory, script)[0])
+            module.write_text(module.read_text() + f"EDITED = {rep}\n")
+            seconds, bytes_sent = _train_in_containers(inventory, script)
+            edited.append(seconds)
+            sent.append(float(max(bytes_sent.values())))
+            if not rep % 2:
+                unchanged.append(_train_in_containers(inventory, script)[0])
+            progress(f"edit loop: rep {rep + 1}/{reps}: after an edit {edited[-1]:.1f} s, "
+                     f"nothing changed {unchanged[-1]:.1f} s; {sent[-1]:.0f} bytes per node")  # fmt: skip
+    return {
+        "workdir_files": EDIT_LOOP_FILES,
+        "workdir_bytes": size,
+        "edited_seconds": Series(edited).as_dict(),
+        "unchanged_seconds": Series(unchanged).as_dict(),
+        "ratio": ratio_series(edited, unchanged).as_dict(),
+        "edit_bytes_per_node": Series(sent).as_dict(),
     }

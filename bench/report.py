@@ -19,6 +19,12 @@ TARGETS = {
     "launcher": ("make train / torchrun by hand, time to first step", "<= 1.15"),
     "netcheck": ("netcheck wall time, 4 nodes / 2 nodes, half a core per node", "<= 1.50"),
     "provision": ("make provision, second run / first run", "(no target)"),
+    "edit_loop": (
+        "make train after a one-line edit / nothing changed, 1,000-file project in "
+        "containers, time to first step",
+        "<= 1.10",
+    ),
+    "edit_kilobytes": ("KB sent per node for that one-line edit", "<= 100"),
 }
 
 
@@ -49,9 +55,11 @@ def figures(data: dict) -> dict[str, float | None]:
                 if _rate(scaling, "none"):
                     found["auto_vs_plain"] = auto / _rate(scaling, "none")
     for key, section in (("launcher", "launcher"), ("netcheck", "netcheck"),
-                         ("provision", "provision")):  # fmt: skip
+                         ("provision", "provision"), ("edit_loop", "edit_loop")):  # fmt: skip
         if data.get(section):
             found[key] = _median(data[section]["ratio"])
+    if data.get("edit_loop"):
+        found["edit_kilobytes"] = _median(data["edit_loop"]["edit_bytes_per_node"]) / 1000
     return found
 
 
@@ -153,6 +161,19 @@ def markdown(data: dict) -> str:
                   "needs fresh nodes)",
                   f"- second, idempotent run: {_spread(provision['second_seconds'], '{:.0f}')} s",
                   f"- ratio: {_spread(provision['ratio'], '{:.2f}')}"]  # fmt: skip
+    edit = data.get("edit_loop")
+    if edit:
+        lines += ["", "## 7. The edit loop (jobs in containers)", "",
+                  f"A project of {edit['workdir_files']} small files "
+                  f"({human_bytes(edit['workdir_bytes'])}); one module edited by one line before "
+                  "each edited run.",
+                  f"- time to the first step after the edit: "
+                  f"{_spread(edit['edited_seconds'], '{:.1f}')} s",
+                  f"- with nothing changed: {_spread(edit['unchanged_seconds'], '{:.1f}')} s",
+                  f"- ratio: {_spread(edit['ratio'], '{:.2f}')}",
+                  f"- bytes sent per node for the edit (rsync: file list, checksums, delta): "
+                  f"{_spread(edit['edit_bytes_per_node'], '{:.0f}')}, against "
+                  f"{human_bytes(edit['workdir_bytes'])} for the whole project"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

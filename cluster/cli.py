@@ -15,6 +15,8 @@ from cluster import sim
 from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown
 from cluster.inventory import DEFAULT_TRAINING_IMAGE, is_word
 
+INVENTORY_HELP = "the Ansible inventory (YAML or INI; group_vars/ and host_vars/ beside it count)"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
@@ -29,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Validate an inventory before anything acts on it. Exit 0 when it is "
         "valid; otherwise one 'Error:' line naming the host and the field, and exit 2.",
     )
-    check.add_argument("-i", "--inventory", help="path of the Ansible YAML inventory")
+    check.add_argument("-i", "--inventory", help=INVENTORY_HELP)
     check.add_argument("-n", "--nnodes", help="how many nodes the job will use (default: all)")
 
     image = commands.add_parser(
@@ -39,13 +41,74 @@ def _parser() -> argparse.ArgumentParser:
     )
     image.add_argument(
         "--kind", choices=("auto", "cpu", "cuda"), default="auto",
-        help="auto: CUDA when this machine has a working nvidia-smi, else CPU (default)",
+        help="cuda: the pinned torch wheels with CUDA, cuDNN, NCCL and triton; cpu: the CPU twin "
+        "(the simulated cluster); auto: CUDA when this machine has a working nvidia-smi, else "
+        "CPU (default)",
+    )  # fmt: skip
+    image.add_argument(
+        "--base-image", default=None,
+        help="build on this image's own torch instead of the pinned wheels (e.g. NVIDIA's "
+        "nvcr.io/nvidia/pytorch:YY.MM-py3); refused when its torch is older than the project's "
+        "minimum",
     )  # fmt: skip
     image.add_argument("--tag", default=DEFAULT_TRAINING_IMAGE, help="default: %(default)s")
     image.add_argument(
         "-i", "--inventory", default=None,
         help="build what this inventory's jobs need: its training_image, CUDA if any node has "
         "GPUs; nothing when launch_mode is host",
+    )  # fmt: skip
+
+    data = commands.add_parser(
+        "data",
+        help="copy a dataset directory into every node's data_root",
+        description="Mirror a dataset directory into DATA_ROOT/NAME on every node (NAME: the "
+        "directory's own name), all nodes at once; only what changed travels, so a second run "
+        "with nothing changed sends no file. Jobs then use --data-dir NAME (relative paths "
+        "resolve under data_root, on the nodes and in the containers).",
+    )  # fmt: skip
+    data.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    data.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+    data.add_argument("source", nargs="?", help="the dataset directory (make data SRC=dir)")
+
+    hostfile = commands.add_parser(
+        "hostfile",
+        help="print the inventory as a DeepSpeed/Horovod/MPI hostfile ('name slots=N')",
+        description="One 'NAME slots=N' line per node in rank order, N being its GPUs (its "
+        "cuda_visible_devices selection where set; 1 on a node without GPUs). The names are "
+        "the inventory's, which provisioning makes every node resolve to its compute address. "
+        "For launchers typed by hand: deepspeed --hostfile, horovodrun -hostfile, mpirun "
+        "--hostfile.",
+    )  # fmt: skip
+    hostfile.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    hostfile.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+
+    boot = commands.add_parser(
+        "bootstrap",
+        help="first contact with freshly installed nodes: key login, host keys, sudo",
+        description="Once, before 'make provision', on machines that have only a user with a "
+        "password: makes the controller's ed25519 key pair if there is none, confirms each "
+        "node's SSH host key by its fingerprint and adds it to the inventory's known_hosts "
+        "file, logs in once with the password to install the key and a passwordless-sudo "
+        "drop-in (checked by visudo -c), then proves key login and sudo. The password is "
+        "asked once (again only for a node that refuses it) and never stored, shown or put on "
+        "a command line. A second run asks nothing and changes nothing. Exit 0 when every node "
+        "is ready for provisioning; otherwise one line per failed node and exit 1.",
+    )  # fmt: skip
+    boot.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    boot.add_argument(
+        "--fingerprints", default=None, metavar="FILE",
+        help="expected host-key fingerprints, one 'NODE SHA256:...' line per node (NODE: the "
+        "inventory name or address), for unattended runs; without it each key is confirmed at "
+        "a prompt",
+    )  # fmt: skip
+    boot.add_argument(
+        "--disable-password-login", action="store_true",
+        help="once key login and sudo are proven on a node, turn SSH password login off there "
+        "(a drop-in checked by sshd -t)",
+    )  # fmt: skip
+    boot.add_argument(
+        "--password-stdin", action="store_true",
+        help="read the login password from the first line of standard input instead of asking",
     )  # fmt: skip
 
     simulated = commands.add_parser(
@@ -80,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="shape every node's link, e.g. 1gbit (default: unshaped)",
             )
+            sub.add_argument(
+                "--fresh", action="store_true",
+                help=f"nodes as a fresh install leaves them: user {sim.FRESH_USER} with a "
+                "password (asked now, or the first line of standard input), sudo asking for it, "
+                "SSH password login, no key; then make bootstrap",
+            )  # fmt: skip
     return parser
 
 
@@ -106,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         kind, tag = args.kind, args.tag
         if not is_word(tag):  # the inventory's training_image is held to the same rule
             raise ClusterError(f"--tag {shown(tag)} is not an image name")
+        if args.base_image is not None and not is_word(args.base_image):
+            raise ClusterError(f"--base-image {shown(args.base_image)} is not an image name")
         if args.inventory:
             inventory = inventory_module.load(args.inventory)
             if inventory.launch_mode != "container":
@@ -115,16 +186,33 @@ def run(args: argparse.Namespace) -> int:
             tag = inventory.training_image
             if kind == "auto":
                 kind = "cuda" if any(h.gpus > 0 for h in inventory.hosts) else "cpu"
-        built = images.build(kind, tag, progress=_progress)
+        built = images.build(kind, tag, progress=_progress, base_image=args.base_image or None)
         print(f"Built {built.tag} ({built.kind}, {built.image_id[:19]}) in {built.seconds:.0f} s:")
-        for name, version in images.versions(built.tag).items():
+        for name, version in images.versions(built.tag, gpus=images.gpu_present()).items():
             print(f"  {name}: {version}")
+        return 0
+
+    if args.command == "data":
+        return _data(args)
+    if args.command == "bootstrap":
+        return _bootstrap(args)
+    if args.command == "hostfile":
+        inventory = inventory_module.load(args.inventory)
+        hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+        for host in hosts:
+            print(f"{host.name} slots={slots(host)}")
         return 0
 
     state_dir = Path(args.state_dir) if args.state_dir else sim.default_state_dir(args.name)
     config = sim.SimConfig(args.name, args.subnet, state_dir, args.mgmt_subnet)
     if args.sim_command == "up":
-        cluster = sim.up(args.nodes, args.link, config, progress=_progress)
+        # Nodes already running keep the password they have: asked only for new ones.
+        ask = args.fresh and not sim.status(config)
+        password = _new_password(sim.FRESH_USER) if ask else None
+        cluster = sim.up(
+            args.nodes, args.link, config, progress=_progress, fresh=args.fresh,
+            fresh_password=password,
+        )  # fmt: skip
         inventory = cluster.config.inventory_path
         shaped = f", every link shaped to {cluster.link}" if cluster.link else ""
         print(f"Simulated cluster '{config.name}': {len(cluster.nodes)} node(s) up over SSH in "
@@ -134,11 +222,15 @@ def run(args: argparse.Namespace) -> int:
                   f"({sim.COMPUTE_INTERFACE})  container {config.container(index)}")  # fmt: skip
         print(f"Inventory: {inventory}")
         print("Use it:")
+        if args.fresh:
+            print(f"  make bootstrap INVENTORY={inventory}   (first: {sim.FRESH_USER}'s password, "
+                  "each node's host key)")  # fmt: skip
         print(f"  make provision INVENTORY={inventory}")
         print(f"  make netcheck  INVENTORY={inventory}")
         print(f"  make train     INVENTORY={inventory} NNODES={len(cluster.nodes)}")
+        user = sim.FRESH_USER if args.fresh else "root"
         print(f"  ssh -i {config.key_path} -o UserKnownHostsFile={config.known_hosts_path} "
-              f"root@{config.mgmt_ip(1)}")  # fmt: skip
+              f"{user}@{config.mgmt_ip(1)}")  # fmt: skip
         return 0
     if args.sim_command == "down":
         removed = sim.down(config, progress=_progress)
@@ -150,6 +242,84 @@ def run(args: argparse.Namespace) -> int:
         print(f"Simulated cluster '{config.name}' is not running (start it with 'make sim-up').")
     for container, ip, running in nodes:
         print(f"{container}  ssh {ip}  {'running' if running else 'stopped'}")
+    return 0
+
+
+def slots(host) -> int:
+    """Processes a hand-typed launcher should start on `host`: one per GPU it may use."""
+    if host.visible_gpus is not None:
+        return len(host.visible_gpus)
+    return host.gpus or 1
+
+
+def _new_password(user: str) -> str:
+    """The fresh nodes' password: typed twice at a terminal, or the first line of stdin."""
+    import getpass
+
+    if not sys.stdin.isatty():
+        return sys.stdin.readline().rstrip("\n")
+    first = getpass.getpass(f"Password for {user} on the fresh nodes (as the installer asks): ")
+    if getpass.getpass("The same password again: ") != first:
+        raise ClusterError("the two passwords differ", hint="make sim-up FRESH=1 again")
+    return first
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    from cluster import bootstrap
+
+    inventory = inventory_module.load(args.inventory)
+    fingerprints = Path(args.fingerprints) if args.fingerprints else None
+    prompter = bootstrap.Prompter(password_stdin=args.password_stdin)
+    print(f"Bootstrap of {len(inventory.hosts)} node(s) of {inventory.path}:", flush=True)
+    outcome = bootstrap.bootstrap(
+        inventory, prompter, lambda line: print(line, flush=True), fingerprints,
+        args.disable_password_login,
+    )  # fmt: skip
+    print("Summary:")
+    for node in outcome.nodes:
+        if not node.ok:
+            state = "FAILED"
+        elif node.already:
+            state = "already bootstrapped, nothing changed"
+        else:
+            state = "; ".join(node.done) or "ready, nothing changed"
+        print(f"  {node.host.name:<12} {state}")
+    failed = [node for node in outcome.nodes if not node.ok]
+    for node in failed:
+        print(f"Error: host '{node.host.name}' ({node.host.ssh_address}): {node.failed}",
+              file=sys.stderr)  # fmt: skip
+    if failed:
+        print(f"{len(failed)} of {len(outcome.nodes)} node(s) not bootstrapped; the others are "
+              "ready. Fix what is named above and run make bootstrap again.")  # fmt: skip
+        return 1
+    print(f"All {len(outcome.nodes)} node(s) take key login and passwordless sudo. Next: "
+          f"make provision INVENTORY={inventory.path}")  # fmt: skip
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from cluster import sync
+
+    if not args.source:
+        raise ClusterError("no dataset directory given", hint="make data SRC=path/to/dataset")
+    inventory = inventory_module.load(args.inventory)
+    hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+    tree = sync.data_tree(Path(args.source))
+    destination = f"{inventory.data_root}/{sync.safe_name(tree.root.name)}"
+    print(f"Copying {tree.root} ({len(tree.files)} files, {sync.human(tree.size)}) to "
+          f"{destination} on {len(hosts)} node(s)...", flush=True)  # fmt: skip
+    sent = sync.push(inventory, hosts, tree, destination, lambda line: print(line, flush=True),
+                     label="data")  # fmt: skip
+    for name, done in sent.items():
+        print(f"  {name:<12} {done.files} file(s) sent, {sync.human(done.bytes_sent)} over the "
+              f"wire, in {done.seconds:.1f} s")  # fmt: skip
+    total = sum(done.bytes_sent for done in sent.values())
+    changed = sum(done.files for done in sent.values())
+    print(f"Done: {changed} file(s), {sync.human(total)} sent in all"
+          + ("" if changed else " (every node already had it)") + ".")  # fmt: skip
+    print(
+        f"Use it in a job as --data-dir {destination.rsplit('/', 1)[1]} ({destination} on every node)."
+    )
     return 0
 
 

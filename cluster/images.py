@@ -1,7 +1,11 @@
 """Building the training image: the CUDA/NCCL image for GPU machines, or its CPU twin.
 
-Both come from docker/Dockerfile. Which one `make image` builds is decided by what this
-machine has (a working `nvidia-smi`), never by a flag a test could forget to flip.
+Both come from docker/Dockerfile, on the same Debian base with the same pinned torch wheels as
+the controller and the tests; the CPU twin drops what only a GPU would load. Which one `make
+image` builds is decided by what this machine has (a working `nvidia-smi`) unless KIND= says.
+Another base (NVIDIA's PyTorch image, BASE_IMAGE=) is built without wheels and accepted only
+when the torch it reports meets the project's minimum. Every image records its torch in a
+label (cluster.versions.TORCH_LABEL), which the launcher checks on every node.
 """
 
 from __future__ import annotations
@@ -17,14 +21,20 @@ from cluster import __version__
 from cluster.errors import ClusterError
 from cluster.inventory import DEFAULT_TRAINING_IMAGE
 from cluster.sim import REPO_ROOT, debian_base, docker, require_engine
+from cluster.versions import TORCH_LABEL, minimum_shown, release, torch_meets_minimum
 
-# The CUDA image's default base, and what NVIDIA's release notes say it brings.
-CUDA_BASE_IMAGE = "nvcr.io/nvidia/pytorch:25.12-py3"
+# The base of both kinds: Debian's own packages, no registry account.
 CPU_BASE_IMAGE = "torch-multinode/debian-python:bookworm"
+KINDS = ("auto", "cpu", "cuda")
 CPU_BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "iproute2", "procps")
+# Debian bookworm's python3: the wheels are fetched for it, whatever Python runs this.
+CPU_BASE_PYTHON = "3.11"
 # The pair the project pins (pyproject.toml); a test keeps the two in step.
 TORCH_VERSION = "2.14.1"
 TORCHVISION_VERSION = "0.29.1"
+# What the workloads import beside torch, as pyproject.toml requires it (a test checks).
+TENSORBOARD_REQUIREMENT = "tensorboard>=2.17"
+PYYAML_REQUIREMENT = "pyyaml>=6.0"
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 WHEELS_DIR = REPO_ROOT / "docker" / "wheels"
 
@@ -37,6 +47,7 @@ class BuiltImage:
     kind: str
     image_id: str
     seconds: float
+    torch: str  # as the image reports it, and as its label records it
 
 
 def gpu_present() -> bool:
@@ -46,38 +57,94 @@ def gpu_present() -> bool:
     return proc.returncode == 0 and "GPU" in proc.stdout
 
 
-def build_args(kind: str) -> list[str]:
-    """The `docker build` arguments for one kind, from the repository root as context."""
+def build_args(kind: str, base_image: str | None = None) -> list[str]:
+    """The `docker build` arguments for one kind, from the repository root as context. With
+    `base_image` (one that brings its own torch, such as NVIDIA's), no wheels are installed."""
+    if kind not in ("cpu", "cuda"):
+        raise ClusterError(f"image kind {kind!r} is not one of {', '.join(KINDS)}")
     common = [
         "-f", str(DOCKERFILE),
         "--build-arg", f"PROJECT_VERSION={__version__}",
         "--build-arg", f"TORCH_VERSION={TORCH_VERSION}",
         "--build-arg", f"TORCHVISION_VERSION={TORCHVISION_VERSION}",
     ]  # fmt: skip
-    if kind == "cuda":
-        return [*common, "--build-arg", f"BASE_IMAGE={CUDA_BASE_IMAGE}"]
-    if kind == "cpu":
-        return [
-            *common,
-            "--build-arg", f"BASE_IMAGE={CPU_BASE_IMAGE}",
-            "--build-arg", f"WHEELS={WHEELS_DIR.relative_to(REPO_ROOT)}",
-        ]  # fmt: skip
-    raise ClusterError(f"image kind {kind!r} is not one of auto, cpu, cuda")
+    if base_image is not None:
+        return [*common, "--build-arg", f"BASE_IMAGE={base_image}"]
+    return [
+        *common,
+        "--build-arg", f"BASE_IMAGE={CPU_BASE_IMAGE}",
+        "--build-arg", f"WHEELS={WHEELS_DIR.relative_to(REPO_ROOT)}",
+        "--build-arg", f"KEEP_GPU_LIBRARIES={1 if kind == 'cuda' else 0}",
+    ]  # fmt: skip
+
+
+def torch_refusal(reported: str, base_image: str | None) -> ClusterError | None:
+    """Why an image whose own `--version` says torch `reported` is refused, or None."""
+    if base_image is not None:
+        hint = (
+            f"make image without BASE_IMAGE, the default build with the pinned torch "
+            f"{TORCH_VERSION}, or a newer NVIDIA release"
+        )
+    else:
+        hint = "make image again (docker/wheels may hold other wheels: delete it to refetch)"
+    base = base_image or CPU_BASE_IMAGE
+    if release(reported) == ():
+        problem = f"base {base} brings no torch (its --version says torch: {reported})"
+    elif not torch_meets_minimum(reported):
+        problem = (
+            f"base {base} carries torch {reported}, older than the {minimum_shown()} this "
+            f"project needs"
+        )
+    elif base_image is None and release(reported)[:3] != release(TORCH_VERSION):
+        problem = (
+            f"the image reports torch {reported}, not the pinned {TORCH_VERSION} its wheels "
+            f"should have installed"
+        )
+    else:
+        return None
+    return ClusterError(problem, hint=hint, exit_code=1)
+
+
+def label_command(image_id: str, tag: str, torch: str) -> tuple[list[str], str]:
+    """The `docker build` that puts the torch label on a built image, and the Dockerfile it
+    reads on stdin: no context is sent, and a rebuild with the same label is a cache hit."""
+    command = ["docker", "build", "--quiet", "--label", f"{TORCH_LABEL}={torch}", "-t", tag, "-"]
+    return command, f"FROM {image_id}\n"
+
+
+def torch_label(tag: str) -> str:
+    """The torch an image's label records ('' where it has none)."""
+    template = f'{{{{with .Config.Labels}}}}{{{{index . "{TORCH_LABEL}"}}}}{{{{end}}}}'
+    return docker("image", "inspect", "--format", template, tag).stdout.strip()
+
+
+def label(image_id: str, tag: str, torch: str) -> str:
+    """Label `image_id` with the torch it carries, under `tag`; the labelled image's id."""
+    command, dockerfile = label_command(image_id, tag, torch)
+    proc = subprocess.run(command, input=dockerfile, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise ClusterError(f"labelling {tag} with its torch failed: {detail}", exit_code=1)
+    return _image_id(tag)
 
 
 def fetch_wheels(progress: Progress) -> None:
-    """torch and torchvision wheels into the build context: pip inside the image cannot reach
-    the package index, so it installs from these with --no-index."""
-    wanted = (f"torch-{TORCH_VERSION}", f"torchvision-{TORCHVISION_VERSION}")
+    """torch, torchvision, TensorBoard and PyYAML wheels (with their dependencies) into the
+    build context: pip inside the image cannot reach the package index, so it installs from
+    these with --no-index."""
+    wanted = (f"torch-{TORCH_VERSION}-", f"torchvision-{TORCHVISION_VERSION}-", "tensorboard-")
     present = [p.name for p in WHEELS_DIR.glob("*.whl")] if WHEELS_DIR.exists() else []
     if all(any(name.startswith(w) for name in present) for w in wanted):
         return
-    progress(f"Downloading torch {TORCH_VERSION} and torchvision {TORCHVISION_VERSION} wheels "
-             f"into {WHEELS_DIR} (once, ~3 GB)...")  # fmt: skip
+    progress(f"Downloading torch {TORCH_VERSION}, torchvision {TORCHVISION_VERSION} and "
+             f"TensorBoard wheels into {WHEELS_DIR} (once, ~3 GB)...")  # fmt: skip
     WHEELS_DIR.mkdir(parents=True, exist_ok=True)
+    # Wheels only (nothing to compile in the image), for the base's Python and this machine's
+    # platform, which is the engine's.
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(WHEELS_DIR),
-         f"torch=={TORCH_VERSION}", f"torchvision=={TORCHVISION_VERSION}", "pyyaml>=6.0"],
+         "--only-binary", ":all:", "--python-version", CPU_BASE_PYTHON, f"torch=={TORCH_VERSION}",
+         f"torchvision=={TORCHVISION_VERSION}", TENSORBOARD_REQUIREMENT, PYYAML_REQUIREMENT],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -86,17 +153,42 @@ def fetch_wheels(progress: Progress) -> None:
 
 
 def build(
-    kind: str = "auto", tag: str = DEFAULT_TRAINING_IMAGE, progress: Progress = print
+    kind: str = "auto",
+    tag: str = DEFAULT_TRAINING_IMAGE,
+    progress: Progress = print,
+    base_image: str | None = None,
 ) -> BuiltImage:
     require_engine()
     if kind == "auto":
         kind = "cuda" if gpu_present() else "cpu"
-    arguments = build_args(kind)
+    arguments = build_args(kind, base_image)  # refuses an unknown kind before any work
     started = time.monotonic()
-    if kind == "cpu":
+    if base_image is None:
         debian_base(CPU_BASE_IMAGE, CPU_BASE_PACKAGES, progress)
         fetch_wheels(progress)
-    progress(f"Building the {kind.upper()} training image {tag}...")
+    on = f" on {base_image}" if base_image else ""
+    progress(f"Building the {kind.upper()} training image {tag}{on}...")
+    _docker_build(arguments, tag, progress, base_image)
+    # Whatever the kind, the torch is the one the image itself reports: checked against the
+    # minimum, then recorded in the label the launcher reads on every node.
+    try:
+        reported = versions(tag).get("torch", "none")
+    except ClusterError:
+        docker("rmi", tag, check=False)  # nothing half-made left under the name
+        raise
+    refusal = torch_refusal(reported, base_image)
+    if refusal is not None:
+        docker("rmi", tag, check=False)
+        raise refusal
+    image_id = label(_image_id(tag), tag, reported)
+    return BuiltImage(tag, kind, image_id, time.monotonic() - started, reported)
+
+
+def _image_id(tag: str) -> str:
+    return docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
+
+
+def _docker_build(arguments: list[str], tag: str, progress: Progress, base: str | None) -> None:
     process = subprocess.Popen(
         ["docker", "build", *arguments, "-t", tag, str(REPO_ROOT)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -110,14 +202,14 @@ def build(
     if process.wait() != 0:
         raise ClusterError(
             f"docker build of {tag} failed: {tail[-1] if tail else 'no output'}",
-            hint="the lines above" if kind == "cpu" else f"'docker pull {CUDA_BASE_IMAGE}' first",
+            hint=f"'docker pull {base}' first" if base else "the lines above",
             exit_code=1,
         )
-    image_id = docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
-    return BuiltImage(tag, kind, image_id, time.monotonic() - started)
 
 
-def versions(tag: str) -> dict[str, str]:
-    """What the image says it holds (its default command)."""
-    proc = docker("run", "--rm", tag, "--version", timeout=120)
+def versions(tag: str, gpus: bool = False) -> dict[str, str]:
+    """What the image says it holds (its default command). No GPU is needed; with `gpus` (on a
+    machine with NVIDIA's container toolkit) a CUDA image also counts this machine's GPUs."""
+    with_gpus = ["--gpus", "all"] if gpus else []
+    proc = docker("run", "--rm", *with_gpus, tag, "--version", timeout=120)
     return dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)

@@ -16,14 +16,21 @@ Layout (see inventory.example.yml):
               gpus: 1
 
 Variables merge the way Ansible merges them: all.vars, then nodes.vars, then the host's own.
+An inventory that only Ansible's own reading resolves (INI, group_vars/ or host_vars/ beside
+it, host ranges, groups nested in `nodes`) is read through ansible-core's inventory loader and
+variable manager, so provisioning, netcheck and the launcher see the same values; a plain YAML
+file reads the same either way and is read directly, for errors with line numbers.
 Validation happens entirely here, before any caller acts, and the first problem found is raised
 as one ClusterError naming the host and the field.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import ipaddress
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +42,20 @@ from cluster.errors import ClusterError, printable, shown
 NODES_GROUP = "nodes"
 DEFAULT_RENDEZVOUS_PORT = 29500
 DEFAULT_TRAINING_IMAGE = "torch-multinode/train:latest"
+# Node-local directories a job keeps, the same on every node and mounted at the same path in
+# its container (ansible/roles/job_storage makes them; a test keeps its defaults equal).
+DEFAULT_CHECKPOINT_ROOT = "/var/lib/torch-multinode/checkpoints"
+DEFAULT_DATA_ROOT = "/var/lib/torch-multinode/data"
+DEFAULT_WORKDIR_ROOT = "/var/lib/torch-multinode/work"
+STORAGE_ROOTS = {
+    "checkpoint_root": DEFAULT_CHECKPOINT_ROOT,
+    "data_root": DEFAULT_DATA_ROOT,
+    "workdir_root": DEFAULT_WORKDIR_ROOT,
+}
+# Cluster-wide only: the launcher reads one value for every node, so a host of its own would
+# have Ansible make one directory there and the job use another.
+CLUSTER_ONLY_FIELDS = (*STORAGE_ROOTS, "container_mounts")
+READ_ONLY_SUFFIX = ":ro"
 LAUNCH_MODES = ("container", "host")
 REQUIRED_HOST_FIELDS = ("ansible_host", "compute_ip", "compute_interface", "gpus")
 REQUIRED_CLUSTER_FIELDS = ("compute_subnet",)
@@ -80,6 +101,14 @@ class Host:
 
 
 @dataclass(frozen=True)
+class Mount:
+    """A node directory mounted into every job's container at the same path."""
+
+    path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
 class Inventory:
     path: Path
     hosts: tuple[Host, ...]
@@ -91,6 +120,14 @@ class Inventory:
     training_image: str = DEFAULT_TRAINING_IMAGE
     container_memlock: str = "unlimited"
     """Locked-memory limit for the training container: 'unlimited' (what RDMA wants) or bytes."""
+    checkpoint_root: str = DEFAULT_CHECKPOINT_ROOT
+    """Node-local directory for checkpoints; a relative --checkpoint-dir lands under it."""
+    data_root: str = DEFAULT_DATA_ROOT
+    """Node-local directory for datasets; a relative --data-dir lands under it."""
+    workdir_root: str = DEFAULT_WORKDIR_ROOT
+    """Where the project's code is synced on each node."""
+    container_mounts: tuple[Mount, ...] = ()
+    """More node directories for the job's container (inventory: "PATH" or "PATH:ro")."""
 
     @property
     def master(self) -> Host:
@@ -162,14 +199,164 @@ def load(path: str | os.PathLike | None) -> Inventory:
         raise ClusterError(f"inventory {path} cannot be read: {exc}") from None
     except ValueError as exc:  # a NUL in the path, possible only from inside Python
         raise ClusterError(f"inventory {shown(str(path))} cannot be read: {exc}") from None
-    return parse(text, path)
+    # Only Ansible's own reading gives the values of an inventory with group_vars/ or
+    # host_vars/ beside it, in INI, with a host range (node[01:04]) or groups inside the nodes
+    # group. A plain YAML file reads the same either way, and reading it directly keeps its
+    # errors precise (line numbers, duplicate keys).
+    if any((path.parent / name).is_dir() for name in ("group_vars", "host_vars")):
+        return _validate(resolve_with_ansible(path), path)
+    yaml_file = path.suffix.lower() in YAML_SUFFIXES
+    try:
+        data = _yaml(text, f"inventory {path}")
+    except ClusterError:
+        if yaml_file:
+            raise
+        return _validate(resolve_with_ansible(path), path)
+    if (not isinstance(data, dict) and not yaml_file) or _needs_ansible(data):
+        return _validate(resolve_with_ansible(path), path)
+    return _validate(data, path)
+
+
+def _needs_ansible(data) -> bool:
+    """Whether a YAML inventory has what only Ansible resolves: a host range in the nodes
+    group, or groups nested in it."""
+    top = data.get("all") if isinstance(data, dict) else None
+    children = top.get("children") if isinstance(top, dict) else None
+    group = children.get(NODES_GROUP) if isinstance(children, dict) else None
+    if not isinstance(group, dict):
+        return False
+    hosts = group.get("hosts") if isinstance(group.get("hosts"), dict) else {}
+    return "children" in group or any(_HOST_RANGE.search(str(name)) for name in hosts)
+
+
+# Ansible's host range: node[01:04], node[a:c], node[0:10:2].
+_HOST_RANGE = re.compile(r"\[[0-9A-Za-z]+:[0-9A-Za-z]+(:[0-9]+)?\]")
+# Ansible's own variables, which every host has and no check reads.
+_ANSIBLE_MAGIC = frozenset({
+    "ansible_config_file", "ansible_facts", "ansible_playbook_python", "ansible_version",
+    "group_names", "groups", "inventory_dir", "inventory_file", "inventory_hostname",
+    "inventory_hostname_short", "playbook_dir", "omit", "ansible_check_mode",
+})  # fmt: skip
+# What the launcher reads once for the whole cluster: one value on every node.
+CLUSTER_FIELDS = (
+    "compute_subnet", "rendezvous_port", "ssh_known_hosts_file", "launch_mode",
+    "training_image", "container_memlock", *CLUSTER_ONLY_FIELDS,
+)  # fmt: skip
+YAML_SUFFIXES = (".yml", ".yaml", ".json")
+
+
+def _plain(value):
+    """A value as plain Python types (Ansible tags its strings and numbers)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
+    """The inventory as ansible-playbook sees it (ansible-core's inventory loader and variable
+    manager: YAML or INI, group_vars/ and host_vars/, ranges, nested groups), as a document in
+    the plain layout: the hosts of `group` in order, each with every variable it resolves to,
+    and the cluster-wide fields once (refused where two hosts disagree)."""
+    where = f"inventory {path}"
+    saved = {key: os.environ.get(key) for key in _ANSIBLE_SETTINGS}
+    os.environ.update(_ANSIBLE_SETTINGS)
+    try:
+        from ansible.errors import AnsibleError
+        from ansible.inventory.manager import InventoryManager
+        from ansible.parsing.dataloader import DataLoader
+        from ansible.vars.manager import VariableManager
+
+        loader = DataLoader()
+        said = io.StringIO()  # Ansible's own warnings: the reason goes into our one line
+        try:
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                manager = InventoryManager(loader=loader, sources=[str(path)])
+            variables = VariableManager(loader=loader, inventory=manager)
+            nodes = manager.groups.get(group)
+            hosts = nodes.get_hosts() if nodes is not None else []
+            resolved = {
+                host.name: {
+                    key: _plain(value)
+                    for key, value in variables.get_vars(host=host, include_hostvars=False).items()
+                    if key not in _ANSIBLE_MAGIC
+                }
+                for host in hosts
+            }
+        except AnsibleError:
+            reasons = re.findall(
+                r"Failed to parse inventory with '\w+' plugin: (?:Failed to parse inventory: )?(.+)",
+                said.getvalue(),
+            )
+            raise ClusterError(
+                f"{where}: Ansible cannot read it as YAML or INI"
+                + (f": {reasons[-1]}" if reasons else ""),
+                hint="the layout of inventory.example.yml, or an INI inventory with a [nodes] group",
+            ) from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if not resolved:
+        raise ClusterError(
+            f"{where}: no hosts in group '{group}' as Ansible reads it",
+            hint=f"listing the nodes in a group named {group} (inventory.example.yml)",
+        )
+    cluster: dict = {}
+    first_name = next(iter(resolved))
+    for field in CLUSTER_FIELDS:
+        values = {name: own[field] for name, own in resolved.items() if field in own}
+        if not values:
+            continue
+        distinct = {repr(value) for value in values.values()}
+        if len(distinct) > 1 or len(values) != len(resolved):
+            other = next(n for n in resolved if repr(values.get(n)) != repr(values.get(first_name)))
+            here, there = (
+                shown(values[name]) if name in values else "unset" for name in (other, first_name)
+            )
+            raise ClusterError(
+                f"{where}: host '{printable(other)}': field '{field}' is cluster-wide: "
+                f"the same on every node ({here} here, {there} on '{printable(first_name)}')",
+                hint="setting it once, for all (group_vars/all.yml or all.vars)",
+            )
+        cluster[field] = values[first_name]
+    hosts_doc = {
+        name: {key: value for key, value in own.items() if key not in CLUSTER_FIELDS}
+        for name, own in resolved.items()
+    }
+    return {"all": {"vars": cluster, "children": {NODES_GROUP: {"hosts": hosts_doc}}}}
+
+
+# Read by ansible-core when it is first imported: only the inventory formats a user writes by
+# hand (no executable inventory script runs), and a file it cannot parse is an error.
+_ANSIBLE_SETTINGS = {
+    "ANSIBLE_INVENTORY_ENABLED": "yaml,ini",
+    "ANSIBLE_INVENTORY_UNPARSED_FAILED": "True",
+    "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "True",
+    "ANSIBLE_LOCALHOST_WARNING": "False",
+}
 
 
 def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
+    """An inventory in the plain YAML layout, from its text."""
     path = Path(path)
-    where = f"inventory {path}"
+    return _validate(_yaml(text, f"inventory {path}"), path)
+
+
+def _yaml(text: str, where: str):
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
     except _DuplicateKey as dup:
         raise ClusterError(
             f"{where}: line {dup.line}: duplicate key {shown(dup.key)} (first on line "
@@ -190,6 +377,11 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
         reason = str(exc).split(";")[0]
         raise ClusterError(f"{where} holds a value YAML cannot read: {reason}") from None
 
+
+def _validate(data, path: Path) -> Inventory:
+    """Every check, on an inventory document in the plain layout (from the file itself, or as
+    Ansible resolved it)."""
+    where = f"inventory {path}"
     if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
         raise ClusterError(
             f"{where}: the top level must be a mapping with an 'all' key",
@@ -229,6 +421,14 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
         raise ClusterError(
             f"{where}: cluster field 'training_image': {shown(image)} is not an image name"
         )
+    roots = {
+        field: _directory(merged.get(field, default), f"{where}: cluster field '{field}'", default)
+        for field, default in STORAGE_ROOTS.items()
+    }
+    _check_distinct(roots, where)
+    mounts = _mounts(
+        merged.get("container_mounts"), f"{where}: cluster field 'container_mounts'", roots
+    )
 
     hosts: list[Host] = []
     names: dict[str, str] = {}
@@ -251,7 +451,14 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
                 "(hostnames are case-insensitive)"
             )
         names[name.lower()] = name
-        values = {**merged, **_mapping(own, host_where)}
+        own = _mapping(own, host_where)
+        for field in CLUSTER_ONLY_FIELDS:
+            if field in own:
+                raise ClusterError(
+                    f"{host_where}: field '{field}' is cluster-wide: the same on every node",
+                    hint="setting it once, in all.vars",
+                )
+        values = {**merged, **own}
         _check_host_keys_stay_checked(values, host_where)
         for field in REQUIRED_HOST_FIELDS:
             if values.get(field) in (None, ""):
@@ -280,8 +487,10 @@ def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
             f"'unlimited' nor a number of bytes (0 to 2**63-1)"
         )
     return Inventory(
-        path, tuple(hosts), subnet, port, known_hosts, launch_mode, image, str(memlock)
-    )
+        path, tuple(hosts), subnet, port, known_hosts, launch_mode, image, str(memlock),
+        checkpoint_root=roots["checkpoint_root"], data_root=roots["data_root"],
+        workdir_root=roots["workdir_root"], container_mounts=mounts,
+    )  # fmt: skip
 
 
 def is_word(value) -> bool:
@@ -292,6 +501,82 @@ def is_word(value) -> bool:
         and value != ""
         and not any(c.isspace() or not c.isprintable() for c in value)
     )
+
+
+def _directory(value, where: str, example: str, suffix: str = "") -> str:
+    """A node directory as `docker run -v` takes it: absolute, normalised, not '/', no
+    whitespace, and no ':' or ',' (they separate -v's and --mount's parts). `suffix` is what
+    followed the path in the inventory (':ro'), shown with it in the error."""
+    given = shown(value + suffix if isinstance(value, str) else value)
+    if not isinstance(value, str) or value == "":
+        raise ClusterError(
+            f"{where}: {given} is not a directory path", hint=f"an absolute path such as {example}"
+        )
+    if not is_word(value):
+        raise ClusterError(f"{where}: {given} holds whitespace or a control character")
+    if ":" in value or "," in value:
+        raise ClusterError(
+            f"{where}: {given} holds ':' or ',', which docker run -v cannot mount",
+            hint="a directory whose path has neither",
+        )
+    if not value.startswith("/"):
+        raise ClusterError(
+            f"{where}: {given} is not an absolute path", hint=f"a path from /, such as {example}"
+        )
+    # normpath keeps a leading '//' (POSIX leaves its meaning open); Linux reads it as '/'.
+    normal = "/" + posixpath.normpath(value).lstrip("/")
+    if normal == "/":
+        raise ClusterError(
+            f"{where}: {given} is the root directory",
+            hint=f"a directory of its own, such as {example}",
+        )
+    if value != normal:
+        raise ClusterError(f"{where}: {given} is not a normalised path", hint=normal + suffix)
+    return value
+
+
+def _check_distinct(roots: dict[str, str], where: str) -> None:
+    seen: dict[str, str] = {}
+    for field, path in roots.items():
+        if path in seen:
+            raise ClusterError(
+                f"{where}: cluster field '{field}': {shown(path)} is also {seen[path]}",
+                hint="a directory of its own",
+            )
+        seen[path] = field
+
+
+def _mounts(value, where: str, roots: dict[str, str]) -> tuple[Mount, ...]:
+    """container_mounts: a list of "PATH" or "PATH:ro"; absent or empty for none. A path
+    mounted twice (or one of the roots, which jobs get anyway) would stop `docker run`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ClusterError(
+            f"{where}: {shown(value)} is not a list", hint='a list such as ["/datasets:ro"]'
+        )
+    found: list[Mount] = []
+    for item in value:
+        read_only = isinstance(item, str) and item.endswith(READ_ONLY_SUFFIX)
+        path = item[: -len(READ_ONLY_SUFFIX)] if read_only else item
+        if isinstance(path, str) and ":" in path:
+            raise ClusterError(
+                f"{where}: {shown(item)} is neither PATH nor PATH:ro",
+                hint="PATH:ro for read-only, PATH alone for read-write",
+            )
+        suffix = READ_ONLY_SUFFIX if read_only else ""
+        path = _directory(path, where, "/datasets:ro", suffix)
+        for other in found:
+            if other.path == path:
+                raise ClusterError(f"{where}: {shown(item)} mounts {path} a second time")
+        for field, root in roots.items():
+            if path == root:
+                raise ClusterError(
+                    f"{where}: {shown(item)} is the cluster's {field}",
+                    hint="removing it from container_mounts",
+                )
+        found.append(Mount(path, read_only))
+    return tuple(found)
 
 
 def _check_host_keys_stay_checked(values: dict, where: str) -> None:

@@ -41,10 +41,14 @@ MGMT_INTERFACE = "eth0"  # SSH from the controller, like a lab's management LAN
 COMPUTE_INTERFACE = "eth1"  # training traffic, the inventory's compute_ip
 SHARED_DIR = "/shared"
 MAX_NODES = 4
+# The user a fresh install leaves (FRESH=1): a password, sudo that asks for it, no SSH key.
+FRESH_USER = "trainer"
 FIRST_HOST_OFFSET = 11  # nodes get .11, .12, ... so the gateway (.1) is never confused with one
+# rsync as on Ubuntu Server, where it is installed by default (provisioning installs it where
+# it is not): the launcher sends a job's project with it, also to unprovisioned nodes.
 BASE_PACKAGES = (
     "python3", "openssh-server", "iproute2", "iputils-ping", "procps", "sudo",
-    "ca-certificates", "less", "iptables", "mount",
+    "ca-certificates", "less", "iptables", "mount", "rsync",
 )  # fmt: skip
 PACKAGE_DIRS = ("cluster", "training", "netcheck")
 SSH_HANDSHAKE_TIMEOUT = 15.0
@@ -123,11 +127,17 @@ def _quiet(_: str) -> None:
 
 
 def docker(
-    *args: str, check: bool = True, timeout: float | None = 600
+    *args: str, check: bool = True, timeout: float | None = 600, stdin: str | None = None
 ) -> subprocess.CompletedProcess:
+    """`docker ARGS`; `stdin` is what the command reads (a secret never goes in ARGS)."""
     try:
         proc = subprocess.run(
-            ["docker", *args], capture_output=True, text=True, timeout=timeout, check=False
+            ["docker", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            input=stdin,
         )
     except FileNotFoundError:
         raise ClusterError(
@@ -293,8 +303,14 @@ def _ensure_key(config: SimConfig) -> str:
     return public.read_text().strip()
 
 
-def _start_node(config: SimConfig, index: int, public_key: str) -> None:
+def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:
+    """Start node `index`: with `public_key`, root takes that key; without one, as a fresh
+    install (FRESH_USER with a password, set afterwards, and SSH password login)."""
     container, volume = config.container(index), config.volume(index)
+    if public_key is not None:
+        access = ["-e", f"SIM_AUTHORIZED_KEY={public_key}"]
+    else:
+        access = ["-e", f"SIM_FRESH_USER={FRESH_USER}", "--label", f"{LABEL}.fresh=1"]
     for name in (volume, config.shared_volume):
         docker("volume", "create", "--label", f"{LABEL}={config.name}", name)
     docker(
@@ -307,7 +323,7 @@ def _start_node(config: SimConfig, index: int, public_key: str) -> None:
         "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
         "--cgroupns", "private", "-v", f"{volume}:/var/lib/docker",
         "-v", f"{config.shared_volume}:{SHARED_DIR}",
-        "-e", f"SIM_AUTHORIZED_KEY={public_key}",
+        *access,
         *python_mounts(),
         NODE_IMAGE,
     )  # fmt: skip
@@ -336,7 +352,7 @@ def shape_link(container: str, link: str | None) -> None:
            "rate", link, "burst", "128kb", "latency", "20ms")  # fmt: skip
 
 
-def write_inventory(config: SimConfig, count: int) -> Path:
+def write_inventory(config: SimConfig, count: int, fresh: bool = False) -> Path:
     hosts = {
         f"node{i}": {
             "ansible_host": config.mgmt_ip(i),
@@ -352,7 +368,8 @@ def write_inventory(config: SimConfig, count: int) -> Path:
             "vars": {
                 "compute_subnet": config.subnet,
                 "rendezvous_port": 29500,
-                "ansible_user": "root",
+                # A fresh install's user logs in with the key `make bootstrap` installs.
+                "ansible_user": FRESH_USER if fresh else "root",
                 "ansible_ssh_private_key_file": str(config.key_path.resolve()),
                 "ssh_known_hosts_file": str(config.known_hosts_path.resolve()),
                 "ansible_ssh_common_args": (
@@ -379,6 +396,11 @@ def write_inventory(config: SimConfig, count: int) -> Path:
         f"# Simulated cluster '{config.name}', written by 'cluster sim up'. Regenerated on every\n"
         "# sim-up: edit a copy, not this file.\n"
     )
+    if fresh:
+        header += (
+            f"# Nodes as a fresh install leaves them ({FRESH_USER} with a password, no key, host\n"
+            f"# keys unknown): make bootstrap INVENTORY={config.inventory_path} first.\n"
+        )
     config.inventory_path.write_text(header + yaml.safe_dump(document, sort_keys=False))
     return config.inventory_path
 
@@ -389,8 +411,19 @@ def up(
     config: SimConfig | None = None,
     progress: Progress = _quiet,
     ssh_timeout: float = 120.0,
+    fresh: bool = False,
+    fresh_password: str | None = None,
 ) -> SimCluster:
-    """Start (or reuse) an `nnodes`-node cluster; returns once every node answers over SSH."""
+    """Start (or reuse) an `nnodes`-node cluster; returns once every node answers over SSH.
+
+    With `fresh`, nodes as a fresh install leaves them: FRESH_USER with `fresh_password`
+    (given to chpasswd on its standard input; running nodes keep theirs), sudo asking for it,
+    SSH password login, no authorized key, and an inventory whose known_hosts file holds no
+    key: `make bootstrap`."""
+    if fresh_password is not None and (
+        not fresh_password or "\n" in fresh_password or ":" in fresh_password
+    ):
+        raise ClusterError("the fresh nodes' password must be one line, not empty, without ':'")
     config = config or SimConfig()
     started = time.monotonic()
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
@@ -418,9 +451,21 @@ def up(
             f"simulated cluster '{config.name}' already has {len(existing)} node(s)",
             hint=f"'make sim-down' first, or NNODES={len(existing)}",
         )
+    were_fresh = {
+        item["Config"]["Labels"].get(f"{LABEL}.fresh") == "1" for item in existing.values()
+    }
+    if existing and were_fresh != {fresh}:
+        running = "as fresh installs (FRESH=1)" if fresh is False else "without FRESH=1"
+        raise ClusterError(
+            f"simulated cluster '{config.name}' is already running {running}",
+            hint="'make sim-down' first",
+        )
     build_images(progress)
-    public_key = _ensure_key(config)
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    public_key = None if fresh else _ensure_key(config)
     reused = bool(existing)
+    if fresh and not reused and fresh_password is None:
+        raise ClusterError("new fresh nodes need their user's password", hint="make sim-up FRESH=1")
     if not reused:
         existing_networks = set(
             docker("network", "ls", "--format", "{{.Name}}",
@@ -435,6 +480,8 @@ def up(
             progress(f"Starting {config.container(index)}: ssh {config.mgmt_ip(index)}, "
                      f"compute {config.node_ip(index)} ({COMPUTE_INTERFACE})...")  # fmt: skip
             _start_node(config, index, public_key)
+            if fresh:
+                _set_password(config.container(index), fresh_password, ssh_timeout)
     else:
         progress(f"Reusing the {nnodes} running node(s) of '{config.name}'.")
         for index, item in existing.items():
@@ -446,11 +493,17 @@ def up(
         f"{config.mgmt_ip(i)} {_host_key(config.container(i), deadline)}"
         for i in range(1, nnodes + 1)
     ]
-    config.known_hosts_path.write_text("\n".join(known) + "\n")
+    if not fresh:
+        config.known_hosts_path.write_text("\n".join(known) + "\n")
+    elif not reused:
+        config.known_hosts_path.write_text("")  # bootstrap confirms and adds every key
     for index in range(1, nnodes + 1):
         shape_link(config.container(index), link)
-    inventory = load(write_inventory(config, nnodes))
+    inventory = load(write_inventory(config, nnodes, fresh))
     for index, host in enumerate(inventory.hosts, start=1):
+        if fresh:
+            _wait_for_sshd(host, config.container(index), deadline)
+            continue
         # A generous handshake timeout: under load a fresh node's sshd can take seconds to
         # answer, and an attempt given up mid-handshake only adds to that load.
         remote = Remote.for_inventory(inventory, host, connect_timeout=SSH_HANDSHAKE_TIMEOUT)
@@ -466,20 +519,54 @@ def up(
 
 
 def _wait_for_ssh(remote: Remote, container: str, deadline: float) -> None:
-    while True:
+    """Until the node takes the key and runs a command."""
+
+    def probe() -> None:
         try:
             remote.run("true", timeout=10, check=True)
+        finally:
             remote.close()
+
+    _retry(probe, f"node {remote.host.name} did not answer over SSH in time", container, deadline)
+
+
+def _wait_for_sshd(host, container: str, deadline: float) -> None:
+    """Until the node's sshd completes a key exchange (nothing can log in yet: FRESH=1)."""
+    from cluster.bootstrap import NodeFailed, fetch_host_key
+
+    def probe() -> None:
+        try:
+            fetch_host_key(host, timeout=10)
+        except NodeFailed as exc:
+            raise ClusterError(str(exc)) from None
+
+    _retry(probe, f"node {host.name}'s sshd did not answer in time", container, deadline)
+
+
+def _retry(probe: Callable[[], None], failure: str, container: str, deadline: float) -> None:
+    """`probe` every half second until it passes; past `deadline`, `failure` with its last
+    error and what the node's container says."""
+    while True:
+        try:
+            probe()
             return
         except ClusterError as exc:
-            remote.close()
             if time.monotonic() > deadline:
                 raise ClusterError(
-                    f"node {remote.host.name} did not answer over SSH in time: {exc}; "
-                    f"{_node_state(container)}",
-                    exit_code=1,
+                    f"{failure}: {exc}; {_node_state(container)}", exit_code=1
                 ) from None
             time.sleep(0.5)
+
+
+def _set_password(container: str, password: str, timeout: float) -> None:
+    """FRESH_USER's password, on chpasswd's standard input (never on a command line); the
+    node's init makes the user first."""
+    deadline = time.monotonic() + timeout
+    while docker("exec", container, "id", FRESH_USER, check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            raise ClusterError(f"node {container} made no user {FRESH_USER} in time", exit_code=1)
+        time.sleep(0.2)
+    docker("exec", "-i", container, "chpasswd", stdin=f"{FRESH_USER}:{password}\n")
 
 
 def _node_state(container: str) -> str:

@@ -1,24 +1,86 @@
-"""What a node or an image runs: Python, torch, torchvision, CUDA, cuDNN, NCCL, the project.
+"""What a node or an image runs: Python, torch, torchvision, CUDA, cuDNN (and whether its engine
+libraries are there), NCCL, triton, TensorBoard, the project.
 
 `python3 -m cluster.versions` prints one `name: version` line each; `--json` prints a mapping.
 Anything absent says so ("none") instead of failing: a CPU node has no NCCL to speak of.
+
+The training image carries this file alone, as a script, without the project's code (which
+reaches the nodes at run time): so it imports nothing of the project, and there the project's
+version comes from TMN_PROJECT_VERSION, which the image sets when it is built.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
+from pathlib import Path
 
-import cluster
+PROJECT_VERSION_VARIABLE = "TMN_PROJECT_VERSION"
+# The oldest torch the project's code runs on: the minor release it is tested on (pyproject.toml
+# pins 2.14.1). An image or node with an older torch is refused, naming both versions.
+TORCH_MINIMUM = (2, 14)
+# The image label where `make image` records the torch the image reported; the launcher reads it
+# on every node (docker image inspect) and refuses an image below TORCH_MINIMUM.
+TORCH_LABEL = "io.torch-multinode.torch"
+# The oldest NVIDIA driver branch each CUDA major runs on (NVIDIA's CUDA Compatibility guide,
+# "Minimum Required Driver Version" under minor version compatibility): torch's wheels carry
+# their CUDA runtime, so the node's driver is what must be new enough.
+DRIVER_MINIMUM = {13: 580, 12: 525, 11: 450}
+
+
+def driver_needed(cuda: str | None) -> int | None:
+    """The driver branch a torch built for CUDA `cuda` ('13.0') needs, or None if unknown."""
+    found = release(cuda or "")
+    return DRIVER_MINIMUM.get(found[0]) if found else None
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: '2.10.0a0+5e4b2c1' -> (2, 10, 0), '2.14.1+cu130'
+    -> (2, 14, 1); () when it does not start with a number ('none', 'unknown')."""
+    parts: list[int] = []
+    for piece in version.split("+", 1)[0].split("."):
+        digits = ""
+        for character in piece:
+            if not character.isdigit():
+                break
+            digits += character
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:  # a pre-release tail ('0a0', '0rc1') ends the release
+            break
+    return tuple(parts)
+
+
+def torch_meets_minimum(version: str) -> bool:
+    """Whether a torch version string is at least TORCH_MINIMUM (a pre-release of the minimum
+    counts as the minimum: NVIDIA's images carry '2.N.0a0' builds of the release they precede)."""
+    found = release(version)
+    return bool(found) and found[: len(TORCH_MINIMUM)] >= TORCH_MINIMUM
+
+
+def minimum_shown() -> str:
+    return ".".join(map(str, TORCH_MINIMUM))
+
+
+def project_version() -> str:
+    """The project's own version where its code is importable, else what the image recorded."""
+    try:
+        import cluster
+    except ImportError:
+        cluster = None
+    version = getattr(cluster, "__version__", None)
+    return version or os.environ.get(PROJECT_VERSION_VARIABLE) or "unknown"
 
 
 def collect() -> dict[str, str]:
-    found = {"python": platform.python_version(), "torch-multinode": cluster.__version__}
+    found = {"python": platform.python_version(), "torch-multinode": project_version()}
     try:
         import torch
     except ImportError:
-        return {**found, "torch": "none"}
+        return {**found, "torch": "none", "tensorboard": _tensorboard_version()}
     found["torch"] = torch.__version__
     try:
         import torchvision
@@ -26,11 +88,67 @@ def collect() -> dict[str, str]:
         found["torchvision"] = torchvision.__version__
     except ImportError:
         found["torchvision"] = "none"
+    found["tensorboard"] = _tensorboard_version()
     found["cuda"] = torch.version.cuda or "none"
     found["cudnn"] = str(torch.backends.cudnn.version() or "none")
     found["nccl"] = _nccl_version(torch)
+    found["cudnn-engines"] = _cudnn_engines()
+    found["triton"] = _distribution_version("triton")
     found["gpus"] = str(torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return found
+
+
+def _distribution_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+# cuDNN 9 loads its engines lazily, at the first convolution: present or not, the version
+# answers. A CUDA image needs them; the CPU twin drops them.
+CUDNN_ENGINES = ("libcudnn_engines_precompiled.so.9", "libcudnn_engines_runtime_compiled.so.9")
+
+
+def _cudnn_engines() -> str:
+    """'present' or 'absent' where torch's cuDNN wheel (nvidia-cudnn-cu*) is installed, or else
+    where a system library directory holds cuDNN 9 (NVIDIA's images install it system-wide);
+    'unknown' where no cuDNN is found."""
+    from importlib import metadata
+
+    for distribution in metadata.distributions():
+        name = (distribution.metadata["Name"] or "").lower().replace("_", "-")
+        if not name.startswith("nvidia-cudnn"):
+            continue
+        # On disk, not in the wheel's record: the CPU twin deletes them after installing.
+        found = {
+            Path(str(f)).name
+            for f in distribution.files or ()
+            if Path(str(f)).name in CUDNN_ENGINES and Path(distribution.locate_file(f)).exists()
+        }
+        return "present" if found == set(CUDNN_ENGINES) else "absent"
+    for directory in _system_library_directories():
+        if (directory / "libcudnn.so.9").exists():
+            present = all((directory / engine).exists() for engine in CUDNN_ENGINES)
+            return "present" if present else "absent"
+    return "unknown"
+
+
+def _system_library_directories() -> list[Path]:
+    listed = os.environ.get("LD_LIBRARY_PATH", "").split(":")
+    machine = platform.machine()
+    usual = [f"/usr/lib/{machine}-linux-gnu", "/usr/local/cuda/lib64", "/usr/local/lib", "/usr/lib"]
+    return [Path(d) for d in [*listed, *usual] if d]
+
+
+def _tensorboard_version() -> str:
+    try:
+        import tensorboard
+    except ImportError:
+        return "none"
+    return str(getattr(tensorboard, "__version__", "unknown"))
 
 
 def _nccl_version(torch) -> str:

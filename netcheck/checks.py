@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from cluster.inventory import Host
+from cluster.versions import driver_needed, minimum_shown, release, torch_meets_minimum
 from netcheck import bandwidth
 from netcheck.facts import FQDN, OWN, NodeFacts
 from netcheck.report import Finding, Link, Measurement, Status
@@ -447,6 +448,24 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
                     install)  # fmt: skip
             continue
         good[node] = probe
+        torch = probe.get("torch") or "none"
+        if not torch_meets_minimum(torch):
+            fix = (
+                f"on {node}: make image (it installs the pinned torch), then make provision"
+                if container
+                else f"on {node}: install the pinned torch for {where} (make provision)"
+            )
+            out.add(node, Status.FAIL,
+                    f"torch {torch} in {where} on {node} is older than the {minimum_shown()} this "
+                    f"project needs", fix)  # fmt: skip
+        needed, driver = driver_needed(probe.get("cuda")), probe.get("driver")
+        if needed and driver and release(driver) and release(driver)[0] < needed:
+            out.add(node, Status.FAIL,
+                    f"NVIDIA driver {driver} on {node} is older than torch's CUDA "
+                    f"{probe.get('cuda')} needs (branch {needed} or newer)",
+                    f"on {node}: install driver branch {needed} or newer (nvidia_driver_install: "
+                    f"true, nvidia_driver_branch: \"{needed}\" in the inventory; make provision; "
+                    f"reboot)")  # fmt: skip
         if not probe.get("netcheck"):
             out.add(node, Status.FAIL, f"netcheck is not importable in {where}", install)
         if not probe.get("gloo"):
@@ -494,8 +513,9 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
             if p.get("memlock_bytes") == -1
             else f"{(p.get('memlock_bytes') or 0) >> 10} KiB"
         )
+        driver = f", driver {p['driver']}" if p.get("driver") else ""
         passed[node] = (f"Python {p.get('python')}, torch {p.get('torch')}, CUDA {p.get('cuda')}, "
-                        f"NCCL {p.get('nccl')}, {p.get('gpus', 0)} GPU(s), /dev/shm "
+                        f"NCCL {p.get('nccl')}, {p.get('gpus', 0)} GPU(s){driver}, /dev/shm "
                         f"{(p.get('shm_bytes') or 0) >> 20} MiB, memlock {memlock}")  # fmt: skip
     return out.done([h.name for h in hosts], passed)
 

@@ -124,8 +124,8 @@ def sockprobe(*args: str) -> str:
 def preflight(inventory: Inventory, options: Options, runner: Runner,
               context: Context | None = None) -> Report:  # fmt: skip
     started = time.monotonic()
-    context = context or context_for(inventory)
     hosts = list(inventory.select(options.nnodes) if options.nnodes else inventory.hosts)
+    context = context or context_for(inventory, runner.ship_code(hosts))
     names = [h.name for h in hosts]
     master = hosts[0]
     rendezvous = str(master.compute_ip)
@@ -357,9 +357,11 @@ def _collective(report: Report, runner: Runner, context: Context, hosts: list[Ho
     # The watchdog inside each worker ends a hung stage; this only bounds a worker gone wrong.
     outer = IMPORT_TIMEOUT + 3 * stage
     pidfile = f"/tmp/{token}-collective.pid"
+    # The worker imports netcheck from where the CLI sent it (the image holds no project code).
+    code = {"PYTHONPATH": context.code_dir} if getattr(context, "code_dir", None) else {}
     commands = {
-        h.name: worker_command(h, rank, hosts, port, sizes, stage, report.env.get(h.name, {}),
-                               context.python(h), token)
+        h.name: worker_command(h, rank, hosts, port, sizes, stage,
+                               {**report.env.get(h.name, {}), **code}, context.python(h), token)
         for rank, h in enumerate(hosts)
     }  # fmt: skip
     try:

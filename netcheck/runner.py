@@ -26,6 +26,11 @@ SSH_CONNECT_TIMEOUT = 5.0
 class Runner(Protocol):
     def run(self, host: Host, command: str, timeout: float) -> Result: ...
 
+    def ship_code(self, hosts: list[Host]) -> str | None:
+        """netcheck's own code onto every node: the directory it is in there, or None where
+        the nodes already import it (a fake cluster)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -65,6 +70,18 @@ class SshRunner:
         with self._lock:
             self._idle[host.name].append(remote)
         return result
+
+    def ship_code(self, hosts: list[Host]) -> str | None:
+        """The collective's workers import netcheck, and the training image holds no project
+        code: send it with rsync. A node that cannot take it is reported by the checks: ssh
+        when it does not answer, else the software check (netcheck not importable there)."""
+        from cluster import sync
+
+        tree = sync.tool_tree()
+        destination = sync.tool_destination(self.inventory)
+        quiet = lambda line: None  # noqa: E731 - progress lines would interleave with the report
+        sync.push_each(self.inventory, hosts, tree, destination, quiet)
+        return destination
 
     def close(self) -> None:
         with self._lock:
@@ -108,6 +125,9 @@ class HostContext:
 
     name = "host"
 
+    def __init__(self, code_dir: str | None = None):
+        self.code_dir = code_dir  # where netcheck's own code was sent on every node
+
     def python(self, host: Host) -> str:
         return host.python
 
@@ -115,6 +135,8 @@ class HostContext:
         return host.python
 
     def wrap(self, host: Host, command: str, token: str) -> str:
+        if self.code_dir:
+            return f"export PYTHONPATH={shlex.quote(self.code_dir)}; {command}"
         return command
 
     def cleanup(self, token: str) -> str | None:
@@ -131,9 +153,10 @@ class ContainerContext:
     name = "container"
     PYTHON = "python3"  # the image's PATH puts its own torch-carrying interpreter first
 
-    def __init__(self, image: str, memlock: str = "unlimited"):
+    def __init__(self, image: str, memlock: str = "unlimited", code_dir: str | None = None):
         self.image = image
         self.memlock = memlock
+        self.code_dir = code_dir  # mounted at the same path: the image holds no project code
 
     def python(self, host: Host) -> str:
         return self.PYTHON
@@ -143,6 +166,13 @@ class ContainerContext:
 
     def wrap(self, host: Host, command: str, token: str) -> str:
         options = training_container_options(host, self.memlock, f"{NETCHECK_LABEL}={token}")
+        if self.code_dir:
+            options += [
+                "-v",
+                f"{self.code_dir}:{self.code_dir}:ro",
+                "-e",
+                f"PYTHONPATH={self.code_dir}",
+            ]
         return shlex.join([*options, self.image, "sh", "-c", command])
 
     def cleanup(self, token: str) -> str | None:
@@ -150,11 +180,11 @@ class ContainerContext:
         return f"docker ps -q --filter {label} | xargs -r docker rm -f >/dev/null 2>&1; true"
 
 
-def context_for(inventory: Inventory) -> Context:
+def context_for(inventory: Inventory, code_dir: str | None = None) -> Context:
     """The inventory's launch_mode decides where the training stack is checked."""
     if getattr(inventory, "launch_mode", "host") == "container":
-        return ContainerContext(inventory.training_image, inventory.container_memlock)
-    return HostContext()
+        return ContainerContext(inventory.training_image, inventory.container_memlock, code_dir)
+    return HostContext(code_dir)
 
 
 def python_command(python: str, source: str, *args: str) -> str:

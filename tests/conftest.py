@@ -15,9 +15,11 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster import sim
 
@@ -30,7 +32,10 @@ _OCTETS = itertools.count(int(os.environ.get("SIM_TEST_OCTET", "80")) + 30 * _WO
 # Tests that share one expensive thing run in one xdist worker, one after the other.
 _GROUPS = {
     "tests/docker/": "image",  # the training image, built once
-    "tests/test_end_to_end.py": "image",
+    "tests/test_end_to_end.py": "image",  # and the cluster provisioned with it, once
+    "tests/test_projects_in_containers.py": "image",
+    "tests/test_bootstrap.py": "image",  # fresh nodes provisioned with that image
+    "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
 }
 
@@ -142,6 +147,38 @@ def training_image(sim_factory):
 
 
 TEST_IMAGE = "torch-multinode/train:test"
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """Two fresh nodes provisioned by `make provision` to run jobs in the test image."""
+
+    cluster: sim.SimCluster
+    inventory: Path
+    provision: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="session")
+def provisioned(sim_factory, training_image, tmp_path_factory) -> Provisioned:
+    """Shipping the image is most of the time: one cluster for every test of jobs in
+    containers. Tests leave the nodes as they found them (images, mounts, files)."""
+    cluster = sim_factory.up(2)
+    document = yaml.safe_load(cluster.config.inventory_path.read_text())
+    document["all"]["vars"].update(
+        launch_mode="container", training_image=training_image.tag, container_mounts=["/shared"]
+    )
+    inventory = tmp_path_factory.mktemp("provisioned") / "inventory.yml"
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+    return Provisioned(cluster, inventory, make("provision", f"INVENTORY={inventory}"))
+
+
+def make(*args: str, timeout: float = 1800, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`make ARGS` in the repository, as a user types it."""
+    return subprocess.run(
+        ["make", "--no-print-directory", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:

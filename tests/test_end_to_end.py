@@ -22,44 +22,30 @@ import pytest
 import yaml
 
 from cluster.sim import docker
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, make
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"
 ENDLESS = SCRIPT.with_name("endless_allreduce.py")
 
 
-def make(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["make", "--no-print-directory", *args],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
-
-
 @pytest.mark.sim
 @pytest.mark.image_e2e
-# One test for the steps that share one provisioned cluster (shipping the image is most of the
-# time). Its limit covers building the image too, when no earlier test has.
+# One test for the steps of the flow; the provisioned cluster is shared with the other tests of
+# jobs in containers. Its limit covers building the image and provisioning, when no earlier test
+# has.
 @pytest.mark.timeout(2400)
 def test_provision_then_train_then_netcheck_in_the_image_on_fresh_nodes(
-    sim_factory, training_image, tmp_path
+    provisioned, training_image
 ):
     """Fresh nodes; an inventory that runs jobs in the test image; then the commands."""
-    cluster = sim_factory.up(2)
-    try:
-        document = yaml.safe_load(cluster.config.inventory_path.read_text())
-        document["all"]["vars"].update(launch_mode="container", training_image=training_image.tag)
-        inventory = tmp_path / "inventory.yml"
-        inventory.write_text(yaml.safe_dump(document, sort_keys=False))
-        _provision_builds_and_ships_the_image(cluster, inventory, training_image)
-        _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory)
-        _netcheck_passes_in_the_training_image(inventory)
-        _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory)
-    finally:
-        sim_factory.down(cluster)
+    cluster, inventory = provisioned.cluster, provisioned.inventory
+    _provision_builds_and_ships_the_image(cluster, provisioned.provision, training_image)
+    _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory)
+    _netcheck_passes_in_the_training_image(inventory)
+    _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory)
 
 
-def _provision_builds_and_ships_the_image(cluster, inventory, training_image) -> None:
-    provision = make("provision", f"INVENTORY={inventory}")
+def _provision_builds_and_ships_the_image(cluster, provision, training_image) -> None:
     assert provision.returncode == 0, provision.stdout[-4000:] + provision.stderr[-2000:]
     assert f"Built {training_image.tag} (cpu" in provision.stdout
     # What provisioning built (the same ID as the fixture's, unless the code changed between).

@@ -128,7 +128,10 @@ def test_every_missing_host_key_policy_set_in_the_code_is_reject():
                 "set_missing_host_key_policy"
             ):
                 calls.append((file.relative_to(REPO), ast.unparse(node.args[0])))
-    assert calls == [(Path("cluster/remote.py"), "paramiko.RejectPolicy()")]
+    assert calls == [
+        (Path("cluster/bootstrap.py"), "paramiko.RejectPolicy()"),  # its one password login
+        (Path("cluster/remote.py"), "paramiko.RejectPolicy()"),
+    ]
 
 
 def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
@@ -230,8 +233,20 @@ def test_the_password_pattern_catches_every_way_of_enabling_passwords(line):
     assert PASSWORDS_ON.search(line)
 
 
+# The one place password login is turned on: a simulated node started as a fresh install
+# (make sim-up FRESH=1), the state make bootstrap exists for. Bootstrap logs in with the
+# password once and only ever turns password login off.
+FRESH_INSTALL = "docker/sim-node/entrypoint.sh"
+
+
 def test_password_login_is_never_enabled_nor_used():
-    assert matches(PASSWORDS_ON, scanned_files()) == []
+    found = matches(PASSWORDS_ON, scanned_files())
+    assert [line for line in found if not line.startswith(f"{FRESH_INSTALL}:")] == []
+    fresh = [int(line.split(":")[1]) for line in found if line.startswith(f"{FRESH_INSTALL}:")]
+    lines = (REPO / FRESH_INSTALL).read_text().splitlines()
+    opened = lines.index('if [ -n "${SIM_FRESH_USER:-}" ]; then') + 1
+    closed = lines.index("fi", opened) + 1
+    assert len(fresh) == 1 and opened < fresh[0] < closed, (fresh, opened, closed)
 
 
 def test_the_simulated_nodes_refuse_password_login():
@@ -435,7 +450,7 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
     path, key = keyed_inventory
     handed: list[tuple] = []
 
-    def launch(inv, hosts, spec, emit):
+    def launch(inv, hosts, spec, emit, project):
         handed.append((inv, hosts, spec))
         raise Reached("launcher")
 

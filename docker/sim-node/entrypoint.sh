@@ -8,6 +8,15 @@ if [ -n "${SIM_AUTHORIZED_KEY:-}" ] && ! grep -qxF "$SIM_AUTHORIZED_KEY" /root/.
 fi
 chmod 600 /root/.ssh/authorized_keys 2>/dev/null || true
 
+# FRESH=1: the node as a fresh Debian install leaves it. The installer's user, in the sudo
+# group (sudo asks for the password, which the simulator sets through chpasswd's standard
+# input), SSH password login on (Debian's default), and no key anywhere.
+if [ -n "${SIM_FRESH_USER:-}" ]; then
+    id "$SIM_FRESH_USER" >/dev/null 2>&1 || useradd -m -s /bin/bash -G sudo "$SIM_FRESH_USER"
+    printf '%s\n' 'PermitRootLogin prohibit-password' 'PasswordAuthentication yes' \
+        'KbdInteractiveAuthentication no' 'UseDNS no' > /etc/ssh/sshd_config.d/sim-node.conf
+fi
+
 # Docker mounts the container's cgroup hierarchies read-only; a Docker engine inside the node
 # must create cgroups for its containers, as it can on a real host. Mount the node's own
 # (private cgroup namespace) hierarchies again, read-write, with the same controllers.
@@ -26,9 +35,13 @@ else
     rmdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null || true
 fi
 
-# A host with Docker installed starts it at boot; provisioning installs it.
+# A host with Docker installed starts it at boot; provisioning installs it. A real boot starts
+# with an empty /run (a tmpfs); a container restarted after `docker kill` keeps the engine's pid
+# files, and a new dockerd that happens to get the PID written there refuses to start ("pid file
+# found"): clear what the killed engine left, as a boot would.
 if command -v dockerd >/dev/null 2>&1 && ! pgrep -x dockerd >/dev/null; then
-    dockerd >/var/log/dockerd.log 2>&1 &
+    rm -rf /var/run/docker.pid /var/run/docker-ssd.pid /var/run/docker /run/containerd
+    dockerd >>/var/log/dockerd.log 2>&1 &
 fi
 
 mkdir -p /run/sshd

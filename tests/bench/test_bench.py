@@ -62,6 +62,11 @@ def bench_data() -> dict:
                      "ratio_own_cores": spread(2.0, 2.0, 2.25)},
         "provision": {"first_seconds": 100.0, "second_seconds": spread(40, 42, 41),
                       "ratio": spread(0.4, 0.42, 0.41)},
+        "edit_loop": {"workdir_files": 1000, "workdir_bytes": 60000,
+                      "edited_seconds": spread(10.2, 10.4, 10.0),
+                      "unchanged_seconds": spread(10.0, 10.0, 10.0),
+                      "ratio": spread(1.02, 1.04, 1.0),
+                      "edit_bytes_per_node": spread(41000, 41200, 40900)},
     }  # fmt: skip
 
 
@@ -75,6 +80,20 @@ def test_bench_lines_are_read_through_the_launchers_node_prefix():
         {"lever": "none", "rep": 1, "samples_per_second": 12.5},
         {"lever": "auto-selection", "chosen": "fp16"},
     ]
+
+
+def test_the_edit_loop_reads_what_the_projects_sync_sent_each_node(tmp_path):
+    script = measure.edit_loop_project(tmp_path / "project")
+    files = [path for path in script.parent.rglob("*") if path.is_file()]
+    assert len(files) == measure.EDIT_LOOP_FILES
+    line = ("[launcher] /p/project (1000 files, 60.1 KB) -> /var/lib/x: node1 1 changed file(s), "
+            "41,234 bytes sent in 0.4 s, node2 1 changed file(s), 40,998 bytes sent in 0.5 s")  # fmt: skip
+    assert measure.SENT.findall(line) == [("node1", "1", "41,234"), ("node2", "1", "40,998")]
+    found = report.figures(bench_data())
+    assert found["edit_loop"] == pytest.approx(1.02)
+    assert found["edit_kilobytes"] == pytest.approx(41.0)
+    assert report.meets("edit_loop", found["edit_loop"]) == "meets"
+    assert report.meets("edit_kilobytes", 120.0) == "MISSES"
 
 
 def test_ratios_pair_the_repetitions_and_keep_the_spread():
@@ -118,6 +137,8 @@ def test_the_report_is_markdown_json_and_plots(tmp_path):
     assert "| no_sync | 17.0 (15.0 to 18.0, n=3) | 0.83 (0.82 to 0.85, n=3) |" in text
     assert "chose **fp16**" in text
     assert "98.00 % without a hook, 96.50 % with PowerSGD (+1.50 points of cost)" in text
+    assert "| KB sent per node for that one-line edit | 41.00 | <= 100 | meets |" in text
+    assert "- ratio: 1.02 (1.00 to 1.04, n=3)" in text
 
 
 def test_a_partial_run_reports_what_it_measured(tmp_path):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster import inventory
 from cluster.errors import ClusterError
@@ -68,6 +70,70 @@ def test_host_vars_override_cluster_vars(tmp_path):
     text = text.replace("          gpus: 0\n", "")
     loaded = inventory.load(write(tmp_path, text))
     assert [h.gpus for h in loaded.hosts] == [2, 4]
+
+
+def with_cluster_vars(*lines: str) -> str:
+    """VALID with these lines added to all.vars."""
+    added = "".join(f"    {line}\n" for line in lines)
+    return VALID.replace("    rendezvous_port: 29511\n", f"    rendezvous_port: 29511\n{added}")
+
+
+def test_storage_roots_default_to_var_lib_and_no_mounts(tmp_path):
+    loaded = inventory.load(write(tmp_path, VALID))
+    assert loaded.checkpoint_root == inventory.DEFAULT_CHECKPOINT_ROOT
+    assert loaded.checkpoint_root == "/var/lib/torch-multinode/checkpoints"
+    assert loaded.data_root == inventory.DEFAULT_DATA_ROOT == "/var/lib/torch-multinode/data"
+    assert loaded.workdir_root == inventory.DEFAULT_WORKDIR_ROOT == "/var/lib/torch-multinode/work"
+    assert loaded.container_mounts == ()
+
+
+def test_storage_fields_are_read_and_nodes_vars_win_over_all_vars(tmp_path):
+    text = with_cluster_vars(
+        "checkpoint_root: /srv/ckpt",
+        "data_root: /srv/data",
+        "workdir_root: /srv/work",
+        "container_mounts: [/mnt/datasets:ro, /scratch]",
+    ).replace("    nodes:\n", "    nodes:\n      vars:\n        data_root: /data\n")
+    loaded = inventory.load(write(tmp_path, text))
+    assert (loaded.checkpoint_root, loaded.data_root, loaded.workdir_root) == (
+        "/srv/ckpt", "/data", "/srv/work",
+    )  # fmt: skip
+    assert loaded.container_mounts == (
+        inventory.Mount("/mnt/datasets", read_only=True),
+        inventory.Mount("/scratch", read_only=False),
+    )
+
+
+def test_container_mounts_left_empty_means_none(tmp_path):
+    loaded = inventory.load(write(tmp_path, with_cluster_vars("container_mounts:")))
+    assert loaded.container_mounts == ()
+    loaded = inventory.load(write(tmp_path, with_cluster_vars("container_mounts: []")))
+    assert loaded.container_mounts == ()
+
+
+def test_job_storage_role_defaults_to_the_inventory_defaults():
+    """The role falls back to the same directories the launcher does when the inventory leaves
+    a field out."""
+    defaults = yaml.safe_load(
+        (REPO_ROOT / "ansible/roles/job_storage/defaults/main.yml").read_text()
+    )
+    found = {}
+    for field in inventory.STORAGE_ROOTS:
+        template = defaults[f"job_storage_{field}"]
+        match = re.fullmatch(r"\{\{ (\w+) \| default\('([^']*)'\) \}\}", template)
+        assert match, template
+        found[match.group(1)] = match.group(2)
+    assert found == {
+        "checkpoint_root": inventory.DEFAULT_CHECKPOINT_ROOT,
+        "data_root": inventory.DEFAULT_DATA_ROOT,
+        "workdir_root": inventory.DEFAULT_WORKDIR_ROOT,
+    }
+
+
+def test_example_inventory_documents_the_storage_defaults():
+    text = (REPO_ROOT / "inventory.example.yml").read_text()
+    documented = dict(re.findall(r"^ +# (\w+_root|container_mounts): (\S+)$", text, re.M))
+    assert documented == {**inventory.STORAGE_ROOTS, "container_mounts": "[]"}
 
 
 REJECTIONS = [
@@ -180,6 +246,140 @@ REJECTIONS = [
         "all:\n  vars: [unclosed\n",
         "is not valid YAML at line 3 column 1: expected ',' or ']', but got '<stream end>'",
     ),
+    (
+        "relative checkpoint_root",
+        with_cluster_vars("checkpoint_root: ckpt"),
+        "cluster field 'checkpoint_root': 'ckpt' is not an absolute path (try a path from /, "
+        "such as /var/lib/torch-multinode/checkpoints)",
+    ),
+    (
+        "data_root not normalised",
+        with_cluster_vars("data_root: /data/./sets/"),
+        "cluster field 'data_root': '/data/./sets/' is not a normalised path (try /data/sets)",
+    ),
+    (
+        "workdir_root with a leading double slash",
+        with_cluster_vars("workdir_root: //work"),
+        "cluster field 'workdir_root': '//work' is not a normalised path (try /work)",
+    ),
+    (
+        "data_root the root directory",
+        with_cluster_vars("data_root: /"),
+        "cluster field 'data_root': '/' is the root directory (try a directory of its own, such "
+        "as /var/lib/torch-multinode/data)",
+    ),
+    (
+        "checkpoint_root with a space",
+        with_cluster_vars('checkpoint_root: "/my checkpoints"'),
+        "cluster field 'checkpoint_root': '/my checkpoints' holds whitespace or a control "
+        "character",
+    ),
+    (
+        "workdir_root with a colon",
+        with_cluster_vars("workdir_root: /work:rw"),
+        "cluster field 'workdir_root': '/work:rw' holds ':' or ',', which docker run -v cannot "
+        "mount (try a directory whose path has neither)",
+    ),
+    (
+        "data_root with a comma",
+        with_cluster_vars("data_root: /data,x"),
+        "cluster field 'data_root': '/data,x' holds ':' or ',', which docker run -v cannot "
+        "mount (try a directory whose path has neither)",
+    ),
+    (
+        "checkpoint_root left empty",
+        with_cluster_vars("checkpoint_root:"),
+        "cluster field 'checkpoint_root': None is not a directory path (try an absolute path "
+        "such as /var/lib/torch-multinode/checkpoints)",
+    ),
+    (
+        "data_root the same as checkpoint_root",
+        with_cluster_vars("checkpoint_root: /srv/jobs", "data_root: /srv/jobs"),
+        "cluster field 'data_root': '/srv/jobs' is also checkpoint_root (try a directory of its "
+        "own)",
+    ),
+    (
+        "one problem at a time: the roots in their order, then the mounts",
+        with_cluster_vars("workdir_root: work", "checkpoint_root: ckpt", "container_mounts: 1"),
+        "cluster field 'checkpoint_root': 'ckpt' is not an absolute path (try a path from /, "
+        "such as /var/lib/torch-multinode/checkpoints)",
+    ),
+    (
+        "container_mounts not a list",
+        with_cluster_vars("container_mounts: /datasets"),
+        "cluster field 'container_mounts': '/datasets' is not a list (try a list such as "
+        '["/datasets:ro"])',
+    ),
+    (
+        "mount with a suffix other than :ro",
+        with_cluster_vars("container_mounts: [/datasets:rw]"),
+        "cluster field 'container_mounts': '/datasets:rw' is neither PATH nor PATH:ro (try "
+        "PATH:ro for read-only, PATH alone for read-write)",
+    ),
+    (
+        "mount with :ro twice",
+        with_cluster_vars("container_mounts: [/datasets:ro:ro]"),
+        "cluster field 'container_mounts': '/datasets:ro:ro' is neither PATH nor PATH:ro (try "
+        "PATH:ro for read-only, PATH alone for read-write)",
+    ),
+    (
+        "relative mount",
+        with_cluster_vars("container_mounts: [datasets:ro]"),
+        "cluster field 'container_mounts': 'datasets:ro' is not an absolute path (try a path "
+        "from /, such as /datasets:ro)",
+    ),
+    (
+        "mount not normalised",
+        with_cluster_vars("container_mounts: [/datasets/:ro]"),
+        "cluster field 'container_mounts': '/datasets/:ro' is not a normalised path (try "
+        "/datasets:ro)",
+    ),
+    (
+        "mount of the root directory",
+        with_cluster_vars('container_mounts: ["/:ro"]'),
+        "cluster field 'container_mounts': '/:ro' is the root directory (try a directory of its "
+        "own, such as /datasets:ro)",
+    ),
+    (
+        "mount with a comma",
+        with_cluster_vars('container_mounts: ["/a,b:ro"]'),
+        "cluster field 'container_mounts': '/a,b:ro' holds ':' or ',', which docker run -v "
+        "cannot mount (try a directory whose path has neither)",
+    ),
+    (
+        "mount with a space",
+        with_cluster_vars('container_mounts: ["/my data:ro"]'),
+        "cluster field 'container_mounts': '/my data:ro' holds whitespace or a control character",
+    ),
+    (
+        "mount that is not a string",
+        with_cluster_vars("container_mounts: [3]"),
+        "cluster field 'container_mounts': 3 is not a directory path (try an absolute path such "
+        "as /datasets:ro)",
+    ),
+    (
+        "the same path mounted twice",
+        with_cluster_vars("container_mounts: [/datasets:ro, /scratch, /datasets]"),
+        "cluster field 'container_mounts': '/datasets' mounts /datasets a second time",
+    ),
+    (
+        "mount of a storage root",
+        with_cluster_vars("container_mounts: [/var/lib/torch-multinode/data:ro]"),
+        "cluster field 'container_mounts': '/var/lib/torch-multinode/data:ro' is the cluster's "
+        "data_root (try removing it from container_mounts)",
+    ),
+    (
+        "a storage root set for one host",
+        VALID.replace("          gpus: 0\n", "          gpus: 0\n          checkpoint_root: /x\n"),
+        "host 'beta': field 'checkpoint_root' is cluster-wide: the same on every node (try "
+        "setting it once, in all.vars)",
+    ),
+    (
+        "container_mounts set for one host",
+        VALID.replace("          gpus: 2\n", "          gpus: 2\n          container_mounts: []\n"),
+        "host 'alpha': field 'container_mounts' is cluster-wide: the same on every node (try "
+        "setting it once, in all.vars)",
+    ),
 ]
 
 
@@ -249,3 +449,135 @@ def test_select_keeps_rank_order(tmp_path):
     assert [h.name for h in loaded.select(1)] == ["alpha"]
     with pytest.raises(ClusterError, match=r"NNODES=5 but inventory"):
         loaded.select(5)
+
+
+def test_make_uses_every_node_unless_nnodes_is_given(tmp_path):
+    """`make check-inventory`, `make netcheck` and `make train` share NNODES: empty means every
+    node of the inventory (it once defaulted to 2, silently); more than it has is one line."""
+    from tests.conftest import make
+
+    path = write(tmp_path, VALID)
+    every = make("check-inventory", f"INVENTORY={path}", timeout=120)
+    assert every.returncode == 0, every.stderr
+    assert [line.split()[2] for line in every.stdout.splitlines() if "node_rank" in line] == [
+        "alpha", "beta"
+    ]  # fmt: skip
+    first = make("check-inventory", f"INVENTORY={path}", "NNODES=1", timeout=120)
+    assert [line.split()[2] for line in first.stdout.splitlines() if "node_rank" in line] == [
+        "alpha"
+    ]
+    over = make("check-inventory", f"INVENTORY={path}", "NNODES=3", timeout=120)
+    assert over.returncode != 0
+    assert f"Error: NNODES=3 but inventory {path} lists 2 host(s)" in over.stderr
+    # What netcheck and train are handed (make -n prints the commands without running them).
+    for target in ("netcheck", "train"):
+        planned = make("-n", target, f"INVENTORY={path}", timeout=60).stdout
+        assert f'-i "{path}"' in planned and "--nnodes" not in planned, planned
+        planned = make("-n", target, f"INVENTORY={path}", "NNODES=1", timeout=60).stdout
+        assert "--nnodes 1" in planned, planned
+
+
+def test_hostfile_lists_the_nodes_with_one_slot_per_usable_gpu(tmp_path):
+    path = write(tmp_path, VALID)
+    done = run_cli("cluster", "hostfile", "-i", str(path))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "alpha slots=2\nbeta slots=1\n", "")
+    assert run_cli("cluster", "hostfile", "-i", str(path), "-n", "1").stdout == "alpha slots=2\n"
+    selected = write(
+        tmp_path, VALID.replace("gpus: 2", "gpus: 2\n          cuda_visible_devices: '1'")
+    )
+    assert (
+        run_cli("cluster", "hostfile", "-i", str(selected)).stdout
+        == "alpha slots=1\nbeta slots=1\n"
+    )
+    over = run_cli("cluster", "hostfile", "-i", str(path), "-n", "3")
+    assert over.returncode == 2 and over.stdout == ""
+    assert over.stderr.startswith("Error: NNODES=3 but inventory")
+
+
+# --- read the way Ansible reads it ------------------------------------------------------------
+
+
+def _ini_cluster(tmp_path: Path) -> Path:
+    """An INI inventory with a host range, a nested group, and its values in group_vars/ and
+    host_vars/ beside it."""
+    (tmp_path / "group_vars").mkdir()
+    (tmp_path / "host_vars").mkdir()
+    (tmp_path / "group_vars" / "all.yml").write_text(
+        "compute_subnet: 10.9.0.0/24\nlaunch_mode: host\n"
+    )
+    (tmp_path / "group_vars" / "gpu.yml").write_text("gpus: 2\n")
+    for number in (1, 2, 3):
+        (tmp_path / "host_vars" / f"node{number}.yml").write_text(
+            f"ansible_host: 10.9.0.{number}\ncompute_ip: 10.9.0.{number}\n"
+        )
+    path = tmp_path / "cluster.ini"
+    path.write_text(
+        "[gpu]\nnode[1:2]\n\n[cpu]\nnode3 gpus=0\n\n[nodes:children]\ngpu\ncpu\n\n"
+        "[nodes:vars]\ncompute_interface=eth1\nrendezvous_port=29611\n"
+    )
+    return path
+
+
+def test_an_ini_inventory_with_group_and_host_vars_ranges_and_nested_groups(tmp_path):
+    loaded = inventory.load(_ini_cluster(tmp_path))
+    assert [(h.name, h.ssh_address, str(h.compute_ip), h.gpus) for h in loaded.hosts] == [
+        ("node1", "10.9.0.1", "10.9.0.1", 2),
+        ("node2", "10.9.0.2", "10.9.0.2", 2),
+        ("node3", "10.9.0.3", "10.9.0.3", 0),
+    ]
+    assert (loaded.rendezvous_port, loaded.launch_mode) == (29611, "host")
+    assert loaded.compute_subnet == ipaddress.IPv4Network("10.9.0.0/24")
+
+
+def test_a_value_only_in_group_vars_beside_a_yaml_inventory_is_seen(tmp_path):
+    """group_vars/all.yml beside the plain YAML layout: ansible-playbook sees it, and so does
+    every tool of the project (before, the YAML file alone was read)."""
+    path = write(tmp_path, VALID.replace("    rendezvous_port: 29511\n", ""))
+    (tmp_path / "group_vars").mkdir()
+    (tmp_path / "group_vars" / "all.yml").write_text(
+        "rendezvous_port: 29777\ntraining_image: mine:1\n"
+    )
+    loaded = inventory.load(path)
+    assert (loaded.rendezvous_port, loaded.training_image) == (29777, "mine:1")
+    assert [h.name for h in loaded.hosts] == ["alpha", "beta"]
+
+
+@pytest.mark.parametrize("example", ["inventory.example.yml", "VALID"])
+def test_the_plain_layout_reads_the_same_through_ansible(tmp_path, example):
+    path = REPO_ROOT / example if example != "VALID" else write(tmp_path, VALID)
+    direct = inventory.load(path)
+    through_ansible = inventory._validate(inventory.resolve_with_ansible(path), path)
+    assert through_ansible == direct
+
+
+def test_a_cluster_field_two_hosts_disagree_on_is_named(tmp_path):
+    path = _ini_cluster(tmp_path)
+    (tmp_path / "host_vars" / "node3.yml").write_text(
+        "ansible_host: 10.9.0.3\ncompute_ip: 10.9.0.3\ndata_root: /elsewhere\n"
+    )
+    with pytest.raises(ClusterError) as raised:
+        inventory.load(path)
+    assert raised.value.line() == (
+        f"Error: inventory {path}: host 'node3': field 'data_root' is cluster-wide: the same on "
+        "every node ('/elsewhere' here, unset on 'node1') (try setting it once, for all "
+        "(group_vars/all.yml or all.vars))"
+    )
+
+
+def test_an_inventory_ansible_cannot_parse_is_one_line(tmp_path):
+    path = tmp_path / "cluster.ini"
+    path.write_text("[nodes\nnode1 x=\n")
+    done = run_cli("cluster", "check", "-i", str(path))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"Error: inventory {path}: Ansible cannot read it as YAML or INI: not enough values to "
+        "unpack (expected 3, got 2) (try the layout of inventory.example.yml, or an INI "
+        "inventory with a [nodes] group)"
+    ]
+    other = tmp_path / "other.ini"
+    other.write_text("[gpus]\nnode1\n")
+    done = run_cli("cluster", "check", "-i", str(other))
+    assert done.stderr.splitlines() == [
+        f"Error: inventory {other}: no hosts in group 'nodes' as Ansible reads it (try listing "
+        "the nodes in a group named nodes (inventory.example.yml))"
+    ]

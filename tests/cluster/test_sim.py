@@ -77,6 +77,20 @@ def test_nodes_are_plain_hosts_that_provisioning_has_not_touched(sim2):
 
 
 @pytest.mark.sim
+def test_standard_input_reaches_a_node_command_whole(sim2):
+    """What must not go on a command line (a file list, a secret) goes on standard input."""
+    data = "".join(f"line {index}\n" for index in range(20000))  # about 200 KB
+    with Remote.for_inventory(sim2.inventory, sim2.inventory.hosts[1]) as remote:
+        # invoke's own stdin handling sent one character per 10 ms: 200 KB would take half an
+        # hour and end in this command's timeout
+        result = remote.run("sha256sum; echo done >&2; exit 3", stdin=data, timeout=60)
+    import hashlib
+
+    assert result.stdout.split()[0] == hashlib.sha256(data.encode()).hexdigest()
+    assert (result.exit_code, result.stderr) == (3, "done\n")
+
+
+@pytest.mark.sim
 def test_unknown_host_key_is_refused(sim2, tmp_path):
     inventory = load(sim2.config.inventory_path)
     empty = tmp_path / "known_hosts"

@@ -57,6 +57,7 @@ HOST_FIELDS = (
 CLUSTER_FIELDS = (
     "compute_subnet", "rendezvous_port", "launch_mode", "training_image", "container_memlock",
     "ssh_known_hosts_file", "ansible_ssh_common_args", "ansible_host_key_checking",
+    "checkpoint_root", "data_root", "workdir_root", "container_mounts",
 )  # fmt: skip
 
 # Strings that broke, or nearly broke, the loader: kept in every run's mix.
@@ -125,6 +126,12 @@ label_like = st.one_of(
     any_text,
     st.sampled_from(["node1", "NODE1", "node2", "pc1\n", "-a", "a-", "a_b", "a" * 64]),
 )
+path_like = st.one_of(
+    st.sampled_from(["/var/lib/torch-multinode/data", "/data", "/", "//data", "/data/",
+                     "/data/./x", "/a/../b", "data", "/a:b", "/a,b", "/a b", "/a\n", ""]),
+    st.builds("/{}".format, any_text),
+    st.from_regex(r"(/[a-z0-9._-]{1,8}){1,3}", fullmatch=True),
+)  # fmt: skip
 FIELD_VALUES = {
     "ansible_host": st.one_of(ipv4_like, any_text),
     "compute_ip": ipv4_like,
@@ -147,6 +154,13 @@ FIELD_VALUES = {
          "-o UserKnownHostsFile=/dev/null"]
     ),
     "ansible_host_key_checking": st.sampled_from([True, False, "false", "yes", 0]),
+    "checkpoint_root": path_like,
+    "data_root": path_like,
+    "workdir_root": path_like,
+    "container_mounts": st.lists(
+        st.one_of(path_like, path_like.map("{}:ro".format), path_like.map("{}:rw".format)),
+        max_size=3,
+    ),
 }  # fmt: skip
 
 

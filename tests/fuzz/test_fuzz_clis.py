@@ -25,7 +25,7 @@ import cluster.cli
 import netcheck.cli
 import netcheck.envfile  # noqa: F401 - the same, for netcheck
 import training.cli
-from cluster import images, sim
+from cluster import bootstrap, images, sim, sync
 from cluster.errors import ClusterError
 from cluster.inventory import Inventory, is_word
 from netcheck.preflight import Options
@@ -54,8 +54,9 @@ def fake_preflight(inventory: Inventory, options: Options, runner) -> None:
 class FakeLauncher:
     """What train hands to the launcher, it must have checked."""
 
-    def __init__(self, inventory: Inventory, hosts, spec: launcher.JobSpec, emit) -> None:
+    def __init__(self, inventory: Inventory, hosts, spec: launcher.JobSpec, emit, project) -> None:
         assert isinstance(inventory, Inventory)
+        assert project.workdir and all(remote.startswith("/") for _, remote in project.trees)
         assert hosts and tuple(hosts) == inventory.hosts[: len(hosts)]
         assert spec.rendezvous_timeout >= 1 and spec.max_restarts >= 0
         assert spec.nproc_per_node is None or spec.nproc_per_node >= 1
@@ -64,9 +65,17 @@ class FakeLauncher:
         raise Reached("launcher")
 
 
-def fake_build(kind: str, tag: str, progress=None) -> None:
+def fake_build(kind: str, tag: str, progress=None, base_image=None) -> None:
     assert kind in ("auto", "cpu", "cuda") and is_word(tag)
+    assert base_image is None or is_word(base_image)
     raise Reached("docker build")
+
+
+def fake_bootstrap(inventory: Inventory, prompter, say, fingerprints=None, disable=False):
+    """Where bootstrap would make a key and reach the nodes: what it was handed is checked."""
+    assert isinstance(inventory, Inventory) and inventory.hosts
+    assert fingerprints is None or isinstance(fingerprints, Path)
+    raise Reached("bootstrap")
 
 
 def no_engine() -> None:
@@ -80,7 +89,10 @@ def seams(monkeypatch, tmp_path) -> Path:
     monkeypatch.setattr(netcheck.cli, "preflight", fake_preflight)
     monkeypatch.setattr(launcher, "Launcher", FakeLauncher)
     monkeypatch.setattr(images, "build", fake_build)
+    monkeypatch.setattr(bootstrap, "bootstrap", fake_bootstrap)
     monkeypatch.setattr(sim, "require_engine", no_engine)
+    # A project is listed as a plain directory, not by asking git (a process of its own).
+    monkeypatch.setattr(sync, "_git", lambda root, *args: None)
     return tmp_path
 
 
@@ -227,8 +239,15 @@ CLUSTER = st.one_of(
     ),
     command_line(words("sim", "down"), SIM_OPTIONS),
     command_line(words("sim", "status"), SIM_OPTIONS),
+    command_line(inventory_option.map(lambda found: ["hostfile", *found]), [option("-n", numbers)]),
+    command_line(
+        inventory_option.map(lambda found: ["bootstrap", *found]),
+        [option("--fingerprints", paths), words("--disable-password-login")],
+    ),
 )  # fmt: skip
-KNOWN_WORDS = ["check", "image", "sim", "up", "down", "status", "-i", "-n", "--help", "-h", "--"]
+KNOWN_WORDS = [
+    "check", "image", "sim", "up", "down", "status", "bootstrap", "-i", "-n", "--help", "-h", "--",
+]  # fmt: skip
 ANY_ARGV = st.lists(st.one_of(any_text, st.sampled_from(KNOWN_WORDS)), max_size=6)
 
 
@@ -270,6 +289,9 @@ class DeadCluster:
         self.commands.append(command)
         raise ClusterError(f"host '{host.name}': cannot SSH to {host.ssh_address}: timed out",
                            exit_code=1)  # fmt: skip
+
+    def ship_code(self, hosts) -> None:
+        return None  # nothing answers: there is nowhere to send it
 
     def close(self) -> None:
         pass

@@ -5,6 +5,7 @@ callers can use as they are (no newline in a name, no NUL in a path, ports in ra
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 
 import pytest
 import yaml
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from cluster import inventory
 from cluster.errors import ClusterError
 from tests.fuzz.strategies import (
+    FIELD_VALUES,
     FUZZ,
     VALID_INVENTORY,
     HugeInt,
@@ -67,6 +69,15 @@ def assert_usable(loaded: inventory.Inventory) -> None:
             assert all(0 <= index < inventory.MAX_GPUS for index in host.visible_gpus)
             assert len(set(host.visible_gpus)) == len(host.visible_gpus)
     assert loaded.known_hosts is None or str(loaded.known_hosts).isprintable()
+    # Node directories reach `docker run -v PATH:PATH[:ro]` and `mkdir -p` as they are.
+    roots = [loaded.checkpoint_root, loaded.data_root, loaded.workdir_root]
+    directories = roots + [mount.path for mount in loaded.container_mounts]
+    for directory in directories:
+        assert _usable(directory) and ":" not in directory and "," not in directory, directory
+        assert directory.startswith("/") and not directory.startswith("//"), directory
+        assert directory != "/" and posixpath.normpath(directory) == directory, directory
+    assert len(set(directories)) == len(directories), directories
+    assert all(isinstance(mount.read_only, bool) for mount in loaded.container_mounts)
     # What `cluster check` prints must be printable too (an int too long to print was not).
     for host in loaded.hosts:
         assert str(host.gpus).isdigit() and str(host.visible_gpus)
@@ -96,6 +107,20 @@ def test_arbitrary_yaml_structures(value):
 @FUZZ
 @given(near_valid_inventories())
 def test_near_valid_inventories(document):
+    loaded = parse_or_error(dump(document))
+    if loaded is not None:
+        assert_usable(loaded)
+
+
+STORAGE_FIELDS = (*inventory.STORAGE_ROOTS, "container_mounts")
+
+
+@FUZZ
+@given(st.fixed_dictionaries({}, optional={field: FIELD_VALUES[field] for field in STORAGE_FIELDS}))
+def test_storage_directories(fields):
+    """The node directories alone, so that valid and nearly valid paths come up often."""
+    document = yaml.safe_load(dump(VALID_INVENTORY))
+    document["all"]["vars"].update(fields)
     loaded = parse_or_error(dump(document))
     if loaded is not None:
         assert_usable(loaded)

@@ -125,6 +125,9 @@ class FakeCluster:
             return out
         return Result(host.name, command, 0, out, "")
 
+    def ship_code(self, hosts) -> None:
+        return None  # the fake nodes need no code
+
     def close(self) -> None:
         pass
 

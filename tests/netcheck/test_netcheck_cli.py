@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
 import pytest
-from netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
 
 from netcheck import cli, preflight
 from netcheck.report import CHECKS, Status
 from netcheck.runner import ContainerContext, HostContext, context_for
+from tests.netcheck.netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
 
 
 def run(fake, **options):
@@ -199,6 +200,19 @@ def test_container_context_starts_the_probe_like_the_launcher_starts_a_job():
     assert isinstance(context_for(fake_inventory()), HostContext)
     chosen = context_for(inventory(launch_mode="container"))
     assert isinstance(chosen, ContainerContext) and chosen.image == "torch-multinode/train:latest"
+
+
+def test_the_shipped_code_is_on_the_import_path_of_the_probe_and_the_workers():
+    """The image holds no project code: netcheck's own, sent to the nodes, is mounted (read-only)
+    and on PYTHONPATH in the container, and on PYTHONPATH on the host."""
+    host = fake_inventory().hosts[0]
+    inside = shlex.split(ContainerContext("train:1", code_dir="/w/tmn-1").wrap(host, "true", "t"))
+    image = inside.index("train:1")
+    assert inside[image - 4 : image] == ["-v", "/w/tmn-1:/w/tmn-1:ro", "-e", "PYTHONPATH=/w/tmn-1"]
+    assert HostContext("/w/tmn 1").wrap(host, "python3 x", "t") == (
+        "export PYTHONPATH='/w/tmn 1'; python3 x"
+    )
+    assert HostContext().wrap(host, "python3 x", "t") == "python3 x"
 
 
 def test_container_mode_runs_software_and_collective_in_the_image():

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 
 import pytest
 import yaml
-from netcheck_fakes import run_netcheck
 
 from netcheck import envfile
+from tests.netcheck.netcheck_fakes import run_netcheck
 
 pytestmark = pytest.mark.sim
 

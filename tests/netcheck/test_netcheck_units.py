@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from netcheck_fakes import facts_text, inventory, link, ping_lost, ping_ok
 
 from cluster.errors import ClusterError
 from netcheck import bandwidth, checks, collective, envfile, facts
 from netcheck.report import Finding, Link, Measurement, Report, Status, human_bytes, render
 from netcheck.runner import ContainerContext
+from tests.netcheck.netcheck_fakes import facts_text, inventory, link, ping_lost, ping_ok
 
 INV = inventory()
 N1, N2, N3 = INV.hosts
@@ -339,13 +339,53 @@ def probe(**change):
 
 def test_version_mismatch_fails_on_the_odd_node():
     found = checks.software_findings(
-        [N1, N2, N3], {"node1": probe(), "node2": probe(torch="2.13.0"), "node3": probe()}, N1
+        [N1, N2, N3], {"node1": probe(), "node2": probe(torch="2.15.0"), "node3": probe()}, N1
     )
     (fail,) = only(found, "node2")
-    assert fail.detail == "torch 2.13.0 on node2, 2.14.1 on node1, node3"
+    assert fail.detail == "torch 2.15.0 on node2, 2.14.1 on node1, node3"
     assert (
         fail.remedy == "on node2: install torch 2.14.1 in /opt/venv/bin/python (as on node1, node3)"
     )
+    assert only(found, "node1")[0].status is Status.PASS
+
+
+def test_a_torch_older_than_the_minimum_fails_on_every_node_that_has_it():
+    # NVIDIA's pytorch:25.12 image carries 2.10.0a0: the same on every node is no excuse.
+    old = "2.10.0a0+b558c986e8.nv25.12"
+    found = checks.software_findings(
+        [N1, N2], {"node1": probe(torch=old), "node2": probe(torch=old)}, N1,
+        ContainerContext("train:1"),
+    )  # fmt: skip
+    for node in ("node1", "node2"):
+        (fail,) = only(found, node)
+        assert fail.detail == (
+            f"torch {old} in the training image train:1 on {node} is older than the 2.14 this "
+            f"project needs"
+        )
+        assert fail.remedy == (
+            f"on {node}: make image (it installs the pinned torch), then make provision"
+        )
+
+
+def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
+    gpu = {"cuda_available": True, "gpus": 0}  # the GPU count is not what this test is about
+    found = checks.software_findings(
+        [N1, N2], {"node1": probe(driver="570.172.08", **gpu), "node2": probe(driver="580.95.05",
+                                                                             **gpu)}, N1,
+    )  # fmt: skip
+    (fail,) = only(found, "node1")
+    assert fail.detail == (
+        "NVIDIA driver 570.172.08 on node1 is older than torch's CUDA 13.0 needs (branch 580 or "
+        "newer)"
+    )
+    assert fail.remedy == (
+        "on node1: install driver branch 580 or newer (nvidia_driver_install: true, "
+        'nvidia_driver_branch: "580" in the inventory; make provision; reboot)'
+    )
+    (ok,) = only(found, "node2")
+    assert ok.status is Status.PASS and "driver 580.95.05" in ok.detail
+    # A CUDA 12 build runs on 570.
+    found = checks.software_findings([N1], {"node1": probe(driver="570.1", cuda="12.8")}, N1)
     assert only(found, "node1")[0].status is Status.PASS
 
 

@@ -1,0 +1,310 @@
+"""What a job takes to the nodes and what comes back, decided on the controller.
+
+- The project travels, not one file: the directory of the script (or the git work tree it is
+  in, or WORKDIR) is mirrored to every node, and this project's own packages beside it, so
+  every node runs the controller's current code. The job runs in the project, with both on
+  its import path, at the same paths on the node and inside the container.
+- Nothing written is lost with the container: the checkpoint root, the data root and the
+  inventory's extra mounts are node directories mounted at the same paths. A relative
+  --checkpoint-dir or --data-dir resolves under its root; in a container, a checkpoint or data
+  directory outside every mount is refused before anything starts.
+- Settings and secrets (--env) reach the job through a file only its user can read, handed
+  over on SSH's standard input and deleted once read: never on a command line, in `docker
+  inspect`, in the launcher's output or in the saved logs.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster import sync
+from cluster.errors import ClusterError, printable, shown
+from cluster.inventory import Host, Inventory
+from cluster.versions import TORCH_LABEL, minimum_shown, torch_meets_minimum
+
+REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
+REMOTE_SECRETS_ROOT = "/tmp/torch-multinode/secrets"
+SECRETS_FILE = "env"
+# The launcher's own variables: a job's --env may not change them.
+RESERVED_PREFIXES = ("TMN_",)
+RESERVED_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Flags of our workloads (and of many scripts) that name node-local directories.
+ROOTED_FLAGS = {"--checkpoint-dir": "checkpoint_root", "--data-dir": "data_root"}
+
+
+@dataclass(frozen=True)
+class Project:
+    """The trees a job takes to every node, where each lives there, and how the job runs."""
+
+    trees: tuple[tuple[sync.Tree, str], ...]  # (tree, directory on every node)
+    workdir: str  # the job's working directory on the node (and in the container)
+    script: str | None  # the script's path on the node, when the job runs a script
+
+    @property
+    def python_path(self) -> str:
+        return ":".join(remote for _, remote in self.trees)
+
+
+def project_root(script: Path | None, workdir: Path | None) -> Path | None:
+    """The directory that travels: WORKDIR, else the git work tree holding the script, else the
+    script's own directory; None for a module job without WORKDIR (this project's packages)."""
+    if workdir is not None:
+        root = workdir.resolve()
+        if not root.is_dir():
+            raise ClusterError(f"WORKDIR={workdir} is not a directory", hint="WORKDIR=a directory")
+        if script is not None and not script.resolve().is_relative_to(root):
+            raise ClusterError(
+                f"SCRIPT={script} is not inside WORKDIR={workdir}",
+                hint="a WORKDIR that holds the script, or no WORKDIR",
+            )
+        return root
+    if script is None:
+        return None
+    directory = script.resolve().parent
+    return sync.git_root(directory) or directory
+
+
+def plan(
+    inventory: Inventory,
+    script: Path | None,
+    workdir: Path | None,
+    limit: int = sync.DEFAULT_WORKDIR_LIMIT,
+) -> Project:
+    """The job's trees, listed and hashed once on the controller; a workdir over `limit` bytes
+    stops here, naming what is big."""
+    root = project_root(script, workdir)
+    tool = sync.tool_tree()
+    tool_remote = sync.tool_destination(inventory)
+    if root is None:
+        return Project(((tool, tool_remote),), tool_remote, None)
+    tree = sync.project_tree(root)
+    sync.check_size(tree, limit)
+    remote = sync.remote_dir(inventory.workdir_root, root)
+    on_node = None
+    if script is not None:
+        on_node = f"{remote}/{script.resolve().relative_to(root).as_posix()}"
+        if on_node.removeprefix(remote + "/") not in tree.files:
+            raise ClusterError(
+                f"SCRIPT={script} would not travel with its project: git ignores it, or it sits "
+                "in a directory that never does (a cache, a virtual environment)",
+                hint="a script that is part of the project",
+            )
+    if root == sync.TOOL_ROOT:
+        return Project(((tree, remote),), remote, on_node)  # this project's packages are in it
+    return Project(((tree, remote), (tool, tool_remote)), remote, on_node)
+
+
+def mounts(inventory: Inventory, project: Project, run_dir: str) -> list[tuple[str, bool]]:
+    """(path, read-only) of every node directory a job's container sees at the same path."""
+    found = [(remote, False) for _, remote in project.trees]
+    found += [(run_dir, False), (inventory.checkpoint_root, False), (inventory.data_root, False)]
+    found += [(mount.path, mount.read_only) for mount in inventory.container_mounts]
+    return found
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def resolve_paths(
+    args: tuple[str, ...], inventory: Inventory, project: Project, run_dir: str
+) -> tuple[tuple[str, ...], list[str]]:
+    """The job's arguments with a relative --checkpoint-dir/--data-dir made absolute under the
+    inventory's root for it, and what was done, as lines to show. In a container, such a
+    directory outside every mount is refused: it would vanish with the container, or be empty
+    there."""
+    result, notes = list(args), []
+    visible = mounts(inventory, project, run_dir)
+    for index, argument in enumerate(result):
+        flag, equals, value = argument.partition("=")
+        if flag not in ROOTED_FLAGS:
+            continue
+        if not equals:
+            if index + 1 >= len(result):
+                continue  # the workload reports its own missing value
+            value, target = result[index + 1], index + 1
+        else:
+            target = index
+        field = ROOTED_FLAGS[flag]
+        root = getattr(inventory, field)
+        if value.startswith("~"):
+            raise ClusterError(
+                f"{flag} {shown(value)}: '~' would mean the home directory of whoever runs the "
+                "job on each node", hint=f"a path relative to {field} ({root}), or an absolute one"
+            )  # fmt: skip
+        path = value if posixpath.isabs(value) else posixpath.join(root, value)
+        path = posixpath.normpath(path)
+        if not posixpath.isabs(value):
+            if not _under(path, root):
+                raise ClusterError(f"{flag} {shown(value)} leaves {field} {root}")
+            notes.append(f"{flag} {value} is {path} on every node ({field})")
+        if inventory.launch_mode == "container" and not any(_under(path, m) for m, _ in visible):
+            roots = [inventory.checkpoint_root, inventory.data_root]
+            where = ", ".join(roots + [mount.path for mount in inventory.container_mounts])
+            what = (
+                "would vanish with the container"
+                if field == "checkpoint_root"
+                else "is not visible in the container"
+            )
+            raise ClusterError(
+                f"{flag} {path} is outside every directory mounted into the job's container "
+                f"({where}): it {what}",
+                hint=f"a relative {flag} (under {field} {root}), or adding {path} to the "
+                "inventory's container_mounts",
+            )
+        result[target] = path if equals == "" else f"{flag}={path}"
+    return tuple(result), notes
+
+
+def parse_env(items: list[str], environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """--env NAME=VALUE or NAME (this machine's value), each item possibly several separated by
+    spaces (make's ENV="A B=c"). Checked here, so a node never sees a half-made file."""
+    found: dict[str, str] = {}
+    for item in items:
+        for word in item.split():
+            name, equals, value = word.partition("=")
+            if not _NAME.fullmatch(name):
+                raise ClusterError(
+                    f"ENV: {shown(name)} is not a variable name", hint="ENV='NAME=value OTHER'"
+                )
+            if name.startswith(RESERVED_PREFIXES) or name in RESERVED_NAMES:
+                raise ClusterError(f"ENV: {name} is set by the launcher itself")
+            if not equals:
+                if name not in environ:
+                    raise ClusterError(
+                        f"ENV: {name} is not set on this machine, so there is no value to pass",
+                        hint=f"exporting {name} first, or ENV='{name}=value'",
+                    )
+                value = environ[name]
+            if "\n" in value or "\0" in value:
+                raise ClusterError(f"ENV: the value of {name} holds a newline or NUL")
+            found[name] = value
+    return tuple(found.items())
+
+
+def secrets_dir(run_id: str) -> str:
+    return f"{REMOTE_SECRETS_ROOT}/{run_id}"
+
+
+def secrets_text(variables: tuple[tuple[str, str], ...]) -> str:
+    """The file a node's shell sources: `export NAME='value'` lines."""
+    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in variables)
+
+
+def write_secrets_command(run_id: str) -> str:
+    """Reads the file's text from standard input into a directory only the job's user can read."""
+    directory = shlex.quote(secrets_dir(run_id))
+    return f"umask 077 && mkdir -p {directory} && cat > {directory}/{SECRETS_FILE}"
+
+
+def load_secrets(run_id: str) -> str:
+    """Shell words that export the secrets, then delete the file: the job keeps them in its
+    environment only."""
+    path = shlex.quote(f"{secrets_dir(run_id)}/{SECRETS_FILE}")
+    return f". {path} && rm -f {path}"
+
+
+def local_image_id(image: str) -> str:
+    try:
+        found = subprocess.run(
+            ["docker", "image", "inspect", "--format", "{{.Id}}", image],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    except FileNotFoundError:
+        found = None
+    if found is None or found.returncode != 0:
+        raise ClusterError(
+            f"the training image {image} is not on this machine, so the nodes' copies cannot be "
+            "checked against it",
+            hint="make provision INVENTORY=... (it builds the image here and ships it)",
+            exit_code=1,
+        )
+    return found.stdout.strip()
+
+
+ENGINE_WAIT = 30  # seconds: a node that just booted answers over SSH before its Docker engine
+
+
+def image_check_command(image: str) -> str:
+    """The image's ID and the torch it carries (its TORCH_LABEL, set by `make image` from the
+    image's own report), once the node's Docker engine answers (waiting up to ENGINE_WAIT)."""
+    # `with`: an image with no labels at all has none to index (docker import makes such).
+    template = (
+        f'{{{{.Id}}}} torch={{{{with .Config.Labels}}}}{{{{index . "{TORCH_LABEL}"}}}}{{{{end}}}}'
+    )
+    return (
+        f"for _ in $(seq {ENGINE_WAIT}); do docker info >/dev/null 2>&1 && break; sleep 1; done; "
+        f"docker image inspect --format {shlex.quote(template)} {shlex.quote(image)} 2>&1"
+    )
+
+
+def image_mismatch(host: Host, inventory: Inventory, wanted: str, answer: str) -> str | None:
+    """Why this node cannot run the job's image (not the controller's, missing, no engine, or a
+    torch older than the project's minimum), or None."""
+    found = answer.strip()
+    image = inventory.training_image
+    fix = f"make provision INVENTORY={inventory.path} ANSIBLE_ARGS='--tags image_distribution'"
+    identity, _, torch = found.partition(" torch=")
+    if identity == wanted:
+        if torch in ("", "<no value>"):
+            return (
+                f"on {host.name}: the training image {image} does not say which torch it carries "
+                f"(built by hand, or before torch-multinode recorded it) (try make image, then "
+                f"{fix})"
+            )
+        if not torch_meets_minimum(torch):
+            return (
+                f"on {host.name}: the training image {image} carries torch {torch}, older than "
+                f"the {minimum_shown()} this project needs (try make image, which installs the "
+                f"pinned torch, then {fix})"
+            )
+        return None
+    if identity.startswith("sha256:"):
+        return (
+            f"on {host.name}: the training image {image} is "
+            f"{identity[7:19]}, not this machine's {wanted[7:19]} (try {fix})"
+        )
+    if "No such" in found or "no such" in found:
+        return f"on {host.name}: the training image {image} is missing (try {fix})"
+    if "Cannot connect to the Docker daemon" in found:
+        return (
+            f"on {host.name}: its Docker engine did not answer within {ENGINE_WAIT} s (try "
+            f"'sudo systemctl start docker' there, or make provision INVENTORY={inventory.path})"
+        )
+    return (
+        f"on {host.name}: cannot ask Docker about the training image: "
+        f"{printable(found.splitlines()[-1] if found else 'no answer')} (try {fix})"
+    )
+
+
+def fetch_run_dir(
+    inventory: Inventory, master: Host, run_dir: str, local: Path
+) -> tuple[int, str | None]:
+    """Copy the master's run directory (what rank 0 wrote: TensorBoard events, traces, --out)
+    into `local`: (files copied, None) or (0, why not)."""
+    local.mkdir(parents=True, exist_ok=True)
+    command = [
+        "rsync", "--recursive", "--links", "--times", "--stats", f"--timeout={sync.RSYNC_TIMEOUT}",
+        "-e", shlex.join(sync.ssh_command(inventory, master)),
+        f"{sync.remote_target(master, run_dir)}/", f"{local}/",
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 0, str(exc)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        return 0, lines[-1] if lines else f"rsync exit {done.returncode}"
+    found = re.search(r"Number of regular files transferred: ([\d,]+)", done.stdout)
+    return (int(found.group(1).replace(",", "")) if found else 0), None
+
+
+def environment_names(variables: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(name for name, _ in variables)

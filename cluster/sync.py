@@ -1,0 +1,486 @@
+"""Sending a directory from the controller to every node: a job's project, or a dataset.
+
+rsync over SSH with the inventory's key and known_hosts (host keys checked, batch mode), to all
+nodes at once, so only what changed travels. What a project is comes from git where the
+directory is in a repository (what git ignores stays behind) and from a short list of names
+that never belong to a project (.git, virtual environments, caches). Before a job starts,
+every node's copy is checked against the controller's digest of the same files.
+
+This module runs on the controller; the digest check runs a few lines of stdlib Python on
+the node (Ansible needs python3 there anyway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.errors import ClusterError
+from cluster.inventory import Host, Inventory
+from cluster.remote import Remote, on_all
+
+Emit = Callable[[str], None]
+
+# Never part of a project, wherever they sit in it.
+ALWAYS_EXCLUDED_DIRS = (
+    ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".runs", ".sim", ".mypy_cache",
+    ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".tox", "node_modules",
+)  # fmt: skip
+ALWAYS_EXCLUDED_SUFFIXES = (".pyc", ".pyo")
+DEFAULT_WORKDIR_LIMIT = 200 << 20  # bytes: code and configs, not datasets
+PROGRESS_EVERY = 3.0  # seconds between a node's progress lines during a transfer
+RSYNC_TIMEOUT = 30  # rsync's own I/O timeout: a node that stops answering ends the transfer
+SSH_CONNECT_TIMEOUT = 10
+# The package directories of this project: what a job needs of it on the node.
+TOOL_ROOT = Path(__file__).resolve().parents[1]
+TOOL_PACKAGES = ("cluster", "netcheck", "training")
+
+# Run on the node with the file list on stdin (NUL-separated): the same digest as `digest()`.
+_NODE_DIGEST = """
+import hashlib, os, sys
+root = sys.argv[1]
+names = [n for n in sys.stdin.buffer.read().decode("utf-8", "surrogateescape").split("\\0") if n]
+total, each = hashlib.sha256(), []
+for name in names:
+    path = os.path.join(root, name)
+    try:
+        if os.path.islink(path):
+            value = "link:" + os.readlink(path)
+        else:
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:  # not file_digest: Ubuntu 22.04 has Python 3.10
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+            value = digest.hexdigest()
+    except OSError as exc:
+        value = "missing:" + type(exc).__name__
+    each.append(value)
+    total.update(f"{name}\\0{value}\\n".encode("utf-8", "surrogateescape"))
+print(total.hexdigest())
+if "--each" in sys.argv:
+    print("\\n".join(each))
+"""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A directory as it is sent: its files (relative POSIX paths, sorted), their digests, and
+    the rsync patterns that keep everything else out (and protect it on the node)."""
+
+    root: Path
+    files: tuple[str, ...]
+    hashes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    excludes: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def digest(self) -> str:
+        return _combined(self.files, self.hashes)
+
+    def biggest(self, count: int = 3) -> list[tuple[str, int]]:
+        """The largest top-level entries (a directory counts with everything in it)."""
+        totals: dict[str, int] = {}
+        for name, size in zip(self.files, self.sizes, strict=True):
+            top = name.split("/", 1)[0] + ("/" if "/" in name else "")
+            totals[top] = totals.get(top, 0) + size
+        return sorted(totals.items(), key=lambda item: -item[1])[:count]
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What one rsync to one node did."""
+
+    host: str
+    files: int  # regular files that had to be sent (changed or new)
+    bytes_sent: int  # everything rsync sent over the wire: file list, deltas, data
+    seconds: float
+
+
+def _combined(files: tuple[str, ...], hashes: tuple[str, ...]) -> str:
+    total = hashlib.sha256()
+    for name, value in zip(files, hashes, strict=True):
+        total.update(f"{name}\0{value}\n".encode("utf-8", "surrogateescape"))
+    return total.hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    if path.is_symlink():
+        return "link:" + os.readlink(path)
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _always_excluded(name: str, is_dir: bool) -> bool:
+    return (is_dir and name in ALWAYS_EXCLUDED_DIRS) or name.endswith(ALWAYS_EXCLUDED_SUFFIXES)
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
+    if shutil.which("git") is None:
+        return None
+    return subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, check=False, timeout=120
+    )
+
+
+def git_root(path: Path) -> Path | None:
+    """The top of the git work tree holding `path`, or None."""
+    found = _git(path, "rev-parse", "--show-toplevel")
+    if found is None or found.returncode != 0:
+        return None
+    return Path(os.fsdecode(found.stdout.strip()))
+
+
+def _escape(name: str) -> str:
+    """A path as an rsync pattern that matches only itself."""
+    return re.sub(r"([*?\[\\])", r"\\\1", name)
+
+
+def _listed(root: Path) -> tuple[list[str], list[str]] | None:
+    """(files, ignored) as git sees `root`: tracked and untracked-but-not-ignored files, and the
+    ignored paths (a wholly ignored directory as one entry ending in '/'). None outside git."""
+    if git_root(root) is None:
+        return None
+    found = _git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    ignored = _git(
+        root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory"
+    )
+    if found is None or ignored is None or found.returncode or ignored.returncode:
+        return None
+    split = lambda out: sorted({os.fsdecode(n) for n in out.stdout.split(b"\0") if n})  # noqa: E731
+    return split(found), split(ignored)
+
+
+def _walked(root: Path) -> list[str]:
+    files = []
+    for directory, dirs, names in os.walk(root):
+        here = Path(directory)
+        kept = []
+        for name in dirs:
+            path = here / name
+            if path.is_symlink():
+                names.append(name)  # sent as the link it is, never followed
+            elif not (_always_excluded(name, True) or (path / "pyvenv.cfg").exists()):
+                kept.append(name)
+        dirs[:] = kept
+        files += [(here / name).relative_to(root).as_posix() for name in names]
+    return files
+
+
+def project_tree(root: Path) -> Tree:
+    """The project under `root` as it travels to the nodes."""
+    root = root.resolve()
+    if not root.is_dir():
+        raise ClusterError(f"workdir {root} is not a directory", hint="WORKDIR=a directory")
+    listed = _listed(root)
+    excludes = [f"{name}/" for name in ALWAYS_EXCLUDED_DIRS]
+    excludes += [f"*{suffix}" for suffix in ALWAYS_EXCLUDED_SUFFIXES]
+    if listed is None:
+        candidates = _walked(root)
+    else:
+        candidates, ignored = listed
+        excludes += ["/" + _escape(name) for name in ignored]
+    files, hashes, sizes = [], [], []
+    for name in sorted(candidates):
+        parts = name.split("/")
+        if any(_always_excluded(part, True) for part in parts[:-1]) or _always_excluded(
+            parts[-1], False
+        ):
+            continue
+        path = root / name
+        if "\n" in name or not (path.is_file() or path.is_symlink()):
+            continue  # deleted but still in git's index, a submodule, a socket
+        if any((root / "/".join(parts[:i]) / "pyvenv.cfg").exists() for i in range(1, len(parts))):
+            continue  # inside a virtual environment under another name
+        try:
+            digest = _file_hash(path)
+            size = path.lstat().st_size if path.is_symlink() else path.stat().st_size
+        except FileNotFoundError:
+            continue  # deleted while the project was being listed: it is not part of it now
+        files.append(name)
+        hashes.append(digest)
+        sizes.append(size)
+    # Virtual environments by another name, found where git does not already ignore them.
+    for name in {f.split("/")[0] for f in candidates}:
+        if (root / name / "pyvenv.cfg").exists():
+            excludes.append("/" + _escape(name) + "/")
+    return Tree(root, tuple(files), tuple(hashes), tuple(sizes), tuple(excludes))
+
+
+def data_tree(root: Path) -> Tree:
+    """A dataset directory: every file in it, nothing left out."""
+    root = root.resolve()
+    if not root.is_dir():
+        raise ClusterError(f"SRC={root} is not a directory", hint="SRC=path/to/dataset")
+    files, sizes = [], []
+    for directory, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(directory) / name
+            files.append(path.relative_to(root).as_posix())
+            sizes.append(path.lstat().st_size)
+    # Hashing a dataset would read all of it on every run; its digest is not needed.
+    return Tree(root, tuple(files), ("",) * len(files), tuple(sizes), ())
+
+
+def tool_tree() -> Tree:
+    """This project's own packages (the workloads, training.legacy, netcheck's workers), as a
+    job needs them: found by walking them, not asked of git, so an installed copy travels too."""
+    files, hashes, sizes = [], [], []
+    for package in TOOL_PACKAGES:
+        for name in sorted(_walked(TOOL_ROOT / package)):
+            if _always_excluded(name.rsplit("/", 1)[-1], False):
+                continue
+            path = TOOL_ROOT / package / name
+            files.append(f"{package}/{name}")
+            hashes.append(_file_hash(path))
+            sizes.append(path.lstat().st_size)
+    excludes = [f"{name}/" for name in ALWAYS_EXCLUDED_DIRS]
+    excludes += [f"*{suffix}" for suffix in ALWAYS_EXCLUDED_SUFFIXES]
+    excludes += [
+        "/" + _escape(entry.name) + ("/" if entry.is_dir() else "")
+        for entry in sorted(TOOL_ROOT.iterdir())
+        if entry.name not in TOOL_PACKAGES
+    ]
+    order = sorted(range(len(files)), key=files.__getitem__)
+    pick = lambda values: tuple(values[i] for i in order)  # noqa: E731
+    return Tree(TOOL_ROOT, pick(files), pick(hashes), pick(sizes), tuple(excludes))
+
+
+def human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
+
+
+def check_size(tree: Tree, limit: int, what: str = "workdir") -> None:
+    if tree.size <= limit:
+        return
+    big = ", ".join(f"{name} {human(size)}" for name, size in tree.biggest())
+    raise ClusterError(
+        f"{what} {tree.root} holds {human(tree.size)} in {len(tree.files)} files, over the "
+        f"{human(limit)} limit; the biggest: {big}",
+        hint="'make data SRC=dir' for datasets (copied once to every node's data_root), "
+        "ignoring large outputs in .gitignore, or a larger --workdir-limit",
+    )
+
+
+def safe_name(name: str) -> str:
+    """A directory name as it is made on the nodes: no character a shell or Docker trips on."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "root"
+
+
+def remote_dir(root_on_node: str, local: Path, name: str | None = None) -> str:
+    """Where `local` lives on every node: one directory per controller and local path, so two
+    projects (or two controllers) never share one, and the same project always reuses its own
+    (only what changed travels). `name` tells two trees of one local directory apart."""
+    local = local.resolve()
+    key = hashlib.sha256(f"{socket.gethostname()}:{local}:{name}".encode()).hexdigest()[:10]
+    name = safe_name(name or local.name)
+    return f"{root_on_node}/{name}-{key}"
+
+
+def tool_destination(inventory: Inventory) -> str:
+    """Where this project's own packages live on every node (the launcher and netcheck)."""
+    return remote_dir(inventory.workdir_root, TOOL_ROOT, "torch-multinode")
+
+
+def ssh_command(inventory: Inventory, host: Host) -> list[str]:
+    """The OpenSSH client as cluster.remote connects: the inventory's key and known_hosts, host
+    keys checked, never a password."""
+    known_hosts = inventory.known_hosts or Path.home() / ".ssh" / "known_hosts"
+    command = [
+        "ssh", "-p", str(host.ssh_port), "-o", "BatchMode=yes",
+        "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}",
+        "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT}", "-o", "ServerAliveInterval=5",
+        "-o", "ServerAliveCountMax=3",
+    ]  # fmt: skip
+    if host.ssh_key is not None:
+        command += ["-i", str(host.ssh_key), "-o", "IdentitiesOnly=yes"]
+    return command
+
+
+def remote_target(host: Host, path: str) -> str:
+    user = f"{host.ssh_user}@" if host.ssh_user else ""
+    address = f"[{host.ssh_address}]" if ":" in host.ssh_address else host.ssh_address
+    return f"{user}{address}:{path}"
+
+
+def rsync_command(
+    inventory: Inventory, host: Host, tree: Tree, destination: str, exclude_file: Path | None
+) -> list[str]:
+    """Mirror `tree` into `destination` on `host`: changed files by delta, files gone here
+    removed there, excluded paths (ignored outputs, caches) neither sent nor removed."""
+    command = [
+        "rsync", "--recursive", "--links", "--perms", "--times", "--delete",
+        "--stats", "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_TIMEOUT}",
+        "-e", shlex.join(ssh_command(inventory, host)),
+        # rsync makes only the last component of the destination itself
+        f"--rsync-path=mkdir -p {shlex.quote(destination)} && rsync",
+    ]  # fmt: skip
+    if exclude_file is not None:
+        command.append(f"--exclude-from={exclude_file}")
+    return [*command, f"{tree.root}/", remote_target(host, destination + "/")]
+
+
+_STAT = re.compile(
+    r"^(Number of regular files transferred|Total bytes sent|Total file size): ([\d,]+)"
+)
+_PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+(\S+/s)")
+
+
+def _run_rsync(command: list[str], host: Host, emit: Emit, label: str) -> tuple[dict, str]:
+    """Run one rsync; its progress as a line every few seconds, its statistics returned."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+    )  # fmt: skip
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
+    reader.start()
+    stats: dict[str, int] = {}
+    shown = time.monotonic()
+    pending = ""
+    while True:
+        chunk = process.stdout.read(256)
+        if not chunk:
+            break
+        pending += chunk
+        *parts, pending = re.split(r"[\r\n]", pending)
+        for part in parts:
+            found = _STAT.match(part)
+            if found:
+                stats[found.group(1)] = int(found.group(2).replace(",", ""))
+            progress = _PROGRESS.match(part)
+            if progress and time.monotonic() - shown >= PROGRESS_EVERY:
+                shown = time.monotonic()
+                done = int(progress.group(1).replace(",", ""))
+                emit(f"[{label}] {host.name}: {progress.group(2)}% ({human(done)}, "
+                     f"{progress.group(3)})")  # fmt: skip
+    code = process.wait()
+    reader.join(5)
+    if code != 0:
+        last = next((line.strip() for line in reversed(errors) if line.strip()), f"exit {code}")
+        return stats, last
+    return stats, ""
+
+
+def push(
+    inventory: Inventory,
+    hosts: tuple[Host, ...] | list[Host],
+    tree: Tree,
+    destination: str,
+    emit: Emit = print,
+    label: str = "sync",
+) -> dict[str, Sent]:
+    """Mirror `tree` to `destination` on every host at once. A node that fails is one
+    ClusterError naming it (the first such, after every transfer has ended)."""
+    done = push_each(inventory, hosts, tree, destination, emit, label)
+    for name, outcome in done.items():
+        if isinstance(outcome, str):
+            raise ClusterError(
+                f"on {name}: copying {tree.root} to {destination} failed: {outcome}",
+                hint="'make provision' (it installs rsync and makes the directories), or "
+                "'make netcheck' if the node is unreachable",
+                exit_code=1,
+            )
+    return done  # type: ignore[return-value]
+
+
+def push_each(
+    inventory: Inventory,
+    hosts: tuple[Host, ...] | list[Host],
+    tree: Tree,
+    destination: str,
+    emit: Emit = print,
+    label: str = "sync",
+) -> dict[str, Sent | str]:
+    """Like `push`, but a node that fails gets the reason instead of its Sent."""
+    if shutil.which("rsync") is None:
+        raise ClusterError(
+            "rsync is not installed on this machine", hint="apt-get install rsync", exit_code=1
+        )
+    with tempfile.TemporaryDirectory(prefix="tmn-sync-") as scratch:
+        exclude_file = None
+        if tree.excludes:
+            exclude_file = Path(scratch) / "excludes"
+            exclude_file.write_text("".join(f"{pattern}\n" for pattern in tree.excludes))
+
+        def one(host: Host) -> Sent | str:
+            started = time.monotonic()
+            command = rsync_command(inventory, host, tree, destination, exclude_file)
+            stats, error = _run_rsync(command, host, emit, label)
+            if error:
+                return _rsync_reason(error)
+            return Sent(
+                host.name,
+                stats.get("Number of regular files transferred", 0),
+                stats.get("Total bytes sent", 0),
+                time.monotonic() - started,
+            )
+
+        return on_all(list(hosts), one)
+
+
+def summary_line(tree: Tree, destination: str, sent: dict[str, Sent]) -> str:
+    """One line: what the tree is, where it went, and what each node had to be sent."""
+    each = ", ".join(
+        f"{name} {done.files} changed file(s), {done.bytes_sent:,} bytes sent in {done.seconds:.1f} s"
+        for name, done in sent.items()
+    )
+    return f"{tree.root} ({len(tree.files)} files, {human(tree.size)}) -> {destination}: {each}"
+
+
+def _rsync_reason(stderr_line: str) -> str:
+    if "command not found" in stderr_line or "rsync: not found" in stderr_line:
+        return "rsync is not installed on the node"
+    return stderr_line
+
+
+def verify(remote: Remote, tree: Tree, destination: str) -> None:
+    """The node's copy must hold exactly the controller's files: a ClusterError naming the
+    node and the first file that differs otherwise."""
+    listing = "\0".join(tree.files)
+    command = shlex.join(["python3", "-c", _NODE_DIGEST, destination])
+    result = remote.run(command, timeout=120, stdin=listing)
+    lines = result.stdout.split("\n")
+    if result.ok and lines[0].strip() == tree.digest:
+        return
+    if not result.ok:
+        why = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
+        raise ClusterError(
+            f"on {remote.host.name}: could not check the copy of {tree.root} in {destination}: "
+            f"{why[0]}",
+            exit_code=1,
+        )
+    found = remote.run(command + " --each", timeout=120, stdin=listing).stdout.split("\n")[1:]
+    differing = next(
+        (name for name, mine, theirs in zip(tree.files, tree.hashes, found, strict=False)
+         if mine != theirs),
+        tree.files[0] if tree.files else "?",
+    )  # fmt: skip
+    raise ClusterError(
+        f"on {remote.host.name}: the copy of {tree.root} in {destination} differs from this "
+        f"machine's ({differing} first); a file changed while it was being sent, or the node's "
+        "disk is failing",
+        hint="running the job again",
+        exit_code=1,
+    )

@@ -1,0 +1,74 @@
+"""An image whose torch is older than the project's minimum is refused on the node, before
+launch, naming the node and both versions: the node-side command run against a real engine."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+
+import pytest
+
+from cluster import sim, staging
+from cluster.inventory import parse
+from cluster.versions import TORCH_LABEL
+
+INVENTORY = """\
+all:
+  vars: {compute_subnet: 10.7.0.0/24, launch_mode: container, training_image: IMAGE}
+  children:
+    nodes:
+      hosts:
+        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.1, compute_interface: eth1, gpus: 0}
+"""
+
+
+def _labelled(label: str | None) -> str:
+    """An image made here (nothing pulled), with or without a torch label; "no labels": one
+    with no labels at all, as `docker import` makes."""
+    tag = f"tmn-torch-label:{uuid.uuid4().hex[:8]}"
+    if label == "no labels":
+        subprocess.run(
+            f"tar cf - --files-from /dev/null | docker import - {tag}", shell=True, check=True,
+            capture_output=True,
+        )  # fmt: skip
+        return tag
+    options = ["--label", f"{TORCH_LABEL}={label}"] if label is not None else []
+    context = "FROM scratch\nLABEL purpose=test\n"
+    subprocess.run(
+        ["docker", "build", "-q", *options, "-t", tag, "-"], input=context, text=True,
+        capture_output=True, check=True,
+    )  # fmt: skip
+    return tag
+
+
+def _answer(tag: str) -> str:
+    """What the launcher's check prints on a node, run against this machine's engine."""
+    command = staging.image_check_command(tag)
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize(
+    "label, problem",
+    [
+        ("2.14.1+cu130", None),
+        ("2.15.0", None),
+        ("2.10.0a0+b558c986e8.nv25.12", "carries torch 2.10.0a0+b558c986e8.nv25.12, older than "
+                                         "the 2.14 this project needs"),
+        (None, "does not say which torch it carries"),
+        ("no labels", "does not say which torch it carries"),
+    ],
+)  # fmt: skip
+def test_the_node_check_reads_the_images_torch_and_refuses_an_old_one(label, problem):
+    sim.require_engine()
+    tag = _labelled(label)
+    try:
+        inventory = parse(INVENTORY.replace("IMAGE", tag), "/nonexistent/inv.yml")
+        wanted = sim.docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
+        found = staging.image_mismatch(inventory.hosts[0], inventory, wanted, _answer(tag))
+        if problem is None:
+            assert found is None
+        else:
+            assert found.startswith(f"on n1: the training image {tag} "), found
+            assert problem in found and "(try make image" in found
+    finally:
+        sim.docker("rmi", tag, check=False)

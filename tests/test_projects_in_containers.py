@@ -1,0 +1,485 @@
+"""A user's own project on the simulated cluster, with jobs in the training image
+(launch_mode: container), as README's "Your own project" describes it:
+
+- a project of several files (a package beside the script, a config read relative to it)
+  travels to both nodes, runs there with a setting and a secret given with ENV, writes a
+  checkpoint that outlives the containers, and after a one-line edit runs the edit and resumes;
+- the secret never shows: not in the output, `.runs/`, any node's command lines or `docker
+  inspect`;
+- a progress bar redrawn ten times a second shows as a few lines per node, its end included;
+- the default job's TensorBoard events and --out come back to `.runs/JOB-ID/`;
+- a node whose image differs from the controller's is refused before anything starts;
+- `make data` twice: the second run sends no file;
+- a node killed mid-run with RESTARTS=1: the job resumes from the checkpoints on the nodes'
+  disks and ends with the parameters of an uninterrupted run;
+- an NCCL job on nodes whose GPUs do not answer stops at start naming the node, and model
+  parallel on 1-GPU nodes is refused before anything starts.
+
+Every test runs on the one provisioned cluster of the `provisioned` fixture and leaves it as
+it found it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import sim
+from cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from tests.conftest import REPO_ROOT, make
+from tests.training.conftest import (
+    REFERENCE_STEPS,
+    TINY,
+    kill_node,
+    load_state,
+    max_difference,
+    reference_run,
+)
+from training.checkpoint import file_name
+
+pytestmark = [pytest.mark.sim, pytest.mark.timeout(2400)]
+
+SECRET = f"s3cret-{uuid.uuid4().hex}"
+PROGRESS_SCRIPT = REPO_ROOT / "tests" / "training" / "project_scripts" / "progress_bar.py"
+
+TRAIN = '''\
+"""A user's training script: its own package, a config beside it, a checkpoint it resumes."""
+import argparse
+import os
+import pathlib
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from mylib.model import VERSION, build
+
+here = pathlib.Path(__file__).resolve().parent
+config = yaml.safe_load((here / "config.yaml").read_text())
+parser = argparse.ArgumentParser()
+parser.add_argument("--checkpoint-dir", required=True)
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--hold", type=float, default=0.0)
+args = parser.parse_args()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+state = pathlib.Path(args.checkpoint_dir) / f"rank{rank}.txt"
+start = int(state.read_text()) if state.exists() else 0
+print(f"rank {rank}: mylib {VERSION}, config {config['name']}, token of "
+      f"{len(os.environ.get('PROJECT_TOKEN', ''))} characters, mode "
+      f"{os.environ.get('PROJECT_MODE')}, in its project {os.getcwd() == str(here)}, "
+      f"start {start}", flush=True)
+model = build()
+for step in range(start, start + args.steps):
+    value = torch.ones(1)
+    dist.all_reduce(value)
+state.parent.mkdir(parents=True, exist_ok=True)
+state.write_text(str(start + args.steps))
+if args.hold:
+    print(f"rank {rank}: holding", flush=True)
+    time.sleep(args.hold)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module")
+def reference_ddp(tmp_path_factory):
+    """One uninterrupted 2-process DDP run of the tiny model, which other runs must equal."""
+    return reference_run(tmp_path_factory.mktemp("reference"))
+
+
+def _project(root: Path) -> Path:
+    (root / "mylib").mkdir(parents=True)
+    (root / "mylib" / "__init__.py").write_text("")
+    (root / "mylib" / "model.py").write_text(
+        'import torch\n\nVERSION = "v1"\n\n\ndef build():\n    return torch.nn.Linear(2, 2)\n'
+    )
+    (root / "config.yaml").write_text("name: tiny-experiment\n")
+    (root / "train.py").write_text(TRAIN)
+    # What must not travel: a virtual environment, a cache.
+    (root / ".venv").mkdir()
+    (root / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "junk.pyc").write_bytes(b"\0" * 100)
+    return root / "train.py"
+
+
+def _on_node(provisioned, index: int, command: str, check: bool = True) -> str:
+    container = provisioned.cluster.config.container(index)
+    return sim.docker("exec", container, "sh", "-c", command, check=check).stdout
+
+
+def _exit_code(returncode: int, output: str) -> int:
+    """The launcher's exit code: make exits 2 for any failed recipe and names the recipe's."""
+    if returncode == 0:
+        return 0
+    found = re.search(r"make(\[\d+\])?: \*\*\* \[[^\]]*train\] Error (\d+)", output)
+    return int(found.group(2)) if found else -returncode
+
+
+def _run_id(stdout: str) -> str:
+    return stdout.split("[launcher] job ", 1)[1].split(":", 1)[0]
+
+
+def _train(provisioned, *variables: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return make("train", f"INVENTORY={provisioned.inventory}", "NNODES=2", *variables,
+                timeout=900, env=env)  # fmt: skip
+
+
+def _start(provisioned, *variables: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["make", "--no-print-directory", "train", f"INVENTORY={provisioned.inventory}", "NNODES=2",
+         *variables],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+
+
+def _read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:
+    seen, missing = [], list(texts)
+    while missing:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError(f"never saw {missing}:\n{''.join(seen)[-4000:]}")
+        seen.append(line)
+        missing = [text for text in missing if text not in line]
+        if len(seen) > limit:
+            raise AssertionError(f"never saw {missing} in {limit} lines:\n{''.join(seen)[-4000:]}")
+    return "".join(seen)
+
+
+def _bring_back(provisioned, index: int) -> None:
+    """Node `index` started again after a kill, its disk as it was, once its Docker engine
+    answers as well as its SSH (a rebooted node is used once it has booted)."""
+    sim.up(2, None, provisioned.cluster.config)
+    for _ in range(180):
+        if _on_node(provisioned, index, "docker info >/dev/null 2>&1 && echo up", False).strip():
+            return
+        subprocess.run(["sleep", "1"], check=True)
+    log = _on_node(provisioned, index, "tail -n 20 /var/log/dockerd.log", False)
+    raise AssertionError(f"node{index}'s Docker engine did not come back:\n{log}")
+
+
+def _no_containers_left(provisioned) -> None:
+    for index in (1, 2):
+        deadline = 60
+        while _on_node(provisioned, index, "docker ps -aq").strip() and deadline:
+            deadline -= 1
+            subprocess.run(["sleep", "1"], check=True)
+        assert _on_node(provisioned, index, "docker ps -aq").strip() == "", index
+
+
+def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_next_time(
+    provisioned, tmp_path
+):
+    script = _project(tmp_path / "proj")
+    checkpoints = f"project-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PROJECT_MODE": "fast"}
+    variables = (f"SCRIPT={script}", f"ENV=PROJECT_TOKEN={SECRET} PROJECT_MODE")
+    process = _start(provisioned, *variables,
+                     f"ARGS=--checkpoint-dir {checkpoints} --steps 3 --hold 6", env=env)  # fmt: skip
+    try:
+        seen = _read_until(process, "[node1] rank 0: holding", "[node2] rank 1: holding")
+        # While the job runs: the secret is on no command line of either node, and not in what
+        # Docker tells about the containers.
+        for index in (1, 2):
+            cmdlines = _on_node(
+                provisioned, index, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '"
+            )
+            assert "PROJECT_TOKEN" not in cmdlines and SECRET not in cmdlines, index
+            inspect = _on_node(provisioned, index, "docker inspect $(docker ps -q)")
+            assert '"Image"' in inspect and SECRET not in inspect, index
+        rest, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = seen + rest
+    assert process.returncode == 0, output[-4000:]
+    run_id = _run_id(output)
+    for rank, node in ((0, "node1"), (1, "node2")):
+        assert (f"[{node}] rank {rank}: mylib v1, config tiny-experiment, token of {len(SECRET)} "
+                "characters, mode fast, in its project True, start 0") in output  # fmt: skip
+    assert (
+        "[launcher] environment for every rank: PROJECT_TOKEN, PROJECT_MODE (values not shown)"
+        in output
+    )
+    assert (f"[launcher] --checkpoint-dir {checkpoints} is {DEFAULT_CHECKPOINT_ROOT}/{checkpoints} "
+            "on every node (checkpoint_root)") in output  # fmt: skip
+    # The project travelled without its virtual environment and caches: 4 files.
+    assert re.search(rf"\[launcher\] {re.escape(str(script.parent))} \(4 files, ", output), output
+    assert SECRET not in output
+    runs = REPO_ROOT / ".runs" / run_id
+    for path in runs.rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+    # The containers are gone; the checkpoints are on each node's disk.
+    _no_containers_left(provisioned)
+    for index, rank in ((1, 0), (2, 1)):
+        kept = _on_node(
+            provisioned, index, f"cat {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}/rank{rank}.txt"
+        )
+        assert kept == "3", (index, kept)
+
+    # A one-line edit of the project's package: the next run runs it, on both nodes, resuming.
+    model = script.parent / "mylib" / "model.py"
+    model.write_text(model.read_text().replace('"v1"', '"v2"'))
+    again = _train(provisioned, *variables, f"ARGS=--checkpoint-dir {checkpoints}", env=env)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr
+    for rank, node in ((0, "node1"), (1, "node2")):
+        assert f"[{node}] rank {rank}: mylib v2, config tiny-experiment" in again.stdout
+        assert re.search(rf"\[{node}\] rank {rank}: .* start 3\n", again.stdout), again.stdout
+    # Only the edited file travelled.
+    assert re.search(r"node1 1 changed file\(s\), .* node2 1 changed file\(s\)", again.stdout)
+    for index in (1, 2):
+        _on_node(provisioned, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
+    shutil.rmtree(runs, ignore_errors=True)
+
+
+def test_a_progress_bar_shows_a_few_lines_per_node_and_its_end(provisioned):
+    proc = _train(provisioned, f"SCRIPT={PROGRESS_SCRIPT}")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for node in ("node1", "node2"):
+        states = [line for line in proc.stdout.splitlines()
+                  if re.match(rf"\[{node}\] progress \d+/80 ", line)]  # fmt: skip
+        # 8 s of redraws at 10 per second: at most one line every 3 s, and the last state.
+        assert 2 <= len(states) <= 5, states
+        assert states[-1] == f"[{node}] progress 80/80 |##########|", states
+        assert any("80/80" not in line for line in states), states  # shown while it ran
+        assert f"[{node}] progress bar done" in proc.stdout
+
+
+def test_the_default_jobs_tensorboard_events_and_out_come_back(provisioned):
+    args = [arg for arg in TINY if arg != "--no-tensorboard"]
+    proc = _train(provisioned, "ARGS=" + " ".join([*args, "--steps", "4", "--out", "model.pt"]))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_id = _run_id(proc.stdout)
+    runs = REPO_ROOT / ".runs" / run_id
+    try:
+        assert list((runs / "tensorboard").glob("events.out.tfevents.*")), sorted(runs.rglob("*"))
+        assert (runs / "model.pt").is_file()
+        assert (runs / "node1.log").is_file() and (runs / "node2.log").is_file()
+        assert f"TensorBoard: make tensorboard RUN={run_id}" in proc.stdout
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+
+
+def test_a_node_whose_image_differs_is_refused_before_anything_starts(provisioned, tmp_path):
+    # An image name of this test's own, so the training image is never touched: here and on
+    # node1 it is the test image; on node2 another image under the same name.
+    probe = f"tmn-probe:{uuid.uuid4().hex[:8]}"
+    image = sim.docker("image", "inspect", "--format", "{{.Id}}", "torch-multinode/train:test")
+    image = image.stdout.strip()
+    sim.docker("tag", "torch-multinode/train:test", probe)
+    _on_node(provisioned, 1, f"docker tag torch-multinode/train:test {probe}")
+    _on_node(provisioned, 2, f"tar cf - --files-from /dev/null | docker import - {probe}")
+    document = yaml.safe_load(provisioned.inventory.read_text())
+    document["all"]["vars"]["training_image"] = probe
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+    try:
+        proc = make("train", f"INVENTORY={inventory}", "NNODES=2", timeout=600)
+        assert _exit_code(proc.returncode, proc.stderr) == 1, proc.stdout[-3000:] + proc.stderr
+        error = proc.stderr.strip().splitlines()[0]
+        assert error.startswith(f"Error: on node2: the training image {probe} is "), error
+        assert f"not this machine's {image[7:19]}" in error
+        assert "(try make provision INVENTORY=" in error and "--tags image_distribution" in error
+        assert "[node1]" not in proc.stdout  # nothing started
+    finally:
+        for index in (1, 2):
+            _on_node(provisioned, index, f"docker rmi {probe}", check=False)
+        sim.docker("rmi", probe, check=False)
+
+
+def test_make_data_sends_a_dataset_once(provisioned, tmp_path):
+    dataset = tmp_path / f"digits-{uuid.uuid4().hex[:6]}"
+    (dataset / "train").mkdir(parents=True)
+    for index in range(20):
+        (dataset / "train" / f"{index}.bin").write_bytes(bytes([index]) * 50_000)
+    first = make("data", f"INVENTORY={provisioned.inventory}", f"SRC={dataset}")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert re.search(r"node1 +20 file\(s\) sent", first.stdout), first.stdout
+    assert re.search(r"node2 +20 file\(s\) sent", first.stdout), first.stdout
+    second = make("data", f"INVENTORY={provisioned.inventory}", f"SRC={dataset}")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "Done: 0 file(s)," in second.stdout and "(every node already had it)" in second.stdout
+    for index in (1, 2):
+        there = _on_node(provisioned, index, f"ls {DEFAULT_DATA_ROOT}/{dataset.name}/train | wc -l")
+        assert there.strip() == "20"
+        _on_node(provisioned, index, f"rm -rf {DEFAULT_DATA_ROOT}/{dataset.name}")
+
+
+def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the_nodes_disks(
+    provisioned, reference_ddp, tmp_path
+):
+    checkpoints = f"restart-{uuid.uuid4().hex[:8]}"
+    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4",
+            "--checkpoint-dir", checkpoints, "--log-every", "1", "--step-delay", "0.3",
+            "--out", "model.pt"]  # fmt: skip
+    process = _start(provisioned, "RESTARTS=1", "ARGS=" + " ".join(args))
+    seen = _read_until(process, "[node1] step  9/")  # step 8 saved on both nodes
+    first = _run_id(seen)
+    output = kill_node(process, provisioned.cluster.config.container(2))
+    try:
+        output.first("[launcher] restart 1 of 1: waiting up to")
+    finally:
+        _bring_back(provisioned, 2)
+    output.end(timeout=600)
+    assert process.returncode == 0, output.stamped[-4000:]
+    rest = output.text
+    assert re.findall(r"\[node1\] resuming from step (\d+)", rest) == ["8"], rest[-3000:]
+    assert f"Job {first}-r1 succeeded after " in rest
+    runs = REPO_ROOT / ".runs" / first
+    try:
+        # The master's run directory came back after the restart: the uninterrupted result.
+        assert max_difference(load_state(runs / "model.pt"), reference_ddp.state) < 1e-6
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+        for index in (1, 2):
+            _on_node(provisioned, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
+
+
+def test_a_checkpoint_dir_outside_every_mount_is_refused_before_launch(provisioned):
+    proc = _train(provisioned, "ARGS=--checkpoint-dir /var/tmp/ckpt")
+    assert _exit_code(proc.returncode, proc.stderr) == 2, proc.stdout + proc.stderr  # bad input
+    error = proc.stderr.strip().splitlines()[0]
+    assert proc.stdout == "" and error == (
+        "Error: --checkpoint-dir /var/tmp/ckpt is outside every directory mounted into the job's "
+        f"container ({DEFAULT_CHECKPOINT_ROOT}, {DEFAULT_DATA_ROOT}, /shared): it would vanish "
+        f"with the container (try a relative --checkpoint-dir (under checkpoint_root "
+        f"{DEFAULT_CHECKPOINT_ROOT}), or adding /var/tmp/ckpt to the inventory's container_mounts)"
+    )
+
+
+def _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args: list[str]) -> str:
+    """The same job again, to the end: it resumes and ends with the uninterrupted run's
+    parameters (its --out comes back in .runs/JOB-ID/model.pt)."""
+    rerun = _train(provisioned, "ARGS=" + " ".join([*args, "--out", "model.pt"]))
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    runs = REPO_ROOT / ".runs" / _run_id(rerun.stdout)
+    try:
+        assert max_difference(load_state(runs / "model.pt"), reference_ddp.state) < 1e-6
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+    return rerun.stdout
+
+
+def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_containers(
+    provisioned, reference_ddp
+):
+    checkpoints = f"killed-{uuid.uuid4().hex[:8]}"
+    directory = f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}"
+    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4", "--keep", "1",
+            "--checkpoint-dir", checkpoints]  # fmt: skip
+    process = _start(provisioned, "ARGS=" + " ".join(
+        [*args, "--checkpoint-pause-step", "8", "--checkpoint-pause-rank", "1"]))  # fmt: skip
+    try:
+        _read_until(process, "[node2] [rank 1] checkpoint step 8: ")
+        output = kill_node(process, provisioned.cluster.config.container(2))
+        assert output.end(timeout=120) < 15, output.stamped
+        assert _exit_code(process.returncode, output.text) == 1, output.text[-3000:]
+        assert " FAILED on node2" in output.text
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _bring_back(provisioned, 2)
+    try:
+        # The partial step 8 never got its name on node2; step 4 is there, on the node's disk.
+        written = _on_node(provisioned, 2, f"ls -A {directory}").split()
+        assert written[0].startswith(f".{file_name(8, 1)}.") and written[1:] == [file_name(4, 1)]
+        rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
+        assert "[node1] resuming from step 4, the newest step every rank has" in rerun
+    finally:
+        for index in (1, 2):
+            _on_node(provisioned, index, f"rm -rf {directory}")
+
+
+def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
+    provisioned, reference_ddp
+):
+    checkpoints = f"small-{uuid.uuid4().hex[:8]}"
+    directory = f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}"
+    # node2's checkpoint directory is a small filesystem of its own, mounted on the node before
+    # the job: the container sees it through its mount of checkpoint_root.
+    _on_node(
+        provisioned, 2, f"mkdir -p {directory} && mount -t tmpfs -o size=512k tmpfs {directory}"
+    )
+    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4",
+            "--checkpoint-dir", checkpoints]  # fmt: skip
+    try:
+        first = _train(provisioned, "ARGS=" + " ".join([*TINY, "--steps", "4",
+                       "--checkpoint-every", "4", "--checkpoint-dir", checkpoints]))  # fmt: skip
+        assert first.returncode == 0, first.stdout[-3000:]
+        _on_node(
+            provisioned, 2, f"dd if=/dev/zero of={directory}/filler bs=4k 2>/dev/null", check=False
+        )
+        full = _train(provisioned, "ARGS=" + " ".join(args))
+        assert _exit_code(full.returncode, full.stderr) == 1, full.stdout[-3000:]
+        error = (f"Error: cannot write checkpoint step 8 to {directory}: No space left on "
+                 "device; step 4 is kept (try freeing space there, a smaller --keep, or a "
+                 "--checkpoint-dir with more room)")  # fmt: skip
+        assert f"[node2] {error}" in full.stdout.splitlines(), full.stdout[-3000:]
+        _on_node(provisioned, 2, f"rm {directory}/filler && mount -o remount,ro {directory}")
+        read_only = _train(provisioned, "ARGS=" + " ".join(args))
+        assert _exit_code(read_only.returncode, read_only.stderr) == 1
+        assert (f"[node2] Error: cannot write checkpoints to {directory}: Read-only file system "
+                "(try a writable --checkpoint-dir)") in read_only.stdout.splitlines()  # fmt: skip
+        _on_node(provisioned, 2, f"mount -o remount,rw {directory}")
+        rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
+        assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun
+    finally:
+        _on_node(provisioned, 2, f"umount {directory}", check=False)
+        for index in (1, 2):
+            _on_node(provisioned, index, f"rm -rf {directory}")
+
+
+def test_an_edit_to_the_projects_own_workloads_runs_without_a_new_image(provisioned, tmp_path):
+    """The image holds no project code: training.ddp comes from the controller at every launch.
+    A copy of the packages with one edit (WORKDIR) runs the edit on both nodes."""
+    copy = tmp_path / "tmn-copy"
+    for package in ("cluster", "netcheck", "training"):
+        shutil.copytree(REPO_ROOT / package, copy / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    init = copy / "training" / "__init__.py"
+    init.write_text(init.read_text() + "\nprint('edited workloads here', flush=True)\n")
+    proc = _train(provisioned, f"WORKDIR={copy}", "MODULE=training.ddp",
+                  "ARGS=" + " ".join([*TINY, "--steps", "2"]))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for node in ("node1", "node2"):
+        assert f"[{node}] edited workloads here" in proc.stdout.splitlines()
+    shutil.rmtree(REPO_ROOT / ".runs" / _run_id(proc.stdout), ignore_errors=True)
+
+
+def test_an_nccl_job_whose_gpus_do_not_answer_stops_at_start_naming_the_node(provisioned, tmp_path):
+    # The inventory promises a GPU on every node; the simulated nodes have none, as a node whose
+    # driver broke after a kernel update: NCCL is chosen for the job, and every node is asked.
+    document = yaml.safe_load(provisioned.inventory.read_text())
+    for host in document["all"]["children"]["nodes"]["hosts"].values():
+        host["gpus"] = 1
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+    proc = make("train", f"INVENTORY={inventory}", "NNODES=2", timeout=600)
+    assert _exit_code(proc.returncode, proc.stderr) == 1, proc.stdout[-3000:] + proc.stderr
+    error = proc.stderr.strip().splitlines()[0]
+    assert re.match(r"Error: on node[12]: its GPUs do not answer \(nvidia-smi failed: ", error), (
+        error
+    )
+    assert "set gpus: 0 for it in the inventory" in error
+    assert "[node1]" not in proc.stdout and "[node2]" not in proc.stdout  # nothing started
+    # Model parallel on 1-GPU nodes is refused before anything is contacted.
+    proc = make(
+        "train", f"INVENTORY={inventory}", "NNODES=2", "MODULE=training.model_parallel",
+        timeout=600,
+    )  # fmt: skip
+    assert _exit_code(proc.returncode, proc.stderr) == 2, proc.stdout[-3000:] + proc.stderr
+    assert proc.stderr.startswith(
+        "Error: training.model_parallel spans 2 GPUs per process, but node 'node1' has 1 for "
+        "the job (inventory gpus: 1) (try machines with 2 GPUs"
+    ), proc.stderr
