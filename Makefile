@@ -2,10 +2,18 @@
 # `make` alone lists the targets. Knobs below can be set on the command line:
 #   make train INVENTORY=my-cluster.yml NNODES=2
 
-NNODES    ?= 2
+# Empty: every node of INVENTORY (the simulated cluster starts 2).
+NNODES    ?=
 INVENTORY ?=
 LINK      ?=
+FRESH     ?=
+FINGERPRINTS ?=
+NO_PASSWORD_LOGIN ?=
 SCRIPT    ?=
+WORKDIR   ?=
+ENV       ?=
+SRC       ?=
+RUN       ?=
 MODULE    ?=
 ARGS      ?=
 GPUS      ?=
@@ -16,6 +24,10 @@ BENCH_ARGS ?=
 PYTHON    ?= python3
 VENV      ?= .venv
 IMAGE     ?= torch-multinode/train:latest
+# make image: KIND=cuda|cpu forces a kind (else CUDA where nvidia-smi works); BASE_IMAGE= builds
+# on an image that brings its own torch (NVIDIA's), refused below the project's minimum.
+KIND      ?=
+BASE_IMAGE ?=
 # Test workers: most simulated-cluster tests wait on SSH, apt and image I/O, not on the CPU.
 TEST_WORKERS ?= 3
 
@@ -26,8 +38,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: help  ## list the targets and the knobs
 help:
-	@echo "Usage: make TARGET [NNODES=2] [INVENTORY=path.yml] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
-	@echo "                   [MODULE=training.comm_demo] [GPUS=0,2] [DEBUG=1] [RESTARTS=1] [IMAGE=torch-multinode/train:latest]"
+	@echo "Usage: make TARGET [INVENTORY=path.yml] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
+	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2]"
+	@echo "                   [DEBUG=1] [RESTARTS=1] [IMAGE=torch-multinode/train:latest] [SRC=dataset-dir] [RUN=job-id]"
 	@echo
 	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
 		sed -E 's/^\.PHONY: ([a-z0-9-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
@@ -43,42 +56,63 @@ $(STAMP): pyproject.toml ansible/requirements.txt
 .PHONY: venv  ## create the Python environment (.venv) now
 venv: $(STAMP)
 
+.PHONY: bootstrap  ## first contact with freshly installed nodes: key, host keys, sudo (FINGERPRINTS=file, NO_PASSWORD_LOGIN=1)
+bootstrap: $(STAMP)
+	$(BIN)/cluster bootstrap -i "$(INVENTORY)" $(if $(strip $(FINGERPRINTS)),--fingerprints "$(FINGERPRINTS)") \
+		$(if $(filter 1 yes true,$(NO_PASSWORD_LOGIN)),--disable-password-login)
+
 .PHONY: provision  ## provision INVENTORY's nodes: names, SSH mesh, firewall, Docker, image
 provision: $(STAMP)
 	$(BIN)/cluster check -i "$(INVENTORY)"
 	$(BIN)/cluster image -i "$(INVENTORY)"
 	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml $(ANSIBLE_ARGS)
 
-.PHONY: netcheck  ## pre-flight check of the first NNODES nodes of INVENTORY
+.PHONY: netcheck  ## pre-flight check of INVENTORY's nodes (NNODES=N: the first N)
 netcheck: $(STAMP)
-	$(BIN)/netcheck -i "$(INVENTORY)" --nnodes $(NNODES)
+	$(BIN)/netcheck -i "$(INVENTORY)" $(if $(strip $(NNODES)),--nnodes $(NNODES))
 
-.PHONY: train  ## train on NNODES nodes of INVENTORY (no INVENTORY: the default job, locally)
+# Not echoed: ENV may hold a secret's value, and the launcher says what it runs anyway.
+.PHONY: train  ## train on INVENTORY's nodes (NNODES=N: the first N; no INVENTORY: the default job, locally)
 train: $(STAMP)
-	$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)" --nnodes $(NNODES)) \
+	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
 		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
+		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(ENV)),--env '$(ENV)') \
 		$(if $(strip $(ARGS)),-- $(ARGS))
+
+.PHONY: data  ## copy dataset directory SRC into every node's data_root (only what changed travels)
+data: $(STAMP)
+	$(BIN)/cluster data -i "$(INVENTORY)" $(if $(strip $(SRC)),"$(SRC)")
+
+.PHONY: tensorboard  ## TensorBoard on a job's run directory, copied back to .runs/RUN
+tensorboard: $(STAMP)
+	@test -n "$(RUN)" || { echo "Error: RUN is not set (try make tensorboard RUN=<job id from the summary>; ls .runs)"; exit 2; }
+	@test -d ".runs/$(RUN)" || { echo "Error: .runs/$(RUN) does not exist (try ls .runs)"; exit 2; }
+	$(BIN)/tensorboard --logdir ".runs/$(RUN)"
 
 .PHONY: bench  ## benchmarks on fresh simulated nodes: bench-results/bench.md, .json, plots (~20 min)
 bench: $(STAMP)
 	$(BIN)/bench $(BENCH_ARGS)
 
-.PHONY: image  ## build the training image: CUDA where nvidia-smi works, else the CPU twin
+.PHONY: image  ## build the training image: CUDA where nvidia-smi works, else the CPU twin (KIND=cuda|cpu, BASE_IMAGE=)
 image: $(STAMP)
-	$(BIN)/cluster image --tag $(IMAGE)
+	$(BIN)/cluster image --tag $(IMAGE) $(if $(strip $(KIND)),--kind $(KIND)) $(if $(strip $(BASE_IMAGE)),--base-image $(BASE_IMAGE))
 
 .PHONY: train-spawn  ## the default job on this machine started with mp.spawn, as the seeds do it
 train-spawn: $(STAMP)
 	$(BIN)/python -m training.spawn $(if $(strip $(ARGS)),-- $(ARGS))
 
+.PHONY: hostfile  ## print INVENTORY as a DeepSpeed/Horovod/MPI hostfile (make -s hostfile INVENTORY=x > hostfile)
+hostfile: $(STAMP)
+	@$(BIN)/cluster hostfile -i "$(INVENTORY)" $(if $(strip $(NNODES)),--nnodes $(NNODES))
+
 .PHONY: check-inventory  ## validate INVENTORY (and NNODES) without touching any host
 check-inventory: $(STAMP)
-	$(BIN)/cluster check -i "$(INVENTORY)" --nnodes $(NNODES)
+	$(BIN)/cluster check -i "$(INVENTORY)" $(if $(strip $(NNODES)),--nnodes $(NNODES))
 
-.PHONY: sim-up  ## start NNODES (1-4) simulated nodes and write .sim/inventory.yml; LINK=1gbit shapes
+.PHONY: sim-up  ## start NNODES (1-4) simulated nodes and write .sim/inventory.yml; LINK=1gbit shapes, FRESH=1 as fresh installs
 sim-up: $(STAMP)
-	$(BIN)/cluster sim up --nodes $(NNODES) $(if $(strip $(LINK)),--link $(LINK))
+	$(BIN)/cluster sim up --nodes $(or $(strip $(NNODES)),2) $(if $(strip $(LINK)),--link $(LINK)) $(if $(filter 1 yes true,$(FRESH)),--fresh)
 
 .PHONY: sim-down  ## remove every container, network and volume of the simulated cluster
 sim-down: $(STAMP)
@@ -96,9 +130,9 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: test-e2e  ## only the whole flow (part of make test): provision fresh nodes, netcheck and train in the image
+.PHONY: test-e2e  ## only the whole flows (part of make test): bootstrap, provision fresh nodes, netcheck and train in the image
 test-e2e: $(STAMP)
-	$(BIN)/pytest -m image_e2e tests/test_end_to_end.py
+	$(BIN)/pytest -m image_e2e tests/test_end_to_end.py tests/test_bootstrap.py
 
 .PHONY: check  ## exactly what CI runs: lint, then the tests
 check: lint test
