@@ -187,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
             if kind == "auto":
                 kind = "cuda" if any(h.gpus > 0 for h in inventory.hosts) else "cpu"
         built = images.build(kind, tag, progress=_progress, base_image=args.base_image or None)
-        print(f"Built {built.tag} ({built.kind}, {built.image_id[:19]}) in {built.seconds:.0f} s:")
+        done = "Up to date:" if built.up_to_date else f"Built in {built.seconds:.0f} s:"
+        print(f"{built.tag} ({built.kind}, {built.image_id[:19]}). {done}")
         for name, version in images.versions(built.tag, gpus=images.gpu_present()).items():
             print(f"  {name}: {version}")
         return 0

@@ -10,17 +10,23 @@ label (cluster.versions.TORCH_LABEL), which the launcher checks on every node.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from cluster import __version__
 from cluster.errors import ClusterError
 from cluster.inventory import DEFAULT_TRAINING_IMAGE
-from cluster.sim import REPO_ROOT, debian_base, docker, require_engine
+from cluster.sim import REPO_ROOT, debian_base, docker, image_exists, require_engine
 from cluster.versions import TORCH_LABEL, minimum_shown, release, torch_meets_minimum
 
 # The base of both kinds: Debian's own packages, no registry account.
@@ -37,6 +43,11 @@ TENSORBOARD_REQUIREMENT = "tensorboard>=2.17"
 PYYAML_REQUIREMENT = "pyyaml>=6.0"
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 WHEELS_DIR = REPO_ROOT / "docker" / "wheels"
+# What an image was built from (the recipe's digest): a build whose recipe is unchanged is
+# skipped, so `make provision` ships nothing new when nothing that makes the image changed.
+RECIPE_LABEL = "io.torch-multinode.recipe"
+# What the image is made of, beside the wheels and the base (the context .dockerignore lets in).
+RECIPE_FILES = ("docker/Dockerfile", "docker/entrypoint.sh", "cluster/versions.py")
 
 Progress = Callable[[str], None]
 
@@ -48,6 +59,7 @@ class BuiltImage:
     image_id: str
     seconds: float
     torch: str  # as the image reports it, and as its label records it
+    up_to_date: bool = False  # nothing built: the tag was made from the same recipe
 
 
 def gpu_present() -> bool:
@@ -57,9 +69,11 @@ def gpu_present() -> bool:
     return proc.returncode == 0 and "GPU" in proc.stdout
 
 
-def build_args(kind: str, base_image: str | None = None) -> list[str]:
+def build_args(kind: str, base_image: str | None = None, wheels_url: str = "") -> list[str]:
     """The `docker build` arguments for one kind, from the repository root as context. With
-    `base_image` (one that brings its own torch, such as NVIDIA's), no wheels are installed."""
+    `base_image` (one that brings its own torch, such as NVIDIA's), no wheels are installed;
+    otherwise pip reads them from `wheels_url`, served on the engine's loopback (see
+    serve_wheels), which the build reaches on the host's network."""
     if kind not in ("cpu", "cuda"):
         raise ClusterError(f"image kind {kind!r} is not one of {', '.join(KINDS)}")
     common = [
@@ -72,10 +86,56 @@ def build_args(kind: str, base_image: str | None = None) -> list[str]:
         return [*common, "--build-arg", f"BASE_IMAGE={base_image}"]
     return [
         *common,
+        "--network", "host",
         "--build-arg", f"BASE_IMAGE={CPU_BASE_IMAGE}",
-        "--build-arg", f"WHEELS={WHEELS_DIR.relative_to(REPO_ROOT)}",
+        "--build-arg", f"WHEELS_URL={wheels_url}",
         "--build-arg", f"KEEP_GPU_LIBRARIES={1 if kind == 'cuda' else 0}",
     ]  # fmt: skip
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base's name)
+        pass
+
+
+@contextmanager
+def serve_wheels(directory: Path = WHEELS_DIR) -> Iterator[str]:
+    """The wheels directory as a pip --find-links page on 127.0.0.1, for one build's length:
+    the build reads the wheels from there instead of receiving them in its context."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, name="wheels", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def recipe(kind: str, base_image: str | None = None, root: Path = REPO_ROOT) -> str:
+    """The digest of everything an image is made from: its kind, the base image's id, the
+    pinned versions, the files the build reads and the wheels (by name and size). The
+    project's code is not part of it: editing the code never rebuilds the image."""
+    base = base_image or CPU_BASE_IMAGE
+    base_id = docker("image", "inspect", "--format", "{{.Id}}", base, check=False).stdout.strip()
+    digest = hashlib.sha256()
+    for part in (kind, base, base_id, __version__, TORCH_VERSION, TORCHVISION_VERSION):
+        digest.update(f"{part}\0".encode())
+    for name in RECIPE_FILES:
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
+    if base_image is None:
+        wheels = root / WHEELS_DIR.relative_to(REPO_ROOT)
+        for wheel in sorted(wheels.glob("*.whl")):
+            digest.update(f"{wheel.name}\0{wheel.stat().st_size}\0".encode())
+    return digest.hexdigest()[:32]
+
+
+def image_label(tag: str, name: str) -> str:
+    """One label of an image ('' where it has none)."""
+    template = f'{{{{with .Config.Labels}}}}{{{{index . "{name}"}}}}{{{{end}}}}'
+    return docker("image", "inspect", "--format", template, tag).stdout.strip()
 
 
 def torch_refusal(reported: str, base_image: str | None) -> ClusterError | None:
@@ -105,22 +165,24 @@ def torch_refusal(reported: str, base_image: str | None) -> ClusterError | None:
     return ClusterError(problem, hint=hint, exit_code=1)
 
 
-def label_command(image_id: str, tag: str, torch: str) -> tuple[list[str], str]:
-    """The `docker build` that puts the torch label on a built image, and the Dockerfile it
-    reads on stdin: no context is sent, and a rebuild with the same label is a cache hit."""
-    command = ["docker", "build", "--quiet", "--label", f"{TORCH_LABEL}={torch}", "-t", tag, "-"]
+def label_command(image_id: str, tag: str, torch: str, made_from: str) -> tuple[list[str], str]:
+    """The `docker build` that puts the torch and recipe labels on a built image, and the
+    Dockerfile it reads on stdin: no context is sent, and a rebuild with the same labels is a
+    cache hit."""
+    command = ["docker", "build", "--quiet", "--label", f"{TORCH_LABEL}={torch}",
+               "--label", f"{RECIPE_LABEL}={made_from}", "-t", tag, "-"]  # fmt: skip
     return command, f"FROM {image_id}\n"
 
 
 def torch_label(tag: str) -> str:
     """The torch an image's label records ('' where it has none)."""
-    template = f'{{{{with .Config.Labels}}}}{{{{index . "{TORCH_LABEL}"}}}}{{{{end}}}}'
-    return docker("image", "inspect", "--format", template, tag).stdout.strip()
+    return image_label(tag, TORCH_LABEL)
 
 
-def label(image_id: str, tag: str, torch: str) -> str:
-    """Label `image_id` with the torch it carries, under `tag`; the labelled image's id."""
-    command, dockerfile = label_command(image_id, tag, torch)
+def label(image_id: str, tag: str, torch: str, made_from: str) -> str:
+    """Label `image_id` with the torch it carries and its recipe, under `tag`; the labelled
+    image's id."""
+    command, dockerfile = label_command(image_id, tag, torch, made_from)
     proc = subprocess.run(command, input=dockerfile, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
@@ -166,9 +228,18 @@ def build(
     if base_image is None:
         debian_base(CPU_BASE_IMAGE, CPU_BASE_PACKAGES, progress)
         fetch_wheels(progress)
+    made_from = recipe(kind, base_image)
+    if image_exists(tag) and image_label(tag, RECIPE_LABEL) == made_from and torch_label(tag):
+        progress(f"{tag} is up to date: built from the same Dockerfile, base and wheels.")
+        seconds = time.monotonic() - started
+        return BuiltImage(tag, kind, _image_id(tag), seconds, torch_label(tag), up_to_date=True)
     on = f" on {base_image}" if base_image else ""
     progress(f"Building the {kind.upper()} training image {tag}{on}...")
-    _docker_build(arguments, tag, progress, base_image)
+    if base_image is None:
+        with serve_wheels() as wheels_url:
+            _docker_build(build_args(kind, None, wheels_url), tag, progress, base_image)
+    else:
+        _docker_build(arguments, tag, progress, base_image)
     # Whatever the kind, the torch is the one the image itself reports: checked against the
     # minimum, then recorded in the label the launcher reads on every node.
     try:
@@ -180,7 +251,7 @@ def build(
     if refusal is not None:
         docker("rmi", tag, check=False)
         raise refusal
-    image_id = label(_image_id(tag), tag, reported)
+    image_id = label(_image_id(tag), tag, reported, made_from)
     return BuiltImage(tag, kind, image_id, time.monotonic() - started, reported)
 
 

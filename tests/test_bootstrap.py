@@ -112,7 +112,9 @@ def fresh(sim_factory, tmp_path_factory):
     document["all"]["vars"].update(launch_mode="container", training_image=TEST_IMAGE)
     inventory = tmp_path_factory.mktemp("fresh") / "inventory.yml"
     inventory.write_text(yaml.safe_dump(document, sort_keys=False))
-    return cluster, inventory, (first, second)
+    yield cluster, inventory, (first, second)
+    # Its nodes hold a copy of the image each: gone as soon as the test is, not at the run's end.
+    sim_factory.down(cluster)
 
 
 @pytest.mark.sim

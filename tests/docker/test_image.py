@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import tomllib
+import urllib.request
 
 import pytest
 
@@ -32,15 +33,19 @@ def test_build_arguments_choose_the_base():
     # Both kinds: the Debian base and the pinned wheels, the torch the tests run; the CUDA
     # image keeps the GPU libraries the CPU twin drops. (The CUDA kind was NVIDIA's
     # pytorch:25.12, whose torch 2.10 lacks what the code calls.)
+    # The wheels are served on the engine's loopback, which the build reaches on the host's
+    # network: they never enter the context or a layer.
     for kind, keep in (("cuda", "1"), ("cpu", "0")):
-        arguments = images.build_args(kind)
+        arguments = images.build_args(kind, None, "http://127.0.0.1:41234/")
         assert f"BASE_IMAGE={images.CPU_BASE_IMAGE}" in arguments
-        assert "WHEELS=docker/wheels" in arguments
+        assert "WHEELS_URL=http://127.0.0.1:41234/" in arguments
         assert f"KEEP_GPU_LIBRARIES={keep}" in arguments
-    # Another base brings its own torch: no wheels, nothing to keep or strip.
+        assert arguments[arguments.index("--network") + 1] == "host"
+    # Another base brings its own torch: no wheels, nothing to keep or strip, no host network.
     nvidia = images.build_args("cuda", "nvcr.io/nvidia/pytorch:26.10-py3")
     assert "BASE_IMAGE=nvcr.io/nvidia/pytorch:26.10-py3" in nvidia
-    assert not any(a.startswith(("WHEELS=", "KEEP_GPU_LIBRARIES=")) for a in nvidia)
+    assert not any(a.startswith(("WHEELS_URL=", "KEEP_GPU_LIBRARIES=")) for a in nvidia)
+    assert "--network" not in nvidia
     with pytest.raises(ClusterError, match="image kind 'rocm' is not one of auto, cpu, cuda"):
         images.build_args("rocm")
 
@@ -50,6 +55,10 @@ def test_the_dockerfile_strips_gpu_libraries_only_for_the_cpu_twin():
     dockerfile = "\n".join(line for line in lines if not line.startswith("#"))
     assert "ARG BASE_IMAGE=torch-multinode/debian-python:bookworm" in dockerfile
     assert "ARG KEEP_GPU_LIBRARIES=0" in dockerfile
+    # One stage: the venv is one layer, made in the RUN that strips it, with no copy of it or
+    # of the wheels anywhere in the build.
+    assert dockerfile.count("FROM ") == 1 and "COPY --from" not in dockerfile
+    assert '--find-links "${WHEELS_URL}"' in dockerfile
     assert 'if [ "${KEEP_GPU_LIBRARIES}" != 1 ]; then' in dockerfile
     assert "nvcr.io/nvidia/pytorch:25.12" not in dockerfile
     # torch's default (3, tear down without aborting the communicators) is not overridden.
@@ -97,9 +106,10 @@ def test_the_pinned_wheels_must_have_installed_the_pinned_torch():
 
 
 def test_the_label_step_records_the_torch_the_image_reported():
-    command, dockerfile = images.label_command("sha256:abc", "tmn/train:x", "2.14.1+cu130")
+    command, dockerfile = images.label_command("sha256:abc", "tmn/train:x", "2.14.1+cu130", "f00d")
     assert command == ["docker", "build", "--quiet", "--label",
-                       "io.torch-multinode.torch=2.14.1+cu130", "-t", "tmn/train:x", "-"]  # fmt: skip
+                       "io.torch-multinode.torch=2.14.1+cu130", "--label",
+                       "io.torch-multinode.recipe=f00d", "-t", "tmn/train:x", "-"]  # fmt: skip
     assert dockerfile == "FROM sha256:abc\n"
     assert TORCH_LABEL == "io.torch-multinode.torch"
 
@@ -144,7 +154,7 @@ def test_build_context_holds_only_the_environment(training_image, tmp_path):
     for name in ("cluster/__init__.py", "cluster/versions.py", "training/config.py",
                  "netcheck/cli.py", "pyproject.toml", ".venv/bin/python", "docker/Dockerfile",
                  "docker/entrypoint.sh", "docker/wheels/torch-0-py3-none-any.whl",
-                 "docker/wheels-none/.keep", "docker/sim-node/Dockerfile"):  # fmt: skip
+                 "docker/sim-node/Dockerfile"):  # fmt: skip
         (context / name).parent.mkdir(parents=True, exist_ok=True)
         (context / name).write_text("")
     (context / ".dockerignore").write_text((REPO_ROOT / ".dockerignore").read_text())
@@ -163,38 +173,60 @@ def test_build_context_holds_only_the_environment(training_image, tmp_path):
         "./cluster/versions.py",
         "./docker/Dockerfile",
         "./docker/entrypoint.sh",
-        "./docker/wheels-none/.keep",
-        "./docker/wheels/torch-0-py3-none-any.whl",
     ]
+
+
+def _copy_of_the_repository(destination):
+    """The tracked tree, hard-linked (the 3 GB of wheels in docker/ cost nothing to "copy")."""
+    destination.mkdir()
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in sorted({path.split("/")[0] for path in tracked} | {"docker"}):
+        subprocess.run(["cp", "-al", str(REPO_ROOT / name), str(destination / name)], check=True)
+    return destination
+
+
+def _edit(path):
+    text = path.read_text()
+    path.unlink()  # break the hard link before writing
+    path.write_text(text + "\n# a one-line change\n")
 
 
 @pytest.mark.sim
 def test_editing_the_code_leaves_the_image_as_it_is(training_image, tmp_path):
-    context = tmp_path / "context"
-    context.mkdir()
-    tracked = subprocess.run(
-        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for name in sorted({path.split("/")[0] for path in tracked}):
-        source = REPO_ROOT / name
-        # Hard links: the 3 GB of wheels (in docker/) cost nothing to "copy".
-        subprocess.run(["cp", "-al", str(source), str(context / name)], check=True)
-    changed = context / "training" / "config.py"
-    text = changed.read_text()
-    changed.unlink()  # break the hard link before writing
-    changed.write_text(text + "\n# a one-line change\n")
+    # What the image is made from is unchanged by an edit to the code, and changed by an edit
+    # to what the build reads; the kind and the base count too.
+    copy = _copy_of_the_repository(tmp_path / "copy")
+    made_from = images.recipe("cpu")
+    assert images.recipe("cpu", root=copy) == made_from
+    _edit(copy / "training" / "config.py")
+    assert images.recipe("cpu", root=copy) == made_from
+    assert images.recipe("cuda", root=copy) != made_from
+    assert images.recipe("cpu", "nvcr.io/nvidia/pytorch:26.10-py3", root=copy) != made_from
+    _edit(copy / "docker" / "entrypoint.sh")
+    assert images.recipe("cpu", root=copy) != made_from
 
-    tag = f"{training_image.tag}-rebuilt"
-    proc = subprocess.run(
-        ["docker", "build", *images.build_args("cpu"), "-f", str(context / "docker" / "Dockerfile"),
-         "-t", tag, str(context)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    try:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        built = docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
-        # The label step on top is a cache hit too: the very image the fixture built.
-        rebuilt = images.label(built, tag, training_image.torch)
-        assert rebuilt == training_image.image_id, proc.stdout[-3000:]
-    finally:
-        docker("rmi", tag, check=False)
+    # The image the fixture built records that recipe, and building it again builds nothing:
+    # the same image, said to be up to date.
+    assert images.image_label(training_image.tag, images.RECIPE_LABEL) == made_from
+    said: list[str] = []
+    again = images.build("cpu", training_image.tag, progress=said.append)
+    assert again.image_id == training_image.image_id and again.torch == training_image.torch
+    assert said[-1] == (
+        f"{training_image.tag} is up to date: built from the same Dockerfile, base and wheels."
+    )
+    assert not [line for line in said if line.startswith("  Step ")]
+
+
+def test_the_wheels_are_served_on_loopback_for_the_builds_length_only(tmp_path):
+    (tmp_path / "torch-0-py3-none-any.whl").write_bytes(b"wheel")
+    with images.serve_wheels(tmp_path) as url:
+        assert url.startswith("http://127.0.0.1:")
+        page = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert 'href="torch-0-py3-none-any.whl"' in page
+        assert urllib.request.urlopen(url + "torch-0-py3-none-any.whl", timeout=10).read() == (
+            b"wheel"
+        )
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=10)
