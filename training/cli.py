@@ -9,6 +9,7 @@ train -i cluster.yml --script train.py --env WANDB_API_KEY --env HF_TOKEN=abc
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import threading
@@ -19,7 +20,7 @@ from cluster import inventory as inventory_module
 from cluster import staging, sync
 from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown, stop_on_sigterm
 from cluster.inventory import parse_gpu_list
-from training import launcher
+from training import launcher, local_job
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
             if args.local_rank_arg == "auto"
             else args.local_rank_arg
         )
+    if args.script is None:
+        _workload_checks_its_arguments(args.module, extra)
     run_id = launcher.JobSpec().run_id
     spec = launcher.JobSpec(
         run_id=run_id,
@@ -199,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             )
         if spec.script is None:
             _importable_here(spec.module)
-        return launcher.run_local(spec, _emit)
+        return local_job.run_local(spec, _emit)
 
     inventory = inventory_module.load(args.inventory)
     hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
@@ -238,6 +241,40 @@ def run(args: argparse.Namespace) -> int:
         if (spec.log_dir / "tensorboard").is_dir():
             _emit(f"TensorBoard: make tensorboard RUN={spec.log_dir.name}")
     return result.exit_code
+
+
+def _workload_checks_its_arguments(module: str, argv: list[str]) -> None:
+    """A workload of this project checks its own arguments here, before any process starts
+    anywhere: bad input is one error line and exit 2, not the same error from every rank
+    followed by torchrun's report. (Its --help is printed here too.) Other modules and scripts
+    are the user's: they check their own on the nodes."""
+    if module.split(".")[0] != "training":
+        return
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError:
+        return  # not here: a local job refuses it below, the nodes may have it
+    check = getattr(loaded, "check_arguments", None)
+    if check is not None:
+        check(_without_files_elsewhere(argv))
+
+
+def _without_files_elsewhere(argv: list[str]) -> list[str]:
+    """argv without a --config file that is not on this machine: it may be a path on the
+    nodes (/shared/...), which the ranks read and check themselves."""
+    kept: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--config":
+            path = next(words, None)
+            if path is not None and Path(path).is_file():
+                kept += [word, path]
+        elif word.startswith("--config="):
+            if Path(word.split("=", 1)[1]).is_file():
+                kept.append(word)
+        else:
+            kept.append(word)
+    return kept
 
 
 def _importable_here(module: str) -> None:

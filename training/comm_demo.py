@@ -197,8 +197,14 @@ def parse_args(argv: list[str] | None):
     return parser.parse_args(argv)
 
 
+def check_arguments(argv: list[str] | None):
+    """Parsed without a process group: by every rank, and by the launcher before any process
+    starts."""
+    return parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = check_arguments(argv)
     env = parallel.read_env()
     if not env.launched or env.world_size < 2:
         raise ClusterError(

@@ -411,11 +411,8 @@ def check(config) -> None:
         raise ClusterError(
             f"--num-classes must be at least 2, got {shown(config.data.num_classes)}"
         )
-    if config.model.sync_bn:
-        if ddp is None:
-            raise ClusterError("--sync-bn needs DDP: SyncBatchNorm synchronises through it")
-        if not torch.cuda.is_available():
-            raise ClusterError("--sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA")
+    if config.model.sync_bn and ddp is None:
+        raise ClusterError("--sync-bn needs DDP: SyncBatchNorm synchronises through it")
     if not 0 < config.run.collective_timeout <= 86400:
         raise ClusterError(
             f"--collective-timeout must be above 0 and at most 86400 s, got "
@@ -425,3 +422,10 @@ def check(config) -> None:
         raise ClusterError(
             f"--slow-rank-factor must be 0 or more, got {config.run.slow_rank_factor}"
         )
+
+
+def check_on_rank(config) -> None:
+    """What only the machine a rank runs on can tell (the launcher's machine may have no GPU
+    while the nodes do)."""
+    if config.model.sync_bn and not torch.cuda.is_available():
+        raise ClusterError("--sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA")

@@ -47,7 +47,7 @@ def default_run_dir(workload: str) -> str:
 
 def prepare(config, env: parallel.DistEnv, workload: str):
     """The checks and choices that need no other process: bad input fails before rendezvous."""
-    config_module.check(config)
+    config_module.check_on_rank(config)
     batch = parallel.per_rank_batch(config.optim.global_batch_size, env)
     parallel.use_device(env)  # --precision auto asks the current GPU: this rank's, not GPU 0
     numerics = resolve_numerics(config.model.precision, env.device)
@@ -152,10 +152,19 @@ def save_model(path: str, model: nn.Module) -> None:
     write_atomically(Path(path), state)
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_arguments(argv: list[str] | None) -> TrainConfig:
+    """The settings parsed and checked as far as they can be without a process group or a
+    device: by every rank, and by the launcher before any process starts (bad input is then
+    one line and exit 2, not an error from every rank)."""
     config = config_module.parse(
         TrainConfig, argv, prog="python -m training.ddp", description=__doc__, epilog=EPILOG
     )
+    config_module.check(config)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = check_arguments(argv)
     env = parallel.read_env()
     batch, numerics = prepare(config, env, "ddp")
     parallel.start(env)

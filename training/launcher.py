@@ -17,13 +17,9 @@ SSH again; a workload that checkpoints resumes from the newest step every node h
 from __future__ import annotations
 
 import collections
-import os
 import re
 import shlex
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -1084,63 +1080,3 @@ def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
         line.strip() for line in lines[cut:] if re.match(r"\s*(host|rank|exitcode)\s*:", line)
     ]
     return lines[max(0, cut - limit) : cut] + report
-
-
-def run_local(spec: JobSpec, emit: Emit = print) -> int:
-    """No inventory: the job on this machine alone (torchrun standalone), one process per GPU or
-    two on the CPU."""
-    gpus_here = _local_gpu_count()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMN_RUN_ID": spec.run_id}
-    if spec.gpus is not None:
-        shown = ",".join(map(str, spec.gpus))
-        if gpus_here == 0:
-            raise ClusterError(
-                f"GPUS={shown} but this machine has no GPU",
-                hint="leaving GPUS unset; --nproc-per-node sets the process count",
-            )
-        missing = [index for index in spec.gpus if index >= gpus_here]
-        if missing:
-            raise ClusterError(
-                f"GPUS={shown} asks for GPU {missing[0]}, but this machine has {gpus_here} "
-                f"GPU(s) (0-{gpus_here - 1})"
-            )
-        env["CUDA_VISIBLE_DEVICES"] = shown
-        nproc = process_count(spec, len(spec.gpus), f"GPUS={shown} gives it {len(spec.gpus)}")
-    else:
-        nproc = process_count(spec, gpus_here, f"this machine has {gpus_here}", cpu_default=2)
-    if gpus_here:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # GPUS= indices as nvidia-smi shows them
-    env.update(debug_environment(spec.debug))
-    if spec.script is None:
-        entry = ["-m", spec.module]
-    elif spec.local_rank_flag:
-        entry = ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", str(spec.script)]
-    else:
-        entry = [str(spec.script)]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", *entry, *spec.args,
-    ]  # fmt: skip
-    emit(f"[launcher] local job: {shlex.join(command)}")
-    process = subprocess.Popen(command, env=env, start_new_session=True)
-    try:
-        return process.wait()
-    except KeyboardInterrupt as signalled:
-        terminated = isinstance(signalled, Terminated)
-        emit(f"[launcher] {'SIGTERM' if terminated else 'Ctrl-C'}: stopping the local job...")
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(STOP_GRACE + 5)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
-
-
-def _local_gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken CUDA setup means: run on the CPU
-        return 0

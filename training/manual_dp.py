@@ -57,7 +57,8 @@ def average_gradients(model: nn.Module, env: parallel.DistEnv) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_arguments(argv: list[str] | None) -> ManualDPConfig:
+    """Parsed and checked without a process group or device (see training.ddp)."""
     config = config_module.parse(
         ManualDPConfig,
         argv,
@@ -65,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         epilog="precedence: flags > --config YAML file > defaults",
     )
+    config_module.check(config)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = check_arguments(argv)
     env = parallel.read_env()
     batch, numerics = ddp.prepare(config, env, "manual_dp")
     parallel.start(env)

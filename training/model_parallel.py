@@ -143,7 +143,9 @@ def parse_args(argv: list[str] | None):
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_arguments(argv: list[str] | None):
+    """Parsed and checked without a process group or device: by every rank, and by the
+    launcher before any process starts."""
     args = parse_args(argv)
     console.require_positive(args, "batch_size", "image_size", "num_classes", "steps")
     if args.split_size < 0:
@@ -160,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             f"BatchNorm {smallest * side * side} value per channel; training needs at least 2",
             hint="--image-size 64, or micro-batches of 2 or more images",
         )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = check_arguments(argv)
     env = parallel.read_env()
     devices = stage_devices(env)
     # The process's own device is its first stage's, not cuda:LOCAL_RANK.

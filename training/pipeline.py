@@ -103,22 +103,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_arguments(argv: list[str] | None):
+    """Parsed and checked without a process group: by every rank, and by the launcher before
+    any process starts."""
     args = parse_args(argv)
     console.require_positive(
         args, "steps", "batch_size", "microbatches", "image_size", "num_classes", "width"
     )
-    env = parallel.read_env()
-    if not env.launched:
-        raise ClusterError(
-            "the pipeline needs one process per stage",
-            hint="python -m torch.distributed.run --nproc-per-node 2 -m training.pipeline",
-        )
     if args.batch_size % args.microbatches:
         raise ClusterError(
             f"batch {args.batch_size} does not split into {args.microbatches} "
             f"micro-batches ({args.batch_size} % {args.microbatches} = "
             f"{args.batch_size % args.microbatches})"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = check_arguments(argv)
+    env = parallel.read_env()
+    if not env.launched:
+        raise ClusterError(
+            "the pipeline needs one process per stage",
+            hint="python -m torch.distributed.run --nproc-per-node 2 -m training.pipeline",
         )
     if args.schedule == "1f1b" and args.microbatches < env.world_size:
         raise ClusterError(

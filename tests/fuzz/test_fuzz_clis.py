@@ -403,8 +403,34 @@ def test_valid_input_reaches_each_seam_and_nothing_else(seams):
     assert checked.code == 0 and checked.out.startswith(f"inventory {path}: valid, 2 host(s)")
     local = run(training.cli.main, ["--nproc-per-node", "1"], seams)
     assert [a.event for a in local.stopped] == ["subprocess.Popen"]
-    assert "torch.distributed.run" in local.stopped[0].detail
+    assert "'training.local_launch', '--standalone'" in local.stopped[0].detail
     assert sys.executable in local.stopped[0].detail
+
+
+@pytest.mark.parametrize(
+    "workload, argv, line",
+    [
+        ("training.ddp", ["--steps", "-1"], "Error: --steps must be positive, got -1"),
+        ("training.manual_dp", ["--lr", "-0.5"], "Error: --lr must be 0 or more, got -0.5"),
+        ("training.model_parallel", ["--split-size", "-3"],
+         "Error: --split-size must be 0 (off) or positive"),
+        ("training.pipeline", ["--batch-size", "10", "--microbatches", "4"],
+         "Error: batch 10 does not split into 4 micro-batches (10 % 4 = 2)"),
+        ("training.comm_demo", ["--bogus"],
+         "Error: unrecognized arguments: --bogus (try --help)"),
+    ],
+)  # fmt: skip
+def test_a_workloads_bad_arguments_are_refused_before_any_node_is_touched(
+    seams, workload, argv, line
+):
+    """The workload's own checks run on the controller: one line and exit 2, nothing reached
+    (neither the launcher nor a process), instead of the same error from every rank."""
+    path = seams / "inventory.yml"
+    path.write_text(dump(VALID_INVENTORY))
+    for inventory in (["-i", str(path)], []):  # on the nodes, and locally
+        outcome = run(training.cli.main, [*inventory, "--module", workload, "--", *argv], seams)
+        assert (outcome.code, outcome.err, outcome.out) == (2, line + "\n", "")
+        assert outcome.reached is None and outcome.stopped == []
 
 
 def test_the_guard_stops_and_reports_what_a_call_must_not_do(tmp_path):

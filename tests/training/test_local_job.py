@@ -1,0 +1,70 @@
+"""A job with no inventory ends as a job on the nodes does: bad input refused before anything
+starts, a failure summed up in one line naming the rank with the workers' own last lines, and
+never torchrun's ChildFailedError traceback."""
+
+from __future__ import annotations
+
+import re
+
+from tests.conftest import run_cli
+from training import local_job
+
+TAIL = [
+    "[launcher] ignored",
+    "W1124 14:17:01.311000 19764 .venv/lib/python3.11/site-packages/torch/distributed/run.py:982] "
+    "Setting OMP_NUM_THREADS",
+    "step 1 loss 2.3",
+    "Error: the worker's own last words",
+    "E1124 14:17:15.509000 19764 .venv/lib/python3.11/site-packages/torch/distributed/elastic/"
+    "multiprocessing/api.py:1002] failed (exitcode: 3) local_rank: 1 (pid: 20052) of binary: x",
+    "[torchrun] rank 1 failed first (exit 3)",
+]
+
+
+def test_the_summary_names_the_rank_and_shows_the_workers_lines_not_torchruns():
+    lines = local_job.summary("tmn-1", 3, 12.34, TAIL)
+    assert lines[0] == "Job tmn-1 FAILED on this machine after 12.3 s (rank 1, exit 3)."
+    assert lines[1:] == [
+        "Last lines:",
+        "  | [launcher] ignored",
+        "  | step 1 loss 2.3",
+        "  | Error: the worker's own last words",
+    ]
+    assert local_job.summary("tmn-1", 0, 5, TAIL) == [
+        "Job tmn-1 succeeded after 5.0 s on this machine."
+    ]
+    # torchrun died before naming a rank: the exit code it gave.
+    assert local_job.summary("tmn-1", 1, 1, ["boom"])[0] == (
+        "Job tmn-1 FAILED on this machine after 1.0 s (exit 1)."
+    )
+
+
+def test_the_local_command_is_torchrun_standalone_through_the_quiet_wrapper():
+    spec = local_job.JobSpec(module="training.comm_demo", args=("--x", "1"))
+    argv = local_job.command(spec, 2)
+    assert argv[1:] == ["-m", "training.local_launch", "--standalone", "--nproc-per-node=2",
+                        "-m", "training.comm_demo", "--x", "1"]  # fmt: skip
+
+
+def test_bad_input_to_a_local_job_is_one_line_and_exit_2_before_anything_starts():
+    done = run_cli("train", "--", "--steps", "-1", timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")  # no "[launcher] local job": nothing ran
+    assert done.stderr == "Error: --steps must be positive, got -1\n"
+
+
+def test_a_local_job_that_fails_ends_with_the_summary_not_torchruns_traceback():
+    # Accepted on this machine, refused by each rank (a directory the ranks look for).
+    done = run_cli("train", "--", "--dataset", "cifar10", "--data-dir", "/nonexistent/tmn",
+                   "--steps", "1", timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    summary = output[output.index("Job tmn-") :].splitlines()
+    assert re.fullmatch(
+        r"Job tmn-\w+ FAILED on this machine after [\d.]+ s \(rank [01], exit 2\)\.", summary[0]
+    ), output
+    assert (
+        summary[1:]
+        == ["Last lines:"]
+        + ["  | Error: --data-dir /nonexistent/tmn is not a directory on this node"] * 2
+    ), output

@@ -1,0 +1,145 @@
+"""A job with no inventory: on this machine alone (torchrun standalone, through
+training.local_launch), one process per GPU or two on the CPU. It ends as a job on the nodes
+does: the workers' output live, then one summary naming what failed with the failed rank's own
+last lines, never torchrun's ChildFailedError traceback."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, ClusterError, Terminated
+from training.launcher import (
+    STOP_GRACE,
+    TAIL_LINES,
+    Emit,
+    JobSpec,
+    debug_environment,
+    failure_excerpt,
+    process_count,
+)
+
+_BREAKS = re.compile(rb"\r\n|\n|\r")
+
+
+def command(spec: JobSpec, nproc: int) -> list[str]:
+    """The local torchrun: torch's own launcher, quiet about a failed worker (local_launch)."""
+    if spec.script is None:
+        entry = ["-m", spec.module]
+    elif spec.local_rank_flag:
+        entry = ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", str(spec.script)]
+    else:
+        entry = [str(spec.script)]
+    return [
+        sys.executable, "-m", "training.local_launch", "--standalone",
+        f"--nproc-per-node={nproc}", *entry, *spec.args,
+    ]  # fmt: skip
+
+
+def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
+    """The job's environment and process count on this machine."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMN_RUN_ID": spec.run_id}
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its 4-line warning
+    if spec.gpus is not None:
+        shown = ",".join(map(str, spec.gpus))
+        if gpus_here == 0:
+            raise ClusterError(
+                f"GPUS={shown} but this machine has no GPU",
+                hint="leaving GPUS unset; --nproc-per-node sets the process count",
+            )
+        missing = [index for index in spec.gpus if index >= gpus_here]
+        if missing:
+            raise ClusterError(
+                f"GPUS={shown} asks for GPU {missing[0]}, but this machine has {gpus_here} "
+                f"GPU(s) (0-{gpus_here - 1})"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = shown
+        nproc = process_count(spec, len(spec.gpus), f"GPUS={shown} gives it {len(spec.gpus)}")
+    else:
+        nproc = process_count(spec, gpus_here, f"this machine has {gpus_here}", cpu_default=2)
+    if gpus_here:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # GPUS= indices as nvidia-smi shows them
+    env.update(debug_environment(spec.debug))
+    return env, nproc
+
+
+# torchrun's own log lines (glog style: W1124 14:17:15.365000 PID path/to/torch/...py:LINE] ...).
+_TORCHRUN_LOG = re.compile(r"^[DIWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
+_FIRST_FAILURE = re.compile(r"^\[torchrun\] (rank \d+) failed first \((.+)\)$")
+
+
+def summary(run_id: str, code: int, seconds: float, tail: list[str]) -> list[str]:
+    """The summary a job on the nodes ends with, for this machine: which rank failed and how,
+    then the workers' last lines (torchrun's own log lines left out)."""
+    if code == 0:
+        return [f"Job {run_id} succeeded after {seconds:.1f} s on this machine."]
+    first = next((m for line in reversed(tail) if (m := _FIRST_FAILURE.match(line))), None)
+    how = f"{first.group(1)}, {first.group(2)}" if first else f"exit {code}"
+    lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s ({how})."]
+    workers = [
+        line for line in tail if not (_TORCHRUN_LOG.match(line) or _FIRST_FAILURE.match(line))
+    ]
+    excerpt = failure_excerpt(workers)
+    if excerpt:
+        lines.append("Last lines:")
+        lines += [f"  | {line}" for line in excerpt]
+    return lines
+
+
+def relay(stream, out, tail: collections.deque) -> None:
+    """Everything the job writes, to `out` as it comes (a progress bar's carriage returns
+    included: the terminal redraws it), and its non-blank lines into `tail`."""
+    pending = b""
+    while chunk := os.read(stream.fileno(), 65536):
+        out.write(chunk)
+        out.flush()
+        *lines, pending = _BREAKS.split(pending + chunk)
+        tail.extend(text for line in lines if (text := line.decode(errors="replace")).strip())
+    if pending.strip():
+        tail.append(pending.decode(errors="replace"))
+
+
+def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
+    """Run the job here; its exit code is the launcher's: 0, 1 when it failed, or the code of
+    an interruption."""
+    env, nproc = environment(spec, _local_gpu_count())
+    argv = command(spec, nproc)
+    emit(f"[launcher] local job {spec.run_id}: {shlex.join(argv)}")
+    started = time.monotonic()
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    process = subprocess.Popen(
+        argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        relay(process.stdout, out or sys.stdout.buffer, tail)
+        code = process.wait()
+    except KeyboardInterrupt as signalled:
+        terminated = isinstance(signalled, Terminated)
+        emit(f"[launcher] {'SIGTERM' if terminated else 'Ctrl-C'}: stopping the local job...")
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(STOP_GRACE + 5)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
+    finally:
+        process.stdout.close()
+    for line in summary(spec.run_id, code, time.monotonic() - started, list(tail)):
+        emit(line)
+    return 0 if code == 0 else 1
+
+
+def _local_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA setup means: run on the CPU
+        return 0
