@@ -189,6 +189,10 @@ def load(path: str | os.PathLike | None) -> Inventory:
             "'make sim-up' and INVENTORY=.sim/inventory.yml for the simulated cluster",
         )
     path = Path(path)
+    if path.is_dir():
+        # A directory, as Ansible takes one: every inventory file in it, with the group_vars/
+        # and host_vars/ it holds.
+        return _validate(resolve_with_ansible(path), path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

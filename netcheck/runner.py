@@ -16,7 +16,7 @@ import shlex
 import threading
 from typing import Protocol
 
-from cluster.containers import training_container_options
+from cluster.containers import NCCL_CONF_GUARD, training_container_options
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, Result
 
@@ -173,7 +173,7 @@ class ContainerContext:
                 "-e",
                 f"PYTHONPATH={self.code_dir}",
             ]
-        return shlex.join([*options, self.image, "sh", "-c", command])
+        return f"{NCCL_CONF_GUARD} && " + shlex.join([*options, self.image, "sh", "-c", command])
 
     def cleanup(self, token: str) -> str | None:
         label = shlex.quote(f"label={NETCHECK_LABEL}={token}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import uuid
@@ -483,3 +484,64 @@ def test_an_nccl_job_whose_gpus_do_not_answer_stops_at_start_naming_the_node(pro
         "Error: training.model_parallel spans 2 GPUs per process, but node 'node1' has 1 for "
         "the job (inventory gpus: 1) (try machines with 2 GPUs"
     ), proc.stderr
+
+
+HAND_TYPED = """\
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(total)
+conf = open("/etc/nccl.conf").read().strip()
+try:
+    open("/etc/nccl.conf", "a").close()
+    write = "writable"
+except OSError as error:
+    write = error.strerror
+print(f"rank {dist.get_rank()} sum {int(total.item())} nccl.conf {conf}; {write}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configuration(provisioned):
+    """No launcher: on each node a training container started with the project's options and a
+    plain torchrun typed into it. NCCL reads /etc/nccl.conf in every process (NCCL's
+    documentation); the file provisioning wrote is there, read-only, naming the compute
+    interface. (gloo, the only backend without GPUs, does not read it: it is given its
+    interface here as a user would.) NCCL itself cannot run here: no GPU."""
+    from cluster.containers import NCCL_CONF_GUARD, training_container_options
+    from cluster.inventory import load
+
+    inventory = load(provisioned.inventory)
+    master = inventory.hosts[0]
+    label = f"torch-multinode.test=hand-{uuid.uuid4().hex[:8]}"
+    started = []
+    for host in inventory.hosts:
+        typed = [
+            *training_container_options(host, inventory.container_memlock, label),
+            "-e", f"GLOO_SOCKET_IFNAME={host.compute_interface}", inventory.training_image,
+            "python3", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={master.compute_ip}:29611",
+            "--rdzv-id=hand-typed", f"--local-addr={host.compute_ip}",
+            "--no-python", "python3", "-c", HAND_TYPED,
+        ]  # fmt: skip
+        command = f"{NCCL_CONF_GUARD} && {shlex.join(typed)}"
+        container = provisioned.cluster.config.container(inventory.hosts.index(host) + 1)
+        started.append(
+            subprocess.Popen(
+                ["docker", "exec", container, "sh", "-c", command],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+        )  # fmt: skip
+    try:
+        outputs = [process.communicate(timeout=240)[0] for process in started]
+    finally:
+        for index in (1, 2):
+            _on_node(provisioned, index, f"docker ps -q --filter label={label} | "
+                     "xargs -r docker rm -f", check=False)  # fmt: skip
+            started[index - 1].kill()
+    for index, (process, output) in enumerate(zip(started, outputs, strict=True)):
+        assert process.returncode == 0, output
+        host = inventory.hosts[index]
+        # Read-only in the container: a job cannot change what every NCCL process reads.
+        wanted = f"sum 3 nccl.conf NCCL_SOCKET_IFNAME=={host.compute_interface}; Read-only"
+        assert wanted in output, output

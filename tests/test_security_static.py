@@ -338,8 +338,10 @@ def assert_unprivileged(words: list[str], run_dir: str | None = None) -> None:
     assert {f"{a} {b}" for a, b in pairs if a in ("--network", "--ipc")} == {
         "--network host", "--ipc host"
     }  # fmt: skip
+    # NCCL's configuration read-only, the run directory; no other path of the host's.
     mounts = [b for a, b in pairs if a == "-v"]
-    assert mounts == ([f"{run_dir}:{run_dir}"] if run_dir else []), mounts
+    expected = ["/etc/nccl.conf:/etc/nccl.conf:ro"] + ([f"{run_dir}:{run_dir}"] if run_dir else [])
+    assert mounts == expected, mounts
     assert "--rm" in options and "--init" in options
 
 
@@ -369,7 +371,10 @@ def test_the_job_container_the_launcher_runs_is_unprivileged():
 
 def test_netchecks_probe_container_is_the_job_container():
     context = ContainerContext("torch-multinode/train:latest")
-    words = shlex.split(context.wrap(_host(), "true", "netcheck-token"))
+    command = context.wrap(_host(), "true", "netcheck-token")
+    guard, _, started = command.partition(" && ")
+    assert guard.startswith("test -f /etc/nccl.conf || {")
+    words = shlex.split(started)
     assert words[:2] == ["docker", "run"]
     assert_unprivileged(words)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster import staging, sync
-from cluster.containers import training_container_options
+from cluster.containers import NCCL_CONF_GUARD, training_container_options
 from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, ClusterError, Terminated, printable
 from cluster.inventory import Host, Inventory
 from cluster.jobenv import BACKEND_VARIABLE, RUN_DIR_VARIABLE
@@ -403,7 +403,9 @@ def remote_command(
         command = docker_run_command(
             host, spec, image or "", variables, workdir, torchrun, memlock, mounted
         )
-        return f"mkdir -p {shlex.quote(directory)} && exec {shlex.join(command)}"
+        return (
+            f"mkdir -p {shlex.quote(directory)} && {NCCL_CONF_GUARD} && exec {shlex.join(command)}"
+        )
     command = torchrun_command(host, master, nnodes, spec, port, entry)
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
     return (

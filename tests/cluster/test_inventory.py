@@ -529,6 +529,19 @@ def test_an_ini_inventory_with_group_and_host_vars_ranges_and_nested_groups(tmp_
     assert loaded.compute_subnet == ipaddress.IPv4Network("10.9.0.0/24")
 
 
+def test_an_inventory_directory_reads_as_ansible_reads_it(tmp_path):
+    """INVENTORY=dir/, as ansible-playbook -i dir/ takes it: the files in it and its
+    group_vars/ and host_vars/; netcheck's environment file goes inside it."""
+    from netcheck import envfile
+
+    in_file = inventory.load(_ini_cluster(tmp_path))
+    in_directory = inventory.load(tmp_path)
+    assert in_directory.hosts == in_file.hosts and in_directory.path == tmp_path
+    assert in_directory.rendezvous_port == in_file.rendezvous_port == 29611
+    assert envfile.default_path(tmp_path) == tmp_path.resolve() / envfile.FILENAME
+    assert envfile.default_path(tmp_path / "cluster.ini") == tmp_path.resolve() / envfile.FILENAME
+
+
 def test_a_value_only_in_group_vars_beside_a_yaml_inventory_is_seen(tmp_path):
     """group_vars/all.yml beside the plain YAML layout: ansible-playbook sees it, and so does
     every tool of the project (before, the YAML file alone was read)."""

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.containers import NCCL_CONF_GUARD
 from cluster.errors import ClusterError
 from cluster.inventory import Host, parse
 from cluster.remote import Result
@@ -104,10 +105,12 @@ class FakeCluster:
         self.by_ip = {str(h.compute_ip): h for h in self.hosts}
 
     def run(self, host: Host, command: str, timeout: float) -> Result:
-        if command.startswith("docker run "):
-            # The training container: answer for what runs inside it.
+        guarded = f"{NCCL_CONF_GUARD} && docker run "
+        if command.startswith(guarded):
+            # The training container (after its check for NCCL's file): answer for what runs
+            # inside it.
             self.calls.append((host.name, "docker run"))
-            command = shlex.split(command)[-1]
+            command = shlex.split(command.removeprefix(f"{NCCL_CONF_GUARD} && "))[-1]
         if host.name not in self.by_name:
             self.surprises.append(f"{host.name} is not in this fake cluster")
         try:

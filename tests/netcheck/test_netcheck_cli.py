@@ -187,9 +187,13 @@ def test_container_context_starts_the_probe_like_the_launcher_starts_a_job():
     host = fake_inventory().hosts[0]
     gpu_host = host.__class__(**{**host.__dict__, "gpus": 2})
     context = ContainerContext("train:1")
+    # NCCL's file is checked for first: Docker would make a missing one a directory.
     assert context.wrap(host, "python3 -c 'print(1)'", "netcheck-abc") == (
+        "test -f /etc/nccl.conf || { echo 'Error: /etc/nccl.conf is missing on this node (try "
+        "make provision, whose nccl_config role writes it)' >&2; exit 125; } && "
         "docker run --rm --init --pull never --label torch-multinode.netcheck=netcheck-abc "
-        "--network host --ipc host --ulimit memlock=-1:-1 --ulimit stack=67108864 train:1 "
+        "--network host --ipc host --ulimit memlock=-1:-1 --ulimit stack=67108864 "
+        "-v /etc/nccl.conf:/etc/nccl.conf:ro train:1 "
         "sh -c 'python3 -c '\"'\"'print(1)'\"'\"''"
     )
     assert " --gpus all train:1 " in context.wrap(gpu_host, "true", "t")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster import sim
+from cluster.containers import NCCL_CONF_GUARD
 from cluster.errors import ClusterError
 from cluster.inventory import load, parse
 from cluster.remote import Remote, on_all
@@ -77,13 +78,16 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
         n1, n1, 2, spec, 29400, envs["n1"], inventory.launch_mode, inventory.training_image
     )
     words = shlex.split(command)
-    assert words[:5] == ["mkdir", "-p", "/tmp/torch-multinode/runs/tmn-z", "&&", "exec"]
-    docker = words[5 : words.index("img:1")]
+    guard = shlex.split(NCCL_CONF_GUARD)
+    assert words[: 5 + len(guard)] == [
+        "mkdir", "-p", "/tmp/torch-multinode/runs/tmn-z", "&&", *guard, "&&", "exec"
+    ][: 5 + len(guard)]  # fmt: skip
+    docker = words[words.index("exec") + 1 : words.index("img:1")]
     assert docker == [
         "docker", "run", "--rm", "--init", "--pull", "never",
         "--label", "torch-multinode.run=tmn-z", "--network", "host", "--ipc", "host",
-        "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864", "--gpus", "all",
-        "--name", "tmn-z-n1", "-v", "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
+        "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864",
+        "-v", "/etc/nccl.conf:/etc/nccl.conf:ro", "--gpus", "all", "--name", "tmn-z-n1", "-v", "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
         "-w", "/tmp/torch-multinode/runs/tmn-z",
         "-e", "TMN_RUN_ID=tmn-z", "-e", "PYTHONUNBUFFERED=1", "-e", "TMN_NODE_NAME=n1",
         "-e", "CUDA_DEVICE_ORDER=PCI_BUS_ID",
