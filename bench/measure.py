@@ -21,6 +21,9 @@ from pathlib import Path
 from cluster import sim
 from cluster.errors import ClusterError
 from cluster.inventory import Inventory, load
+from launch.commands import remote_command
+from launch.nodes import interface_env
+from launch.spec import JobSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = REPO_ROOT / ".venv" / "bin"
@@ -323,14 +326,13 @@ def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
 
 def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
     """What a user does without us: on each node, over SSH, the same torchrun command."""
-    from training import launcher
 
     hosts = inventory.hosts[:2]
-    spec = launcher.JobSpec(args=tuple(args))
-    env = launcher.interface_env(inventory, hosts)
+    spec = JobSpec(args=tuple(args))
+    env = interface_env(inventory, hosts)
     processes = []
     for host in hosts:
-        command = launcher.remote_command(
+        command = remote_command(
             host, hosts[0], len(hosts), spec, inventory.rendezvous_port, env[host.name]
         )
         ssh = ["ssh", "-i", str(host.ssh_key), "-p", str(host.ssh_port),

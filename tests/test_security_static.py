@@ -28,19 +28,23 @@ import pytest
 import yaml
 
 import cluster.cli
+import launch.cli
 import netcheck.cli
-import training.cli
+import training.ddp  # noqa: F401 - train imports it to check its arguments: here, unwatched
 from cluster import inventory, remote, sim
 from cluster.containers import training_container_options
 from cluster.errors import ClusterError
+from cluster.staging import REMOTE_RUN_ROOT
+from launch import restarts
+from launch.commands import remote_command
+from launch.spec import JobSpec
 from netcheck.runner import ContainerContext
 from tests.fuzz.guard import Reached, call
 from tests.netcheck.netcheck_fakes import INVENTORY as FAKE_INVENTORY
 from tests.netcheck.netcheck_fakes import FakeCluster
-from training import launcher
 
 REPO = Path(__file__).resolve().parents[1]
-SCANNED = ["cluster", "netcheck", "training", "ansible", "docker", "Makefile",
+SCANNED = ["cluster", "launch", "netcheck", "training", "ansible", "docker", "Makefile",
            "inventory.example.yml"]  # fmt: skip
 TEXT_SUFFIXES = {".py", ".yml", ".yaml", ".j2", ".cfg", ".sh", ".md", ".txt", ".toml", ".conf"}
 
@@ -69,7 +73,7 @@ def matches(pattern: re.Pattern, files: list[Path]) -> list[str]:
 
 def test_the_scan_covers_the_code_the_roles_the_makefile_and_the_images():
     names = {str(f.relative_to(REPO)) for f in scanned_files()}
-    for expected in ("cluster/remote.py", "training/launcher.py", "netcheck/runner.py",
+    for expected in ("cluster/remote.py", "launch/commands.py", "netcheck/runner.py",
                      "ansible/ansible.cfg", "ansible/roles/ssh_mesh/tasks/main.yml",
                      "ansible/roles/ssh_mesh/templates/ssh_config.j2", "Makefile",
                      "docker/sim-node/Dockerfile"):  # fmt: skip
@@ -357,9 +361,9 @@ def test_the_training_container_options_are_unprivileged(gpus, memlock):
 
 def test_the_job_container_the_launcher_runs_is_unprivileged():
     host = _host(None)
-    spec = launcher.JobSpec(run_id="tmn-sec")
-    run_dir = f"{launcher.REMOTE_RUN_ROOT}/{spec.run_id}"
-    command = launcher.remote_command(
+    spec = JobSpec(run_id="tmn-sec")
+    run_dir = f"{REMOTE_RUN_ROOT}/{spec.run_id}"
+    command = remote_command(
         host, host, 1, spec, 29500, {"GLOO_SOCKET_IFNAME": "eth1"},
         mode="container", image="torch-multinode/train:latest", memlock="unlimited",
     )  # fmt: skip
@@ -455,20 +459,20 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
     path, key = keyed_inventory
     handed: list[tuple] = []
 
-    def launch(inv, hosts, spec, emit, project):
+    def launched(inv, hosts, spec, emit, project):
         handed.append((inv, hosts, spec))
         raise Reached("launcher")
 
-    monkeypatch.setattr(launcher, "Launcher", launch)
+    monkeypatch.setattr(restarts, "Launcher", launched)
     monkeypatch.chdir(tmp_path)
-    outcome = call(training.cli.main, ["-i", str(path), "--debug"], tmp_path)
+    outcome = call(launch.cli.main, ["-i", str(path), "--debug"], tmp_path)
     assert outcome.reached == "launcher" and outcome.stopped == [], str(outcome)
     assert str(key) not in outcome.opened
     assert_no_key_in(outcome.out, outcome.err)
     inv, hosts, spec = handed[0]
     for host in hosts:
         for mode in ("host", "container"):
-            command = launcher.remote_command(
+            command = remote_command(
                 host, hosts[0], len(hosts), spec, inv.rendezvous_port, {"A": "b"}, mode=mode,
                 image=inv.training_image, memlock=inv.container_memlock,
             )  # fmt: skip

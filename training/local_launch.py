@@ -1,7 +1,7 @@
 """torchrun for a job on this machine alone, ending the way a job on the nodes ends: when a
 worker fails, no ChildFailedError traceback and report of torchrun's own, but one line naming
 the rank that failed first and its exit code, and that exit code as this process's. The
-launcher then prints the same summary as for a job on the nodes (training.local_job).
+launcher then prints the same summary as for a job on the nodes (launch.local).
 
     python -m training.local_launch --standalone --nproc-per-node=2 -m training.ddp ...
 

@@ -22,12 +22,15 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import cluster.cli
+import launch.cli
 import netcheck.cli
 import netcheck.envfile  # noqa: F401 - the same, for netcheck
-import training.cli
+import training.ddp  # noqa: F401 - train imports it to check its arguments: here, unwatched
 from cluster import bootstrap, images, sim, sync
 from cluster.errors import ClusterError
 from cluster.inventory import Inventory, is_word
+from launch import restarts
+from launch.spec import JobSpec
 from netcheck.preflight import Options
 from tests.fuzz.guard import Reached, assert_clean, call
 from tests.fuzz.strategies import (
@@ -38,7 +41,6 @@ from tests.fuzz.strategies import (
     inventory_texts,
     near_valid_inventories,
 )
-from training import launcher
 
 # --- the seams: where real work would start --------------------------------------------------
 
@@ -54,7 +56,7 @@ def fake_preflight(inventory: Inventory, options: Options, runner) -> None:
 class FakeLauncher:
     """What train hands to the launcher, it must have checked."""
 
-    def __init__(self, inventory: Inventory, hosts, spec: launcher.JobSpec, emit, project) -> None:
+    def __init__(self, inventory: Inventory, hosts, spec: JobSpec, emit, project) -> None:
         assert isinstance(inventory, Inventory)
         assert project.workdir and all(remote.startswith("/") for _, remote in project.trees)
         assert hosts and tuple(hosts) == inventory.hosts[: len(hosts)]
@@ -87,7 +89,7 @@ def seams(monkeypatch, tmp_path) -> Path:
     """Seams patched, the working directory inside tmp_path: relative paths stay there."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(netcheck.cli, "preflight", fake_preflight)
-    monkeypatch.setattr(launcher, "Launcher", FakeLauncher)
+    monkeypatch.setattr(restarts, "Launcher", FakeLauncher)
     monkeypatch.setattr(images, "build", fake_build)
     monkeypatch.setattr(bootstrap, "bootstrap", fake_bootstrap)
     monkeypatch.setattr(sim, "require_engine", no_engine)
@@ -265,7 +267,7 @@ def test_netcheck(seams, invocation):
 @FUZZ
 @given(invocations(st.one_of(TRAIN, TRAIN, TRAIN, ANY_ARGV)))
 def test_train(seams, invocation):
-    outcome = call(training.cli.main, invocation.materialise(seams), seams)
+    outcome = call(launch.cli.main, invocation.materialise(seams), seams)
     event(outcome.kind())
     # Without an inventory the job would start here (torchrun); the guard stops the process.
     assert_clean(outcome, processes=True)
@@ -327,7 +329,7 @@ def test_netcheck_reports_any_valid_inventory_whose_nodes_do_not_answer(
 
 def run(main, argv: list[str], root: Path):
     outcome = call(main, argv, root)
-    assert_clean(outcome, processes=main is training.cli.main)
+    assert_clean(outcome, processes=main is launch.cli.main)
     return outcome
 
 
@@ -341,7 +343,7 @@ def run(main, argv: list[str], root: Path):
          "Error: the following arguments are required: ACTION (try cluster sim --help)"),
         (netcheck.cli.main, ["-i", "x.yml", "--bogus"],
          "Error: unrecognized arguments: --bogus (try netcheck --help)"),
-        (training.cli.main, ["--debug", "x"], "Error: argument --debug: invalid choice: 'x' "
+        (launch.cli.main, ["--debug", "x"], "Error: argument --debug: invalid choice: 'x' "
          "(choose from 'info', 'detail') (try train --help)"),
         (netcheck.cli.main, ["-i", "x.yml", "a\nb"],
          "Error: unrecognized arguments: a\\nb (try netcheck --help)"),
@@ -351,25 +353,25 @@ def run(main, argv: list[str], root: Path):
         (netcheck.cli.main, ["-i", "x.yml", "--timeout", "inf"],
          "Error: argument --timeout: 'inf' is not a number of seconds (try netcheck --help)"),
         # Handed on to torchrun on every node, which failed each in its own way.
-        (training.cli.main, ["--rendezvous-timeout", "0"],
+        (launch.cli.main, ["--rendezvous-timeout", "0"],
          "Error: --rendezvous-timeout=0 is below 1 second"),
-        (training.cli.main, ["--max-restarts", "-1"], "Error: --max-restarts=-1 is below 0"),
-        (training.cli.main, ["--restarts", "-1"], "Error: --restarts=-1 is below 0"),
-        (training.cli.main, ["--restart-wait", "nan"],
+        (launch.cli.main, ["--max-restarts", "-1"], "Error: --max-restarts=-1 is below 0"),
+        (launch.cli.main, ["--restarts", "-1"], "Error: --restarts=-1 is below 0"),
+        (launch.cli.main, ["--restart-wait", "nan"],
          "Error: --restart-wait=nan is not a positive number"),
-        (training.cli.main, ["--restarts", "1"], "Error: --restarts=1 needs an inventory: a local "
+        (launch.cli.main, ["--restarts", "1"], "Error: --restarts=1 needs an inventory: a local "
          "job has no node to wait for (try INVENTORY=path.yml)"),
-        (training.cli.main, ["--module", "a..b"],
+        (launch.cli.main, ["--module", "a..b"],
          "Error: --module 'a..b' is not a Python module name (try a dotted name like training.ddp)"),
-        (training.cli.main, ["--module", ""],
+        (launch.cli.main, ["--module", ""],
          "Error: --module '' is not a Python module name (try a dotted name like training.ddp)"),
         # str.isdigit('²') but not int('²'): a ValueError traceback.
-        (training.cli.main, ["--gpus", "²"],
+        (launch.cli.main, ["--gpus", "²"],
          "Error: GPUS: '²' is not a list of GPU indices (try a form like 0,2)"),
         # Went to `docker build -t`.
         (cluster.cli.main, ["image", "--tag", "a b"], "Error: --tag 'a b' is not an image name"),
         # A newline in a path split the error line in two.
-        (training.cli.main, ["--script", "no\nsuch.py"],
+        (launch.cli.main, ["--script", "no\nsuch.py"],
          "Error: script no\\nsuch.py does not exist (try a path to a .py file)"),
     ],
 )  # fmt: skip
@@ -396,12 +398,12 @@ def test_valid_input_reaches_each_seam_and_nothing_else(seams):
     assert run(netcheck.cli.main, ["-i", str(path), "-n", "2"], seams).reached == (
         "netcheck pre-flight"
     )
-    assert run(training.cli.main, ["-i", str(path)], seams).reached == "launcher"
+    assert run(launch.cli.main, ["-i", str(path)], seams).reached == "launcher"
     assert run(cluster.cli.main, ["image", "--kind", "cpu"], seams).reached == "docker build"
     assert run(cluster.cli.main, ["sim", "status"], seams).reached == "docker engine"
     checked = run(cluster.cli.main, ["check", "-i", str(path)], seams)
     assert checked.code == 0 and checked.out.startswith(f"inventory {path}: valid, 2 host(s)")
-    local = run(training.cli.main, ["--nproc-per-node", "1"], seams)
+    local = run(launch.cli.main, ["--nproc-per-node", "1"], seams)
     assert [a.event for a in local.stopped] == ["subprocess.Popen"]
     assert "'training.local_launch', '--standalone'" in local.stopped[0].detail
     assert sys.executable in local.stopped[0].detail
@@ -428,7 +430,7 @@ def test_a_workloads_bad_arguments_are_refused_before_any_node_is_touched(
     path = seams / "inventory.yml"
     path.write_text(dump(VALID_INVENTORY))
     for inventory in (["-i", str(path)], []):  # on the nodes, and locally
-        outcome = run(training.cli.main, [*inventory, "--module", workload, "--", *argv], seams)
+        outcome = run(launch.cli.main, [*inventory, "--module", workload, "--", *argv], seams)
         assert (outcome.code, outcome.err, outcome.out) == (2, line + "\n", "")
         assert outcome.reached is None and outcome.stopped == []
 

@@ -19,6 +19,8 @@ import uuid
 import pytest
 
 from cluster import sim
+from launch.commands import link_probe_command
+from launch.spec import REMOTE_LOCK_ROOT
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import (
     REFERENCE_STEPS,
@@ -28,7 +30,7 @@ from tests.training.conftest import (
     max_difference,
 )
 from tests.training.test_launcher import SCRIPTS, _leftovers, _run_id
-from training import launcher, trainer
+from training import trainer
 from training.checkpoint import file_name
 
 NO_LEFTOVERS = {"node1": "", "node2": ""}
@@ -69,7 +71,7 @@ def _probe_with(tmp_path, fake_ping: str | None) -> str:
     if fake_ping is not None:
         (tmp_path / "ping").write_text(f"#!/bin/sh\n{fake_ping}\n")
         (tmp_path / "ping").chmod(0o755)
-    command = launcher.link_probe_command("192.0.2.1", wait=1)
+    command = link_probe_command("192.0.2.1", wait=1)
     return subprocess.run([str(tmp_path / "sh"), "-c", command], capture_output=True, text=True,
                           check=True, env={"PATH": str(tmp_path)}).stdout  # fmt: skip
 
@@ -259,7 +261,7 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
     )
     for run_id in (first, f"{first}-r1"):
         assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
-    lock = f"{launcher.REMOTE_LOCK_ROOT}/port-{sim2.inventory.rendezvous_port}"
+    lock = f"{REMOTE_LOCK_ROOT}/port-{sim2.inventory.rendezvous_port}"
     assert _on_node(sim2, 1, f"test -e {lock} && echo still held; true") == ""
 
 

@@ -11,8 +11,10 @@ import pytest
 
 from cluster.errors import ClusterError
 from cluster.inventory import parse
+from launch.commands import remote_command
+from launch.nodes import entry_point, gpu_problem, job_backend, legacy_flag, nproc_for
+from launch.spec import JobSpec
 from tests.conftest import run_cli
-from training import launcher
 
 SCRIPTS = Path(__file__).parent / "launcher_scripts"
 
@@ -35,15 +37,13 @@ all:
 
 def _command(host, spec, inventory) -> list[str]:
     master = inventory.hosts[0]
-    return shlex.split(
-        launcher.remote_command(host, master, 2, spec, 29500, {}, "container", "img:1")
-    )
+    return shlex.split(remote_command(host, master, 2, spec, 29500, {}, "container", "img:1"))
 
 
 def test_gpu_selection_sets_visible_devices_and_process_count():
     inventory = parse(GPU_INVENTORY, "inv.yml")
     big, small, _ = inventory.hosts
-    spec = launcher.JobSpec(run_id="tmn-g", gpus=(0, 2))
+    spec = JobSpec(run_id="tmn-g", gpus=(0, 2))
     words = _command(big, spec, inventory)
     assert "CUDA_VISIBLE_DEVICES=0,2" in words and "--nproc-per-node=2" in words
     assert words[words.index("--gpus") + 1] == "all"
@@ -51,7 +51,7 @@ def test_gpu_selection_sets_visible_devices_and_process_count():
     words = _command(small, spec, inventory)
     assert "CUDA_VISIBLE_DEVICES=1" in words and "--nproc-per-node=1" in words
     # Without a selection: every GPU the node has, one process each, no CUDA_VISIBLE_DEVICES.
-    words = _command(big, launcher.JobSpec(run_id="tmn-g"), inventory)
+    words = _command(big, JobSpec(run_id="tmn-g"), inventory)
     assert "--nproc-per-node=4" in words
     assert not any(w.startswith("CUDA_VISIBLE_DEVICES=") for w in words)
 
@@ -66,7 +66,7 @@ def test_gpu_selection_sets_visible_devices_and_process_count():
 def test_gpu_selection_is_checked_against_each_node(host_index, gpus, message):
     inventory = parse(GPU_INVENTORY, "inv.yml")
     with pytest.raises(ClusterError) as caught:
-        launcher.nproc_for(inventory.hosts[host_index], launcher.JobSpec(gpus=gpus))
+        nproc_for(inventory.hosts[host_index], JobSpec(gpus=gpus))
     assert str(caught.value) == message
 
 
@@ -86,26 +86,24 @@ def test_gpus_on_a_cpu_machine_is_one_clear_line():
 
 def test_debug_turns_on_the_backends_logs_for_that_run():
     inventory = parse(GPU_INVENTORY, "inv.yml")
-    words = _command(inventory.hosts[0], launcher.JobSpec(run_id="tmn-d", debug="info"), inventory)
+    words = _command(inventory.hosts[0], JobSpec(run_id="tmn-d", debug="info"), inventory)
     for variable in ("NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,NET",
                      "TORCH_DISTRIBUTED_DEBUG=INFO", "TORCH_CPP_LOG_LEVEL=INFO"):  # fmt: skip
         assert variable in words
-    detail = _command(
-        inventory.hosts[0], launcher.JobSpec(run_id="tmn-d", debug="detail"), inventory
-    )
+    detail = _command(inventory.hosts[0], JobSpec(run_id="tmn-d", debug="detail"), inventory)
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in detail
-    quiet = _command(inventory.hosts[0], launcher.JobSpec(run_id="tmn-d"), inventory)
+    quiet = _command(inventory.hosts[0], JobSpec(run_id="tmn-d"), inventory)
     assert not any(w.startswith("NCCL_DEBUG=") for w in quiet)
 
 
 def test_legacy_scripts_are_detected_by_the_flag_they_declare(tmp_path):
-    assert launcher.legacy_flag(SCRIPTS / "legacy_local_rank.py") == "--local_rank"
-    assert launcher.legacy_flag(SCRIPTS / "tutorial_ddp.py") is None
+    assert legacy_flag(SCRIPTS / "legacy_local_rank.py") == "--local_rank"
+    assert legacy_flag(SCRIPTS / "tutorial_ddp.py") is None
     both = tmp_path / "both.py"
     both.write_text('p.add_argument("--local-rank", "--local_rank", type=int)\n')
-    assert launcher.legacy_flag(both) == "--local-rank"
-    spec = launcher.JobSpec(script=both, local_rank_flag="--local-rank", run_id="tmn-l")
-    assert launcher.entry_point(spec, "/run") == [
+    assert legacy_flag(both) == "--local-rank"
+    spec = JobSpec(script=both, local_rank_flag="--local-rank", run_id="tmn-l")
+    assert entry_point(spec, "/run") == [
         "-m", "training.legacy", "--flag=--local-rank", "/run/both.py",
     ]  # fmt: skip
 
@@ -171,11 +169,11 @@ def _nproc(words: list[str]) -> int:
 def test_nproc_per_node_is_honoured_with_a_gpu_selection():
     inventory = parse(GPU_INVENTORY, "inv.yml")
     big = inventory.hosts[0]
-    spec = launcher.JobSpec(run_id="tmn-n", gpus=(0, 1, 2, 3), nproc_per_node=2)
+    spec = JobSpec(run_id="tmn-n", gpus=(0, 1, 2, 3), nproc_per_node=2)
     words = _command(big, spec, inventory)
     assert _nproc(words) == 2 and "CUDA_VISIBLE_DEVICES=0,1,2,3" in words
     with pytest.raises(ClusterError) as caught:
-        launcher.nproc_for(big, launcher.JobSpec(gpus=(0, 1), nproc_per_node=3))
+        nproc_for(big, JobSpec(gpus=(0, 1), nproc_per_node=3))
     assert str(caught.value) == (
         "--nproc-per-node=3 of training.ddp needs 3 GPU(s), but node 'big' has 2 for the job "
         "(GPUS=0,1)"
@@ -185,7 +183,7 @@ def test_nproc_per_node_is_honoured_with_a_gpu_selection():
 def test_model_parallel_gets_one_process_per_pair_of_gpus():
     inventory = parse(GPU_INVENTORY, "inv.yml")
     big, small, cpu = inventory.hosts
-    model_parallel = launcher.JobSpec(run_id="tmn-m", module="training.model_parallel")
+    model_parallel = JobSpec(run_id="tmn-m", module="training.model_parallel")
     # The default on a 4-GPU node: two processes of two GPUs each.
     assert _nproc(_command(big, model_parallel, inventory)) == 2
     # GPUS=0,1: one process spanning both.
@@ -195,26 +193,26 @@ def test_model_parallel_gets_one_process_per_pair_of_gpus():
     assert _nproc(_command(cpu, model_parallel, inventory)) == 1
     # A node with one GPU for the job (its inventory selection is "1") is refused.
     with pytest.raises(ClusterError) as caught:
-        launcher.nproc_for(small, model_parallel)
+        nproc_for(small, model_parallel)
     assert str(caught.value) == (
         "training.model_parallel spans 2 GPUs per process, but node 'small' has 1 for the job "
         "(GPUS=1)"
     )
     two_gpus = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 2"), "inv.yml").hosts[0]
-    assert launcher.nproc_for(two_gpus, model_parallel) == 1
+    assert nproc_for(two_gpus, model_parallel) == 1
     one_gpu = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 1"), "inv.yml").hosts[0]
     with pytest.raises(ClusterError, match="has 1 for the job \\(inventory gpus: 1\\)"):
-        launcher.nproc_for(one_gpu, model_parallel)
+        nproc_for(one_gpu, model_parallel)
     # Other workloads keep one process per GPU.
-    assert launcher.nproc_for(one_gpu, launcher.JobSpec()) == 1
+    assert nproc_for(one_gpu, JobSpec()) == 1
 
 
 def test_one_backend_for_the_whole_job():
     inventory = parse(GPU_INVENTORY, "inv.yml")
     big, small, cpu = inventory.hosts
-    assert launcher.job_backend((big, small)) == ("nccl", None)
-    assert launcher.job_backend((cpu,)) == ("gloo", None)
-    backend, note = launcher.job_backend((big, small, cpu))
+    assert job_backend((big, small)) == ("nccl", None)
+    assert job_backend((cpu,)) == ("gloo", None)
+    backend, note = job_backend((big, small, cpu))
     assert backend == "gloo"
     assert note == (
         "note: cpu has no GPU (inventory gpus: 0), so the whole job runs on the CPU with gloo: "
@@ -225,10 +223,8 @@ def test_one_backend_for_the_whole_job():
 def test_gpu_nodes_number_gpus_as_nvidia_smi_does():
     inventory = parse(GPU_INVENTORY, "inv.yml")
     big, _, cpu = inventory.hosts
-    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in _command(big, launcher.JobSpec(run_id="t"), inventory)
-    assert not any(
-        w.startswith("CUDA_DEVICE_ORDER") for w in _command(cpu, launcher.JobSpec(), inventory)
-    )
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in _command(big, JobSpec(run_id="t"), inventory)
+    assert not any(w.startswith("CUDA_DEVICE_ORDER") for w in _command(cpu, JobSpec(), inventory))
 
 
 @pytest.mark.parametrize(
@@ -245,14 +241,14 @@ def test_gpu_nodes_number_gpus_as_nvidia_smi_does():
 )  # fmt: skip
 def test_gpus_that_do_not_answer_stop_an_nccl_job_naming_the_node(answer, ok, problem):
     big = parse(GPU_INVENTORY, "inv.yml").hosts[0]
-    found = launcher.gpu_problem(big, launcher.JobSpec(), answer, ok)
+    found = gpu_problem(big, JobSpec(), answer, ok)
     if problem is None:
         assert found is None
     else:
         assert found.startswith(f"on big: its GPUs do not answer ({problem}"), found
         assert found.endswith("or set gpus: 0 for it in the inventory)")
     # A selection needs only the GPUs it names.
-    assert launcher.gpu_problem(big, launcher.JobSpec(gpus=(0, 1)), "0\n1\n", True) is None
+    assert gpu_problem(big, JobSpec(gpus=(0, 1)), "0\n1\n", True) is None
 
 
 @pytest.mark.parametrize("module", ["training.nope", "nope", "training.ddp.deeper"])
@@ -267,7 +263,7 @@ def test_a_local_module_that_does_not_exist_is_refused_before_anything_starts(mo
 
 
 def test_a_local_module_of_the_users_own_directory_is_found_and_not_run(tmp_path, monkeypatch):
-    from training import cli
+    from launch import cli
 
     (tmp_path / "mine.py").write_text("raise SystemExit('imported: find_spec must not run it')\n")
     monkeypatch.chdir(tmp_path)

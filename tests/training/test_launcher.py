@@ -20,10 +20,16 @@ from cluster.containers import NCCL_CONF_GUARD
 from cluster.errors import ClusterError
 from cluster.inventory import load, parse
 from cluster.remote import Remote, on_all
+from launch import job as job_module
+from launch import restarts, stop
+from launch.commands import remote_command, stop_command, torchrun_command
+from launch.job import Launcher
+from launch.nodes import interface_env, rank_order_warning
+from launch.restarts import wait_for_nodes
+from launch.spec import LOST_NODE_PROBE, REMOTE_LOCK_ROOT, STOP_TIMEOUT, JobSpec
 from netcheck import envfile
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import kill_node
-from training import launcher
 
 SCRIPTS = Path(__file__).parent / "launcher_scripts"
 
@@ -41,8 +47,8 @@ all:
 def test_torchrun_command_binds_rendezvous_to_the_compute_ip():
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
     n1, n2 = inventory.hosts
-    spec = launcher.JobSpec(module="training.ddp", args=("--epochs", "1"), run_id="tmn-x")
-    command = launcher.torchrun_command(n2, n1, 2, spec, 29400, ["-m", "training.ddp"])
+    spec = JobSpec(module="training.ddp", args=("--epochs", "1"), run_id="tmn-x")
+    command = torchrun_command(n2, n1, 2, spec, 29400, ["-m", "training.ddp"])
     assert command == [
         "/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes=2",
         "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=10.7.0.9:29400",
@@ -50,17 +56,17 @@ def test_torchrun_command_binds_rendezvous_to_the_compute_ip():
         "--local-addr=10.7.0.10", "--max-restarts=0", "--monitor-interval=1",
         "-m", "training.ddp", "--epochs", "1",
     ]  # fmt: skip
-    master = launcher.torchrun_command(n1, n1, 2, spec, 29400, ["-m", "training.ddp"])
+    master = torchrun_command(n1, n1, 2, spec, 29400, ["-m", "training.ddp"])
     assert "--nproc-per-node=2" in master and "--rdzv-conf=join_timeout=60,is_host=true" in master
 
 
 def test_remote_command_sets_interfaces_and_the_run_marker():
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
     n1, n2 = inventory.hosts
-    envs = launcher.interface_env(inventory, inventory.hosts)
+    envs = interface_env(inventory, inventory.hosts)
     assert envs["n2"] == {"GLOO_SOCKET_IFNAME": "ens5", "NCCL_SOCKET_IFNAME": "=ens5"}
-    spec = launcher.JobSpec(script=Path("/home/me/my train.py"), run_id="tmn-y")
-    command = launcher.remote_command(n2, n1, 2, spec, 29400, envs["n2"])
+    spec = JobSpec(script=Path("/home/me/my train.py"), run_id="tmn-y")
+    command = remote_command(n2, n1, 2, spec, 29400, envs["n2"])
     words = shlex.split(command)
     assert words[:5] == ["mkdir", "-p", "/tmp/torch-multinode/runs/tmn-y", "&&", "cd"]
     assert "TMN_RUN_ID=tmn-y" in words and "NCCL_SOCKET_IFNAME==ens5" in words
@@ -72,9 +78,9 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     inventory = parse(text, "/nonexistent/inv.yml")
     assert inventory.launch_mode == "container"
     n1, n2 = inventory.hosts
-    spec = launcher.JobSpec(run_id="tmn-z")
-    envs = launcher.interface_env(inventory, inventory.hosts)
-    command = launcher.remote_command(
+    spec = JobSpec(run_id="tmn-z")
+    envs = interface_env(inventory, inventory.hosts)
+    command = remote_command(
         n1, n1, 2, spec, 29400, envs["n1"], inventory.launch_mode, inventory.training_image
     )
     words = shlex.split(command)
@@ -97,14 +103,12 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     assert after[:3] == ["python3", "-m", "torch.distributed.run"]
     assert "--local-addr=10.7.0.9" in after and after[-2:] == ["-m", "training.ddp"]
     # A CPU node gets no --gpus; stopping the job removes the container as well.
-    cpu = shlex.split(
-        launcher.remote_command(n2, n1, 2, spec, 29400, envs["n2"], "container", "img:1")
-    )
+    cpu = shlex.split(remote_command(n2, n1, 2, spec, 29400, envs["n2"], "container", "img:1"))
     assert "--gpus" not in cpu and "--ipc" in cpu
     # Where memlock cannot be raised (the simulated cluster), the inventory says so.
-    capped = launcher.remote_command(n2, n1, 2, spec, 29400, {}, "container", "img:1", "8388608")
+    capped = remote_command(n2, n1, 2, spec, 29400, {}, "container", "img:1", "8388608")
     assert "memlock=8388608:8388608" in shlex.split(capped)
-    assert "docker ps -q --filter label=torch-multinode.run=tmn-z" in launcher.stop_command("tmn-z")
+    assert "docker ps -q --filter label=torch-multinode.run=tmn-z" in stop_command("tmn-z")
 
 
 def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_path):
@@ -117,7 +121,7 @@ def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_pa
     try:
         time.sleep(0.2)  # the shell has installed its trap
         unlock = f"echo freed > {tmp_path / 'after'}"
-        stop = launcher.stop_command("tmn-stoptest", then=unlock)
+        stop = stop_command("tmn-stoptest", then=unlock)
         subprocess.run(["sh", "-c", stop], check=True, timeout=30)
         assert polite.wait(1) == -signal.SIGTERM
         assert stubborn.wait(1) == -signal.SIGKILL
@@ -151,7 +155,7 @@ esac
 """)
     (bin_dir / "docker").chmod(0o755)
     environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    stop = launcher.stop_command("tmn-boxed", then=f"echo freed > {tmp_path / 'after'}")
+    stop = stop_command("tmn-boxed", then=f"echo freed > {tmp_path / 'after'}")
     try:
         running = subprocess.Popen(["sh", "-c", stop], env=environment)
         while running.poll() is None:
@@ -207,18 +211,18 @@ class _FlakyRemote:
 
 def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does(monkeypatch):
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    monkeypatch.setattr(launcher, "Remote", _FlakyRemote)
-    monkeypatch.setattr(launcher, "RESTART_POLL", 0.01)
+    monkeypatch.setattr(restarts, "Remote", _FlakyRemote)
+    monkeypatch.setattr(restarts, "RESTART_POLL", 0.01)
     monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
     monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 3})
     said: list[str] = []
-    launcher.wait_for_nodes(inventory, inventory.hosts, 30, said.append)
+    wait_for_nodes(inventory, inventory.hosts, 30, said.append)
     assert _FlakyRemote.probes == {"n1": 1, "n2": 4}
     assert len(said) == 1 and said[0].startswith("[launcher] n2 answers again after ")
 
     monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 10**6})
     with pytest.raises(ClusterError) as caught:
-        launcher.wait_for_nodes(inventory, inventory.hosts, 0.05, said.append)
+        wait_for_nodes(inventory, inventory.hosts, 0.05, said.append)
     assert caught.value.exit_code == 1
     assert str(caught.value) == (
         "n2 did not answer within --restart-wait 0.05 s: host 'n2': cannot SSH to it: timed out"
@@ -230,18 +234,18 @@ def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(monke
     # A dead node would hold the stop for SSH's whole connect timeout (5 s here, more under
     # load): a node already lost must first accept a TCP connection. Fakes only, no traffic.
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    monkeypatch.setattr(launcher, "Remote", _FlakyRemote)
+    monkeypatch.setattr(job_module, "Remote", _FlakyRemote)
     monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
     monkeypatch.setattr(_FlakyRemote, "answers", {})
     probed: list[tuple[str, float]] = []
     monkeypatch.setattr(
-        launcher, "answers",
+        stop, "answers",
         lambda host, timeout: probed.append((host.name, timeout)) or n2_answers,
     )  # fmt: skip
-    job = launcher.Launcher(inventory, inventory.hosts, launcher.JobSpec(), emit=lambda _: None)
+    job = Launcher(inventory, inventory.hosts, JobSpec(), emit=lambda _: None)
     job.outcomes["n2"].session_lost = True  # n1 is merely failed: no probe before its stop
-    stopped = job.stop_everywhere(inventory.hosts[0])
-    assert probed == [("n2", launcher.LOST_NODE_PROBE)]
+    stopped = stop.everywhere(job, inventory.hosts[0])
+    assert probed == [("n2", LOST_NODE_PROBE)]
     assert isinstance(stopped["n1"], float)
     if n2_answers:
         assert _FlakyRemote.probes == {"n1": 1, "n2": 1} and isinstance(stopped["n2"], float)
@@ -254,15 +258,15 @@ def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(monke
 def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(monkeypatch):
     # Fakes only, no traffic: n1's SSH connection is refused; n2's stop command fails.
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    monkeypatch.setattr(launcher, "Remote", _FlakyRemote)
+    monkeypatch.setattr(job_module, "Remote", _FlakyRemote)
     monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
     monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 1})
     monkeypatch.setattr(_FlakyRemote, "closed", {"n1"})
-    job = launcher.Launcher(inventory, inventory.hosts, launcher.JobSpec(), emit=lambda _: None)
-    stopped = job.stop_everywhere(inventory.hosts[0])
+    job = Launcher(inventory, inventory.hosts, JobSpec(), emit=lambda _: None)
+    stopped = stop.everywhere(job, inventory.hosts[0])
     assert stopped == {
         "n1": "unreachable",
-        "n2": f"not confirmed within {launcher.STOP_TIMEOUT:g} s",
+        "n2": f"not confirmed within {STOP_TIMEOUT:g} s",
     }
 
 
@@ -286,7 +290,7 @@ def test_netcheck_findings_override_the_inventory(tmp_path):
                                      "NCCL_IB_DISABLE": "1"}}, "written_at": "now"})
     )  # fmt: skip
     inventory = load(path)
-    envs = launcher.interface_env(inventory, inventory.hosts)
+    envs = interface_env(inventory, inventory.hosts)
     assert envs["n1"]["NCCL_SOCKET_IFNAME"] == "=bond0" and envs["n1"]["NCCL_IB_DISABLE"] == "1"
     assert envs["n2"]["GLOO_SOCKET_IFNAME"] == "ens5"
 
@@ -303,23 +307,21 @@ def test_the_launcher_reads_netchecks_file_where_netcheck_writes_it(tmp_path):
         envfile.default_path(inventory.path), {"n1": {"GLOO_SOCKET_IFNAME": "bond0"}}
     )
     assert written == real / envfile.FILENAME
-    assert launcher.interface_env(inventory, inventory.hosts)["n1"] == {
-        "GLOO_SOCKET_IFNAME": "bond0"
-    }
+    assert interface_env(inventory, inventory.hosts)["n1"] == {"GLOO_SOCKET_IFNAME": "bond0"}
     elsewhere = envfile.write(tmp_path / "other.json", {"n1": {"GLOO_SOCKET_IFNAME": "eth9"}})
-    envs = launcher.interface_env(inventory, inventory.hosts, elsewhere)
+    envs = interface_env(inventory, inventory.hosts, elsewhere)
     assert envs["n1"] == {"GLOO_SOCKET_IFNAME": "eth9"}
     with pytest.raises(ClusterError, match=r"--env-file .*missing.json does not exist"):
-        launcher.interface_env(inventory, inventory.hosts, tmp_path / "missing.json")
+        interface_env(inventory, inventory.hosts, tmp_path / "missing.json")
 
 
 def test_rank_order_warning_names_the_real_order():
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    assert launcher.rank_order_warning(inventory.hosts) == (
+    assert rank_order_warning(inventory.hosts) == (
         "note: c10d numbers nodes by compute IP, so node ranks follow n2 (10.7.0.10), "
         "n1 (10.7.0.9); the rendezvous store stays on n1"
     )
-    assert launcher.rank_order_warning(inventory.hosts[:1]) is None
+    assert rank_order_warning(inventory.hosts[:1]) is None
 
 
 @pytest.mark.parametrize(
@@ -473,7 +475,7 @@ def test_a_second_job_on_the_same_port_is_refused_and_the_first_goes_on(sim2):
 @pytest.mark.sim
 def test_a_lock_left_by_a_dead_launcher_is_taken_over(sim2):
     port = sim2.inventory.rendezvous_port
-    lock = f"{launcher.REMOTE_LOCK_ROOT}/port-{port}"
+    lock = f"{REMOTE_LOCK_ROOT}/port-{port}"
     sim.docker("exec", sim2.config.container(1), "sh", "-c",
                f"mkdir -p {lock} && echo tmn-gone > {lock}/run_id && touch -d '-1 min' {lock}")  # fmt: skip
     proc = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "tutorial_ddp.py"))
@@ -482,5 +484,5 @@ def test_a_lock_left_by_a_dead_launcher_is_taken_over(sim2):
         "[launcher] took over the lock of job tmn-gone on node1: none of its processes is left"
         in proc.stdout
     )
-    left = sim.docker("exec", sim2.config.container(1), "ls", launcher.REMOTE_LOCK_ROOT).stdout
+    left = sim.docker("exec", sim2.config.container(1), "ls", REMOTE_LOCK_ROOT).stdout
     assert left.strip() == ""  # released at the end

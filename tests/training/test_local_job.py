@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 
+from launch import local
+from launch.spec import JobSpec
 from tests.conftest import run_cli
-from training import local_job
 
 TAIL = [
     "[launcher] ignored",
@@ -22,7 +23,7 @@ TAIL = [
 
 
 def test_the_summary_names_the_rank_and_shows_the_workers_lines_not_torchruns():
-    lines = local_job.summary("tmn-1", 3, 12.34, TAIL)
+    lines = local.summary("tmn-1", 3, 12.34, TAIL)
     assert lines[0] == "Job tmn-1 FAILED on this machine after 12.3 s (rank 1, exit 3)."
     assert lines[1:] == [
         "Last lines:",
@@ -30,18 +31,18 @@ def test_the_summary_names_the_rank_and_shows_the_workers_lines_not_torchruns():
         "  | step 1 loss 2.3",
         "  | Error: the worker's own last words",
     ]
-    assert local_job.summary("tmn-1", 0, 5, TAIL) == [
+    assert local.summary("tmn-1", 0, 5, TAIL) == [
         "Job tmn-1 succeeded after 5.0 s on this machine."
     ]
     # torchrun died before naming a rank: the exit code it gave.
-    assert local_job.summary("tmn-1", 1, 1, ["boom"])[0] == (
+    assert local.summary("tmn-1", 1, 1, ["boom"])[0] == (
         "Job tmn-1 FAILED on this machine after 1.0 s (exit 1)."
     )
 
 
 def test_the_local_command_is_torchrun_standalone_through_the_quiet_wrapper():
-    spec = local_job.JobSpec(module="training.comm_demo", args=("--x", "1"))
-    argv = local_job.command(spec, 2)
+    spec = JobSpec(module="training.comm_demo", args=("--x", "1"))
+    argv = local.command(spec, 2)
     assert argv[1:] == ["-m", "training.local_launch", "--standalone", "--nproc-per-node=2",
                         "-m", "training.comm_demo", "--x", "1"]  # fmt: skip
 

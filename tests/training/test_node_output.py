@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from training.node_output import PROGRESS_EVERY, NodeOutput
+from launch.node_output import PROGRESS_EVERY, NodeOutput
 
 
 class Clock:

@@ -15,15 +15,9 @@ import sys
 import time
 
 from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, ClusterError, Terminated
-from training.launcher import (
-    STOP_GRACE,
-    TAIL_LINES,
-    Emit,
-    JobSpec,
-    debug_environment,
-    failure_excerpt,
-    process_count,
-)
+from launch.ending import failure_excerpt
+from launch.nodes import debug_environment, process_count
+from launch.spec import STOP_GRACE, TAIL_LINES, Emit, JobSpec
 
 _BREAKS = re.compile(rb"\r\n|\n|\r")
 

@@ -20,7 +20,18 @@ from cluster import inventory as inventory_module
 from cluster import staging, sync
 from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown, stop_on_sigterm
 from cluster.inventory import parse_gpu_list
-from training import launcher, local_job
+from launch.commands import run_dir
+from launch.ending import summary
+from launch.local import run_local
+from launch.nodes import legacy_flag, rank_order_warning
+from launch.restarts import run_job
+from launch.spec import (
+    DEBUG_LEVELS,
+    DEFAULT_MODULE,
+    DEFAULT_NETWORK_TIMEOUT,
+    DEFAULT_RESTART_WAIT,
+    JobSpec,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "directory, or --workdir) is mirrored to every node and the job runs in it",
     )  # fmt: skip
     what.add_argument(
-        "--module", default=launcher.DEFAULT_MODULE,
+        "--module", default=DEFAULT_MODULE,
         help="a module importable on the nodes (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
@@ -78,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for every node to join (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--network-timeout", type=float, default=launcher.DEFAULT_NETWORK_TIMEOUT,
+        "--network-timeout", type=float, default=DEFAULT_NETWORK_TIMEOUT,
         help="seconds a node may be unable to reach the master over the compute network before "
         "it is declared lost and the job stopped (default: %(default)g)",
     )  # fmt: skip
@@ -89,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         "training workloads resume from --checkpoint-dir (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--restart-wait", type=float, default=launcher.DEFAULT_RESTART_WAIT,
+        "--restart-wait", type=float, default=DEFAULT_RESTART_WAIT,
         help="seconds a restart waits for every node to answer (default: %(default)g)",
     )  # fmt: skip
     parser.add_argument(
@@ -103,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         "set for the job (a host's cuda_visible_devices in the inventory wins for that host)",
     )  # fmt: skip
     parser.add_argument(
-        "--debug", nargs="?", const="info", default=None, choices=launcher.DEBUG_LEVELS,
+        "--debug", nargs="?", const="info", default=None, choices=DEBUG_LEVELS,
         help="NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=INFO and the C++ backend logs, on every "
         "node, for this run only; '--debug detail' for TORCH_DISTRIBUTED_DEBUG=DETAIL (it "
         "crashed DDP over gloo with torch 2.14.1)",
@@ -158,15 +169,11 @@ def run(args: argparse.Namespace) -> int:
         )
     flag = None
     if args.script is not None and args.local_rank_arg != "none":
-        flag = (
-            launcher.legacy_flag(args.script)
-            if args.local_rank_arg == "auto"
-            else args.local_rank_arg
-        )
+        flag = legacy_flag(args.script) if args.local_rank_arg == "auto" else args.local_rank_arg
     if args.script is None:
         _workload_checks_its_arguments(args.module, extra)
-    run_id = launcher.JobSpec().run_id
-    spec = launcher.JobSpec(
+    run_id = JobSpec().run_id
+    spec = JobSpec(
         run_id=run_id,
         gpus=parse_gpu_list(args.gpus),
         debug=args.debug,
@@ -202,20 +209,20 @@ def run(args: argparse.Namespace) -> int:
             )
         if spec.script is None:
             _importable_here(spec.module)
-        return local_job.run_local(spec, _emit)
+        return run_local(spec, _emit)
 
     inventory = inventory_module.load(args.inventory)
     hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
     # Everything decided here fails before any node is touched.
     project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
-    resolved, notes = staging.resolve_paths(spec.args, inventory, project, launcher.run_dir(spec))
+    resolved, notes = staging.resolve_paths(spec.args, inventory, project, run_dir(spec))
     spec = replace(spec, args=resolved)
     _emit(
         f"[launcher] job {spec.run_id}: {len(hosts)} node(s), master {hosts[0].name} "
         f"{hosts[0].compute_ip}:{inventory.rendezvous_port}, "
         + ("script " + str(args.script) if args.script else f"module {spec.module}")
     )
-    warning = launcher.rank_order_warning(hosts)
+    warning = rank_order_warning(hosts)
     if warning:
         _emit(f"[launcher] {warning}")
     if flag:
@@ -230,10 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if args.restarts:
         _emit(f"[launcher] up to {args.restarts} restart(s) after a failure, each once every node "
               f"answers again (--restart-wait {args.restart_wait:g} s)")  # fmt: skip
-    result = launcher.run_job(
-        inventory, hosts, spec, _emit, args.restarts, args.restart_wait, project
-    )
-    for line in launcher.summary(result, hosts):
+    result = run_job(inventory, hosts, spec, _emit, args.restarts, args.restart_wait, project)
+    for line in summary(result, hosts):
         _emit(line)
     _emit(f"Logs: {spec.log_dir}/ (one file per node)")
     if result.brought_back:
@@ -293,7 +298,7 @@ def _importable_here(module: str) -> None:
     if found is None:
         raise ClusterError(
             f"--module {module}: no module of that name here",
-            hint=f"MODULE={launcher.DEFAULT_MODULE}, one of the workloads listed in "
+            hint=f"MODULE={DEFAULT_MODULE}, one of the workloads listed in "
             "training/__init__.py, or SCRIPT=path/to/train.py",
         )
 

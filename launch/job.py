@@ -1,0 +1,315 @@
+"""One run of a job on the nodes: prepare (SSH, the port, the project, images, directories),
+start (one SSH session per node, the watchers), conclude (blame, stop, release the port).
+
+One SSH session per node runs torchrun (c10d rendezvous on the master's compute IP). Every
+process the job starts carries TMN_RUN_ID in its environment, so stopping a node means killing
+exactly the processes with that marker, even ones torchrun started in new sessions. The job is
+stopped everywhere as soon as one node fails, stops answering, or the user presses Ctrl-C.
+
+A network partition leaves every node answering over SSH while the ranks wait on each other:
+every other node pings the master's compute IP every few seconds, and a node that cannot reach
+it for --network-timeout seconds is declared lost and the job stopped. When the job fails for
+any reason while a node's compute link is down, that node is the one named (launch.blame).
+"""
+
+from __future__ import annotations
+
+import shlex
+import threading
+import time
+from collections.abc import Callable
+
+from cluster import staging, sync
+from cluster.errors import ClusterError, Terminated
+from cluster.inventory import Host, Inventory
+from cluster.jobenv import BACKEND_VARIABLE
+from cluster.remote import Remote, on_all
+from cluster.staging import Project
+from launch import blame, stop, watch
+from launch.commands import lock_command, remote_command, run_dir, unlock_command
+from launch.node_output import NodeOutput
+from launch.nodes import gpu_problem, interface_env, job_backend, nproc_for
+from launch.spec import (
+    BLAME_GRACE,
+    GPU_PROBE,
+    INTERRUPTED_RUNNER_GRACE,
+    LOCK_BUSY_EXIT,
+    RUNNER_GRACE,
+    Emit,
+    JobResult,
+    JobSpec,
+    NodeOutcome,
+)
+
+
+class Launcher:
+    def __init__(
+        self,
+        inventory: Inventory,
+        hosts: tuple[Host, ...],
+        spec: JobSpec,
+        emit: Emit = print,
+        connect_timeout: float = 5.0,
+        project: Project | None = None,
+    ):
+        self.inventory, self.hosts, self.spec, self.emit = inventory, hosts, spec, emit
+        self.project = project
+        self.connect_timeout = connect_timeout
+        self.outcomes = {h.name: NodeOutcome(h.name) for h in hosts}
+        self.done = threading.Event()
+        self.stopping = threading.Event()  # stop_everywhere has begun
+        self.first_failure: str | None = None
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+        self._remotes: dict[str, Remote] = {}
+        self.silent: set[str] = set()  # lost nodes that did not answer when the job was stopped
+        self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
+        self.backend = job_backend(hosts)[0]  # one for the whole job
+
+    def remote_for(self, host: Host) -> Remote:
+        return Remote.for_inventory(self.inventory, host, connect_timeout=self.connect_timeout)
+
+    def fail(self, name: str) -> None:
+        with self._lock:
+            if self.first_failure is None:
+                self.first_failure = name
+            self.failures.append(name)
+        self.done.set()
+
+    def _connect(self, host: Host) -> None:
+        remote = self.remote_for(host)
+        self._remotes[host.name] = remote
+        remote.connect()
+
+    def _prepare(self, host: Host, image_id: str | None) -> None:
+        """After the project's trees were sent: check this node's copy and image, make the
+        directories the job writes to, hand over its secrets."""
+        remote, inventory = self._remotes[host.name], self.inventory
+        if self.backend == "nccl":
+            answer = remote.run(GPU_PROBE, timeout=30)
+            problem = gpu_problem(host, self.spec, answer.stdout + answer.stderr, answer.ok)
+            if problem is not None:
+                message, _, hint = problem.rpartition(" (try ")
+                raise ClusterError(message, hint=hint.removesuffix(")"), exit_code=1)
+        for tree, destination in self.project.trees:
+            sync.verify(remote, tree, destination)
+        directories = [run_dir(self.spec), inventory.checkpoint_root, inventory.data_root]
+        made = remote.run(f"mkdir -p {shlex.join(directories)}", timeout=15)
+        if not made.ok:
+            said = (made.stderr or made.stdout).strip().splitlines()[-1:] or ["no reason given"]
+            raise ClusterError(
+                f"on {host.name}: cannot make {', '.join(directories[1:])}: {said[0]}",
+                hint=f"make provision INVENTORY={inventory.path} (it makes them for "
+                f"{host.ssh_user or 'the SSH user'})",
+                exit_code=1,
+            )
+        if image_id is not None:
+            answer = remote.run(staging.image_check_command(inventory.training_image), timeout=60)
+            problem = staging.image_mismatch(host, inventory, image_id, answer.stdout)
+            if problem is not None:
+                message, _, hint = problem.rpartition(" (try ")
+                raise ClusterError(message, hint=hint.removesuffix(")"), exit_code=1)
+        if self.spec.secret_env:
+            remote.run(
+                staging.write_secrets_command(self.spec.run_id), timeout=15, check=True,
+                stdin=staging.secrets_text(self.spec.secret_env),
+            )  # fmt: skip
+
+    def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
+        inventory = self.inventory
+        return remote_command(
+            host, master, nnodes, self.spec, inventory.rendezvous_port, env,
+            inventory.launch_mode, inventory.training_image, inventory.container_memlock,
+            self.project, tuple(staging.mounts(inventory, self.project, run_dir(self.spec))),
+        )  # fmt: skip
+
+    def _parallel(self, work: Callable[[Host], None]) -> None:
+        """`work` on every host at once; the first ClusterError raised, after all have ended."""
+        errors: list[ClusterError] = []
+
+        def guarded(host: Host) -> None:
+            try:
+                work(host)
+            except ClusterError as exc:
+                errors.append(exc)
+
+        on_all(self.hosts, guarded)
+        if errors:
+            raise errors[0]
+
+    def _stage(self, master: Host) -> None:
+        """Everything before the first process starts: SSH to every node, the master's port,
+        the project on every node, checked, and each node's image and directories."""
+        self._parallel(self._connect)
+        self._claim_port(master)  # before the sync: a running job's code is never changed
+        try:
+            if self.project is None:
+                self.project = staging.plan(
+                    self.inventory, self.spec.script, self.spec.workdir, self.spec.workdir_limit
+                )
+            for tree, destination in self.project.trees:
+                sent = sync.push(self.inventory, self.hosts, tree, destination, self.emit)
+                self.emit("[launcher] " + sync.summary_line(tree, destination, sent))
+            image_id = None
+            if self.inventory.launch_mode == "container":
+                image_id = staging.local_image_id(self.inventory.training_image)
+            self._parallel(lambda host: self._prepare(host, image_id))
+        except BaseException:  # a refusal, or Ctrl-C while the project is sent: the port is free
+            self._release_port(master)
+            raise
+
+    def _run_node(self, host: Host, command: str) -> None:
+        outcome = self.outcomes[host.name]
+        log = self.spec.log_dir / f"{host.name}.log" if self.spec.log_dir else None
+        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log)
+        self._writers.append(writer)
+        try:
+            result = self._remotes[host.name].connection.run(
+                command, pty=True, warn=True, hide=True, out_stream=writer, err_stream=writer,
+                in_stream=False,
+            )  # fmt: skip
+            outcome.exit_code = result.exited
+            if result.exited == -1 and self.stopping.is_set():
+                outcome.exit_code = None  # killed by our stop: the summary says "stopped"
+            # An error already recorded (a watcher declared the node lost) says more.
+            elif result.exited == -1:  # closed with no exit status
+                outcome.session_lost = True
+                if outcome.error is None:
+                    outcome.error = "the SSH session ended without an exit status: node down?"
+        except Exception as exc:  # a dropped connection surfaces as several invoke/paramiko types
+            # Once the stop has begun, the launcher itself may close the session: "stopped".
+            if not self.stopping.is_set():
+                outcome.session_lost = True
+                if outcome.error is None:
+                    outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
+        finally:
+            # Whatever happened above, the launcher must hear of it: a runner that dies without
+            # a word leaves the main thread waiting forever.
+            try:
+                writer.close()
+            finally:
+                if not outcome.ok:
+                    self.fail(host.name)
+                elif all(o.exit_code is not None for o in self.outcomes.values()):
+                    self.done.set()
+
+    def run(self) -> JobResult:
+        started = time.monotonic()
+        master, nnodes = self.hosts[0], len(self.hosts)
+        envs = interface_env(self.inventory, self.hosts, self.spec.env_file)
+        for host in self.hosts:
+            nproc_for(host, self.spec)  # a GPU the node lacks stops us before any SSH
+        note = job_backend(self.hosts)[1]
+        if note:
+            self.emit(f"[launcher] {note}")
+        envs = {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
+        if self.spec.log_dir:
+            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._stage(master)
+        except BaseException:
+            self._close()
+            raise
+
+        interrupted = terminated = False
+        runners = [
+            threading.Thread(
+                target=self._run_node,
+                args=(h, self._command(h, master, nnodes, envs[h.name])),
+                daemon=True,
+            )
+            for h in self.hosts
+        ]  # fmt: skip
+        watchers = [threading.Thread(target=watch.liveness, args=(self,), daemon=True)]
+        watchers += [
+            threading.Thread(target=watch.link, args=(self, h, master), daemon=True)
+            for h in self.hosts[1:]
+        ]
+        try:
+            for runner in runners:
+                runner.start()
+            for watcher in watchers:
+                watcher.start()
+            while not self.done.wait(0.2):
+                for writer in list(self._writers):
+                    writer.tick()  # a progress bar's latest state, every few seconds
+                if not any(runner.is_alive() for runner in runners):
+                    break  # every runner has ended: nothing is left to wait for
+        except KeyboardInterrupt as signalled:
+            interrupted = True
+            terminated = isinstance(signalled, Terminated)
+            why = "SIGTERM" if terminated else "Ctrl-C"
+            self.emit(f"[launcher] {why}: stopping the job on every node...")
+        finally:
+            if self.first_failure is not None and not interrupted:
+                # The others may take a moment to report their own failure, which can say more
+                # than the first; not worth waiting for once a node is known to be gone.
+                deadline = time.monotonic() + BLAME_GRACE
+                while (
+                    time.monotonic() < deadline
+                    and any(runner.is_alive() for runner in runners)
+                    and not any(self.outcomes[name].lost for name in self.failures)
+                ):
+                    time.sleep(0.1)
+                self.first_failure = blame.blame(self.failures, self.outcomes, self.hosts)
+                self.emit(
+                    f"[launcher] {self.first_failure} failed: stopping the job on every node..."
+                )
+            if interrupted or self.first_failure is not None:
+                stopped = stop.everywhere(self, master)
+                self.emit("[launcher] stopped: " + ", ".join(
+                    f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
+                    for name, done in stopped.items()
+                ))  # fmt: skip
+                if not isinstance(stopped[master.name], float) and master.name not in self.silent:
+                    self._release_port(master)  # a silent master: the next launch finds it stale
+            else:
+                self._release_port(master)
+            self.done.set()
+            deadline = time.monotonic() + (
+                INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE
+            )
+            for runner in runners:
+                runner.join(max(0.0, deadline - time.monotonic()))
+            self._close()
+        return JobResult(
+            self.spec.run_id, self.outcomes, self.first_failure, interrupted,
+            time.monotonic() - started, terminated=terminated,
+        )  # fmt: skip
+
+    def _claim_port(self, master: Host) -> None:
+        port = self.inventory.rendezvous_port
+        result = self._remotes[master.name].run(lock_command(self.spec.run_id, port), timeout=15)
+        words = result.stdout.split()
+        if result.exit_code == LOCK_BUSY_EXIT:
+            other = words[1] if len(words) > 1 else "another job"
+            raise ClusterError(
+                f"job {other} is already running on {master.name} (rendezvous port {port})",
+                hint="waiting for it to end, or Ctrl-C where it was started",
+                exit_code=1,
+            )
+        if not result.ok:
+            raise ClusterError(
+                f"host '{master.name}': could not claim rendezvous port {port}: "
+                f"{(result.stderr or result.stdout).strip()}",
+                exit_code=1,
+            )
+        if words[:1] == ["stale"]:
+            self.emit(f"[launcher] took over the lock of job {words[1] if len(words) > 1 else '?'}"
+                      f" on {master.name}: none of its processes is left")  # fmt: skip
+
+    def _release_port(self, master: Host) -> None:
+        try:
+            with self.remote_for(master) as remote:
+                remote.run(
+                    unlock_command(self.spec.run_id, self.inventory.rendezvous_port), timeout=10
+                )
+        except ClusterError:
+            pass  # the master is gone; the next launch finds the lock stale
+
+    def _close(self) -> None:
+        for remote in self._remotes.values():
+            try:
+                remote.close()
+            except Exception:  # closing a session to a dead node may raise anything
+                pass

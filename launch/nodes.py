@@ -1,0 +1,193 @@
+"""Per-node decisions, made before anything starts: which GPUs and how many processes, which
+backend for the whole job, the environment each node's ranks get."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cluster.errors import ClusterError, printable
+from cluster.inventory import Host, Inventory
+from cluster.staging import Project
+from launch.spec import DEBUG_ENV, DEBUG_LEVELS, GPUS_PER_PROCESS, JobSpec
+
+
+def debug_environment(level: str | None) -> dict[str, str]:
+    if level is None:
+        return {}
+    if level not in DEBUG_LEVELS:
+        raise ClusterError(f"DEBUG={level!r} is not one of 1, detail", hint="DEBUG=1")
+    return {**DEBUG_ENV, "TORCH_DISTRIBUTED_DEBUG": level.upper()}
+
+
+_LOCAL_RANK_FLAG = re.compile(r"""["'](--local[-_]rank)["']""")
+
+
+def visible_gpus(host: Host, spec: JobSpec) -> tuple[int, ...] | None:
+    """The GPUs this node's job may use: the host's own selection from the inventory, else the
+    job's GPUS. Checked against what the node has, before anything starts."""
+    selected = host.visible_gpus if host.visible_gpus is not None else spec.gpus
+    if selected is None:
+        return None
+    shown = ",".join(map(str, selected))
+    if host.gpus == 0:
+        raise ClusterError(
+            f"GPUS={shown} but node '{host.name}' has no GPU (inventory gpus: 0)",
+            hint="leaving GPUS unset on CPU nodes; --nproc-per-node sets the process count",
+        )
+    missing = [index for index in selected if index >= host.gpus]
+    if missing:
+        raise ClusterError(
+            f"GPUS={shown} asks for GPU {missing[0]}, but node '{host.name}' has {host.gpus} "
+            f"GPU(s) (0-{host.gpus - 1})",
+        )
+    return selected
+
+
+def gpus_per_process(spec: JobSpec) -> int:
+    return GPUS_PER_PROCESS.get(spec.module, 1) if spec.script is None else 1
+
+
+def nproc_for(host: Host, spec: JobSpec) -> int:
+    """Processes on this node (see process_count)."""
+    selected = visible_gpus(host, spec)
+    gpus = len(selected) if selected is not None else host.gpus
+    given = f"GPUS={','.join(map(str, selected))}" if selected else f"inventory gpus: {host.gpus}"
+    return process_count(spec, gpus, f"node '{host.name}' has {gpus} for the job ({given})")
+
+
+def process_count(spec: JobSpec, gpus: int, has: str, cpu_default: int = 1) -> int:
+    """--nproc-per-node where given (checked against the `gpus` the job has there), else one
+    process per GPU, or per pair for a workload that spans two (model parallel), or
+    `cpu_default` without GPUs. Too few GPUs for even one process is refused: `has` says where
+    and what."""
+    per = gpus_per_process(spec)
+    what = spec.module if spec.script is None else spec.script.name
+    if spec.nproc_per_node is not None:
+        if gpus and spec.nproc_per_node * per > gpus:
+            raise ClusterError(
+                f"--nproc-per-node={spec.nproc_per_node} of {what} needs "
+                f"{spec.nproc_per_node * per} GPU(s), but {has}",
+                hint=f"--nproc-per-node={max(1, gpus // per)}",
+            )
+        return spec.nproc_per_node
+    if gpus == 0:
+        return cpu_default
+    if gpus < per:
+        raise ClusterError(
+            f"{what} spans {per} GPUs per process, but {has}",
+            hint=f"machines with {per} GPUs, or GPUS= naming {per} of them; without GPUs "
+            f"(gpus: 0) its stages run on the CPU",
+        )
+    return gpus // per
+
+
+def job_backend(hosts: tuple[Host, ...]) -> tuple[str, str | None]:
+    """One process group backend for the whole job, decided before launch: NCCL only when every
+    node has GPUs, else gloo everywhere (with a note naming the nodes without). Ranks mixing
+    the two would wait on each other until the timeout."""
+    without = [h.name for h in hosts if h.gpus == 0]
+    if not without:
+        return "nccl", None
+    if len(without) == len(hosts):
+        return "gloo", None
+    return "gloo", (
+        f"note: {', '.join(without)} {'has' if len(without) == 1 else 'have'} no GPU (inventory "
+        f"gpus: 0), so the whole job runs on the CPU with gloo: NCCL needs GPUs on every node"
+    )
+
+
+def gpu_problem(host: Host, spec: JobSpec, answer: str, ok: bool) -> str | None:
+    """Why this node's GPUs cannot take an NCCL job (from GPU_PROBE's answer), or None."""
+    selected = visible_gpus(host, spec)
+    needed = (max(selected) + 1) if selected else host.gpus
+    indices = [line.strip() for line in answer.splitlines() if line.strip().isdigit()]
+    if ok and len(indices) >= needed:
+        return None
+    said = answer.strip().splitlines()[-1:] if answer.strip() else []
+    reason = (
+        f"nvidia-smi lists {len(indices)} GPU(s), the job needs {needed}"
+        if ok
+        else f"nvidia-smi failed: {printable(said[0]) if said else 'no output'}"
+    )
+    return (
+        f"on {host.name}: its GPUs do not answer ({reason}); an NCCL job cannot start there "
+        f"(try nvidia-smi on {host.name}: load or reinstall the NVIDIA driver (a reboot after a "
+        f"kernel update), or set gpus: 0 for it in the inventory)"
+    )
+
+
+def legacy_flag(script: Path) -> str | None:
+    """The --local_rank / --local-rank flag a torch.distributed.launch-era script parses, if
+    any (the dashed spelling wins when both are declared, as the old launcher passed it)."""
+    try:
+        found = set(_LOCAL_RANK_FLAG.findall(script.read_text(errors="replace")))
+    except OSError:
+        return None
+    if not found:
+        return None
+    return "--local-rank" if "--local-rank" in found else "--local_rank"
+
+
+def job_environment(host: Host, spec: JobSpec) -> dict[str, str]:
+    """What the job's processes get on top of the interface settings."""
+    variables = {"TMN_RUN_ID": spec.run_id, "PYTHONUNBUFFERED": "1", "TMN_NODE_NAME": host.name}
+    if host.gpus > 0:
+        # GPU indices as nvidia-smi numbers them (CUDA's default puts the fastest first), so
+        # GPUS=0,2 names the cards the user saw in nvidia-smi.
+        variables["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    selected = visible_gpus(host, spec)
+    if selected is not None:
+        variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, selected))
+    variables.update(debug_environment(spec.debug))
+    return variables
+
+
+def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
+    """What torchrun runs: the module, or the script where it is on the node (in its project,
+    or, without one, in directory `where`)."""
+    if spec.script is None:
+        return ["-m", spec.module]
+    script = where.script if isinstance(where, Project) else f"{where}/{spec.script.name}"
+    if spec.local_rank_flag:
+        return ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", script]
+    return [script]
+
+
+def interface_env(
+    inventory: Inventory, hosts: tuple[Host, ...], env_file: Path | None = None
+) -> dict[str, dict[str, str]]:
+    """Per node, the socket interface settings: netcheck's findings if it wrote them (`env_file`,
+    or where netcheck writes by default), else the inventory's compute_interface. Exact-match
+    form for NCCL so 'eth1' never also means 'eth10'."""
+    from netcheck import envfile
+
+    found: dict[str, dict[str, str]] = {}
+    path = env_file or envfile.default_path(inventory.path)
+    if env_file is not None and not env_file.is_file():
+        raise ClusterError(
+            f"--env-file {env_file} does not exist",
+            hint=f"make netcheck INVENTORY={inventory.path}, which writes it, or no --env-file",
+        )
+    if path.exists():
+        found = envfile.load(path)
+    settings = {}
+    for host in hosts:
+        settings[host.name] = found.get(host.name) or {
+            "GLOO_SOCKET_IFNAME": host.compute_interface,
+            "NCCL_SOCKET_IFNAME": f"={host.compute_interface}",
+        }
+    return settings
+
+
+def rank_order_warning(hosts: tuple[Host, ...]) -> str | None:
+    """c10d numbers nodes by the sorted string of their address: say so when that is not the
+    inventory's order, rather than let the user think rank 0 runs on the first host."""
+    by_address = sorted(hosts, key=lambda h: str(h.compute_ip))
+    if [h.name for h in by_address] == [h.name for h in hosts]:
+        return None
+    order = ", ".join(f"{h.name} ({h.compute_ip})" for h in by_address)
+    return (
+        f"note: c10d numbers nodes by compute IP, so node ranks follow {order}; the rendezvous "
+        f"store stays on {hosts[0].name}"
+    )

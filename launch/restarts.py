@@ -1,0 +1,99 @@
+"""A job with restarts: after a failure, wait until every node answers over SSH again, stop what
+the failed run left, and start it again."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from cluster import staging
+from cluster.errors import ClusterError
+from cluster.inventory import Host, Inventory
+from cluster.remote import Remote, on_all
+from cluster.staging import Project
+from launch.ending import bring_back, summary
+from launch.job import Launcher
+from launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
+
+
+def wait_for_nodes(
+    inventory: Inventory, hosts: tuple[Host, ...], wait: float, emit: Emit = print
+) -> float:
+    """Until every host answers over SSH (a command run, not only a port open): the seconds that
+    took. A host that never answers within `wait` seconds is a ClusterError naming it and why."""
+    started = time.monotonic()
+    missing = {host.name: host for host in hosts}
+    silent: dict[str, str] = {}  # host name -> why its last probe failed
+    # A node that booted again answers over SSH a moment before its Docker engine does.
+    command = (
+        "docker info >/dev/null 2>&1 || { echo 'its Docker engine does not answer yet'; exit 1; }"
+        if inventory.launch_mode == "container"
+        else "true"
+    )
+
+    def probe(host: Host) -> str | None:
+        try:
+            with Remote.for_inventory(inventory, host) as remote:
+                remote.run(command, timeout=10, check=True)
+            return None
+        except ClusterError as exc:
+            return str(exc)
+
+    while True:
+        for name, error in on_all(list(missing.values()), probe).items():
+            if error is None:
+                del missing[name]
+                if name in silent:
+                    emit(
+                        f"[launcher] {name} answers again after {time.monotonic() - started:.0f} s"
+                    )
+                    del silent[name]
+            else:
+                silent[name] = error
+        if not missing:
+            return time.monotonic() - started
+        if time.monotonic() - started >= wait:
+            name = next(iter(missing))
+            raise ClusterError(
+                f"{', '.join(missing)} did not answer within --restart-wait {wait:g} s: "
+                f"{silent[name]}",
+                hint="bringing the node back, then running the job again (it resumes from its "
+                "checkpoints)",
+                exit_code=1,
+            )
+        time.sleep(RESTART_POLL)
+
+
+def run_job(
+    inventory: Inventory,
+    hosts: tuple[Host, ...],
+    spec: JobSpec,
+    emit: Emit = print,
+    restarts: int = 0,
+    restart_wait: float = DEFAULT_RESTART_WAIT,
+    project: Project | None = None,
+) -> JobResult:
+    """The job, started again after a failure up to `restarts` times, each time once every node
+    answers again (for at most `restart_wait` seconds). Each run has its own run ID (the first
+    one's with -r1, -r2...) and rendezvous; the node logs go on in the same files. Before a
+    restart, whatever the failed run left (on a node that was cut off rather than down) is
+    stopped and its rendezvous port freed. Ctrl-C and refusals are never restarted."""
+    if project is None:
+        project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
+    attempt = spec
+    for restart in range(restarts + 1):
+        result = Launcher(inventory, hosts, attempt, emit, project=project).run()
+        result.restart, result.restarts = restart, restarts
+        bring_back(inventory, hosts[0], attempt, result, emit)
+        if result.exit_code != 1 or restart == restarts:
+            return result
+        for line in summary(result, hosts):
+            emit(line)
+        emit(f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
+             "for every node to answer...")  # fmt: skip
+        waited = wait_for_nodes(inventory, hosts, restart_wait, emit)
+        Launcher(inventory, hosts, attempt, emit).stop_everywhere(hosts[0])
+        attempt = replace(spec, run_id=f"{spec.run_id}-r{restart + 1}")
+        emit(f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
+             f"restart {restart + 1} of {restarts}")  # fmt: skip
+    raise AssertionError("unreachable")  # the loop returns on its last turn

@@ -1,0 +1,54 @@
+"""Stopping a job on every node."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from cluster.errors import ClusterError
+from cluster.inventory import Host
+from launch.commands import stop_command, unlock_command
+from launch.spec import LOST_NODE_PROBE, STOP_TIMEOUT
+from launch.watch import answers
+
+if TYPE_CHECKING:
+    from launch.job import Launcher
+
+
+def everywhere(job: Launcher, master: Host | None = None) -> dict[str, float | str]:
+    """Kill the run's processes on every node that still answers, in parallel, one SSH
+    session each; on `master` the same session frees the rendezvous port. Per node: the
+    seconds its stop took, or why it was not confirmed."""
+    job.stopping.set()
+    stopped: dict[str, float | str] = {
+        h.name: f"not confirmed within {STOP_TIMEOUT:g} s" for h in job.hosts
+    }
+    unlock = unlock_command(job.spec.run_id, job.inventory.rendezvous_port)
+    started = time.monotonic()
+
+    def stop(host: Host) -> None:
+        on_master = master is not None and host.name == master.name
+        command = stop_command(job.spec.run_id, then=unlock if on_master else "")
+        if job.outcomes[host.name].lost and not answers(host, LOST_NODE_PROBE):
+            job.silent.add(host.name)
+            stopped[host.name] = "unreachable"
+            return
+        with job.remote_for(host) as remote:
+            try:
+                remote.connect()
+            except ClusterError:
+                stopped[host.name] = "unreachable"
+                return
+            try:
+                remote.run(command, timeout=STOP_TIMEOUT, check=True)
+                stopped[host.name] = time.monotonic() - started
+            except ClusterError:
+                pass  # not confirmed: the command failed or outlasted its limit
+
+    threads = [threading.Thread(target=stop, args=(h,), daemon=True) for h in job.hosts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, started + STOP_TIMEOUT + 2 - time.monotonic()))
+    return dict(stopped)
