@@ -15,7 +15,10 @@ from cluster import sim
 from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown
 from cluster.inventory import DEFAULT_TRAINING_IMAGE, is_word
 
-INVENTORY_HELP = "the Ansible inventory (YAML or INI; group_vars/ and host_vars/ beside it count)"
+INVENTORY_HELP = (
+    "the Ansible inventory: a YAML or INI file (group_vars/ and host_vars/ beside it count) or "
+    "a directory of them"
+)
 
 
 def _parser() -> argparse.ArgumentParser:

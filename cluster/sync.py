@@ -38,7 +38,7 @@ ALWAYS_EXCLUDED_DIRS = (
     ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".tox", "node_modules",
 )  # fmt: skip
 ALWAYS_EXCLUDED_SUFFIXES = (".pyc", ".pyo")
-DEFAULT_WORKDIR_LIMIT = 200 << 20  # bytes: code and configs, not datasets
+DEFAULT_WORKDIR_LIMIT = 200_000_000  # bytes (200 MB): code and configs, not datasets
 PROGRESS_EVERY = 3.0  # seconds between a node's progress lines during a transfer
 RSYNC_TIMEOUT = 30  # rsync's own I/O timeout: a node that stops answering ends the transfer
 SSH_CONNECT_TIMEOUT = 10

@@ -45,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         "terminated (SIGTERM: stopped on every node, as for Ctrl-C).",
     )
     parser.add_argument(
-        "-i", "--inventory", help="the Ansible inventory, YAML or INI (default: run locally)"
+        "-i",
+        "--inventory",
+        help="the Ansible inventory, YAML or INI, or a directory (default: run locally)",
     )
     parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
     what = parser.add_mutually_exclusive_group()

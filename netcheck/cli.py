@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("-i", "--inventory", metavar="INVENTORY",
-                   help="the cluster's Ansible inventory, YAML or INI (required)")  # fmt: skip
+                   help="the cluster's Ansible inventory, YAML or INI, or a directory (required)")  # fmt: skip
     p.add_argument("-n", "--nnodes", metavar="N",
                    help="check the first N hosts of the inventory (default: all)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON for machines")
