@@ -57,7 +57,7 @@ class Launcher:
         self.connect_timeout = connect_timeout
         self.outcomes = {h.name: NodeOutcome(h.name) for h in hosts}
         self.done = threading.Event()
-        self.stopping = threading.Event()  # stop_everywhere has begun
+        self.stopping = threading.Event()  # stop.everywhere has begun
         self.first_failure: str | None = None
         self.failures: list[str] = []
         self._lock = threading.Lock()

@@ -11,6 +11,7 @@ from cluster.errors import ClusterError
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, on_all
 from cluster.staging import Project
+from launch import stop
 from launch.ending import bring_back, summary
 from launch.job import Launcher
 from launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
@@ -92,7 +93,7 @@ def run_job(
         emit(f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
              "for every node to answer...")  # fmt: skip
         waited = wait_for_nodes(inventory, hosts, restart_wait, emit)
-        Launcher(inventory, hosts, attempt, emit).stop_everywhere(hosts[0])
+        stop.everywhere(Launcher(inventory, hosts, attempt, emit), hosts[0])
         attempt = replace(spec, run_id=f"{spec.run_id}-r{restart + 1}")
         emit(f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
              f"restart {restart + 1} of {restarts}")  # fmt: skip

@@ -20,13 +20,21 @@ from cluster.containers import NCCL_CONF_GUARD
 from cluster.errors import ClusterError
 from cluster.inventory import load, parse
 from cluster.remote import Remote, on_all
+from cluster.staging import Project
 from launch import job as job_module
 from launch import restarts, stop
 from launch.commands import remote_command, stop_command, torchrun_command
 from launch.job import Launcher
 from launch.nodes import interface_env, rank_order_warning
-from launch.restarts import wait_for_nodes
-from launch.spec import LOST_NODE_PROBE, REMOTE_LOCK_ROOT, STOP_TIMEOUT, JobSpec
+from launch.restarts import run_job, wait_for_nodes
+from launch.spec import (
+    LOST_NODE_PROBE,
+    REMOTE_LOCK_ROOT,
+    STOP_TIMEOUT,
+    JobResult,
+    JobSpec,
+    NodeOutcome,
+)
 from netcheck import envfile
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import kill_node
@@ -486,3 +494,36 @@ def test_a_lock_left_by_a_dead_launcher_is_taken_over(sim2):
     )
     left = sim.docker("exec", sim2.config.container(1), "ls", REMOTE_LOCK_ROOT).stdout
     assert left.strip() == ""  # released at the end
+
+
+def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id(monkeypatch):
+    """run_job's whole loop with fakes (no traffic): the first run fails, every node answers,
+    the failed run's leftovers are stopped on every node, the second run succeeds."""
+    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
+    runs: list[str] = []
+    stops: list[tuple[str, str]] = []
+
+    class FakeLauncher:
+        def __init__(self, inv, hosts, spec, emit, project=None):
+            self.spec = spec
+
+        def run(self):
+            runs.append(self.spec.run_id)
+            outcomes = {h.name: NodeOutcome(h.name, exit_code=0) for h in inventory.hosts}
+            if len(runs) == 1:
+                outcomes["n2"].exit_code = 1
+            failed = "n2" if len(runs) == 1 else None
+            return JobResult(self.spec.run_id, outcomes, failed, False, 1.0)
+
+    monkeypatch.setattr(restarts, "Launcher", FakeLauncher)
+    monkeypatch.setattr(restarts, "wait_for_nodes", lambda *args: 0.5)
+    monkeypatch.setattr(restarts, "bring_back", lambda *args: None)
+    monkeypatch.setattr(
+        stop, "everywhere", lambda job, master: stops.append((job.spec.run_id, master.name)) or {}
+    )
+    said: list[str] = []
+    result = run_job(inventory, inventory.hosts, JobSpec(run_id="tmn-r"), said.append, 1, 5,
+                     project=Project(trees=(), workdir="/w", script=None))  # fmt: skip
+    assert runs == ["tmn-r", "tmn-r-r1"] and stops == [("tmn-r", "n1")]
+    assert result.exit_code == 0 and (result.restart, result.restarts) == (1, 1)
+    assert any(line.startswith("Job tmn-r FAILED on n2") for line in said), said
