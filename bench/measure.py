@@ -327,10 +327,9 @@ def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
 def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
     """What a user does without us: on each node, over SSH, the same torchrun command."""
 
-    inventory = inventory.first(2)
-    hosts = inventory.hosts
+    hosts = inventory.hosts[:2]
     spec = JobSpec(args=tuple(args))
-    env = interface_env(inventory)
+    env = interface_env(inventory, hosts)
     processes = []
     for host in hosts:
         command = remote_command(

@@ -28,7 +28,7 @@ import netcheck.envfile  # noqa: F401 - the same, for netcheck
 import training.ddp  # noqa: F401 - train imports it to check its arguments: here, unwatched
 from cluster import bootstrap, images, sim, sync
 from cluster.errors import ClusterError
-from cluster.inventory import Inventory, is_word, resolve_with_ansible
+from cluster.inventory import Inventory, is_word
 from launch import restarts
 from launch.spec import JobSpec
 from netcheck.preflight import Options
@@ -41,20 +41,6 @@ from tests.fuzz.strategies import (
     inventory_texts,
     near_valid_inventories,
 )
-
-
-def _ansible_warmed_up() -> None:
-    """ansible-core makes its local temporary directory (~/.ansible/tmp/ansible-local-*) the
-    first time a process reads an inventory: here, where nothing is watched, not inside whichever
-    fuzzed call happens to read the first INI inventory of this worker."""
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "hosts.ini"
-        path.write_text("[nodes]\nn1 ansible_host=192.0.2.1\n")
-        resolve_with_ansible(path)
-
-
-_ansible_warmed_up()
-
 
 # --- the seams: where real work would start --------------------------------------------------
 
@@ -70,9 +56,10 @@ def fake_preflight(inventory: Inventory, options: Options, runner) -> None:
 class FakeLauncher:
     """What train hands to the launcher, it must have checked."""
 
-    def __init__(self, inventory: Inventory, spec: JobSpec, emit, project) -> None:
-        assert isinstance(inventory, Inventory) and inventory.hosts  # narrowed: the job's nodes
+    def __init__(self, inventory: Inventory, hosts, spec: JobSpec, emit, project) -> None:
+        assert isinstance(inventory, Inventory)
         assert project.workdir and all(remote.startswith("/") for _, remote in project.trees)
+        assert hosts and tuple(hosts) == inventory.hosts[: len(hosts)]
         assert spec.rendezvous_timeout >= 1 and spec.max_restarts >= 0
         assert spec.nproc_per_node is None or spec.nproc_per_node >= 1
         assert spec.script is not None or all(p.isidentifier() for p in spec.module.split("."))
