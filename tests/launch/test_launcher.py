@@ -39,7 +39,7 @@ from netcheck import envfile
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import kill_node
 
-SCRIPTS = Path(__file__).parents[1] / "training" / "launcher_scripts"
+SCRIPTS = Path(__file__).parent / "launcher_scripts"
 
 INVENTORY = """\
 all:
