@@ -94,15 +94,56 @@ def profiler(env: parallel.DistEnv, run_dir: Path, enabled: bool):
     activities = [ProfilerActivity.CPU]
     if env.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    return profile(
-        activities=activities,
-        schedule=schedule(
-            wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1
-        ),
-        on_trace_ready=tensorboard_trace_handler(
-            str(run_dir / "profile"), worker_name=f"rank{env.rank}"
-        ),
+    return _SettledProfiler(
+        profile(
+            activities=activities,
+            schedule=schedule(
+                wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1
+            ),
+            on_trace_ready=tensorboard_trace_handler(
+                str(run_dir / "profile"), worker_name=f"rank{env.rank}"
+            ),
+        )
     )
+
+
+# A gloo collective wakes its waiter first and ends its profiler record afterwards, on gloo's own
+# thread (c10::ivalue::Future::markCompleted notifies, then runs callbacks). Stopping the profiler
+# in that instant races with the record's end: glibc aborts the rank ("malloc(): unsorted double
+# linked list corrupted", seen once in CI). A pause before the stop lets those threads finish.
+PROFILER_SETTLE_SECONDS = 0.2
+
+
+class _SettledProfiler:
+    """torch.profiler.profile whose stop (the last recorded step's .step(), or the end of the
+    with-block inside the recorded steps) waits for collectives' threads to settle first."""
+
+    def __init__(self, profile):
+        self._profile = profile
+
+    def __enter__(self):
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._recording():
+            time.sleep(PROFILER_SETTLE_SECONDS)
+        return self._profile.__exit__(*exc)
+
+    def step(self) -> None:
+        from torch.profiler import ProfilerAction
+
+        if self._profile.current_action == ProfilerAction.RECORD_AND_SAVE:
+            time.sleep(PROFILER_SETTLE_SECONDS)
+        self._profile.step()
+
+    def _recording(self) -> bool:
+        from torch.profiler import ProfilerAction
+
+        return self._profile.current_action in (
+            ProfilerAction.RECORD,
+            ProfilerAction.RECORD_AND_SAVE,
+        )
 
 
 class _NoProfiler:

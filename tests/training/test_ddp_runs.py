@@ -96,3 +96,25 @@ def test_each_comm_hook_is_registered_and_compresses(one_rank_group, hook):
         assert error == 0.0
     else:
         assert 0.0 < error < {"fp16": 1e-3, "bf16": 1e-2, "powersgd": 1.0}[hook]
+
+
+def test_the_profiler_pauses_once_before_it_stops_and_writes_its_trace(tmp_path, monkeypatch):
+    from training import metrics
+
+    pauses: list[int] = []
+    steps_done: list[int] = []
+    real_sleep = metrics.time.sleep
+    monkeypatch.setattr(
+        metrics.time, "sleep", lambda s: (pauses.append(len(steps_done)), real_sleep(0))[1]
+    )
+    total = metrics.PROFILE_WAIT + metrics.PROFILE_WARMUP + metrics.PROFILE_ACTIVE + 2
+    with metrics.profiler(DistEnv(), tmp_path, True) as profiler:
+        for step in range(total):
+            torch.ones(8).sum()
+            profiler.step()
+            steps_done.append(step)
+    # Only the step that ends the recording waits, and the trace was written after it.
+    assert pauses == [metrics.PROFILE_WAIT + metrics.PROFILE_WARMUP + metrics.PROFILE_ACTIVE - 1]
+    assert [p.name.split(".")[0] for p in (tmp_path / "profile").glob("*.pt.trace.json")] == [
+        "rank0"
+    ]
