@@ -78,4 +78,13 @@ def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
     report = [
         line.strip() for line in lines[cut:] if re.match(r"\s*(host|rank|exitcode)\s*:", line)
     ]
-    return lines[max(0, cut - limit) : cut] + report
+    window = lines[max(0, cut - limit) : cut]
+    # The worker's own one-line error can be followed by a C++ abort's stack (gloo, NCCL) longer
+    # than the window; that line says what to do, so it is kept, ahead of the stack's end.
+    errors = [line for line in lines[: max(0, cut - limit)] if _WORKER_ERROR.match(line)]
+    if errors and not any(_WORKER_ERROR.match(line) for line in window):
+        window = [errors[-1], "..."] + window[-(limit - 2) :]
+    return window + report
+
+
+_WORKER_ERROR = re.compile(r"\s*(\[rank\d+\]:\s*)?Error: ")

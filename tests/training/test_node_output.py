@@ -177,3 +177,21 @@ def test_the_log_and_the_tail_hold_what_the_console_shows(tmp_path):
     assert rig.emitted == shown(*lines)
     assert list(rig.outcome.tail) == lines
     assert log.read_text() == "an earlier attempt\n" + "".join(line + "\n" for line in lines)
+
+
+def test_the_failure_excerpt_keeps_the_workers_error_line_ahead_of_a_long_abort_stack():
+    from launch.ending import failure_excerpt
+    from launch.spec import EXCERPT_LINES
+
+    error = "Error: cannot write checkpoint step 8 to /var/tmp/c: No space left on device"
+    stack = [f"frame #{n}: gloo::transport::tcp::Pair::{n}" for n in range(30)]
+    torchrun = ["Traceback (most recent call last):", "  raise ChildFailedError(",
+                "  host      : node2", "  rank      : 1 (local_rank: 0)", "  exitcode  : -6"]  # fmt: skip
+    excerpt = failure_excerpt(["step 4/12", error, *stack, *torchrun])
+    assert excerpt[:2] == [error, "..."]
+    assert excerpt[2:EXCERPT_LINES] == stack[-(EXCERPT_LINES - 2) :]
+    assert excerpt[EXCERPT_LINES:] == ["host      : node2", "rank      : 1 (local_rank: 0)",
+                                       "exitcode  : -6"]  # fmt: skip
+    # When the error is among the last lines anyway, the excerpt is just the last lines.
+    short = ["step 4/12", error, *stack[:3]]
+    assert failure_excerpt(short) == short
