@@ -60,6 +60,11 @@ class Attempt:
     detail: str
 
 
+_ANSIBLE_LOCAL_TEMP = os.path.abspath(
+    os.path.expanduser(os.environ.get("ANSIBLE_LOCAL_TEMP", "~/.ansible/tmp"))
+)
+
+
 class Guard:
     def __init__(self) -> None:
         self.allowed: tuple[str, ...] = ()
@@ -114,6 +119,8 @@ class Guard:
         absolute = os.path.abspath(text)
         if f"{os.sep}__pycache__{os.sep}" in absolute + os.sep:
             return True  # Python caching the bytecode of a module imported on first use
+        if absolute.startswith(_ANSIBLE_LOCAL_TEMP + os.sep):
+            return True  # ansible's own scratch directory, made on its first inventory read
         return any(absolute == root or absolute.startswith(root + os.sep) for root in self.allowed)
 
     @contextmanager
