@@ -327,9 +327,10 @@ def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
 def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
     """What a user does without us: on each node, over SSH, the same torchrun command."""
 
-    hosts = inventory.hosts[:2]
+    inventory = inventory.first(2)
+    hosts = inventory.hosts
     spec = JobSpec(args=tuple(args))
-    env = interface_env(inventory, hosts)
+    env = interface_env(inventory)
     processes = []
     for host in hosts:
         command = remote_command(

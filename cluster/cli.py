@@ -162,7 +162,7 @@ def _progress(message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.command == "check":
         inventory = inventory_module.load(args.inventory)
-        hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+        hosts = inventory.first(args.nnodes).hosts
         print(f"inventory {inventory.path}: valid, {len(inventory.hosts)} host(s), "
               f"compute subnet {inventory.compute_subnet}, rendezvous port "
               f"{inventory.rendezvous_port}")  # fmt: skip
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         return _bootstrap(args)
     if args.command == "hostfile":
         inventory = inventory_module.load(args.inventory)
-        hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+        hosts = inventory.first(args.nnodes).hosts
         for host in hosts:
             print(f"{host.name} slots={slots(host)}")
         return 0
@@ -307,7 +307,7 @@ def _data(args: argparse.Namespace) -> int:
     if not args.source:
         raise ClusterError("no dataset directory given", hint="make data SRC=path/to/dataset")
     inventory = inventory_module.load(args.inventory)
-    hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+    hosts = inventory.first(args.nnodes).hosts
     tree = sync.data_tree(Path(args.source))
     destination = f"{inventory.data_root}/{sync.safe_name(tree.root.name)}"
     print(f"Copying {tree.root} ({len(tree.files)} files, {sync.human(tree.size)}) to "

@@ -32,7 +32,7 @@ import ipaddress
 import os
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -131,11 +131,15 @@ class Inventory:
 
     @property
     def master(self) -> Host:
+        """Rank 0's node: the first host, where the rendezvous store runs."""
         return self.hosts[0]
 
-    def select(self, nnodes: int) -> tuple[Host, ...]:
-        """The first `nnodes` hosts in inventory order (rank 0 first)."""
-        return self.hosts[: check_nnodes(nnodes, len(self.hosts), self.path)]
+    def first(self, nnodes: object) -> Inventory:
+        """The same inventory narrowed to its first `nnodes` hosts, in rank order (None or '':
+        all of them), checked once here; a job, netcheck or a copy then takes it whole."""
+        if nnodes is None or nnodes == "":
+            return self
+        return replace(self, hosts=self.hosts[: check_nnodes(nnodes, len(self.hosts), self.path)])
 
 
 def check_nnodes(nnodes: object, available: int, path: Path | str) -> int:

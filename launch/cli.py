@@ -213,18 +213,19 @@ def run(args: argparse.Namespace) -> int:
             _importable_here(spec.module)
         return run_local(spec, _emit)
 
-    inventory = inventory_module.load(args.inventory)
-    hosts = inventory.select(args.nnodes) if args.nnodes not in (None, "") else inventory.hosts
+    # The job's nodes, once: everything below takes the narrowed inventory whole.
+    inventory = inventory_module.load(args.inventory).first(args.nnodes)
+    master = inventory.master
     # Everything decided here fails before any node is touched.
     project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
     resolved, notes = staging.resolve_paths(spec.args, inventory, project, run_dir(spec))
     spec = replace(spec, args=resolved)
     _emit(
-        f"[launcher] job {spec.run_id}: {len(hosts)} node(s), master {hosts[0].name} "
-        f"{hosts[0].compute_ip}:{inventory.rendezvous_port}, "
+        f"[launcher] job {spec.run_id}: {len(inventory.hosts)} node(s), master {master.name} "
+        f"{master.compute_ip}:{inventory.rendezvous_port}, "
         + ("script " + str(args.script) if args.script else f"module {spec.module}")
     )
-    warning = rank_order_warning(hosts)
+    warning = rank_order_warning(inventory.hosts)
     if warning:
         _emit(f"[launcher] {warning}")
     if flag:
@@ -239,12 +240,12 @@ def run(args: argparse.Namespace) -> int:
     if args.restarts:
         _emit(f"[launcher] up to {args.restarts} restart(s) after a failure, each once every node "
               f"answers again (--restart-wait {args.restart_wait:g} s)")  # fmt: skip
-    result = run_job(inventory, hosts, spec, _emit, args.restarts, args.restart_wait, project)
-    for line in summary(result, hosts):
+    result = run_job(inventory, spec, _emit, args.restarts, args.restart_wait, project)
+    for line in summary(result, inventory.hosts):
         _emit(line)
     _emit(f"Logs: {spec.log_dir}/ (one file per node)")
     if result.brought_back:
-        _emit(f"Run directory of {hosts[0].name}: {result.brought_back}")
+        _emit(f"Run directory of {master.name}: {result.brought_back}")
         if (spec.log_dir / "tensorboard").is_dir():
             _emit(f"TensorBoard: make tensorboard RUN={spec.log_dir.name}")
     return result.exit_code

@@ -46,16 +46,16 @@ class Launcher:
     def __init__(
         self,
         inventory: Inventory,
-        hosts: tuple[Host, ...],
         spec: JobSpec,
         emit: Emit = print,
         connect_timeout: float = 5.0,
         project: Project | None = None,
     ):
-        self.inventory, self.hosts, self.spec, self.emit = inventory, hosts, spec, emit
+        self.inventory, self.spec, self.emit = inventory, spec, emit
+        self.hosts = inventory.hosts  # already narrowed to the job's nodes (Inventory.first)
         self.project = project
         self.connect_timeout = connect_timeout
-        self.outcomes = {h.name: NodeOutcome(h.name) for h in hosts}
+        self.outcomes = {h.name: NodeOutcome(h.name) for h in self.hosts}
         self.done = threading.Event()
         self.stopping = threading.Event()  # stop.everywhere has begun
         self.first_failure: str | None = None
@@ -64,7 +64,7 @@ class Launcher:
         self._remotes: dict[str, Remote] = {}
         self.silent: set[str] = set()  # lost nodes that did not answer when the job was stopped
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
-        self.backend = job_backend(hosts)[0]  # one for the whole job
+        self.backend = job_backend(self.hosts)[0]  # one for the whole job
 
     def remote_for(self, host: Host) -> Remote:
         return Remote.for_inventory(self.inventory, host, connect_timeout=self.connect_timeout)
@@ -195,8 +195,8 @@ class Launcher:
 
     def run(self) -> JobResult:
         started = time.monotonic()
-        master, nnodes = self.hosts[0], len(self.hosts)
-        envs = interface_env(self.inventory, self.hosts, self.spec.env_file)
+        master, nnodes = self.inventory.master, len(self.hosts)
+        envs = interface_env(self.inventory, self.spec.env_file)
         for host in self.hosts:
             nproc_for(host, self.spec)  # a GPU the node lacks stops us before any SSH
         note = job_backend(self.hosts)[1]

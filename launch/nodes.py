@@ -154,10 +154,8 @@ def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
     return [script]
 
 
-def interface_env(
-    inventory: Inventory, hosts: tuple[Host, ...], env_file: Path | None = None
-) -> dict[str, dict[str, str]]:
-    """Per node, the socket interface settings: netcheck's findings if it wrote them (`env_file`,
+def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[str, dict[str, str]]:
+    """Per node of the (narrowed) inventory, the socket interface settings: netcheck's findings if it wrote them (`env_file`,
     or where netcheck writes by default), else the inventory's compute_interface. Exact-match
     form for NCCL so 'eth1' never also means 'eth10'."""
     from netcheck import envfile
@@ -172,7 +170,7 @@ def interface_env(
     if path.exists():
         found = envfile.load(path)
     settings = {}
-    for host in hosts:
+    for host in inventory.hosts:
         settings[host.name] = found.get(host.name) or {
             "GLOO_SOCKET_IFNAME": host.compute_interface,
             "NCCL_SOCKET_IFNAME": f"={host.compute_interface}",

@@ -17,13 +17,11 @@ from launch.job import Launcher
 from launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
 
 
-def wait_for_nodes(
-    inventory: Inventory, hosts: tuple[Host, ...], wait: float, emit: Emit = print
-) -> float:
-    """Until every host answers over SSH (a command run, not only a port open): the seconds that
+def wait_for_nodes(inventory: Inventory, wait: float, emit: Emit = print) -> float:
+    """Until every host of the (narrowed) inventory answers over SSH (a command run, not only a port open): the seconds that
     took. A host that never answers within `wait` seconds is a ClusterError naming it and why."""
     started = time.monotonic()
-    missing = {host.name: host for host in hosts}
+    missing = {host.name: host for host in inventory.hosts}
     silent: dict[str, str] = {}  # host name -> why its last probe failed
     # A node that booted again answers over SSH a moment before its Docker engine does.
     command = (
@@ -67,7 +65,6 @@ def wait_for_nodes(
 
 def run_job(
     inventory: Inventory,
-    hosts: tuple[Host, ...],
     spec: JobSpec,
     emit: Emit = print,
     restarts: int = 0,
@@ -83,17 +80,17 @@ def run_job(
         project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
     attempt = spec
     for restart in range(restarts + 1):
-        result = Launcher(inventory, hosts, attempt, emit, project=project).run()
+        result = Launcher(inventory, attempt, emit, project=project).run()
         result.restart, result.restarts = restart, restarts
-        bring_back(inventory, hosts[0], attempt, result, emit)
+        bring_back(inventory, inventory.master, attempt, result, emit)
         if result.exit_code != 1 or restart == restarts:
             return result
-        for line in summary(result, hosts):
+        for line in summary(result, inventory.hosts):
             emit(line)
         emit(f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
              "for every node to answer...")  # fmt: skip
-        waited = wait_for_nodes(inventory, hosts, restart_wait, emit)
-        stop.everywhere(Launcher(inventory, hosts, attempt, emit), hosts[0])
+        waited = wait_for_nodes(inventory, restart_wait, emit)
+        stop.everywhere(Launcher(inventory, attempt, emit), inventory.master)
         attempt = replace(spec, run_id=f"{spec.run_id}-r{restart + 1}")
         emit(f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
              f"restart {restart + 1} of {restarts}")  # fmt: skip

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     inventory = inventory_module.load(args.inventory)
     nnodes = None
     if args.nnodes not in (None, ""):
-        nnodes = len(inventory.select(args.nnodes))  # validates: a clear Error line, exit 2
+        nnodes = len(inventory.first(args.nnodes).hosts)  # validates: one Error line, exit 2
     options = Options(nnodes=nnodes, sweep=args.sweep, pairwise=args.pairwise, timeout=args.timeout)
     runner = SshRunner(inventory)
     try:

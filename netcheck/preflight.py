@@ -124,7 +124,8 @@ def sockprobe(*args: str) -> str:
 def preflight(inventory: Inventory, options: Options, runner: Runner,
               context: Context | None = None) -> Report:  # fmt: skip
     started = time.monotonic()
-    hosts = list(inventory.select(options.nnodes) if options.nnodes else inventory.hosts)
+    inventory = inventory.first(options.nnodes)  # the checked nodes, once
+    hosts = list(inventory.hosts)
     context = context or context_for(inventory, runner.ship_code(hosts))
     names = [h.name for h in hosts]
     master = hosts[0]

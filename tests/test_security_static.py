@@ -459,8 +459,8 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
     path, key = keyed_inventory
     handed: list[tuple] = []
 
-    def launched(inv, hosts, spec, emit, project):
-        handed.append((inv, hosts, spec))
+    def launched(inv, spec, emit, project):
+        handed.append((inv, inv.hosts, spec))
         raise Reached("launcher")
 
     monkeypatch.setattr(restarts, "Launcher", launched)

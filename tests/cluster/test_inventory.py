@@ -444,11 +444,16 @@ def test_example_inventory_is_valid_documentation():
     assert [h.name for h in loaded.hosts] == ["pc1", "pc2"]
 
 
-def test_select_keeps_rank_order(tmp_path):
+def test_first_narrows_the_inventory_once_in_rank_order(tmp_path):
     loaded = inventory.load(write(tmp_path, VALID))
-    assert [h.name for h in loaded.select(1)] == ["alpha"]
+    narrowed = loaded.first(1)
+    assert [h.name for h in narrowed.hosts] == ["alpha"] and narrowed.master.name == "alpha"
+    # Everything else is the same inventory; no count means every node.
+    assert narrowed.path == loaded.path and narrowed.rendezvous_port == loaded.rendezvous_port
+    assert loaded.first(None) is loaded and loaded.first("") is loaded
+    assert [h.name for h in loaded.first("2").hosts] == ["alpha", "beta"]
     with pytest.raises(ClusterError, match=r"NNODES=5 but inventory"):
-        loaded.select(5)
+        loaded.first(5)
 
 
 def test_make_uses_every_node_unless_nnodes_is_given(tmp_path):

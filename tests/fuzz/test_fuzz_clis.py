@@ -56,10 +56,9 @@ def fake_preflight(inventory: Inventory, options: Options, runner) -> None:
 class FakeLauncher:
     """What train hands to the launcher, it must have checked."""
 
-    def __init__(self, inventory: Inventory, hosts, spec: JobSpec, emit, project) -> None:
-        assert isinstance(inventory, Inventory)
+    def __init__(self, inventory: Inventory, spec: JobSpec, emit, project) -> None:
+        assert isinstance(inventory, Inventory) and inventory.hosts  # narrowed: the job's nodes
         assert project.workdir and all(remote.startswith("/") for _, remote in project.trees)
-        assert hosts and tuple(hosts) == inventory.hosts[: len(hosts)]
         assert spec.rendezvous_timeout >= 1 and spec.max_restarts >= 0
         assert spec.nproc_per_node is None or spec.nproc_per_node >= 1
         assert spec.script is not None or all(p.isidentifier() for p in spec.module.split("."))

@@ -22,6 +22,7 @@ from cluster import sim
 from launch.commands import link_probe_command
 from launch.spec import REMOTE_LOCK_ROOT
 from tests.conftest import VENV_BIN, run_cli
+from tests.launch.test_launcher import SCRIPTS, _leftovers, _run_id
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -29,7 +30,6 @@ from tests.training.conftest import (
     load_state,
     max_difference,
 )
-from tests.training.test_launcher import SCRIPTS, _leftovers, _run_id
 from training import trainer
 from training.checkpoint import file_name
 

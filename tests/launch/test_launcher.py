@@ -39,7 +39,7 @@ from netcheck import envfile
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import kill_node
 
-SCRIPTS = Path(__file__).parent / "launcher_scripts"
+SCRIPTS = Path(__file__).parents[1] / "training" / "launcher_scripts"
 
 INVENTORY = """\
 all:
@@ -71,7 +71,7 @@ def test_torchrun_command_binds_rendezvous_to_the_compute_ip():
 def test_remote_command_sets_interfaces_and_the_run_marker():
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
     n1, n2 = inventory.hosts
-    envs = interface_env(inventory, inventory.hosts)
+    envs = interface_env(inventory)
     assert envs["n2"] == {"GLOO_SOCKET_IFNAME": "ens5", "NCCL_SOCKET_IFNAME": "=ens5"}
     spec = JobSpec(script=Path("/home/me/my train.py"), run_id="tmn-y")
     command = remote_command(n2, n1, 2, spec, 29400, envs["n2"])
@@ -87,7 +87,7 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     assert inventory.launch_mode == "container"
     n1, n2 = inventory.hosts
     spec = JobSpec(run_id="tmn-z")
-    envs = interface_env(inventory, inventory.hosts)
+    envs = interface_env(inventory)
     command = remote_command(
         n1, n1, 2, spec, 29400, envs["n1"], inventory.launch_mode, inventory.training_image
     )
@@ -224,13 +224,13 @@ def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does(
     monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
     monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 3})
     said: list[str] = []
-    wait_for_nodes(inventory, inventory.hosts, 30, said.append)
+    wait_for_nodes(inventory, 30, said.append)
     assert _FlakyRemote.probes == {"n1": 1, "n2": 4}
     assert len(said) == 1 and said[0].startswith("[launcher] n2 answers again after ")
 
     monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 10**6})
     with pytest.raises(ClusterError) as caught:
-        wait_for_nodes(inventory, inventory.hosts, 0.05, said.append)
+        wait_for_nodes(inventory, 0.05, said.append)
     assert caught.value.exit_code == 1
     assert str(caught.value) == (
         "n2 did not answer within --restart-wait 0.05 s: host 'n2': cannot SSH to it: timed out"
@@ -250,7 +250,7 @@ def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(monke
         stop, "answers",
         lambda host, timeout: probed.append((host.name, timeout)) or n2_answers,
     )  # fmt: skip
-    job = Launcher(inventory, inventory.hosts, JobSpec(), emit=lambda _: None)
+    job = Launcher(inventory, JobSpec(), emit=lambda _: None)
     job.outcomes["n2"].session_lost = True  # n1 is merely failed: no probe before its stop
     stopped = stop.everywhere(job, inventory.hosts[0])
     assert probed == [("n2", LOST_NODE_PROBE)]
@@ -270,7 +270,7 @@ def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(
     monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
     monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 1})
     monkeypatch.setattr(_FlakyRemote, "closed", {"n1"})
-    job = Launcher(inventory, inventory.hosts, JobSpec(), emit=lambda _: None)
+    job = Launcher(inventory, JobSpec(), emit=lambda _: None)
     stopped = stop.everywhere(job, inventory.hosts[0])
     assert stopped == {
         "n1": "unreachable",
@@ -298,7 +298,7 @@ def test_netcheck_findings_override_the_inventory(tmp_path):
                                      "NCCL_IB_DISABLE": "1"}}, "written_at": "now"})
     )  # fmt: skip
     inventory = load(path)
-    envs = interface_env(inventory, inventory.hosts)
+    envs = interface_env(inventory)
     assert envs["n1"]["NCCL_SOCKET_IFNAME"] == "=bond0" and envs["n1"]["NCCL_IB_DISABLE"] == "1"
     assert envs["n2"]["GLOO_SOCKET_IFNAME"] == "ens5"
 
@@ -315,12 +315,12 @@ def test_the_launcher_reads_netchecks_file_where_netcheck_writes_it(tmp_path):
         envfile.default_path(inventory.path), {"n1": {"GLOO_SOCKET_IFNAME": "bond0"}}
     )
     assert written == real / envfile.FILENAME
-    assert interface_env(inventory, inventory.hosts)["n1"] == {"GLOO_SOCKET_IFNAME": "bond0"}
+    assert interface_env(inventory)["n1"] == {"GLOO_SOCKET_IFNAME": "bond0"}
     elsewhere = envfile.write(tmp_path / "other.json", {"n1": {"GLOO_SOCKET_IFNAME": "eth9"}})
-    envs = interface_env(inventory, inventory.hosts, elsewhere)
+    envs = interface_env(inventory, elsewhere)
     assert envs["n1"] == {"GLOO_SOCKET_IFNAME": "eth9"}
     with pytest.raises(ClusterError, match=r"--env-file .*missing.json does not exist"):
-        interface_env(inventory, inventory.hosts, tmp_path / "missing.json")
+        interface_env(inventory, tmp_path / "missing.json")
 
 
 def test_rank_order_warning_names_the_real_order():
@@ -504,7 +504,7 @@ def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id
     stops: list[tuple[str, str]] = []
 
     class FakeLauncher:
-        def __init__(self, inv, hosts, spec, emit, project=None):
+        def __init__(self, inv, spec, emit, project=None):
             self.spec = spec
 
         def run(self):
@@ -522,7 +522,7 @@ def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id
         stop, "everywhere", lambda job, master: stops.append((job.spec.run_id, master.name)) or {}
     )
     said: list[str] = []
-    result = run_job(inventory, inventory.hosts, JobSpec(run_id="tmn-r"), said.append, 1, 5,
+    result = run_job(inventory, JobSpec(run_id="tmn-r"), said.append, 1, 5,
                      project=Project(trees=(), workdir="/w", script=None))  # fmt: skip
     assert runs == ["tmn-r", "tmn-r-r1"] and stops == [("tmn-r", "n1")]
     assert result.exit_code == 0 and (result.restart, result.restarts) == (1, 1)

@@ -16,7 +16,7 @@ from launch.nodes import entry_point, gpu_problem, job_backend, legacy_flag, npr
 from launch.spec import JobSpec
 from tests.conftest import run_cli
 
-SCRIPTS = Path(__file__).parent / "launcher_scripts"
+SCRIPTS = Path(__file__).parents[1] / "training" / "launcher_scripts"
 
 GPU_INVENTORY = """\
 all:
