@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 from cluster import staging, sync
 from cluster.errors import ClusterError, Terminated
+from cluster.execution import Nodes, Session, SshNodes
 from cluster.inventory import Host, Inventory
 from cluster.jobenv import BACKEND_VARIABLE
-from cluster.remote import Remote, on_all
+from cluster.remote import on_all
 from cluster.staging import Project
 from launch import blame, stop, watch
 from launch.commands import lock_command, remote_command, run_dir, unlock_command
@@ -50,24 +51,26 @@ class Launcher:
         emit: Emit = print,
         connect_timeout: float = 5.0,
         project: Project | None = None,
+        nodes: Nodes | None = None,
     ):
         self.inventory, self.spec, self.emit = inventory, spec, emit
         self.hosts = inventory.hosts  # already narrowed to the job's nodes (Inventory.first)
         self.project = project
-        self.connect_timeout = connect_timeout
+        self.nodes = nodes or SshNodes(inventory, connect_timeout)
         self.outcomes = {h.name: NodeOutcome(h.name) for h in self.hosts}
         self.done = threading.Event()
         self.stopping = threading.Event()  # stop.everywhere has begun
         self.first_failure: str | None = None
         self.failures: list[str] = []
         self._lock = threading.Lock()
-        self._remotes: dict[str, Remote] = {}
+        self._remotes: dict[str, Session] = {}
         self.silent: set[str] = set()  # lost nodes that did not answer when the job was stopped
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
         self.backend = job_backend(self.hosts)[0]  # one for the whole job
 
-    def remote_for(self, host: Host) -> Remote:
-        return Remote.for_inventory(self.inventory, host, connect_timeout=self.connect_timeout)
+    def remote_for(self, host: Host) -> Session:
+        """A connection of its own to `host` (the caller closes it)."""
+        return self.nodes.session(host)
 
     def fail(self, name: str) -> None:
         with self._lock:
@@ -164,15 +167,12 @@ class Launcher:
         writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log)
         self._writers.append(writer)
         try:
-            result = self._remotes[host.name].connection.run(
-                command, pty=True, warn=True, hide=True, out_stream=writer, err_stream=writer,
-                in_stream=False,
-            )  # fmt: skip
-            outcome.exit_code = result.exited
-            if result.exited == -1 and self.stopping.is_set():
+            exited = self._remotes[host.name].stream(command, writer)
+            outcome.exit_code = exited
+            if exited == -1 and self.stopping.is_set():
                 outcome.exit_code = None  # killed by our stop: the summary says "stopped"
             # An error already recorded (a watcher declared the node lost) says more.
-            elif result.exited == -1:  # closed with no exit status
+            elif exited == -1:  # closed with no exit status
                 outcome.session_lost = True
                 if outcome.error is None:
                     outcome.error = "the SSH session ended without an exit status: node down?"

@@ -155,9 +155,9 @@ def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
 
 
 def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[str, dict[str, str]]:
-    """Per node of the (narrowed) inventory, the socket interface settings: netcheck's findings if it wrote them (`env_file`,
-    or where netcheck writes by default), else the inventory's compute_interface. Exact-match
-    form for NCCL so 'eth1' never also means 'eth10'."""
+    """Per node of the (narrowed) inventory, the socket interface settings: netcheck's findings
+    if it wrote them (`env_file`, or where netcheck writes by default), else the inventory's
+    compute_interface. Exact-match form for NCCL so 'eth1' never also means 'eth10'."""
     from netcheck import envfile
 
     found: dict[str, dict[str, str]] = {}

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 from cluster import staging
 from cluster.errors import ClusterError
+from cluster.execution import Nodes, SshNodes
 from cluster.inventory import Host, Inventory
-from cluster.remote import Remote, on_all
+from cluster.remote import on_all
 from cluster.staging import Project
 from launch import stop
 from launch.ending import bring_back, summary
@@ -17,9 +18,17 @@ from launch.job import Launcher
 from launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
 
 
-def wait_for_nodes(inventory: Inventory, wait: float, emit: Emit = print) -> float:
-    """Until every host of the (narrowed) inventory answers over SSH (a command run, not only a port open): the seconds that
-    took. A host that never answers within `wait` seconds is a ClusterError naming it and why."""
+def wait_for_nodes(
+    inventory: Inventory,
+    wait: float,
+    emit: Emit = print,
+    nodes: Nodes | None = None,
+    poll: float = RESTART_POLL,
+) -> float:
+    """Until every host of the (narrowed) inventory answers over SSH (a command run, not only a
+    port open): the seconds that took. A host that never answers within `wait` seconds is a
+    ClusterError naming it and why."""
+    nodes = nodes or SshNodes(inventory)
     started = time.monotonic()
     missing = {host.name: host for host in inventory.hosts}
     silent: dict[str, str] = {}  # host name -> why its last probe failed
@@ -32,7 +41,7 @@ def wait_for_nodes(inventory: Inventory, wait: float, emit: Emit = print) -> flo
 
     def probe(host: Host) -> str | None:
         try:
-            with Remote.for_inventory(inventory, host) as remote:
+            with nodes.session(host) as remote:
                 remote.run(command, timeout=10, check=True)
             return None
         except ClusterError as exc:
@@ -60,7 +69,7 @@ def wait_for_nodes(inventory: Inventory, wait: float, emit: Emit = print) -> flo
                 "checkpoints)",
                 exit_code=1,
             )
-        time.sleep(RESTART_POLL)
+        time.sleep(poll)
 
 
 def run_job(
@@ -70,6 +79,7 @@ def run_job(
     restarts: int = 0,
     restart_wait: float = DEFAULT_RESTART_WAIT,
     project: Project | None = None,
+    nodes: Nodes | None = None,
 ) -> JobResult:
     """The job, started again after a failure up to `restarts` times, each time once every node
     answers again (for at most `restart_wait` seconds). Each run has its own run ID (the first
@@ -78,9 +88,10 @@ def run_job(
     stopped and its rendezvous port freed. Ctrl-C and refusals are never restarted."""
     if project is None:
         project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
+    nodes = nodes or SshNodes(inventory)
     attempt = spec
     for restart in range(restarts + 1):
-        result = Launcher(inventory, attempt, emit, project=project).run()
+        result = Launcher(inventory, attempt, emit, project=project, nodes=nodes).run()
         result.restart, result.restarts = restart, restarts
         bring_back(inventory, inventory.master, attempt, result, emit)
         if result.exit_code != 1 or restart == restarts:
@@ -89,8 +100,8 @@ def run_job(
             emit(line)
         emit(f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
              "for every node to answer...")  # fmt: skip
-        waited = wait_for_nodes(inventory, restart_wait, emit)
-        stop.everywhere(Launcher(inventory, attempt, emit), inventory.master)
+        waited = wait_for_nodes(inventory, restart_wait, emit, nodes)
+        stop.everywhere(Launcher(inventory, attempt, emit, nodes=nodes), inventory.master)
         attempt = replace(spec, run_id=f"{spec.run_id}-r{restart + 1}")
         emit(f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
              f"restart {restart + 1} of {restarts}")  # fmt: skip

@@ -10,7 +10,6 @@ from cluster.errors import ClusterError
 from cluster.inventory import Host
 from launch.commands import stop_command, unlock_command
 from launch.spec import LOST_NODE_PROBE, STOP_TIMEOUT
-from launch.watch import answers
 
 if TYPE_CHECKING:
     from launch.job import Launcher
@@ -30,7 +29,7 @@ def everywhere(job: Launcher, master: Host | None = None) -> dict[str, float | s
     def stop(host: Host) -> None:
         on_master = master is not None and host.name == master.name
         command = stop_command(job.spec.run_id, then=unlock if on_master else "")
-        if job.outcomes[host.name].lost and not answers(host, LOST_NODE_PROBE):
+        if job.outcomes[host.name].lost and not job.nodes.answers(host, LOST_NODE_PROBE):
             job.silent.add(host.name)
             stopped[host.name] = "unreachable"
             return

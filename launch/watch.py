@@ -4,7 +4,6 @@ SSH, and a node that cannot reach the master over the compute network, fail the 
 from __future__ import annotations
 
 import collections
-import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -18,15 +17,6 @@ if TYPE_CHECKING:
     from launch.job import Launcher
 
 
-def answers(host: Host, timeout: float) -> bool:
-    """Whether `host` accepts a TCP connection to its SSH port within `timeout` seconds."""
-    try:
-        socket.create_connection((host.ssh_address, host.ssh_port), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
-
-
 def liveness(job: Launcher) -> None:
     """A node that stops answering is failed within a few seconds, not at TCP's leisure."""
     misses = collections.Counter()
@@ -34,7 +24,7 @@ def liveness(job: Launcher) -> None:
         for host in job.hosts:
             if job.outcomes[host.name].exit_code is not None:
                 continue
-            if answers(host, 2):
+            if job.nodes.answers(host, 2):
                 misses[host.name] = 0
             else:
                 misses[host.name] += 1

@@ -13,12 +13,12 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
+from cluster.execution import Context, HostContext
 from cluster.inventory import Host
 from cluster.versions import driver_needed, minimum_shown, release, torch_meets_minimum
 from netcheck import bandwidth
 from netcheck.facts import FQDN, OWN, NodeFacts
 from netcheck.report import Finding, Link, Measurement, Status
-from netcheck.runner import Context, HostContext
 
 RTT_WARN_MS = 2.0
 LOSS_FAIL_PERCENT = 20.0

@@ -14,10 +14,10 @@ import sys
 
 from cluster import inventory as inventory_module
 from cluster.errors import ArgumentParser, at_the_edge
+from cluster.execution import SshNodes
 from netcheck import envfile
 from netcheck.preflight import DEFAULT_SWEEP_TIMEOUT, DEFAULT_TIMEOUT, Options, preflight
 from netcheck.report import render
-from netcheck.runner import SshRunner
 
 DESCRIPTION = """\
 Check that the nodes of an inventory can train together, before a job finds out the hard way:
@@ -87,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes not in (None, ""):
         nnodes = len(inventory.first(args.nnodes).hosts)  # validates: one Error line, exit 2
     options = Options(nnodes=nnodes, sweep=args.sweep, pairwise=args.pairwise, timeout=args.timeout)
-    runner = SshRunner(inventory)
+    nodes = SshNodes(inventory)
     try:
-        report = preflight(inventory, options, runner)
+        report = preflight(inventory, options, nodes)
     finally:
-        runner.close()
+        nodes.close()
     if report.env:
         path = args.env_file or envfile.default_path(inventory.path)
         report.env_file = str(envfile.write(path, report.env))

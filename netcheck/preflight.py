@@ -23,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.execution import Context, Nodes, context_for, python_command
 from cluster.inventory import Host, Inventory
 from cluster.remote import Result, on_all
 from netcheck import bandwidth, checks, facts
 from netcheck.collective import IMPORT_TIMEOUT, RESULT_PREFIX
 from netcheck.report import BANDWIDTH, CHECKS, Finding, Link, Report, Status
-from netcheck.runner import Context, Runner, context_for, python_command
 
 HERE = Path(__file__).resolve().parent
 SOCKPROBE = (HERE / "sockprobe.py").read_text()
@@ -101,10 +101,10 @@ class Attempt:
         return found
 
 
-def attempt(runner: Runner, host: Host, command: str, timeout: float) -> Attempt:
+def attempt(nodes: Nodes, host: Host, command: str, timeout: float) -> Attempt:
     started = time.monotonic()
     try:
-        result = runner.run(host, command, timeout)
+        result = nodes.run(host, command, timeout)
     except Exception as exc:  # noqa: BLE001 - ClusterError, or anything else a dead link throws
         message = str(exc) or type(exc).__name__
         return Attempt(
@@ -121,12 +121,12 @@ def sockprobe(*args: str) -> str:
     return python_command(NODE_PYTHON, SOCKPROBE, *args)
 
 
-def preflight(inventory: Inventory, options: Options, runner: Runner,
+def preflight(inventory: Inventory, options: Options, nodes: Nodes,
               context: Context | None = None) -> Report:  # fmt: skip
     started = time.monotonic()
     inventory = inventory.first(options.nnodes)  # the checked nodes, once
     hosts = list(inventory.hosts)
-    context = context or context_for(inventory, runner.ship_code(hosts))
+    context = context or context_for(inventory, nodes.ship_code(hosts))
     names = [h.name for h in hosts]
     master = hosts[0]
     rendezvous = str(master.compute_ip)
@@ -137,7 +137,7 @@ def preflight(inventory: Inventory, options: Options, runner: Runner,
     add = report.findings.extend
 
     # 1. SSH, in batch mode with a short connect timeout.
-    ssh = _parallel(hosts, lambda h: attempt(runner, h, "true", SSH_TIMEOUT))
+    ssh = _parallel(hosts, lambda h: attempt(nodes, h, "true", SSH_TIMEOUT))
     for host in hosts:
         a = ssh[host.name]
         add([checks.ssh_finding(host, None if a.ok else a.why(), a.seconds)])
@@ -146,7 +146,7 @@ def preflight(inventory: Inventory, options: Options, runner: Runner,
 
     # 2, 3, 5. One round trip per node for names, interfaces, routes and pings.
     gathered = _parallel(
-        up, lambda h: attempt(runner, h, facts.script(h, hosts, rendezvous), FACTS_TIMEOUT)
+        up, lambda h: attempt(nodes, h, facts.script(h, hosts, rendezvous), FACTS_TIMEOUT)
     )
     node_facts: dict[str, facts.NodeFacts] = {}
     for name, a in gathered.items():
@@ -165,7 +165,7 @@ def preflight(inventory: Inventory, options: Options, runner: Runner,
     report.nic_speed_mbps = interfaces.speeds
 
     # 4. Ports, for real: listen on the rendezvous port and a random one, connect from peers.
-    add(_ports(runner, hosts, up, master, inventory.rendezvous_port, interfaces.broken, subnet,
+    add(_ports(nodes, hosts, up, master, inventory.rendezvous_port, interfaces.broken, subnet,
                token))  # fmt: skip
 
     # 6, 7. Raw TCP and the collective need every node, with working ports and interfaces.
@@ -177,18 +177,18 @@ def preflight(inventory: Inventory, options: Options, runner: Runner,
     if measure_tcp and blocked:
         add(checks.skipped(BANDWIDTH, names, blocked))
     elif measure_tcp:
-        report.ring, report.pairwise = _tcp(runner, hosts, options, token)
+        report.ring, report.pairwise = _tcp(nodes, hosts, options, token)
     if blocked:
         add(checks.skipped("collective", names, blocked))
     else:
-        stacks = _collective(report, runner, context, hosts, options, token)
+        stacks = _collective(report, nodes, context, hosts, options, token)
     alone = [h for h in up if not isinstance(stacks.get(h.name), dict)]
     probed = _parallel(alone, lambda h: attempt(
-        runner, h, context.wrap(h, python_command(context.python(h), SOFTPROBE), token),
+        nodes, h, context.wrap(h, python_command(context.python(h), SOFTPROBE), token),
         IMPORT_TIMEOUT + 10))  # fmt: skip
     leftover = context.cleanup(token)
     if leftover and any(not a.ok for a in probed.values()):
-        _parallel(up, lambda h: attempt(runner, h, leftover, PORTS_TIMEOUT))
+        _parallel(up, lambda h: attempt(nodes, h, leftover, PORTS_TIMEOUT))
     for name, a in probed.items():
         stacks[name] = a.json() or a.why()
     for name, stack in stacks.items():
@@ -225,10 +225,10 @@ def _blocked(report: Report, down: list[str]) -> str | None:
     return None
 
 
-def _ports(runner: Runner, hosts: list[Host], up: list[Host], master: Host, rendezvous_port: int,
+def _ports(nodes: Nodes, hosts: list[Host], up: list[Host], master: Host, rendezvous_port: int,
            broken: set[str], subnet: str, token: str) -> list[Finding]:  # fmt: skip
     pidfile = f"/tmp/{token}-ports.pid"
-    serving = _parallel(up, lambda h: attempt(runner, h, sockprobe(
+    serving = _parallel(up, lambda h: attempt(nodes, h, sockprobe(
         "serve", "--ports", f"{rendezvous_port},0", "--lifetime", str(LISTENER_LIFETIME),
         "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
     listeners: dict[str, checks.Listening] = {}
@@ -248,14 +248,14 @@ def _ports(runner: Runner, hosts: list[Host], up: list[Host], master: Host, rend
             ]  # fmt: skip
             if not targets:
                 return Attempt(Result(host.name, "", 0, '{"results": []}', ""), None, 0.0)
-            return attempt(runner, host, sockprobe(
+            return attempt(nodes, host, sockprobe(
                 "connect", "--targets", ",".join(targets), "--source", str(host.compute_ip),
                 "--timeout", str(PORT_CONNECT_TIMEOUT)), PORTS_TIMEOUT)  # fmt: skip
 
         connected = _parallel(up, connect)
     finally:
         _parallel([h for h in up if not listeners[h.name].error], lambda h: attempt(
-            runner, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+            nodes, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
     connects: dict[str, list[dict] | str] = {}
     for name, a in connected.items():
         data = a.json()
@@ -263,7 +263,7 @@ def _ports(runner: Runner, hosts: list[Host], up: list[Host], master: Host, rend
     return checks.port_findings(hosts, master, rendezvous_port, listeners, connects, broken, subnet)
 
 
-def _tcp(runner: Runner, hosts: list[Host], options: Options,
+def _tcp(nodes: Nodes, hosts: list[Host], options: Options,
          token: str) -> tuple[list[Link], list[Link]]:  # fmt: skip
     """Raw TCP: every node sends to the next at once (the ring), then each pair on its own."""
     pidfile = f"/tmp/{token}-tcp.pid"
@@ -272,7 +272,7 @@ def _tcp(runner: Runner, hosts: list[Host], options: Options,
         [(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :]] if options.pairwise else []
     )
     lifetime = budget * (1 + len(pairs)) + 30
-    serving = _parallel(hosts, lambda h: attempt(runner, h, sockprobe(
+    serving = _parallel(hosts, lambda h: attempt(nodes, h, sockprobe(
         "serve", "--ports", "0", "--lifetime", str(lifetime), "--pidfile", pidfile,
         "--token", token), PORTS_TIMEOUT))  # fmt: skip
     ports: dict[str, int | None] = {}
@@ -285,7 +285,7 @@ def _tcp(runner: Runner, hosts: list[Host], options: Options,
         if ports[target.name] is None:
             return Link(source.name, target.name, nbytes, None,
                         f"no listener on {target.name}: {serving[target.name].why()}")  # fmt: skip
-        a = attempt(runner, source, sockprobe(
+        a = attempt(nodes, source, sockprobe(
             "send", "--targets", f"{target.name}={target.compute_ip}:{ports[target.name]}",
             "--source", str(source.compute_ip), "--bytes", str(nbytes), "--timeout", str(budget),
         ), budget + 15)  # fmt: skip
@@ -311,7 +311,7 @@ def _tcp(runner: Runner, hosts: list[Host], options: Options,
             pairwise += [both[first.name], both[second.name]]
     finally:
         _parallel([h for h in hosts if ports[h.name]], lambda h: attempt(
-            runner, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+            nodes, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
     return ring, pairwise
 
 
@@ -337,13 +337,13 @@ def wall_clock(command: str, seconds: float, pidfile: str) -> str:
             f"wait $!; rc=$?; rm -f {shlex.quote(pidfile)}; exit $rc")  # fmt: skip
 
 
-def _collective(report: Report, runner: Runner, context: Context, hosts: list[Host],
+def _collective(report: Report, nodes: Nodes, context: Context, hosts: list[Host],
                 options: Options, token: str) -> dict[str, dict | str]:  # fmt: skip
     """Run the workers; record the collective's findings. Returns what each worker reported
     of its software (the probe's facts), or why it did not."""
     master = hosts[0]
     names = [h.name for h in hosts]
-    free = attempt(runner, master, sockprobe("freeport", "--bind", str(master.compute_ip)),
+    free = attempt(nodes, master, sockprobe("freeport", "--bind", str(master.compute_ip)),
                    PORTS_TIMEOUT)  # fmt: skip
     port = (free.json() or {}).get("port")
     if not port:
@@ -367,14 +367,14 @@ def _collective(report: Report, runner: Runner, context: Context, hosts: list[Ho
     }  # fmt: skip
     try:
         ran = on_all(hosts, lambda h: attempt(
-            runner, h, context.wrap(h, wall_clock(commands[h.name], outer, pidfile), token),
+            nodes, h, context.wrap(h, wall_clock(commands[h.name], outer, pidfile), token),
             outer + 15))  # fmt: skip
     finally:
         # Whatever is left of a worker that did not end on its own: by pid (host) or label
         # (container), never by name.
         stop = sockprobe("stop", "--pidfile", pidfile, "--token", token)
         extra = context.cleanup(token)
-        on_all(hosts, lambda h: attempt(runner, h, f"{stop}; {extra}" if extra else stop,
+        on_all(hosts, lambda h: attempt(nodes, h, f"{stop}; {extra}" if extra else stop,
                                         PORTS_TIMEOUT))  # fmt: skip
     results: dict[str, dict | str] = {}
     stacks: dict[str, dict | str] = {}

@@ -34,11 +34,11 @@ import training.ddp  # noqa: F401 - train imports it to check its arguments: her
 from cluster import inventory, remote, sim
 from cluster.containers import training_container_options
 from cluster.errors import ClusterError
+from cluster.execution import ContainerContext
 from cluster.staging import REMOTE_RUN_ROOT
 from launch import restarts
 from launch.commands import remote_command
 from launch.spec import JobSpec
-from netcheck.runner import ContainerContext
 from tests.fuzz.guard import Reached, call
 from tests.netcheck.netcheck_fakes import INVENTORY as FAKE_INVENTORY
 from tests.netcheck.netcheck_fakes import FakeCluster
@@ -73,7 +73,7 @@ def matches(pattern: re.Pattern, files: list[Path]) -> list[str]:
 
 def test_the_scan_covers_the_code_the_roles_the_makefile_and_the_images():
     names = {str(f.relative_to(REPO)) for f in scanned_files()}
-    for expected in ("cluster/remote.py", "launch/commands.py", "netcheck/runner.py",
+    for expected in ("cluster/remote.py", "launch/commands.py", "cluster/execution.py",
                      "ansible/ansible.cfg", "ansible/roles/ssh_mesh/tasks/main.yml",
                      "ansible/roles/ssh_mesh/templates/ssh_config.j2", "Makefile",
                      "docker/sim-node/Dockerfile"):  # fmt: skip
@@ -441,7 +441,7 @@ def test_netcheck_never_reads_prints_or_sends_the_key(keyed_inventory, tmp_path,
             return super().run(host, command, timeout)
 
     fakes: list[FakeCluster] = []
-    monkeypatch.setattr(netcheck.cli, "SshRunner",
+    monkeypatch.setattr(netcheck.cli, "SshNodes",
                         lambda inv: fakes.append(Recording(list(inv.hosts))) or fakes[-1])  # fmt: skip
     monkeypatch.chdir(tmp_path)
     for flags in ([], ["--json"]):
@@ -459,7 +459,7 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
     path, key = keyed_inventory
     handed: list[tuple] = []
 
-    def launched(inv, spec, emit, project):
+    def launched(inv, spec, emit, project, nodes):
         handed.append((inv, inv.hosts, spec))
         raise Reached("launcher")
 

@@ -27,11 +27,11 @@ import netcheck.cli
 import netcheck.envfile  # noqa: F401 - the same, for netcheck
 import training.ddp  # noqa: F401 - train imports it to check its arguments: here, unwatched
 from cluster import bootstrap, images, sim, sync
-from cluster.errors import ClusterError
 from cluster.inventory import Inventory, is_word
 from launch import restarts
 from launch.spec import JobSpec
 from netcheck.preflight import Options
+from tests.fakes import FakeNodes
 from tests.fuzz.guard import Reached, assert_clean, call
 from tests.fuzz.strategies import (
     FUZZ,
@@ -45,7 +45,7 @@ from tests.fuzz.strategies import (
 # --- the seams: where real work would start --------------------------------------------------
 
 
-def fake_preflight(inventory: Inventory, options: Options, runner) -> None:
+def fake_preflight(inventory: Inventory, options: Options, nodes) -> None:
     """What netcheck hands to its pre-flight, it must have checked."""
     assert isinstance(inventory, Inventory) and inventory.hosts
     assert options.nnodes is None or 1 <= options.nnodes <= len(inventory.hosts)
@@ -56,7 +56,7 @@ def fake_preflight(inventory: Inventory, options: Options, runner) -> None:
 class FakeLauncher:
     """What train hands to the launcher, it must have checked."""
 
-    def __init__(self, inventory: Inventory, spec: JobSpec, emit, project) -> None:
+    def __init__(self, inventory: Inventory, spec: JobSpec, emit, project, nodes) -> None:
         assert isinstance(inventory, Inventory) and inventory.hosts  # narrowed: the job's nodes
         assert project.workdir and all(remote.startswith("/") for _, remote in project.trees)
         assert spec.rendezvous_timeout >= 1 and spec.max_restarts >= 0
@@ -280,29 +280,14 @@ def test_cluster(seams, invocation):
     assert_clean(outcome)
 
 
-class DeadCluster:
-    """netcheck's runner when no node answers: what SshRunner raises for an unreachable host."""
-
-    def __init__(self, inventory: Inventory) -> None:
-        self.commands: list[str] = []
-
-    def run(self, host, command: str, timeout: float):
-        self.commands.append(command)
-        raise ClusterError(f"host '{host.name}': cannot SSH to {host.ssh_address}: timed out",
-                           exit_code=1)  # fmt: skip
-
-    def ship_code(self, hosts) -> None:
-        return None  # nothing answers: there is nowhere to send it
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 def dead_cluster(monkeypatch, tmp_path) -> Path:
     """The real pre-flight, on a cluster where no node answers."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(netcheck.cli, "SshRunner", DeadCluster)
+    monkeypatch.setattr(
+        netcheck.cli, "SshNodes", lambda inventory: FakeNodes(list(inventory.hosts),
+                                                              down={h.name for h in inventory.hosts})
+    )  # fmt: skip
     return tmp_path
 
 

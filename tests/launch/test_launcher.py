@@ -7,6 +7,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -21,8 +22,7 @@ from cluster.errors import ClusterError
 from cluster.inventory import load, parse
 from cluster.remote import Remote, on_all
 from cluster.staging import Project
-from launch import job as job_module
-from launch import restarts, stop
+from launch import stop
 from launch.commands import remote_command, stop_command, torchrun_command
 from launch.job import Launcher
 from launch.nodes import interface_env, rank_order_warning
@@ -31,12 +31,11 @@ from launch.spec import (
     LOST_NODE_PROBE,
     REMOTE_LOCK_ROOT,
     STOP_TIMEOUT,
-    JobResult,
     JobSpec,
-    NodeOutcome,
 )
 from netcheck import envfile
 from tests.conftest import VENV_BIN, run_cli
+from tests.fakes import FakeNodes
 from tests.training.conftest import kill_node
 
 SCRIPTS = Path(__file__).parents[1] / "training" / "launcher_scripts"
@@ -186,91 +185,49 @@ esac
             os.kill(int((tmp_path / "rm.pid").read_text()), signal.SIGKILL)
 
 
-class _FlakyRemote:
-    """Stands in for Remote in wait_for_nodes and the stop: `answers[name]` probes fail before one
-    works."""
-
-    answers: dict[str, int] = {}
-    probes: collections.Counter = collections.Counter()
-    closed: set[str] = set()  # nodes whose SSH connection fails at once
-
-    def __init__(self, host):
-        self.host = host
-
-    @classmethod
-    def for_inventory(cls, inventory, host, **kwargs):
-        return cls(host)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def connect(self):
-        if self.host.name in _FlakyRemote.closed:
-            raise ClusterError(f"host '{self.host.name}': cannot SSH to it: connection refused")
-
-    def run(self, command, timeout=None, check=False):
-        _FlakyRemote.probes[self.host.name] += 1
-        if _FlakyRemote.probes[self.host.name] <= _FlakyRemote.answers.get(self.host.name, 0):
-            raise ClusterError(f"host '{self.host.name}': cannot SSH to it: timed out")
-
-
-def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does(monkeypatch):
+def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does():
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    monkeypatch.setattr(restarts, "Remote", _FlakyRemote)
-    monkeypatch.setattr(restarts, "RESTART_POLL", 0.01)
-    monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
-    monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 3})
+    nodes = FakeNodes(list(inventory.hosts), failing_first={"n2": 3})
     said: list[str] = []
-    wait_for_nodes(inventory, 30, said.append)
-    assert _FlakyRemote.probes == {"n1": 1, "n2": 4}
+    wait_for_nodes(inventory, 30, said.append, nodes, poll=0.01)
+    assert collections.Counter(name for name, _ in nodes.commands) == {"n1": 1, "n2": 4}
     assert len(said) == 1 and said[0].startswith("[launcher] n2 answers again after ")
 
-    monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 10**6})
+    nodes = FakeNodes(list(inventory.hosts), failing_first={"n2": 10**6})
     with pytest.raises(ClusterError) as caught:
-        wait_for_nodes(inventory, 0.05, said.append)
+        wait_for_nodes(inventory, 0.05, said.append, nodes, poll=0.01)
     assert caught.value.exit_code == 1
     assert str(caught.value) == (
-        "n2 did not answer within --restart-wait 0.05 s: host 'n2': cannot SSH to it: timed out"
+        "n2 did not answer within --restart-wait 0.05 s: "
+        "host 'n2': cannot SSH to 10.1.0.2:22: timed out"
     )
 
 
 @pytest.mark.parametrize("n2_answers", [False, True], ids=["gone", "back"])
-def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(monkeypatch, n2_answers):
+def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(n2_answers):
     # A dead node would hold the stop for SSH's whole connect timeout (5 s here, more under
     # load): a node already lost must first accept a TCP connection. Fakes only, no traffic.
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    monkeypatch.setattr(job_module, "Remote", _FlakyRemote)
-    monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
-    monkeypatch.setattr(_FlakyRemote, "answers", {})
-    probed: list[tuple[str, float]] = []
-    monkeypatch.setattr(
-        stop, "answers",
-        lambda host, timeout: probed.append((host.name, timeout)) or n2_answers,
-    )  # fmt: skip
-    job = Launcher(inventory, JobSpec(), emit=lambda _: None)
+    nodes = FakeNodes(list(inventory.hosts), down=set() if n2_answers else {"n2"})
+    job = Launcher(inventory, JobSpec(), emit=lambda _: None, nodes=nodes)
     job.outcomes["n2"].session_lost = True  # n1 is merely failed: no probe before its stop
     stopped = stop.everywhere(job, inventory.hosts[0])
-    assert probed == [("n2", LOST_NODE_PROBE)]
+    assert nodes.probes == [("n2", LOST_NODE_PROBE)]
     assert isinstance(stopped["n1"], float)
+    sent_to = sorted(name for name, _ in nodes.commands)
     if n2_answers:
-        assert _FlakyRemote.probes == {"n1": 1, "n2": 1} and isinstance(stopped["n2"], float)
+        assert sent_to == ["n1", "n2"] and isinstance(stopped["n2"], float)
         assert job.silent == set()
     else:
-        assert _FlakyRemote.probes == {"n1": 1} and stopped["n2"] == "unreachable"
+        assert sent_to == ["n1"] and stopped["n2"] == "unreachable"
         assert job.silent == {"n2"}
 
 
-def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(monkeypatch):
+def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm():
     # Fakes only, no traffic: n1's SSH connection is refused; n2's stop command fails.
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    monkeypatch.setattr(job_module, "Remote", _FlakyRemote)
-    monkeypatch.setattr(_FlakyRemote, "probes", collections.Counter())
-    monkeypatch.setattr(_FlakyRemote, "answers", {"n2": 1})
-    monkeypatch.setattr(_FlakyRemote, "closed", {"n1"})
-    job = Launcher(inventory, JobSpec(), emit=lambda _: None)
+    nodes = FakeNodes(list(inventory.hosts), refused={"n1"}, failing_first={"n2": 1})
+    job = Launcher(inventory, JobSpec(), emit=lambda _: None, nodes=nodes)
     stopped = stop.everywhere(job, inventory.hosts[0])
     assert stopped == {
         "n1": "unreachable",
@@ -496,34 +453,33 @@ def test_a_lock_left_by_a_dead_launcher_is_taken_over(sim2):
     assert left.strip() == ""  # released at the end
 
 
-def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id(monkeypatch):
-    """run_job's whole loop with fakes (no traffic): the first run fails, every node answers,
-    the failed run's leftovers are stopped on every node, the second run succeeds."""
-    inventory = parse(INVENTORY, "/nonexistent/inv.yml")
-    runs: list[str] = []
-    stops: list[tuple[str, str]] = []
+def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id():
+    """run_job's whole loop, the real launcher on fake nodes (no traffic): the first run fails
+    on n2, every node answers again, the failed run's leftovers are stopped on every node, and
+    the second run, under a new run ID, succeeds. Host mode: in container mode the job checks
+    the nodes' image against the controller's, which the simulated cluster's tests do."""
+    inventory = parse(INVENTORY.replace("{compute_subnet:", "{launch_mode: host, compute_subnet:"),
+                      "/nonexistent/inv.yml")  # fmt: skip
+    runs: list[tuple[str, str]] = []
 
-    class FakeLauncher:
-        def __init__(self, inv, spec, emit, project=None):
-            self.spec = spec
+    def job_on(host, command, out) -> int:
+        run_id = re.search(r"TMN_RUN_ID=([\w-]+)", command).group(1)
+        runs.append((run_id, host.name))
+        out.write(f"training {run_id} on {host.name}\n")
+        return 1 if (run_id, host.name) == ("tmn-r", "n2") else 0
 
-        def run(self):
-            runs.append(self.spec.run_id)
-            outcomes = {h.name: NodeOutcome(h.name, exit_code=0) for h in inventory.hosts}
-            if len(runs) == 1:
-                outcomes["n2"].exit_code = 1
-            failed = "n2" if len(runs) == 1 else None
-            return JobResult(self.spec.run_id, outcomes, failed, False, 1.0)
-
-    monkeypatch.setattr(restarts, "Launcher", FakeLauncher)
-    monkeypatch.setattr(restarts, "wait_for_nodes", lambda *args: 0.5)
-    monkeypatch.setattr(restarts, "bring_back", lambda *args: None)
-    monkeypatch.setattr(
-        stop, "everywhere", lambda job, master: stops.append((job.spec.run_id, master.name)) or {}
-    )
+    nodes = FakeNodes(list(inventory.hosts), streamer=job_on)
     said: list[str] = []
     result = run_job(inventory, JobSpec(run_id="tmn-r"), said.append, 1, 5,
-                     project=Project(trees=(), workdir="/w", script=None))  # fmt: skip
-    assert runs == ["tmn-r", "tmn-r-r1"] and stops == [("tmn-r", "n1")]
+                     project=Project(trees=(), workdir="/w", script=None), nodes=nodes)  # fmt: skip
+    assert sorted(runs) == [("tmn-r", "n1"), ("tmn-r", "n2"), ("tmn-r-r1", "n1"),
+                            ("tmn-r-r1", "n2")]  # fmt: skip
     assert result.exit_code == 0 and (result.restart, result.restarts) == (1, 1)
+    assert result.run_id == "tmn-r-r1"
     assert any(line.startswith("Job tmn-r FAILED on n2") for line in said), said
+    assert "[n2] training tmn-r on n2" in said
+    # The failed run is stopped on every node twice (when it fails, and before the restart);
+    # the second run, which succeeded, never.
+    stops = [(name, command) for name, command in nodes.commands if "TERM" in command]
+    assert sorted(name for name, _ in stops) == ["n1", "n1", "n2", "n2"], stops
+    assert all(re.search(r"TMN_RUN_ID=tmn-r\b(?!-)", command) for _, command in stops), stops

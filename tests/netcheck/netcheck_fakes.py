@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.containers import NCCL_CONF_GUARD
-from cluster.errors import ClusterError
 from cluster.inventory import Host, parse
 from cluster.remote import Result
 from netcheck import preflight
+from tests.fakes import FakeNodes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NETCHECK = Path(sys.executable).parent / "netcheck"
@@ -83,11 +83,10 @@ def facts_text(hostname, resolved, links, routes, pings, speed="10000", infiniba
 
 
 @dataclass
-class FakeCluster:
-    """Healthy unless told otherwise; `calls` records (node, kind) in order."""
+class FakeCluster(FakeNodes):
+    """Healthy unless told otherwise (`down`: FakeNodes'); `calls` records (node, kind) in
+    order."""
 
-    hosts: list[Host]
-    down: set[str] = field(default_factory=set)
     held_port: dict[str, dict] = field(default_factory=dict)
     firewalled: set[str] = field(default_factory=set)
     """Nodes that drop new TCP connections to high ports from peers."""
@@ -101,10 +100,11 @@ class FakeCluster:
     """Commands the fake did not recognise: netcheck swallows errors, so tests check this."""
 
     def __post_init__(self):
+        super().__post_init__()
         self.by_name = {h.name: h for h in self.hosts}
         self.by_ip = {str(h.compute_ip): h for h in self.hosts}
 
-    def run(self, host: Host, command: str, timeout: float) -> Result:
+    def respond(self, host: Host, command: str) -> Result | str:
         guarded = f"{NCCL_CONF_GUARD} && docker run "
         if command.startswith(guarded):
             # The training container (after its check for NCCL's file): answer for what runs
@@ -120,19 +120,8 @@ class FakeCluster:
             raise
         self.calls.append((host.name, kind))
         if host.name in self.down:
-            raise ClusterError(
-                f"host '{host.name}': cannot SSH to {host.ssh_address}:22: timed out", exit_code=1
-            )
-        out = getattr(self, "on_" + kind)(host, command)
-        if isinstance(out, Result):
-            return out
-        return Result(host.name, command, 0, out, "")
-
-    def ship_code(self, hosts) -> None:
-        return None  # the fake nodes need no code
-
-    def close(self) -> None:
-        pass
+            return ""  # FakeNodes.run raises: the node does not answer
+        return getattr(self, "on_" + kind)(host, command)
 
     @staticmethod
     def kind(command: str) -> str:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from cluster.execution import ContainerContext, HostContext, context_for
 from netcheck import cli, preflight
 from netcheck.report import CHECKS, Status
-from netcheck.runner import ContainerContext, HostContext, context_for
 from tests.netcheck.netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
 
 
@@ -89,7 +89,7 @@ def test_cli_writes_env_file_and_json(tmp_path, monkeypatch, capsys):
     path = tmp_path / "inventory.yml"
     path.write_text(INVENTORY)
     cluster = fake(3)
-    monkeypatch.setattr(cli, "SshRunner", lambda inventory: cluster)
+    monkeypatch.setattr(cli, "SshNodes", lambda inventory: cluster)
     assert cli.main(["-i", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and data["env_file"] == str(tmp_path / "netcheck-env.json")

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from cluster.errors import ClusterError
+from cluster.execution import ContainerContext
 from netcheck import bandwidth, checks, collective, envfile, facts
 from netcheck.report import Finding, Link, Measurement, Report, Status, human_bytes, render
-from netcheck.runner import ContainerContext
 from tests.netcheck.netcheck_fakes import facts_text, inventory, link, ping_lost, ping_ok
 
 INV = inventory()

@@ -1,18 +1,25 @@
-"""How netcheck reaches the nodes: one small seam, so the checks are plain code tests can drive.
+"""How the controller reaches the nodes: one layer for netcheck and the launcher, so both are
+plain code that tests drive with one fake (tests/fakes.py).
 
-`Runner.run(host, command, timeout)` returns a cluster.remote.Result or raises ClusterError when
-the node cannot be reached or the command does not finish. SshRunner is the real one, through
-cluster.remote (batch mode, host keys verified); tests pass a fake.
+`Nodes` is the seam:
+- `run(host, command, timeout)`: a short command over a pooled connection; a cluster.remote
+  Result, or a ClusterError when the node cannot be reached or the command does not finish.
+- `session(host)`: a connection of its own (cluster.remote.Remote: connect, run, stream,
+  close), for what must not wait behind other commands: a job's torchrun, a watcher, a stop.
+- `answers(host, timeout)`: whether the node's SSH port accepts a TCP connection at all, cheap
+  enough for a liveness watcher and never held for SSH's whole connect timeout.
+- `ship_code(hosts)`, `close()`.
+`SshNodes` is the real one (batch mode, host keys verified).
 
 `Context` says where the training stack lives on a node, as the inventory's launch_mode says:
 on the host itself (`HostContext`, training_python) or inside the training image
-(`ContainerContext`, started as the launcher starts a job). Only the software probe and the
-collective go through it, since only they must see what the training job sees.
+(`ContainerContext`, started as the launcher starts a job, through cluster.containers).
 """
 
 from __future__ import annotations
 
 import shlex
+import socket
 import threading
 from typing import Protocol
 
@@ -23,8 +30,34 @@ from cluster.remote import Remote, Result
 SSH_CONNECT_TIMEOUT = 5.0
 
 
-class Runner(Protocol):
+class Session(Protocol):
+    """One connection to one node (cluster.remote.Remote is the real one)."""
+
+    def connect(self) -> None: ...
+
+    def run(
+        self, command: str, timeout: float | None = 60, check: bool = False,
+        stdin: str | None = None,
+    ) -> Result: ...  # fmt: skip
+
+    def stream(self, command: str, out) -> int:
+        """Run `command` on a terminal, its output written to `out` as it comes; its exit
+        status, -1 when the session ended without one."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Session: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+
+class Nodes(Protocol):
     def run(self, host: Host, command: str, timeout: float) -> Result: ...
+
+    def session(self, host: Host) -> Session: ...
+
+    def answers(self, host: Host, timeout: float) -> bool: ...
 
     def ship_code(self, hosts: list[Host]) -> str | None:
         """netcheck's own code onto every node: the directory it is in there, or None where
@@ -34,12 +67,11 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-class SshRunner:
-    """SSH connections to the nodes, opened on first use and reused by later stages.
-
-    Each node keeps a small pool: two stages may run on one node at once (the software probe
-    runs beside the network checks), each on its own connection. A connection that failed is
-    closed, not reused.
+class SshNodes:
+    """SSH connections to the nodes. `run`'s are opened on first use and reused: each node
+    keeps a small pool, as two stages may run on one node at once (netcheck's software probe
+    runs beside its network checks), each on its own connection. A connection that failed is
+    closed, not reused. `session` opens one of its own, which its caller closes.
     """
 
     def __init__(self, inventory: Inventory, connect_timeout: float = SSH_CONNECT_TIMEOUT):
@@ -71,8 +103,19 @@ class SshRunner:
             self._idle[host.name].append(remote)
         return result
 
+    def session(self, host: Host) -> Remote:
+        return Remote.for_inventory(self.inventory, host, connect_timeout=self.connect_timeout)
+
+    def answers(self, host: Host, timeout: float) -> bool:
+        """Whether `host` accepts a TCP connection to its SSH port within `timeout` seconds."""
+        try:
+            socket.create_connection((host.ssh_address, host.ssh_port), timeout=timeout).close()
+        except OSError:
+            return False
+        return True
+
     def ship_code(self, hosts: list[Host]) -> str | None:
-        """The collective's workers import netcheck, and the training image holds no project
+        """netcheck's collective workers import netcheck, and the training image holds no project
         code: send it with rsync. A node that cannot take it is reported by the checks: ssh
         when it does not answer, else the software check (netcheck not importable there)."""
         from cluster import sync
