@@ -9,7 +9,6 @@ train -i cluster.yml --script train.py --env WANDB_API_KEY --env HF_TOKEN=abc
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import threading
@@ -20,6 +19,7 @@ from cluster import inventory as inventory_module
 from cluster import staging, sync
 from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown, stop_on_sigterm
 from cluster.inventory import parse_gpu_list
+from launch import checks
 from launch.commands import run_dir
 from launch.ending import summary
 from launch.local import run_local
@@ -52,85 +52,116 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
-        "--script", type=Path,
+        "--script",
+        type=Path,
         help="your torchrun-compatible script; its project (the git work tree it is in, else its "
         "directory, or --workdir) is mirrored to every node and the job runs in it",
-    )  # fmt: skip
+    )
     what.add_argument(
-        "--module", default=DEFAULT_MODULE,
+        "--module",
+        default=DEFAULT_MODULE,
         help="a module importable on the nodes (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--workdir", type=Path, default=None,
+        "--workdir",
+        type=Path,
+        default=None,
         help="the project directory that travels to every node (default: see --script; for a "
         "--module, this project's own packages); what git ignores, .git, virtual environments "
         "and caches stay behind",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--env-file", default=None, metavar="PATH",
+        "--env-file",
+        default=None,
+        metavar="PATH",
         help="netcheck's interface settings for each node, as netcheck --env-file wrote them "
         "(default: netcheck-env.json next to the inventory, where netcheck writes it; without "
         "one, each node's compute_interface)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--workdir-limit", type=float, default=sync.DEFAULT_WORKDIR_LIMIT / 1e6,
+        "--workdir-limit",
+        type=float,
+        default=sync.DEFAULT_WORKDIR_LIMIT / 1e6,
         help="MB a workdir may hold; datasets go through 'make data' (default: %(default)g)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--env", action="append", default=[], metavar="NAME[=VALUE]",
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
         help="an environment variable for every rank (repeatable; several per flag, space "
         "separated); a bare NAME passes this machine's value. Values never appear in output, "
         "logs, docker inspect or any command line",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nproc-per-node", type=int, default=None,
+        "--nproc-per-node",
+        type=int,
+        default=None,
         help="processes per node (default: the node's GPU count, or 1 on a CPU node; 2 locally)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--rendezvous-timeout", type=int, default=60,
+        "--rendezvous-timeout",
+        type=int,
+        default=60,
         help="seconds to wait for every node to join (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--network-timeout", type=float, default=DEFAULT_NETWORK_TIMEOUT,
+        "--network-timeout",
+        type=float,
+        default=DEFAULT_NETWORK_TIMEOUT,
         help="seconds a node may be unable to reach the master over the compute network before "
         "it is declared lost and the job stopped (default: %(default)g)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--restarts", type=int, default=0,
+        "--restarts",
+        type=int,
+        default=0,
         help="after a failure (a node died, a rank crashed, the network was cut), wait for every "
         "node to answer over SSH again and start the job again, up to this many times; the "
         "training workloads resume from --checkpoint-dir (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--restart-wait", type=float, default=DEFAULT_RESTART_WAIT,
+        "--restart-wait",
+        type=float,
+        default=DEFAULT_RESTART_WAIT,
         help="seconds a restart waits for every node to answer (default: %(default)g)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--max-restarts", type=int, default=0,
+        "--max-restarts",
+        type=int,
+        default=0,
         help="torchrun's own restarts of the worker processes while every node stays up "
         "(default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--gpus", default=None,
+        "--gpus",
+        default=None,
         help="GPU indices every node uses, e.g. 0,2: one process per GPU, CUDA_VISIBLE_DEVICES "
         "set for the job (a host's cuda_visible_devices in the inventory wins for that host)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--debug", nargs="?", const="info", default=None, choices=DEBUG_LEVELS,
+        "--debug",
+        nargs="?",
+        const="info",
+        default=None,
+        choices=DEBUG_LEVELS,
         help="NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=INFO and the C++ backend logs, on every "
         "node, for this run only; '--debug detail' for TORCH_DISTRIBUTED_DEBUG=DETAIL (it "
         "crashed DDP over gloo with torch 2.14.1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--local-rank-arg", choices=("auto", "none", "--local_rank", "--local-rank"),
+        "--local-rank-arg",
+        choices=("auto", "none", "--local_rank", "--local-rank"),
         default="auto",
         help="scripts written for torch.distributed.launch get their local rank as this flag; "
         "auto: if the script declares one (default)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--log-dir", type=Path, default=None,
+        "--log-dir",
+        type=Path,
+        default=None,
         help="where each node's output is saved as NODE.log (default: .runs/JOB-ID)",
-    )  # fmt: skip
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
@@ -173,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     if args.script is not None and args.local_rank_arg != "none":
         flag = legacy_flag(args.script) if args.local_rank_arg == "auto" else args.local_rank_arg
     if args.script is None:
-        _workload_checks_its_arguments(args.module, extra)
+        checks.workload_arguments(args.module, extra)
     run_id = JobSpec().run_id
     spec = JobSpec(
         run_id=run_id,
@@ -197,20 +228,22 @@ def run(args: argparse.Namespace) -> int:
         if args.restarts:
             raise ClusterError(
                 f"--restarts={args.restarts} needs an inventory: a local job has no node to "
-                "wait for", hint="INVENTORY=path.yml",
-            )  # fmt: skip
+                "wait for",
+                hint="INVENTORY=path.yml",
+            )
         if args.workdir is not None or args.env:
             raise ClusterError(
                 "WORKDIR and ENV are for jobs on an inventory's nodes; a local job runs here, in "
-                "this environment", hint="INVENTORY=path.yml",
-            )  # fmt: skip
+                "this environment",
+                hint="INVENTORY=path.yml",
+            )
         if args.nnodes not in (None, "", "1"):
             raise ClusterError(
                 f"NNODES={args.nnodes} needs an inventory",
                 hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
             )
         if spec.script is None:
-            _importable_here(spec.module)
+            checks.importable_here(spec.module)
         return run_local(spec, _emit)
 
     # The job's nodes, once: everything below takes the narrowed inventory whole.
@@ -233,13 +266,17 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         _emit(f"[launcher] {note}")
     if spec.secret_env:
-        _emit(f"[launcher] environment for every rank: {staging.environment_names(spec.secret_env)}"
-              " (values not shown)")  # fmt: skip
+        _emit(
+            f"[launcher] environment for every rank: {staging.environment_names(spec.secret_env)}"
+            " (values not shown)"
+        )
     if spec.debug:
         _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
     if args.restarts:
-        _emit(f"[launcher] up to {args.restarts} restart(s) after a failure, each once every node "
-              f"answers again (--restart-wait {args.restart_wait:g} s)")  # fmt: skip
+        _emit(
+            f"[launcher] up to {args.restarts} restart(s) after a failure, each once every node "
+            f"answers again (--restart-wait {args.restart_wait:g} s)"
+        )
     result = run_job(inventory, spec, _emit, args.restarts, args.restart_wait, project)
     for line in summary(result, inventory.hosts):
         _emit(line)
@@ -249,61 +286,6 @@ def run(args: argparse.Namespace) -> int:
         if (spec.log_dir / "tensorboard").is_dir():
             _emit(f"TensorBoard: make tensorboard RUN={spec.log_dir.name}")
     return result.exit_code
-
-
-def _workload_checks_its_arguments(module: str, argv: list[str]) -> None:
-    """A workload of this project checks its own arguments here, before any process starts
-    anywhere: bad input is one error line and exit 2, not the same error from every rank
-    followed by torchrun's report. (Its --help is printed here too.) Other modules and scripts
-    are the user's: they check their own on the nodes."""
-    if module.split(".")[0] != "training":
-        return
-    try:
-        loaded = importlib.import_module(module)
-    except ImportError:
-        return  # not here: a local job refuses it below, the nodes may have it
-    check = getattr(loaded, "check_arguments", None)
-    if check is not None:
-        check(_without_files_elsewhere(argv))
-
-
-def _without_files_elsewhere(argv: list[str]) -> list[str]:
-    """argv without a --config file that is not on this machine: it may be a path on the
-    nodes (/shared/...), which the ranks read and check themselves."""
-    kept: list[str] = []
-    words = iter(argv)
-    for word in words:
-        if word == "--config":
-            path = next(words, None)
-            if path is not None and Path(path).is_file():
-                kept += [word, path]
-        elif word.startswith("--config="):
-            if Path(word.split("=", 1)[1]).is_file():
-                kept.append(word)
-        else:
-            kept.append(word)
-    return kept
-
-
-def _importable_here(module: str) -> None:
-    """A local job's module must exist before any process starts: otherwise every rank prints
-    'No module named' and torchrun adds its own traceback. Finds it the way `python -m` in this
-    directory would, importing its parent packages only."""
-    import importlib.util
-
-    sys.path.insert(0, os.getcwd())
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
-    finally:
-        sys.path.pop(0)
-    if found is None:
-        raise ClusterError(
-            f"--module {module}: no module of that name here",
-            hint=f"MODULE={DEFAULT_MODULE}, one of the workloads listed in "
-            "training/__init__.py, or SCRIPT=path/to/train.py",
-        )
 
 
 def main(argv: list[str] | None = None) -> int:

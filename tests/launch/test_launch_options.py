@@ -87,8 +87,12 @@ def test_gpus_on_a_cpu_machine_is_one_clear_line():
 def test_debug_turns_on_the_backends_logs_for_that_run():
     inventory = parse(GPU_INVENTORY, "inv.yml")
     words = _command(inventory.hosts[0], JobSpec(run_id="tmn-d", debug="info"), inventory)
-    for variable in ("NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,NET",
-                     "TORCH_DISTRIBUTED_DEBUG=INFO", "TORCH_CPP_LOG_LEVEL=INFO"):  # fmt: skip
+    for variable in (
+        "NCCL_DEBUG=INFO",
+        "NCCL_DEBUG_SUBSYS=INIT,NET",
+        "TORCH_DISTRIBUTED_DEBUG=INFO",
+        "TORCH_CPP_LOG_LEVEL=INFO",
+    ):
         assert variable in words
     detail = _command(inventory.hosts[0], JobSpec(run_id="tmn-d", debug="detail"), inventory)
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in detail
@@ -104,8 +108,11 @@ def test_legacy_scripts_are_detected_by_the_flag_they_declare(tmp_path):
     assert legacy_flag(both) == "--local-rank"
     spec = JobSpec(script=both, local_rank_flag="--local-rank", run_id="tmn-l")
     assert entry_point(spec, "/run") == [
-        "-m", "training.legacy", "--flag=--local-rank", "/run/both.py",
-    ]  # fmt: skip
+        "-m",
+        "training.legacy",
+        "--flag=--local-rank",
+        "/run/both.py",
+    ]
 
 
 # --- On the simulated cluster -------------------------------------------------------------
@@ -113,26 +120,43 @@ def test_legacy_scripts_are_detected_by_the_flag_they_declare(tmp_path):
 
 @pytest.mark.sim
 def test_debug_output_shows_backend_lines_from_every_node(sim2, tmp_path):
-    proc = run_cli("train", "-i", str(sim2.config.inventory_path), "--debug",
-                   "--log-dir", str(tmp_path), "--script", str(SCRIPTS / "tutorial_ddp.py"),
-                   timeout=300)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "-i",
+        str(sim2.config.inventory_path),
+        "--debug",
+        "--log-dir",
+        str(tmp_path),
+        "--script",
+        str(SCRIPTS / "tutorial_ddp.py"),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert f"each node's log: {tmp_path}/NODE.log" in proc.stdout
     for node, rank in (("node1", 0), ("node2", 1)):
         # The C++ side's own log lines (DDP's logger, the reducer), from that node's rank.
         backend = [
-            line for line in proc.stdout.splitlines()
+            line
+            for line in proc.stdout.splitlines()
             if line.startswith(f"[{node}] [rank{rank}]:[I") and "DDP Initialized with" in line
-        ]  # fmt: skip
+        ]
         assert backend, f"no backend debug line from {node}"
         assert "DDP Initialized with" in (tmp_path / f"{node}.log").read_text()
 
 
 @pytest.mark.sim
 def test_legacy_local_rank_script_trains_on_two_nodes_unchanged(sim2):
-    proc = run_cli("train", "-i", str(sim2.config.inventory_path),
-                   "--script", str(SCRIPTS / "legacy_local_rank.py"), "--", "--steps", "3",
-                   timeout=300)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "-i",
+        str(sim2.config.inventory_path),
+        "--script",
+        str(SCRIPTS / "legacy_local_rank.py"),
+        "--",
+        "--steps",
+        "3",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert "[launcher] legacy_local_rank.py parses --local_rank: passing it the local rank" in (
         proc.stdout
@@ -146,9 +170,17 @@ def test_legacy_local_rank_script_trains_on_two_nodes_unchanged(sim2):
 
 @pytest.mark.sim
 def test_three_init_methods_each_form_a_two_node_group(sim2):
-    proc = run_cli("train", "-i", str(sim2.config.inventory_path),
-                   "--module", "training.init_methods", "--", "--shared-dir", "/shared",
-                   timeout=300)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "-i",
+        str(sim2.config.inventory_path),
+        "--module",
+        "training.init_methods",
+        "--",
+        "--shared-dir",
+        "/shared",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     for method in ("env", "tcp", "file"):
         found = [
@@ -232,13 +264,20 @@ def test_gpu_nodes_number_gpus_as_nvidia_smi_does():
     [
         ("0\n1\n2\n3\n", True, None),
         ("0\n1\n", True, "nvidia-smi lists 2 GPU(s), the job needs 4"),
-        ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure "
-         "that the latest NVIDIA driver is installed and running.\n", False,
-         "nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate with the "
-         "NVIDIA driver."),
-        ("sh: 1: nvidia-smi: not found\n", False, "nvidia-smi failed: sh: 1: nvidia-smi: not found"),
+        (
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure "
+            "that the latest NVIDIA driver is installed and running.\n",
+            False,
+            "nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate with the "
+            "NVIDIA driver.",
+        ),
+        (
+            "sh: 1: nvidia-smi: not found\n",
+            False,
+            "nvidia-smi failed: sh: 1: nvidia-smi: not found",
+        ),
     ],
-)  # fmt: skip
+)
 def test_gpus_that_do_not_answer_stop_an_nccl_job_naming_the_node(answer, ok, problem):
     big = parse(GPU_INVENTORY, "inv.yml").hosts[0]
     found = gpu_problem(big, JobSpec(), answer, ok)
@@ -263,8 +302,8 @@ def test_a_local_module_that_does_not_exist_is_refused_before_anything_starts(mo
 
 
 def test_a_local_module_of_the_users_own_directory_is_found_and_not_run(tmp_path, monkeypatch):
-    from launch import cli
+    from launch import checks
 
     (tmp_path / "mine.py").write_text("raise SystemExit('imported: find_spec must not run it')\n")
     monkeypatch.chdir(tmp_path)
-    cli._importable_here("mine")  # no error, and no SystemExit from running it
+    checks.importable_here("mine")  # no error, and no SystemExit from running it

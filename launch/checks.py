@@ -1,0 +1,66 @@
+"""What `train` checks on the controller before anything starts anywhere: the workload's own
+arguments, and that a local job's module exists."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from cluster.errors import ClusterError
+from launch.spec import DEFAULT_MODULE
+
+
+def workload_arguments(module: str, argv: list[str]) -> None:
+    """A workload of this project checks its own arguments here, before any process starts
+    anywhere: bad input is one error line and exit 2, not the same error from every rank
+    followed by torchrun's report. (Its --help is printed here too.) Other modules and scripts
+    are the user's: they check their own on the nodes."""
+    if module.split(".")[0] != "training":
+        return
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError:
+        return  # not here: a local job refuses it below, the nodes may have it
+    check = getattr(loaded, "check_arguments", None)
+    if check is not None:
+        check(_without_files_elsewhere(argv))
+
+
+def _without_files_elsewhere(argv: list[str]) -> list[str]:
+    """argv without a --config file that is not on this machine: it may be a path on the
+    nodes (/shared/...), which the ranks read and check themselves."""
+    kept: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--config":
+            path = next(words, None)
+            if path is not None and Path(path).is_file():
+                kept += [word, path]
+        elif word.startswith("--config="):
+            if Path(word.split("=", 1)[1]).is_file():
+                kept.append(word)
+        else:
+            kept.append(word)
+    return kept
+
+
+def importable_here(module: str) -> None:
+    """A local job's module must exist before any process starts: otherwise every rank prints
+    'No module named' and torchrun adds its own traceback. Finds it the way `python -m` in this
+    directory would, importing its parent packages only."""
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path.pop(0)
+    if found is None:
+        raise ClusterError(
+            f"--module {module}: no module of that name here",
+            hint=f"MODULE={DEFAULT_MODULE}, one of the workloads listed in "
+            "training/__init__.py, or SCRIPT=path/to/train.py",
+        )
