@@ -118,6 +118,11 @@ sim-up: $(STAMP)
 sim-down: $(STAMP)
 	$(BIN)/cluster sim down
 
+.PHONY: format  ## put the Python code in the formatter's layout and fix what ruff can
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
 .PHONY: lint  ## ruff, hadolint, yamllint and ansible-lint (production profile)
 lint: $(STAMP)
 	$(BIN)/ruff check .

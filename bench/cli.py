@@ -32,16 +32,30 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples:\n  make bench\n  bench --only bandwidth,scaling --reps 5\n"
         "  bench --quick --out /tmp/bench        # every path, tiny workloads",
     )
-    p.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help="where bench.md, bench.json and the plots go (default: bench-results)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="where bench.md, bench.json and the plots go (default: bench-results)",
+    )
     p.add_argument("--reps", type=int, default=3, help="repetitions of each figure (default: 3)")
     p.add_argument("--link", default="1gbit", help="the shaped link's rate (default: 1gbit)")
-    p.add_argument("--only", default=",".join(SECTIONS),
-                   help=f"comma list of sections (default: all): {', '.join(SECTIONS)}")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help="tiny workloads: checks every path in minutes; figures not meaningful")  # fmt: skip
-    p.add_argument("--subnet-octet", type=int, default=61,
-                   help="third octet of the bench cluster's subnets (default: 61)")  # fmt: skip
+    p.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma list of sections (default: all): {', '.join(SECTIONS)}",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny workloads: checks every path in minutes; figures not meaningful",
+    )
+    p.add_argument(
+        "--subnet-octet",
+        type=int,
+        default=61,
+        help="third octet of the bench cluster's subnets (default: 61)",
+    )
     return p
 
 
@@ -49,16 +63,19 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
-        raise ClusterError(f"--only {','.join(unknown)}: not a section",
-                           hint=f"one or more of {','.join(SECTIONS)}")  # fmt: skip
+        raise ClusterError(
+            f"--only {','.join(unknown)}: not a section",
+            hint=f"one or more of {','.join(SECTIONS)}",
+        )
     if not 1 <= args.reps <= 20:
         raise ClusterError(f"--reps {args.reps} is not between 1 and 20", hint="--reps 3")
     if not 1 <= args.subnet_octet <= 254:
         raise ClusterError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
     sim.require_engine()
     octet = args.subnet_octet
-    config = sim.SimConfig(NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME),
-                           f"172.30.{octet}.0/24")  # fmt: skip
+    config = sim.SimConfig(
+        NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME), f"172.30.{octet}.0/24"
+    )
     nnodes = 4 if "netcheck" in only else 2
     started = time.monotonic()
     data: dict = {
@@ -72,9 +89,11 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         cluster = sim.up(nnodes, args.link, config)
         measure.pin_cores(config, nnodes)
         inventory = cluster.config.inventory_path
-        data["cluster"] = (f"{nnodes} Debian containers on this machine's 2 cores (nodes 1 "
-                           "and 2, which run the bandwidth and scaling figures, on a core each), "
-                           f"compute link shaped to {args.link} with tbf")  # fmt: skip
+        data["cluster"] = (
+            f"{nnodes} Debian containers on this machine's 2 cores (nodes 1 "
+            "and 2, which run the bandwidth and scaling figures, on a core each), "
+            f"compute link shaped to {args.link} with tbf"
+        )
         if {"provision", "netcheck", "bandwidth"} & set(only):
             # netcheck passes only on provisioned nodes (names, firewall); timed anyway.
             data["provision"] = measure.measure_provision(inventory, args.reps, progress)

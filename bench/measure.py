@@ -125,10 +125,23 @@ def measure_provision(inventory: Path, reps: int, progress: Progress) -> dict:
 
 def netcheck_report(inventory: Path, nnodes: int, *extra: str, timeout: float = 600) -> dict:
     proc = subprocess.run(
-        [str(BIN / "netcheck"), "-i", str(inventory), "-n", str(nnodes), "--json", *extra,
-         "--env-file", str(inventory.parent / "netcheck-env.json")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        [
+            str(BIN / "netcheck"),
+            "-i",
+            str(inventory),
+            "-n",
+            str(nnodes),
+            "--json",
+            *extra,
+            "--env-file",
+            str(inventory.parent / "netcheck-env.json"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     try:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -153,9 +166,11 @@ def measure_netcheck(inventory: Path, config: sim.SimConfig, reps: int, progress
                 started = time.monotonic()
                 netcheck_report(inventory, nnodes)
                 times[name].append(time.monotonic() - started)
-            progress(f"netcheck: rep {rep + 1}/{reps}: half a core per node: 2 nodes "
-                     f"{times['two'][-1]:.1f} s, 4 nodes {times['four'][-1]:.1f} s; 2 nodes on "
-                     f"a core each {times['two_own_cores'][-1]:.1f} s")  # fmt: skip
+            progress(
+                f"netcheck: rep {rep + 1}/{reps}: half a core per node: 2 nodes "
+                f"{times['two'][-1]:.1f} s, 4 nodes {times['four'][-1]:.1f} s; 2 nodes on "
+                f"a core each {times['two_own_cores'][-1]:.1f} s"
+            )
     finally:
         pin_cores(config, 4, [0, 1, 0, 1])
     return {
@@ -202,9 +217,11 @@ def measure_bandwidth(
                 [r["busbw"][largest] for r in runs], [r["tcp"] for r in runs]
             ).as_dict(),
         }
-        progress(f"bandwidth ({name}): busbw at {largest >> 20} MiB "
-                 f"{result[name]['busbw_by_size'][str(largest)]['median']:.3f} GB/s, raw TCP "
-                 f"{result[name]['tcp_gbytes_per_s']['median']:.3f} GB/s")  # fmt: skip
+        progress(
+            f"bandwidth ({name}): busbw at {largest >> 20} MiB "
+            f"{result[name]['busbw_by_size'][str(largest)]['median']:.3f} GB/s, raw TCP "
+            f"{result[name]['tcp_gbytes_per_s']['median']:.3f} GB/s"
+        )
     shape(config, 2, link)
     return result
 
@@ -214,10 +231,20 @@ def measure_bandwidth(
 
 def train(inventory: Path, nnodes: int, module: str, args: list[str], timeout: float) -> str:
     proc = run(
-        [str(BIN / "train"), "-i", str(inventory), "--nnodes", str(nnodes), "--module", module,
-         "--", *args],
-        timeout=timeout, what=f"{module} on {nnodes} node(s)",
-    )  # fmt: skip
+        [
+            str(BIN / "train"),
+            "-i",
+            str(inventory),
+            "--nnodes",
+            str(nnodes),
+            "--module",
+            module,
+            "--",
+            *args,
+        ],
+        timeout=timeout,
+        what=f"{module} on {nnodes} node(s)",
+    )
     return proc.stdout
 
 
@@ -294,8 +321,9 @@ def _until_first_step(
             if index == watch and FIRST_STEP.search(line) and not seen.is_set():
                 seen.set()
 
-    readers = [threading.Thread(target=read, args=(i, p), daemon=True)
-               for i, p in enumerate(processes)]  # fmt: skip
+    readers = [
+        threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(processes)
+    ]
     for reader in readers:
         reader.start()
     deadline = started + timeout
@@ -317,10 +345,17 @@ def _until_first_step(
 
 
 def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
-    command = ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2",
-               f"ARGS={shlex.join(args)}"]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    command = [
+        "make",
+        "--no-print-directory",
+        "train",
+        f"INVENTORY={inventory}",
+        "NNODES=2",
+        f"ARGS={shlex.join(args)}",
+    ]
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     return _until_first_step([proc], 0, 600)
 
 
@@ -336,12 +371,24 @@ def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
         command = remote_command(
             host, hosts[0], len(hosts), spec, inventory.rendezvous_port, env[host.name]
         )
-        ssh = ["ssh", "-i", str(host.ssh_key), "-p", str(host.ssh_port),
-               "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-               "-o", f"UserKnownHostsFile={inventory.known_hosts}",
-               f"{host.ssh_user}@{host.ssh_address}", command]  # fmt: skip
-        processes.append(subprocess.Popen(ssh, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        ssh = [
+            "ssh",
+            "-i",
+            str(host.ssh_key),
+            "-p",
+            str(host.ssh_port),
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            f"UserKnownHostsFile={inventory.known_hosts}",
+            f"{host.ssh_user}@{host.ssh_address}",
+            command,
+        ]
+        processes.append(
+            subprocess.Popen(ssh, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     return _until_first_step(processes, 0, 600)
 
 
@@ -356,8 +403,10 @@ def measure_launcher(inventory_path: Path, args: list[str], reps: int, progress:
         by_hand.append(by_hand_to_first_step(inventory, args))
         if not first_ours:
             ours.append(make_train_to_first_step(inventory_path, args))
-        progress(f"launcher: rep {rep + 1}/{reps}: make train {ours[-1]:.1f} s, "
-                 f"torchrun by hand {by_hand[-1]:.1f} s to the first step")  # fmt: skip
+        progress(
+            f"launcher: rep {rep + 1}/{reps}: make train {ours[-1]:.1f} s, "
+            f"torchrun by hand {by_hand[-1]:.1f} s to the first step"
+        )
     return {
         "make_train_seconds": Series(ours).as_dict(),
         "by_hand_seconds": Series(by_hand).as_dict(),
@@ -393,10 +442,18 @@ def edit_loop_project(root: Path) -> Path:
 def _train_in_containers(inventory: Path, script: Path) -> tuple[float, dict[str, int]]:
     """make train of `script`: seconds to the first step, and the bytes the project's sync sent
     each node."""
-    command = ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2",
-               f"SCRIPT={script}", f"ARGS={shlex.join(EDIT_LOOP_ARGS)}"]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    command = [
+        "make",
+        "--no-print-directory",
+        "train",
+        f"INVENTORY={inventory}",
+        "NNODES=2",
+        f"SCRIPT={script}",
+        f"ARGS={shlex.join(EDIT_LOOP_ARGS)}",
+    ]
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     outputs: list = []
     seconds = _until_first_step([proc], 0, 900, outputs)
     project_line = next(line for line in outputs[0] if f"{script.parent} (" in line)
@@ -418,10 +475,15 @@ def measure_edit_loop(inventory_path: Path, reps: int, progress: Progress) -> di
     document["all"]["children"]["nodes"]["hosts"] = dict(list(hosts.items())[:2])
     inventory = inventory_path.with_name("inventory-containers.yml")
     inventory.write_text(yaml.safe_dump(document, sort_keys=False))
-    progress("edit loop: provisioning 2 nodes for jobs in containers (builds and ships the "
-             "training image)...")  # fmt: skip
-    run(["make", "--no-print-directory", "provision", f"INVENTORY={inventory}"], timeout=3600,
-        what="make provision (containers)")  # fmt: skip
+    progress(
+        "edit loop: provisioning 2 nodes for jobs in containers (builds and ships the "
+        "training image)..."
+    )
+    run(
+        ["make", "--no-print-directory", "provision", f"INVENTORY={inventory}"],
+        timeout=3600,
+        what="make provision (containers)",
+    )
     unchanged, edited, sent = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-project-") as scratch:
         script = edit_loop_project(Path(scratch) / "project")
@@ -439,8 +501,10 @@ def measure_edit_loop(inventory_path: Path, reps: int, progress: Progress) -> di
             sent.append(float(max(bytes_sent.values())))
             if not rep % 2:
                 unchanged.append(_train_in_containers(inventory, script)[0])
-            progress(f"edit loop: rep {rep + 1}/{reps}: after an edit {edited[-1]:.1f} s, "
-                     f"nothing changed {unchanged[-1]:.1f} s; {sent[-1]:.0f} bytes per node")  # fmt: skip
+            progress(
+                f"edit loop: rep {rep + 1}/{reps}: after an edit {edited[-1]:.1f} s, "
+                f"nothing changed {unchanged[-1]:.1f} s; {sent[-1]:.0f} bytes per node"
+            )
     return {
         "workdir_files": EDIT_LOOP_FILES,
         "workdir_bytes": size,

@@ -54,8 +54,12 @@ def figures(data: dict) -> dict[str, float | None]:
                 found["auto_vs_best"] = auto / best_rate
                 if _rate(scaling, "none"):
                     found["auto_vs_plain"] = auto / _rate(scaling, "none")
-    for key, section in (("launcher", "launcher"), ("netcheck", "netcheck"),
-                         ("provision", "provision"), ("edit_loop", "edit_loop")):  # fmt: skip
+    for key, section in (
+        ("launcher", "launcher"),
+        ("netcheck", "netcheck"),
+        ("provision", "provision"),
+        ("edit_loop", "edit_loop"),
+    ):
         if data.get(section):
             found[key] = _median(data[section]["ratio"])
     if data.get("edit_loop"):
@@ -75,8 +79,10 @@ def meets(key: str, value: float | None) -> str:
 
 
 def _spread(item: dict, fmt: str = "{:.3f}") -> str:
-    return (f"{fmt.format(item['median'])} ({fmt.format(item['min'])} to "
-            f"{fmt.format(item['max'])}, n={item['n']})")  # fmt: skip
+    return (
+        f"{fmt.format(item['median'])} ({fmt.format(item['min'])} to "
+        f"{fmt.format(item['max'])}, n={item['n']})"
+    )
 
 
 def markdown(data: dict) -> str:
@@ -98,82 +104,128 @@ def markdown(data: dict) -> str:
         lines.append(f"| {text} | {shown} | {target} | {meets(key, value)} |")
     bandwidth = data.get("bandwidth")
     if bandwidth:
-        lines += ["", "## 1. Bus bandwidth against raw TCP (all_reduce, gloo, 2 nodes)", "",
-                  "| message | busbw 1 Gbit/s (GB/s) | busbw unshaped (GB/s) |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "## 1. Bus bandwidth against raw TCP (all_reduce, gloo, 2 nodes)",
+            "",
+            "| message | busbw 1 Gbit/s (GB/s) | busbw unshaped (GB/s) |",
+            "|---|---|---|",
+        ]
         shaped, free = bandwidth["shaped"], bandwidth["unshaped"]
         for size, item in shaped["busbw_by_size"].items():
             other = free["busbw_by_size"].get(size)
-            lines.append(f"| {human_bytes(int(size))} | {_spread(item)} | "
-                         f"{_spread(other) if other else '-'} |")  # fmt: skip
-        lines.append(f"| raw TCP, same link | {_spread(shaped['tcp_gbytes_per_s'])} | "
-                     f"{_spread(free['tcp_gbytes_per_s'])} |")  # fmt: skip
-        lines.append(f"| busbw / TCP at {human_bytes(shaped['largest_bytes'])} | "
-                     f"{_spread(shaped['busbw_over_tcp'], '{:.2f}')} | "
-                     f"{_spread(free['busbw_over_tcp'], '{:.2f}')} |")  # fmt: skip
+            lines.append(
+                f"| {human_bytes(int(size))} | {_spread(item)} | "
+                f"{_spread(other) if other else '-'} |"
+            )
+        lines.append(
+            f"| raw TCP, same link | {_spread(shaped['tcp_gbytes_per_s'])} | "
+            f"{_spread(free['tcp_gbytes_per_s'])} |"
+        )
+        lines.append(
+            f"| busbw / TCP at {human_bytes(shaped['largest_bytes'])} | "
+            f"{_spread(shaped['busbw_over_tcp'], '{:.2f}')} | "
+            f"{_spread(free['busbw_over_tcp'], '{:.2f}')} |"
+        )
     scaling = data.get("scaling")
     if scaling:
         work = scaling.get("workload", {})
-        lines += ["", "## 2. Scaling efficiency per lever (ResNet-18, 1 Gbit/s link)", "",
-                  f"Per-rank micro-batch {work.get('batch')}, {work.get('accumulate')} "
-                  "micro-batches per optimizer step for every lever (the same global batch); "
-                  "each node pinned to its own core. Efficiency: samples/s of 2 nodes over "
-                  "twice that of 1 node "
-                  f"({_spread(scaling['baseline_samples_per_second'], '{:.1f}')} samples/s).",
-                  "", "| lever | samples/s (2 nodes) | scaling efficiency |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "## 2. Scaling efficiency per lever (ResNet-18, 1 Gbit/s link)",
+            "",
+            f"Per-rank micro-batch {work.get('batch')}, {work.get('accumulate')} "
+            "micro-batches per optimizer step for every lever (the same global batch); "
+            "each node pinned to its own core. Efficiency: samples/s of 2 nodes over "
+            "twice that of 1 node "
+            f"({_spread(scaling['baseline_samples_per_second'], '{:.1f}')} samples/s).",
+            "",
+            "| lever | samples/s (2 nodes) | scaling efficiency |",
+            "|---|---|---|",
+        ]
         for lever, item in scaling["levers"].items():
-            lines.append(f"| {lever} | {_spread(item['samples_per_second'], '{:.1f}')} | "
-                         f"{_spread(item['efficiency'], '{:.2f}')} |")  # fmt: skip
+            lines.append(
+                f"| {lever} | {_spread(item['samples_per_second'], '{:.1f}')} | "
+                f"{_spread(item['efficiency'], '{:.2f}')} |"
+            )
         selection = scaling.get("auto_selection")
         if selection:
             timings = ", ".join(f"{k} {v:.2f}" for k, v in selection["timings"].items())
-            lines += ["", f"`auto` timed the candidates (s per optimizer step: {timings}) in "
-                      f"{selection['seconds']:.1f} s and chose **{selection['chosen']}**."]  # fmt: skip
+            lines += [
+                "",
+                f"`auto` timed the candidates (s per optimizer step: {timings}) in "
+                f"{selection['seconds']:.1f} s and chose **{selection['chosen']}**.",
+            ]
     accuracy = data.get("powersgd_accuracy")
     if accuracy:
-        lines += ["", "## 3. PowerSGD's accuracy cost", "",
-                  f"Same job, same steps and seed (`{' '.join(accuracy['args'])}`): validation "
-                  f"accuracy {accuracy['val_accuracy_none']:.2f} % without a hook, "
-                  f"{accuracy['val_accuracy_powersgd']:.2f} % with PowerSGD "
-                  f"({accuracy['cost_points']:+.2f} points of cost)."]  # fmt: skip
+        lines += [
+            "",
+            "## 3. PowerSGD's accuracy cost",
+            "",
+            f"Same job, same steps and seed (`{' '.join(accuracy['args'])}`): validation "
+            f"accuracy {accuracy['val_accuracy_none']:.2f} % without a hook, "
+            f"{accuracy['val_accuracy_powersgd']:.2f} % with PowerSGD "
+            f"({accuracy['cost_points']:+.2f} points of cost).",
+        ]
     for key, title, a, b in (
-        ("launcher", "4. Launcher overhead (time to the first training step)",
-         "make_train_seconds", "by_hand_seconds"),
+        (
+            "launcher",
+            "4. Launcher overhead (time to the first training step)",
+            "make_train_seconds",
+            "by_hand_seconds",
+        ),
         ("netcheck", "5. netcheck wall time", "four_nodes_seconds", "two_nodes_seconds"),
-    ):  # fmt: skip
+    ):
         section = data.get(key)
         if section:
-            lines += ["", f"## {title}", "", f"- {a}: {_spread(section[a], '{:.1f}')}",
-                      f"- {b}: {_spread(section[b], '{:.1f}')}",
-                      f"- ratio: {_spread(section['ratio'], '{:.2f}')}"]  # fmt: skip
+            lines += [
+                "",
+                f"## {title}",
+                "",
+                f"- {a}: {_spread(section[a], '{:.1f}')}",
+                f"- {b}: {_spread(section[b], '{:.1f}')}",
+                f"- ratio: {_spread(section['ratio'], '{:.2f}')}",
+            ]
     netcheck = data.get("netcheck")
     if netcheck and "ratio_own_cores" in netcheck:
-        lines += ["", "Each node had half a core in both runs (4 nodes on this machine's 2 cores; "
-                  "the 2 nodes on one core), as real nodes keep their CPUs when others join. "
-                  "With the 2 nodes on a core each "
-                  f"({_spread(netcheck['two_nodes_own_cores_seconds'], '{:.1f}')} s), the "
-                  f"ratio is {_spread(netcheck['ratio_own_cores'], '{:.2f}')}: then the 4-node "
-                  "run mostly measures twice the torch imports (about 2.5 s of CPU per node) on "
-                  "the same 2 cores."]  # fmt: skip
+        lines += [
+            "",
+            "Each node had half a core in both runs (4 nodes on this machine's 2 cores; "
+            "the 2 nodes on one core), as real nodes keep their CPUs when others join. "
+            "With the 2 nodes on a core each "
+            f"({_spread(netcheck['two_nodes_own_cores_seconds'], '{:.1f}')} s), the "
+            f"ratio is {_spread(netcheck['ratio_own_cores'], '{:.2f}')}: then the 4-node "
+            "run mostly measures twice the torch imports (about 2.5 s of CPU per node) on "
+            "the same 2 cores.",
+        ]
     provision = data.get("provision")
     if provision:
-        lines += ["", "## 6. Provisioning", "",
-                  f"- first run on fresh nodes: {provision['first_seconds']:.0f} s (once: it "
-                  "needs fresh nodes)",
-                  f"- second, idempotent run: {_spread(provision['second_seconds'], '{:.0f}')} s",
-                  f"- ratio: {_spread(provision['ratio'], '{:.2f}')}"]  # fmt: skip
+        lines += [
+            "",
+            "## 6. Provisioning",
+            "",
+            f"- first run on fresh nodes: {provision['first_seconds']:.0f} s (once: it "
+            "needs fresh nodes)",
+            f"- second, idempotent run: {_spread(provision['second_seconds'], '{:.0f}')} s",
+            f"- ratio: {_spread(provision['ratio'], '{:.2f}')}",
+        ]
     edit = data.get("edit_loop")
     if edit:
-        lines += ["", "## 7. The edit loop (jobs in containers)", "",
-                  f"A project of {edit['workdir_files']} small files "
-                  f"({human_bytes(edit['workdir_bytes'])}); one module edited by one line before "
-                  "each edited run.",
-                  f"- time to the first step after the edit: "
-                  f"{_spread(edit['edited_seconds'], '{:.1f}')} s",
-                  f"- with nothing changed: {_spread(edit['unchanged_seconds'], '{:.1f}')} s",
-                  f"- ratio: {_spread(edit['ratio'], '{:.2f}')}",
-                  f"- bytes sent per node for the edit (rsync: file list, checksums, delta): "
-                  f"{_spread(edit['edit_bytes_per_node'], '{:.0f}')}, against "
-                  f"{human_bytes(edit['workdir_bytes'])} for the whole project"]  # fmt: skip
+        lines += [
+            "",
+            "## 7. The edit loop (jobs in containers)",
+            "",
+            f"A project of {edit['workdir_files']} small files "
+            f"({human_bytes(edit['workdir_bytes'])}); one module edited by one line before "
+            "each edited run.",
+            f"- time to the first step after the edit: "
+            f"{_spread(edit['edited_seconds'], '{:.1f}')} s",
+            f"- with nothing changed: {_spread(edit['unchanged_seconds'], '{:.1f}')} s",
+            f"- ratio: {_spread(edit['ratio'], '{:.2f}')}",
+            f"- bytes sent per node for the edit (rsync: file list, checksums, delta): "
+            f"{_spread(edit['edit_bytes_per_node'], '{:.0f}')}, against "
+            f"{human_bytes(edit['workdir_bytes'])} for the whole project",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -192,8 +244,12 @@ def plots(data: dict, directory: Path) -> list[Path]:
             sizes = [int(s) for s in item["busbw_by_size"]]
             medians = [v["median"] for v in item["busbw_by_size"].values()]
             (line,) = axes.plot(sizes, medians, style, label=f"all_reduce busbw, {item['link']}")
-            axes.axhline(item["tcp_gbytes_per_s"]["median"], color=line.get_color(),
-                         linestyle="--", label=f"raw TCP, {item['link']}")  # fmt: skip
+            axes.axhline(
+                item["tcp_gbytes_per_s"]["median"],
+                color=line.get_color(),
+                linestyle="--",
+                label=f"raw TCP, {item['link']}",
+            )
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("message size (bytes)")

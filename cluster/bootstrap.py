@@ -175,9 +175,13 @@ def ensure_key(path: Path) -> tuple[str, bool]:
 def _ssh_keygen(*args: str) -> str:
     try:
         done = subprocess.run(
-            ["ssh-keygen", *args], capture_output=True, text=True, check=False, timeout=60,
+            ["ssh-keygen", *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
             stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
     except FileNotFoundError:
         raise ClusterError(
             "ssh-keygen is not installed", hint="apt-get install openssh-client"
@@ -432,10 +436,16 @@ def _password_session(
     client.load_host_keys(str(known_hosts))
     try:
         client.connect(
-            host.ssh_address, port=host.ssh_port, username=user, password=password,
-            look_for_keys=False, allow_agent=False, timeout=CONNECT_TIMEOUT,
-            banner_timeout=CONNECT_TIMEOUT, auth_timeout=CONNECT_TIMEOUT,
-        )  # fmt: skip
+            host.ssh_address,
+            port=host.ssh_port,
+            username=user,
+            password=password,
+            look_for_keys=False,
+            allow_agent=False,
+            timeout=CONNECT_TIMEOUT,
+            banner_timeout=CONNECT_TIMEOUT,
+            auth_timeout=CONNECT_TIMEOUT,
+        )
     except paramiko.BadAuthenticationType as exc:
         client.close()
         raise NodeFailed(

@@ -43,23 +43,28 @@ def _parser() -> argparse.ArgumentParser:
         description="Build the training image from docker/Dockerfile and print what it holds.",
     )
     image.add_argument(
-        "--kind", choices=("auto", "cpu", "cuda"), default="auto",
+        "--kind",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
         help="cuda: the pinned torch wheels with CUDA, cuDNN, NCCL and triton; cpu: the CPU twin "
         "(the simulated cluster); auto: CUDA when this machine has a working nvidia-smi, else "
         "CPU (default)",
-    )  # fmt: skip
+    )
     image.add_argument(
-        "--base-image", default=None,
+        "--base-image",
+        default=None,
         help="build on this image's own torch instead of the pinned wheels (e.g. NVIDIA's "
         "nvcr.io/nvidia/pytorch:YY.MM-py3); refused when its torch is older than the project's "
         "minimum",
-    )  # fmt: skip
+    )
     image.add_argument("--tag", default=DEFAULT_TRAINING_IMAGE, help="default: %(default)s")
     image.add_argument(
-        "-i", "--inventory", default=None,
+        "-i",
+        "--inventory",
+        default=None,
         help="build what this inventory's jobs need: its training_image, CUDA if any node has "
         "GPUs; nothing when launch_mode is host",
-    )  # fmt: skip
+    )
 
     data = commands.add_parser(
         "data",
@@ -68,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         "directory's own name), all nodes at once; only what changed travels, so a second run "
         "with nothing changed sends no file. Jobs then use --data-dir NAME (relative paths "
         "resolve under data_root, on the nodes and in the containers).",
-    )  # fmt: skip
+    )
     data.add_argument("-i", "--inventory", help=INVENTORY_HELP)
     data.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
     data.add_argument("source", nargs="?", help="the dataset directory (make data SRC=dir)")
@@ -81,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         "the inventory's, which provisioning makes every node resolve to its compute address. "
         "For launchers typed by hand: deepspeed --hostfile, horovodrun -hostfile, mpirun "
         "--hostfile.",
-    )  # fmt: skip
+    )
     hostfile.add_argument("-i", "--inventory", help=INVENTORY_HELP)
     hostfile.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
 
@@ -96,23 +101,27 @@ def _parser() -> argparse.ArgumentParser:
         "asked once (again only for a node that refuses it) and never stored, shown or put on "
         "a command line. A second run asks nothing and changes nothing. Exit 0 when every node "
         "is ready for provisioning; otherwise one line per failed node and exit 1.",
-    )  # fmt: skip
+    )
     boot.add_argument("-i", "--inventory", help=INVENTORY_HELP)
     boot.add_argument(
-        "--fingerprints", default=None, metavar="FILE",
+        "--fingerprints",
+        default=None,
+        metavar="FILE",
         help="expected host-key fingerprints, one 'NODE SHA256:...' line per node (NODE: the "
         "inventory name or address), for unattended runs; without it each key is confirmed at "
         "a prompt",
-    )  # fmt: skip
+    )
     boot.add_argument(
-        "--disable-password-login", action="store_true",
+        "--disable-password-login",
+        action="store_true",
         help="once key login and sudo are proven on a node, turn SSH password login off there "
         "(a drop-in checked by sshd -t)",
-    )  # fmt: skip
+    )
     boot.add_argument(
-        "--password-stdin", action="store_true",
+        "--password-stdin",
+        action="store_true",
         help="read the login password from the first line of standard input instead of asking",
-    )  # fmt: skip
+    )
 
     simulated = commands.add_parser(
         "sim", help="the simulated cluster (node containers reached over SSH)"
@@ -131,14 +140,16 @@ def _parser() -> argparse.ArgumentParser:
             "--subnet", default=sim.DEFAULT_SUBNET, help="compute subnet (default: %(default)s)"
         )
         sub.add_argument(
-            "--mgmt-subnet", default=sim.DEFAULT_MGMT_SUBNET,
+            "--mgmt-subnet",
+            default=sim.DEFAULT_MGMT_SUBNET,
             help="management (SSH) subnet (default: %(default)s)",
-        )  # fmt: skip
+        )
         sub.add_argument(
-            "--state-dir", default=None,
+            "--state-dir",
+            default=None,
             help="where the inventory, SSH key and known_hosts go (default: .sim for the "
             "default cluster, .sim/NAME for others)",
-        )  # fmt: skip
+        )
         if name == "up":
             sub.add_argument("-n", "--nodes", type=int, default=2, help="1 to 4 (default: 2)")
             sub.add_argument(
@@ -147,11 +158,12 @@ def _parser() -> argparse.ArgumentParser:
                 help="shape every node's link, e.g. 1gbit (default: unshaped)",
             )
             sub.add_argument(
-                "--fresh", action="store_true",
+                "--fresh",
+                action="store_true",
                 help=f"nodes as a fresh install leaves them: user {sim.FRESH_USER} with a "
                 "password (asked now, or the first line of standard input), sudo asking for it, "
                 "SSH password login, no key; then make bootstrap",
-            )  # fmt: skip
+            )
     return parser
 
 
@@ -163,13 +175,17 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "check":
         inventory = inventory_module.load(args.inventory)
         hosts = inventory.first(args.nnodes).hosts
-        print(f"inventory {inventory.path}: valid, {len(inventory.hosts)} host(s), "
-              f"compute subnet {inventory.compute_subnet}, rendezvous port "
-              f"{inventory.rendezvous_port}")  # fmt: skip
+        print(
+            f"inventory {inventory.path}: valid, {len(inventory.hosts)} host(s), "
+            f"compute subnet {inventory.compute_subnet}, rendezvous port "
+            f"{inventory.rendezvous_port}"
+        )
         for rank, host in enumerate(hosts):
             role = "master" if rank == 0 else "worker"
-            print(f"  node_rank {rank}  {host.name:<16} ssh {host.ssh_address:<16} compute "
-                  f"{host.compute_ip} ({host.compute_interface})  gpus {host.gpus}  {role}")  # fmt: skip
+            print(
+                f"  node_rank {rank}  {host.name:<16} ssh {host.ssh_address:<16} compute "
+                f"{host.compute_ip} ({host.compute_interface})  gpus {host.gpus}  {role}"
+            )
         return 0
 
     if args.command == "image":
@@ -183,8 +199,10 @@ def run(args: argparse.Namespace) -> int:
         if args.inventory:
             inventory = inventory_module.load(args.inventory)
             if inventory.launch_mode != "container":
-                print(f"inventory {inventory.path}: launch_mode {inventory.launch_mode}, no "
-                      "training image needed.")  # fmt: skip
+                print(
+                    f"inventory {inventory.path}: launch_mode {inventory.launch_mode}, no "
+                    "training image needed."
+                )
                 return 0
             tag = inventory.training_image
             if kind == "auto":
@@ -214,32 +232,46 @@ def run(args: argparse.Namespace) -> int:
         ask = args.fresh and not sim.status(config)
         password = _new_password(sim.FRESH_USER) if ask else None
         cluster = sim.up(
-            args.nodes, args.link, config, progress=_progress, fresh=args.fresh,
+            args.nodes,
+            args.link,
+            config,
+            progress=_progress,
+            fresh=args.fresh,
             fresh_password=password,
-        )  # fmt: skip
+        )
         inventory = cluster.config.inventory_path
         shaped = f", every link shaped to {cluster.link}" if cluster.link else ""
-        print(f"Simulated cluster '{config.name}': {len(cluster.nodes)} node(s) up over SSH in "
-              f"{cluster.seconds:.1f} s{shaped}.")  # fmt: skip
+        print(
+            f"Simulated cluster '{config.name}': {len(cluster.nodes)} node(s) up over SSH in "
+            f"{cluster.seconds:.1f} s{shaped}."
+        )
         for index, name in enumerate(cluster.nodes, start=1):
-            print(f"  {name}  ssh {config.mgmt_ip(index)}  compute {config.node_ip(index)} "
-                  f"({sim.COMPUTE_INTERFACE})  container {config.container(index)}")  # fmt: skip
+            print(
+                f"  {name}  ssh {config.mgmt_ip(index)}  compute {config.node_ip(index)} "
+                f"({sim.COMPUTE_INTERFACE})  container {config.container(index)}"
+            )
         print(f"Inventory: {inventory}")
         print("Use it:")
         if args.fresh:
-            print(f"  make bootstrap INVENTORY={inventory}   (first: {sim.FRESH_USER}'s password, "
-                  "each node's host key)")  # fmt: skip
+            print(
+                f"  make bootstrap INVENTORY={inventory}   (first: {sim.FRESH_USER}'s password, "
+                "each node's host key)"
+            )
         print(f"  make provision INVENTORY={inventory}")
         print(f"  make netcheck  INVENTORY={inventory}")
         print(f"  make train     INVENTORY={inventory} NNODES={len(cluster.nodes)}")
         user = sim.FRESH_USER if args.fresh else "root"
-        print(f"  ssh -i {config.key_path} -o UserKnownHostsFile={config.known_hosts_path} "
-              f"{user}@{config.mgmt_ip(1)}")  # fmt: skip
+        print(
+            f"  ssh -i {config.key_path} -o UserKnownHostsFile={config.known_hosts_path} "
+            f"{user}@{config.mgmt_ip(1)}"
+        )
         return 0
     if args.sim_command == "down":
         removed = sim.down(config, progress=_progress)
-        print(f"Simulated cluster '{config.name}' removed: {removed.containers} container(s), "
-              f"{removed.networks} network(s), {removed.volumes} volume(s).")  # fmt: skip
+        print(
+            f"Simulated cluster '{config.name}' removed: {removed.containers} container(s), "
+            f"{removed.networks} network(s), {removed.volumes} volume(s)."
+        )
         return 0
     nodes = sim.status(config)
     if not nodes:
@@ -276,9 +308,12 @@ def _bootstrap(args: argparse.Namespace) -> int:
     prompter = bootstrap.Prompter(password_stdin=args.password_stdin)
     print(f"Bootstrap of {len(inventory.hosts)} node(s) of {inventory.path}:", flush=True)
     outcome = bootstrap.bootstrap(
-        inventory, prompter, lambda line: print(line, flush=True), fingerprints,
+        inventory,
+        prompter,
+        lambda line: print(line, flush=True),
+        fingerprints,
         args.disable_password_login,
-    )  # fmt: skip
+    )
     print("Summary:")
     for node in outcome.nodes:
         if not node.ok:
@@ -290,14 +325,20 @@ def _bootstrap(args: argparse.Namespace) -> int:
         print(f"  {node.host.name:<12} {state}")
     failed = [node for node in outcome.nodes if not node.ok]
     for node in failed:
-        print(f"Error: host '{node.host.name}' ({node.host.ssh_address}): {node.failed}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"Error: host '{node.host.name}' ({node.host.ssh_address}): {node.failed}",
+            file=sys.stderr,
+        )
     if failed:
-        print(f"{len(failed)} of {len(outcome.nodes)} node(s) not bootstrapped; the others are "
-              "ready. Fix what is named above and run make bootstrap again.")  # fmt: skip
+        print(
+            f"{len(failed)} of {len(outcome.nodes)} node(s) not bootstrapped; the others are "
+            "ready. Fix what is named above and run make bootstrap again."
+        )
         return 1
-    print(f"All {len(outcome.nodes)} node(s) take key login and passwordless sudo. Next: "
-          f"make provision INVENTORY={inventory.path}")  # fmt: skip
+    print(
+        f"All {len(outcome.nodes)} node(s) take key login and passwordless sudo. Next: "
+        f"make provision INVENTORY={inventory.path}"
+    )
     return 0
 
 
@@ -310,17 +351,26 @@ def _data(args: argparse.Namespace) -> int:
     hosts = inventory.first(args.nnodes).hosts
     tree = sync.data_tree(Path(args.source))
     destination = f"{inventory.data_root}/{sync.safe_name(tree.root.name)}"
-    print(f"Copying {tree.root} ({len(tree.files)} files, {sync.human(tree.size)}) to "
-          f"{destination} on {len(hosts)} node(s)...", flush=True)  # fmt: skip
-    sent = sync.push(inventory, hosts, tree, destination, lambda line: print(line, flush=True),
-                     label="data")  # fmt: skip
+    print(
+        f"Copying {tree.root} ({len(tree.files)} files, {sync.human(tree.size)}) to "
+        f"{destination} on {len(hosts)} node(s)...",
+        flush=True,
+    )
+    sent = sync.push(
+        inventory, hosts, tree, destination, lambda line: print(line, flush=True), label="data"
+    )
     for name, done in sent.items():
-        print(f"  {name:<12} {done.files} file(s) sent, {sync.human(done.bytes_sent)} over the "
-              f"wire, in {done.seconds:.1f} s")  # fmt: skip
+        print(
+            f"  {name:<12} {done.files} file(s) sent, {sync.human(done.bytes_sent)} over the "
+            f"wire, in {done.seconds:.1f} s"
+        )
     total = sum(done.bytes_sent for done in sent.values())
     changed = sum(done.files for done in sent.values())
-    print(f"Done: {changed} file(s), {sync.human(total)} sent in all"
-          + ("" if changed else " (every node already had it)") + ".")  # fmt: skip
+    print(
+        f"Done: {changed} file(s), {sync.human(total)} sent in all"
+        + ("" if changed else " (every node already had it)")
+        + "."
+    )
     print(
         f"Use it in a job as --data-dir {destination.rsplit('/', 1)[1]} ({destination} on every node)."
     )

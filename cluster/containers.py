@@ -28,11 +28,25 @@ def training_container_options(host: Host, memlock: str, label: str) -> list[str
     """
     limit = "-1:-1" if memlock == "unlimited" else f"{memlock}:{memlock}"
     options = [
-        "docker", "run", "--rm", "--init", "--pull", "never", "--label", label,
-        "--network", "host", "--ipc", "host",
-        "--ulimit", f"memlock={limit}", "--ulimit", "stack=67108864",
-        "-v", f"{NCCL_CONF}:{NCCL_CONF}:ro",
-    ]  # fmt: skip
+        "docker",
+        "run",
+        "--rm",
+        "--init",
+        "--pull",
+        "never",
+        "--label",
+        label,
+        "--network",
+        "host",
+        "--ipc",
+        "host",
+        "--ulimit",
+        f"memlock={limit}",
+        "--ulimit",
+        "stack=67108864",
+        "-v",
+        f"{NCCL_CONF}:{NCCL_CONF}:ro",
+    ]
     if host.gpus > 0:
         options += ["--gpus", "all"]
     return options

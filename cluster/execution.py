@@ -36,9 +36,12 @@ class Session(Protocol):
     def connect(self) -> None: ...
 
     def run(
-        self, command: str, timeout: float | None = 60, check: bool = False,
+        self,
+        command: str,
+        timeout: float | None = 60,
+        check: bool = False,
         stdin: str | None = None,
-    ) -> Result: ...  # fmt: skip
+    ) -> Result: ...
 
     def stream(self, command: str, out) -> int:
         """Run `command` on a terminal, its output written to `out` as it comes; its exit

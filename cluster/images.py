@@ -77,20 +77,28 @@ def build_args(kind: str, base_image: str | None = None, wheels_url: str = "") -
     if kind not in ("cpu", "cuda"):
         raise ClusterError(f"image kind {kind!r} is not one of {', '.join(KINDS)}")
     common = [
-        "-f", str(DOCKERFILE),
-        "--build-arg", f"PROJECT_VERSION={__version__}",
-        "--build-arg", f"TORCH_VERSION={TORCH_VERSION}",
-        "--build-arg", f"TORCHVISION_VERSION={TORCHVISION_VERSION}",
-    ]  # fmt: skip
+        "-f",
+        str(DOCKERFILE),
+        "--build-arg",
+        f"PROJECT_VERSION={__version__}",
+        "--build-arg",
+        f"TORCH_VERSION={TORCH_VERSION}",
+        "--build-arg",
+        f"TORCHVISION_VERSION={TORCHVISION_VERSION}",
+    ]
     if base_image is not None:
         return [*common, "--build-arg", f"BASE_IMAGE={base_image}"]
     return [
         *common,
-        "--network", "host",
-        "--build-arg", f"BASE_IMAGE={CPU_BASE_IMAGE}",
-        "--build-arg", f"WHEELS_URL={wheels_url}",
-        "--build-arg", f"KEEP_GPU_LIBRARIES={1 if kind == 'cuda' else 0}",
-    ]  # fmt: skip
+        "--network",
+        "host",
+        "--build-arg",
+        f"BASE_IMAGE={CPU_BASE_IMAGE}",
+        "--build-arg",
+        f"WHEELS_URL={wheels_url}",
+        "--build-arg",
+        f"KEEP_GPU_LIBRARIES={1 if kind == 'cuda' else 0}",
+    ]
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):
@@ -169,8 +177,18 @@ def label_command(image_id: str, tag: str, torch: str, made_from: str) -> tuple[
     """The `docker build` that puts the torch and recipe labels on a built image, and the
     Dockerfile it reads on stdin: no context is sent, and a rebuild with the same labels is a
     cache hit."""
-    command = ["docker", "build", "--quiet", "--label", f"{TORCH_LABEL}={torch}",
-               "--label", f"{RECIPE_LABEL}={made_from}", "-t", tag, "-"]  # fmt: skip
+    command = [
+        "docker",
+        "build",
+        "--quiet",
+        "--label",
+        f"{TORCH_LABEL}={torch}",
+        "--label",
+        f"{RECIPE_LABEL}={made_from}",
+        "-t",
+        tag,
+        "-",
+    ]
     return command, f"FROM {image_id}\n"
 
 
@@ -198,17 +216,35 @@ def fetch_wheels(progress: Progress) -> None:
     present = [p.name for p in WHEELS_DIR.glob("*.whl")] if WHEELS_DIR.exists() else []
     if all(any(name.startswith(w) for name in present) for w in wanted):
         return
-    progress(f"Downloading torch {TORCH_VERSION}, torchvision {TORCHVISION_VERSION} and "
-             f"TensorBoard wheels into {WHEELS_DIR} (once, ~3 GB)...")  # fmt: skip
+    progress(
+        f"Downloading torch {TORCH_VERSION}, torchvision {TORCHVISION_VERSION} and "
+        f"TensorBoard wheels into {WHEELS_DIR} (once, ~3 GB)..."
+    )
     WHEELS_DIR.mkdir(parents=True, exist_ok=True)
     # Wheels only (nothing to compile in the image), for the base's Python and this machine's
     # platform, which is the engine's.
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(WHEELS_DIR),
-         "--only-binary", ":all:", "--python-version", CPU_BASE_PYTHON, f"torch=={TORCH_VERSION}",
-         f"torchvision=={TORCHVISION_VERSION}", TENSORBOARD_REQUIREMENT, PYYAML_REQUIREMENT],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--dest",
+            str(WHEELS_DIR),
+            "--only-binary",
+            ":all:",
+            "--python-version",
+            CPU_BASE_PYTHON,
+            f"torch=={TORCH_VERSION}",
+            f"torchvision=={TORCHVISION_VERSION}",
+            TENSORBOARD_REQUIREMENT,
+            PYYAML_REQUIREMENT,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise ClusterError(f"downloading the wheels failed: {tail[0]}", exit_code=1)
@@ -262,8 +298,10 @@ def _image_id(tag: str) -> str:
 def _docker_build(arguments: list[str], tag: str, progress: Progress, base: str | None) -> None:
     process = subprocess.Popen(
         ["docker", "build", *arguments, "-t", tag, str(REPO_ROOT)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     tail: list[str] = []
     for line in process.stdout:
         line = line.rstrip()

@@ -72,9 +72,12 @@ MAX_MEMLOCK = 2**63 - 1
 # Host keys are always checked (README, ansible.cfg): an inventory may not switch that off for
 # Ansible through the SSH options it passes, nor trust a key on first use.
 SSH_OPTION_FIELDS = (
-    "ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_ssh_args",
-    "ansible_scp_extra_args", "ansible_sftp_extra_args",
-)  # fmt: skip
+    "ansible_ssh_common_args",
+    "ansible_ssh_extra_args",
+    "ansible_ssh_args",
+    "ansible_scp_extra_args",
+    "ansible_sftp_extra_args",
+)
 _UNCHECKED_HOST_KEYS = re.compile(
     r"StrictHostKeyChecking\s*=?\s*[\"']?(no|off|false|accept-new)\b"
     r"|(UserKnownHostsFile|GlobalKnownHostsFile)\s*=?\s*[\"']?/dev/null",
@@ -240,16 +243,33 @@ def _needs_ansible(data) -> bool:
 # Ansible's host range: node[01:04], node[a:c], node[0:10:2].
 _HOST_RANGE = re.compile(r"\[[0-9A-Za-z]+:[0-9A-Za-z]+(:[0-9]+)?\]")
 # Ansible's own variables, which every host has and no check reads.
-_ANSIBLE_MAGIC = frozenset({
-    "ansible_config_file", "ansible_facts", "ansible_playbook_python", "ansible_version",
-    "group_names", "groups", "inventory_dir", "inventory_file", "inventory_hostname",
-    "inventory_hostname_short", "playbook_dir", "omit", "ansible_check_mode",
-})  # fmt: skip
+_ANSIBLE_MAGIC = frozenset(
+    {
+        "ansible_config_file",
+        "ansible_facts",
+        "ansible_playbook_python",
+        "ansible_version",
+        "group_names",
+        "groups",
+        "inventory_dir",
+        "inventory_file",
+        "inventory_hostname",
+        "inventory_hostname_short",
+        "playbook_dir",
+        "omit",
+        "ansible_check_mode",
+    }
+)
 # What the launcher reads once for the whole cluster: one value on every node.
 CLUSTER_FIELDS = (
-    "compute_subnet", "rendezvous_port", "ssh_known_hosts_file", "launch_mode",
-    "training_image", "container_memlock", *CLUSTER_ONLY_FIELDS,
-)  # fmt: skip
+    "compute_subnet",
+    "rendezvous_port",
+    "ssh_known_hosts_file",
+    "launch_mode",
+    "training_image",
+    "container_memlock",
+    *CLUSTER_ONLY_FIELDS,
+)
 YAML_SUFFIXES = (".yml", ".yaml", ".json")
 
 
@@ -495,10 +515,19 @@ def _validate(data, path: Path) -> Inventory:
             f"'unlimited' nor a number of bytes (0 to 2**63-1)"
         )
     return Inventory(
-        path, tuple(hosts), subnet, port, known_hosts, launch_mode, image, str(memlock),
-        checkpoint_root=roots["checkpoint_root"], data_root=roots["data_root"],
-        workdir_root=roots["workdir_root"], container_mounts=mounts,
-    )  # fmt: skip
+        path,
+        tuple(hosts),
+        subnet,
+        port,
+        known_hosts,
+        launch_mode,
+        image,
+        str(memlock),
+        checkpoint_root=roots["checkpoint_root"],
+        data_root=roots["data_root"],
+        workdir_root=roots["workdir_root"],
+        container_mounts=mounts,
+    )
 
 
 def is_word(value) -> bool:

@@ -214,18 +214,26 @@ class Remote:
                 exit_code=1,
             ) from None
         return Result(
-            self.host.name, command, code, stdout.decode(errors="replace"),
+            self.host.name,
+            command,
+            code,
+            stdout.decode(errors="replace"),
             stderr.decode(errors="replace"),
-        )  # fmt: skip
+        )
 
     def stream(self, command: str, out) -> int:
         """Run `command` on a terminal (so a killed session takes its processes with it), its
         output written to `out` as it comes (stdout and stderr both); its exit status, -1 when
         the session ended without one. A dropped connection raises what fabric raises."""
         result = self.connection.run(
-            command, pty=True, warn=True, hide=True, out_stream=out, err_stream=out,
+            command,
+            pty=True,
+            warn=True,
+            hide=True,
+            out_stream=out,
+            err_stream=out,
             in_stream=False,
-        )  # fmt: skip
+        )
         return result.exited
 
     def put(self, local: str | Path, remote: str) -> None:

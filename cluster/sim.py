@@ -47,9 +47,18 @@ FIRST_HOST_OFFSET = 11  # nodes get .11, .12, ... so the gateway (.1) is never c
 # rsync as on Ubuntu Server, where it is installed by default (provisioning installs it where
 # it is not): the launcher sends a job's project with it, also to unprovisioned nodes.
 BASE_PACKAGES = (
-    "python3", "openssh-server", "iproute2", "iputils-ping", "procps", "sudo",
-    "ca-certificates", "less", "iptables", "mount", "rsync",
-)  # fmt: skip
+    "python3",
+    "openssh-server",
+    "iproute2",
+    "iputils-ping",
+    "procps",
+    "sudo",
+    "ca-certificates",
+    "less",
+    "iptables",
+    "mount",
+    "rsync",
+)
 PACKAGE_DIRS = ("cluster", "training", "netcheck")
 SSH_HANDSHAKE_TIMEOUT = 15.0
 _LINK_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
@@ -157,9 +166,12 @@ def engine_available() -> tuple[bool, str]:
     if shutil.which("docker") is None:
         return False, "the docker client is not installed"
     proc = subprocess.run(
-        ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-        timeout=30, check=False,
-    )  # fmt: skip
+        ["docker", "info", "--format", "{{.ServerVersion}}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     if proc.returncode != 0:
         return False, "no Docker engine answers (start dockerd)"
     return True, proc.stdout.strip()
@@ -223,10 +235,18 @@ def debian_base(image: str, packages: tuple[str, ...], progress: Progress = _qui
     with tempfile.TemporaryDirectory(prefix="debian-base-") as tmp:
         tarball = Path(tmp) / "base.tar"
         proc = subprocess.run(
-            ["mmdebstrap", "--variant=apt", f"--include={','.join(packages)}",
-             suite, str(tarball), mirror],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            [
+                "mmdebstrap",
+                "--variant=apt",
+                f"--include={','.join(packages)}",
+                suite,
+                str(tarball),
+                mirror,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
             raise ClusterError(f"mmdebstrap failed: {tail[0]}", exit_code=1)
@@ -237,8 +257,15 @@ def build_images(progress: Progress = _quiet) -> None:
     """The node base from Debian's packages once, then the node image (cached layers)."""
     debian_base(BASE_IMAGE, BASE_PACKAGES, progress)
     progress("Building the node image (cached after the first time)...")
-    docker("build", "--quiet", "--build-arg", f"BASE={BASE_IMAGE}", "-t", NODE_IMAGE,
-           str(SIM_NODE_CONTEXT))  # fmt: skip
+    docker(
+        "build",
+        "--quiet",
+        "--build-arg",
+        f"BASE={BASE_IMAGE}",
+        "-t",
+        NODE_IMAGE,
+        str(SIM_NODE_CONTEXT),
+    )
 
 
 def python_mounts() -> list[str]:
@@ -314,19 +341,40 @@ def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:
     for name in (volume, config.shared_volume):
         docker("volume", "create", "--label", f"{LABEL}={config.name}", name)
     docker(
-        "run", "-d", "--name", container, "--hostname", f"debian-{index}",
-        "--network", config.mgmt_network, "--ip", config.mgmt_ip(index),
-        "--label", f"{LABEL}={config.name}", "--label", f"{LABEL}.index={index}",
+        "run",
+        "-d",
+        "--name",
+        container,
+        "--hostname",
+        f"debian-{index}",
+        "--network",
+        config.mgmt_network,
+        "--ip",
+        config.mgmt_ip(index),
+        "--label",
+        f"{LABEL}={config.name}",
+        "--label",
+        f"{LABEL}.index={index}",
         "--init",
         # What a Docker engine inside the node needs (--privileged is refused on this kernel).
-        "--cap-add", "ALL", "--cap-drop", "SYS_RESOURCE",
-        "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
-        "--cgroupns", "private", "-v", f"{volume}:/var/lib/docker",
-        "-v", f"{config.shared_volume}:{SHARED_DIR}",
+        "--cap-add",
+        "ALL",
+        "--cap-drop",
+        "SYS_RESOURCE",
+        "--security-opt",
+        "seccomp=unconfined",
+        "--security-opt",
+        "apparmor=unconfined",
+        "--cgroupns",
+        "private",
+        "-v",
+        f"{volume}:/var/lib/docker",
+        "-v",
+        f"{config.shared_volume}:{SHARED_DIR}",
         *access,
         *python_mounts(),
         NODE_IMAGE,
-    )  # fmt: skip
+    )
     # Connected after start so that it is always eth1, whatever docker's ordering of networks.
     docker("network", "connect", "--ip", config.node_ip(index), config.network, container)
 
@@ -345,11 +393,27 @@ def _host_key(container: str, deadline: float) -> str:
 def shape_link(container: str, link: str | None) -> None:
     """Rate-limit the node's link like a 1 GbE port, or remove the limit when link is None."""
     if link is None:
-        docker("exec", container, "tc", "qdisc", "del", "dev", COMPUTE_INTERFACE, "root",
-               check=False)  # fmt: skip
+        docker(
+            "exec", container, "tc", "qdisc", "del", "dev", COMPUTE_INTERFACE, "root", check=False
+        )
         return
-    docker("exec", container, "tc", "qdisc", "replace", "dev", COMPUTE_INTERFACE, "root", "tbf",
-           "rate", link, "burst", "128kb", "latency", "20ms")  # fmt: skip
+    docker(
+        "exec",
+        container,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        COMPUTE_INTERFACE,
+        "root",
+        "tbf",
+        "rate",
+        link,
+        "burst",
+        "128kb",
+        "latency",
+        "20ms",
+    )
 
 
 def write_inventory(config: SimConfig, count: int, fresh: bool = False) -> Path:
@@ -468,17 +532,31 @@ def up(
         raise ClusterError("new fresh nodes need their user's password", hint="make sim-up FRESH=1")
     if not reused:
         existing_networks = set(
-            docker("network", "ls", "--format", "{{.Name}}",
-                   "--filter", f"label={LABEL}={config.name}").stdout.split()
-        )  # fmt: skip
-        for network, subnet in ((config.mgmt_network, config.mgmt_subnet),
-                                (config.network, config.subnet)):  # fmt: skip
+            docker(
+                "network", "ls", "--format", "{{.Name}}", "--filter", f"label={LABEL}={config.name}"
+            ).stdout.split()
+        )
+        for network, subnet in (
+            (config.mgmt_network, config.mgmt_subnet),
+            (config.network, config.subnet),
+        ):
             if network not in existing_networks:
-                docker("network", "create", "--driver", "bridge", "--subnet", subnet,
-                       "--label", f"{LABEL}={config.name}", network)  # fmt: skip
+                docker(
+                    "network",
+                    "create",
+                    "--driver",
+                    "bridge",
+                    "--subnet",
+                    subnet,
+                    "--label",
+                    f"{LABEL}={config.name}",
+                    network,
+                )
         for index in range(1, nnodes + 1):
-            progress(f"Starting {config.container(index)}: ssh {config.mgmt_ip(index)}, "
-                     f"compute {config.node_ip(index)} ({COMPUTE_INTERFACE})...")  # fmt: skip
+            progress(
+                f"Starting {config.container(index)}: ssh {config.mgmt_ip(index)}, "
+                f"compute {config.node_ip(index)} ({COMPUTE_INTERFACE})..."
+            )
             _start_node(config, index, public_key)
             if fresh:
                 _set_password(config.container(index), fresh_password, ssh_timeout)

@@ -137,8 +137,9 @@ def resolve_paths(
         if value.startswith("~"):
             raise ClusterError(
                 f"{flag} {shown(value)}: '~' would mean the home directory of whoever runs the "
-                "job on each node", hint=f"a path relative to {field} ({root}), or an absolute one"
-            )  # fmt: skip
+                "job on each node",
+                hint=f"a path relative to {field} ({root}), or an absolute one",
+            )
         path = value if posixpath.isabs(value) else posixpath.join(root, value)
         path = posixpath.normpath(path)
         if not posixpath.isabs(value):
@@ -215,8 +216,11 @@ def local_image_id(image: str) -> str:
     try:
         found = subprocess.run(
             ["docker", "image", "inspect", "--format", "{{.Id}}", image],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     except FileNotFoundError:
         found = None
     if found is None or found.returncode != 0:
@@ -291,10 +295,17 @@ def fetch_run_dir(
     into `local`: (files copied, None) or (0, why not)."""
     local.mkdir(parents=True, exist_ok=True)
     command = [
-        "rsync", "--recursive", "--links", "--times", "--stats", f"--timeout={sync.RSYNC_TIMEOUT}",
-        "-e", shlex.join(sync.ssh_command(inventory, master)),
-        f"{sync.remote_target(master, run_dir)}/", f"{local}/",
-    ]  # fmt: skip
+        "rsync",
+        "--recursive",
+        "--links",
+        "--times",
+        "--stats",
+        f"--timeout={sync.RSYNC_TIMEOUT}",
+        "-e",
+        shlex.join(sync.ssh_command(inventory, master)),
+        f"{sync.remote_target(master, run_dir)}/",
+        f"{local}/",
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:

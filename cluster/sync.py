@@ -34,9 +34,21 @@ Emit = Callable[[str], None]
 
 # Never part of a project, wherever they sit in it.
 ALWAYS_EXCLUDED_DIRS = (
-    ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".runs", ".sim", ".mypy_cache",
-    ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".tox", "node_modules",
-)  # fmt: skip
+    ".git",
+    ".hg",
+    ".svn",
+    "__pycache__",
+    ".venv",
+    "venv",
+    ".runs",
+    ".sim",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".ipynb_checkpoints",
+    ".tox",
+    "node_modules",
+)
 ALWAYS_EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 DEFAULT_WORKDIR_LIMIT = 200_000_000  # bytes (200 MB): code and configs, not datasets
 PROGRESS_EVERY = 3.0  # seconds between a node's progress lines during a transfer
@@ -309,11 +321,22 @@ def ssh_command(inventory: Inventory, host: Host) -> list[str]:
     keys checked, never a password."""
     known_hosts = inventory.known_hosts or Path.home() / ".ssh" / "known_hosts"
     command = [
-        "ssh", "-p", str(host.ssh_port), "-o", "BatchMode=yes",
-        "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}",
-        "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT}", "-o", "ServerAliveInterval=5",
-        "-o", "ServerAliveCountMax=3",
-    ]  # fmt: skip
+        "ssh",
+        "-p",
+        str(host.ssh_port),
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={known_hosts}",
+        "-o",
+        f"ConnectTimeout={SSH_CONNECT_TIMEOUT}",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+    ]
     if host.ssh_key is not None:
         command += ["-i", str(host.ssh_key), "-o", "IdentitiesOnly=yes"]
     return command
@@ -331,12 +354,21 @@ def rsync_command(
     """Mirror `tree` into `destination` on `host`: changed files by delta, files gone here
     removed there, excluded paths (ignored outputs, caches) neither sent nor removed."""
     command = [
-        "rsync", "--recursive", "--links", "--perms", "--times", "--delete",
-        "--stats", "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_TIMEOUT}",
-        "-e", shlex.join(ssh_command(inventory, host)),
+        "rsync",
+        "--recursive",
+        "--links",
+        "--perms",
+        "--times",
+        "--delete",
+        "--stats",
+        "--info=progress2",
+        "--no-inc-recursive",
+        f"--timeout={RSYNC_TIMEOUT}",
+        "-e",
+        shlex.join(ssh_command(inventory, host)),
         # rsync makes only the last component of the destination itself
         f"--rsync-path=mkdir -p {shlex.quote(destination)} && rsync",
-    ]  # fmt: skip
+    ]
     if exclude_file is not None:
         command.append(f"--exclude-from={exclude_file}")
     return [*command, f"{tree.root}/", remote_target(host, destination + "/")]
@@ -351,8 +383,12 @@ _PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+(\S+/s)")
 def _run_rsync(command: list[str], host: Host, emit: Emit, label: str) -> tuple[dict, str]:
     """Run one rsync; its progress as a line every few seconds, its statistics returned."""
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-    )  # fmt: skip
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
     errors: list[str] = []
     reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
     reader.start()
@@ -373,8 +409,10 @@ def _run_rsync(command: list[str], host: Host, emit: Emit, label: str) -> tuple[
             if progress and time.monotonic() - shown >= PROGRESS_EVERY:
                 shown = time.monotonic()
                 done = int(progress.group(1).replace(",", ""))
-                emit(f"[{label}] {host.name}: {progress.group(2)}% ({human(done)}, "
-                     f"{progress.group(3)})")  # fmt: skip
+                emit(
+                    f"[{label}] {host.name}: {progress.group(2)}% ({human(done)}, "
+                    f"{progress.group(3)})"
+                )
     code = process.wait()
     reader.join(5)
     if code != 0:
@@ -473,10 +511,13 @@ def verify(remote: Remote, tree: Tree, destination: str) -> None:
         )
     found = remote.run(command + " --each", timeout=120, stdin=listing).stdout.split("\n")[1:]
     differing = next(
-        (name for name, mine, theirs in zip(tree.files, tree.hashes, found, strict=False)
-         if mine != theirs),
+        (
+            name
+            for name, mine, theirs in zip(tree.files, tree.hashes, found, strict=False)
+            if mine != theirs
+        ),
         tree.files[0] if tree.files else "?",
-    )  # fmt: skip
+    )
     raise ClusterError(
         f"on {remote.host.name}: the copy of {tree.root} in {destination} differs from this "
         f"machine's ({differing} first); a file changed while it was being sent, or the node's "

@@ -28,7 +28,9 @@ def torchrun_command(
     host: Host, master: Host, nnodes: int, spec: JobSpec, port: int, entry: list[str]
 ) -> list[str]:
     return [
-        host.python, "-m", "torch.distributed.run",
+        host.python,
+        "-m",
+        "torch.distributed.run",
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_for(host, spec)}",
         "--rdzv-backend=c10d",
@@ -42,7 +44,7 @@ def torchrun_command(
         "--monitor-interval=1",
         *entry,
         *spec.args,
-    ]  # fmt: skip
+    ]
 
 
 def run_dir(spec: JobSpec) -> str:

@@ -20,8 +20,10 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
         if result.exit_code == 0
         else f"FAILED on {result.failed_node}"
     )
-    lines = [f"Job {result.run_id} {verdict} after {result.seconds:.1f} s on {len(hosts)} node(s)"
-             + (f", restart {result.restart} of {result.restarts}." if result.restart else ".")]  # fmt: skip
+    lines = [
+        f"Job {result.run_id} {verdict} after {result.seconds:.1f} s on {len(hosts)} node(s)"
+        + (f", restart {result.restart} of {result.restarts}." if result.restart else ".")
+    ]
     for host in hosts:
         outcome = result.outcomes[host.name]
         state = (

@@ -114,17 +114,27 @@ class Launcher:
                 raise ClusterError(message, hint=hint.removesuffix(")"), exit_code=1)
         if self.spec.secret_env:
             remote.run(
-                staging.write_secrets_command(self.spec.run_id), timeout=15, check=True,
+                staging.write_secrets_command(self.spec.run_id),
+                timeout=15,
+                check=True,
                 stdin=staging.secrets_text(self.spec.secret_env),
-            )  # fmt: skip
+            )
 
     def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
         inventory = self.inventory
         return remote_command(
-            host, master, nnodes, self.spec, inventory.rendezvous_port, env,
-            inventory.launch_mode, inventory.training_image, inventory.container_memlock,
-            self.project, tuple(staging.mounts(inventory, self.project, run_dir(self.spec))),
-        )  # fmt: skip
+            host,
+            master,
+            nnodes,
+            self.spec,
+            inventory.rendezvous_port,
+            env,
+            inventory.launch_mode,
+            inventory.training_image,
+            inventory.container_memlock,
+            self.project,
+            tuple(staging.mounts(inventory, self.project, run_dir(self.spec))),
+        )
 
     def _parallel(self, work: Callable[[Host], None]) -> None:
         """`work` on every host at once; the first ClusterError raised, after all have ended."""
@@ -219,7 +229,7 @@ class Launcher:
                 daemon=True,
             )
             for h in self.hosts
-        ]  # fmt: skip
+        ]
         watchers = [threading.Thread(target=watch.liveness, args=(self,), daemon=True)]
         watchers += [
             threading.Thread(target=watch.link, args=(self, h, master), daemon=True)
@@ -257,10 +267,13 @@ class Launcher:
                 )
             if interrupted or self.first_failure is not None:
                 stopped = stop.everywhere(self, master)
-                self.emit("[launcher] stopped: " + ", ".join(
-                    f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
-                    for name, done in stopped.items()
-                ))  # fmt: skip
+                self.emit(
+                    "[launcher] stopped: "
+                    + ", ".join(
+                        f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
+                        for name, done in stopped.items()
+                    )
+                )
                 if not isinstance(stopped[master.name], float) and master.name not in self.silent:
                     self._release_port(master)  # a silent master: the next launch finds it stale
             else:
@@ -273,9 +286,13 @@ class Launcher:
                 runner.join(max(0.0, deadline - time.monotonic()))
             self._close()
         return JobResult(
-            self.spec.run_id, self.outcomes, self.first_failure, interrupted,
-            time.monotonic() - started, terminated=terminated,
-        )  # fmt: skip
+            self.spec.run_id,
+            self.outcomes,
+            self.first_failure,
+            interrupted,
+            time.monotonic() - started,
+            terminated=terminated,
+        )
 
     def _claim_port(self, master: Host) -> None:
         port = self.inventory.rendezvous_port
@@ -295,8 +312,10 @@ class Launcher:
                 exit_code=1,
             )
         if words[:1] == ["stale"]:
-            self.emit(f"[launcher] took over the lock of job {words[1] if len(words) > 1 else '?'}"
-                      f" on {master.name}: none of its processes is left")  # fmt: skip
+            self.emit(
+                f"[launcher] took over the lock of job {words[1] if len(words) > 1 else '?'}"
+                f" on {master.name}: none of its processes is left"
+            )
 
     def _release_port(self, master: Host) -> None:
         try:

@@ -31,9 +31,14 @@ def command(spec: JobSpec, nproc: int) -> list[str]:
     else:
         entry = [str(spec.script)]
     return [
-        sys.executable, "-m", "training.local_launch", "--standalone",
-        f"--nproc-per-node={nproc}", *entry, *spec.args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "training.local_launch",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *entry,
+        *spec.args,
+    ]
 
 
 def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:

@@ -98,11 +98,15 @@ def run_job(
             return result
         for line in summary(result, inventory.hosts):
             emit(line)
-        emit(f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
-             "for every node to answer...")  # fmt: skip
+        emit(
+            f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
+            "for every node to answer..."
+        )
         waited = wait_for_nodes(inventory, restart_wait, emit, nodes)
         stop.everywhere(Launcher(inventory, attempt, emit, nodes=nodes), inventory.master)
         attempt = replace(spec, run_id=f"{spec.run_id}-r{restart + 1}")
-        emit(f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
-             f"restart {restart + 1} of {restarts}")  # fmt: skip
+        emit(
+            f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
+            f"restart {restart + 1} of {restarts}"
+        )
     raise AssertionError("unreachable")  # the loop returns on its last turn

@@ -71,8 +71,11 @@ class _Collector:
 
     def done(self, nodes: list[str], passed: dict[str, str]) -> list[Finding]:
         seen = {f.node for f in self.findings}
-        extra = [Finding(self.check, n, Status.PASS, passed[n]) for n in nodes
-                 if n not in seen and n in passed]  # fmt: skip
+        extra = [
+            Finding(self.check, n, Status.PASS, passed[n])
+            for n in nodes
+            if n not in seen and n in passed
+        ]
         order = {n: i for i, n in enumerate(nodes)}
         return sorted(self.findings + extra, key=lambda f: order.get(f.node, len(order)))
 
@@ -89,19 +92,28 @@ def ssh_finding(host: Host, error: str | None, seconds: float) -> Finding:
         return Finding("ssh", host.name, Status.PASS, f"batch-mode SSH answered in {seconds:.1f} s")
     where = f"{host.ssh_user + '@' if host.ssh_user else ''}{host.ssh_address}:{host.ssh_port}"
     if "known_hosts" in error:
-        remedy = (f"on {host.name}: check its host key fingerprint, then add it to the "
-                  f"controller's known_hosts (ssh-keyscan -H {host.ssh_address})")  # fmt: skip
+        remedy = (
+            f"on {host.name}: check its host key fingerprint, then add it to the "
+            f"controller's known_hosts (ssh-keyscan -H {host.ssh_address})"
+        )
     else:
-        remedy = (f"on {host.name}: check that the node is up, sshd runs and the controller's key "
-                  f"is authorized (ssh -o BatchMode=yes {where.rsplit(':', 1)[0]})")  # fmt: skip
+        remedy = (
+            f"on {host.name}: check that the node is up, sshd runs and the controller's key "
+            f"is authorized (ssh -o BatchMode=yes {where.rsplit(':', 1)[0]})"
+        )
     return Finding("ssh", host.name, Status.FAIL, error.removeprefix("Error: "), remedy)
 
 
 # --- 2. ping --------------------------------------------------------------------------------
 
 
-def ping_findings(hosts: list[Host], facts: dict[str, NodeFacts], broken: set[str],
-                  subnet: str, down: set[str] = frozenset()) -> list[Finding]:  # fmt: skip
+def ping_findings(
+    hosts: list[Host],
+    facts: dict[str, NodeFacts],
+    broken: set[str],
+    subnet: str,
+    down: set[str] = frozenset(),
+) -> list[Finding]:
     """Pings from every node with facts to every other node; `down`: nodes SSH did not reach."""
     by_name = {h.name: h for h in hosts}
     out = _Collector("ping")
@@ -114,8 +126,12 @@ def ping_findings(hosts: list[Host], facts: dict[str, NodeFacts], broken: set[st
                 continue
             tested.update((source, target))
             if ping.error:
-                out.add(source, Status.WARN, f"cannot run ping: {ping.error}",
-                        f"on {source}: install ping (apt-get install iputils-ping)")  # fmt: skip
+                out.add(
+                    source,
+                    Status.WARN,
+                    f"cannot run ping: {ping.error}",
+                    f"on {source}: install ping (apt-get install iputils-ping)",
+                )
                 continue
             if ping.rtt_avg_ms is not None:
                 rtts[source].append(ping.rtt_avg_ms)
@@ -132,34 +148,46 @@ def ping_findings(hosts: list[Host], facts: dict[str, NodeFacts], broken: set[st
                     detail += f" (nor does SSH reach {node})"
                     remedy = f"on {node}: check that the node is up and on the network"
                 else:
-                    remedy = (f"on {target}: check that {iface} is up and that ICMP from "
-                              f"{subnet} is allowed")  # fmt: skip
+                    remedy = (
+                        f"on {target}: check that {iface} is up and that ICMP from "
+                        f"{subnet} is allowed"
+                    )
                 out.add(node, Status.FAIL, detail, remedy)
             elif ping.loss > 0:
                 status = Status.FAIL if ping.loss >= LOSS_FAIL_PERCENT else Status.WARN
                 node = blame(source, target, broken)
-                out.add(node, status,
-                        f"{ping.loss:g}% packet loss from {source} to {target} ({peer.compute_ip})",
-                        f"on {node}: check {by_name[node].compute_interface}'s cable, switch port "
-                        f"and error counters (ip -s link show {by_name[node].compute_interface})")  # fmt: skip
+                out.add(
+                    node,
+                    status,
+                    f"{ping.loss:g}% packet loss from {source} to {target} ({peer.compute_ip})",
+                    f"on {node}: check {by_name[node].compute_interface}'s cable, switch port "
+                    f"and error counters (ip -s link show {by_name[node].compute_interface})",
+                )
             elif ping.rtt_avg_ms is not None and ping.rtt_avg_ms > RTT_WARN_MS:
-                out.add(source, Status.WARN,
-                        f"rtt {ping.rtt_avg_ms:.2f} ms from {source} to {target} (a LAN answers "
-                        f"in well under {RTT_WARN_MS:g} ms)",
-                        f"on {source}: look for a congested, wireless or routed path to {target}")  # fmt: skip
+                out.add(
+                    source,
+                    Status.WARN,
+                    f"rtt {ping.rtt_avg_ms:.2f} ms from {source} to {target} (a LAN answers "
+                    f"in well under {RTT_WARN_MS:g} ms)",
+                    f"on {source}: look for a congested, wireless or routed path to {target}",
+                )
     passed = {}
     for name in tested:
         values = rtts.get(name) or []
-        passed[name] = (f"no loss, rtt avg {statistics.mean(values):.2f} ms to "
-                        f"{len(values)} peer(s)" if values else "no fault found on this side")  # fmt: skip
+        passed[name] = (
+            f"no loss, rtt avg {statistics.mean(values):.2f} ms to {len(values)} peer(s)"
+            if values
+            else "no fault found on this side"
+        )
     return out.done([h.name for h in hosts], passed)
 
 
 # --- 3. names -------------------------------------------------------------------------------
 
 
-def name_findings(hosts: list[Host], facts: dict[str, NodeFacts], rendezvous: str,
-                  master: Host) -> list[Finding]:  # fmt: skip
+def name_findings(
+    hosts: list[Host], facts: dict[str, NodeFacts], rendezvous: str, master: Host
+) -> list[Finding]:
     out = _Collector("names")
     by_name = {h.name: h for h in hosts}
     for node, f in facts.items():
@@ -169,42 +197,68 @@ def name_findings(hosts: list[Host], facts: dict[str, NodeFacts], rendezvous: st
             want = str(host.compute_ip)
             line = f"'{want} {host.name}'"
             if not addresses:
-                out.add(node, Status.FAIL, f"{node} cannot resolve {host.name}",
-                        f"on {node}: add {line} to /etc/hosts (provisioning does this)")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node} cannot resolve {host.name}",
+                    f"on {node}: add {line} to /etc/hosts (provisioning does this)",
+                )
             elif host.name == node and any(_is_loopback(a) for a in addresses):
                 loop = next(a for a in addresses if _is_loopback(a))
-                out.add(node, Status.FAIL, f"{node} resolves its own name {node} to {loop}",
-                        f"on {node}: in /etc/hosts map {node} to {want}, not {loop} "
-                        f"(change or remove the {loop} line)")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node} resolves its own name {node} to {loop}",
+                    f"on {node}: in /etc/hosts map {node} to {want}, not {loop} "
+                    f"(change or remove the {loop} line)",
+                )
             elif addresses[0] != want:
-                out.add(node, Status.FAIL,
-                        f"{node} resolves {host.name} to {', '.join(addresses)}, not its compute "
-                        f"IP {want}",
-                        f"on {node}: make /etc/hosts say {line} (and no other address for "
-                        f"{host.name})")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node} resolves {host.name} to {', '.join(addresses)}, not its compute "
+                    f"IP {want}",
+                    f"on {node}: make /etc/hosts say {line} (and no other address for {host.name})",
+                )
         for label, name in ((OWN, f.hostname), (FQDN, f.fqdn)):
             addresses = f.resolved.get(label, [])
             loops = [a for a in addresses if _is_loopback(a)]
             if label == FQDN and name == f.hostname:
                 continue  # the same name, already judged as the hostname
             if loops and name != node:  # the inventory name was reported above
-                out.add(node, Status.FAIL, f"{node}'s {label} {name!r} resolves to {loops[0]}",
-                        f"on {node}: in /etc/hosts map {name} to {me.compute_ip}, not {loops[0]}")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node}'s {label} {name!r} resolves to {loops[0]}",
+                    f"on {node}: in /etc/hosts map {name} to {me.compute_ip}, not {loops[0]}",
+                )
         if f.hostname and f.hostname.split(".")[0] != node:
-            out.add(node, Status.WARN,
-                    f"{node}'s hostname is {f.hostname!r}, the inventory calls it {node}",
-                    f"on {node}: hostnamectl set-hostname {node}")  # fmt: skip
+            out.add(
+                node,
+                Status.WARN,
+                f"{node}'s hostname is {f.hostname!r}, the inventory calls it {node}",
+                f"on {node}: hostnamectl set-hostname {node}",
+            )
         rdzv = f.resolved.get(rendezvous, [])
         if not rdzv:
-            out.add(node, Status.FAIL, f"{node} cannot resolve the rendezvous address {rendezvous}",
-                    f"on {node}: add '{master.compute_ip} {rendezvous}' to /etc/hosts")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"{node} cannot resolve the rendezvous address {rendezvous}",
+                f"on {node}: add '{master.compute_ip} {rendezvous}' to /etc/hosts",
+            )
         elif rdzv[0] != str(master.compute_ip):
-            out.add(node, Status.FAIL,
-                    f"{node} resolves the rendezvous address {rendezvous} to {rdzv[0]}, not "
-                    f"{master.name}'s compute IP {master.compute_ip}",
-                    f"on {node}: make {rendezvous} resolve to {master.compute_ip} in /etc/hosts")  # fmt: skip
-    passed = {n: f"resolves all {len(hosts)} node name(s) to compute IPs, own name not loopback"
-              for n in facts}  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"{node} resolves the rendezvous address {rendezvous} to {rdzv[0]}, not "
+                f"{master.name}'s compute IP {master.compute_ip}",
+                f"on {node}: make {rendezvous} resolve to {master.compute_ip} in /etc/hosts",
+            )
+    passed = {
+        n: f"resolves all {len(hosts)} node name(s) to compute IPs, own name not loopback"
+        for n in facts
+    }
     return out.done([h.name for h in hosts], passed)
 
 
@@ -228,8 +282,9 @@ def socket_env(interface: str, infiniband: list[str]) -> dict[str, str]:
     return env
 
 
-def interface_findings(hosts: list[Host], facts: dict[str, NodeFacts],
-                       master: Host) -> InterfaceVerdict:  # fmt: skip
+def interface_findings(
+    hosts: list[Host], facts: dict[str, NodeFacts], master: Host
+) -> InterfaceVerdict:
     out = _Collector("interfaces")
     by_name = {h.name: h for h in hosts}
     broken: set[str] = set()
@@ -266,21 +321,37 @@ def interface_findings(hosts: list[Host], facts: dict[str, NodeFacts],
         if ip not in link.addresses:
             broken.add(node)
             if holder:
-                out.add(node, Status.FAIL, f"{node}'s compute IP {ip} is on {holder}, not {iface}",
-                        f"on {node}: set compute_interface: {holder} in the inventory, or move "
-                        f"{ip} to {iface}")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node}'s compute IP {ip} is on {holder}, not {iface}",
+                    f"on {node}: set compute_interface: {holder} in the inventory, or move "
+                    f"{ip} to {iface}",
+                )
             else:
-                out.add(node, Status.FAIL, f"{node} has no address {ip} (on {iface}: "
-                        f"{', '.join(link.addresses) or 'none'})",
-                        f"on {node}: assign {ip} to {iface} (netplan), or correct compute_ip")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node} has no address {ip} (on {iface}: "
+                    f"{', '.join(link.addresses) or 'none'})",
+                    f"on {node}: assign {ip} to {iface} (netplan), or correct compute_ip",
+                )
         if not link.up:
             broken.add(node)
-            out.add(node, Status.FAIL, f"{node}'s {iface} is down",
-                    f"on {node}: ip link set {iface} up (and make it persistent in netplan)")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"{node}'s {iface} is down",
+                f"on {node}: ip link set {iface} up (and make it persistent in netplan)",
+            )
         elif not link.running:
             broken.add(node)
-            out.add(node, Status.FAIL, f"{node}'s {iface} is up but has no carrier",
-                    f"on {node}: check {iface}'s cable and switch port")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"{node}'s {iface} is up but has no carrier",
+                f"on {node}: check {iface}'s cable and switch port",
+            )
         for host in hosts:
             if host.name == node or not (link.up and link.running):
                 continue  # a link that is down has no routes: that is reported once, above
@@ -289,21 +360,30 @@ def interface_findings(hosts: list[Host], facts: dict[str, NodeFacts],
                 continue
             if route.error or route.dev is None:
                 broken.add(node)
-                out.add(node, Status.FAIL,
-                        f"{node} has no route to {host.name} ({host.compute_ip}): {route.error}",
-                        f"on {node}: route the compute subnet through {iface}")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node} has no route to {host.name} ({host.compute_ip}): {route.error}",
+                    f"on {node}: route the compute subnet through {iface}",
+                )
             elif route.dev != iface:
                 broken.add(node)
-                out.add(node, Status.FAIL,
-                        f"{node}'s route to {host.name} ({host.compute_ip}) leaves through "
-                        f"{route.dev}, not {iface}",
-                        f"on {node}: remove the route that sends {host.compute_ip} through "
-                        f"{route.dev} (ip route show match {host.compute_ip}) so it goes through "
-                        f"{iface}")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node}'s route to {host.name} ({host.compute_ip}) leaves through "
+                    f"{route.dev}, not {iface}",
+                    f"on {node}: remove the route that sends {host.compute_ip} through "
+                    f"{route.dev} (ip route show match {host.compute_ip}) so it goes through "
+                    f"{iface}",
+                )
             elif route.source and route.source != ip:
-                out.add(node, Status.WARN,
-                        f"{node} reaches {host.name} from {route.source}, not {ip}",
-                        f"on {node}: make {ip} the primary address of {iface}")  # fmt: skip
+                out.add(
+                    node,
+                    Status.WARN,
+                    f"{node} reaches {host.name} from {route.source}, not {ip}",
+                    f"on {node}: make {ip} the primary address of {iface}",
+                )
         speed = f"{f.speed_mbps / 1000:g} Gbit/s" if f.speed_mbps else "speed unknown"
         passed[node] = f"{iface} up, mtu {link.mtu}, {speed}, routes to peers through {iface}"
 
@@ -313,27 +393,36 @@ def interface_findings(hosts: list[Host], facts: dict[str, NodeFacts],
         for node, mtu in mtus.items():
             if mtu != common:
                 iface = names[node]
-                out.add(node, Status.FAIL,
-                        f"{node}'s {iface} MTU is {mtu}, not {common} as on {holders}",
-                        f"on {node}: ip link set {iface} mtu {common} (and in netplan), or give "
-                        f"every node the same MTU")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{node}'s {iface} MTU is {mtu}, not {common} as on {holders}",
+                    f"on {node}: ip link set {iface} mtu {common} (and in netplan), or give "
+                    f"every node the same MTU",
+                )
     if len(set(names.values())) > 1:
         common = reference(names, master.name)
         for node, name in names.items():
             if name != common:
-                out.add(node, Status.WARN,
-                        f"{node}'s compute interface is {name}, most nodes use {common}",
-                        f"on {node}: nothing to do if the launcher uses netcheck's env file (it "
-                        f"sets the interface per node); a cluster-wide NCCL_SOCKET_IFNAME breaks")  # fmt: skip
+                out.add(
+                    node,
+                    Status.WARN,
+                    f"{node}'s compute interface is {name}, most nodes use {common}",
+                    f"on {node}: nothing to do if the launcher uses netcheck's env file (it "
+                    f"sets the interface per node); a cluster-wide NCCL_SOCKET_IFNAME breaks",
+                )
     known = {n: s for n, s in speeds.items() if s}
     if len(set(known.values())) > 1:
         fastest = max(known.values())
         for node, speed in known.items():
             if speed < fastest:
-                out.add(node, Status.WARN,
-                        f"{node}'s {names[node]} runs at {speed} Mb/s, others at {fastest} Mb/s",
-                        f"on {node}: check the negotiated speed (ethtool {names[node]}), the "
-                        f"cable and the switch port")  # fmt: skip
+                out.add(
+                    node,
+                    Status.WARN,
+                    f"{node}'s {names[node]} runs at {speed} Mb/s, others at {fastest} Mb/s",
+                    f"on {node}: check the negotiated speed (ethtool {names[node]}), the "
+                    f"cable and the switch port",
+                )
     return InterfaceVerdict(out.done([h.name for h in hosts], passed), broken, env, speeds)
 
 
@@ -349,26 +438,43 @@ class Listening:
     error: str | None = None
 
 
-def port_findings(hosts: list[Host], master: Host, rendezvous_port: int,
-                  listeners: dict[str, Listening], connects: dict[str, list[dict] | str],
-                  broken: set[str], subnet: str) -> list[Finding]:  # fmt: skip
+def port_findings(
+    hosts: list[Host],
+    master: Host,
+    rendezvous_port: int,
+    listeners: dict[str, Listening],
+    connects: dict[str, list[dict] | str],
+    broken: set[str],
+    subnet: str,
+) -> list[Finding]:
     """`connects`: source node -> its connection results, or the error that stopped it."""
     out = _Collector("ports")
     by_name = {h.name: h for h in hosts}
     ok_count: Counter[str] = Counter()
     for node, listening in listeners.items():
         if listening.error:
-            out.add(node, Status.FAIL, f"cannot start the port listener: {listening.error}",
-                    f"on {node}: check that python3 runs there")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"cannot start the port listener: {listening.error}",
+                f"on {node}: check that python3 runs there",
+            )
             continue
         for port in listening.ports:
             if port.get("ok") or port.get("requested") != rendezvous_port:
                 if not port.get("ok"):
-                    out.add(node, Status.FAIL, f"cannot listen on a high port: {port.get('error')}",
-                            f"on {node}: check the local port range and SELinux/AppArmor")  # fmt: skip
+                    out.add(
+                        node,
+                        Status.FAIL,
+                        f"cannot listen on a high port: {port.get('error')}",
+                        f"on {node}: check the local port range and SELinux/AppArmor",
+                    )
                 continue
-            why = (f"used by {holders_text(port.get('holders', []))}" if port.get("in_use")
-                   else str(port.get("error")))  # fmt: skip
+            why = (
+                f"used by {holders_text(port.get('holders', []))}"
+                if port.get("in_use")
+                else str(port.get("error"))
+            )
             pids = " ".join(str(h["pid"]) for h in port.get("holders", []))
             stop = (
                 f"stop it (kill {pids})"
@@ -376,17 +482,27 @@ def port_findings(hosts: list[Host], master: Host, rendezvous_port: int,
                 else f"stop it (ss -ltnp 'sport = :{rendezvous_port}')"
             )
             if node == master.name:
-                out.add(node, Status.FAIL,
-                        f"rendezvous port {rendezvous_port} on the master {node} is in use: {why}",
-                        f"on {node}: {stop}, or set rendezvous_port to a free port in the "
-                        f"inventory")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"rendezvous port {rendezvous_port} on the master {node} is in use: {why}",
+                    f"on {node}: {stop}, or set rendezvous_port to a free port in the inventory",
+                )
             else:
-                out.add(node, Status.WARN, f"rendezvous port {rendezvous_port} is in use: {why}",
-                        f"on {node}: {stop} if it is a leftover (only the master needs the port)")  # fmt: skip
+                out.add(
+                    node,
+                    Status.WARN,
+                    f"rendezvous port {rendezvous_port} is in use: {why}",
+                    f"on {node}: {stop} if it is a leftover (only the master needs the port)",
+                )
     for source, results in connects.items():
         if isinstance(results, str):
-            out.add(source, Status.FAIL, f"cannot run the connection test: {results}",
-                    f"on {source}: check that python3 runs there")  # fmt: skip
+            out.add(
+                source,
+                Status.FAIL,
+                f"cannot run the connection test: {results}",
+                f"on {source}: check that python3 runs there",
+            )
             continue
         failed: dict[str, list[dict]] = {}
         for result in results:
@@ -400,30 +516,37 @@ def port_findings(hosts: list[Host], master: Host, rendezvous_port: int,
                 f":{r['port']} ({'rendezvous port' if r['port'] == rendezvous_port else 'random high port'}"
                 f", {r.get('error')})"
                 for r in bad
-            )  # fmt: skip
+            )
             detail = f"{source} cannot connect to {target}{ports}"
             if node in broken:
                 remedy = f"on {node}: fix {by_name[node].compute_interface} first (see interfaces)"
             elif all(r["port"] == rendezvous_port for r in bad):
-                remedy = (f"on {target}: allow TCP port {rendezvous_port} from {subnet} in the "
-                          f"firewall (e.g. ufw allow from {subnet} to any port {rendezvous_port})")  # fmt: skip
+                remedy = (
+                    f"on {target}: allow TCP port {rendezvous_port} from {subnet} in the "
+                    f"firewall (e.g. ufw allow from {subnet} to any port {rendezvous_port})"
+                )
             else:
-                remedy = (f"on {target}: allow TCP on all ports from {subnet} in the firewall (e.g. "
-                          f"ufw allow from {subnet}); NCCL and gloo use random high ports")  # fmt: skip
+                remedy = (
+                    f"on {target}: allow TCP on all ports from {subnet} in the firewall (e.g. "
+                    f"ufw allow from {subnet}); NCCL and gloo use random high ports"
+                )
             out.add(node, Status.FAIL, detail, remedy)
     passed = {}
     for node, listening in listeners.items():
         bound = [str(p["port"]) for p in listening.ports if p.get("ok")]
-        passed[node] = (f"listens on {' and '.join(bound)}, reached by "
-                        f"{ok_count[node] // max(len(bound), 1)} peer(s)")  # fmt: skip
+        passed[node] = (
+            f"listens on {' and '.join(bound)}, reached by "
+            f"{ok_count[node] // max(len(bound), 1)} peer(s)"
+        )
     return out.done([h.name for h in hosts], passed)
 
 
 # --- 6. software ----------------------------------------------------------------------------
 
 
-def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: Host,
-                      context: Context | None = None) -> list[Finding]:  # fmt: skip
+def software_findings(
+    hosts: list[Host], probes: dict[str, dict | str], master: Host, context: Context | None = None
+) -> list[Finding]:
     """`probes`: node -> the software probe's JSON, or the error that stopped it."""
     context = context or HostContext()
     container = context.name == "container"
@@ -444,8 +567,12 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
             out.add(node, Status.FAIL, f"{where} did not answer: {probe}", remedy)
             continue
         if "torch_error" in probe:
-            out.add(node, Status.FAIL, f"torch does not import in {where}: {probe['torch_error']}",
-                    install)  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"torch does not import in {where}: {probe['torch_error']}",
+                install,
+            )
             continue
         good[node] = probe
         torch = probe.get("torch") or "none"
@@ -455,17 +582,24 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
                 if container
                 else f"on {node}: install the pinned torch for {where} (make provision)"
             )
-            out.add(node, Status.FAIL,
-                    f"torch {torch} in {where} on {node} is older than the {minimum_shown()} this "
-                    f"project needs", fix)  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"torch {torch} in {where} on {node} is older than the {minimum_shown()} this "
+                f"project needs",
+                fix,
+            )
         needed, driver = driver_needed(probe.get("cuda")), probe.get("driver")
         if needed and driver and release(driver) and release(driver)[0] < needed:
-            out.add(node, Status.FAIL,
-                    f"NVIDIA driver {driver} on {node} is older than torch's CUDA "
-                    f"{probe.get('cuda')} needs (branch {needed} or newer)",
-                    f"on {node}: install driver branch {needed} or newer (nvidia_driver_install: "
-                    f"true, nvidia_driver_branch: \"{needed}\" in the inventory; make provision; "
-                    f"reboot)")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"NVIDIA driver {driver} on {node} is older than torch's CUDA "
+                f"{probe.get('cuda')} needs (branch {needed} or newer)",
+                f"on {node}: install driver branch {needed} or newer (nvidia_driver_install: "
+                f'true, nvidia_driver_branch: "{needed}" in the inventory; make provision; '
+                f"reboot)",
+            )
         if not probe.get("netcheck"):
             out.add(node, Status.FAIL, f"netcheck is not importable in {where}", install)
         if not probe.get("gloo"):
@@ -475,25 +609,34 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
         smi = probe.get("nvidia_smi_gpus")
         if seen != want:
             extra = f", nvidia-smi lists {smi}" if smi is not None else ""
-            out.add(node, Status.FAIL,
-                    f"torch sees {seen} GPU(s) on {node}{extra}, the inventory says {want}",
-                    f"on {node}: check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, or "
-                    f"set gpus: {seen} in the inventory")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"torch sees {seen} GPU(s) on {node}{extra}, the inventory says {want}",
+                f"on {node}: check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, or "
+                f"set gpus: {seen} in the inventory",
+            )
         shm = probe.get("shm_bytes")
         need = SHM_MIN_GPU if want else SHM_MIN_CPU
         if shm is not None and shm < need:
             status = Status.FAIL if want >= 2 else Status.WARN
-            out.add(node, status,
-                    f"/dev/shm is {shm >> 20} MiB ({context.name} mode), below {need >> 20} MiB",
-                    f"on {node}: enlarge /dev/shm (mount -o remount,size=1G /dev/shm; jobs share "
-                    f"the host's through --ipc host)")  # fmt: skip
+            out.add(
+                node,
+                status,
+                f"/dev/shm is {shm >> 20} MiB ({context.name} mode), below {need >> 20} MiB",
+                f"on {node}: enlarge /dev/shm (mount -o remount,size=1G /dev/shm; jobs share "
+                f"the host's through --ipc host)",
+            )
         memlock = probe.get("memlock_bytes")
         if probe.get("infiniband") and memlock not in (-1, None):
-            out.add(node, Status.FAIL,
-                    f"memlock limit is {memlock >> 10} KiB ({context.name} mode); InfiniBand "
-                    f"needs unlimited",
-                    f"on {node}: set memlock unlimited (ulimit -l unlimited in "
-                    f"/etc/security/limits.d, docker run --ulimit memlock=-1)")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"memlock limit is {memlock >> 10} KiB ({context.name} mode); InfiniBand "
+                f"needs unlimited",
+                f"on {node}: set memlock unlimited (ulimit -l unlimited in "
+                f"/etc/security/limits.d, docker run --ulimit memlock=-1)",
+            )
     for key, label in SOFTWARE_FIELDS:
         values = {n: p.get(key) for n, p in good.items()}
         if len(set(values.values())) <= 1:
@@ -502,10 +645,13 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
         holders = ", ".join(sorted(n for n, v in values.items() if v == common))
         for node, value in values.items():
             if value != common:
-                out.add(node, Status.FAIL,
-                        f"{label} {value or 'none'} on {node}, {common or 'none'} on {holders}",
-                        f"on {node}: install {label} {common} in {context.where(by_name[node])} "
-                        f"(as on {holders})")  # fmt: skip
+                out.add(
+                    node,
+                    Status.FAIL,
+                    f"{label} {value or 'none'} on {node}, {common or 'none'} on {holders}",
+                    f"on {node}: install {label} {common} in {context.where(by_name[node])} "
+                    f"(as on {holders})",
+                )
     passed = {}
     for node, p in good.items():
         memlock = (
@@ -514,9 +660,11 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
             else f"{(p.get('memlock_bytes') or 0) >> 10} KiB"
         )
         driver = f", driver {p['driver']}" if p.get("driver") else ""
-        passed[node] = (f"Python {p.get('python')}, torch {p.get('torch')}, CUDA {p.get('cuda')}, "
-                        f"NCCL {p.get('nccl')}, {p.get('gpus', 0)} GPU(s){driver}, /dev/shm "
-                        f"{(p.get('shm_bytes') or 0) >> 20} MiB, memlock {memlock}")  # fmt: skip
+        passed[node] = (
+            f"Python {p.get('python')}, torch {p.get('torch')}, CUDA {p.get('cuda')}, "
+            f"NCCL {p.get('nccl')}, {p.get('gpus', 0)} GPU(s){driver}, /dev/shm "
+            f"{(p.get('shm_bytes') or 0) >> 20} MiB, memlock {memlock}"
+        )
     return out.done([h.name for h in hosts], passed)
 
 
@@ -526,17 +674,23 @@ def software_findings(hosts: list[Host], probes: dict[str, dict | str], master: 
 def measurements(rows: list[dict], nranks: int) -> list[Measurement]:
     return [
         Measurement(
-            op=r["op"], bytes=r["bytes"], seconds=r["seconds"],
+            op=r["op"],
+            bytes=r["bytes"],
+            seconds=r["seconds"],
             algbw=bandwidth.algbw(r["bytes"], r["seconds"]),
             busbw=bandwidth.busbw(r["op"], r["bytes"], r["seconds"], nranks),
         )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
-def collective_findings(hosts: list[Host], results: dict[str, dict | str], backend: str,
-                        rerun: dict[str, str],
-                        stacks: dict[str, dict | str] | None = None) -> list[Finding]:  # fmt: skip
+def collective_findings(
+    hosts: list[Host],
+    results: dict[str, dict | str],
+    backend: str,
+    rerun: dict[str, str],
+    stacks: dict[str, dict | str] | None = None,
+) -> list[Finding]:
     """`results`: node -> the worker's final JSON, or the error that stopped it.
 
     `rerun`: node -> the command that runs that node's worker by hand, for the remedy.
@@ -544,18 +698,30 @@ def collective_findings(hosts: list[Host], results: dict[str, dict | str], backe
     """
     stacks = stacks or {}
     out = _Collector("collective")
-    failed_here = {n for n, r in results.items() if isinstance(r, str) or
-                   (not r.get("ok") and "did not finish" not in str(r.get("error", "")))}  # fmt: skip
+    failed_here = {
+        n
+        for n, r in results.items()
+        if isinstance(r, str)
+        or (not r.get("ok") and "did not finish" not in str(r.get("error", "")))
+    }
     passed = {}
     for node, result in results.items():
         stack = stacks.get(node)
         if isinstance(stack, dict) and "torch_error" in stack:
-            out.add(node, Status.FAIL, f"the worker cannot import torch: {stack['torch_error']}",
-                    f"on {node}: fix the software FAIL first")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"the worker cannot import torch: {stack['torch_error']}",
+                f"on {node}: fix the software FAIL first",
+            )
             continue
         if isinstance(result, str):
-            out.add(node, Status.FAIL, f"the worker failed: {result}",
-                    f"on {node}: run it by hand to see the whole error: {rerun[node]}")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"the worker failed: {result}",
+                f"on {node}: run it by hand to see the whole error: {rerun[node]}",
+            )
             continue
         if result.get("ok"):
             largest = {}
@@ -567,11 +733,13 @@ def collective_findings(hosts: list[Host], results: dict[str, dict | str], backe
         mismatched = [r for r in result.get("results", []) if r.get("mismatches")]
         if mismatched:
             worst = mismatched[0]
-            out.add(node, Status.FAIL,
-                    f"{worst['op']} of {worst['bytes']} bytes gave {worst['mismatches']} wrong "
-                    f"value(s) on {node}",
-                    f"on {node}: suspect the NIC, its driver or memory; rerun, then swap the "
-                    f"node out")  # fmt: skip
+            out.add(
+                node,
+                Status.FAIL,
+                f"{worst['op']} of {worst['bytes']} bytes gave {worst['mismatches']} wrong "
+                f"value(s) on {node}",
+                f"on {node}: suspect the NIC, its driver or memory; rerun, then swap the node out",
+            )
             continue
         error = str(result.get("error"))
         others = sorted(failed_here - {node})
@@ -580,8 +748,9 @@ def collective_findings(hosts: list[Host], results: dict[str, dict | str], backe
             remedy = f"on {others[0]}: fix the failure reported there"
         elif "did not finish" in error:
             detail = error
-            remedy = (f"on {node}: check the ports and interfaces findings; run it by hand: "
-                      f"{rerun[node]}")  # fmt: skip
+            remedy = (
+                f"on {node}: check the ports and interfaces findings; run it by hand: {rerun[node]}"
+            )
         else:
             detail = error
             remedy = f"on {node}: run it by hand to see the whole error: {rerun[node]}"
@@ -589,27 +758,38 @@ def collective_findings(hosts: list[Host], results: dict[str, dict | str], backe
     return out.done([h.name for h in hosts], passed)
 
 
-def bandwidth_findings(hosts: list[Host], master: Host, measured: list[Measurement],
-                       ring: list[Link], pairwise: list[Link],
-                       speeds: dict[str, int | None]) -> list[Finding]:  # fmt: skip
+def bandwidth_findings(
+    hosts: list[Host],
+    master: Host,
+    measured: list[Measurement],
+    ring: list[Link],
+    pairwise: list[Link],
+    speeds: dict[str, int | None],
+) -> list[Finding]:
     out = _Collector("bandwidth")
     by_name = {h.name: h for h in hosts}
     for link in ring + pairwise:
         if link.error:
-            out.add(link.target, Status.FAIL,
-                    f"raw TCP from {link.source} to {link.target} failed: {link.error}",
-                    f"on {link.target}: see the ports check")  # fmt: skip
+            out.add(
+                link.target,
+                Status.FAIL,
+                f"raw TCP from {link.source} to {link.target} failed: {link.error}",
+                f"on {link.target}: see the ports check",
+            )
     speeds_ok = [link.gbps for link in ring if link.gbps]
     reduce = [m for m in measured if m.op == "all_reduce"]
     if reduce and speeds_ok and len(hosts) > 1:
         big = max(reduce, key=lambda m: m.bytes)
         tcp = min(speeds_ok)
         if big.busbw < BUSBW_WARN_RATIO * tcp:
-            out.add(master.name, Status.WARN,
-                    f"all_reduce busbw {big.busbw:.3f} GB/s at {big.bytes >> 20} MiB is "
-                    f"{big.busbw / tcp:.0%} of raw TCP {tcp:.3f} GB/s",
-                    f"on {master.name}: check CPU load and that the socket interface variables "
-                    f"name the compute NIC on every node")  # fmt: skip
+            out.add(
+                master.name,
+                Status.WARN,
+                f"all_reduce busbw {big.busbw:.3f} GB/s at {big.bytes >> 20} MiB is "
+                f"{big.busbw / tcp:.0%} of raw TCP {tcp:.3f} GB/s",
+                f"on {master.name}: check CPU load and that the socket interface variables "
+                f"name the compute NIC on every node",
+            )
     good = [link for link in pairwise if link.gbps]
     if len(good) >= 2:
         median = statistics.median(link.gbps for link in good)
@@ -629,12 +809,15 @@ def bandwidth_findings(hosts: list[Host], master: Host, measured: list[Measureme
             else:
                 node, how = link.source, "sending"
             iface = by_name[node].compute_interface
-            out.add(node, Status.WARN,
-                    f"slow link {link.source} -> {link.target}: {link.gbps:.3f} GB/s, median "
-                    f"{median:.3f} GB/s ({node} is slow {how})",
-                    f"on {node}: check {iface}'s negotiated speed and errors (ethtool {iface}; ip "
-                    f"-s link show {iface}), its cable and switch port, and shaping (tc qdisc "
-                    f"show dev {iface})")  # fmt: skip
+            out.add(
+                node,
+                Status.WARN,
+                f"slow link {link.source} -> {link.target}: {link.gbps:.3f} GB/s, median "
+                f"{median:.3f} GB/s ({node} is slow {how})",
+                f"on {node}: check {iface}'s negotiated speed and errors (ethtool {iface}; ip "
+                f"-s link show {iface}), its cable and switch port, and shaping (tc qdisc "
+                f"show dev {iface})",
+            )
     passed = {}
     for host in hosts:
         mine = [link for link in ring + pairwise if link.source == host.name and link.gbps]

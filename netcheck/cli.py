@@ -56,28 +56,51 @@ def _positive(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
-        prog="netcheck", description=DESCRIPTION, epilog=EPILOG,
+        prog="netcheck",
+        description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    p.add_argument("-i", "--inventory", metavar="INVENTORY",
-                   help="the cluster's Ansible inventory, YAML or INI, or a directory (required)")  # fmt: skip
-    p.add_argument("-n", "--nnodes", metavar="N",
-                   help="check the first N hosts of the inventory (default: all)")  # fmt: skip
+    )
+    p.add_argument(
+        "-i",
+        "--inventory",
+        metavar="INVENTORY",
+        help="the cluster's Ansible inventory, YAML or INI, or a directory (required)",
+    )
+    p.add_argument(
+        "-n",
+        "--nnodes",
+        metavar="N",
+        help="check the first N hosts of the inventory (default: all)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON for machines")
-    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=False,
-                   help="measure bandwidth: message sizes from 1 KiB to 64 MiB, algbw and busbw "
-                   "beside raw TCP between the same nodes (default: off, two small sizes)")  # fmt: skip
+    p.add_argument(
+        "--sweep",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="measure bandwidth: message sizes from 1 KiB to 64 MiB, algbw and busbw "
+        "beside raw TCP between the same nodes (default: off, two small sizes)",
+    )
     p.add_argument("--bandwidth", dest="sweep", action="store_true", help="same as --sweep")
-    p.add_argument("--pairwise", action="store_true",
-                   help="raw TCP between every pair of nodes, one pair at a time, to find the "
-                   "slow link")  # fmt: skip
-    p.add_argument("--env-file", metavar="PATH",
-                   help=f"where to write the launcher's environment (default: "
-                   f"{envfile.FILENAME} next to the inventory)")  # fmt: skip
-    p.add_argument("--timeout", metavar="S", type=_positive,
-                   help=f"wall-clock seconds for each torch stage on a node (default: "
-                   f"{DEFAULT_TIMEOUT:g}, with --sweep {DEFAULT_SWEEP_TIMEOUT:g}); SSH "
-                   f"connections give up after 5 s")  # fmt: skip
+    p.add_argument(
+        "--pairwise",
+        action="store_true",
+        help="raw TCP between every pair of nodes, one pair at a time, to find the slow link",
+    )
+    p.add_argument(
+        "--env-file",
+        metavar="PATH",
+        help=f"where to write the launcher's environment (default: "
+        f"{envfile.FILENAME} next to the inventory)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="S",
+        type=_positive,
+        help=f"wall-clock seconds for each torch stage on a node (default: "
+        f"{DEFAULT_TIMEOUT:g}, with --sweep {DEFAULT_SWEEP_TIMEOUT:g}); SSH "
+        f"connections give up after 5 s",
+    )
     return p
 
 

@@ -54,8 +54,14 @@ class Watchdog:
             self._timer = None
 
     def _expire(self, stage: str, seconds: float) -> None:
-        emit({"rank": self.rank, "ok": False, "stage": stage,
-              "error": f"{stage} did not finish within {seconds:g} s"})  # fmt: skip
+        emit(
+            {
+                "rank": self.rank,
+                "ok": False,
+                "stage": stage,
+                "error": f"{stage} did not finish within {seconds:g} s",
+            }
+        )
         os._exit(WATCHDOG_EXIT)
 
 
@@ -69,8 +75,18 @@ def pattern(torch, count: int, device):
     return torch.arange(count, device=device, dtype=torch.float32) % 1021
 
 
-def run_op(torch, dist, op: str, count: int, rank: int, world: int, device, iterations: int,
-           synchronize, group=None):  # fmt: skip
+def run_op(
+    torch,
+    dist,
+    op: str,
+    count: int,
+    rank: int,
+    world: int,
+    device,
+    iterations: int,
+    synchronize,
+    group=None,
+):
     """One op at one size: a checked call, then `iterations` timed calls. Returns (seconds, bad)."""
     base = pattern(torch, count, device)
     if op == "all_reduce":
@@ -114,8 +130,9 @@ def run_op(torch, dist, op: str, count: int, rank: int, world: int, device, iter
 def choose_backend(stacks: list[dict], allow_nccl: bool) -> str:
     """NCCL only when the inventory gives every node GPUs and every rank's torch can use them
     with NCCL; otherwise gloo on the CPU. Every rank decides from the same gathered facts."""
-    usable = all(s.get("cuda_available") and s.get("gpus", 0) > 0 and s.get("nccl_backend")
-                 for s in stacks)  # fmt: skip
+    usable = all(
+        s.get("cuda_available") and s.get("gpus", 0) > 0 and s.get("nccl_backend") for s in stacks
+    )
     return "nccl" if allow_nccl and stacks and usable else "gloo"
 
 
@@ -125,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--master-addr", required=True)
     parser.add_argument("--master-port", type=int, required=True)
-    parser.add_argument("--allow-nccl", action="store_true",
-                        help="the inventory gives every node GPUs: use NCCL if all ranks can")  # fmt: skip
+    parser.add_argument(
+        "--allow-nccl",
+        action="store_true",
+        help="the inventory gives every node GPUs: use NCCL if all ranks can",
+    )
     parser.add_argument("--sizes", default=bandwidth.sizes_text(bandwidth.QUICK_SIZES))
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per stage")
     parser.add_argument(
@@ -186,8 +206,18 @@ def main(argv: list[str] | None = None) -> int:
                 count = bandwidth.elements(op, size, world)
                 nbytes = count * bandwidth.ELEMENT_BYTES * (world if op == "all_gather" else 1)
                 watchdog.start(f"{op} of {nbytes} bytes")
-                seconds, bad = run_op(torch, dist, op, count, rank, world, device,
-                                      bandwidth.iterations(nbytes), synchronize, group)  # fmt: skip
+                seconds, bad = run_op(
+                    torch,
+                    dist,
+                    op,
+                    count,
+                    rank,
+                    world,
+                    device,
+                    bandwidth.iterations(nbytes),
+                    synchronize,
+                    group,
+                )
                 results.append({"op": op, "bytes": nbytes, "seconds": seconds, "mismatches": bad})
         watchdog.start("barrier")
         dist.barrier()
@@ -196,8 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         emit({"rank": rank, "ok": False, "stage": "collective", "error": describe(exc)})
         os._exit(1)
     watchdog.stop()
-    emit({"rank": rank, "ok": all(r["mismatches"] == 0 for r in results),
-          "backend": backend, "world_size": world, "results": results})  # fmt: skip
+    emit(
+        {
+            "rank": rank,
+            "ok": all(r["mismatches"] == 0 for r in results),
+            "backend": backend,
+            "world_size": world,
+            "results": results,
+        }
+    )
     dist.destroy_process_group()
     return 0
 

@@ -83,10 +83,11 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, str]]:
         ) from None
     nodes = data.get("nodes") if isinstance(data, dict) else None
     if not isinstance(nodes, dict) or not all(
-        _text(name) and isinstance(env, dict)
+        _text(name)
+        and isinstance(env, dict)
         and all(_text(k) and "=" not in k and _text(v, empty=True) for k, v in env.items())
         for name, env in nodes.items()
-    ):  # fmt: skip
+    ):
         raise ClusterError(
             f"the netcheck env file {path} has no valid 'nodes' mapping of name -> variables",
             hint="'make netcheck' again to rewrite it",

@@ -121,8 +121,9 @@ def sockprobe(*args: str) -> str:
     return python_command(NODE_PYTHON, SOCKPROBE, *args)
 
 
-def preflight(inventory: Inventory, options: Options, nodes: Nodes,
-              context: Context | None = None) -> Report:  # fmt: skip
+def preflight(
+    inventory: Inventory, options: Options, nodes: Nodes, context: Context | None = None
+) -> Report:
     started = time.monotonic()
     inventory = inventory.first(options.nnodes)  # the checked nodes, once
     hosts = list(inventory.hosts)
@@ -132,8 +133,13 @@ def preflight(inventory: Inventory, options: Options, nodes: Nodes,
     rendezvous = str(master.compute_ip)
     subnet = str(inventory.compute_subnet)
     token = f"netcheck-{uuid.uuid4().hex[:12]}"
-    report = Report(str(inventory.path), names, master.name,
-                    f"{rendezvous}:{inventory.rendezvous_port}", context.where(master))  # fmt: skip
+    report = Report(
+        str(inventory.path),
+        names,
+        master.name,
+        f"{rendezvous}:{inventory.rendezvous_port}",
+        context.where(master),
+    )
     add = report.findings.extend
 
     # 1. SSH, in batch mode with a short connect timeout.
@@ -154,9 +160,18 @@ def preflight(inventory: Inventory, options: Options, nodes: Nodes,
             node_facts[name] = facts.parse(a.result.stdout)
         else:
             for check in ("ping", "names", "interfaces"):
-                add([Finding(check, name, Status.FAIL, f"could not gather facts: {a.why()}",
-                             f"on {name}: check that a POSIX shell, iproute2 and getent are "
-                             f"installed")])  # fmt: skip
+                add(
+                    [
+                        Finding(
+                            check,
+                            name,
+                            Status.FAIL,
+                            f"could not gather facts: {a.why()}",
+                            f"on {name}: check that a POSIX shell, iproute2 and getent are "
+                            f"installed",
+                        )
+                    ]
+                )
     interfaces = checks.interface_findings(hosts, node_facts, master)
     add(checks.ping_findings(hosts, node_facts, interfaces.broken, subnet, set(down)))
     add(checks.name_findings(hosts, node_facts, rendezvous, master))
@@ -165,8 +180,11 @@ def preflight(inventory: Inventory, options: Options, nodes: Nodes,
     report.nic_speed_mbps = interfaces.speeds
 
     # 4. Ports, for real: listen on the rendezvous port and a random one, connect from peers.
-    add(_ports(nodes, hosts, up, master, inventory.rendezvous_port, interfaces.broken, subnet,
-               token))  # fmt: skip
+    add(
+        _ports(
+            nodes, hosts, up, master, inventory.rendezvous_port, interfaces.broken, subnet, token
+        )
+    )
 
     # 6, 7. Raw TCP and the collective need every node, with working ports and interfaces.
     # The collective's workers also report the software facts, so that each node imports torch
@@ -183,9 +201,15 @@ def preflight(inventory: Inventory, options: Options, nodes: Nodes,
     else:
         stacks = _collective(report, nodes, context, hosts, options, token)
     alone = [h for h in up if not isinstance(stacks.get(h.name), dict)]
-    probed = _parallel(alone, lambda h: attempt(
-        nodes, h, context.wrap(h, python_command(context.python(h), SOFTPROBE), token),
-        IMPORT_TIMEOUT + 10))  # fmt: skip
+    probed = _parallel(
+        alone,
+        lambda h: attempt(
+            nodes,
+            h,
+            context.wrap(h, python_command(context.python(h), SOFTPROBE), token),
+            IMPORT_TIMEOUT + 10,
+        ),
+    )
     leftover = context.cleanup(token)
     if leftover and any(not a.ok for a in probed.values()):
         _parallel(up, lambda h: attempt(nodes, h, leftover, PORTS_TIMEOUT))
@@ -196,8 +220,16 @@ def preflight(inventory: Inventory, options: Options, nodes: Nodes,
             stack["infiniband"] = node_facts[name].infiniband if name in node_facts else []
     add(checks.software_findings(hosts, {h.name: stacks[h.name] for h in up}, master, context))
     if measure_tcp and not blocked:
-        add(checks.bandwidth_findings(hosts, master, report.measurements, report.ring,
-                                      report.pairwise, report.nic_speed_mbps))  # fmt: skip
+        add(
+            checks.bandwidth_findings(
+                hosts,
+                master,
+                report.measurements,
+                report.ring,
+                report.pairwise,
+                report.nic_speed_mbps,
+            )
+        )
 
     for name in names:
         for check in CHECKS:
@@ -217,20 +249,49 @@ def _blocked(report: Report, down: list[str]) -> str | None:
     """Why the stages that need every node cannot run, or None."""
     if down:
         return f"needs every node; {', '.join(down)} does not answer over SSH"
-    failing = sorted({f.node for f in report.findings
-                      if f.check in ("ports", "interfaces") and f.status is Status.FAIL},
-                     key=report.nodes.index)  # fmt: skip
+    failing = sorted(
+        {
+            f.node
+            for f in report.findings
+            if f.check in ("ports", "interfaces") and f.status is Status.FAIL
+        },
+        key=report.nodes.index,
+    )
     if failing:
         return f"skipped until the ports/interfaces FAILs on {', '.join(failing)} are fixed"
     return None
 
 
-def _ports(nodes: Nodes, hosts: list[Host], up: list[Host], master: Host, rendezvous_port: int,
-           broken: set[str], subnet: str, token: str) -> list[Finding]:  # fmt: skip
+def _ports(
+    nodes: Nodes,
+    hosts: list[Host],
+    up: list[Host],
+    master: Host,
+    rendezvous_port: int,
+    broken: set[str],
+    subnet: str,
+    token: str,
+) -> list[Finding]:
     pidfile = f"/tmp/{token}-ports.pid"
-    serving = _parallel(up, lambda h: attempt(nodes, h, sockprobe(
-        "serve", "--ports", f"{rendezvous_port},0", "--lifetime", str(LISTENER_LIFETIME),
-        "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+    serving = _parallel(
+        up,
+        lambda h: attempt(
+            nodes,
+            h,
+            sockprobe(
+                "serve",
+                "--ports",
+                f"{rendezvous_port},0",
+                "--lifetime",
+                str(LISTENER_LIFETIME),
+                "--pidfile",
+                pidfile,
+                "--token",
+                token,
+            ),
+            PORTS_TIMEOUT,
+        ),
+    )
     listeners: dict[str, checks.Listening] = {}
     for name, a in serving.items():
         data = a.json()
@@ -243,19 +304,36 @@ def _ports(nodes: Nodes, hosts: list[Host], up: list[Host], master: Host, rendez
         def connect(host: Host) -> Attempt:
             targets = [
                 f"{peer.name}={peer.compute_ip}:{port['port']}"
-                for peer in up if peer.name != host.name and not listeners[peer.name].error
-                for port in listeners[peer.name].ports if port.get("ok")
-            ]  # fmt: skip
+                for peer in up
+                if peer.name != host.name and not listeners[peer.name].error
+                for port in listeners[peer.name].ports
+                if port.get("ok")
+            ]
             if not targets:
                 return Attempt(Result(host.name, "", 0, '{"results": []}', ""), None, 0.0)
-            return attempt(nodes, host, sockprobe(
-                "connect", "--targets", ",".join(targets), "--source", str(host.compute_ip),
-                "--timeout", str(PORT_CONNECT_TIMEOUT)), PORTS_TIMEOUT)  # fmt: skip
+            return attempt(
+                nodes,
+                host,
+                sockprobe(
+                    "connect",
+                    "--targets",
+                    ",".join(targets),
+                    "--source",
+                    str(host.compute_ip),
+                    "--timeout",
+                    str(PORT_CONNECT_TIMEOUT),
+                ),
+                PORTS_TIMEOUT,
+            )
 
         connected = _parallel(up, connect)
     finally:
-        _parallel([h for h in up if not listeners[h.name].error], lambda h: attempt(
-            nodes, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+        _parallel(
+            [h for h in up if not listeners[h.name].error],
+            lambda h: attempt(
+                nodes, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT
+            ),
+        )
     connects: dict[str, list[dict] | str] = {}
     for name, a in connected.items():
         data = a.json()
@@ -263,8 +341,9 @@ def _ports(nodes: Nodes, hosts: list[Host], up: list[Host], master: Host, rendez
     return checks.port_findings(hosts, master, rendezvous_port, listeners, connects, broken, subnet)
 
 
-def _tcp(nodes: Nodes, hosts: list[Host], options: Options,
-         token: str) -> tuple[list[Link], list[Link]]:  # fmt: skip
+def _tcp(
+    nodes: Nodes, hosts: list[Host], options: Options, token: str
+) -> tuple[list[Link], list[Link]]:
     """Raw TCP: every node sends to the next at once (the ring), then each pair on its own."""
     pidfile = f"/tmp/{token}-tcp.pid"
     budget = options.stage_timeout
@@ -272,9 +351,25 @@ def _tcp(nodes: Nodes, hosts: list[Host], options: Options,
         [(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :]] if options.pairwise else []
     )
     lifetime = budget * (1 + len(pairs)) + 30
-    serving = _parallel(hosts, lambda h: attempt(nodes, h, sockprobe(
-        "serve", "--ports", "0", "--lifetime", str(lifetime), "--pidfile", pidfile,
-        "--token", token), PORTS_TIMEOUT))  # fmt: skip
+    serving = _parallel(
+        hosts,
+        lambda h: attempt(
+            nodes,
+            h,
+            sockprobe(
+                "serve",
+                "--ports",
+                "0",
+                "--lifetime",
+                str(lifetime),
+                "--pidfile",
+                pidfile,
+                "--token",
+                token,
+            ),
+            PORTS_TIMEOUT,
+        ),
+    )
     ports: dict[str, int | None] = {}
     for name, a in serving.items():
         data = a.json() or {}
@@ -283,18 +378,40 @@ def _tcp(nodes: Nodes, hosts: list[Host], options: Options,
 
     def send(source: Host, target: Host, nbytes: int) -> Link:
         if ports[target.name] is None:
-            return Link(source.name, target.name, nbytes, None,
-                        f"no listener on {target.name}: {serving[target.name].why()}")  # fmt: skip
-        a = attempt(nodes, source, sockprobe(
-            "send", "--targets", f"{target.name}={target.compute_ip}:{ports[target.name]}",
-            "--source", str(source.compute_ip), "--bytes", str(nbytes), "--timeout", str(budget),
-        ), budget + 15)  # fmt: skip
+            return Link(
+                source.name,
+                target.name,
+                nbytes,
+                None,
+                f"no listener on {target.name}: {serving[target.name].why()}",
+            )
+        a = attempt(
+            nodes,
+            source,
+            sockprobe(
+                "send",
+                "--targets",
+                f"{target.name}={target.compute_ip}:{ports[target.name]}",
+                "--source",
+                str(source.compute_ip),
+                "--bytes",
+                str(nbytes),
+                "--timeout",
+                str(budget),
+            ),
+            budget + 15,
+        )
         data = a.json()
         if data is None or not data.get("results"):
             return Link(source.name, target.name, nbytes, None, a.why())
         r = data["results"][0]
-        return Link(source.name, target.name, nbytes, r.get("seconds"),
-                    None if r.get("ok") else r.get("error"))  # fmt: skip
+        return Link(
+            source.name,
+            target.name,
+            nbytes,
+            r.get("seconds"),
+            None if r.get("ok") else r.get("error"),
+        )
 
     ring: list[Link] = []
     pairwise: list[Link] = []
@@ -310,48 +427,81 @@ def _tcp(nodes: Nodes, hosts: list[Host], options: Options,
             )
             pairwise += [both[first.name], both[second.name]]
     finally:
-        _parallel([h for h in hosts if ports[h.name]], lambda h: attempt(
-            nodes, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT))  # fmt: skip
+        _parallel(
+            [h for h in hosts if ports[h.name]],
+            lambda h: attempt(
+                nodes, h, sockprobe("stop", "--pidfile", pidfile, "--token", token), PORTS_TIMEOUT
+            ),
+        )
     return ring, pairwise
 
 
-def worker_command(host: Host, rank: int, hosts: list[Host], master_port: int,
-                   sizes: tuple[int, ...], stage_timeout: float, env: dict[str, str],
-                   python: str, token: str) -> str:  # fmt: skip
+def worker_command(
+    host: Host,
+    rank: int,
+    hosts: list[Host],
+    master_port: int,
+    sizes: tuple[int, ...],
+    stage_timeout: float,
+    env: dict[str, str],
+    python: str,
+    token: str,
+) -> str:
     """The torch worker for one rank, as the node's shell runs it (without the wall clock)."""
     args = [
-        python, "-m", "netcheck.collective", "--rank", str(rank),
-        "--world-size", str(len(hosts)), "--master-addr", str(hosts[0].compute_ip),
-        "--master-port", str(master_port),
+        python,
+        "-m",
+        "netcheck.collective",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(len(hosts)),
+        "--master-addr",
+        str(hosts[0].compute_ip),
+        "--master-port",
+        str(master_port),
         *(["--allow-nccl"] if all(h.gpus > 0 for h in hosts) else []),
-        "--sizes", bandwidth.sizes_text(sizes), "--timeout", f"{stage_timeout:g}",
-        "--token", token,
-    ]  # fmt: skip
+        "--sizes",
+        bandwidth.sizes_text(sizes),
+        "--timeout",
+        f"{stage_timeout:g}",
+        "--token",
+        token,
+    ]
     variables = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     return " ".join(["env", *variables, *(shlex.quote(a) for a in args)])
 
 
 def wall_clock(command: str, seconds: float, pidfile: str) -> str:
     """Run `command` under coreutils timeout, its pid in `pidfile` so leftovers can be ended."""
-    return (f"timeout -k 5 {seconds:g} {command} & echo $! > {shlex.quote(pidfile)}; "
-            f"wait $!; rc=$?; rm -f {shlex.quote(pidfile)}; exit $rc")  # fmt: skip
+    return (
+        f"timeout -k 5 {seconds:g} {command} & echo $! > {shlex.quote(pidfile)}; "
+        f"wait $!; rc=$?; rm -f {shlex.quote(pidfile)}; exit $rc"
+    )
 
 
-def _collective(report: Report, nodes: Nodes, context: Context, hosts: list[Host],
-                options: Options, token: str) -> dict[str, dict | str]:  # fmt: skip
+def _collective(
+    report: Report, nodes: Nodes, context: Context, hosts: list[Host], options: Options, token: str
+) -> dict[str, dict | str]:
     """Run the workers; record the collective's findings. Returns what each worker reported
     of its software (the probe's facts), or why it did not."""
     master = hosts[0]
     names = [h.name for h in hosts]
-    free = attempt(nodes, master, sockprobe("freeport", "--bind", str(master.compute_ip)),
-                   PORTS_TIMEOUT)  # fmt: skip
+    free = attempt(
+        nodes, master, sockprobe("freeport", "--bind", str(master.compute_ip)), PORTS_TIMEOUT
+    )
     port = (free.json() or {}).get("port")
     if not port:
         report.findings.extend(checks.skipped("collective", names[1:], "skipped: no free port"))
-        report.findings.append(Finding(
-            "collective", master.name, Status.FAIL,
-            f"cannot find a free port on {master.compute_ip}: {free.why()}",
-            f"on {master.name}: check that {master.compute_ip} is assigned there"))  # fmt: skip
+        report.findings.append(
+            Finding(
+                "collective",
+                master.name,
+                Status.FAIL,
+                f"cannot find a free port on {master.compute_ip}: {free.why()}",
+                f"on {master.name}: check that {master.compute_ip} is assigned there",
+            )
+        )
         return {}
     sizes = bandwidth.SWEEP_SIZES if options.sweep else bandwidth.QUICK_SIZES
     stage = options.stage_timeout
@@ -361,21 +511,37 @@ def _collective(report: Report, nodes: Nodes, context: Context, hosts: list[Host
     # The worker imports netcheck from where the CLI sent it (the image holds no project code).
     code = {"PYTHONPATH": context.code_dir} if getattr(context, "code_dir", None) else {}
     commands = {
-        h.name: worker_command(h, rank, hosts, port, sizes, stage,
-                               {**report.env.get(h.name, {}), **code}, context.python(h), token)
+        h.name: worker_command(
+            h,
+            rank,
+            hosts,
+            port,
+            sizes,
+            stage,
+            {**report.env.get(h.name, {}), **code},
+            context.python(h),
+            token,
+        )
         for rank, h in enumerate(hosts)
-    }  # fmt: skip
+    }
     try:
-        ran = on_all(hosts, lambda h: attempt(
-            nodes, h, context.wrap(h, wall_clock(commands[h.name], outer, pidfile), token),
-            outer + 15))  # fmt: skip
+        ran = on_all(
+            hosts,
+            lambda h: attempt(
+                nodes,
+                h,
+                context.wrap(h, wall_clock(commands[h.name], outer, pidfile), token),
+                outer + 15,
+            ),
+        )
     finally:
         # Whatever is left of a worker that did not end on its own: by pid (host) or label
         # (container), never by name.
         stop = sockprobe("stop", "--pidfile", pidfile, "--token", token)
         extra = context.cleanup(token)
-        on_all(hosts, lambda h: attempt(nodes, h, f"{stop}; {extra}" if extra else stop,
-                                        PORTS_TIMEOUT))  # fmt: skip
+        on_all(
+            hosts, lambda h: attempt(nodes, h, f"{stop}; {extra}" if extra else stop, PORTS_TIMEOUT)
+        )
     results: dict[str, dict | str] = {}
     stacks: dict[str, dict | str] = {}
     for name, a in ran.items():

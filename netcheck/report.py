@@ -111,8 +111,12 @@ class Report:
             return None
         largest = max(reduce, key=lambda m: m.bytes)
         tcp = min(speeds)
-        return {"bytes": largest.bytes, "busbw": largest.busbw, "tcp": tcp,
-                "ratio": largest.busbw / tcp}  # fmt: skip
+        return {
+            "bytes": largest.bytes,
+            "busbw": largest.busbw,
+            "tcp": tcp,
+            "ratio": largest.busbw / tcp,
+        }
 
     def cell(self, node: str, check: str) -> Status | None:
         """The worst status of one node's findings for one check (None: nothing recorded)."""

@@ -55,8 +55,11 @@ def probe() -> dict:
             found["nvidia_smi_gpus"] = sum(line.startswith("GPU ") for line in out.splitlines())
             driver = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=False,
-            ).stdout.split()  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            ).stdout.split()
             found["driver"] = driver[0] if driver else None
         except (OSError, subprocess.SubprocessError):
             pass

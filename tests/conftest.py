@@ -176,9 +176,13 @@ def make(*args: str, timeout: float = 1800, env: dict | None = None) -> subproce
     """`make ARGS` in the repository, as a user types it."""
     return subprocess.run(
         ["make", "--no-print-directory", *args],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:

@@ -23,9 +23,15 @@ class Terminal:
     def __init__(self, argv: list[str], cwd: Path, env: dict[str, str] | None = None):
         master, slave = os.openpty()
         self.process = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave,
-            preexec_fn=_own_terminal, close_fds=True,
-        )  # fmt: skip
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            preexec_fn=_own_terminal,
+            close_fds=True,
+        )
         os.close(slave)
         self.master = master
         self.transcript = ""

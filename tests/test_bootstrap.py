@@ -80,8 +80,14 @@ def _password_login(host, known_hosts: Path, password: str) -> str:
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
     client.load_host_keys(str(known_hosts))
     try:
-        client.connect(host.ssh_address, username="trainer", password=password, timeout=15,
-                       look_for_keys=False, allow_agent=False)  # fmt: skip
+        client.connect(
+            host.ssh_address,
+            username="trainer",
+            password=password,
+            timeout=15,
+            look_for_keys=False,
+            allow_agent=False,
+        )
         return "ok"
     except paramiko.BadAuthenticationType:
         return "not offered"
@@ -94,10 +100,13 @@ def _password_login(host, known_hosts: Path, password: str) -> str:
 def _node_state(container: str) -> str:
     """What bootstrap may change on a node, to compare before and after a run."""
     return sim.docker(
-        "exec", container, "sh", "-c",
+        "exec",
+        container,
+        "sh",
+        "-c",
         "cat /home/trainer/.ssh/authorized_keys /etc/sudoers.d/torch-multinode 2>&1; "
         "ls -l --time-style=+%s.%N /etc/sudoers.d /etc/ssh/sshd_config.d /home/trainer/.ssh",
-    ).stdout  # fmt: skip
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +231,20 @@ def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
             logs = sim.docker("logs", container)
             assert password not in logs.stdout + logs.stderr
             found = sim.docker(
-                "exec", container, "grep", "-rlsF", password, "/etc", "/home", "/root", "/tmp",
-                "/var/log", "/var/lib/torch-multinode", "/run", check=False,
-            )  # fmt: skip
+                "exec",
+                container,
+                "grep",
+                "-rlsF",
+                password,
+                "/etc",
+                "/home",
+                "/root",
+                "/tmp",
+                "/var/log",
+                "/var/lib/torch-multinode",
+                "/run",
+                check=False,
+            )
             assert found.stdout == "", found.stdout
     assert len(seen) > 20  # the watch did see the processes of the runs
 
@@ -264,8 +284,12 @@ def _a_user_without_sudo_is_named(config: sim.SimConfig, inventory: Path, passwo
     try:
         done = subprocess.run(
             [str(VENV_BIN / "cluster"), "bootstrap", "-i", str(other), "--password-stdin"],
-            input=password + "\n", capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            input=password + "\n",
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert done.returncode == 1, done.stdout + done.stderr
         assert done.stderr.splitlines() == [
             f"Error: host 'node2' ({config.mgmt_ip(2)}): user nosudo has no sudo there: as root "

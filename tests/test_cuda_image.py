@@ -88,10 +88,20 @@ def test_a_base_whose_torch_is_older_than_the_minimum_is_refused_and_removed(bas
     tag = f"tmn-refused:{uuid.uuid4().hex[:8]}"
     try:
         proc = subprocess.run(
-            [str(Path(sys.executable).parent / "cluster"), "image", "--kind", "cuda",
-             "--base-image", base, "--tag", tag],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            [
+                str(Path(sys.executable).parent / "cluster"),
+                "image",
+                "--kind",
+                "cuda",
+                "--base-image",
+                base,
+                "--tag",
+                tag,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert proc.returncode == 1, proc.stdout + proc.stderr
         # The build's progress, then one error line.
         lines = proc.stderr.splitlines()

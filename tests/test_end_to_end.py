@@ -54,18 +54,33 @@ def _provision_builds_and_ships_the_image(cluster, provision, training_image) ->
     controller_image = docker("image", "inspect", "--format", "{{.Id}}", training_image.tag)
     for index in (1, 2):
         node_image = docker(
-            "exec", cluster.config.container(index),
-            "docker", "image", "inspect", "--format", "{{.Id}}", training_image.tag,
-        ).stdout.strip()  # fmt: skip
+            "exec",
+            cluster.config.container(index),
+            "docker",
+            "image",
+            "inspect",
+            "--format",
+            "{{.Id}}",
+            training_image.tag,
+        ).stdout.strip()
         assert node_image == controller_image.stdout.strip()
 
 
 def _netcheck_passes_in_the_training_image(inventory) -> None:
     proc = subprocess.run(
-        [str(REPO_ROOT / ".venv" / "bin" / "netcheck"), "-i", str(inventory), "--nnodes", "2",
-         "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            str(REPO_ROOT / ".venv" / "bin" / "netcheck"),
+            "-i",
+            str(inventory),
+            "--nnodes",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] is True, proc.stdout[-4000:]
@@ -94,21 +109,33 @@ def test_provision_ships_nothing_when_jobs_run_on_the_host(tmp_path):
     document = {
         "all": {
             "vars": {"compute_subnet": "10.8.0.0/24", "launch_mode": "host"},
-            "children": {"nodes": {"hosts": {"a": {
-                "ansible_host": "10.8.0.1", "compute_ip": "10.8.0.1",
-                "compute_interface": "eth0", "gpus": 0,
-            }}}},
+            "children": {
+                "nodes": {
+                    "hosts": {
+                        "a": {
+                            "ansible_host": "10.8.0.1",
+                            "compute_ip": "10.8.0.1",
+                            "compute_interface": "eth0",
+                            "gpus": 0,
+                        }
+                    }
+                }
+            },
         }
-    }  # fmt: skip
+    }
     path = Path(tmp_path) / "inventory.yml"
     path.write_text(yaml.safe_dump(document))
     proc = subprocess.run(
         [str(REPO_ROOT / ".venv" / "bin" / "cluster"), "image", "-i", str(path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert (proc.returncode, proc.stdout) == (
-        0, f"inventory {path}: launch_mode host, no training image needed.\n"
-    )  # fmt: skip
+        0,
+        f"inventory {path}: launch_mode host, no training image needed.\n",
+    )
 
 
 def _containers(cluster, index: int) -> list[str]:
@@ -119,11 +146,20 @@ def _containers(cluster, index: int) -> list[str]:
 def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory) -> None:
     # As a terminal's Ctrl-C does: SIGINT to make and everything it started.
     process = subprocess.Popen(
-        ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2",
-         f"SCRIPT={ENDLESS}"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            "make",
+            "--no-print-directory",
+            "train",
+            f"INVENTORY={inventory}",
+            "NNODES=2",
+            f"SCRIPT={ENDLESS}",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     seen = []
     for line in process.stdout:
         seen.append(line)
@@ -141,11 +177,14 @@ def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory
     port = yaml.safe_load(inventory.read_text())["all"]["vars"].get("rendezvous_port", 29500)
     for index in (1, 2):
         left = docker(
-            "exec", cluster.config.container(index), "sh", "-c",
+            "exec",
+            cluster.config.container(index),
+            "sh",
+            "-c",
             f"grep -lsaF TMN_RUN_ID= /proc/[0-9]*/environ | grep -v self; "
             f"ss -ltnH 'sport = :{port}'",
             check=False,
-        ).stdout  # fmt: skip
+        ).stdout
         assert left.strip() == "", (index, left)
     # The container itself: Docker removes it once its cleanup is done, at once on an idle disk,
     # 15 s and more on a saturated one (unmounting syncs the disk); the stop does not wait for it.

@@ -132,17 +132,28 @@ def _run_id(stdout: str) -> str:
 
 
 def _train(provisioned, *variables: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return make("train", f"INVENTORY={provisioned.inventory}", "NNODES=2", *variables,
-                timeout=900, env=env)  # fmt: skip
+    return make(
+        "train", f"INVENTORY={provisioned.inventory}", "NNODES=2", *variables, timeout=900, env=env
+    )
 
 
 def _start(provisioned, *variables: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        ["make", "--no-print-directory", "train", f"INVENTORY={provisioned.inventory}", "NNODES=2",
-         *variables],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env, start_new_session=True,
-    )  # fmt: skip
+        [
+            "make",
+            "--no-print-directory",
+            "train",
+            f"INVENTORY={provisioned.inventory}",
+            "NNODES=2",
+            *variables,
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:
@@ -186,8 +197,9 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
     checkpoints = f"project-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PROJECT_MODE": "fast"}
     variables = (f"SCRIPT={script}", f"ENV=PROJECT_TOKEN={SECRET} PROJECT_MODE")
-    process = _start(provisioned, *variables,
-                     f"ARGS=--checkpoint-dir {checkpoints} --steps 3 --hold 6", env=env)  # fmt: skip
+    process = _start(
+        provisioned, *variables, f"ARGS=--checkpoint-dir {checkpoints} --steps 3 --hold 6", env=env
+    )
     try:
         seen = _read_until(process, "[node1] rank 0: holding", "[node2] rank 1: holding")
         # While the job runs: the secret is on no command line of either node, and not in what
@@ -207,14 +219,18 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
     assert process.returncode == 0, output[-4000:]
     run_id = _run_id(output)
     for rank, node in ((0, "node1"), (1, "node2")):
-        assert (f"[{node}] rank {rank}: mylib v1, config tiny-experiment, token of {len(SECRET)} "
-                "characters, mode fast, in its project True, start 0") in output  # fmt: skip
+        assert (
+            f"[{node}] rank {rank}: mylib v1, config tiny-experiment, token of {len(SECRET)} "
+            "characters, mode fast, in its project True, start 0"
+        ) in output
     assert (
         "[launcher] environment for every rank: PROJECT_TOKEN, PROJECT_MODE (values not shown)"
         in output
     )
-    assert (f"[launcher] --checkpoint-dir {checkpoints} is {DEFAULT_CHECKPOINT_ROOT}/{checkpoints} "
-            "on every node (checkpoint_root)") in output  # fmt: skip
+    assert (
+        f"[launcher] --checkpoint-dir {checkpoints} is {DEFAULT_CHECKPOINT_ROOT}/{checkpoints} "
+        "on every node (checkpoint_root)"
+    ) in output
     # The project travelled without its virtual environment and caches: 4 files.
     assert re.search(rf"\[launcher\] {re.escape(str(script.parent))} \(4 files, ", output), output
     assert SECRET not in output
@@ -248,8 +264,11 @@ def test_a_progress_bar_shows_a_few_lines_per_node_and_its_end(provisioned):
     proc = _train(provisioned, f"SCRIPT={PROGRESS_SCRIPT}")
     assert proc.returncode == 0, proc.stdout[-4000:]
     for node in ("node1", "node2"):
-        states = [line for line in proc.stdout.splitlines()
-                  if re.match(rf"\[{node}\] progress \d+/80 ", line)]  # fmt: skip
+        states = [
+            line
+            for line in proc.stdout.splitlines()
+            if re.match(rf"\[{node}\] progress \d+/80 ", line)
+        ]
         # 8 s of redraws at 10 per second: at most one line every 3 s, and the last state.
         assert 2 <= len(states) <= 5, states
         assert states[-1] == f"[{node}] progress 80/80 |##########|", states
@@ -321,9 +340,21 @@ def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the
     provisioned, reference_ddp, tmp_path
 ):
     checkpoints = f"restart-{uuid.uuid4().hex[:8]}"
-    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4",
-            "--checkpoint-dir", checkpoints, "--log-every", "1", "--step-delay", "0.3",
-            "--out", "model.pt"]  # fmt: skip
+    args = [
+        *TINY,
+        "--steps",
+        str(REFERENCE_STEPS),
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-dir",
+        checkpoints,
+        "--log-every",
+        "1",
+        "--step-delay",
+        "0.3",
+        "--out",
+        "model.pt",
+    ]
     process = _start(provisioned, "RESTARTS=1", "ARGS=" + " ".join(args))
     seen = _read_until(process, "[node1] step  9/")  # step 8 saved on both nodes
     first = _run_id(seen)
@@ -377,10 +408,21 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
 ):
     checkpoints = f"killed-{uuid.uuid4().hex[:8]}"
     directory = f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}"
-    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4", "--keep", "1",
-            "--checkpoint-dir", checkpoints]  # fmt: skip
-    process = _start(provisioned, "ARGS=" + " ".join(
-        [*args, "--checkpoint-pause-step", "8", "--checkpoint-pause-rank", "1"]))  # fmt: skip
+    args = [
+        *TINY,
+        "--steps",
+        str(REFERENCE_STEPS),
+        "--checkpoint-every",
+        "4",
+        "--keep",
+        "1",
+        "--checkpoint-dir",
+        checkpoints,
+    ]
+    process = _start(
+        provisioned,
+        "ARGS=" + " ".join([*args, "--checkpoint-pause-step", "8", "--checkpoint-pause-rank", "1"]),
+    )
     try:
         _read_until(process, "[node2] [rank 1] checkpoint step 8: ")
         output = kill_node(process, provisioned.cluster.config.container(2))
@@ -412,26 +454,42 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
     _on_node(
         provisioned, 2, f"mkdir -p {directory} && mount -t tmpfs -o size=512k tmpfs {directory}"
     )
-    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4",
-            "--checkpoint-dir", checkpoints]  # fmt: skip
+    args = [
+        *TINY,
+        "--steps",
+        str(REFERENCE_STEPS),
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-dir",
+        checkpoints,
+    ]
     try:
-        first = _train(provisioned, "ARGS=" + " ".join([*TINY, "--steps", "4",
-                       "--checkpoint-every", "4", "--checkpoint-dir", checkpoints]))  # fmt: skip
+        first = _train(
+            provisioned,
+            "ARGS="
+            + " ".join(
+                [*TINY, "--steps", "4", "--checkpoint-every", "4", "--checkpoint-dir", checkpoints]
+            ),
+        )
         assert first.returncode == 0, first.stdout[-3000:]
         _on_node(
             provisioned, 2, f"dd if=/dev/zero of={directory}/filler bs=4k 2>/dev/null", check=False
         )
         full = _train(provisioned, "ARGS=" + " ".join(args))
         assert _exit_code(full.returncode, full.stderr) == 1, full.stdout[-3000:]
-        error = (f"Error: cannot write checkpoint step 8 to {directory}: No space left on "
-                 "device; step 4 is kept (try freeing space there, a smaller --keep, or a "
-                 "--checkpoint-dir with more room)")  # fmt: skip
+        error = (
+            f"Error: cannot write checkpoint step 8 to {directory}: No space left on "
+            "device; step 4 is kept (try freeing space there, a smaller --keep, or a "
+            "--checkpoint-dir with more room)"
+        )
         assert f"[node2] {error}" in full.stdout.splitlines(), full.stdout[-3000:]
         _on_node(provisioned, 2, f"rm {directory}/filler && mount -o remount,ro {directory}")
         read_only = _train(provisioned, "ARGS=" + " ".join(args))
         assert _exit_code(read_only.returncode, read_only.stderr) == 1
-        assert (f"[node2] Error: cannot write checkpoints to {directory}: Read-only file system "
-                "(try a writable --checkpoint-dir)") in read_only.stdout.splitlines()  # fmt: skip
+        assert (
+            f"[node2] Error: cannot write checkpoints to {directory}: Read-only file system "
+            "(try a writable --checkpoint-dir)"
+        ) in read_only.stdout.splitlines()
         _on_node(provisioned, 2, f"mount -o remount,rw {directory}")
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
         assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun
@@ -446,12 +504,17 @@ def test_an_edit_to_the_projects_own_workloads_runs_without_a_new_image(provisio
     A copy of the packages with one edit (WORKDIR) runs the edit on both nodes."""
     copy = tmp_path / "tmn-copy"
     for package in ("cluster", "netcheck", "training"):
-        shutil.copytree(REPO_ROOT / package, copy / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        shutil.copytree(
+            REPO_ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
     init = copy / "training" / "__init__.py"
     init.write_text(init.read_text() + "\nprint('edited workloads here', flush=True)\n")
-    proc = _train(provisioned, f"WORKDIR={copy}", "MODULE=training.ddp",
-                  "ARGS=" + " ".join([*TINY, "--steps", "2"]))  # fmt: skip
+    proc = _train(
+        provisioned,
+        f"WORKDIR={copy}",
+        "MODULE=training.ddp",
+        "ARGS=" + " ".join([*TINY, "--steps", "2"]),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     for node in ("node1", "node2"):
         assert f"[{node}] edited workloads here" in proc.stdout.splitlines()
@@ -476,9 +539,12 @@ def test_an_nccl_job_whose_gpus_do_not_answer_stops_at_start_naming_the_node(pro
     assert "[node1]" not in proc.stdout and "[node2]" not in proc.stdout  # nothing started
     # Model parallel on 1-GPU nodes is refused before anything is contacted.
     proc = make(
-        "train", f"INVENTORY={inventory}", "NNODES=2", "MODULE=training.model_parallel",
+        "train",
+        f"INVENTORY={inventory}",
+        "NNODES=2",
+        "MODULE=training.model_parallel",
         timeout=600,
-    )  # fmt: skip
+    )
     assert _exit_code(proc.returncode, proc.stderr) == 2, proc.stdout[-3000:] + proc.stderr
     assert proc.stderr.startswith(
         "Error: training.model_parallel spans 2 GPUs per process, but node 'node1' has 1 for "
@@ -518,26 +584,43 @@ def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configurati
     for host in inventory.hosts:
         typed = [
             *training_container_options(host, inventory.container_memlock, label),
-            "-e", f"GLOO_SOCKET_IFNAME={host.compute_interface}", inventory.training_image,
-            "python3", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={master.compute_ip}:29611",
-            "--rdzv-id=hand-typed", f"--local-addr={host.compute_ip}",
-            "--no-python", "python3", "-c", HAND_TYPED,
-        ]  # fmt: skip
+            "-e",
+            f"GLOO_SOCKET_IFNAME={host.compute_interface}",
+            inventory.training_image,
+            "python3",
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={master.compute_ip}:29611",
+            "--rdzv-id=hand-typed",
+            f"--local-addr={host.compute_ip}",
+            "--no-python",
+            "python3",
+            "-c",
+            HAND_TYPED,
+        ]
         command = f"{NCCL_CONF_GUARD} && {shlex.join(typed)}"
         container = provisioned.cluster.config.container(inventory.hosts.index(host) + 1)
         started.append(
             subprocess.Popen(
                 ["docker", "exec", container, "sh", "-c", command],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
-        )  # fmt: skip
+        )
     try:
         outputs = [process.communicate(timeout=240)[0] for process in started]
     finally:
         for index in (1, 2):
-            _on_node(provisioned, index, f"docker ps -q --filter label={label} | "
-                     "xargs -r docker rm -f", check=False)  # fmt: skip
+            _on_node(
+                provisioned,
+                index,
+                f"docker ps -q --filter label={label} | xargs -r docker rm -f",
+                check=False,
+            )
             started[index - 1].kill()
     for index, (process, output) in enumerate(zip(started, outputs, strict=True)):
         assert process.returncode == 0, output

@@ -44,8 +44,16 @@ from tests.netcheck.netcheck_fakes import INVENTORY as FAKE_INVENTORY
 from tests.netcheck.netcheck_fakes import FakeCluster
 
 REPO = Path(__file__).resolve().parents[1]
-SCANNED = ["cluster", "launch", "netcheck", "training", "ansible", "docker", "Makefile",
-           "inventory.example.yml"]  # fmt: skip
+SCANNED = [
+    "cluster",
+    "launch",
+    "netcheck",
+    "training",
+    "ansible",
+    "docker",
+    "Makefile",
+    "inventory.example.yml",
+]
 TEXT_SUFFIXES = {".py", ".yml", ".yaml", ".j2", ".cfg", ".sh", ".md", ".txt", ".toml", ".conf"}
 
 
@@ -73,10 +81,16 @@ def matches(pattern: re.Pattern, files: list[Path]) -> list[str]:
 
 def test_the_scan_covers_the_code_the_roles_the_makefile_and_the_images():
     names = {str(f.relative_to(REPO)) for f in scanned_files()}
-    for expected in ("cluster/remote.py", "launch/commands.py", "cluster/execution.py",
-                     "ansible/ansible.cfg", "ansible/roles/ssh_mesh/tasks/main.yml",
-                     "ansible/roles/ssh_mesh/templates/ssh_config.j2", "Makefile",
-                     "docker/sim-node/Dockerfile"):  # fmt: skip
+    for expected in (
+        "cluster/remote.py",
+        "launch/commands.py",
+        "cluster/execution.py",
+        "ansible/ansible.cfg",
+        "ansible/roles/ssh_mesh/tasks/main.yml",
+        "ansible/roles/ssh_mesh/templates/ssh_config.j2",
+        "Makefile",
+        "docker/sim-node/Dockerfile",
+    ):
         assert expected in names
 
 
@@ -94,10 +108,14 @@ ACCEPTING_POLICIES = {"AutoAddPolicy", "WarningPolicy"}
 
 @pytest.mark.parametrize(
     "line",
-    ["ssh -o StrictHostKeyChecking=no node1", "StrictHostKeyChecking accept-new",
-     "-o UserKnownHostsFile=/dev/null", "host_key_checking = False",
-     "ANSIBLE_HOST_KEY_CHECKING=false ansible-playbook"],
-)  # fmt: skip
+    [
+        "ssh -o StrictHostKeyChecking=no node1",
+        "StrictHostKeyChecking accept-new",
+        "-o UserKnownHostsFile=/dev/null",
+        "host_key_checking = False",
+        "ANSIBLE_HOST_KEY_CHECKING=false ansible-playbook",
+    ],
+)
 def test_the_host_key_pattern_catches_every_way_of_turning_checks_off(line):
     assert HOST_KEYS_OFF.search(line)
 
@@ -113,8 +131,11 @@ def test_no_code_uses_a_policy_that_accepts_unknown_host_keys():
         if file.suffix != ".py":
             continue
         tokens = tokenize.generate_tokens(io.StringIO(file.read_text()).readline)
-        used += [f"{file.relative_to(REPO)}:{t.start[0]}" for t in tokens
-                 if t.type == tokenize.NAME and t.string in ACCEPTING_POLICIES]  # fmt: skip
+        used += [
+            f"{file.relative_to(REPO)}:{t.start[0]}"
+            for t in tokens
+            if t.type == tokenize.NAME and t.string in ACCEPTING_POLICIES
+        ]
     assert used == []
     # The scan would see one: the name is a NAME token in code.
     sample = "client.set_missing_host_key_policy(paramiko.AutoAddPolicy())\n"
@@ -161,11 +182,13 @@ def test_the_simulated_clusters_inventory_checks_host_keys(tmp_path):
 
 @pytest.mark.parametrize(
     "variable, value",
-    [("ansible_ssh_common_args", "-o StrictHostKeyChecking=no"),
-     ("ansible_ssh_extra_args", "-o UserKnownHostsFile=/dev/null"),
-     ("ansible_ssh_common_args", "-oStrictHostKeyChecking=accept-new"),
-     ("ansible_host_key_checking", False)],
-)  # fmt: skip
+    [
+        ("ansible_ssh_common_args", "-o StrictHostKeyChecking=no"),
+        ("ansible_ssh_extra_args", "-o UserKnownHostsFile=/dev/null"),
+        ("ansible_ssh_common_args", "-oStrictHostKeyChecking=accept-new"),
+        ("ansible_host_key_checking", False),
+    ],
+)
 def test_an_inventory_that_turns_host_key_checks_off_is_refused(variable, value):
     text = yaml.safe_load((REPO / "inventory.example.yml").read_text())
     text["all"]["children"]["nodes"]["hosts"]["pc2"][variable] = value
@@ -179,9 +202,15 @@ def test_an_inventory_that_turns_host_key_checks_off_is_refused(variable, value)
 
 def _host(key: Path | None = None, gpus: int = 0) -> inventory.Host:
     return inventory.Host(
-        name="node1", ssh_address="192.0.2.1", ssh_port=22, ssh_user="trainer", ssh_key=key,
-        compute_ip=ipaddress.IPv4Address("192.0.2.1"), compute_interface="eth1", gpus=gpus,
-    )  # fmt: skip
+        name="node1",
+        ssh_address="192.0.2.1",
+        ssh_port=22,
+        ssh_user="trainer",
+        ssh_key=key,
+        compute_ip=ipaddress.IPv4Address("192.0.2.1"),
+        compute_interface="eth1",
+        gpus=gpus,
+    )
 
 
 def test_the_fabric_remote_rejects_unknown_host_keys_and_never_uses_a_password(
@@ -229,10 +258,16 @@ PASSWORDS_ON = re.compile(
 
 @pytest.mark.parametrize(
     "line",
-    ["PasswordAuthentication yes", "    KbdInteractiveAuthentication yes",
-     "ansible_ssh_pass: secret", "ansible_password: x", "sshpass -p x ssh node1",
-     "ask_pass = True", "PermitEmptyPasswords yes"],
-)  # fmt: skip
+    [
+        "PasswordAuthentication yes",
+        "    KbdInteractiveAuthentication yes",
+        "ansible_ssh_pass: secret",
+        "ansible_password: x",
+        "sshpass -p x ssh node1",
+        "ask_pass = True",
+        "PermitEmptyPasswords yes",
+    ],
+)
 def test_the_password_pattern_catches_every_way_of_enabling_passwords(line):
     assert PASSWORDS_ON.search(line)
 
@@ -255,8 +290,11 @@ def test_password_login_is_never_enabled_nor_used():
 
 def test_the_simulated_nodes_refuse_password_login():
     dockerfile = (REPO / "docker/sim-node/Dockerfile").read_text()
-    for setting in ("'PasswordAuthentication no'", "'KbdInteractiveAuthentication no'",
-                    "'PermitRootLogin prohibit-password'"):  # fmt: skip
+    for setting in (
+        "'PasswordAuthentication no'",
+        "'KbdInteractiveAuthentication no'",
+        "'PermitRootLogin prohibit-password'",
+    ):
         assert setting in dockerfile
 
 
@@ -273,16 +311,26 @@ def _tasks(role: str) -> list[dict]:
 def test_the_ssh_mesh_role_keeps_the_private_key_0600_and_its_directory_0700():
     tasks = _tasks("ssh_mesh")
     names = [t["name"] for t in tasks]
-    generate = next(i for i, t in enumerate(tasks) if "ansible.builtin.command" in t
-                    and t["ansible.builtin.command"]["argv"][0] == "ssh-keygen")  # fmt: skip
-    key_modes = [(i, t["ansible.builtin.file"]) for i, t in enumerate(tasks)
-                 if t.get("ansible.builtin.file", {}).get("path") == "{{ ssh_mesh_key_file }}"]  # fmt: skip
+    generate = next(
+        i
+        for i, t in enumerate(tasks)
+        if "ansible.builtin.command" in t
+        and t["ansible.builtin.command"]["argv"][0] == "ssh-keygen"
+    )
+    key_modes = [
+        (i, t["ansible.builtin.file"])
+        for i, t in enumerate(tasks)
+        if t.get("ansible.builtin.file", {}).get("path") == "{{ ssh_mesh_key_file }}"
+    ]
     assert [(file["mode"], file["owner"], file["state"]) for _, file in key_modes] == [
         ("0600", "{{ ssh_mesh_user }}", "file")
     ], names
     assert key_modes[0][0] > generate  # after ssh-keygen, so it also covers a key made then
-    directory = next(t["ansible.builtin.file"] for t in tasks
-                     if t.get("ansible.builtin.file", {}).get("path") == "{{ ssh_mesh_home }}/.ssh")  # fmt: skip
+    directory = next(
+        t["ansible.builtin.file"]
+        for t in tasks
+        if t.get("ansible.builtin.file", {}).get("path") == "{{ ssh_mesh_home }}/.ssh"
+    )
     assert directory["mode"] == "0700"
 
 
@@ -323,8 +371,18 @@ def _container_options(words: list[str]) -> list[str]:
     """The options of a `docker run` command line: the words between `run` and the image."""
     start = words.index("run") + 1
     options, index = [], start
-    takes_value = {"--pull", "--label", "--network", "--ipc", "--ulimit", "--gpus", "--name",
-                   "-v", "-w", "-e"}  # fmt: skip
+    takes_value = {
+        "--pull",
+        "--label",
+        "--network",
+        "--ipc",
+        "--ulimit",
+        "--gpus",
+        "--name",
+        "-v",
+        "-w",
+        "-e",
+    }
     while index < len(words) and words[index].startswith("-"):
         options.append(words[index])
         if words[index] in takes_value:
@@ -340,8 +398,9 @@ def assert_unprivileged(words: list[str], run_dir: str | None = None) -> None:
     pairs = list(zip(options, options[1:], strict=False))
     # Host networking and IPC (NCCL, DataLoader shared memory), nothing else of the host's.
     assert {f"{a} {b}" for a, b in pairs if a in ("--network", "--ipc")} == {
-        "--network host", "--ipc host"
-    }  # fmt: skip
+        "--network host",
+        "--ipc host",
+    }
     # NCCL's configuration read-only, the run directory; no other path of the host's.
     mounts = [b for a, b in pairs if a == "-v"]
     expected = ["/etc/nccl.conf:/etc/nccl.conf:ro"] + ([f"{run_dir}:{run_dir}"] if run_dir else [])
@@ -364,9 +423,16 @@ def test_the_job_container_the_launcher_runs_is_unprivileged():
     spec = JobSpec(run_id="tmn-sec")
     run_dir = f"{REMOTE_RUN_ROOT}/{spec.run_id}"
     command = remote_command(
-        host, host, 1, spec, 29500, {"GLOO_SOCKET_IFNAME": "eth1"},
-        mode="container", image="torch-multinode/train:latest", memlock="unlimited",
-    )  # fmt: skip
+        host,
+        host,
+        1,
+        spec,
+        29500,
+        {"GLOO_SOCKET_IFNAME": "eth1"},
+        mode="container",
+        image="torch-multinode/train:latest",
+        memlock="unlimited",
+    )
     words = shlex.split(command)
     docker = words[words.index("exec") + 1 :]
     assert docker[:2] == ["docker", "run"]
@@ -396,11 +462,13 @@ def keyed_inventory(tmp_path) -> tuple[Path, Path]:
     key.write_text(PRIVATE_KEY)
     key.chmod(0o600)
     path = tmp_path / "inventory.yml"
-    path.write_text(FAKE_INVENTORY.replace(
-        "    launch_mode: host\n",
-        f"    launch_mode: host\n    ansible_user: trainer\n"
-        f"    ansible_ssh_private_key_file: {key}\n    ssh_known_hosts_file: {tmp_path}/known\n",
-    ))  # fmt: skip
+    path.write_text(
+        FAKE_INVENTORY.replace(
+            "    launch_mode: host\n",
+            f"    launch_mode: host\n    ansible_user: trainer\n"
+            f"    ansible_ssh_private_key_file: {key}\n    ssh_known_hosts_file: {tmp_path}/known\n",
+        )
+    )
     assert [h.ssh_key for h in inventory.load(path).hosts] == [key] * 3
     return path, key
 
@@ -441,15 +509,17 @@ def test_netcheck_never_reads_prints_or_sends_the_key(keyed_inventory, tmp_path,
             return super().run(host, command, timeout)
 
     fakes: list[FakeCluster] = []
-    monkeypatch.setattr(netcheck.cli, "SshNodes",
-                        lambda inv: fakes.append(Recording(list(inv.hosts))) or fakes[-1])  # fmt: skip
+    monkeypatch.setattr(
+        netcheck.cli, "SshNodes", lambda inv: fakes.append(Recording(list(inv.hosts))) or fakes[-1]
+    )
     monkeypatch.chdir(tmp_path)
     for flags in ([], ["--json"]):
         outcome = call(netcheck.cli.main, ["-i", str(path), *flags], tmp_path)
         assert outcome.code == 0 and outcome.stopped == [], str(outcome)
         assert str(key) not in outcome.opened
-        assert_no_key_in(outcome.out, outcome.err, *sent,
-                         (tmp_path / "netcheck-env.json").read_text())  # fmt: skip
+        assert_no_key_in(
+            outcome.out, outcome.err, *sent, (tmp_path / "netcheck-env.json").read_text()
+        )
     assert sent and fakes[-1].surprises == []
 
 
@@ -473,8 +543,15 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
     for host in hosts:
         for mode in ("host", "container"):
             command = remote_command(
-                host, hosts[0], len(hosts), spec, inv.rendezvous_port, {"A": "b"}, mode=mode,
-                image=inv.training_image, memlock=inv.container_memlock,
-            )  # fmt: skip
+                host,
+                hosts[0],
+                len(hosts),
+                spec,
+                inv.rendezvous_port,
+                {"A": "b"},
+                mode=mode,
+                image=inv.training_image,
+                memlock=inv.container_memlock,
+            )
             assert_no_key_in(command)
             assert str(key) not in command  # not even where the key lives

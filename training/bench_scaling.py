@@ -52,35 +52,55 @@ def _parser() -> console.ArgumentParser:
         "--model", choices=MODELS, default="resnet18", help="network (default: %(default)s)"
     )
     parser.add_argument(
-        "--image-size", type=int, default=64, metavar="N",
+        "--image-size",
+        type=int,
+        default=64,
+        metavar="N",
         help="side of the square synthetic images (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--batch", type=int, default=64, metavar="N",
+        "--batch",
+        type=int,
+        default=64,
+        metavar="N",
         help="samples per micro-batch per rank (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--accumulate", type=int, default=2, metavar="A",
+        "--accumulate",
+        type=int,
+        default=2,
+        metavar="A",
         help="micro-batches per optimizer step (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--levers", default=",".join(LEVERS), metavar="LIST",
+        "--levers",
+        default=",".join(LEVERS),
+        metavar="LIST",
         help=f"comma-separated, of {', '.join(LEVERS)}; with one process ignored: one "
         f"{BASELINE} series (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--reps", type=int, default=3, metavar="N",
+        "--reps",
+        type=int,
+        default=3,
+        metavar="N",
         help="measurements per lever, interleaved (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--warmup", type=int, default=1, metavar="N",
+        "--warmup",
+        type=int,
+        default=1,
+        metavar="N",
         help="untimed optimizer steps before each measurement; PowerSGD gets more, until it "
         "has compressed once (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--measure", type=int, default=2, metavar="N",
+        "--measure",
+        type=int,
+        default=2,
+        metavar="N",
         help="timed optimizer steps per measurement (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of weights and data (default: %(default)s)"
     )
@@ -186,9 +206,17 @@ def main(argv: list[str] | None = None) -> int:
                 "auto": (chosen, True),
             }.get(lever, (lever, False))
             own = levers.measure_once(
-                module, env, micro_step, args.accumulate, config=ddp_settings, hook=hook,
-                warmup=args.warmup, steps=args.measure, no_sync=no_sync, optimizer=optimizer,
-            )  # fmt: skip
+                module,
+                env,
+                micro_step,
+                args.accumulate,
+                config=ddp_settings,
+                hook=hook,
+                warmup=args.warmup,
+                steps=args.measure,
+                no_sync=no_sync,
+                optimizer=optimizer,
+            )
             (seconds,) = levers.slowest([own], env)
             if env.is_main:
                 report(

@@ -105,9 +105,10 @@ class CheckpointStore:
                 raise
             kept = self.steps()
             raise self._write_error(
-                f"cannot write checkpoint step {step} to", cause,
+                f"cannot write checkpoint step {step} to",
+                cause,
                 f"; step {kept[-1]} is kept" if kept else "",
-            ) from None  # fmt: skip
+            ) from None
         if prune:
             self.prune()
         return path

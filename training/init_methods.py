@@ -32,9 +32,12 @@ def form_and_check(
     method: str, init_method: str, rank: int, world: int, backend: str, device: torch.device
 ) -> int:
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world,
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    )
     # NCCL reduces GPU tensors only, each rank's on its own GPU.
     value = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(value)
@@ -42,21 +45,26 @@ def form_and_check(
     dist.barrier()
     dist.destroy_process_group()
     status = "OK" if value.item() == expected else "WRONG"
-    print(f"[rank {rank}] {method}:// group of {world} ranks ({init_method}): all_reduce "
-          f"{value.item():.0f} == {expected:.0f} {status}", flush=True)  # fmt: skip
+    print(
+        f"[rank {rank}] {method}:// group of {world} ranks ({init_method}): all_reduce "
+        f"{value.item():.0f} == {expected:.0f} {status}",
+        flush=True,
+    )
     return 0 if status == "OK" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m training.init_methods", description=__doc__,
+        prog="python -m training.init_methods",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="default: all three")
     parser.add_argument(
-        "--shared-dir", default=None,
+        "--shared-dir",
+        default=None,
         help="a directory every rank sees, for file:// (skipped without it)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--tcp-port", type=int, default=None, help="port for tcp:// (default: MASTER_PORT + 1)"
     )

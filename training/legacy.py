@@ -17,8 +17,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m training.legacy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m training.legacy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--flag", choices=("--local_rank", "--local-rank"), default="--local_rank")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)

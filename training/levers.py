@@ -175,9 +175,16 @@ def measure(
     try:
         for hook in candidates:
             seconds = measure_once(
-                module, env, micro_step, accumulate, config=config, hook=hook,
-                warmup=warmup, steps=steps, no_sync=no_sync,
-            )  # fmt: skip
+                module,
+                env,
+                micro_step,
+                accumulate,
+                config=config,
+                hook=hook,
+                warmup=warmup,
+                steps=steps,
+                no_sync=no_sync,
+            )
             own.append(seconds)
     finally:
         with torch.no_grad():

@@ -28,14 +28,21 @@ def worker(rank: int, world_size: int, port: int, argv: list[str]) -> None:
         torch.set_num_threads(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world_size,
+        backend,
+        init_method=f"tcp://{LOOPBACK}:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(minutes=5),
-    )  # fmt: skip
+    )
     # What torchrun would have said, so the workload describes this layout like any other.
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(port),
+    )
     code = console.call(ddp.main, argv)
     if code:
         sys.exit(code)
@@ -43,15 +50,18 @@ def worker(rank: int, world_size: int, port: int, argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m training.spawn", description=__doc__,
+        prog="python -m training.spawn",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Everything after '--' goes to training.ddp (see python -m training.ddp --help).",
-    )  # fmt: skip
+    )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     parser.add_argument(
-        "--nprocs", type=int, default=gpus or 2,
+        "--nprocs",
+        type=int,
+        default=gpus or 2,
         help="processes to spawn (default: one per GPU, or 2 on the CPU)",
-    )  # fmt: skip
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     rest = options.args[1:] if options.args[:1] == ["--"] else options.args

@@ -74,9 +74,14 @@ def ansible_playbook(
     }
     started = time.monotonic()
     proc = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env,
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        env=env,
         check=False,
-    )  # fmt: skip
+    )
     run = PlaybookRun(
         command, proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
     )
@@ -88,8 +93,11 @@ def node_sh(container: str, script: str, timeout: float = 60) -> subprocess.Comp
     """A shell command inside a node container (for looking, and for setting up test cases)."""
     return subprocess.run(
         ["docker", "exec", container, "sh", "-c", script],
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def read_inventory(path: Path) -> dict:
@@ -124,8 +132,11 @@ def node_tcp_connects(container: str, address: str, port: int, timeout: float = 
     )
     proc = subprocess.run(
         ["docker", "exec", container, "python3", "-c", probe],
-        capture_output=True, text=True, timeout=timeout + 30, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout + 30,
+        check=False,
+    )
     if proc.returncode not in (0, 3):  # anything else: the probe itself failed
         raise AssertionError(f"TCP probe in {container} failed: {proc.stderr}")
     return proc.returncode == 0
@@ -160,10 +171,22 @@ def node_tcp_probe(
     """From inside a node, sending from its address `source`: which (address, port) targets
     accept a TCP connection in time. All are probed at once: dropped ones cost one timeout."""
     proc = subprocess.run(
-        ["docker", "exec", container, "python3", "-c", _PROBE_FROM, source, str(timeout),
-         json.dumps(targets)],
-        capture_output=True, text=True, timeout=timeout + 30, check=False,
-    )  # fmt: skip
+        [
+            "docker",
+            "exec",
+            container,
+            "python3",
+            "-c",
+            _PROBE_FROM,
+            source,
+            str(timeout),
+            json.dumps(targets),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 30,
+        check=False,
+    )
     if proc.returncode != 0:
         raise AssertionError(f"TCP probe in {container} failed: {proc.stderr}")
     found = json.loads(proc.stdout)
@@ -193,10 +216,18 @@ class Listener:
 
     def __enter__(self) -> Listener:
         subprocess.run(
-            ["docker", "exec", "-d", self.container, "sh", "-c",
-             f"echo $$ > {self.pidfile}; exec python3 -m http.server {self.port} --bind 0.0.0.0"],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            [
+                "docker",
+                "exec",
+                "-d",
+                self.container,
+                "sh",
+                "-c",
+                f"echo $$ > {self.pidfile}; exec python3 -m http.server {self.port} --bind 0.0.0.0",
+            ],
+            check=True,
+            capture_output=True,
+        )
         deadline = time.monotonic() + 20
         while not node_tcp_connects(self.container, "127.0.0.1", self.port, timeout=1):
             if time.monotonic() > deadline:
@@ -213,8 +244,10 @@ def image_id(image: str, container: str | None = None) -> str:
     prefix = ["docker", "exec", container] if container else []
     proc = subprocess.run(
         [*prefix, "docker", "image", "inspect", "--format", "{{.Id}}", image],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 

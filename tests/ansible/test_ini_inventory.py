@@ -63,8 +63,11 @@ def test_an_ini_inventory_with_group_vars_provisions_checks_and_trains(sim_facto
 
         netcheck = subprocess.run(
             [str(VENV_BIN / "netcheck"), "-i", str(inventory), "--json"],
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert netcheck.returncode == 0, netcheck.stdout[-3000:] + netcheck.stderr
         assert json.loads(netcheck.stdout)["ok"] is True
 

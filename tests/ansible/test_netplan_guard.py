@@ -64,8 +64,11 @@ def guarded(sim_factory, tmp_path_factory):
     cluster = sim_factory.up(1)
     try:
         container = cluster.config.container(1)
-        install = node_sh(container, f"mkdir -p /etc/netplan && cat > {FAKE_NETPLAN} <<'EOF'\n"
-                                     f"{FAKE_NETPLAN_SCRIPT}EOF\nchmod 755 {FAKE_NETPLAN}")  # fmt: skip
+        install = node_sh(
+            container,
+            f"mkdir -p /etc/netplan && cat > {FAKE_NETPLAN} <<'EOF'\n"
+            f"{FAKE_NETPLAN_SCRIPT}EOF\nchmod 755 {FAKE_NETPLAN}",
+        )
         assert install.returncode == 0, install.stderr
         document = read_inventory(cluster.config.inventory_path)
         # A generous window where the change is confirmed, a short one where it cannot be.
@@ -92,11 +95,21 @@ def guarded(sim_factory, tmp_path_factory):
         document["all"]["vars"]["netplan_confirm_timeout"] = 10
         unanswered = run(write_inventory(document, directory / "unanswered.yml"))
         yield Guarded(
-            container, str(cluster.inventory.hosts[0].compute_ip), good, good_config, good_calls,
-            rerun, rerun_calls, invalid, invalid_calls, invalid_config, unanswered,
-            calls(container), node_sh(container, f"cat {CONFIG}").stdout,
+            container,
+            str(cluster.inventory.hosts[0].compute_ip),
+            good,
+            good_config,
+            good_calls,
+            rerun,
+            rerun_calls,
+            invalid,
+            invalid_calls,
+            invalid_config,
+            unanswered,
+            calls(container),
+            node_sh(container, f"cat {CONFIG}").stdout,
             node_sh(container, "ls -A /etc/netplan").stdout,
-        )  # fmt: skip
+        )
     finally:
         sim_factory.down(cluster)
 

@@ -155,10 +155,12 @@ def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
     """A node exporter's port from one source, another port from anywhere: added beside ours,
     a rerun changes nothing, and dropped again (rule removal stays on) once no longer asked."""
     inventory = provisioned.cluster.config.inventory_path
-    extra = json.dumps({
-        "firewall_allowed_udp_ports": [9999],
-        "firewall_additional_rules": [{"port": 9100, "from_ip": "192.0.2.5"}],
-    })  # fmt: skip
+    extra = json.dumps(
+        {
+            "firewall_allowed_udp_ports": [9999],
+            "firewall_additional_rules": [{"port": 9100, "from_ip": "192.0.2.5"}],
+        }
+    )
     wanted = ["ufw allow 9999/udp", "ufw allow from 192.0.2.5 to any port 9100 proto tcp"]
     base = [
         "ufw allow 22/tcp",
@@ -172,8 +174,9 @@ def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
             assert [line for line in shown.splitlines() if line.startswith("ufw ")] == base + wanted
         again = ansible_playbook(inventory, "--tags", "firewall", "-e", extra)
         assert set(again.changed().values()) == {0}, again.describe()
-        bad = ansible_playbook(inventory, "--tags", "firewall", "-e",
-                               '{"firewall_allowed_tcp_ports": [70000]}')  # fmt: skip
+        bad = ansible_playbook(
+            inventory, "--tags", "firewall", "-e", '{"firewall_allowed_tcp_ports": [70000]}'
+        )
         assert bad.returncode != 0 and "take port numbers (1-65535)" in bad.output
     finally:
         removed = ansible_playbook(inventory, "--tags", "firewall")
@@ -210,10 +213,17 @@ def test_while_a_job_runs_every_port_but_ssh_is_closed_from_outside_the_compute_
     master, peer = provisioned.container(node1), provisioned.container(node2)
     rendezvous = provisioned.cluster.inventory.rendezvous_port
     job = subprocess.Popen(
-        [str(VENV_BIN / "train"), "-i", str(provisioned.cluster.config.inventory_path),
-         "--script", str(SCRIPTS / "endless_allreduce.py")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            str(VENV_BIN / "train"),
+            "-i",
+            str(provisioned.cluster.config.inventory_path),
+            "--script",
+            str(SCRIPTS / "endless_allreduce.py"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         seen = []
         for line in job.stdout:
@@ -259,8 +269,9 @@ def test_rsync_is_installed_and_the_job_directories_belong_to_the_training_user(
         container = provisioned.container(host)
         rsync = node_sh(container, r"dpkg-query -W -f '${Status}\n' rsync; command -v rsync")
         assert rsync.stdout.splitlines() == ["install ok installed", "/usr/bin/rsync"], (
-            host.name, rsync.stderr,
-        )  # fmt: skip
+            host.name,
+            rsync.stderr,
+        )
         group = node_sh(container, f"id -gn {host.ssh_user}").stdout.strip()
         assert group, host.name
         made = node_sh(container, "stat -c '%n %F %U:%G %a' " + " ".join(directories))

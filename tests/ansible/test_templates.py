@@ -16,8 +16,9 @@ LOCAL = ["-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]
 
 
 def run_local(playbook: str, variables: dict):
-    run = ansible_playbook("localhost,", *LOCAL, "-e", json.dumps(variables),
-                           playbook=PLAYBOOKS / playbook)  # fmt: skip
+    run = ansible_playbook(
+        "localhost,", *LOCAL, "-e", json.dumps(variables), playbook=PLAYBOOKS / playbook
+    )
     assert run.returncode == 0, run.describe()
     return run
 
@@ -27,8 +28,12 @@ def run_local(playbook: str, variables: dict):
 
 def render_netplan(tmp_path, **variables) -> str:
     dest = tmp_path / "compute.yaml"
-    base = {"compute_interface": "enp3s0", "compute_ip": "192.168.1.10",
-            "compute_subnet": "192.168.1.0/24", "dest": str(dest)}  # fmt: skip
+    base = {
+        "compute_interface": "enp3s0",
+        "compute_ip": "192.168.1.10",
+        "compute_subnet": "192.168.1.0/24",
+        "dest": str(dest),
+    }
     run_local("render_netplan.yml", {**base, **variables})
     return dest.read_text()
 
@@ -52,9 +57,13 @@ def test_netplan_file_gives_the_compute_interface_its_static_address(tmp_path):
 
 def test_netplan_file_carries_mtu_gateway_and_resolvers_when_given(tmp_path):
     text = render_netplan(
-        tmp_path, compute_subnet="10.20.0.0/16", compute_ip="10.20.3.4", netplan_mtu=9000,
-        netplan_default_gateway="10.20.0.1", netplan_nameservers=["10.20.0.1", "10.20.0.2"],
-    )  # fmt: skip
+        tmp_path,
+        compute_subnet="10.20.0.0/16",
+        compute_ip="10.20.3.4",
+        netplan_mtu=9000,
+        netplan_default_gateway="10.20.0.1",
+        netplan_nameservers=["10.20.0.1", "10.20.0.2"],
+    )
     assert yaml.safe_load(text) == {
         "network": {
             "version": 2,
@@ -163,10 +172,15 @@ def test_gpus_are_found_by_pci_vendor_and_class(tmp_path, devices, expected):
 
 def test_nvidia_runtime_is_merged_into_daemon_json_once(tmp_path):
     daemon_json = tmp_path / "daemon.json"
-    daemon_json.write_text(json.dumps({"log-driver": "local",
-                                       "runtimes": {"crun": {"path": "/usr/bin/crun"}}}))  # fmt: skip
-    variables = {"nvidia_pci_devices_dir": str(tmp_path), "result_file": str(tmp_path / "r"),
-                 "merge_runtime": True, "nvidia_docker_daemon_config": str(daemon_json)}  # fmt: skip
+    daemon_json.write_text(
+        json.dumps({"log-driver": "local", "runtimes": {"crun": {"path": "/usr/bin/crun"}}})
+    )
+    variables = {
+        "nvidia_pci_devices_dir": str(tmp_path),
+        "result_file": str(tmp_path / "r"),
+        "merge_runtime": True,
+        "nvidia_docker_daemon_config": str(daemon_json),
+    }
     first = run_local("nvidia_local.yml", variables)
     assert json.loads(daemon_json.read_text()) == {
         "log-driver": "local",
@@ -186,18 +200,24 @@ def test_nvidia_runtime_is_merged_into_daemon_json_once(tmp_path):
 
 @pytest.mark.parametrize(
     "installed, install",
-    [("", True), ("1.17.0-1", True), ("1.17.8-1", False), ("1.18.0-1", False),
-     ("1.17.10-1", False)],
+    [
+        ("", True),
+        ("1.17.0-1", True),
+        ("1.17.8-1", False),
+        ("1.18.0-1", False),
+        ("1.17.10-1", False),
+    ],
     ids=["absent", "older", "the-pin", "newer", "newer-patch"],
-)  # fmt: skip
+)
 def test_the_toolkit_pin_is_a_floor_so_a_newer_toolkit_is_never_downgraded(
     tmp_path, installed, install
 ):
     # apt refuses to downgrade without --allow-downgrades: a node with a newer toolkit made the
     # whole provisioning run fail, and forcing it would undo NVIDIA's security fixes.
     result = tmp_path / "decision.json"
-    run_local("nvidia_toolkit.yml", {"nvidia_toolkit_installed": installed,
-                                     "result_file": str(result)})  # fmt: skip
+    run_local(
+        "nvidia_toolkit.yml", {"nvidia_toolkit_installed": installed, "result_file": str(result)}
+    )
     assert json.loads(result.read_text()) is install
     setup = yaml.safe_load((ANSIBLE_DIR / "roles" / "nvidia" / "tasks" / "setup.yml").read_text())
     (apt,) = [t for t in setup if "apt" in str(t) and "container_toolkit_packages" in str(t)]

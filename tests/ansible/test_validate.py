@@ -45,19 +45,38 @@ REJECTIONS = [
     ("duplicate compute IP", VALID.replace("compute_ip: 10.9.0.2", "compute_ip: 10.9.0.1")),
     ("duplicate SSH address", VALID.replace("ansible_host: 10.9.0.2", "ansible_host: 10.9.0.1")),
     ("hostname with an underscore", VALID.replace("        beta:", "        beta_2:")),
-    ("compute IP outside the subnet", VALID.replace("compute_ip: 10.9.0.2", "compute_ip: 10.9.1.2")),
+    (
+        "compute IP outside the subnet",
+        VALID.replace("compute_ip: 10.9.0.2", "compute_ip: 10.9.1.2"),
+    ),
     ("compute IP not an address", VALID.replace("compute_ip: 10.9.0.2", "compute_ip: pc2.lan")),
     ("missing gpus", VALID.replace("          gpus: 0\n", "")),
     ("missing ansible_host", VALID.replace("          ansible_host: 10.9.0.2\n", "")),
     ("gpus as a boolean", VALID.replace("gpus: 0", "gpus: true")),
-    ("interface name with a slash", VALID.replace("compute_interface: eth1\n          gpus: 0",
-                                                  "compute_interface: eth/1\n          gpus: 0")),
-    ("SSH port out of range", VALID.replace("          gpus: 0\n", "          gpus: 0\n          ansible_port: 70000\n")),
-    ("training_python with a space", VALID.replace("          gpus: 0\n", "          gpus: 0\n          training_python: my python\n")),
+    (
+        "interface name with a slash",
+        VALID.replace(
+            "compute_interface: eth1\n          gpus: 0",
+            "compute_interface: eth/1\n          gpus: 0",
+        ),
+    ),
+    (
+        "SSH port out of range",
+        VALID.replace("          gpus: 0\n", "          gpus: 0\n          ansible_port: 70000\n"),
+    ),
+    (
+        "training_python with a space",
+        VALID.replace(
+            "          gpus: 0\n", "          gpus: 0\n          training_python: my python\n"
+        ),
+    ),
     ("missing compute_subnet", VALID.replace("    compute_subnet: 10.9.0.0/24\n", "")),
-    ("compute_subnet with host bits", VALID.replace("compute_subnet: 10.9.0.0/24", "compute_subnet: 10.9.0.1/24")),
+    (
+        "compute_subnet with host bits",
+        VALID.replace("compute_subnet: 10.9.0.0/24", "compute_subnet: 10.9.0.1/24"),
+    ),
     ("rendezvous port out of range", VALID.replace("rendezvous_port: 29511", "rendezvous_port: 0")),
-]  # fmt: skip
+]
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -31,20 +31,25 @@ def scaling_section() -> dict:
             "seconds": 4.2,
             "chosen": "fp16",
             "timings": {"none": 2.0, "fp16": 1.8},
-        },  # fmt: skip
+        },
         "workload": {"batch": 64, "accumulate": 2},
     }
 
 
 def bench_data() -> dict:
     return {
-        "command": "make bench", "date": "2026-11-22T12:00", "minutes": 17.5, "reps": 3,
+        "command": "make bench",
+        "date": "2026-11-22T12:00",
+        "minutes": 17.5,
+        "reps": 3,
         "cluster": "4 Debian containers",
         "bandwidth": {
             name: {
                 "link": link,
-                "busbw_by_size": {"1048576": spread(0.09, 0.1, 0.1),
-                                  "67108864": spread(0.115, 0.116, 0.114)},
+                "busbw_by_size": {
+                    "1048576": spread(0.09, 0.1, 0.1),
+                    "67108864": spread(0.115, 0.116, 0.114),
+                },
                 "tcp_gbytes_per_s": spread(tcp, tcp, tcp),
                 "largest_bytes": 67108864,
                 "busbw_over_tcp": spread(0.115 / tcp, 0.116 / tcp, 0.114 / tcp),
@@ -52,22 +57,38 @@ def bench_data() -> dict:
             for name, link, tcp in (("shaped", "1gbit", 0.119), ("unshaped", "veth", 0.6))
         },
         "scaling": scaling_section(),
-        "powersgd_accuracy": {"args": ["--steps", "40"], "val_accuracy_none": 98.0,
-                              "val_accuracy_powersgd": 96.5, "cost_points": 1.5},
-        "launcher": {"make_train_seconds": spread(10, 11, 10), "by_hand_seconds": spread(9, 10, 9),
-                     "ratio": spread(10 / 9, 1.1, 10 / 9)},
-        "netcheck": {"two_nodes_seconds": spread(5, 5, 5), "four_nodes_seconds": spread(8, 8, 9),
-                     "ratio": spread(1.6, 1.6, 1.8),
-                     "two_nodes_own_cores_seconds": spread(4, 4, 4),
-                     "ratio_own_cores": spread(2.0, 2.0, 2.25)},
-        "provision": {"first_seconds": 100.0, "second_seconds": spread(40, 42, 41),
-                      "ratio": spread(0.4, 0.42, 0.41)},
-        "edit_loop": {"workdir_files": 1000, "workdir_bytes": 60000,
-                      "edited_seconds": spread(10.2, 10.4, 10.0),
-                      "unchanged_seconds": spread(10.0, 10.0, 10.0),
-                      "ratio": spread(1.02, 1.04, 1.0),
-                      "edit_bytes_per_node": spread(41000, 41200, 40900)},
-    }  # fmt: skip
+        "powersgd_accuracy": {
+            "args": ["--steps", "40"],
+            "val_accuracy_none": 98.0,
+            "val_accuracy_powersgd": 96.5,
+            "cost_points": 1.5,
+        },
+        "launcher": {
+            "make_train_seconds": spread(10, 11, 10),
+            "by_hand_seconds": spread(9, 10, 9),
+            "ratio": spread(10 / 9, 1.1, 10 / 9),
+        },
+        "netcheck": {
+            "two_nodes_seconds": spread(5, 5, 5),
+            "four_nodes_seconds": spread(8, 8, 9),
+            "ratio": spread(1.6, 1.6, 1.8),
+            "two_nodes_own_cores_seconds": spread(4, 4, 4),
+            "ratio_own_cores": spread(2.0, 2.0, 2.25),
+        },
+        "provision": {
+            "first_seconds": 100.0,
+            "second_seconds": spread(40, 42, 41),
+            "ratio": spread(0.4, 0.42, 0.41),
+        },
+        "edit_loop": {
+            "workdir_files": 1000,
+            "workdir_bytes": 60000,
+            "edited_seconds": spread(10.2, 10.4, 10.0),
+            "unchanged_seconds": spread(10.0, 10.0, 10.0),
+            "ratio": spread(1.02, 1.04, 1.0),
+            "edit_bytes_per_node": spread(41000, 41200, 40900),
+        },
+    }
 
 
 def test_bench_lines_are_read_through_the_launchers_node_prefix():
@@ -86,8 +107,10 @@ def test_the_edit_loop_reads_what_the_projects_sync_sent_each_node(tmp_path):
     script = measure.edit_loop_project(tmp_path / "project")
     files = [path for path in script.parent.rglob("*") if path.is_file()]
     assert len(files) == measure.EDIT_LOOP_FILES
-    line = ("[launcher] /p/project (1000 files, 60.1 KB) -> /var/lib/x: node1 1 changed file(s), "
-            "41,234 bytes sent in 0.4 s, node2 1 changed file(s), 40,998 bytes sent in 0.5 s")  # fmt: skip
+    line = (
+        "[launcher] /p/project (1000 files, 60.1 KB) -> /var/lib/x: node1 1 changed file(s), "
+        "41,234 bytes sent in 0.4 s, node2 1 changed file(s), 40,998 bytes sent in 0.5 s"
+    )
     assert measure.SENT.findall(line) == [("node1", "1", "41,234"), ("node2", "1", "40,998")]
     found = report.figures(bench_data())
     assert found["edit_loop"] == pytest.approx(1.02)
@@ -99,8 +122,13 @@ def test_the_edit_loop_reads_what_the_projects_sync_sent_each_node(tmp_path):
 def test_ratios_pair_the_repetitions_and_keep_the_spread():
     series = measure.ratio_series([12.0, 6.0, 9.0], [6.0, 6.0, 3.0])
     assert series.values == [2.0, 1.0, 3.0]
-    assert series.as_dict() == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3,
-                                "values": [2.0, 1.0, 3.0]}  # fmt: skip
+    assert series.as_dict() == {
+        "median": 2.0,
+        "min": 1.0,
+        "max": 3.0,
+        "n": 3,
+        "values": [2.0, 1.0, 3.0],
+    }
 
 
 def test_figures_compare_auto_with_the_best_fixed_lever_and_plain_ddp():

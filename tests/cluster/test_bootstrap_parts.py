@@ -99,10 +99,15 @@ def _host(number: int, **extra) -> dict:
 def test_one_key_for_every_node_defaulting_to_the_users_own(tmp_path):
     default = load(_inventory(tmp_path, {"a": _host(1)}))
     assert bootstrap.key_path(default) == Path("~/.ssh/id_ed25519").expanduser()
-    two = load(_inventory(tmp_path, {
-        "a": _host(1, ansible_ssh_private_key_file="/k/one"),
-        "b": _host(2, ansible_ssh_private_key_file="/k/two"),
-    }))  # fmt: skip
+    two = load(
+        _inventory(
+            tmp_path,
+            {
+                "a": _host(1, ansible_ssh_private_key_file="/k/one"),
+                "b": _host(2, ansible_ssh_private_key_file="/k/two"),
+            },
+        )
+    )
     with pytest.raises(ClusterError, match="different ansible_ssh_private_key_file"):
         bootstrap.key_path(two)
 
@@ -184,8 +189,12 @@ def test_an_unknown_host_key_with_no_terminal_asks_for_a_fingerprints_file(sim2,
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     done = subprocess.run(
         [str(VENV_BIN / "cluster"), "bootstrap", "-i", str(path)],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [
         "Error: a host key needs confirming and there is no terminal to ask on (try running "
@@ -206,17 +215,30 @@ def test_a_fingerprints_file_lets_the_matching_key_in_and_refuses_the_other(sim2
     console = [
         _on_node(sim2, "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub").stdout.split()[1],
         sim.docker(
-            "exec", sim2.config.container(2), "ssh-keygen", "-lf",
+            "exec",
+            sim2.config.container(2),
+            "ssh-keygen",
+            "-lf",
             "/etc/ssh/ssh_host_ed25519_key.pub",
         ).stdout.split()[1],
-    ]  # fmt: skip
+    ]
     fingerprints = tmp_path / "fingerprints"
     fingerprints.write_text(f"node1 {console[0]}\n{sim2.config.mgmt_ip(2)} {console[0]}\n")
     done = subprocess.run(
-        [str(VENV_BIN / "cluster"), "bootstrap", "-i", str(path), "--fingerprints",
-         str(fingerprints)],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            str(VENV_BIN / "cluster"),
+            "bootstrap",
+            "-i",
+            str(path),
+            "--fingerprints",
+            str(fingerprints),
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
         f"Error: host 'node2' ({sim2.config.mgmt_ip(2)}): its host key is {console[1]}, not "

@@ -28,16 +28,21 @@ def _labelled(label: str | None) -> str:
     tag = f"tmn-torch-label:{uuid.uuid4().hex[:8]}"
     if label == "no labels":
         subprocess.run(
-            f"tar cf - --files-from /dev/null | docker import - {tag}", shell=True, check=True,
+            f"tar cf - --files-from /dev/null | docker import - {tag}",
+            shell=True,
+            check=True,
             capture_output=True,
-        )  # fmt: skip
+        )
         return tag
     options = ["--label", f"{TORCH_LABEL}={label}"] if label is not None else []
     context = "FROM scratch\nLABEL purpose=test\n"
     subprocess.run(
-        ["docker", "build", "-q", *options, "-t", tag, "-"], input=context, text=True,
-        capture_output=True, check=True,
-    )  # fmt: skip
+        ["docker", "build", "-q", *options, "-t", tag, "-"],
+        input=context,
+        text=True,
+        capture_output=True,
+        check=True,
+    )
     return tag
 
 
@@ -52,12 +57,14 @@ def _answer(tag: str) -> str:
     [
         ("2.14.1+cu130", None),
         ("2.15.0", None),
-        ("2.10.0a0+b558c986e8.nv25.12", "carries torch 2.10.0a0+b558c986e8.nv25.12, older than "
-                                         "the 2.14 this project needs"),
+        (
+            "2.10.0a0+b558c986e8.nv25.12",
+            "carries torch 2.10.0a0+b558c986e8.nv25.12, older than the 2.14 this project needs",
+        ),
         (None, "does not say which torch it carries"),
         ("no labels", "does not say which torch it carries"),
     ],
-)  # fmt: skip
+)
 def test_the_node_check_reads_the_images_torch_and_refuses_an_old_one(label, problem):
     sim.require_engine()
     tag = _labelled(label)

@@ -96,8 +96,10 @@ def test_storage_fields_are_read_and_nodes_vars_win_over_all_vars(tmp_path):
     ).replace("    nodes:\n", "    nodes:\n      vars:\n        data_root: /data\n")
     loaded = inventory.load(write(tmp_path, text))
     assert (loaded.checkpoint_root, loaded.data_root, loaded.workdir_root) == (
-        "/srv/ckpt", "/data", "/srv/work",
-    )  # fmt: skip
+        "/srv/ckpt",
+        "/data",
+        "/srv/work",
+    )
     assert loaded.container_mounts == (
         inventory.Mount("/mnt/datasets", read_only=True),
         inventory.Mount("/scratch", read_only=False),
@@ -400,13 +402,16 @@ def test_rejection_is_one_line_naming_host_and_field(tmp_path, text, message):
 @pytest.mark.parametrize(
     "nnodes, message",
     [
-        ("3", "NNODES=3 but inventory {path} lists 2 host(s) (try NNODES=2 or add hosts to the "
-              "inventory)"),
+        (
+            "3",
+            "NNODES=3 but inventory {path} lists 2 host(s) (try NNODES=2 or add hosts to the "
+            "inventory)",
+        ),
         ("0", "NNODES=0 is below 1 (try NNODES=1 or more)"),
         ("-1", "NNODES=-1 is below 1 (try NNODES=1 or more)"),
         ("two", "NNODES='two' is not a whole number"),
     ],
-)  # fmt: skip
+)
 def test_nnodes_outside_the_inventory_is_rejected(tmp_path, nnodes, message):
     path = write(tmp_path, VALID)
     proc = check(path, "--nnodes", nnodes)
@@ -432,8 +437,12 @@ def test_make_stops_before_touching_anything_on_a_bad_inventory(tmp_path):
 
     proc = subprocess.run(
         ["make", "--no-print-directory", "provision", f"INVENTORY={path}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode != 0
     assert f"Error: inventory {path}: host 'beta': field 'compute_ip'" in proc.stderr
     assert "ansible-playbook" not in proc.stdout.split("cluster check")[-1]
@@ -465,8 +474,9 @@ def test_make_uses_every_node_unless_nnodes_is_given(tmp_path):
     every = make("check-inventory", f"INVENTORY={path}", timeout=120)
     assert every.returncode == 0, every.stderr
     assert [line.split()[2] for line in every.stdout.splitlines() if "node_rank" in line] == [
-        "alpha", "beta"
-    ]  # fmt: skip
+        "alpha",
+        "beta",
+    ]
     first = make("check-inventory", f"INVENTORY={path}", "NNODES=1", timeout=120)
     assert [line.split()[2] for line in first.stdout.splitlines() if "node_rank" in line] == [
         "alpha"

@@ -44,8 +44,9 @@ def _listener() -> socket.socket:
 
 
 def _local_host(port: int, key_file: Path | None = None) -> Host:
-    return Host("node1", "127.0.0.1", port, "root", key_file,
-                ipaddress.IPv4Address("10.0.0.1"), "eth0", 0)  # fmt: skip
+    return Host(
+        "node1", "127.0.0.1", port, "root", key_file, ipaddress.IPv4Address("10.0.0.1"), "eth0", 0
+    )
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ def test_a_connection_that_opens_is_closed_by_close(ssh_server):
         "key-not-authorized",
         "host-key-unknown",
         "host-key-changed",
-    ],  # fmt: skip
+    ],
 )
 def test_a_failed_connection_leaves_nothing_open(ssh_server, behaviour, message):
     """Each failed attempt is closed at once. Left open, a node slow to answer under load holds
@@ -173,8 +174,11 @@ def test_a_node_that_never_sends_its_banner_is_one_error_with_no_traceback(tmp_p
     up, as in our CLIs (a test run sets logging up, hence the separate process)."""
     proc = subprocess.run(
         [sys.executable, "-c", _NO_BANNER, str(tmp_path / "known_hosts")],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parents[2],
+    )
     # whichever of paramiko's banner and handshake timeouts (both 0.5 s) fires first
     assert re.search(r"protocol banner|handshake was cut short", proc.stdout), proc.stdout
     assert proc.stderr == ""

@@ -17,21 +17,43 @@ from tests.conftest import run_cli
 def _docker_ids(kind: str, name: str) -> list[str]:
     args = ["ps", "-aq"] if kind == "container" else ["ls", "-q"]
     proc = subprocess.run(
-        ["docker", *([kind] if kind != "container" else []), *args,
-         "--filter", f"label={sim.LABEL}={name}"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            "docker",
+            *([kind] if kind != "container" else []),
+            *args,
+            "--filter",
+            f"label={sim.LABEL}={name}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return proc.stdout.split()
 
 
 def _ssh(inventory, host, command: str) -> subprocess.CompletedProcess:
     """The OpenSSH client, in batch mode, with host-key checking on."""
     return subprocess.run(
-        ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-         "-o", f"UserKnownHostsFile={inventory.known_hosts}", "-o", "ConnectTimeout=5",
-         "-i", str(host.ssh_key), f"{host.ssh_user}@{host.ssh_address}", command],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        [
+            "ssh",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            f"UserKnownHostsFile={inventory.known_hosts}",
+            "-o",
+            "ConnectTimeout=5",
+            "-i",
+            str(host.ssh_key),
+            f"{host.ssh_user}@{host.ssh_address}",
+            command,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 @pytest.mark.sim
@@ -125,8 +147,16 @@ def test_link_shaping_applies_and_lifts(sim2):
 @pytest.mark.sim
 def test_three_nodes_up_and_down_leave_nothing_behind(sim_factory, tmp_path):
     config = sim_factory.config()
-    common = ["--name", config.name, "--subnet", config.subnet,
-              "--mgmt-subnet", config.mgmt_subnet, "--state-dir", str(tmp_path)]  # fmt: skip
+    common = [
+        "--name",
+        config.name,
+        "--subnet",
+        config.subnet,
+        "--mgmt-subnet",
+        config.mgmt_subnet,
+        "--state-dir",
+        str(tmp_path),
+    ]
     proc = run_cli("cluster", "sim", "up", "--nodes", "3", *common)
     try:
         assert proc.returncode == 0, proc.stderr
@@ -196,8 +226,10 @@ def test_inventory_written_for_the_sim_is_valid(tmp_path):
     config = sim.SimConfig("unit", "172.29.250.0/24", tmp_path, "172.30.250.0/24")
     inventory = load(sim.write_inventory(config, 3))
     assert [str(h.compute_ip) for h in inventory.hosts] == [
-        "172.29.250.11", "172.29.250.12", "172.29.250.13",
-    ]  # fmt: skip
+        "172.29.250.11",
+        "172.29.250.12",
+        "172.29.250.13",
+    ]
     assert [h.ssh_address for h in inventory.hosts][0] == "172.30.250.11"
     assert inventory.known_hosts == (tmp_path / "known_hosts").resolve()
     assert [h.compute_interface for h in inventory.hosts] == ["eth1"] * 3

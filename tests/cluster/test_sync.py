@@ -53,8 +53,13 @@ def test_a_git_project_travels_without_what_git_ignores_caches_and_environments(
     _git(root, "init", "-q")
     _git(root, "add", "train.py", ".gitignore")  # the rest untracked: it travels all the same
     tree = sync.project_tree(root)
-    assert tree.files == (".gitignore", "config.yaml", "mylib/__init__.py", "mylib/model.py",
-                          "train.py")  # fmt: skip
+    assert tree.files == (
+        ".gitignore",
+        "config.yaml",
+        "mylib/__init__.py",
+        "mylib/model.py",
+        "train.py",
+    )
     # What git ignores is excluded (so also kept on the node, never deleted there).
     assert "/outputs/" in tree.excludes and "/notes.log" in tree.excludes
     assert "/env/" in tree.excludes and "__pycache__/" in tree.excludes and ".git/" in tree.excludes
@@ -64,8 +69,14 @@ def test_a_git_project_travels_without_what_git_ignores_caches_and_environments(
 def test_a_project_outside_git_leaves_caches_and_environments_behind(tmp_path):
     root = _project(tmp_path / "plain")
     tree = sync.project_tree(root)
-    assert tree.files == ("config.yaml", "mylib/__init__.py", "mylib/model.py", "notes.log",
-                          "outputs/big.bin", "train.py")  # fmt: skip
+    assert tree.files == (
+        "config.yaml",
+        "mylib/__init__.py",
+        "mylib/model.py",
+        "notes.log",
+        "outputs/big.bin",
+        "train.py",
+    )
     assert tree.size == sum((root / name).stat().st_size for name in tree.files)
 
 
@@ -73,8 +84,13 @@ def test_the_digest_changes_with_one_byte_and_the_node_script_agrees(tmp_path):
     root = _project(tmp_path / "proj")
     before = sync.project_tree(root)
     listing = "\0".join(before.files)
-    node = subprocess.run(["python3", "-c", sync._NODE_DIGEST, str(root)], input=listing,
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    node = subprocess.run(
+        ["python3", "-c", sync._NODE_DIGEST, str(root)],
+        input=listing,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert node.stdout.split()[0] == before.digest
     (root / "mylib" / "model.py").write_text("VERSION = 2\n")
     assert sync.project_tree(root).digest != before.digest
@@ -118,8 +134,17 @@ def test_a_second_transfer_with_nothing_changed_sends_no_file(tmp_path):
     source = _project(tmp_path / "src")
     tree = sync.data_tree(source)
     target = tmp_path / "dst"
-    command = ["rsync", "--recursive", "--links", "--times", "--delete", "--stats",
-               "--info=progress2", f"{source}/", f"{target}/"]  # fmt: skip
+    command = [
+        "rsync",
+        "--recursive",
+        "--links",
+        "--times",
+        "--delete",
+        "--stats",
+        "--info=progress2",
+        f"{source}/",
+        f"{target}/",
+    ]
     lines: list[str] = []
     host = parse(INVENTORY).hosts[0]
     first, error = sync._run_rsync(command, host, lines.append, "data")
@@ -132,8 +157,10 @@ def test_a_second_transfer_with_nothing_changed_sends_no_file(tmp_path):
 def test_env_names_values_and_refusals():
     environ = {"HF_TOKEN": "abc def"}
     assert staging.parse_env(["HF_TOKEN WANDB_MODE=offline", "X=1=2"], environ) == (
-        ("HF_TOKEN", "abc def"), ("WANDB_MODE", "offline"), ("X", "1=2"),
-    )  # fmt: skip
+        ("HF_TOKEN", "abc def"),
+        ("WANDB_MODE", "offline"),
+        ("X", "1=2"),
+    )
     for items, message in [
         (["MISSING"], "ENV: MISSING is not set on this machine, so there is no value to pass"),
         (["TMN_RUN_ID=x"], "ENV: TMN_RUN_ID is set by the launcher itself"),
@@ -150,8 +177,9 @@ def test_env_names_values_and_refusals():
 def test_secrets_reach_the_shell_quoted_and_never_a_command_line():
     text = staging.secrets_text((("TOKEN", "it's $secret"),))
     assert text == "export TOKEN='it'\"'\"'s $secret'\n"
-    out = subprocess.run(["sh", "-c", text + 'printf %s "$TOKEN"'], capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["sh", "-c", text + 'printf %s "$TOKEN"'], capture_output=True, text=True, check=True
+    ).stdout
     assert out == "it's $secret"
     assert "it's" not in staging.write_secrets_command("tmn-a")
     assert staging.load_secrets("tmn-a") == (
@@ -171,9 +199,12 @@ def test_relative_checkpoint_and_data_dirs_resolve_under_their_roots():
         ("--checkpoint-dir", "exp1", "--data-dir=cifar", "--lr", "0.1"), inventory, project, "/r"
     )
     assert args == (
-        "--checkpoint-dir", f"{inventory.checkpoint_root}/exp1",
-        f"--data-dir={inventory.data_root}/cifar", "--lr", "0.1",
-    )  # fmt: skip
+        "--checkpoint-dir",
+        f"{inventory.checkpoint_root}/exp1",
+        f"--data-dir={inventory.data_root}/cifar",
+        "--lr",
+        "0.1",
+    )
     assert (
         notes[0]
         == f"--checkpoint-dir exp1 is {inventory.checkpoint_root}/exp1 on every node (checkpoint_root)"
@@ -210,8 +241,13 @@ def test_an_image_that_differs_or_is_missing_names_the_node_and_the_fix():
         host, inventory, wanted, "Error: No such image: torch-multinode/train:latest"
     )
     assert missing.startswith("on n1: the training image torch-multinode/train:latest is missing")
-    down = staging.image_mismatch(host, inventory, wanted, "Cannot connect to the Docker daemon at "
-                                  "unix:///var/run/docker.sock. Is the docker daemon running?")  # fmt: skip
+    down = staging.image_mismatch(
+        host,
+        inventory,
+        wanted,
+        "Cannot connect to the Docker daemon at "
+        "unix:///var/run/docker.sock. Is the docker daemon running?",
+    )
     assert down == (
         "on n1: its Docker engine did not answer within 30 s (try 'sudo systemctl start docker' "
         "there, or make provision INVENTORY=/nonexistent/inv.yml)"
@@ -230,8 +266,9 @@ class _Node:
     def run(self, command: str, timeout: float = 60, check: bool = False, stdin: str = ""):
         from cluster.remote import Result
 
-        done = subprocess.run(["sh", "-c", command], input=stdin, capture_output=True,
-                              text=True, check=False)  # fmt: skip
+        done = subprocess.run(
+            ["sh", "-c", command], input=stdin, capture_output=True, text=True, check=False
+        )
         return Result(self.host.name, command, done.returncode, done.stdout, done.stderr)
 
 

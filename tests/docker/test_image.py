@@ -107,9 +107,18 @@ def test_the_pinned_wheels_must_have_installed_the_pinned_torch():
 
 def test_the_label_step_records_the_torch_the_image_reported():
     command, dockerfile = images.label_command("sha256:abc", "tmn/train:x", "2.14.1+cu130", "f00d")
-    assert command == ["docker", "build", "--quiet", "--label",
-                       "io.torch-multinode.torch=2.14.1+cu130", "--label",
-                       "io.torch-multinode.recipe=f00d", "-t", "tmn/train:x", "-"]  # fmt: skip
+    assert command == [
+        "docker",
+        "build",
+        "--quiet",
+        "--label",
+        "io.torch-multinode.torch=2.14.1+cu130",
+        "--label",
+        "io.torch-multinode.recipe=f00d",
+        "-t",
+        "tmn/train:x",
+        "-",
+    ]
     assert dockerfile == "FROM sha256:abc\n"
     assert TORCH_LABEL == "io.torch-multinode.torch"
 
@@ -138,11 +147,13 @@ def test_image_reports_the_versions_inside(training_image):
     imported = docker("run", "--rm", training_image.tag, "python3", "-c", "import tensorboard")
     assert imported.returncode == 0
     # The environment only: the project's code reaches the nodes at run time.
-    code = docker("run", "--rm", training_image.tag, "test", "-e", "/opt/torch-multinode",
-                  check=False)  # fmt: skip
+    code = docker(
+        "run", "--rm", training_image.tag, "test", "-e", "/opt/torch-multinode", check=False
+    )
     assert code.returncode == 1, code.stderr
-    package = docker("run", "--rm", training_image.tag, "python3", "-c", "import cluster",
-                     check=False)  # fmt: skip
+    package = docker(
+        "run", "--rm", training_image.tag, "python3", "-c", "import cluster", check=False
+    )
     assert "No module named 'cluster'" in package.stderr, package.stderr
 
 
@@ -151,10 +162,18 @@ def test_build_context_holds_only_the_environment(training_image, tmp_path):
     """The repository's .dockerignore lets in docker/'s build files and cluster/versions.py,
     nothing of the code a user edits."""
     context = tmp_path / "context"
-    for name in ("cluster/__init__.py", "cluster/versions.py", "training/config.py",
-                 "netcheck/cli.py", "pyproject.toml", ".venv/bin/python", "docker/Dockerfile",
-                 "docker/entrypoint.sh", "docker/wheels/torch-0-py3-none-any.whl",
-                 "docker/sim-node/Dockerfile"):  # fmt: skip
+    for name in (
+        "cluster/__init__.py",
+        "cluster/versions.py",
+        "training/config.py",
+        "netcheck/cli.py",
+        "pyproject.toml",
+        ".venv/bin/python",
+        "docker/Dockerfile",
+        "docker/entrypoint.sh",
+        "docker/wheels/torch-0-py3-none-any.whl",
+        "docker/sim-node/Dockerfile",
+    ):
         (context / name).parent.mkdir(parents=True, exist_ok=True)
         (context / name).write_text("")
     (context / ".dockerignore").write_text((REPO_ROOT / ".dockerignore").read_text())

@@ -23,24 +23,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROCESS_EVENTS = {
-    "subprocess.Popen", "os.system", "os.posix_spawn", "os.exec", "os.spawn", "os.fork",
-    "os.forkpty", "pty.spawn",
-}  # fmt: skip
+    "subprocess.Popen",
+    "os.system",
+    "os.posix_spawn",
+    "os.exec",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "pty.spawn",
+}
 NETWORK_EVENTS = {
-    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-    "socket.gethostbyname", "socket.gethostbyname_ex", "socket.gethostbyaddr",
-    "socket.getnameinfo", "http.client.connect", "urllib.Request", "ftplib.connect",
+    "socket.connect",
+    "socket.bind",
+    "socket.sendto",
+    "socket.sendmsg",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "socket.gethostbyname_ex",
+    "socket.gethostbyaddr",
+    "socket.getnameinfo",
+    "http.client.connect",
+    "urllib.Request",
+    "ftplib.connect",
     "smtplib.connect",
-}  # fmt: skip
+}
 SIGNAL_EVENTS = {"os.kill", "os.killpg", "signal.pthread_kill"}
 # Events whose arguments name files they change: (event, indices of the path arguments).
 CHANGE_EVENTS = {
-    "os.mkdir": (0,), "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1),
-    "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,), "os.truncate": (0,),
-    "os.link": (0, 1), "os.symlink": (1,), "shutil.rmtree": (0,), "shutil.copyfile": (1,),
-    "shutil.copymode": (1,), "shutil.copystat": (1,), "shutil.move": (0, 1),
-    "tempfile.mkstemp": (0,), "tempfile.mkdtemp": (0,), "os.mkfifo": (0,), "os.mknod": (0,),
-}  # fmt: skip
+    "os.mkdir": (0,),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.rename": (0, 1),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.utime": (0,),
+    "os.truncate": (0,),
+    "os.link": (0, 1),
+    "os.symlink": (1,),
+    "shutil.rmtree": (0,),
+    "shutil.copyfile": (1,),
+    "shutil.copymode": (1,),
+    "shutil.copystat": (1,),
+    "shutil.move": (0, 1),
+    "tempfile.mkstemp": (0,),
+    "tempfile.mkdtemp": (0,),
+    "os.mkfifo": (0,),
+    "os.mknod": (0,),
+}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -97,9 +126,11 @@ class Guard:
             path, mode, flags = args
             if not isinstance(path, int):
                 self.opened.append(os.path.abspath(os.fsdecode(path)))
-            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else (
-                mode is None and isinstance(flags, int) and flags & _WRITE_FLAGS
-            )  # fmt: skip
+            writes = (
+                any(c in mode for c in "wax+")
+                if isinstance(mode, str)
+                else (mode is None and isinstance(flags, int) and flags & _WRITE_FLAGS)
+            )
             if writes and not self._inside(path):
                 return Attempt("write", event, f"{path!r} mode {mode!r} flags {flags!r}")
             return None
@@ -195,8 +226,15 @@ def call(main: Callable[[list[str]], int], argv: list[str], *allowed: Path) -> O
             code, reached = None, str(exc)
         except Stopped as exc:
             code, reached = None, f"stopped: {exc}"
-    return Outcome(argv, 0 if code is None and reached is None else code, out.getvalue(),
-                   err.getvalue(), reached, list(stopped), list(watcher.opened))  # fmt: skip
+    return Outcome(
+        argv,
+        0 if code is None and reached is None else code,
+        out.getvalue(),
+        err.getvalue(),
+        reached,
+        list(stopped),
+        list(watcher.opened),
+    )
 
 
 def assert_clean(outcome: Outcome, *, processes: bool = False) -> None:

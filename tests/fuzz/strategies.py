@@ -51,22 +51,68 @@ VALID_INVENTORY = {
     }
 }
 HOST_FIELDS = (
-    "ansible_host", "compute_ip", "compute_interface", "gpus", "ansible_port", "ansible_user",
-    "ansible_ssh_private_key_file", "training_python", "cuda_visible_devices",
-)  # fmt: skip
+    "ansible_host",
+    "compute_ip",
+    "compute_interface",
+    "gpus",
+    "ansible_port",
+    "ansible_user",
+    "ansible_ssh_private_key_file",
+    "training_python",
+    "cuda_visible_devices",
+)
 CLUSTER_FIELDS = (
-    "compute_subnet", "rendezvous_port", "launch_mode", "training_image", "container_memlock",
-    "ssh_known_hosts_file", "ansible_ssh_common_args", "ansible_host_key_checking",
-    "checkpoint_root", "data_root", "workdir_root", "container_mounts",
-)  # fmt: skip
+    "compute_subnet",
+    "rendezvous_port",
+    "launch_mode",
+    "training_image",
+    "container_memlock",
+    "ssh_known_hosts_file",
+    "ansible_ssh_common_args",
+    "ansible_host_key_checking",
+    "checkpoint_root",
+    "data_root",
+    "workdir_root",
+    "container_mounts",
+)
 
 # Strings that broke, or nearly broke, the loader: kept in every run's mix.
 TRICKY_STRINGS = (
-    "", " ", "\n", "eth1\n", "pc1\n", "a\x00b", "\x1b[31m", "²", "0,²", "٣", "1_0", "0x10",
-    "~", "~nobody/key", "unlimited", "host", "container", "192.0.2.300", "192.0.2.11/24",
-    "192.0.2.11 ", "10.0.0.0/8", "0.0.0.0/0", "192.0.2.0/33", "::1", "é" * 8, "a" * 300,
-    "-rm", "$(reboot)", "; rm -rf /", "'", '"', "\\", "null", "~/.ssh/id_ed25519",
-)  # fmt: skip
+    "",
+    " ",
+    "\n",
+    "eth1\n",
+    "pc1\n",
+    "a\x00b",
+    "\x1b[31m",
+    "²",
+    "0,²",
+    "٣",
+    "1_0",
+    "0x10",
+    "~",
+    "~nobody/key",
+    "unlimited",
+    "host",
+    "container",
+    "192.0.2.300",
+    "192.0.2.11/24",
+    "192.0.2.11 ",
+    "10.0.0.0/8",
+    "0.0.0.0/0",
+    "192.0.2.0/33",
+    "::1",
+    "é" * 8,
+    "a" * 300,
+    "-rm",
+    "$(reboot)",
+    "; rm -rf /",
+    "'",
+    '"',
+    "\\",
+    "null",
+    "~/.ssh/id_ed25519",
+)
 
 # Text as YAML or a command line can carry it: any code point but surrogates.
 any_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
@@ -102,7 +148,7 @@ yaml_values = st.recursive(
         st.lists(children, max_size=4),
         st.dictionaries(
             st.one_of(any_text, st.integers(), st.sampled_from(HOST_FIELDS)), children, max_size=4
-        ),  # fmt: skip
+        ),
     ),
     max_leaves=12,
 )
@@ -127,11 +173,26 @@ label_like = st.one_of(
     st.sampled_from(["node1", "NODE1", "node2", "pc1\n", "-a", "a-", "a_b", "a" * 64]),
 )
 path_like = st.one_of(
-    st.sampled_from(["/var/lib/torch-multinode/data", "/data", "/", "//data", "/data/",
-                     "/data/./x", "/a/../b", "data", "/a:b", "/a,b", "/a b", "/a\n", ""]),
+    st.sampled_from(
+        [
+            "/var/lib/torch-multinode/data",
+            "/data",
+            "/",
+            "//data",
+            "/data/",
+            "/data/./x",
+            "/a/../b",
+            "data",
+            "/a:b",
+            "/a,b",
+            "/a b",
+            "/a\n",
+            "",
+        ]
+    ),
     st.builds("/{}".format, any_text),
     st.from_regex(r"(/[a-z0-9._-]{1,8}){1,3}", fullmatch=True),
-)  # fmt: skip
+)
 FIELD_VALUES = {
     "ansible_host": st.one_of(ipv4_like, any_text),
     "compute_ip": ipv4_like,
@@ -150,8 +211,12 @@ FIELD_VALUES = {
     "launch_mode": st.sampled_from(["container", "host", "Host", "", None]),
     "container_memlock": st.one_of(st.sampled_from(["unlimited", "8m"]), big_ints),
     "ansible_ssh_common_args": st.sampled_from(
-        ["-o StrictHostKeyChecking=yes", "-o StrictHostKeyChecking=no", "-o ControlMaster=auto",
-         "-o UserKnownHostsFile=/dev/null"]
+        [
+            "-o StrictHostKeyChecking=yes",
+            "-o StrictHostKeyChecking=no",
+            "-o ControlMaster=auto",
+            "-o UserKnownHostsFile=/dev/null",
+        ]
     ),
     "ansible_host_key_checking": st.sampled_from([True, False, "false", "yes", 0]),
     "checkpoint_root": path_like,
@@ -161,7 +226,7 @@ FIELD_VALUES = {
         st.one_of(path_like, path_like.map("{}:ro".format), path_like.map("{}:rw".format)),
         max_size=3,
     ),
-}  # fmt: skip
+}
 
 
 def field_values(field: str) -> st.SearchStrategy:

@@ -140,10 +140,15 @@ inventory_contents = st.one_of(
     st.binary(max_size=100),
 )
 script_contents = st.one_of(
-    st.sampled_from(["", "import argparse\nparser.add_argument('--local_rank')\n",
-                     "parser.add_argument('--local-rank', type=int)\n"]),
+    st.sampled_from(
+        [
+            "",
+            "import argparse\nparser.add_argument('--local_rank')\n",
+            "parser.add_argument('--local-rank', type=int)\n",
+        ]
+    ),
     any_text,
-)  # fmt: skip
+)
 
 
 def digits_beyond_int() -> str:
@@ -155,11 +160,12 @@ def digits_beyond_int() -> str:
 numbers = st.one_of(
     st.sampled_from(["1", "2", "5", "60"]),
     st.sampled_from(["1", "2", "5", "60"]),
-    st.sampled_from(["0", "3", "-1", "01", " 2", "1_0", "x", "", "nan", "inf", "1e400", "0.5",
-                     "²"]),
+    st.sampled_from(
+        ["0", "3", "-1", "01", " 2", "1_0", "x", "", "nan", "inf", "1e400", "0.5", "²"]
+    ),
     st.builds(digits_beyond_int),
     any_text,
-)  # fmt: skip
+)
 paths = st.one_of(
     st.sampled_from([INVENTORY, MISSING, HERE, f"{HERE}/sub/dir", "relative/dir", ""]), any_text
 )
@@ -190,53 +196,71 @@ def words(*fixed: str) -> st.SearchStrategy[list[str]]:
 
 
 # Mostly the example's inventory file; sometimes another path, or none.
-inventory_option = st.one_of(
-    *[words("-i", INVENTORY)] * 6, option("--inventory", paths), words()
-)  # fmt: skip
+inventory_option = st.one_of(*[words("-i", INVENTORY)] * 6, option("--inventory", paths), words())
 NETCHECK = command_line(
     inventory_option,
     [
-        option("-n", numbers), option("--nnodes", numbers),
+        option("-n", numbers),
+        option("--nnodes", numbers),
         st.sampled_from([["--json"], ["--sweep"], ["--no-sweep"], ["--bandwidth"], ["--pairwise"]]),
-        option("--env-file", paths), option("--timeout", numbers),
+        option("--env-file", paths),
+        option("--timeout", numbers),
     ],
-)  # fmt: skip
+)
 TRAIN = command_line(
     inventory_option,
     [
         option("-n", numbers),
-        st.one_of(option("--script", st.sampled_from([SCRIPT, MISSING, HERE])),
-                  option("--module", st.one_of(st.sampled_from(["training.ddp", "a..b", "", "1x",
-                                                                "-m", "pkg.mod"]), any_text))),
-        option("--nproc-per-node", numbers), option("--rendezvous-timeout", numbers),
-        option("--max-restarts", numbers), option("--restarts", numbers),
+        st.one_of(
+            option("--script", st.sampled_from([SCRIPT, MISSING, HERE])),
+            option(
+                "--module",
+                st.one_of(
+                    st.sampled_from(["training.ddp", "a..b", "", "1x", "-m", "pkg.mod"]), any_text
+                ),
+            ),
+        ),
+        option("--nproc-per-node", numbers),
+        option("--rendezvous-timeout", numbers),
+        option("--max-restarts", numbers),
+        option("--restarts", numbers),
         option("--restart-wait", numbers),
-        option("--gpus", st.one_of(st.sampled_from(["0", "0,1", "0,0", "²", "", "1024", "x"]),
-                                   any_text)),
+        option(
+            "--gpus",
+            st.one_of(st.sampled_from(["0", "0,1", "0,0", "²", "", "1024", "x"]), any_text),
+        ),
         st.one_of(words("--debug"), option("--debug", st.sampled_from(["info", "detail", "x"]))),
         option("--local-rank-arg", st.sampled_from(["auto", "none", "--local_rank", "x"])),
         option("--log-dir", paths),
         st.lists(any_text, max_size=3).map(lambda extra: ["--", *extra]),
     ],
-)  # fmt: skip
+)
 SIM_OPTIONS = [
     option("--name", st.one_of(st.sampled_from(["tmn", "fuzz"]), any_text)),
-    option("--subnet", st.one_of(st.sampled_from(["172.29.77.0/24", "10.0.0.0/30", "x"]), any_text)),
+    option(
+        "--subnet", st.one_of(st.sampled_from(["172.29.77.0/24", "10.0.0.0/30", "x"]), any_text)
+    ),
     option("--mgmt-subnet", st.sampled_from(["172.30.77.0/24", "172.29.77.0/24", "300.0.0.0/8"])),
     option("--state-dir", paths),
-]  # fmt: skip
+]
 CLUSTER = st.one_of(
     command_line(inventory_option.map(lambda found: ["check", *found]), [option("-n", numbers)]),
     command_line(
         words("image"),
-        [option("--kind", st.sampled_from(["auto", "cpu", "cuda", "gpu"])),
-         option("--tag", st.one_of(st.sampled_from(["t:1", "a b", ""]), any_text)),
-         inventory_option],
+        [
+            option("--kind", st.sampled_from(["auto", "cpu", "cuda", "gpu"])),
+            option("--tag", st.one_of(st.sampled_from(["t:1", "a b", ""]), any_text)),
+            inventory_option,
+        ],
     ),
     command_line(
         words("sim", "up"),
-        [*SIM_OPTIONS, option("-n", numbers), option("--nodes", numbers),
-         option("--link", st.sampled_from(["1gbit", "100mbit", "fast", ""]))],
+        [
+            *SIM_OPTIONS,
+            option("-n", numbers),
+            option("--nodes", numbers),
+            option("--link", st.sampled_from(["1gbit", "100mbit", "fast", ""])),
+        ],
     ),
     command_line(words("sim", "down"), SIM_OPTIONS),
     command_line(words("sim", "status"), SIM_OPTIONS),
@@ -245,10 +269,21 @@ CLUSTER = st.one_of(
         inventory_option.map(lambda found: ["bootstrap", *found]),
         [option("--fingerprints", paths), words("--disable-password-login")],
     ),
-)  # fmt: skip
+)
 KNOWN_WORDS = [
-    "check", "image", "sim", "up", "down", "status", "bootstrap", "-i", "-n", "--help", "-h", "--",
-]  # fmt: skip
+    "check",
+    "image",
+    "sim",
+    "up",
+    "down",
+    "status",
+    "bootstrap",
+    "-i",
+    "-n",
+    "--help",
+    "-h",
+    "--",
+]
 ANY_ARGV = st.lists(st.one_of(any_text, st.sampled_from(KNOWN_WORDS)), max_size=6)
 
 
@@ -285,9 +320,10 @@ def dead_cluster(monkeypatch, tmp_path) -> Path:
     """The real pre-flight, on a cluster where no node answers."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(
-        netcheck.cli, "SshNodes", lambda inventory: FakeNodes(list(inventory.hosts),
-                                                              down={h.name for h in inventory.hosts})
-    )  # fmt: skip
+        netcheck.cli,
+        "SshNodes",
+        lambda inventory: FakeNodes(list(inventory.hosts), down={h.name for h in inventory.hosts}),
+    )
     return tmp_path
 
 
@@ -296,8 +332,9 @@ def dead_cluster(monkeypatch, tmp_path) -> Path:
 def test_netcheck_reports_any_valid_inventory_whose_nodes_do_not_answer(
     dead_cluster, document, flags
 ):
-    argv = Invocation(["-i", INVENTORY, "--env-file", f"{HERE}/env.json", *flags], dump(document),
-                      "").materialise(dead_cluster)  # fmt: skip
+    argv = Invocation(
+        ["-i", INVENTORY, "--env-file", f"{HERE}/env.json", *flags], dump(document), ""
+    ).materialise(dead_cluster)
     outcome = call(netcheck.cli.main, argv, dead_cluster)
     event(outcome.kind())
     if outcome.code == 1:  # a valid inventory: every node FAILs its SSH check, nothing else runs
@@ -321,44 +358,88 @@ def run(main, argv: list[str], root: Path):
     "main, argv, line",
     [
         # argparse printed its usage and a second line; now one line like every other error.
-        (cluster.cli.main, ["sim", "up", "--nodes", "x"],
-         "Error: argument -n/--nodes: invalid int value: 'x' (try cluster sim up --help)"),
-        (cluster.cli.main, ["sim"],
-         "Error: the following arguments are required: ACTION (try cluster sim --help)"),
-        (netcheck.cli.main, ["-i", "x.yml", "--bogus"],
-         "Error: unrecognized arguments: --bogus (try netcheck --help)"),
-        (launch.cli.main, ["--debug", "x"], "Error: argument --debug: invalid choice: 'x' "
-         "(choose from 'info', 'detail') (try train --help)"),
-        (netcheck.cli.main, ["-i", "x.yml", "a\nb"],
-         "Error: unrecognized arguments: a\\nb (try netcheck --help)"),
+        (
+            cluster.cli.main,
+            ["sim", "up", "--nodes", "x"],
+            "Error: argument -n/--nodes: invalid int value: 'x' (try cluster sim up --help)",
+        ),
+        (
+            cluster.cli.main,
+            ["sim"],
+            "Error: the following arguments are required: ACTION (try cluster sim --help)",
+        ),
+        (
+            netcheck.cli.main,
+            ["-i", "x.yml", "--bogus"],
+            "Error: unrecognized arguments: --bogus (try netcheck --help)",
+        ),
+        (
+            launch.cli.main,
+            ["--debug", "x"],
+            "Error: argument --debug: invalid choice: 'x' "
+            "(choose from 'info', 'detail') (try train --help)",
+        ),
+        (
+            netcheck.cli.main,
+            ["-i", "x.yml", "a\nb"],
+            "Error: unrecognized arguments: a\\nb (try netcheck --help)",
+        ),
         # float() takes 'nan' and 'inf': a stage limit that never comes.
-        (netcheck.cli.main, ["-i", "x.yml", "--timeout", "nan"],
-         "Error: argument --timeout: 'nan' is not a number of seconds (try netcheck --help)"),
-        (netcheck.cli.main, ["-i", "x.yml", "--timeout", "inf"],
-         "Error: argument --timeout: 'inf' is not a number of seconds (try netcheck --help)"),
+        (
+            netcheck.cli.main,
+            ["-i", "x.yml", "--timeout", "nan"],
+            "Error: argument --timeout: 'nan' is not a number of seconds (try netcheck --help)",
+        ),
+        (
+            netcheck.cli.main,
+            ["-i", "x.yml", "--timeout", "inf"],
+            "Error: argument --timeout: 'inf' is not a number of seconds (try netcheck --help)",
+        ),
         # Handed on to torchrun on every node, which failed each in its own way.
-        (launch.cli.main, ["--rendezvous-timeout", "0"],
-         "Error: --rendezvous-timeout=0 is below 1 second"),
+        (
+            launch.cli.main,
+            ["--rendezvous-timeout", "0"],
+            "Error: --rendezvous-timeout=0 is below 1 second",
+        ),
         (launch.cli.main, ["--max-restarts", "-1"], "Error: --max-restarts=-1 is below 0"),
         (launch.cli.main, ["--restarts", "-1"], "Error: --restarts=-1 is below 0"),
-        (launch.cli.main, ["--restart-wait", "nan"],
-         "Error: --restart-wait=nan is not a positive number"),
-        (launch.cli.main, ["--restarts", "1"], "Error: --restarts=1 needs an inventory: a local "
-         "job has no node to wait for (try INVENTORY=path.yml)"),
-        (launch.cli.main, ["--module", "a..b"],
-         "Error: --module 'a..b' is not a Python module name (try a dotted name like training.ddp)"),
-        (launch.cli.main, ["--module", ""],
-         "Error: --module '' is not a Python module name (try a dotted name like training.ddp)"),
+        (
+            launch.cli.main,
+            ["--restart-wait", "nan"],
+            "Error: --restart-wait=nan is not a positive number",
+        ),
+        (
+            launch.cli.main,
+            ["--restarts", "1"],
+            "Error: --restarts=1 needs an inventory: a local "
+            "job has no node to wait for (try INVENTORY=path.yml)",
+        ),
+        (
+            launch.cli.main,
+            ["--module", "a..b"],
+            "Error: --module 'a..b' is not a Python module name (try a dotted name like training.ddp)",
+        ),
+        (
+            launch.cli.main,
+            ["--module", ""],
+            "Error: --module '' is not a Python module name (try a dotted name like training.ddp)",
+        ),
         # str.isdigit('²') but not int('²'): a ValueError traceback.
-        (launch.cli.main, ["--gpus", "²"],
-         "Error: GPUS: '²' is not a list of GPU indices (try a form like 0,2)"),
+        (
+            launch.cli.main,
+            ["--gpus", "²"],
+            "Error: GPUS: '²' is not a list of GPU indices (try a form like 0,2)",
+        ),
         # Went to `docker build -t`.
         (cluster.cli.main, ["image", "--tag", "a b"], "Error: --tag 'a b' is not an image name"),
         # A newline in a path split the error line in two.
-        (launch.cli.main, ["--script", "no\nsuch.py"],
-         "Error: script no\\nsuch.py does not exist (try a path to a .py file)"),
+        (
+            launch.cli.main,
+            ["--script", "no\nsuch.py"],
+            "Error: script no\\nsuch.py does not exist (try a path to a .py file)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_fuzzing_found_is_one_error_line(seams, main, argv, line):
     outcome = run(main, argv, seams)
     assert (outcome.code, outcome.err, outcome.out) == (2, line + "\n", "")
@@ -398,14 +479,19 @@ def test_valid_input_reaches_each_seam_and_nothing_else(seams):
     [
         ("training.ddp", ["--steps", "-1"], "Error: --steps must be positive, got -1"),
         ("training.manual_dp", ["--lr", "-0.5"], "Error: --lr must be 0 or more, got -0.5"),
-        ("training.model_parallel", ["--split-size", "-3"],
-         "Error: --split-size must be 0 (off) or positive"),
-        ("training.pipeline", ["--batch-size", "10", "--microbatches", "4"],
-         "Error: batch 10 does not split into 4 micro-batches (10 % 4 = 2)"),
-        ("training.comm_demo", ["--bogus"],
-         "Error: unrecognized arguments: --bogus (try --help)"),
+        (
+            "training.model_parallel",
+            ["--split-size", "-3"],
+            "Error: --split-size must be 0 (off) or positive",
+        ),
+        (
+            "training.pipeline",
+            ["--batch-size", "10", "--microbatches", "4"],
+            "Error: batch 10 does not split into 4 micro-batches (10 % 4 = 2)",
+        ),
+        ("training.comm_demo", ["--bogus"], "Error: unrecognized arguments: --bogus (try --help)"),
     ],
-)  # fmt: skip
+)
 def test_a_workloads_bad_arguments_are_refused_before_any_node_is_touched(
     seams, workload, argv, line
 ):
@@ -440,8 +526,11 @@ def test_the_guard_stops_and_reports_what_a_call_must_not_do(tmp_path):
             (watched / "inside.txt").write_text("x")
         return 0
 
-    for action, audit_event in [("write", "open"), ("connect", "socket.connect"),
-                          ("resolve", "socket.getaddrinfo")]:  # fmt: skip
+    for action, audit_event in [
+        ("write", "open"),
+        ("connect", "socket.connect"),
+        ("resolve", "socket.getaddrinfo"),
+    ]:
         outcome = call(misbehave, [action], watched)
         assert [a.event for a in outcome.stopped] == [audit_event]
         with pytest.raises(AssertionError):

@@ -84,8 +84,23 @@ def flag_lists(draw) -> list[str]:
             argv.append(draw(st.sampled_from([_flag(item.name), "--no-" + _flag(item.name)[2:]])))
             continue
         argv.append(_flag(item.name))
-        plausible = st.sampled_from(["0", "1", "-1", "2", "0.5", "nan", "inf", "-inf", "1e400",
-                                     "9" * 5000, "tiny", "cifar10", ""])  # fmt: skip
+        plausible = st.sampled_from(
+            [
+                "0",
+                "1",
+                "-1",
+                "2",
+                "0.5",
+                "nan",
+                "inf",
+                "-inf",
+                "1e400",
+                "9" * 5000,
+                "tiny",
+                "cifar10",
+                "",
+            ]
+        )
         argv.append(draw(st.one_of(plausible, any_text)))
     if draw(st.integers(0, 4)) == 0:
         argv.insert(draw(st.integers(0, len(argv))), draw(any_text))
@@ -164,28 +179,28 @@ FOUND = [
     (
         b"optim: {lr: [1}",
         "{path} is not valid YAML at line 1 column 15: expected ',' or ']', but got '}'",
-    ),  # fmt: skip
+    ),
     # Not YAMLError: RecursionError, and ValueError from int() and date().
     (b"[" * 2000, "{path} is nested too deeply to be a config file"),
     (
         b"run: {steps: " + b"1" * 5000 + b"}",
         "{path} holds a value YAML cannot read: Exceeds the "
         "limit (4300 digits) for integer string conversion: value has 5000 digits",
-    ),  # fmt: skip
+    ),
     (
         b"run: {out: 2024-02-30}",
         "{path} holds a value YAML cannot read: day is out of range for month",
-    ),  # fmt: skip
+    ),
     # float(int) overflows past 1e308.
     (
         b"optim: {lr: 1" + b"0" * 400 + b"}",
         "{path}: optim.lr: 1" + "0" * 76 + "... is too large for a float",
-    ),  # fmt: skip
+    ),
     # repr() of an int too long for decimal raised ValueError inside the error message.
     (
         b"run: {steps: -0x" + b"f" * 4000 + b"}",
         "--steps must be positive, got <int too long to show>",
-    ),  # fmt: skip
+    ),
     (b'run: {run_dir: "a\\0b"}', "{path}: run.run_dir: 'a\\x00b' holds a NUL character"),
     # Accepted, then failed on every rank: in the optimizer, in time.sleep, in manual_seed.
     (b"optim: {lr: .nan}", "--lr must be a finite number, got nan"),
@@ -196,7 +211,7 @@ FOUND = [
     (
         b"run: {seed: 0x10000000000000000}",
         "--seed 18446744073709551616 is outside what torch.manual_seed takes (-2**63 to 2**64-1)",
-    ),  # fmt: skip
+    ),
 ]
 
 

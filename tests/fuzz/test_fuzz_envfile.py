@@ -15,12 +15,15 @@ from tests.fuzz.strategies import FUZZ, any_text, pathological_texts, text_edits
 
 VALID = {
     "nodes": {
-        "node1": {"NCCL_SOCKET_IFNAME": "=eth1", "GLOO_SOCKET_IFNAME": "eth1",
-                  "NCCL_IB_DISABLE": "1"},
+        "node1": {
+            "NCCL_SOCKET_IFNAME": "=eth1",
+            "GLOO_SOCKET_IFNAME": "eth1",
+            "NCCL_IB_DISABLE": "1",
+        },
         "node2": {"NCCL_SOCKET_IFNAME": "=eth1", "GLOO_SOCKET_IFNAME": "eth1"},
     },
     "written_at": "2025-01-01T12:00:00+00:00",
-}  # fmt: skip
+}
 
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), any_text),
@@ -108,18 +111,26 @@ def test_env_files_of_arbitrary_bytes(tmp_path, data):
     [
         # json.loads raises these, and load() caught only JSONDecodeError.
         ("[" * 100_000, "cannot be read: nested too deeply"),
-        ('{"nodes": {"node1": {"X": ' + "1" * 5000 + "}}}",
-         "cannot be read: Exceeds the limit (4300 digits) for integer string conversion: value "
-         "has 5000 digits"),
+        (
+            '{"nodes": {"node1": {"X": ' + "1" * 5000 + "}}}",
+            "cannot be read: Exceeds the limit (4300 digits) for integer string conversion: value "
+            "has 5000 digits",
+        ),
         # A NUL or newline went on into the job's environment on the node.
-        ('{"nodes": {"node1": {"GLOO_SOCKET_IFNAME": "eth1\\u0000"}}}',
-         "has no valid 'nodes' mapping of name -> variables"),
-        ('{"nodes": {"node1\\n": {"GLOO_SOCKET_IFNAME": "eth1"}}}',
-         "has no valid 'nodes' mapping of name -> variables"),
-        ('{"nodes": {"node1": {"A=B": "eth1"}}}',
-         "has no valid 'nodes' mapping of name -> variables"),
+        (
+            '{"nodes": {"node1": {"GLOO_SOCKET_IFNAME": "eth1\\u0000"}}}',
+            "has no valid 'nodes' mapping of name -> variables",
+        ),
+        (
+            '{"nodes": {"node1\\n": {"GLOO_SOCKET_IFNAME": "eth1"}}}',
+            "has no valid 'nodes' mapping of name -> variables",
+        ),
+        (
+            '{"nodes": {"node1": {"A=B": "eth1"}}}',
+            "has no valid 'nodes' mapping of name -> variables",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_fuzzing_found_is_one_error_line(tmp_path, text, reason):
     path = tmp_path / "netcheck-env.json"
     path.write_text(text)

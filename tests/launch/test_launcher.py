@@ -57,12 +57,23 @@ def test_torchrun_command_binds_rendezvous_to_the_compute_ip():
     spec = JobSpec(module="training.ddp", args=("--epochs", "1"), run_id="tmn-x")
     command = torchrun_command(n2, n1, 2, spec, 29400, ["-m", "training.ddp"])
     assert command == [
-        "/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes=2",
-        "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=10.7.0.9:29400",
-        "--rdzv-id=tmn-x", "--rdzv-conf=join_timeout=60,is_host=false",
-        "--local-addr=10.7.0.10", "--max-restarts=0", "--monitor-interval=1",
-        "-m", "training.ddp", "--epochs", "1",
-    ]  # fmt: skip
+        "/opt/venv/bin/python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.7.0.9:29400",
+        "--rdzv-id=tmn-x",
+        "--rdzv-conf=join_timeout=60,is_host=false",
+        "--local-addr=10.7.0.10",
+        "--max-restarts=0",
+        "--monitor-interval=1",
+        "-m",
+        "training.ddp",
+        "--epochs",
+        "1",
+    ]
     master = torchrun_command(n1, n1, 2, spec, 29400, ["-m", "training.ddp"])
     assert "--nproc-per-node=2" in master and "--rdzv-conf=join_timeout=60,is_host=true" in master
 
@@ -92,20 +103,53 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     )
     words = shlex.split(command)
     guard = shlex.split(NCCL_CONF_GUARD)
-    assert words[: 5 + len(guard)] == [
-        "mkdir", "-p", "/tmp/torch-multinode/runs/tmn-z", "&&", *guard, "&&", "exec"
-    ][: 5 + len(guard)]  # fmt: skip
+    assert (
+        words[: 5 + len(guard)]
+        == ["mkdir", "-p", "/tmp/torch-multinode/runs/tmn-z", "&&", *guard, "&&", "exec"][
+            : 5 + len(guard)
+        ]
+    )
     docker = words[words.index("exec") + 1 : words.index("img:1")]
     assert docker == [
-        "docker", "run", "--rm", "--init", "--pull", "never",
-        "--label", "torch-multinode.run=tmn-z", "--network", "host", "--ipc", "host",
-        "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864",
-        "-v", "/etc/nccl.conf:/etc/nccl.conf:ro", "--gpus", "all", "--name", "tmn-z-n1", "-v", "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
-        "-w", "/tmp/torch-multinode/runs/tmn-z",
-        "-e", "TMN_RUN_ID=tmn-z", "-e", "PYTHONUNBUFFERED=1", "-e", "TMN_NODE_NAME=n1",
-        "-e", "CUDA_DEVICE_ORDER=PCI_BUS_ID",
-        "-e", "GLOO_SOCKET_IFNAME=eth1", "-e", "NCCL_SOCKET_IFNAME==eth1",
-    ]  # fmt: skip
+        "docker",
+        "run",
+        "--rm",
+        "--init",
+        "--pull",
+        "never",
+        "--label",
+        "torch-multinode.run=tmn-z",
+        "--network",
+        "host",
+        "--ipc",
+        "host",
+        "--ulimit",
+        "memlock=-1:-1",
+        "--ulimit",
+        "stack=67108864",
+        "-v",
+        "/etc/nccl.conf:/etc/nccl.conf:ro",
+        "--gpus",
+        "all",
+        "--name",
+        "tmn-z-n1",
+        "-v",
+        "/tmp/torch-multinode/runs/tmn-z:/tmp/torch-multinode/runs/tmn-z",
+        "-w",
+        "/tmp/torch-multinode/runs/tmn-z",
+        "-e",
+        "TMN_RUN_ID=tmn-z",
+        "-e",
+        "PYTHONUNBUFFERED=1",
+        "-e",
+        "TMN_NODE_NAME=n1",
+        "-e",
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID",
+        "-e",
+        "GLOO_SOCKET_IFNAME=eth1",
+        "-e",
+        "NCCL_SOCKET_IFNAME==eth1",
+    ]
     after = words[words.index("img:1") + 1 :]
     assert after[:3] == ["python3", "-m", "torch.distributed.run"]
     assert "--local-addr=10.7.0.9" in after and after[-2:] == ["-m", "training.ddp"]
@@ -251,9 +295,19 @@ def test_netcheck_findings_override_the_inventory(tmp_path):
     path = tmp_path / "inv.yml"
     path.write_text(INVENTORY)
     (tmp_path / envfile.FILENAME).write_text(
-        json.dumps({"nodes": {"n1": {"GLOO_SOCKET_IFNAME": "bond0", "NCCL_SOCKET_IFNAME": "=bond0",
-                                     "NCCL_IB_DISABLE": "1"}}, "written_at": "now"})
-    )  # fmt: skip
+        json.dumps(
+            {
+                "nodes": {
+                    "n1": {
+                        "GLOO_SOCKET_IFNAME": "bond0",
+                        "NCCL_SOCKET_IFNAME": "=bond0",
+                        "NCCL_IB_DISABLE": "1",
+                    }
+                },
+                "written_at": "now",
+            }
+        )
+    )
     inventory = load(path)
     envs = interface_env(inventory)
     assert envs["n1"]["NCCL_SOCKET_IFNAME"] == "=bond0" and envs["n1"]["NCCL_IB_DISABLE"] == "1"
@@ -292,12 +346,18 @@ def test_rank_order_warning_names_the_real_order():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--script", "missing.py"], "Error: script missing.py does not exist (try a path to a .py file)"),
-        (["--nnodes", "2"], "Error: NNODES=2 needs an inventory (try INVENTORY=path.yml, or 'make "
-                            "sim-up' for a simulated cluster)"),
+        (
+            ["--script", "missing.py"],
+            "Error: script missing.py does not exist (try a path to a .py file)",
+        ),
+        (
+            ["--nnodes", "2"],
+            "Error: NNODES=2 needs an inventory (try INVENTORY=path.yml, or 'make "
+            "sim-up' for a simulated cluster)",
+        ),
         (["--nproc-per-node", "0"], "Error: --nproc-per-node=0 is below 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_launch_arguments_are_one_line_errors(args, message):
     proc = run_cli("train", *args)
     assert (proc.returncode, proc.stderr) == (2, message + "\n")
@@ -330,8 +390,9 @@ def _run_id(stdout: str) -> str:
 
 @pytest.mark.sim
 def test_tutorial_script_runs_unchanged_on_two_nodes(sim2):
-    proc = _train(sim2.config.inventory_path, "--nnodes", "2",
-                  "--script", str(SCRIPTS / "tutorial_ddp.py"))  # fmt: skip
+    proc = _train(
+        sim2.config.inventory_path, "--nnodes", "2", "--script", str(SCRIPTS / "tutorial_ddp.py")
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     ranks = sorted(line for line in lines if "identical on all ranks" in line)
@@ -345,8 +406,9 @@ def test_tutorial_script_runs_unchanged_on_two_nodes(sim2):
 
 @pytest.mark.sim
 def test_a_failing_rank_stops_every_node_and_is_named(sim2):
-    proc = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "endless_allreduce.py"),
-                  "--", "5")  # fmt: skip
+    proc = _train(
+        sim2.config.inventory_path, "--script", str(SCRIPTS / "endless_allreduce.py"), "--", "5"
+    )
     assert proc.returncode == 1
     summary = proc.stdout[proc.stdout.index("\nJob ") + 1 :].splitlines()
     assert summary[0].startswith(f"Job {_run_id(proc.stdout)} FAILED on node2 after ")
@@ -359,10 +421,17 @@ def test_a_failing_rank_stops_every_node_and_is_named(sim2):
 
 def _start_endless(inventory_path) -> subprocess.Popen:
     return subprocess.Popen(
-        [str(VENV_BIN / "train"), "-i", str(inventory_path),
-         "--script", str(SCRIPTS / "endless_allreduce.py")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            str(VENV_BIN / "train"),
+            "-i",
+            str(inventory_path),
+            "--script",
+            str(SCRIPTS / "endless_allreduce.py"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for(process: subprocess.Popen, text: str, limit: float = 120) -> list[str]:
@@ -399,10 +468,12 @@ def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
 @pytest.mark.sim
 @pytest.mark.parametrize(
     "sent, name, code, verdict",
-    [(signal.SIGINT, "Ctrl-C", 130, "interrupted"),
-     (signal.SIGTERM, "SIGTERM", 143, "terminated (SIGTERM)")],
+    [
+        (signal.SIGINT, "Ctrl-C", 130, "interrupted"),
+        (signal.SIGTERM, "SIGTERM", 143, "terminated (SIGTERM)"),
+    ],
     ids=["ctrl-c", "sigterm"],
-)  # fmt: skip
+)
 def test_ctrl_c_or_sigterm_stops_every_node(sim2, sent, name, code, verdict):
     process = _start_endless(sim2.config.inventory_path)
     seen = _wait_for(process, "rank 1 step 10")
@@ -441,8 +512,13 @@ def test_a_second_job_on_the_same_port_is_refused_and_the_first_goes_on(sim2):
 def test_a_lock_left_by_a_dead_launcher_is_taken_over(sim2):
     port = sim2.inventory.rendezvous_port
     lock = f"{REMOTE_LOCK_ROOT}/port-{port}"
-    sim.docker("exec", sim2.config.container(1), "sh", "-c",
-               f"mkdir -p {lock} && echo tmn-gone > {lock}/run_id && touch -d '-1 min' {lock}")  # fmt: skip
+    sim.docker(
+        "exec",
+        sim2.config.container(1),
+        "sh",
+        "-c",
+        f"mkdir -p {lock} && echo tmn-gone > {lock}/run_id && touch -d '-1 min' {lock}",
+    )
     proc = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "tutorial_ddp.py"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     assert (
@@ -458,8 +534,10 @@ def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id
     on n2, every node answers again, the failed run's leftovers are stopped on every node, and
     the second run, under a new run ID, succeeds. Host mode: in container mode the job checks
     the nodes' image against the controller's, which the simulated cluster's tests do."""
-    inventory = parse(INVENTORY.replace("{compute_subnet:", "{launch_mode: host, compute_subnet:"),
-                      "/nonexistent/inv.yml")  # fmt: skip
+    inventory = parse(
+        INVENTORY.replace("{compute_subnet:", "{launch_mode: host, compute_subnet:"),
+        "/nonexistent/inv.yml",
+    )
     runs: list[tuple[str, str]] = []
 
     def job_on(host, command, out) -> int:
@@ -470,10 +548,21 @@ def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id
 
     nodes = FakeNodes(list(inventory.hosts), streamer=job_on)
     said: list[str] = []
-    result = run_job(inventory, JobSpec(run_id="tmn-r"), said.append, 1, 5,
-                     project=Project(trees=(), workdir="/w", script=None), nodes=nodes)  # fmt: skip
-    assert sorted(runs) == [("tmn-r", "n1"), ("tmn-r", "n2"), ("tmn-r-r1", "n1"),
-                            ("tmn-r-r1", "n2")]  # fmt: skip
+    result = run_job(
+        inventory,
+        JobSpec(run_id="tmn-r"),
+        said.append,
+        1,
+        5,
+        project=Project(trees=(), workdir="/w", script=None),
+        nodes=nodes,
+    )
+    assert sorted(runs) == [
+        ("tmn-r", "n1"),
+        ("tmn-r", "n2"),
+        ("tmn-r-r1", "n1"),
+        ("tmn-r-r1", "n2"),
+    ]
     assert result.exit_code == 0 and (result.restart, result.restarts) == (1, 1)
     assert result.run_id == "tmn-r-r1"
     assert any(line.startswith("Job tmn-r FAILED on n2") for line in said), said

@@ -43,8 +43,16 @@ def test_the_summary_names_the_rank_and_shows_the_workers_lines_not_torchruns():
 def test_the_local_command_is_torchrun_standalone_through_the_quiet_wrapper():
     spec = JobSpec(module="training.comm_demo", args=("--x", "1"))
     argv = local.command(spec, 2)
-    assert argv[1:] == ["-m", "training.local_launch", "--standalone", "--nproc-per-node=2",
-                        "-m", "training.comm_demo", "--x", "1"]  # fmt: skip
+    assert argv[1:] == [
+        "-m",
+        "training.local_launch",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "training.comm_demo",
+        "--x",
+        "1",
+    ]
 
 
 def test_bad_input_to_a_local_job_is_one_line_and_exit_2_before_anything_starts():

@@ -185,13 +185,21 @@ def test_the_failure_excerpt_keeps_the_workers_error_line_ahead_of_a_long_abort_
 
     error = "Error: cannot write checkpoint step 8 to /var/tmp/c: No space left on device"
     stack = [f"frame #{n}: gloo::transport::tcp::Pair::{n}" for n in range(30)]
-    torchrun = ["Traceback (most recent call last):", "  raise ChildFailedError(",
-                "  host      : node2", "  rank      : 1 (local_rank: 0)", "  exitcode  : -6"]  # fmt: skip
+    torchrun = [
+        "Traceback (most recent call last):",
+        "  raise ChildFailedError(",
+        "  host      : node2",
+        "  rank      : 1 (local_rank: 0)",
+        "  exitcode  : -6",
+    ]
     excerpt = failure_excerpt(["step 4/12", error, *stack, *torchrun])
     assert excerpt[:2] == [error, "..."]
     assert excerpt[2:EXCERPT_LINES] == stack[-(EXCERPT_LINES - 2) :]
-    assert excerpt[EXCERPT_LINES:] == ["host      : node2", "rank      : 1 (local_rank: 0)",
-                                       "exitcode  : -6"]  # fmt: skip
+    assert excerpt[EXCERPT_LINES:] == [
+        "host      : node2",
+        "rank      : 1 (local_rank: 0)",
+        "exitcode  : -6",
+    ]
     # When the error is among the last lines anyway, the excerpt is just the last lines.
     short = ["step 4/12", error, *stack[:3]]
     assert failure_excerpt(short) == short

@@ -23,8 +23,14 @@ NETCHECK = Path(sys.executable).parent / "netcheck"
 
 def run_netcheck(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The installed console script, as the Makefile runs it."""
-    return subprocess.run([str(NETCHECK), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO_ROOT, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(NETCHECK), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        check=False,
+    )
 
 
 INVENTORY = """
@@ -54,14 +60,18 @@ def link(name, ip=None, mtu=1500, flags=("BROADCAST", "MULTICAST", "UP", "LOWER_
 
 
 def ping_ok(ip, rtt=0.1):
-    return (f"PING {ip} ({ip}) 56(84) bytes of data.\n\n--- {ip} ping statistics ---\n"
-            f"5 packets transmitted, 5 received, 0% packet loss, time 818ms\n"
-            f"rtt min/avg/max/mdev = 0.081/{rtt}/0.122/0.014 ms\n")  # fmt: skip
+    return (
+        f"PING {ip} ({ip}) 56(84) bytes of data.\n\n--- {ip} ping statistics ---\n"
+        f"5 packets transmitted, 5 received, 0% packet loss, time 818ms\n"
+        f"rtt min/avg/max/mdev = 0.081/{rtt}/0.122/0.014 ms\n"
+    )
 
 
 def ping_lost(ip):
-    return (f"PING {ip} ({ip}) 56(84) bytes of data.\n\n--- {ip} ping statistics ---\n"
-            f"7 packets transmitted, 0 received, 100% packet loss, time 1888ms\n")  # fmt: skip
+    return (
+        f"PING {ip} ({ip}) 56(84) bytes of data.\n\n--- {ip} ping statistics ---\n"
+        f"7 packets transmitted, 0 received, 100% packet loss, time 1888ms\n"
+    )
 
 
 def getent(ip, name):
@@ -152,8 +162,11 @@ class FakeCluster(FakeNodes):
             resolved["own FQDN"] = ["127.0.1.1", me]
             resolved[host.name] = ["127.0.1.1", me]
         resolved[str(self.hosts[0].compute_ip)] = [str(self.hosts[0].compute_ip)]
-        links = [link("lo", "127.0.0.1", 65536), link("eth0", host.ssh_address),
-                 link("eth1", me, self.mtu.get(host.name, 1500))]  # fmt: skip
+        links = [
+            link("lo", "127.0.0.1", 65536),
+            link("eth0", host.ssh_address),
+            link("eth1", me, self.mtu.get(host.name, 1500)),
+        ]
         routes, pings = {}, {}
         for peer in self.hosts:
             if peer.name == host.name:
@@ -170,8 +183,15 @@ class FakeCluster(FakeNodes):
         for i, port in enumerate(ports):
             held = self.held_port.get(host.name)
             if held and port == held["port"]:
-                results.append({"requested": port, "ok": False, "error": "Address already in use",
-                                "in_use": True, "holders": held["holders"]})  # fmt: skip
+                results.append(
+                    {
+                        "requested": port,
+                        "ok": False,
+                        "error": "Address already in use",
+                        "in_use": True,
+                        "holders": held["holders"],
+                    }
+                )
             else:
                 results.append({"requested": port, "ok": True, "port": port or 40000 + i})
         return json.dumps({"pid": 4242, "ports": results}) + "\n"
@@ -192,8 +212,12 @@ class FakeCluster(FakeNodes):
         argv = shlex.split(command)
         name = argv[argv.index("--targets") + 1].split("=")[0]
         nbytes = int(argv[argv.index("--bytes") + 1])
-        return json.dumps({"results": [{"name": name, "ok": True, "bytes": nbytes,
-                                        "seconds": nbytes / 1e9}]}) + "\n"  # fmt: skip
+        return (
+            json.dumps(
+                {"results": [{"name": name, "ok": True, "bytes": nbytes, "seconds": nbytes / 1e9}]}
+            )
+            + "\n"
+        )
 
     def on_docker_cleanup(self, host, command):
         return ""
@@ -209,28 +233,63 @@ class FakeCluster(FakeNodes):
 
     def stack(self, host):
         return {
-            "python": "3.11.2", "executable": host.python,
-            "torch": self.torch.get(host.name, "2.14.1+cu130"), "cuda": "13.0",
-            "cuda_available": False, "gpus": 0, "nccl": "2.30.7", "gloo": True,
-            "nccl_backend": True, "netcheck": True, "shm_bytes": 64 << 20,
-            "memlock_bytes": 8 << 20, "nvidia_smi_gpus": None,
-        }  # fmt: skip
+            "python": "3.11.2",
+            "executable": host.python,
+            "torch": self.torch.get(host.name, "2.14.1+cu130"),
+            "cuda": "13.0",
+            "cuda_available": False,
+            "gpus": 0,
+            "nccl": "2.30.7",
+            "gloo": True,
+            "nccl_backend": True,
+            "netcheck": True,
+            "shm_bytes": 64 << 20,
+            "memlock_bytes": 8 << 20,
+            "nvidia_smi_gpus": None,
+        }
 
     def on_collective(self, host, command):
         if host.name in self.broken_worker:
-            return Result(host.name, command, 1, "",
-                          f"{host.python}: No module named netcheck.collective\n")  # fmt: skip
+            return Result(
+                host.name, command, 1, "", f"{host.python}: No module named netcheck.collective\n"
+            )
         if self.broken_worker:
-            return "NETCHECK " + json.dumps({"rank": 0, "software": self.stack(host)}) + (
-                "\nNETCHECK " + json.dumps({"rank": 0, "ok": False, "stage": "init_process_group",
-                                            "error": "init_process_group did not finish within "
-                                            "30 s"}) + "\n")  # fmt: skip
+            return (
+                "NETCHECK "
+                + json.dumps({"rank": 0, "software": self.stack(host)})
+                + (
+                    "\nNETCHECK "
+                    + json.dumps(
+                        {
+                            "rank": 0,
+                            "ok": False,
+                            "stage": "init_process_group",
+                            "error": "init_process_group did not finish within 30 s",
+                        }
+                    )
+                    + "\n"
+                )
+            )
         argv = shlex.split(command.split(" & ")[0])
         rank = int(argv[argv.index("--rank") + 1])
         sizes = [int(s) for s in argv[argv.index("--sizes") + 1].split(",")]
-        results = [{"op": op, "bytes": size, "seconds": size / 1e9 + 1e-6, "mismatches": 0}
-                   for op in ("all_reduce", "all_gather", "broadcast") for size in sizes]  # fmt: skip
+        results = [
+            {"op": op, "bytes": size, "seconds": size / 1e9 + 1e-6, "mismatches": 0}
+            for op in ("all_reduce", "all_gather", "broadcast")
+            for size in sizes
+        ]
         software = "NETCHECK " + json.dumps({"rank": rank, "software": self.stack(host)})
-        return software + "\nNETCHECK " + json.dumps({"rank": rank, "ok": True, "backend": "gloo",
-                                                      "world_size": len(self.hosts),
-                                                      "results": results}) + "\n"  # fmt: skip
+        return (
+            software
+            + "\nNETCHECK "
+            + json.dumps(
+                {
+                    "rank": rank,
+                    "ok": True,
+                    "backend": "gloo",
+                    "world_size": len(self.hosts),
+                    "results": results,
+                }
+            )
+            + "\n"
+        )

@@ -50,18 +50,26 @@ def test_no_inventory_is_one_error_line():
 
 def test_missing_inventory_and_bad_nnodes(tmp_path, capsys):
     assert cli.main(["-i", str(tmp_path / "none.yml")]) == 2
-    assert capsys.readouterr().err == (f"Error: inventory {tmp_path / 'none.yml'} does not exist "
-                                       "(try a path to an existing file)\n")  # fmt: skip
+    assert capsys.readouterr().err == (
+        f"Error: inventory {tmp_path / 'none.yml'} does not exist "
+        "(try a path to an existing file)\n"
+    )
     path = tmp_path / "inventory.yml"
     path.write_text(INVENTORY)
     assert cli.main(["-i", str(path), "--nnodes", "5"]) == 2
-    assert capsys.readouterr().err == (f"Error: NNODES=5 but inventory {path} lists 3 host(s) "
-                                       "(try NNODES=3 or add hosts to the inventory)\n")  # fmt: skip
+    assert capsys.readouterr().err == (
+        f"Error: NNODES=5 but inventory {path} lists 3 host(s) "
+        "(try NNODES=3 or add hosts to the inventory)\n"
+    )
 
 
 def test_help_names_every_option():
-    proc = subprocess.run([sys.executable, "-m", "netcheck.cli", "--help"], capture_output=True,
-                          text=True, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "netcheck.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0
     for option in (
         "--inventory",
@@ -94,8 +102,11 @@ def test_cli_writes_env_file_and_json(tmp_path, monkeypatch, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and data["env_file"] == str(tmp_path / "netcheck-env.json")
     written = json.loads((tmp_path / "netcheck-env.json").read_text())
-    assert written["nodes"]["node3"] == {"NCCL_SOCKET_IFNAME": "=eth1",
-                                         "GLOO_SOCKET_IFNAME": "eth1", "NCCL_IB_DISABLE": "1"}  # fmt: skip
+    assert written["nodes"]["node3"] == {
+        "NCCL_SOCKET_IFNAME": "=eth1",
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "NCCL_IB_DISABLE": "1",
+    }
     other = tmp_path / "elsewhere" / "env.json"
     assert cli.main(["-i", str(path), "-n", "2", "--env-file", str(other)]) == 0
     assert "ready: 0 FAIL, 0 WARN, 0 SKIP" in capsys.readouterr().out
@@ -154,9 +165,14 @@ def test_firewall_fault_skips_the_collective():
 
 def test_loopback_name_and_held_port_and_version_skew():
     holders = [{"pid": 99, "name": "python3", "command": "python3 -m old.job"}]
-    report = run(fake(2, loopback_name={"node2"}, held_port={"node1": {"port": 29500,
-                                                                        "holders": holders}},
-                      torch={"node2": "2.13.0"}))  # fmt: skip
+    report = run(
+        fake(
+            2,
+            loopback_name={"node2"},
+            held_port={"node1": {"port": 29500, "holders": holders}},
+            torch={"node2": "2.13.0"},
+        )
+    )
     assert report.cell("node2", "names") is Status.FAIL
     assert report.cell("node1", "ports") is Status.FAIL
     assert report.for_node("node1", "ports")[0].remedy.startswith("on node1: stop it (kill 99)")
@@ -240,8 +256,9 @@ def test_a_worker_that_cannot_start_gets_the_software_probe_alone():
     report = run(cluster)
     assert [n for n, k in cluster.calls if k == "software"] == ["node2"]
     (collective,) = report.for_node("node2", "collective")
-    assert collective.detail == ("the worker failed: exit 1: /opt/venv/bin/python: No module named "
-                                 "netcheck.collective")  # fmt: skip
+    assert collective.detail == (
+        "the worker failed: exit 1: /opt/venv/bin/python: No module named netcheck.collective"
+    )
     assert report.cell("node2", "software") is Status.PASS
     assert report.for_node("node1", "collective")[0].detail.endswith(
         "(waiting for node2, which failed)"

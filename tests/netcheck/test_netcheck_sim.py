@@ -25,8 +25,14 @@ CHECKS = ["ssh", "ping", "names", "ports", "interfaces", "software", "collective
 
 
 def docker_exec(container: str, *command: str, stdin: str | None = None) -> str:
-    proc = subprocess.run(["docker", "exec", "-i", container, *command], input=stdin,
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    proc = subprocess.run(
+        ["docker", "exec", "-i", container, *command],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, f"{container}: {command}: {proc.stderr}"
     return proc.stdout
 
@@ -45,8 +51,10 @@ def provisioned_names(cluster):
     lines = "".join(f"{h.compute_ip} {h.name}\n" for h in cluster.inventory.hosts)
     saved = {}
     for name, container in nodes.items():
-        saved[name] = (docker_exec(container, "cat", "/etc/hosts"),
-                       docker_exec(container, "hostname").strip())  # fmt: skip
+        saved[name] = (
+            docker_exec(container, "cat", "/etc/hosts"),
+            docker_exec(container, "hostname").strip(),
+        )
         # /etc/hosts is bind-mounted by docker: rewrite it in place, never replace it.
         docker_exec(container, "sh", "-c", "cat >> /etc/hosts", stdin=lines)
         docker_exec(container, "hostname", name)
@@ -126,9 +134,22 @@ def test_firewall_blocking_high_ports_fails_ports_on_that_node(cluster):
     node2 = containers(cluster)["node2"]
     rules = [
         ["INPUT", "-i", "eth1", "-p", "tcp", "--dport", "29500", "-j", "ACCEPT"],
-        ["INPUT", "-i", "eth1", "-p", "tcp", "--dport", "1024:65535", "-m", "conntrack",
-         "--ctstate", "NEW", "-j", "DROP"],
-    ]  # fmt: skip
+        [
+            "INPUT",
+            "-i",
+            "eth1",
+            "-p",
+            "tcp",
+            "--dport",
+            "1024:65535",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "NEW",
+            "-j",
+            "DROP",
+        ],
+    ]
     for rule in rules:
         docker_exec(node2, "iptables", "-A", *rule)
     try:
@@ -221,18 +242,21 @@ def test_mtu_different_on_one_node_fails_interfaces_there(cluster):
     assert "node1  PASS  PASS  PASS   PASS   PASS        PASS      SKIP" in lines
     assert "node2  PASS  PASS  PASS   PASS   FAIL        PASS      SKIP" in lines
     assert "  FAIL interfaces node2: node2's eth1 MTU is 1400, not 1500 as on node1" in lines
-    assert ("       try on node2: ip link set eth1 mtu 1500 (and in netplan), or give every node "
-            "the same MTU") in lines  # fmt: skip
+    assert (
+        "       try on node2: ip link set eth1 mtu 1500 (and in netplan), or give every node "
+        "the same MTU"
+    ) in lines
     assert lines[-1].startswith("NOT ready: 1 FAIL, 0 WARN, 2 SKIP")
 
 
 def test_rendezvous_port_held_on_the_master_names_the_process(cluster):
     node1 = containers(cluster)["node1"]
     port = cluster.inventory.rendezvous_port
-    holder = (f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {port})); "
-              "s.listen(); time.sleep(300)")  # fmt: skip
-    pid = docker_exec(node1, "sh", "-c",
-                      f'python3 -c "{holder}" >/dev/null 2>&1 & echo $!').strip()  # fmt: skip
+    holder = (
+        f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {port})); "
+        "s.listen(); time.sleep(300)"
+    )
+    pid = docker_exec(node1, "sh", "-c", f'python3 -c "{holder}" >/dev/null 2>&1 & echo $!').strip()
     try:
         time.sleep(0.5)
         proc, data, _ = netcheck_json(cluster)
@@ -241,8 +265,10 @@ def test_rendezvous_port_held_on_the_master_names_the_process(cluster):
     assert proc.returncode == 1
     assert_only_failure(data, "node1", "ports")
     detail = data["results"]["node1"]["ports"]["detail"]
-    assert detail.startswith(f"rendezvous port {port} on the master node1 is in use: used by "
-                             f"python3 (pid {pid}: python3 -c import socket")  # fmt: skip
+    assert detail.startswith(
+        f"rendezvous port {port} on the master node1 is in use: used by "
+        f"python3 (pid {pid}: python3 -c import socket"
+    )
     assert remedies(data, "node1", "ports") == [
         f"on node1: stop it (kill {pid}), or set rendezvous_port to a free port in the inventory"
     ]
@@ -250,8 +276,22 @@ def test_rendezvous_port_held_on_the_master_names_the_process(cluster):
 
 def test_pairwise_finds_the_slow_link(cluster):
     node2 = containers(cluster)["node2"]
-    docker_exec(node2, "tc", "qdisc", "replace", "dev", "eth1", "root", "tbf", "rate", "100mbit",
-                "burst", "128kb", "latency", "20ms")  # fmt: skip
+    docker_exec(
+        node2,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        "eth1",
+        "root",
+        "tbf",
+        "rate",
+        "100mbit",
+        "burst",
+        "128kb",
+        "latency",
+        "20ms",
+    )
     try:
         proc, data, _ = netcheck_json(cluster, "--pairwise")
     finally:
@@ -275,8 +315,12 @@ def test_pairwise_finds_the_slow_link(cluster):
 def test_stopped_node_is_reported_not_waited_for(sim_factory):
     own = sim_factory.up(2)
     try:
-        subprocess.run(["docker", "stop", "-t", "1", containers(own)["node2"]], check=True,
-                       capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            ["docker", "stop", "-t", "1", containers(own)["node2"]],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         proc, data, seconds = netcheck_json(own)
     finally:
         sim_factory.down(own)

@@ -16,8 +16,13 @@ from netcheck import preflight
 
 
 def probe(*args: str) -> dict:
-    proc = subprocess.run(["sh", "-c", preflight.sockprobe(*args)], capture_output=True,
-                          text=True, timeout=30, check=False)  # fmt: skip
+    proc = subprocess.run(
+        ["sh", "-c", preflight.sockprobe(*args)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -37,8 +42,9 @@ def token(tmp_path):
 
 def test_serve_connect_send_stop(token):
     tag, pidfile = token
-    served = probe("serve", "--ports", "0,0", "--lifetime", "20", "--pidfile", pidfile,
-                   "--token", tag)  # fmt: skip
+    served = probe(
+        "serve", "--ports", "0,0", "--lifetime", "20", "--pidfile", pidfile, "--token", tag
+    )
     pid = served["pid"]
     try:
         ports = [p["port"] for p in served["ports"]]
@@ -51,8 +57,17 @@ def test_serve_connect_send_stop(token):
         connected = probe("connect", "--targets", targets + ",me=127.0.0.1:1", "--timeout", "2")
         assert [r["ok"] for r in connected["results"]] == [True, True, False]
         assert connected["results"][2]["error"] == "connection refused"
-        sent = probe("send", "--targets", f"me=127.0.0.1:{ports[0]}", "--bytes", str(8 << 20),
-                     "--source", "127.0.0.1", "--timeout", "10")  # fmt: skip
+        sent = probe(
+            "send",
+            "--targets",
+            f"me=127.0.0.1:{ports[0]}",
+            "--bytes",
+            str(8 << 20),
+            "--source",
+            "127.0.0.1",
+            "--timeout",
+            "10",
+        )
         (result,) = sent["results"]
         assert result["ok"] and result["bytes"] == 8 << 20 and result["seconds"] > 0
     finally:

@@ -43,10 +43,17 @@ def only(findings, node, check=None, status=None):
 
 @pytest.mark.parametrize(
     ("op", "n", "factor"),
-    [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75),
-     ("all_gather", 2, 0.5), ("all_gather", 4, 0.75), ("broadcast", 2, 1.0),
-     ("broadcast", 8, 1.0), ("all_reduce", 1, 0.0)],
-)  # fmt: skip
+    [
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 4, 1.5),
+        ("all_reduce", 8, 1.75),
+        ("all_gather", 2, 0.5),
+        ("all_gather", 4, 0.75),
+        ("broadcast", 2, 1.0),
+        ("broadcast", 8, 1.0),
+        ("all_reduce", 1, 0.0),
+    ],
+)
 def test_bus_factors_are_nccl_tests_formulas(op, n, factor):
     assert bandwidth.bus_factor(op, n) == pytest.approx(factor)
 
@@ -89,8 +96,10 @@ def test_parse_ping_success_loss_and_error():
     assert (ok.transmitted, ok.received, ok.loss, ok.rtt_avg_ms) == (5, 5, 0.0, 0.25)
     lost = facts.parse_ping(ping_lost("10.9.0.12"))
     assert lost.loss == 100.0 and lost.rtt_avg_ms is None and lost.error is None
-    partial = facts.parse_ping("5 packets transmitted, 4 received, 20% packet loss, time 1ms\n"
-                               "rtt min/avg/max/mdev = 0.1/0.2/0.3/0.1 ms")  # fmt: skip
+    partial = facts.parse_ping(
+        "5 packets transmitted, 4 received, 20% packet loss, time 1ms\n"
+        "rtt min/avg/max/mdev = 0.1/0.2/0.3/0.1 ms"
+    )
     assert partial.loss == 20.0 and partial.rtt_avg_ms == 0.2
     broken = facts.parse_ping("sh: 1: ping: not found")
     assert broken.error == "sh: 1: ping: not found"
@@ -103,10 +112,13 @@ def test_parse_getent_keeps_order_and_drops_repeats():
 
 
 def test_parse_route_and_speed():
-    assert facts.parse_route('[{"dst":"1.2.3.4","dev":"eth1","prefsrc":"1.2.3.5"}]') == \
-        facts.Route("eth1", "1.2.3.5")  # fmt: skip
-    assert facts.parse_route("RTNETLINK answers: Network is unreachable").error == \
-        "RTNETLINK answers: Network is unreachable"  # fmt: skip
+    assert facts.parse_route('[{"dst":"1.2.3.4","dev":"eth1","prefsrc":"1.2.3.5"}]') == facts.Route(
+        "eth1", "1.2.3.5"
+    )
+    assert (
+        facts.parse_route("RTNETLINK answers: Network is unreachable").error
+        == "RTNETLINK answers: Network is unreachable"
+    )
     assert facts.parse_speed("10000\n") == 10000
     assert facts.parse_speed("-1") is None and facts.parse_speed("") is None
 
@@ -132,20 +144,26 @@ def test_facts_script_asks_for_everything_with_quoting():
 
 
 def test_names_healthy_pass():
-    found = checks.name_findings([N1, N2], {"node1": healthy_facts(N1), "node2": healthy_facts(N2)},
-                                 "10.9.0.11", N1)  # fmt: skip
+    found = checks.name_findings(
+        [N1, N2], {"node1": healthy_facts(N1), "node2": healthy_facts(N2)}, "10.9.0.11", N1
+    )
     assert [f.status for f in found] == [Status.PASS, Status.PASS]
 
 
 def test_own_name_on_loopback_fails_on_that_node_with_the_fix():
-    bad = healthy_facts(N2, resolved={"node2": ["127.0.1.1", "10.9.0.12"],
-                                      "own hostname": ["127.0.1.1", "10.9.0.12"]})  # fmt: skip
-    found = checks.name_findings([N1, N2], {"node1": healthy_facts(N1), "node2": bad},
-                                 "10.9.0.11", N1)  # fmt: skip
+    bad = healthy_facts(
+        N2,
+        resolved={"node2": ["127.0.1.1", "10.9.0.12"], "own hostname": ["127.0.1.1", "10.9.0.12"]},
+    )
+    found = checks.name_findings(
+        [N1, N2], {"node1": healthy_facts(N1), "node2": bad}, "10.9.0.11", N1
+    )
     (fail,) = only(found, "node2", status=Status.FAIL)
     assert fail.detail == "node2 resolves its own name node2 to 127.0.1.1"
-    assert fail.remedy == ("on node2: in /etc/hosts map node2 to 10.9.0.12, not 127.0.1.1 "
-                           "(change or remove the 127.0.1.1 line)")  # fmt: skip
+    assert fail.remedy == (
+        "on node2: in /etc/hosts map node2 to 10.9.0.12, not 127.0.1.1 "
+        "(change or remove the 127.0.1.1 line)"
+    )
     assert only(found, "node1")[0].status is Status.PASS
 
 
@@ -167,13 +185,16 @@ def test_rendezvous_address_must_resolve_to_the_masters_ip():
     f = healthy_facts(N2, resolved={"master": ["10.9.0.99"]})
     found = checks.name_findings([N1, N2], {"node2": f}, "master", N1)
     (fail,) = found
-    assert fail.detail == ("node2 resolves the rendezvous address master to 10.9.0.99, not "
-                           "node1's compute IP 10.9.0.11")  # fmt: skip
+    assert fail.detail == (
+        "node2 resolves the rendezvous address master to 10.9.0.99, not "
+        "node1's compute IP 10.9.0.11"
+    )
 
 
 def test_hostname_unlike_inventory_name_warns():
-    found = checks.name_findings([N1], {"node1": healthy_facts(N1, hosts=(N1,), hostname="pc7")},
-                                 "10.9.0.11", N1)  # fmt: skip
+    found = checks.name_findings(
+        [N1], {"node1": healthy_facts(N1, hosts=(N1,), hostname="pc7")}, "10.9.0.11", N1
+    )
     (warn,) = found
     assert warn.status is Status.WARN and warn.remedy == "on node1: hostnamectl set-hostname node1"
 
@@ -182,22 +203,31 @@ def test_hostname_unlike_inventory_name_warns():
 
 
 def test_interfaces_healthy_give_exact_socket_env():
-    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1),
-                                                   "node2": healthy_facts(N2)}, N1)  # fmt: skip
+    verdict = checks.interface_findings(
+        [N1, N2], {"node1": healthy_facts(N1), "node2": healthy_facts(N2)}, N1
+    )
     assert [f.status for f in verdict.findings] == [Status.PASS, Status.PASS]
-    assert verdict.env["node2"] == {"NCCL_SOCKET_IFNAME": "=eth1", "GLOO_SOCKET_IFNAME": "eth1",
-                                    "NCCL_IB_DISABLE": "1"}  # fmt: skip
+    assert verdict.env["node2"] == {
+        "NCCL_SOCKET_IFNAME": "=eth1",
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "NCCL_IB_DISABLE": "1",
+    }
     assert verdict.broken == set() and verdict.speeds == {"node1": 10000, "node2": 10000}
 
 
 def test_infiniband_present_leaves_ib_enabled():
-    assert checks.socket_env("ib0", ["mlx5_0"]) == {"NCCL_SOCKET_IFNAME": "=ib0",
-                                                   "GLOO_SOCKET_IFNAME": "ib0"}  # fmt: skip
+    assert checks.socket_env("ib0", ["mlx5_0"]) == {
+        "NCCL_SOCKET_IFNAME": "=ib0",
+        "GLOO_SOCKET_IFNAME": "ib0",
+    }
 
 
 def test_interface_down_fails_once_with_the_command():
-    down = healthy_facts(N2, links=[link("eth1", "10.9.0.12", flags=("BROADCAST",))],
-                         routes={"10.9.0.11": {"dev": "eth0"}})  # fmt: skip
+    down = healthy_facts(
+        N2,
+        links=[link("eth1", "10.9.0.12", flags=("BROADCAST",))],
+        routes={"10.9.0.11": {"dev": "eth0"}},
+    )
     verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": down}, N1)
     (fail,) = only(verdict.findings, "node2")
     assert fail.detail == "node2's eth1 is down"
@@ -227,8 +257,11 @@ def test_missing_interface_points_at_the_one_holding_the_ip():
 
 def test_mtu_mismatch_blames_the_minority_and_the_master_breaks_ties():
     odd = healthy_facts(N2, hosts=(N1, N2, N3), links=[link("eth1", "10.9.0.12", 1400)])
-    trio = {"node1": healthy_facts(N1, hosts=(N1, N2, N3)), "node2": odd,
-            "node3": healthy_facts(N3, hosts=(N1, N2, N3))}  # fmt: skip
+    trio = {
+        "node1": healthy_facts(N1, hosts=(N1, N2, N3)),
+        "node2": odd,
+        "node3": healthy_facts(N3, hosts=(N1, N2, N3)),
+    }
     verdict = checks.interface_findings([N1, N2, N3], trio, N1)
     (fail,) = only(verdict.findings, "node2", status=Status.FAIL)
     assert fail.detail == "node2's eth1 MTU is 1400, not 1500 as on node1, node3"
@@ -273,12 +306,19 @@ def test_a_node_ssh_cannot_reach_is_named_in_its_ping_failure():
 
 
 def test_partial_loss_and_high_rtt():
-    text = ("5 packets transmitted, 4 received, 20% packet loss, time 1ms\n"
-            "rtt min/avg/max/mdev = 0.1/0.2/0.3/0.1 ms")  # fmt: skip
-    found = checks.ping_findings([N1, N2], {"node1": healthy_facts(N1, pings={"node2": text}),
-                                            "node2": healthy_facts(N2, pings={
-                                                "node1": ping_ok("10.9.0.11", 7.5)})},
-                                 set(), SUBNET)  # fmt: skip
+    text = (
+        "5 packets transmitted, 4 received, 20% packet loss, time 1ms\n"
+        "rtt min/avg/max/mdev = 0.1/0.2/0.3/0.1 ms"
+    )
+    found = checks.ping_findings(
+        [N1, N2],
+        {
+            "node1": healthy_facts(N1, pings={"node2": text}),
+            "node2": healthy_facts(N2, pings={"node1": ping_ok("10.9.0.11", 7.5)}),
+        },
+        set(),
+        SUBNET,
+    )
     (loss,) = only(found, "node2", status=Status.FAIL)
     assert loss.detail == "20% packet loss from node1 to node2 (10.9.0.12)"
     (slow,) = only(found, "node2", status=Status.WARN)
@@ -295,31 +335,47 @@ def listening(node, *ports):
 def test_firewalled_high_port_fails_on_the_target():
     listeners = {"node1": listening("node1", 29500, 0), "node2": listening("node2", 29500, 0)}
     connects = {
-        "node1": [{"name": "node2", "port": 29500, "ok": True},
-                  {"name": "node2", "port": 41000, "ok": False, "error": "timed out"}],
-        "node2": [{"name": "node1", "port": 29500, "ok": True},
-                  {"name": "node1", "port": 41000, "ok": True}],
-    }  # fmt: skip
+        "node1": [
+            {"name": "node2", "port": 29500, "ok": True},
+            {"name": "node2", "port": 41000, "ok": False, "error": "timed out"},
+        ],
+        "node2": [
+            {"name": "node1", "port": 29500, "ok": True},
+            {"name": "node1", "port": 41000, "ok": True},
+        ],
+    }
     found = checks.port_findings([N1, N2], N1, 29500, listeners, connects, set(), SUBNET)
     (fail,) = only(found, "node2")
     assert fail.status is Status.FAIL
     assert fail.detail == "node1 cannot connect to node2:41000 (random high port, timed out)"
-    assert fail.remedy == ("on node2: allow TCP on all ports from 10.9.0.0/24 in the firewall "
-                           "(e.g. ufw allow from 10.9.0.0/24); NCCL and gloo use random high ports")  # fmt: skip
+    assert fail.remedy == (
+        "on node2: allow TCP on all ports from 10.9.0.0/24 in the firewall "
+        "(e.g. ufw allow from 10.9.0.0/24); NCCL and gloo use random high ports"
+    )
     assert only(found, "node1")[0].status is Status.PASS
 
 
 def test_rendezvous_port_in_use_on_the_master_names_the_process():
-    held = {"requested": 29500, "ok": False, "error": "Address already in use", "in_use": True,
-            "holders": [{"pid": 77, "name": "python3", "command": "python3 train.py"}]}  # fmt: skip
-    listeners = {"node1": checks.Listening("node1", [held, {"requested": 0, "ok": True, "port": 41000}]),
-                 "node2": listening("node2", 29500, 0)}  # fmt: skip
+    held = {
+        "requested": 29500,
+        "ok": False,
+        "error": "Address already in use",
+        "in_use": True,
+        "holders": [{"pid": 77, "name": "python3", "command": "python3 train.py"}],
+    }
+    listeners = {
+        "node1": checks.Listening("node1", [held, {"requested": 0, "ok": True, "port": 41000}]),
+        "node2": listening("node2", 29500, 0),
+    }
     found = checks.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
     (fail,) = only(found, "node1")
-    assert fail.detail == ("rendezvous port 29500 on the master node1 is in use: used by python3 "
-                           "(pid 77: python3 train.py)")  # fmt: skip
-    assert fail.remedy == ("on node1: stop it (kill 77), or set rendezvous_port to a free port in "
-                           "the inventory")  # fmt: skip
+    assert fail.detail == (
+        "rendezvous port 29500 on the master node1 is in use: used by python3 "
+        "(pid 77: python3 train.py)"
+    )
+    assert fail.remedy == (
+        "on node1: stop it (kill 77), or set rendezvous_port to a free port in the inventory"
+    )
     # On a worker the same is only a warning: just the master listens there.
     listeners = {"node1": listening("node1", 29500, 0), "node2": checks.Listening("node2", [held])}
     found = checks.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
@@ -330,9 +386,19 @@ def test_rendezvous_port_in_use_on_the_master_names_the_process():
 
 
 def probe(**change):
-    base = {"python": "3.11.2", "torch": "2.14.1", "cuda": "13.0", "nccl": "2.30.7", "gloo": True,
-            "netcheck": True, "gpus": 0, "shm_bytes": 64 << 20, "memlock_bytes": 8 << 20,
-            "cuda_available": False, "nccl_backend": True}  # fmt: skip
+    base = {
+        "python": "3.11.2",
+        "torch": "2.14.1",
+        "cuda": "13.0",
+        "nccl": "2.30.7",
+        "gloo": True,
+        "netcheck": True,
+        "gpus": 0,
+        "shm_bytes": 64 << 20,
+        "memlock_bytes": 8 << 20,
+        "cuda_available": False,
+        "nccl_backend": True,
+    }
     base.update(change)
     return base
 
@@ -353,9 +419,11 @@ def test_a_torch_older_than_the_minimum_fails_on_every_node_that_has_it():
     # NVIDIA's pytorch:25.12 image carries 2.10.0a0: the same on every node is no excuse.
     old = "2.10.0a0+b558c986e8.nv25.12"
     found = checks.software_findings(
-        [N1, N2], {"node1": probe(torch=old), "node2": probe(torch=old)}, N1,
+        [N1, N2],
+        {"node1": probe(torch=old), "node2": probe(torch=old)},
+        N1,
         ContainerContext("train:1"),
-    )  # fmt: skip
+    )
     for node in ("node1", "node2"):
         (fail,) = only(found, node)
         assert fail.detail == (
@@ -370,9 +438,10 @@ def test_a_torch_older_than_the_minimum_fails_on_every_node_that_has_it():
 def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
     gpu = {"cuda_available": True, "gpus": 0}  # the GPU count is not what this test is about
     found = checks.software_findings(
-        [N1, N2], {"node1": probe(driver="570.172.08", **gpu), "node2": probe(driver="580.95.05",
-                                                                             **gpu)}, N1,
-    )  # fmt: skip
+        [N1, N2],
+        {"node1": probe(driver="570.172.08", **gpu), "node2": probe(driver="580.95.05", **gpu)},
+        N1,
+    )
     (fail,) = only(found, "node1")
     assert fail.detail == (
         "NVIDIA driver 570.172.08 on node1 is older than torch's CUDA 13.0 needs (branch 580 or "
@@ -391,18 +460,27 @@ def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
 
 def test_gpu_count_shm_and_missing_torch():
     found = checks.software_findings(
-        [N1, N2], {"node1": probe(gpus=1, shm_bytes=32 << 20),
-                   "node2": "exit 125: Unable to find image 'train:1' locally"}, N1,
+        [N1, N2],
+        {
+            "node1": probe(gpus=1, shm_bytes=32 << 20),
+            "node2": "exit 125: Unable to find image 'train:1' locally",
+        },
+        N1,
         ContainerContext("train:1"),
-    )  # fmt: skip
+    )
     details = [f.detail for f in only(found, "node1")]
-    assert details == ["torch sees 1 GPU(s) on node1, the inventory says 0",
-                       "/dev/shm is 32 MiB (container mode), below 64 MiB"]  # fmt: skip
+    assert details == [
+        "torch sees 1 GPU(s) on node1, the inventory says 0",
+        "/dev/shm is 32 MiB (container mode), below 64 MiB",
+    ]
     (fail,) = only(found, "node2")
-    assert fail.detail == ("the training image train:1 did not answer: exit 125: Unable to find "
-                           "image 'train:1' locally")  # fmt: skip
-    assert fail.remedy == ("on node2: check that docker runs the training image train:1 there "
-                           "(docker image ls)")  # fmt: skip
+    assert fail.detail == (
+        "the training image train:1 did not answer: exit 125: Unable to find "
+        "image 'train:1' locally"
+    )
+    assert fail.remedy == (
+        "on node2: check that docker runs the training image train:1 there (docker image ls)"
+    )
 
 
 def test_backend_is_nccl_only_when_every_rank_has_usable_gpus():
@@ -418,11 +496,18 @@ def test_backend_is_nccl_only_when_every_rank_has_usable_gpus():
 
 def test_collective_mismatch_and_timeouts_name_the_failing_node():
     results = {
-        "node1": {"rank": 0, "ok": False, "error": "all_reduce of 1024 bytes did not finish within 30 s"},
+        "node1": {
+            "rank": 0,
+            "ok": False,
+            "error": "all_reduce of 1024 bytes did not finish within 30 s",
+        },
         "node2": "exit 1: /usr/bin/python3: No module named netcheck.collective",
-        "node3": {"rank": 2, "ok": False, "results": [
-            {"op": "broadcast", "bytes": 1024, "seconds": 0.1, "mismatches": 3}]},
-    }  # fmt: skip
+        "node3": {
+            "rank": 2,
+            "ok": False,
+            "results": [{"op": "broadcast", "bytes": 1024, "seconds": 0.1, "mismatches": 3}],
+        },
+    }
     rerun = {n: f"rerun-{n}" for n in results}
     stacks = {"node1": probe(), "node2": results["node2"], "node3": probe()}
     found = checks.collective_findings([N1, N2, N3], results, "gloo", rerun, stacks)
@@ -430,8 +515,9 @@ def test_collective_mismatch_and_timeouts_name_the_failing_node():
     assert by_node["node1"].detail.endswith("(waiting for node2, node3, which failed)")
     assert by_node["node1"].remedy == "on node2: fix the failure reported there"
     assert by_node["node2"].remedy == "on node2: run it by hand to see the whole error: rerun-node2"
-    assert by_node["node2"].detail == ("the worker failed: exit 1: /usr/bin/python3: No module "
-                                       "named netcheck.collective")  # fmt: skip
+    assert by_node["node2"].detail == (
+        "the worker failed: exit 1: /usr/bin/python3: No module named netcheck.collective"
+    )
     assert by_node["node3"].detail == "broadcast of 1024 bytes gave 3 wrong value(s) on node3"
     # A worker that cannot import torch points at the software check.
     found = checks.collective_findings(
@@ -450,17 +536,25 @@ def test_collective_mismatch_and_timeouts_name_the_failing_node():
 def test_busbw_far_below_raw_tcp_warns_and_slow_sender_is_named():
     measured = [Measurement("all_reduce", 64 << 20, 1.0, 0.067, 0.05)]
     ring = [Link("node1", "node2", 1 << 27, 1.0), Link("node2", "node1", 1 << 27, 1.0)]
-    pairwise = [Link("node1", "node2", 1 << 26, 0.1), Link("node2", "node1", 1 << 26, 0.1),
-                Link("node1", "node3", 1 << 26, 0.1), Link("node3", "node1", 1 << 26, 1.0),
-                Link("node2", "node3", 1 << 26, 0.1), Link("node3", "node2", 1 << 26, 1.0)]  # fmt: skip
+    pairwise = [
+        Link("node1", "node2", 1 << 26, 0.1),
+        Link("node2", "node1", 1 << 26, 0.1),
+        Link("node1", "node3", 1 << 26, 0.1),
+        Link("node3", "node1", 1 << 26, 1.0),
+        Link("node2", "node3", 1 << 26, 0.1),
+        Link("node3", "node2", 1 << 26, 1.0),
+    ]
     found = checks.bandwidth_findings([N1, N2, N3], N1, measured, ring, pairwise, {})
     (ratio,) = only(found, "node1", status=Status.WARN)
     assert ratio.detail == "all_reduce busbw 0.050 GB/s at 64 MiB is 37% of raw TCP 0.134 GB/s"
     slow = only(found, "node3", status=Status.WARN)
-    assert [f.detail.split(":")[0] for f in slow] == ["slow link node3 -> node1",
-                                                      "slow link node3 -> node2"]  # fmt: skip
-    assert all("(node3 is slow sending)" in f.detail and f.remedy.startswith("on node3:")
-               for f in slow)  # fmt: skip
+    assert [f.detail.split(":")[0] for f in slow] == [
+        "slow link node3 -> node1",
+        "slow link node3 -> node2",
+    ]
+    assert all(
+        "(node3 is slow sending)" in f.detail and f.remedy.startswith("on node3:") for f in slow
+    )
     assert only(found, "node2")[0].status is Status.PASS
 
 
@@ -492,8 +586,11 @@ def test_report_cells_exit_code_and_json_shape():
         "software",
         "collective",
     ]
-    assert data["results"]["node2"]["ports"] == {"status": "FAIL", "detail": "fine; blocked; meh",
-                                                 "remedies": ["on node2: open it"]}  # fmt: skip
+    assert data["results"]["node2"]["ports"] == {
+        "status": "FAIL",
+        "detail": "fine; blocked; meh",
+        "remedies": ["on node2: open it"],
+    }
     assert data["counts"] == {"PASS": 14, "WARN": 1, "FAIL": 1, "SKIP": 0}
 
 
@@ -512,25 +609,36 @@ def test_render_table_and_problems():
 
 
 def test_env_file_round_trip_and_errors(tmp_path):
-    env = {"node1": {"NCCL_SOCKET_IFNAME": "=eth1", "GLOO_SOCKET_IFNAME": "eth1",
-                     "NCCL_IB_DISABLE": "1"}}  # fmt: skip
+    env = {
+        "node1": {
+            "NCCL_SOCKET_IFNAME": "=eth1",
+            "GLOO_SOCKET_IFNAME": "eth1",
+            "NCCL_IB_DISABLE": "1",
+        }
+    }
     path = envfile.write(tmp_path / "netcheck-env.json", env)
     assert envfile.load(path) == env
     assert set(json.loads(path.read_text())) == {"nodes", "written_at"}
     assert envfile.default_path(tmp_path / "inv.yml") == tmp_path / "netcheck-env.json"
     with pytest.raises(ClusterError) as missing:
         envfile.load(tmp_path / "nope.json")
-    assert missing.value.line() == (f"Error: the netcheck env file {tmp_path / 'nope.json'} does "
-                                    "not exist (try 'make netcheck' first: it writes the file "
-                                    "next to the inventory)")  # fmt: skip
+    assert missing.value.line() == (
+        f"Error: the netcheck env file {tmp_path / 'nope.json'} does "
+        "not exist (try 'make netcheck' first: it writes the file "
+        "next to the inventory)"
+    )
     (tmp_path / "bad.json").write_text('{"nodes": {"node1": {"X": 1}}}')
     with pytest.raises(ClusterError, match="no valid 'nodes' mapping"):
         envfile.load(tmp_path / "bad.json")
 
 
 def test_ubuntu_style_loopback_hostname_fails_once_and_warns_about_the_name():
-    f = healthy_facts(N1, hosts=(N1,), hostname="pc7",
-                      resolved={"own hostname": ["127.0.1.1"], "own FQDN": ["127.0.1.1"]})  # fmt: skip
+    f = healthy_facts(
+        N1,
+        hosts=(N1,),
+        hostname="pc7",
+        resolved={"own hostname": ["127.0.1.1"], "own FQDN": ["127.0.1.1"]},
+    )
     found = checks.name_findings([N1], {"node1": f}, "10.9.0.11", N1)
     assert [(x.status, x.detail) for x in found] == [
         (Status.FAIL, "node1's own hostname 'pc7' resolves to 127.0.1.1"),
@@ -543,8 +651,9 @@ def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
     from netcheck import preflight
 
     env = checks.socket_env("eth1", [])
-    command = preflight.worker_command(N2, 1, [N1, N2], 45555, (1024,), 30.0, env, N2.python,
-                                       "netcheck-abc")  # fmt: skip
+    command = preflight.worker_command(
+        N2, 1, [N1, N2], 45555, (1024,), 30.0, env, N2.python, "netcheck-abc"
+    )
     assert command == (
         "env GLOO_SOCKET_IFNAME=eth1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME==eth1 "
         "/opt/venv/bin/python -m netcheck.collective --rank 1 --world-size 2 --master-addr "
@@ -556,5 +665,7 @@ def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
     )
     wrapped = preflight.wall_clock(command, 150, "/tmp/netcheck-abc-collective.pid")
     assert wrapped.startswith("timeout -k 5 150 env ")
-    assert wrapped.endswith("& echo $! > /tmp/netcheck-abc-collective.pid; wait $!; rc=$?; "
-                            "rm -f /tmp/netcheck-abc-collective.pid; exit $rc")  # fmt: skip
+    assert wrapped.endswith(
+        "& echo $! > /tmp/netcheck-abc-collective.pid; wait $!; rc=$?; "
+        "rm -f /tmp/netcheck-abc-collective.pid; exit $rc"
+    )

@@ -24,14 +24,38 @@ from cluster import sim
 LOOPBACK = "127.0.0.1"
 # Small enough for two cores, and the same everywhere so runs can be compared.
 TINY = (
-    "--model", "tiny", "--image-size", "16", "--train-samples", "256", "--val-samples", "128",
-    "--global-batch-size", "32", "--workers", "0", "--lr", "0.2", "--warmup-steps", "1",
-    "--schedule", "constant", "--log-every", "4", "--no-tensorboard",
-)  # fmt: skip
+    "--model",
+    "tiny",
+    "--image-size",
+    "16",
+    "--train-samples",
+    "256",
+    "--val-samples",
+    "128",
+    "--global-batch-size",
+    "32",
+    "--workers",
+    "0",
+    "--lr",
+    "0.2",
+    "--warmup-steps",
+    "1",
+    "--schedule",
+    "constant",
+    "--log-every",
+    "4",
+    "--no-tensorboard",
+)
 _TORCHRUN_VARIABLES = {
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "GROUP_RANK", "TORCHELASTIC_RUN_ID",
-}  # fmt: skip
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+}
 
 
 @dataclass(frozen=True)
@@ -171,12 +195,21 @@ def torchrun_command(
     run_id: str = "test",
 ) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={LOOPBACK}:{port or free_port()}", f"--rdzv-id={run_id}",
-        f"--local-addr={LOOPBACK}", "--max-restarts=0", "--monitor-interval=0.5",
-        "-m", module, *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={LOOPBACK}:{port or free_port()}",
+        f"--rdzv-id={run_id}",
+        f"--local-addr={LOOPBACK}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 @pytest.fixture
@@ -256,8 +289,9 @@ def reference_ddp(tmp_path_factory) -> ReferenceRun:
 def reference_run(directory: Path) -> ReferenceRun:
     """The run behind `reference_ddp`, in `directory`."""
     out = directory / "model.pt"
-    command = torchrun_command("training.ddp", *TINY, "--steps", str(REFERENCE_STEPS),
-                               "--out", str(out))  # fmt: skip
+    command = torchrun_command(
+        "training.ddp", *TINY, "--steps", str(REFERENCE_STEPS), "--out", str(out)
+    )
     finished = run_command(command, directory, None, 180)
     assert finished.returncode == 0, finished.explain()
     return ReferenceRun(finished, load_state(out))

@@ -78,7 +78,10 @@ def test_a_wrong_value_fails_every_rank_loudly(torchrun):
 def test_one_process_is_not_enough(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code, _, err = run_main(comm_demo.main, [], capsys)
-    assert (code, err) == (2, (
-        "Error: comm_demo needs at least 2 processes (try python -m torch.distributed.run "
-        "--nproc-per-node 2 -m training.comm_demo)\n"
-    ))  # fmt: skip
+    assert (code, err) == (
+        2,
+        (
+            "Error: comm_demo needs at least 2 processes (try python -m torch.distributed.run "
+            "--nproc-per-node 2 -m training.comm_demo)\n"
+        ),
+    )

@@ -30,8 +30,9 @@ def one_process(config: TrainConfig, steps: int) -> torch.nn.Module:
     optim = config.optim
     # A constant learning rate, so it can be written out.
     assert (optim.warmup_steps, optim.schedule) == (1, "constant")
-    optimizer = torch.optim.SGD(model.parameters(), lr=optim.lr, momentum=optim.momentum,
-                                weight_decay=optim.weight_decay)  # fmt: skip
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
+    )
     per_rank = optim.global_batch_size // WORLD_SIZE
     samplers = [
         DistributedSampler(splits.train, num_replicas=WORLD_SIZE, rank=rank, seed=seed)

@@ -36,10 +36,22 @@ def test_ddp_options_profiler_and_metrics(torchrun, tmp_path, reference_ddp):
     run_dir = tmp_path / "run"
     arguments = [a for a in TINY if a != "--no-tensorboard"]
     run = torchrun(
-        "training.ddp", *arguments, "--steps", str(REFERENCE_STEPS), "--comm-hook", "powersgd",
-        "--powersgd-start-step", "2", "--static-graph", "--gradient-as-bucket-view",
-        "--bucket-cap-mb", "1", "--profile", "--run-dir", str(run_dir),
-    )  # fmt: skip
+        "training.ddp",
+        *arguments,
+        "--steps",
+        str(REFERENCE_STEPS),
+        "--comm-hook",
+        "powersgd",
+        "--powersgd-start-step",
+        "2",
+        "--static-graph",
+        "--gradient-as-bucket-view",
+        "--bucket-cap-mb",
+        "1",
+        "--profile",
+        "--run-dir",
+        str(run_dir),
+    )
     assert run.returncode == 0, run.explain()
     digests = run.digests()
     assert sorted(digests) == [0, 1] and digests[0] == digests[1]

@@ -18,9 +18,24 @@ def test_without_two_gpus_it_says_so_and_exits_69(python_module):
 
 
 def test_the_comparison_runs_on_cpu_processes(python_module):
-    run = python_module("training.dp_vs_ddp", "--cpu", "2", "--model", "tiny", "--image-size",
-                        "16", "--batch-size", "4", "--num-classes", "10", "--steps", "2",
-                        "--warmup", "1", env=NO_GPUS)  # fmt: skip
+    run = python_module(
+        "training.dp_vs_ddp",
+        "--cpu",
+        "2",
+        "--model",
+        "tiny",
+        "--image-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--num-classes",
+        "10",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        env=NO_GPUS,
+    )
     assert run.returncode == 0, run.explain()
     lines = run.stdout.splitlines()
     assert (

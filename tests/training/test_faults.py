@@ -72,8 +72,13 @@ def _probe_with(tmp_path, fake_ping: str | None) -> str:
         (tmp_path / "ping").write_text(f"#!/bin/sh\n{fake_ping}\n")
         (tmp_path / "ping").chmod(0o755)
     command = link_probe_command("192.0.2.1", wait=1)
-    return subprocess.run([str(tmp_path / "sh"), "-c", command], capture_output=True, text=True,
-                          check=True, env={"PATH": str(tmp_path)}).stdout  # fmt: skip
+    return subprocess.run(
+        [str(tmp_path / "sh"), "-c", command],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": str(tmp_path)},
+    ).stdout
 
 
 def test_the_link_probe_tells_up_from_down_and_from_unknown(tmp_path):
@@ -100,8 +105,10 @@ def start(sim2):
     def launch(*args: str) -> subprocess.Popen:
         process = subprocess.Popen(
             [str(VENV_BIN / "train"), "-i", str(sim2.config.inventory_path), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         started.append(process)
         return process
 
@@ -210,15 +217,20 @@ def test_node_killed_while_writing_a_checkpoint_loses_nothing_but_the_steps_sinc
         sim.up(2, None, sim2.config)  # node2 is back, its disk as it was
     # The partial step 8 never got its name; step 4 is intact and loads.
     assert _files(sim2, 2, checkpoint_dir) == written
-    sim.docker("cp", f"{sim2.config.container(2)}:{checkpoint_dir}/{file_name(4, 1)}",
-               str(tmp_path / "step4.pt"))  # fmt: skip
+    sim.docker(
+        "cp",
+        f"{sim2.config.container(2)}:{checkpoint_dir}/{file_name(4, 1)}",
+        str(tmp_path / "step4.pt"),
+    )
     assert load_state(tmp_path / "step4.pt")["position"]["step"] == 4
 
     out = f"/shared/{uuid.uuid4().hex}/model.pt"
     rerun = _train(sim2, *common, "--out", out)
     assert rerun.returncode == 0, rerun.stdout[-3000:]
-    assert ("[node1] resuming from step 4, the newest step every rank has (rank 0 has 4, 8; "
-            "rank 1 has 4)") in rerun.stdout.splitlines()  # fmt: skip
+    assert (
+        "[node1] resuming from step 4, the newest step every rank has (rank 0 has 4, 8; "
+        "rank 1 has 4)"
+    ) in rerun.stdout.splitlines()
     assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun.stdout
     # Lost: steps 5-8 had to be trained again; the result is the uninterrupted run's.
     assert (
@@ -233,9 +245,23 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
 ):
     # The master holds the rendezvous and the port lock: the harder node to lose.
     out = f"/shared/{uuid.uuid4().hex}/model.pt"
-    process = start("--restarts", "1", "--restart-wait", "120",
-                    "--", *TINY, *CHECKPOINTING, "--checkpoint-dir", checkpoint_dir,
-                    "--log-every", "1", "--step-delay", "0.3", "--out", out)  # fmt: skip
+    process = start(
+        "--restarts",
+        "1",
+        "--restart-wait",
+        "120",
+        "--",
+        *TINY,
+        *CHECKPOINTING,
+        "--checkpoint-dir",
+        checkpoint_dir,
+        "--log-every",
+        "1",
+        "--step-delay",
+        "0.3",
+        "--out",
+        out,
+    )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))  # step 8 saved on both nodes
     first = _run_id(seen)
     output = kill_node(process, sim2.config.container(1))
@@ -249,8 +275,11 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
     output.end(timeout=300)
     rest = output.text[output.text.index(restarting) :]
     assert process.returncode == 0, output.stamped[-4000:]
-    assert re.search(rf"\[launcher\] job {first}-r1: every node answers \(waited \d+ s\); "
-                     r"restart 1 of 1", rest)  # fmt: skip
+    assert re.search(
+        rf"\[launcher\] job {first}-r1: every node answers \(waited \d+ s\); "
+        r"restart 1 of 1",
+        rest,
+    )
     resumed = re.findall(r"\[node1\] resuming from step (\d+)", rest)
     assert resumed == ["8"], rest[-3000:]
     assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
@@ -267,8 +296,18 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
 
 @pytest.mark.sim
 def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost_node(sim2, start):
-    process = start("--", *TINY, "--steps", "100000", "--log-every", "1",
-                    "--step-delay", "0.2", "--collective-timeout", "10")  # fmt: skip
+    process = start(
+        "--",
+        *TINY,
+        "--steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--step-delay",
+        "0.2",
+        "--collective-timeout",
+        "10",
+    )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +3/"))
     run_id = _run_id(seen)
     with _partitioned(sim2, 2):
@@ -293,8 +332,7 @@ def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost
 @pytest.mark.sim
 def test_a_partition_stops_any_script_within_the_launchers_network_timeout(sim2, start):
     # This script's collectives wait 10 min: only the launcher's own check ends the job.
-    process = start("--network-timeout", "8", "--script",
-                    str(SCRIPTS / "endless_allreduce.py"))  # fmt: skip
+    process = start("--network-timeout", "8", "--script", str(SCRIPTS / "endless_allreduce.py"))
     seen = _wait_for(process, "rank 1 step 10")
     run_id = _run_id(seen)
     with _partitioned(sim2, 2):
@@ -354,10 +392,18 @@ def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
 def test_ctrl_c_during_a_checkpoint_write_leaves_no_process_or_port_and_the_previous_checkpoint(
     sim2, start, checkpoint_dir
 ):
-    process = start("--", *TINY, *CHECKPOINTING, "--checkpoint-dir", checkpoint_dir,
-                    "--checkpoint-pause-step", "8")  # fmt: skip
-    seen = _wait_for(process, "[node1] [rank 0] checkpoint step 8: ",
-                     "[node2] [rank 1] checkpoint step 8: ")  # fmt: skip
+    process = start(
+        "--",
+        *TINY,
+        *CHECKPOINTING,
+        "--checkpoint-dir",
+        checkpoint_dir,
+        "--checkpoint-pause-step",
+        "8",
+    )
+    seen = _wait_for(
+        process, "[node1] [rank 0] checkpoint step 8: ", "[node2] [rank 1] checkpoint step 8: "
+    )
     rest, took = _interrupt(process)
     assert process.returncode == 130, rest
     assert took < 10, f"the launcher took {took:.1f} s to end"
@@ -375,11 +421,21 @@ def test_a_full_or_read_only_checkpoint_dir_is_one_error_line_and_the_last_check
     sim2, checkpoint_dir, reference_ddp, tmp_path
 ):
     # node2's checkpoint directory is a small filesystem of its own; node1's is plain disk.
-    _on_node(sim2, 2, f"mkdir -p {checkpoint_dir} && mount -t tmpfs -o size=512k tmpfs "
-                      f"{checkpoint_dir}")  # fmt: skip
+    _on_node(
+        sim2, 2, f"mkdir -p {checkpoint_dir} && mount -t tmpfs -o size=512k tmpfs {checkpoint_dir}"
+    )
     common = ["--", *TINY, *CHECKPOINTING, "--checkpoint-dir", checkpoint_dir]
-    first = _train(sim2, "--", *TINY, "--steps", "4", "--checkpoint-every", "4",
-                   "--checkpoint-dir", checkpoint_dir)  # fmt: skip
+    first = _train(
+        sim2,
+        "--",
+        *TINY,
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-dir",
+        checkpoint_dir,
+    )
     assert first.returncode == 0, first.stdout[-3000:]
     assert _files(sim2, 2, checkpoint_dir) == [file_name(4, 1)]
 
@@ -387,9 +443,11 @@ def test_a_full_or_read_only_checkpoint_dir_is_one_error_line_and_the_last_check
     _on_node(sim2, 2, f"dd if=/dev/zero of={checkpoint_dir}/filler bs=4k 2>/dev/null", check=False)
     full = _train(sim2, *common)
     assert full.returncode == 1
-    error = (f"Error: cannot write checkpoint step 8 to {checkpoint_dir}: No space left on "
-             "device; step 4 is kept (try freeing space there, a smaller --keep, or a "
-             "--checkpoint-dir with more room)")  # fmt: skip
+    error = (
+        f"Error: cannot write checkpoint step 8 to {checkpoint_dir}: No space left on "
+        "device; step 4 is kept (try freeing space there, a smaller --keep, or a "
+        "--checkpoint-dir with more room)"
+    )
     assert f"[node2] {error}" in full.stdout.splitlines()
     summary = _summary(full.stdout)
     assert summary[0].startswith("Job ") and " FAILED on node2 after " in summary[0]
@@ -400,8 +458,10 @@ def test_a_full_or_read_only_checkpoint_dir_is_one_error_line_and_the_last_check
     _on_node(sim2, 2, f"rm {checkpoint_dir}/filler && mount -o remount,ro {checkpoint_dir}")
     read_only = _train(sim2, *common)
     assert read_only.returncode == 1
-    error = (f"Error: cannot write checkpoints to {checkpoint_dir}: Read-only file system (try a "
-             "writable --checkpoint-dir)")  # fmt: skip
+    error = (
+        f"Error: cannot write checkpoints to {checkpoint_dir}: Read-only file system (try a "
+        "writable --checkpoint-dir)"
+    )
     assert f"[node2] {error}" in read_only.stdout.splitlines()
     assert " FAILED on node2 after " in _summary(read_only.stdout)[0]
     assert not re.search(r"\] step +\d+/", read_only.stdout)  # not one step was trained
@@ -420,8 +480,19 @@ def test_a_full_or_read_only_checkpoint_dir_is_one_error_line_and_the_last_check
 @pytest.mark.sim
 def test_a_slow_node_is_named_with_its_step_time(sim2):
     # Rank 1 (on node2: c10d ranks nodes by compute IP) sleeps 0.5 s after each step.
-    proc = _train(sim2, "--", *TINY, "--steps", "12", "--log-every", "4", "--step-delay", "0.5",
-                  "--step-delay-rank", "1")  # fmt: skip
+    proc = _train(
+        sim2,
+        "--",
+        *TINY,
+        "--steps",
+        "12",
+        "--log-every",
+        "4",
+        "--step-delay",
+        "0.5",
+        "--step-delay-rank",
+        "1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     warnings = [line for line in proc.stdout.splitlines() if " is slow: " in line]
     pattern = re.compile(

@@ -237,9 +237,16 @@ BENCH_KEYS = {"lever", "rep", "seconds_per_step", "samples_per_second", "world_s
 
 def test_bench_scaling_emits_a_row_per_lever_on_two_ranks(torchrun):
     run = torchrun(
-        "training.bench_scaling", "--image-size", "16", "--batch", "4", "--reps", "1",
-        "--measure", "1",
-    )  # fmt: skip
+        "training.bench_scaling",
+        "--image-size",
+        "16",
+        "--batch",
+        "4",
+        "--reps",
+        "1",
+        "--measure",
+        "1",
+    )
     assert run.returncode == 0, run.explain()
     found = rows(run.stdout, "BENCH ")
     selection = [row for row in found if row["lever"] == "auto-selection"]
@@ -260,9 +267,17 @@ def test_bench_scaling_emits_a_row_per_lever_on_two_ranks(torchrun):
 
 def test_bench_scaling_on_one_rank_is_a_baseline_without_ddp(torchrun):
     run = torchrun(
-        "training.bench_scaling", "--image-size", "16", "--batch", "4", "--reps", "2",
-        "--measure", "1", nproc=1,
-    )  # fmt: skip
+        "training.bench_scaling",
+        "--image-size",
+        "16",
+        "--batch",
+        "4",
+        "--reps",
+        "2",
+        "--measure",
+        "1",
+        nproc=1,
+    )
     assert run.returncode == 0, run.explain()
     found = rows(run.stdout, "BENCH ")
     assert [(row["lever"], row["rep"]) for row in found] == [("baseline", 1), ("baseline", 2)]

@@ -34,8 +34,9 @@ def test_the_two_stage_model_equals_the_unsplit_one(reference, training):
 def test_the_pipelined_model_equals_the_unsplit_one_in_eval(reference):
     model, images = reference
     # Micro-batches of 2 and then 1: the last one is short.
-    pipelined = PipelinedModelParallelResNet50(split_size=2, devices=CPU2,
-                                               base=copy.deepcopy(model)).eval()  # fmt: skip
+    pipelined = PipelinedModelParallelResNet50(
+        split_size=2, devices=CPU2, base=copy.deepcopy(model)
+    ).eval()
     with torch.no_grad():
         assert torch.allclose(pipelined(images), copy.deepcopy(model).eval()(images), atol=1e-5)
     # Weights are moved, not copied: both stages hold exactly the base model's tensors.
@@ -45,8 +46,17 @@ def test_the_pipelined_model_equals_the_unsplit_one_in_eval(reference):
 
 
 def test_ddp_over_two_two_stage_replicas_keeps_them_equal(torchrun):
-    run = torchrun("training.model_parallel", "--batch-size", "4", "--image-size", "32",
-                   "--steps", "2", "--split-size", "2")  # fmt: skip
+    run = torchrun(
+        "training.model_parallel",
+        "--batch-size",
+        "4",
+        "--image-size",
+        "32",
+        "--steps",
+        "2",
+        "--split-size",
+        "2",
+    )
     assert run.returncode == 0, run.explain()
     assert run.lines("stages   ") == [
         "stages   conv1..layer2 on cpu, layer3..fc on cpu (pipelined, micro-batches of 2)"

@@ -67,9 +67,22 @@ def test_communication_demos_pass_on_two_nodes_of_two_processes(sim2):
 
 def test_pipeline_stages_on_two_nodes_match_the_unsplit_model(sim2, tmp_path):
     directory = f"/shared/{uuid.uuid4().hex}"
-    proc = _train(sim2, "--module", "training.pipeline", "--", "--schedule", "1f1b",
-                  "--microbatches", "2", "--steps", str(STEPS), "--batch-size", str(BATCH),
-                  "--out-dir", directory)  # fmt: skip
+    proc = _train(
+        sim2,
+        "--module",
+        "training.pipeline",
+        "--",
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(BATCH),
+        "--out-dir",
+        directory,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "[node1] pipeline  2 stages: blocks 0-2 on rank 0, blocks 3-4 on rank 1" in proc.stdout
     losses, parameters, gradients = unsplit_pipeline()
@@ -90,13 +103,30 @@ def test_node_killed_mid_run_then_rerun_resumes_to_the_uninterrupted_result(
     sim2, reference_ddp, tmp_path
 ):
     checkpoints = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"  # each node's own disk
-    common = ["--", *TINY, "--steps", str(REFERENCE_STEPS), *CHECKPOINTING,
-              "--checkpoint-dir", checkpoints]  # fmt: skip
+    common = [
+        "--",
+        *TINY,
+        "--steps",
+        str(REFERENCE_STEPS),
+        *CHECKPOINTING,
+        "--checkpoint-dir",
+        checkpoints,
+    ]
     process = subprocess.Popen(
-        [str(VENV_BIN / "train"), "-i", str(sim2.config.inventory_path), *common,
-         "--log-every", "1", "--step-delay", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            str(VENV_BIN / "train"),
+            "-i",
+            str(sim2.config.inventory_path),
+            *common,
+            "--log-every",
+            "1",
+            "--step-delay",
+            "0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen, last_step = [], 0
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -118,9 +148,15 @@ def test_node_killed_mid_run_then_rerun_resumes_to_the_uninterrupted_result(
         assert process.returncode == 1
         assert "FAILED on node2" in rest
         run_id = "".join(seen).split("[launcher] job ", 1)[1].split(":", 1)[0]
-        left = sim.docker("exec", sim2.config.container(1), "sh", "-c",
-                          f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self; "
-                          "ss -ltnH 'sport = :29500'", check=False).stdout  # fmt: skip
+        left = sim.docker(
+            "exec",
+            sim2.config.container(1),
+            "sh",
+            "-c",
+            f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self; "
+            "ss -ltnH 'sport = :29500'",
+            check=False,
+        ).stdout
         assert left.strip() == ""
     finally:
         sim.up(2, None, sim2.config)  # node2 is back, its disk as it was

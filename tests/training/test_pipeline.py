@@ -17,8 +17,9 @@ def one_process():
     """The whole model in one process: losses per step, final parameters, last gradients."""
     model = pipeline.build_model(CLASSES, WIDTH, SEED)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    dataset = SyntheticImages(split="train", size=4 * BATCH, num_classes=CLASSES,
-                              image_size=SIZE, noise=1.0, seed=SEED)  # fmt: skip
+    dataset = SyntheticImages(
+        split="train", size=4 * BATCH, num_classes=CLASSES, image_size=SIZE, noise=1.0, seed=SEED
+    )
     losses = []
     for images, labels in pipeline.batches(dataset, BATCH, STEPS):
         optimizer.zero_grad()
@@ -33,9 +34,18 @@ def one_process():
 @pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 2)])
 def test_two_stages_match_the_unsplit_model(torchrun, tmp_path, schedule, microbatches):
     run = torchrun(
-        "training.pipeline", "--schedule", schedule, "--microbatches", str(microbatches),
-        "--steps", str(STEPS), "--batch-size", str(BATCH), "--out-dir", str(tmp_path),
-    )  # fmt: skip
+        "training.pipeline",
+        "--schedule",
+        schedule,
+        "--microbatches",
+        str(microbatches),
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(BATCH),
+        "--out-dir",
+        str(tmp_path),
+    )
     assert run.returncode == 0, run.explain()
     assert run.lines("pipeline  ") == [
         "pipeline  2 stages: blocks 0-2 on rank 0, blocks 3-4 on rank 1"
@@ -55,8 +65,14 @@ def test_two_stages_match_the_unsplit_model(torchrun, tmp_path, schedule, microb
 
 
 def test_the_batch_must_split_into_micro_batches(monkeypatch, capsys):
-    environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # fmt: skip
+    environ = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

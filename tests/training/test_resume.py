@@ -26,8 +26,15 @@ def stopped(tmp_path_factory, reference_ddp):
     """Checkpoint directories of a run stopped by --stop-after-step 10 (after steps 4 and 8)."""
     directory = tmp_path_factory.mktemp("stopped")
     checkpoints = directory / "checkpoints"
-    command = torchrun_command("training.ddp", *TINY, *CHECKPOINTING, "--checkpoint-dir",
-                               str(checkpoints), "--stop-after-step", "10")  # fmt: skip
+    command = torchrun_command(
+        "training.ddp",
+        *TINY,
+        *CHECKPOINTING,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--stop-after-step",
+        "10",
+    )
     run = run_command(command, directory, None, 180)
     assert run.returncode != 0, run.explain()
     assert f"exitcode  : {STOP_EXIT_CODE}" in run.stderr, run.explain()
@@ -40,8 +47,9 @@ def stopped(tmp_path_factory, reference_ddp):
     return checkpoints
 
 
-def test_resume_agrees_on_the_newest_step_every_rank_has(torchrun, tmp_path, stopped,
-                                                         reference_ddp):  # fmt: skip
+def test_resume_agrees_on_the_newest_step_every_rank_has(
+    torchrun, tmp_path, stopped, reference_ddp
+):
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(stopped, checkpoints)
     # Rank 1's node died while writing step 8: its file never got its final name.
@@ -50,8 +58,15 @@ def test_resume_agrees_on_the_newest_step_every_rank_has(torchrun, tmp_path, sto
     partial.write_bytes(newest.read_bytes()[:100])
     newest.unlink()
     out = tmp_path / "model.pt"
-    run = torchrun("training.ddp", *TINY, *CHECKPOINTING, "--checkpoint-dir", str(checkpoints),
-                   "--out", str(out))  # fmt: skip
+    run = torchrun(
+        "training.ddp",
+        *TINY,
+        *CHECKPOINTING,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.explain()
     assert run.lines("resuming from") == [
         "resuming from step 4, the newest step every rank has (rank 0 has 4, 8; rank 1 has 4)"
@@ -78,8 +93,9 @@ def test_another_world_size_is_refused_and_no_resume_starts_over(python_module, 
         "--global-batch-size)"
     ]
     # --no-resume starts over, deleting this rank's checkpoints only.
-    run = python_module("training.ddp", *TINY, *CHECKPOINTING, "--checkpoint-dir",
-                        str(checkpoints), "--no-resume")  # fmt: skip
+    run = python_module(
+        "training.ddp", *TINY, *CHECKPOINTING, "--checkpoint-dir", str(checkpoints), "--no-resume"
+    )
     assert run.returncode == 0, run.explain()
     assert run.lines("--no-resume") == [f"--no-resume: starting from step 0 in {checkpoints}"]
     assert sorted(p.name for p in checkpoints.iterdir()) == sorted(

@@ -10,8 +10,19 @@ from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_diffe
 
 def test_spawn_and_torchrun_end_with_equal_parameters(reference_ddp, tmp_path):
     out = tmp_path / "model.pt"
-    command = [sys.executable, "-m", "training.spawn", "--nprocs", "2", "--", *TINY,
-               "--steps", str(REFERENCE_STEPS), "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "training.spawn",
+        "--nprocs",
+        "2",
+        "--",
+        *TINY,
+        "--steps",
+        str(REFERENCE_STEPS),
+        "--out",
+        str(out),
+    ]
     run = run_command(command, tmp_path, None, 240)
     assert run.returncode == 0, run.explain()
     assert run.digests() == reference_ddp.finished.digests()

@@ -11,8 +11,14 @@ from tests.training.conftest import run_main
 from training import ddp
 from training.config import TrainConfig, parse
 
-TORCHRUN_OF_4 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # fmt: skip
+TORCHRUN_OF_4 = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "4",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "1",
+}
 
 
 def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
@@ -62,20 +68,35 @@ def test_help_documents_every_field_and_the_precedence(capsys):
 @pytest.mark.parametrize(
     ("argv", "environ", "line"),
     [
-        (["--global-batch-size", "30"], TORCHRUN_OF_4,
-         "Error: global batch 30 is not divisible by world size 4 (try --global-batch-size 28)"),
-        (["--precision", "bf16"], {},
-         "Error: --precision bf16 needs a GPU; this run is on CPU (try --precision fp32)"),
+        (
+            ["--global-batch-size", "30"],
+            TORCHRUN_OF_4,
+            "Error: global batch 30 is not divisible by world size 4 (try --global-batch-size 28)",
+        ),
+        (
+            ["--precision", "bf16"],
+            {},
+            "Error: --precision bf16 needs a GPU; this run is on CPU (try --precision fp32)",
+        ),
         (["--sync-bn"], {}, "Error: --sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA"),
         (["--steps", "0"], {}, "Error: --steps must be positive, got 0"),
         # argparse's own wording (its quoting of choices varies between Python versions)
-        (["--model", "vgg"], {}, re.compile(r"Error: argument --model: invalid choice: 'vgg' "
-                                            r"\(choose from .*tiny.*\) \(try --help\)")),
+        (
+            ["--model", "vgg"],
+            {},
+            re.compile(
+                r"Error: argument --model: invalid choice: 'vgg' "
+                r"\(choose from .*tiny.*\) \(try --help\)"
+            ),
+        ),
         (["--dataset", "cifar10"], {}, "Error: --dataset cifar10 needs --data-dir"),
-        (["--dataset", "cifar10", "--data-dir", "/nonexistent"], {},
-         "Error: --data-dir /nonexistent is not a directory on this node"),
+        (
+            ["--dataset", "cifar10", "--data-dir", "/nonexistent"],
+            {},
+            "Error: --data-dir /nonexistent is not a directory on this node",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, environ, line):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -28,9 +28,12 @@ def write_cifar10(directory, per_batch: int = 20):
     directory.mkdir(parents=True)
     for name in (*CIFAR10_TRAIN_FILES, "test_batch"):
         data = np.repeat(np.arange(per_batch, dtype=np.uint8)[:, None], 3072, axis=1)
-        batch = {b"batch_label": name.encode(), b"data": data,
-                 b"labels": [i % 10 for i in range(per_batch)],
-                 b"filenames": [f"{i}.png".encode() for i in range(per_batch)]}  # fmt: skip
+        batch = {
+            b"batch_label": name.encode(),
+            b"data": data,
+            b"labels": [i % 10 for i in range(per_batch)],
+            b"filenames": [f"{i}.png".encode() for i in range(per_batch)],
+        }
         (directory / name).write_bytes(pickle.dumps(batch))
     return directory
 
@@ -121,9 +124,23 @@ def test_the_sampler_resumes_mid_epoch_with_the_same_order():
 
 def test_cifar10_trains_end_to_end(python_module, tmp_path):
     write_cifar10(tmp_path / "cifar")
-    run = python_module("training.ddp", "--dataset", "cifar10", "--data-dir",
-                        str(tmp_path / "cifar"), "--model", "tiny", "--global-batch-size", "20",
-                        "--epochs", "2", "--log-every", "5", "--workers", "1")  # fmt: skip
+    run = python_module(
+        "training.ddp",
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        str(tmp_path / "cifar"),
+        "--model",
+        "tiny",
+        "--global-batch-size",
+        "20",
+        "--epochs",
+        "2",
+        "--log-every",
+        "5",
+        "--workers",
+        "1",
+    )
     assert run.returncode == 0, run.explain()
     assert run.lines("data     ") == ["data     cifar10, 10 classes, 3x32x32, 100 train / 20 val"]
     assert "steps    10, 5 per epoch" in run.stdout.splitlines()
