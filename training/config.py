@@ -31,6 +31,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 COMM_HOOK_CHOICES = (*COMM_HOOKS, "auto")  # auto: timed at start (training.levers)
 SCHEDULES = ("cosine", "constant")
+TEST_HOOK = "test hook:"  # a setting whose help starts so is for the tests: hidden from --help
 
 
 def doc(text: str, default: Any = None, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -256,6 +257,8 @@ def build_parser(
                 raise AssertionError(f"field {item.name} appears in two sections")
             seen.add(item.name)
             text = f"{item.metadata['help']} (default: {_shown(item.default)})"
+            if item.metadata["help"].startswith(TEST_HOOK):
+                text = argparse.SUPPRESS  # accepted, but not offered to users in --help
             if kind is bool:
                 group.add_argument(
                     _flag(item.name),

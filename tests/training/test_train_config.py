@@ -63,6 +63,10 @@ def test_help_documents_every_field_and_the_precedence(capsys):
     assert "--resume, --no-resume" in out
     for section in ("data:", "model:", "optim:", "ddp:", "checkpoint:", "run:"):
         assert f"\n{section}\n" in out
+    # Test hooks are accepted but not offered to users.
+    assert "test hook" not in out and "--step-delay" not in out and "--stop-after-step N" not in out
+    config = parse(TrainConfig, ["--step-delay", "0.5", "--stop-after-step", "3"])
+    assert (config.run.step_delay, config.checkpoint.stop_after_step) == (0.5, 3)
 
 
 @pytest.mark.parametrize(
