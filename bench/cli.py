@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench import measure, report
 from cluster import sim
-from cluster.errors import ArgumentParser, ClusterError, at_the_edge
+from cluster.errors import ArgumentParser, UserError, at_the_edge
 
 SECTIONS = ("provision", "netcheck", "bandwidth", "scaling", "accuracy", "launcher", "editloop")
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
@@ -63,14 +63,14 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
-        raise ClusterError(
+        raise UserError(
             f"--only {','.join(unknown)}: not a section",
             hint=f"one or more of {','.join(SECTIONS)}",
         )
     if not 1 <= args.reps <= 20:
-        raise ClusterError(f"--reps {args.reps} is not between 1 and 20", hint="--reps 3")
+        raise UserError(f"--reps {args.reps} is not between 1 and 20", hint="--reps 3")
     if not 1 <= args.subnet_octet <= 254:
-        raise ClusterError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
+        raise UserError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
     sim.require_engine()
     octet = args.subnet_octet
     config = sim.SimConfig(

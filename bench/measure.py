@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster import sim
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Inventory, load
 from launch.commands import remote_command
 from launch.nodes import interface_env
@@ -75,7 +75,7 @@ def run(command: list[str], timeout: float, what: str) -> subprocess.CompletedPr
     )
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-        raise ClusterError(f"{what} failed (exit {proc.returncode}):\n  " + "\n  ".join(tail))
+        raise UserError(f"{what} failed (exit {proc.returncode}):\n  " + "\n  ".join(tail))
     return proc
 
 
@@ -145,10 +145,10 @@ def netcheck_report(inventory: Path, nnodes: int, *extra: str, timeout: float = 
     try:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
-        raise ClusterError(f"netcheck printed no report: {proc.stderr.strip()[-300:]}") from None
+        raise UserError(f"netcheck printed no report: {proc.stderr.strip()[-300:]}") from None
     if not report.get("ok"):
         failed = [f["detail"] for f in report.get("findings", []) if f["status"] == "FAIL"]
-        raise ClusterError(f"netcheck on {nnodes} nodes failed: {'; '.join(failed[:3])}")
+        raise UserError(f"netcheck on {nnodes} nodes failed: {'; '.join(failed[:3])}")
     return report
 
 
@@ -259,7 +259,7 @@ def measure_scaling(inventory: Path, workload: list[str], reps: int, progress: P
     double = bench_rows(train(inventory, 2, "training.bench_scaling", common, 3600))
     base = [r["samples_per_second"] for r in single if "samples_per_second" in r]
     if len(base) != reps:
-        raise ClusterError(f"the 1-node run reported {len(base)} measurements, not {reps}")
+        raise UserError(f"the 1-node run reported {len(base)} measurements, not {reps}")
     levers: dict[str, dict] = {}
     for row in double:
         if "samples_per_second" not in row:
@@ -290,7 +290,7 @@ def measure_powersgd_accuracy(inventory: Path, args: list[str], progress: Progre
         out = train(inventory, 2, "training.ddp", [*args, "--comm-hook", hook], 1800)
         found = VAL_ACCURACY.findall(out)
         if not found:
-            raise ClusterError(f"the {hook} run printed no validation accuracy")
+            raise UserError(f"the {hook} run printed no validation accuracy")
         accuracy[hook] = float(found[-1])
         progress(f"powersgd accuracy: {hook} {accuracy[hook]:.2f} %")
     return {
@@ -333,13 +333,13 @@ def _until_first_step(
             for proc in processes:
                 proc.kill()
             why = "it ended" if ended else f"within {timeout:.0f} s"
-            raise ClusterError(
+            raise UserError(
                 f"no first training step ({why}): {''.join(outputs[watch][-15:])}", exit_code=1
             )
     elapsed = time.monotonic() - started
     for proc, reader, output in zip(processes, readers, outputs, strict=True):
         if proc.wait(timeout=timeout) != 0:
-            raise ClusterError(f"a run failed: {''.join(output[-10:])}")
+            raise UserError(f"a run failed: {''.join(output[-10:])}")
         reader.join()
     return elapsed
 

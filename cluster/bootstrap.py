@@ -36,7 +36,7 @@ from pathlib import Path
 
 import paramiko
 
-from cluster.errors import ClusterError, shown
+from cluster.errors import UserError, shown
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote
 
@@ -78,7 +78,7 @@ class Prompter:
 
     def confirm(self, question: str) -> bool:
         if not self.interactive:
-            raise ClusterError(
+            raise UserError(
                 "a host key needs confirming and there is no terminal to ask on",
                 hint="running make bootstrap in a terminal, or FINGERPRINTS=file with one 'NODE "
                 "SHA256:...' line per node",
@@ -86,7 +86,7 @@ class Prompter:
         print(question, end="", file=sys.stderr, flush=True)
         answer = sys.stdin.readline()
         if not answer:
-            raise ClusterError("no answer (end of input)", exit_code=1)
+            raise UserError("no answer (end of input)", exit_code=1)
         return answer.strip().lower() in ("yes", "y")
 
     def password(self, question: str, retry: bool = False) -> str | None:
@@ -98,7 +98,7 @@ class Prompter:
                 self._stdin_password = sys.stdin.readline().rstrip("\n")
             return self._stdin_password
         if not self.interactive:
-            raise ClusterError(
+            raise UserError(
                 "a node needs its login password and there is no terminal to ask on",
                 hint="running make bootstrap in a terminal, or --password-stdin with the "
                 "password on standard input",
@@ -138,7 +138,7 @@ def key_path(inventory: Inventory) -> Path:
     """The private key the inventory logs in with (the first host's), or ~/.ssh/id_ed25519."""
     keys = {host.ssh_key for host in inventory.hosts}
     if len(keys) > 1:
-        raise ClusterError(
+        raise UserError(
             f"inventory {inventory.path}: the hosts name different ansible_ssh_private_key_file "
             "values; bootstrap installs one key on every node",
             hint="one ansible_ssh_private_key_file in all.vars",
@@ -160,15 +160,13 @@ def ensure_key(path: Path) -> tuple[str, bool]:
     elif not public.exists():
         public.write_text(_ssh_keygen("-y", "-f", str(path)))
     if path.stat().st_mode & 0o077:
-        raise ClusterError(
+        raise UserError(
             f"the private key {path} can be read by other users; ssh refuses to use it",
             hint=f"chmod 600 {path}",
         )
     parts = public.read_text().split()
     if len(parts) < 2:
-        raise ClusterError(
-            f"{public} holds no public key", hint=f"ssh-keygen -y -f {path} > {public}"
-        )
+        raise UserError(f"{public} holds no public key", hint=f"ssh-keygen -y -f {path} > {public}")
     return f"{parts[0]} {parts[1]}", made
 
 
@@ -183,12 +181,12 @@ def _ssh_keygen(*args: str) -> str:
             stdin=subprocess.DEVNULL,
         )
     except FileNotFoundError:
-        raise ClusterError(
+        raise UserError(
             "ssh-keygen is not installed", hint="apt-get install openssh-client"
         ) from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise ClusterError(f"ssh-keygen {' '.join(args[:2])} failed: {last}", exit_code=1)
+        raise UserError(f"ssh-keygen {' '.join(args[:2])} failed: {last}", exit_code=1)
     return done.stdout
 
 
@@ -243,25 +241,23 @@ def read_fingerprints(path: Path) -> dict[str, str]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ClusterError(
-            f"fingerprints file {path} cannot be read: {exc.strerror or exc}"
-        ) from None
+        raise UserError(f"fingerprints file {path} cannot be read: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise ClusterError(f"fingerprints file {path} is not text") from None
+        raise UserError(f"fingerprints file {path} is not text") from None
     expected: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
         if len(words) != 2 or not _FINGERPRINT.match(words[1]):
-            raise ClusterError(
+            raise UserError(
                 f"fingerprints file {path}, line {number}: {shown(line.strip())} is not "
                 "'NODE SHA256:...'",
                 hint="the SHA256 fingerprint that 'ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub' "
                 "prints on the node",
             )
         if words[0] in expected and expected[words[0]] != words[1]:
-            raise ClusterError(
+            raise UserError(
                 f"fingerprints file {path}, line {number}: a second fingerprint for {words[0]}"
             )
         expected[words[0]] = words[1]
@@ -283,7 +279,7 @@ def check_host_key(
         try:
             known.load(str(known_hosts))
         except (OSError, paramiko.SSHException) as exc:
-            raise ClusterError(f"{known_hosts} cannot be read: {exc}") from None
+            raise UserError(f"{known_hosts} cannot be read: {exc}") from None
     recorded = known.lookup(entry) or {}
     key = fetch_host_key(host, prefer=tuple(recorded.keys()))
     fingerprint_now = fingerprint(key)
@@ -336,9 +332,7 @@ def _append_known_host(known_hosts: Path, entry: str, key: paramiko.PKey) -> Non
 def user_of(host: Host) -> str:
     user = host.ssh_user or getpass.getuser()
     if not _USER_NAME.match(user):
-        raise ClusterError(
-            f"host '{host.name}': user {shown(user)} is not a user name sudoers takes"
-        )
+        raise UserError(f"host '{host.name}': user {shown(user)} is not a user name sudoers takes")
     return user
 
 
@@ -519,14 +513,14 @@ def key_login_works(host: Host, known_hosts: Path, user: str) -> tuple[bool, boo
     remote = Remote(host, known_hosts=known_hosts, connect_timeout=CONNECT_TIMEOUT)
     try:
         remote.connect()
-    except ClusterError:
+    except UserError:
         remote.close()
         return False, False
     try:
         if user == "root":
             return True, True
         return True, remote.run("sudo -n true", timeout=COMMAND_TIMEOUT).ok
-    except ClusterError:
+    except UserError:
         return True, False
     finally:
         remote.close()

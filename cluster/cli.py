@@ -1,7 +1,7 @@
 """`cluster`: check an inventory, and start or stop the simulated cluster.
 
 A thin edge: parse arguments, call the plain functions in cluster.inventory and cluster.sim,
-print, and turn a ClusterError into one `Error: ...` line with a non-zero exit.
+print, and turn a UserError into one `Error: ...` line with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cluster import inventory as inventory_module
 from cluster import sim
-from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown
+from cluster.errors import ArgumentParser, UserError, at_the_edge, shown
 from cluster.inventory import DEFAULT_TRAINING_IMAGE, is_word
 
 INVENTORY_HELP = (
@@ -193,9 +193,9 @@ def run(args: argparse.Namespace) -> int:
 
         kind, tag = args.kind, args.tag
         if not is_word(tag):  # the inventory's training_image is held to the same rule
-            raise ClusterError(f"--tag {shown(tag)} is not an image name")
+            raise UserError(f"--tag {shown(tag)} is not an image name")
         if args.base_image is not None and not is_word(args.base_image):
-            raise ClusterError(f"--base-image {shown(args.base_image)} is not an image name")
+            raise UserError(f"--base-image {shown(args.base_image)} is not an image name")
         if args.inventory:
             inventory = inventory_module.load(args.inventory)
             if inventory.launch_mode != "container":
@@ -296,7 +296,7 @@ def _new_password(user: str) -> str:
         return sys.stdin.readline().rstrip("\n")
     first = getpass.getpass(f"Password for {user} on the fresh nodes (as the installer asks): ")
     if getpass.getpass("The same password again: ") != first:
-        raise ClusterError("the two passwords differ", hint="make sim-up FRESH=1 again")
+        raise UserError("the two passwords differ", hint="make sim-up FRESH=1 again")
     return first
 
 
@@ -346,7 +346,7 @@ def _data(args: argparse.Namespace) -> int:
     from cluster import sync
 
     if not args.source:
-        raise ClusterError("no dataset directory given", hint="make data SRC=path/to/dataset")
+        raise UserError("no dataset directory given", hint="make data SRC=path/to/dataset")
     inventory = inventory_module.load(args.inventory)
     hosts = inventory.first(args.nnodes).hosts
     tree = sync.data_tree(Path(args.source))

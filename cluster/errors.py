@@ -11,7 +11,7 @@ T = TypeVar("T")
 SHOWN_CHARS = 80
 
 
-class ClusterError(Exception):
+class UserError(Exception):
     """A problem the user can fix. The message names what is wrong and, where known, the fix.
 
     `exit_code` lets a caller distinguish bad input (2) from a failed operation (1).
@@ -48,12 +48,12 @@ def stop_on_sigterm() -> None:
 
 
 def at_the_edge(run: Callable[[T], int], args: T) -> int:
-    """A CLI's outermost call: a ClusterError becomes its one `Error: ...` line and exit code,
+    """A CLI's outermost call: a UserError becomes its one `Error: ...` line and exit code,
     Ctrl-C exits 130 with one line (SIGTERM, where stop_on_sigterm is on: 143); anything else is
     a bug and keeps its traceback."""
     try:
         return run(args)
-    except ClusterError as exc:
+    except UserError as exc:
         # printable: a newline in a path or name from the command line must not split the line
         print(printable(exc.line()), file=sys.stderr)
         return exc.exit_code
@@ -70,7 +70,7 @@ class ArgumentParser(argparse.ArgumentParser):
     instead of the usage text and a second line."""
 
     def error(self, message: str):
-        self.exit(2, ClusterError(printable(message), hint=f"{self.prog} --help").line() + "\n")
+        self.exit(2, UserError(printable(message), hint=f"{self.prog} --help").line() + "\n")
 
 
 def shown(value: object) -> str:

@@ -3,7 +3,7 @@ plain code that tests drive with one fake (tests/fakes.py).
 
 `Nodes` is the seam:
 - `run(host, command, timeout)`: a short command over a pooled connection; a cluster.remote
-  Result, or a ClusterError when the node cannot be reached or the command does not finish.
+  Result, or a UserError when the node cannot be reached or the command does not finish.
 - `session(host)`: a connection of its own (cluster.remote.Remote: connect, run, stream,
   close), for what must not wait behind other commands: a job's torchrun, a watcher, a stop.
 - `answers(host, timeout)`: whether the node's SSH port accepts a TCP connection at all, cheap

@@ -24,7 +24,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from cluster import __version__
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import DEFAULT_TRAINING_IMAGE
 from cluster.sim import REPO_ROOT, debian_base, docker, image_exists, require_engine
 from cluster.versions import TORCH_LABEL, minimum_shown, release, torch_meets_minimum
@@ -75,7 +75,7 @@ def build_args(kind: str, base_image: str | None = None, wheels_url: str = "") -
     otherwise pip reads them from `wheels_url`, served on the engine's loopback (see
     serve_wheels), which the build reaches on the host's network."""
     if kind not in ("cpu", "cuda"):
-        raise ClusterError(f"image kind {kind!r} is not one of {', '.join(KINDS)}")
+        raise UserError(f"image kind {kind!r} is not one of {', '.join(KINDS)}")
     common = [
         "-f",
         str(DOCKERFILE),
@@ -146,7 +146,7 @@ def image_label(tag: str, name: str) -> str:
     return docker("image", "inspect", "--format", template, tag).stdout.strip()
 
 
-def torch_refusal(reported: str, base_image: str | None) -> ClusterError | None:
+def torch_refusal(reported: str, base_image: str | None) -> UserError | None:
     """Why an image whose own `--version` says torch `reported` is refused, or None."""
     if base_image is not None:
         hint = (
@@ -170,7 +170,7 @@ def torch_refusal(reported: str, base_image: str | None) -> ClusterError | None:
         )
     else:
         return None
-    return ClusterError(problem, hint=hint, exit_code=1)
+    return UserError(problem, hint=hint, exit_code=1)
 
 
 def label_command(image_id: str, tag: str, torch: str, made_from: str) -> tuple[list[str], str]:
@@ -204,7 +204,7 @@ def label(image_id: str, tag: str, torch: str, made_from: str) -> str:
     proc = subprocess.run(command, input=dockerfile, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        raise ClusterError(f"labelling {tag} with its torch failed: {detail}", exit_code=1)
+        raise UserError(f"labelling {tag} with its torch failed: {detail}", exit_code=1)
     return _image_id(tag)
 
 
@@ -247,7 +247,7 @@ def fetch_wheels(progress: Progress) -> None:
     )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise ClusterError(f"downloading the wheels failed: {tail[0]}", exit_code=1)
+        raise UserError(f"downloading the wheels failed: {tail[0]}", exit_code=1)
 
 
 def build(
@@ -280,7 +280,7 @@ def build(
     # minimum, then recorded in the label the launcher reads on every node.
     try:
         reported = versions(tag).get("torch", "none")
-    except ClusterError:
+    except UserError:
         docker("rmi", tag, check=False)  # nothing half-made left under the name
         raise
     refusal = torch_refusal(reported, base_image)
@@ -309,7 +309,7 @@ def _docker_build(arguments: list[str], tag: str, progress: Progress, base: str 
         if line.startswith("Step "):
             progress(f"  {line}")
     if process.wait() != 0:
-        raise ClusterError(
+        raise UserError(
             f"docker build of {tag} failed: {tail[-1] if tail else 'no output'}",
             hint=f"'docker pull {base}' first" if base else "the lines above",
             exit_code=1,

@@ -21,7 +21,7 @@ it, host ranges, groups nested in `nodes`) is read through ansible-core's invent
 variable manager, so provisioning, netcheck and the launcher see the same values; a plain YAML
 file reads the same either way and is read directly, for errors with line numbers.
 Validation happens entirely here, before any caller acts, and the first problem found is raised
-as one ClusterError naming the host and the field.
+as one UserError naming the host and the field.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.errors import ClusterError, printable, shown
+from cluster.errors import UserError, printable, shown
 
 NODES_GROUP = "nodes"
 DEFAULT_RENDEZVOUS_PORT = 29500
@@ -150,13 +150,13 @@ def check_nnodes(nnodes: object, available: int, path: Path | str) -> int:
         try:
             nnodes = int(nnodes)
         except ValueError:
-            raise ClusterError(f"NNODES={nnodes!r} is not a whole number") from None
+            raise UserError(f"NNODES={nnodes!r} is not a whole number") from None
     if not isinstance(nnodes, int) or isinstance(nnodes, bool):
-        raise ClusterError(f"NNODES={nnodes!r} is not a whole number")
+        raise UserError(f"NNODES={nnodes!r} is not a whole number")
     if nnodes < 1:
-        raise ClusterError(f"NNODES={nnodes} is below 1", hint="NNODES=1 or more")
+        raise UserError(f"NNODES={nnodes} is below 1", hint="NNODES=1 or more")
     if nnodes > available:
-        raise ClusterError(
+        raise UserError(
             f"NNODES={nnodes} but inventory {path} lists {available} host(s)",
             hint=f"NNODES={available} or add hosts to the inventory",
         )
@@ -188,9 +188,9 @@ class _DuplicateKey(Exception):
 
 
 def load(path: str | os.PathLike | None) -> Inventory:
-    """Read and validate an inventory file. Raises ClusterError on the first problem."""
+    """Read and validate an inventory file. Raises UserError on the first problem."""
     if path is None or str(path).strip() == "":
-        raise ClusterError(
+        raise UserError(
             "no inventory given",
             hint="INVENTORY=path/to/inventory.yml (see inventory.example.yml), or "
             "'make sim-up' and INVENTORY=.sim/inventory.yml for the simulated cluster",
@@ -203,13 +203,13 @@ def load(path: str | os.PathLike | None) -> Inventory:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ClusterError(
+        raise UserError(
             f"inventory {path} does not exist", hint="a path to an existing file"
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ClusterError(f"inventory {path} cannot be read: {exc}") from None
+        raise UserError(f"inventory {path} cannot be read: {exc}") from None
     except ValueError as exc:  # a NUL in the path, possible only from inside Python
-        raise ClusterError(f"inventory {shown(str(path))} cannot be read: {exc}") from None
+        raise UserError(f"inventory {shown(str(path))} cannot be read: {exc}") from None
     # Only Ansible's own reading gives the values of an inventory with group_vars/ or
     # host_vars/ beside it, in INI, with a host range (node[01:04]) or groups inside the nodes
     # group. A plain YAML file reads the same either way, and reading it directly keeps its
@@ -219,7 +219,7 @@ def load(path: str | os.PathLike | None) -> Inventory:
     yaml_file = path.suffix.lower() in YAML_SUFFIXES
     try:
         data = _yaml(text, f"inventory {path}")
-    except ClusterError:
+    except UserError:
         if yaml_file:
             raise
         return _validate(resolve_with_ansible(path), path)
@@ -325,7 +325,7 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
                 r"Failed to parse inventory with '\w+' plugin: (?:Failed to parse inventory: )?(.+)",
                 said.getvalue(),
             )
-            raise ClusterError(
+            raise UserError(
                 f"{where}: Ansible cannot read it as YAML or INI"
                 + (f": {reasons[-1]}" if reasons else ""),
                 hint="the layout of inventory.example.yml, or an INI inventory with a [nodes] group",
@@ -337,7 +337,7 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
             else:
                 os.environ[key] = value
     if not resolved:
-        raise ClusterError(
+        raise UserError(
             f"{where}: no hosts in group '{group}' as Ansible reads it",
             hint=f"listing the nodes in a group named {group} (inventory.example.yml)",
         )
@@ -353,7 +353,7 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
             here, there = (
                 shown(values[name]) if name in values else "unset" for name in (other, first_name)
             )
-            raise ClusterError(
+            raise UserError(
                 f"{where}: host '{printable(other)}': field '{field}' is cluster-wide: "
                 f"the same on every node ({here} here, {there} on '{printable(first_name)}')",
                 hint="setting it once, for all (group_vars/all.yml or all.vars)",
@@ -386,7 +386,7 @@ def _yaml(text: str, where: str):
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
     except _DuplicateKey as dup:
-        raise ClusterError(
+        raise UserError(
             f"{where}: line {dup.line}: duplicate key {shown(dup.key)} (first on line "
             f"{dup.first_line})",
             hint="giving each host a unique name",
@@ -395,15 +395,15 @@ def _yaml(text: str, where: str):
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ClusterError(f"{where} is not valid YAML{at}: {problem}") from None
+        raise UserError(f"{where} is not valid YAML{at}: {problem}") from None
     except RecursionError:
         # PyYAML composes nested collections recursively: a few hundred '[' exhaust the stack.
-        raise ClusterError(f"{where} is nested too deeply to be an inventory") from None
+        raise UserError(f"{where} is nested too deeply to be an inventory") from None
     except ValueError as exc:
         # What SafeLoader's constructors let through: a date like 2024-02-30, or an integer of
         # more digits than Python converts (its message goes on to suggest a Python setting).
         reason = str(exc).split(";")[0]
-        raise ClusterError(f"{where} holds a value YAML cannot read: {reason}") from None
+        raise UserError(f"{where} holds a value YAML cannot read: {reason}") from None
 
 
 def _validate(data, path: Path) -> Inventory:
@@ -411,7 +411,7 @@ def _validate(data, path: Path) -> Inventory:
     Ansible resolved it)."""
     where = f"inventory {path}"
     if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
-        raise ClusterError(
+        raise UserError(
             f"{where}: the top level must be a mapping with an 'all' key",
             hint="the layout of inventory.example.yml",
         )
@@ -424,7 +424,7 @@ def _validate(data, path: Path) -> Inventory:
         or not isinstance(group.get("hosts"), dict)
         or not group["hosts"]
     ):
-        raise ClusterError(
+        raise UserError(
             f"{where}: no hosts under all.children.{NODES_GROUP}.hosts",
             hint="listing the nodes as in inventory.example.yml",
         )
@@ -433,20 +433,20 @@ def _validate(data, path: Path) -> Inventory:
 
     for field in REQUIRED_CLUSTER_FIELDS:
         if merged.get(field) in (None, ""):
-            raise ClusterError(f"{where}: cluster field '{field}' is missing (set it in all.vars)")
+            raise UserError(f"{where}: cluster field '{field}' is missing (set it in all.vars)")
     subnet = _subnet(merged["compute_subnet"], where)
     _check_host_keys_stay_checked(merged, f"{where}: cluster")
     port = _port(merged.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT), f"{where}: cluster")
     known_hosts = _optional_path(merged.get("ssh_known_hosts_file"), where, "ssh_known_hosts_file")
     launch_mode = merged.get("launch_mode", "container")
     if launch_mode not in LAUNCH_MODES:
-        raise ClusterError(
+        raise UserError(
             f"{where}: cluster field 'launch_mode': {shown(launch_mode)} is not one of "
             f"{', '.join(LAUNCH_MODES)}"
         )
     image = merged.get("training_image", DEFAULT_TRAINING_IMAGE)
     if not is_word(image):
-        raise ClusterError(
+        raise UserError(
             f"{where}: cluster field 'training_image': {shown(image)} is not an image name"
         )
     roots = {
@@ -466,15 +466,15 @@ def _validate(data, path: Path) -> Inventory:
         try:
             name = str(key)
         except ValueError:  # an int of more digits than Python converts
-            raise ClusterError(f"{where}: host {shown(key)}: name is not a hostname") from None
+            raise UserError(f"{where}: host {shown(key)}: name is not a hostname") from None
         host_where = f"{where}: host '{printable(name)}'"
         if not _LABEL.fullmatch(name):
-            raise ClusterError(
+            raise UserError(
                 f"{host_where}: name is not a valid RFC 1123 hostname label "
                 "(letters, digits and '-', 1-63 characters, no '-' at either end)"
             )
         if name.lower() in names:
-            raise ClusterError(
+            raise UserError(
                 f"{host_where}: name duplicates host '{names[name.lower()]}' "
                 "(hostnames are case-insensitive)"
             )
@@ -482,7 +482,7 @@ def _validate(data, path: Path) -> Inventory:
         own = _mapping(own, host_where)
         for field in CLUSTER_ONLY_FIELDS:
             if field in own:
-                raise ClusterError(
+                raise UserError(
                     f"{host_where}: field '{field}' is cluster-wide: the same on every node",
                     hint="setting it once, in all.vars",
                 )
@@ -490,17 +490,17 @@ def _validate(data, path: Path) -> Inventory:
         _check_host_keys_stay_checked(values, host_where)
         for field in REQUIRED_HOST_FIELDS:
             if values.get(field) in (None, ""):
-                raise ClusterError(f"{host_where}: field '{field}' is missing")
+                raise UserError(f"{host_where}: field '{field}' is missing")
         host = _host(name, values, subnet, host_where)
         if host.compute_ip in ips:
-            raise ClusterError(
+            raise UserError(
                 f"{host_where}: field 'compute_ip': {host.compute_ip} is already used by "
                 f"host '{ips[host.compute_ip]}'"
             )
         ips[host.compute_ip] = name
         target = (host.ssh_address, host.ssh_port)
         if target in ssh_targets:
-            raise ClusterError(
+            raise UserError(
                 f"{host_where}: field 'ansible_host': {host.ssh_address}:{host.ssh_port} is "
                 f"already used by host '{ssh_targets[target]}'"
             )
@@ -510,7 +510,7 @@ def _validate(data, path: Path) -> Inventory:
     if memlock != "unlimited" and (
         isinstance(memlock, bool) or not isinstance(memlock, int) or not 0 <= memlock <= MAX_MEMLOCK
     ):
-        raise ClusterError(
+        raise UserError(
             f"{where}: cluster field 'container_memlock': {shown(memlock)} is neither "
             f"'unlimited' nor a number of bytes (0 to 2**63-1)"
         )
@@ -546,29 +546,29 @@ def _directory(value, where: str, example: str, suffix: str = "") -> str:
     followed the path in the inventory (':ro'), shown with it in the error."""
     given = shown(value + suffix if isinstance(value, str) else value)
     if not isinstance(value, str) or value == "":
-        raise ClusterError(
+        raise UserError(
             f"{where}: {given} is not a directory path", hint=f"an absolute path such as {example}"
         )
     if not is_word(value):
-        raise ClusterError(f"{where}: {given} holds whitespace or a control character")
+        raise UserError(f"{where}: {given} holds whitespace or a control character")
     if ":" in value or "," in value:
-        raise ClusterError(
+        raise UserError(
             f"{where}: {given} holds ':' or ',', which docker run -v cannot mount",
             hint="a directory whose path has neither",
         )
     if not value.startswith("/"):
-        raise ClusterError(
+        raise UserError(
             f"{where}: {given} is not an absolute path", hint=f"a path from /, such as {example}"
         )
     # normpath keeps a leading '//' (POSIX leaves its meaning open); Linux reads it as '/'.
     normal = "/" + posixpath.normpath(value).lstrip("/")
     if normal == "/":
-        raise ClusterError(
+        raise UserError(
             f"{where}: {given} is the root directory",
             hint=f"a directory of its own, such as {example}",
         )
     if value != normal:
-        raise ClusterError(f"{where}: {given} is not a normalised path", hint=normal + suffix)
+        raise UserError(f"{where}: {given} is not a normalised path", hint=normal + suffix)
     return value
 
 
@@ -576,7 +576,7 @@ def _check_distinct(roots: dict[str, str], where: str) -> None:
     seen: dict[str, str] = {}
     for field, path in roots.items():
         if path in seen:
-            raise ClusterError(
+            raise UserError(
                 f"{where}: cluster field '{field}': {shown(path)} is also {seen[path]}",
                 hint="a directory of its own",
             )
@@ -589,7 +589,7 @@ def _mounts(value, where: str, roots: dict[str, str]) -> tuple[Mount, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise ClusterError(
+        raise UserError(
             f"{where}: {shown(value)} is not a list", hint='a list such as ["/datasets:ro"]'
         )
     found: list[Mount] = []
@@ -597,7 +597,7 @@ def _mounts(value, where: str, roots: dict[str, str]) -> tuple[Mount, ...]:
         read_only = isinstance(item, str) and item.endswith(READ_ONLY_SUFFIX)
         path = item[: -len(READ_ONLY_SUFFIX)] if read_only else item
         if isinstance(path, str) and ":" in path:
-            raise ClusterError(
+            raise UserError(
                 f"{where}: {shown(item)} is neither PATH nor PATH:ro",
                 hint="PATH:ro for read-only, PATH alone for read-write",
             )
@@ -605,10 +605,10 @@ def _mounts(value, where: str, roots: dict[str, str]) -> tuple[Mount, ...]:
         path = _directory(path, where, "/datasets:ro", suffix)
         for other in found:
             if other.path == path:
-                raise ClusterError(f"{where}: {shown(item)} mounts {path} a second time")
+                raise UserError(f"{where}: {shown(item)} mounts {path} a second time")
         for field, root in roots.items():
             if path == root:
-                raise ClusterError(
+                raise UserError(
                     f"{where}: {shown(item)} is the cluster's {field}",
                     hint="removing it from container_mounts",
                 )
@@ -619,7 +619,7 @@ def _mounts(value, where: str, roots: dict[str, str]) -> tuple[Mount, ...]:
 def _check_host_keys_stay_checked(values: dict, where: str) -> None:
     checking = values.get("ansible_host_key_checking", True)
     if checking is False or _text(checking).strip().lower() in ("false", "no", "0", "off"):
-        raise ClusterError(
+        raise UserError(
             f"{where}: field 'ansible_host_key_checking': {shown(checking)} turns off SSH "
             "host-key checking",
             hint="removing it, and each node's key in known_hosts",
@@ -627,7 +627,7 @@ def _check_host_keys_stay_checked(values: dict, where: str) -> None:
     for field in SSH_OPTION_FIELDS:
         found = _UNCHECKED_HOST_KEYS.search(_text(values.get(field) or ""))
         if found:
-            raise ClusterError(
+            raise UserError(
                 f"{where}: field '{field}': {shown(found.group(0))} turns off SSH host-key "
                 "checking",
                 hint="-o StrictHostKeyChecking=yes and each node's key in known_hosts",
@@ -646,7 +646,7 @@ def _mapping(value, where: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ClusterError(f"{where} must be a mapping, not {type(value).__name__}")
+        raise UserError(f"{where} must be a mapping, not {type(value).__name__}")
     return value
 
 
@@ -654,7 +654,7 @@ def _subnet(value, where: str) -> ipaddress.IPv4Network:
     try:
         return ipaddress.IPv4Network(str(value), strict=True)
     except ValueError as exc:
-        raise ClusterError(
+        raise UserError(
             f"{where}: cluster field 'compute_subnet': {shown(value)} is not an IPv4 network "
             f"({printable(str(exc))})",
             hint="a form like 192.168.1.0/24",
@@ -663,9 +663,7 @@ def _subnet(value, where: str) -> ipaddress.IPv4Network:
 
 def _port(value, where: str, field: str = "rendezvous_port") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ClusterError(
-            f"{where}: field '{field}': {shown(value)} is not a port number (1-65535)"
-        )
+        raise UserError(f"{where}: field '{field}': {shown(value)} is not a port number (1-65535)")
     return value
 
 
@@ -673,7 +671,7 @@ def _optional_path(value, where: str, field: str) -> Path | None:
     if value is None or value == "":
         return None
     if not isinstance(value, str) or not value.isprintable():
-        raise ClusterError(f"{where}: field '{field}': {shown(value)} is not a file path")
+        raise UserError(f"{where}: field '{field}': {shown(value)} is not a file path")
     return Path(os.path.expanduser(value))
 
 
@@ -681,11 +679,11 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
     try:
         compute_ip = ipaddress.IPv4Address(str(values["compute_ip"]))
     except ValueError:
-        raise ClusterError(
+        raise UserError(
             f"{where}: field 'compute_ip': {shown(values['compute_ip'])} is not an IPv4 address"
         ) from None
     if compute_ip not in subnet:
-        raise ClusterError(
+        raise UserError(
             f"{where}: field 'compute_ip': {compute_ip} is outside compute_subnet {subnet}",
             hint="an address inside the subnet, or correct compute_subnet",
         )
@@ -696,28 +694,26 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
         or len(interface.encode()) > IFNAME_BYTES
         or interface in (".", "..")
     ):
-        raise ClusterError(
+        raise UserError(
             f"{where}: field 'compute_interface': {shown(interface)} is not a network interface "
             "name"
         )
     gpus = values["gpus"]
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
-        raise ClusterError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0")
+        raise UserError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0")
     if gpus > MAX_GPUS:
-        raise ClusterError(
+        raise UserError(
             f"{where}: field 'gpus': {shown(gpus)} is more than one node holds (at most {MAX_GPUS})"
         )
     address = values["ansible_host"]
     if not is_word(address):
-        raise ClusterError(f"{where}: field 'ansible_host': {shown(address)} is not a host address")
+        raise UserError(f"{where}: field 'ansible_host': {shown(address)} is not a host address")
     user = values.get("ansible_user")
     if user is not None and not is_word(user):
-        raise ClusterError(f"{where}: field 'ansible_user': {shown(user)} is not a user name")
+        raise UserError(f"{where}: field 'ansible_user': {shown(user)} is not a user name")
     python = values.get("training_python", "python3")
     if not is_word(python):
-        raise ClusterError(
-            f"{where}: field 'training_python': {shown(python)} is not a program path"
-        )
+        raise UserError(f"{where}: field 'training_python': {shown(python)} is not a program path")
     visible = parse_gpu_list(
         values.get("cuda_visible_devices"), f"{where}: field 'cuda_visible_devices'"
     )
@@ -751,17 +747,17 @@ def parse_gpu_list(value, where: str = "GPUS") -> tuple[int, ...] | None:
     for item in items:
         index = _gpu_index(item)
         if index is None:
-            raise ClusterError(
+            raise UserError(
                 f"{where}: {shown(value)} is not a list of GPU indices", hint="a form like 0,2"
             )
         if index >= MAX_GPUS:
-            raise ClusterError(
+            raise UserError(
                 f"{where}: {shown(value)} names a GPU beyond what one node holds "
                 f"(indices 0-{MAX_GPUS - 1})"
             )
         indices.append(index)
     if len(set(indices)) != len(indices):
-        raise ClusterError(f"{where}: {shown(value)} names a GPU twice")
+        raise UserError(f"{where}: {shown(value)} names a GPU twice")
     return tuple(indices)
 
 

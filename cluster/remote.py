@@ -18,14 +18,14 @@ from typing import TypeVar
 import paramiko
 from fabric import Connection
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Host, Inventory
 
 T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 5.0
 
 # paramiko logs a failed connection with its traceback, which Python prints to stderr when the
-# program set no logging up (our CLIs): the ClusterError raised here already says what failed.
+# program set no logging up (our CLIs): the UserError raised here already says what failed.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
@@ -102,12 +102,12 @@ class Remote:
             raise error from None
         return connection
 
-    def _open_failed(self, exc: BaseException) -> ClusterError | None:
+    def _open_failed(self, exc: BaseException) -> UserError | None:
         if isinstance(exc, paramiko.BadHostKeyException):
             entry = self.host.ssh_address
             if self.host.ssh_port != 22:
                 entry = f"[{entry}]:{self.host.ssh_port}"
-            return ClusterError(
+            return UserError(
                 f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not the "
                 f"one in {self.known_hosts}: the node was reinstalled, or this is not the node",
                 hint=f"if the node was reinstalled: ssh-keygen -f {self.known_hosts} -R '{entry}', "
@@ -117,7 +117,7 @@ class Remote:
         if isinstance(exc, paramiko.SSHException):
             if "not found in known_hosts" in str(exc):
                 port = f" -p {self.host.ssh_port}" if self.host.ssh_port != 22 else ""
-                return ClusterError(
+                return UserError(
                     f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not "
                     f"in {self.known_hosts}",
                     hint=f"ssh-keyscan -H{port} {self.host.ssh_address} >> {self.known_hosts} "
@@ -129,7 +129,7 @@ class Remote:
             return self._unreachable(exc)
         return None
 
-    def _unreachable(self, exc: BaseException) -> ClusterError:
+    def _unreachable(self, exc: BaseException) -> UserError:
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, EOFError) or reason == "No existing session":
             # paramiko's words for a key exchange cut short, by the node or by our timeout
@@ -137,7 +137,7 @@ class Remote:
                 f"the SSH handshake was cut short (closed by the node, or not finished within "
                 f"{self.connect_timeout:g} s)"
             )
-        return ClusterError(
+        return UserError(
             f"host '{self.host.name}': cannot SSH to "
             f"{self.host.ssh_user + '@' if self.host.ssh_user else ''}"
             f"{self.host.ssh_address}:{self.host.ssh_port}: {reason}",
@@ -146,7 +146,7 @@ class Remote:
         )
 
     def connect(self) -> None:
-        """Open the SSH connection now rather than at the first command: a ClusterError here
+        """Open the SSH connection now rather than at the first command: a UserError here
         means the node could not be reached, one from `run` that a command failed."""
         self.connection  # noqa: B018 (the property connects)
 
@@ -166,10 +166,10 @@ class Remote:
             out = self.connection.run(
                 command, hide=True, warn=True, timeout=timeout, in_stream=False
             )
-        except ClusterError:
+        except UserError:
             raise
         except Exception as exc:  # invoke wraps timeouts and channel errors in its own types
-            raise ClusterError(
+            raise UserError(
                 f"host '{self.host.name}': command {command!r} did not finish: "
                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
                 exit_code=1,
@@ -179,10 +179,10 @@ class Remote:
         )
 
     def _checked(self, result: Result, check: bool) -> Result:
-        """`result`, or with `check` a ClusterError when the command failed."""
+        """`result`, or with `check` a UserError when the command failed."""
         if check and not result.ok:
             last = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or [""]
-            raise ClusterError(
+            raise UserError(
                 f"host '{self.host.name}': {result.command!r} exited {result.exit_code}: {last[0]}",
                 exit_code=1,
             )
@@ -205,10 +205,10 @@ class Remote:
             sender.join(timeout)
             code = channel.recv_exit_status()
             channel.close()
-        except ClusterError:
+        except UserError:
             raise
         except Exception as exc:  # a timeout, or the channel closed under us
-            raise ClusterError(
+            raise UserError(
                 f"host '{self.host.name}': command {command[:200]!r} did not finish: "
                 f"{type(exc).__name__}: {exc}",
                 exit_code=1,

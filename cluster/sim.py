@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Inventory, load
 from cluster.remote import Remote
 
@@ -149,12 +149,12 @@ def docker(
             input=stdin,
         )
     except FileNotFoundError:
-        raise ClusterError(
+        raise UserError(
             "the docker command is not installed", hint="apt-get install docker.io", exit_code=1
         ) from None
     if check and proc.returncode != 0:
         detail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        raise ClusterError(
+        raise UserError(
             f"docker {args[0]} failed: {detail[-1] if detail else f'exit {proc.returncode}'}",
             exit_code=1,
         )
@@ -180,7 +180,7 @@ def engine_available() -> tuple[bool, str]:
 def require_engine() -> None:
     ok, why = engine_available()
     if not ok:
-        raise ClusterError(
+        raise UserError(
             why, hint="'apt-get install -y docker.io' and start dockerd (see README)", exit_code=1
         )
 
@@ -212,7 +212,7 @@ def debian_mirror(sources_dir: Path = Path("/etc/apt")) -> tuple[str, str]:
     for uri, suite in candidates:
         if uri.startswith("http") and "security" not in uri and "-" not in suite:
             return uri, suite
-    raise ClusterError(
+    raise UserError(
         f"no Debian mirror found in {sources_dir}/sources.list(.d)",
         hint="running on a Debian machine whose apt sources name a mirror",
         exit_code=1,
@@ -225,7 +225,7 @@ def debian_base(image: str, packages: tuple[str, ...], progress: Progress = _qui
     if image_exists(image):
         return
     if shutil.which("mmdebstrap") is None:
-        raise ClusterError(
+        raise UserError(
             f"mmdebstrap is needed to make the base image {image}",
             hint="apt-get install -y mmdebstrap",
             exit_code=1,
@@ -249,7 +249,7 @@ def debian_base(image: str, packages: tuple[str, ...], progress: Progress = _qui
         )
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            raise ClusterError(f"mmdebstrap failed: {tail[0]}", exit_code=1)
+            raise UserError(f"mmdebstrap failed: {tail[0]}", exit_code=1)
         docker("import", str(tarball), image)
 
 
@@ -386,7 +386,7 @@ def _host_key(container: str, deadline: float) -> str:
             kind, key = proc.stdout.split()[:2]
             return f"{kind} {key}"
         if time.monotonic() > deadline:
-            raise ClusterError(f"node {container} made no SSH host key in time", exit_code=1)
+            raise UserError(f"node {container} made no SSH host key in time", exit_code=1)
         time.sleep(0.2)
 
 
@@ -487,31 +487,31 @@ def up(
     if fresh_password is not None and (
         not fresh_password or "\n" in fresh_password or ":" in fresh_password
     ):
-        raise ClusterError("the fresh nodes' password must be one line, not empty, without ':'")
+        raise UserError("the fresh nodes' password must be one line, not empty, without ':'")
     config = config or SimConfig()
     started = time.monotonic()
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
-        raise ClusterError(
+        raise UserError(
             f"the simulated cluster takes 1 to {MAX_NODES} nodes, not {nnodes!r}",
             hint="NNODES=2",
         )
     if link is not None and not _LINK_RATE.match(link):
-        raise ClusterError(f"LINK={link!r} is not a rate tc understands", hint="LINK=1gbit")
+        raise UserError(f"LINK={link!r} is not a rate tc understands", hint="LINK=1gbit")
     nets = []
     for subnet in (config.subnet, config.mgmt_subnet):
         try:
             nets.append(ipaddress.IPv4Network(subnet))
         except ValueError:
-            raise ClusterError(f"simulator subnet {subnet!r} is not an IPv4 network") from None
+            raise UserError(f"simulator subnet {subnet!r} is not an IPv4 network") from None
         if nets[-1].num_addresses < FIRST_HOST_OFFSET + MAX_NODES + 1:
-            raise ClusterError(f"simulator subnet {subnet} is too small", hint="a /24")
+            raise UserError(f"simulator subnet {subnet} is too small", hint="a /24")
     if nets[0].overlaps(nets[1]):
-        raise ClusterError(f"simulator subnets {config.subnet} and {config.mgmt_subnet} overlap")
+        raise UserError(f"simulator subnets {config.subnet} and {config.mgmt_subnet} overlap")
     require_engine()
 
     existing = _existing_nodes(config)
     if existing and sorted(existing) != list(range(1, nnodes + 1)):
-        raise ClusterError(
+        raise UserError(
             f"simulated cluster '{config.name}' already has {len(existing)} node(s)",
             hint=f"'make sim-down' first, or NNODES={len(existing)}",
         )
@@ -520,7 +520,7 @@ def up(
     }
     if existing and were_fresh != {fresh}:
         running = "as fresh installs (FRESH=1)" if fresh is False else "without FRESH=1"
-        raise ClusterError(
+        raise UserError(
             f"simulated cluster '{config.name}' is already running {running}",
             hint="'make sim-down' first",
         )
@@ -529,7 +529,7 @@ def up(
     public_key = None if fresh else _ensure_key(config)
     reused = bool(existing)
     if fresh and not reused and fresh_password is None:
-        raise ClusterError("new fresh nodes need their user's password", hint="make sim-up FRESH=1")
+        raise UserError("new fresh nodes need their user's password", hint="make sim-up FRESH=1")
     if not reused:
         existing_networks = set(
             docker(
@@ -616,7 +616,7 @@ def _wait_for_sshd(host, container: str, deadline: float) -> None:
         try:
             fetch_host_key(host, timeout=10)
         except NodeFailed as exc:
-            raise ClusterError(str(exc)) from None
+            raise UserError(str(exc)) from None
 
     _retry(probe, f"node {host.name}'s sshd did not answer in time", container, deadline)
 
@@ -628,9 +628,9 @@ def _retry(probe: Callable[[], None], failure: str, container: str, deadline: fl
         try:
             probe()
             return
-        except ClusterError as exc:
+        except UserError as exc:
             if time.monotonic() > deadline:
-                raise ClusterError(
+                raise UserError(
                     f"{failure}: {exc}; {_node_state(container)}", exit_code=1
                 ) from None
             time.sleep(0.5)
@@ -642,7 +642,7 @@ def _set_password(container: str, password: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while docker("exec", container, "id", FRESH_USER, check=False).returncode != 0:
         if time.monotonic() > deadline:
-            raise ClusterError(f"node {container} made no user {FRESH_USER} in time", exit_code=1)
+            raise UserError(f"node {container} made no user {FRESH_USER} in time", exit_code=1)
         time.sleep(0.2)
     docker("exec", "-i", container, "chpasswd", stdin=f"{FRESH_USER}:{password}\n")
 

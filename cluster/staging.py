@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster import sync
-from cluster.errors import ClusterError, printable, shown
+from cluster.errors import UserError, printable, shown
 from cluster.inventory import Host, Inventory
 from cluster.versions import TORCH_LABEL, minimum_shown, torch_meets_minimum
 
@@ -58,9 +58,9 @@ def project_root(script: Path | None, workdir: Path | None) -> Path | None:
     if workdir is not None:
         root = workdir.resolve()
         if not root.is_dir():
-            raise ClusterError(f"WORKDIR={workdir} is not a directory", hint="WORKDIR=a directory")
+            raise UserError(f"WORKDIR={workdir} is not a directory", hint="WORKDIR=a directory")
         if script is not None and not script.resolve().is_relative_to(root):
-            raise ClusterError(
+            raise UserError(
                 f"SCRIPT={script} is not inside WORKDIR={workdir}",
                 hint="a WORKDIR that holds the script, or no WORKDIR",
             )
@@ -91,7 +91,7 @@ def plan(
     if script is not None:
         on_node = f"{remote}/{script.resolve().relative_to(root).as_posix()}"
         if on_node.removeprefix(remote + "/") not in tree.files:
-            raise ClusterError(
+            raise UserError(
                 f"SCRIPT={script} would not travel with its project: git ignores it, or it sits "
                 "in a directory that never does (a cache, a virtual environment)",
                 hint="a script that is part of the project",
@@ -135,7 +135,7 @@ def resolve_paths(
         field = ROOTED_FLAGS[flag]
         root = getattr(inventory, field)
         if value.startswith("~"):
-            raise ClusterError(
+            raise UserError(
                 f"{flag} {shown(value)}: '~' would mean the home directory of whoever runs the "
                 "job on each node",
                 hint=f"a path relative to {field} ({root}), or an absolute one",
@@ -144,7 +144,7 @@ def resolve_paths(
         path = posixpath.normpath(path)
         if not posixpath.isabs(value):
             if not _under(path, root):
-                raise ClusterError(f"{flag} {shown(value)} leaves {field} {root}")
+                raise UserError(f"{flag} {shown(value)} leaves {field} {root}")
             notes.append(f"{flag} {value} is {path} on every node ({field})")
         if inventory.launch_mode == "container" and not any(_under(path, m) for m, _ in visible):
             roots = [inventory.checkpoint_root, inventory.data_root]
@@ -154,7 +154,7 @@ def resolve_paths(
                 if field == "checkpoint_root"
                 else "is not visible in the container"
             )
-            raise ClusterError(
+            raise UserError(
                 f"{flag} {path} is outside every directory mounted into the job's container "
                 f"({where}): it {what}",
                 hint=f"a relative {flag} (under {field} {root}), or adding {path} to the "
@@ -172,20 +172,20 @@ def parse_env(items: list[str], environ: Mapping[str, str]) -> tuple[tuple[str, 
         for word in item.split():
             name, equals, value = word.partition("=")
             if not _NAME.fullmatch(name):
-                raise ClusterError(
+                raise UserError(
                     f"ENV: {shown(name)} is not a variable name", hint="ENV='NAME=value OTHER'"
                 )
             if name.startswith(RESERVED_PREFIXES) or name in RESERVED_NAMES:
-                raise ClusterError(f"ENV: {name} is set by the launcher itself")
+                raise UserError(f"ENV: {name} is set by the launcher itself")
             if not equals:
                 if name not in environ:
-                    raise ClusterError(
+                    raise UserError(
                         f"ENV: {name} is not set on this machine, so there is no value to pass",
                         hint=f"exporting {name} first, or ENV='{name}=value'",
                     )
                 value = environ[name]
             if "\n" in value or "\0" in value:
-                raise ClusterError(f"ENV: the value of {name} holds a newline or NUL")
+                raise UserError(f"ENV: the value of {name} holds a newline or NUL")
             found[name] = value
     return tuple(found.items())
 
@@ -224,7 +224,7 @@ def local_image_id(image: str) -> str:
     except FileNotFoundError:
         found = None
     if found is None or found.returncode != 0:
-        raise ClusterError(
+        raise UserError(
             f"the training image {image} is not on this machine, so the nodes' copies cannot be "
             "checked against it",
             hint="make provision INVENTORY=... (it builds the image here and ships it)",

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, on_all
 
@@ -200,7 +200,7 @@ def project_tree(root: Path) -> Tree:
     """The project under `root` as it travels to the nodes."""
     root = root.resolve()
     if not root.is_dir():
-        raise ClusterError(f"workdir {root} is not a directory", hint="WORKDIR=a directory")
+        raise UserError(f"workdir {root} is not a directory", hint="WORKDIR=a directory")
     listed = _listed(root)
     excludes = [f"{name}/" for name in ALWAYS_EXCLUDED_DIRS]
     excludes += [f"*{suffix}" for suffix in ALWAYS_EXCLUDED_SUFFIXES]
@@ -240,7 +240,7 @@ def data_tree(root: Path) -> Tree:
     """A dataset directory: every file in it, nothing left out."""
     root = root.resolve()
     if not root.is_dir():
-        raise ClusterError(f"SRC={root} is not a directory", hint="SRC=path/to/dataset")
+        raise UserError(f"SRC={root} is not a directory", hint="SRC=path/to/dataset")
     files, sizes = [], []
     for directory, dirs, names in os.walk(root):
         dirs.sort()
@@ -288,7 +288,7 @@ def check_size(tree: Tree, limit: int, what: str = "workdir") -> None:
     if tree.size <= limit:
         return
     big = ", ".join(f"{name} {human(size)}" for name, size in tree.biggest())
-    raise ClusterError(
+    raise UserError(
         f"{what} {tree.root} holds {human(tree.size)} in {len(tree.files)} files, over the "
         f"{human(limit)} limit; the biggest: {big}",
         hint="'make data SRC=dir' for datasets (copied once to every node's data_root), "
@@ -430,11 +430,11 @@ def push(
     label: str = "sync",
 ) -> dict[str, Sent]:
     """Mirror `tree` to `destination` on every host at once. A node that fails is one
-    ClusterError naming it (the first such, after every transfer has ended)."""
+    UserError naming it (the first such, after every transfer has ended)."""
     done = push_each(inventory, hosts, tree, destination, emit, label)
     for name, outcome in done.items():
         if isinstance(outcome, str):
-            raise ClusterError(
+            raise UserError(
                 f"on {name}: copying {tree.root} to {destination} failed: {outcome}",
                 hint="'make provision' (it installs rsync and makes the directories), or "
                 "'make netcheck' if the node is unreachable",
@@ -453,7 +453,7 @@ def push_each(
 ) -> dict[str, Sent | str]:
     """Like `push`, but a node that fails gets the reason instead of its Sent."""
     if shutil.which("rsync") is None:
-        raise ClusterError(
+        raise UserError(
             "rsync is not installed on this machine", hint="apt-get install rsync", exit_code=1
         )
     with tempfile.TemporaryDirectory(prefix="tmn-sync-") as scratch:
@@ -494,7 +494,7 @@ def _rsync_reason(stderr_line: str) -> str:
 
 
 def verify(remote: Remote, tree: Tree, destination: str) -> None:
-    """The node's copy must hold exactly the controller's files: a ClusterError naming the
+    """The node's copy must hold exactly the controller's files: a UserError naming the
     node and the first file that differs otherwise."""
     listing = "\0".join(tree.files)
     command = shlex.join(["python3", "-c", _NODE_DIGEST, destination])
@@ -504,7 +504,7 @@ def verify(remote: Remote, tree: Tree, destination: str) -> None:
         return
     if not result.ok:
         why = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
-        raise ClusterError(
+        raise UserError(
             f"on {remote.host.name}: could not check the copy of {tree.root} in {destination}: "
             f"{why[0]}",
             exit_code=1,
@@ -518,7 +518,7 @@ def verify(remote: Remote, tree: Tree, destination: str) -> None:
         ),
         tree.files[0] if tree.files else "?",
     )
-    raise ClusterError(
+    raise UserError(
         f"on {remote.host.name}: the copy of {tree.root} in {destination} differs from this "
         f"machine's ({differing} first); a file changed while it was being sent, or the node's "
         "disk is failing",

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from launch.spec import DEFAULT_MODULE
 
 
@@ -59,7 +59,7 @@ def importable_here(module: str) -> None:
     finally:
         sys.path.pop(0)
     if found is None:
-        raise ClusterError(
+        raise UserError(
             f"--module {module}: no module of that name here",
             hint=f"MODULE={DEFAULT_MODULE}, one of the workloads listed in "
             "training/__init__.py, or SCRIPT=path/to/train.py",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cluster import inventory as inventory_module
 from cluster import staging, sync
-from cluster.errors import ArgumentParser, ClusterError, at_the_edge, shown, stop_on_sigterm
+from cluster.errors import ArgumentParser, UserError, at_the_edge, shown, stop_on_sigterm
 from cluster.inventory import parse_gpu_list
 from launch import checks
 from launch.commands import run_dir
@@ -179,24 +179,24 @@ def run(args: argparse.Namespace) -> int:
     if extra and extra[0] == "--":
         extra = extra[1:]
     if args.script is not None and not args.script.is_file():
-        raise ClusterError(f"script {args.script} does not exist", hint="a path to a .py file")
+        raise UserError(f"script {args.script} does not exist", hint="a path to a .py file")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        raise ClusterError(f"--nproc-per-node={args.nproc_per_node} is below 1")
+        raise UserError(f"--nproc-per-node={args.nproc_per_node} is below 1")
     if not 0 < args.network_timeout < float("inf"):
-        raise ClusterError(f"--network-timeout={args.network_timeout:g} is not a positive number")
+        raise UserError(f"--network-timeout={args.network_timeout:g} is not a positive number")
     # Checked here, not left to torchrun on every node, which would each fail its own way.
     if args.rendezvous_timeout < 1:
-        raise ClusterError(f"--rendezvous-timeout={args.rendezvous_timeout} is below 1 second")
+        raise UserError(f"--rendezvous-timeout={args.rendezvous_timeout} is below 1 second")
     if args.max_restarts < 0:
-        raise ClusterError(f"--max-restarts={args.max_restarts} is below 0")
+        raise UserError(f"--max-restarts={args.max_restarts} is below 0")
     if args.restarts < 0:
-        raise ClusterError(f"--restarts={args.restarts} is below 0")
+        raise UserError(f"--restarts={args.restarts} is below 0")
     if not 0 < args.workdir_limit < float("inf"):
-        raise ClusterError(f"--workdir-limit={args.workdir_limit:g} is not a positive number")
+        raise UserError(f"--workdir-limit={args.workdir_limit:g} is not a positive number")
     if not 0 < args.restart_wait < float("inf"):
-        raise ClusterError(f"--restart-wait={args.restart_wait:g} is not a positive number")
+        raise UserError(f"--restart-wait={args.restart_wait:g} is not a positive number")
     if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
-        raise ClusterError(
+        raise UserError(
             f"--module {shown(args.module)} is not a Python module name",
             hint="a dotted name like training.ddp",
         )
@@ -226,19 +226,19 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.inventory:
         if args.restarts:
-            raise ClusterError(
+            raise UserError(
                 f"--restarts={args.restarts} needs an inventory: a local job has no node to "
                 "wait for",
                 hint="INVENTORY=path.yml",
             )
         if args.workdir is not None or args.env:
-            raise ClusterError(
+            raise UserError(
                 "WORKDIR and ENV are for jobs on an inventory's nodes; a local job runs here, in "
                 "this environment",
                 hint="INVENTORY=path.yml",
             )
         if args.nnodes not in (None, "", "1"):
-            raise ClusterError(
+            raise UserError(
                 f"NNODES={args.nnodes} needs an inventory",
                 hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
             )

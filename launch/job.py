@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from cluster import staging, sync
-from cluster.errors import ClusterError, Terminated
+from cluster.errors import Terminated, UserError
 from cluster.execution import Nodes, Session, SshNodes
 from cluster.inventory import Host, Inventory
 from cluster.jobenv import BACKEND_VARIABLE
@@ -93,14 +93,14 @@ class Launcher:
             problem = gpu_problem(host, self.spec, answer.stdout + answer.stderr, answer.ok)
             if problem is not None:
                 message, _, hint = problem.rpartition(" (try ")
-                raise ClusterError(message, hint=hint.removesuffix(")"), exit_code=1)
+                raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
         for tree, destination in self.project.trees:
             sync.verify(remote, tree, destination)
         directories = [run_dir(self.spec), inventory.checkpoint_root, inventory.data_root]
         made = remote.run(f"mkdir -p {shlex.join(directories)}", timeout=15)
         if not made.ok:
             said = (made.stderr or made.stdout).strip().splitlines()[-1:] or ["no reason given"]
-            raise ClusterError(
+            raise UserError(
                 f"on {host.name}: cannot make {', '.join(directories[1:])}: {said[0]}",
                 hint=f"make provision INVENTORY={inventory.path} (it makes them for "
                 f"{host.ssh_user or 'the SSH user'})",
@@ -111,7 +111,7 @@ class Launcher:
             problem = staging.image_mismatch(host, inventory, image_id, answer.stdout)
             if problem is not None:
                 message, _, hint = problem.rpartition(" (try ")
-                raise ClusterError(message, hint=hint.removesuffix(")"), exit_code=1)
+                raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
         if self.spec.secret_env:
             remote.run(
                 staging.write_secrets_command(self.spec.run_id),
@@ -137,13 +137,13 @@ class Launcher:
         )
 
     def _parallel(self, work: Callable[[Host], None]) -> None:
-        """`work` on every host at once; the first ClusterError raised, after all have ended."""
-        errors: list[ClusterError] = []
+        """`work` on every host at once; the first UserError raised, after all have ended."""
+        errors: list[UserError] = []
 
         def guarded(host: Host) -> None:
             try:
                 work(host)
-            except ClusterError as exc:
+            except UserError as exc:
                 errors.append(exc)
 
         on_all(self.hosts, guarded)
@@ -300,13 +300,13 @@ class Launcher:
         words = result.stdout.split()
         if result.exit_code == LOCK_BUSY_EXIT:
             other = words[1] if len(words) > 1 else "another job"
-            raise ClusterError(
+            raise UserError(
                 f"job {other} is already running on {master.name} (rendezvous port {port})",
                 hint="waiting for it to end, or Ctrl-C where it was started",
                 exit_code=1,
             )
         if not result.ok:
-            raise ClusterError(
+            raise UserError(
                 f"host '{master.name}': could not claim rendezvous port {port}: "
                 f"{(result.stderr or result.stdout).strip()}",
                 exit_code=1,
@@ -323,7 +323,7 @@ class Launcher:
                 remote.run(
                     unlock_command(self.spec.run_id, self.inventory.rendezvous_port), timeout=10
                 )
-        except ClusterError:
+        except UserError:
             pass  # the master is gone; the next launch finds the lock stale
 
     def _close(self) -> None:

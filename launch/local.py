@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, ClusterError, Terminated
+from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
 from launch.ending import failure_excerpt
 from launch.nodes import debug_environment, process_count
 from launch.spec import STOP_GRACE, TAIL_LINES, Emit, JobSpec
@@ -48,13 +48,13 @@ def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
     if spec.gpus is not None:
         shown = ",".join(map(str, spec.gpus))
         if gpus_here == 0:
-            raise ClusterError(
+            raise UserError(
                 f"GPUS={shown} but this machine has no GPU",
                 hint="leaving GPUS unset; --nproc-per-node sets the process count",
             )
         missing = [index for index in spec.gpus if index >= gpus_here]
         if missing:
-            raise ClusterError(
+            raise UserError(
                 f"GPUS={shown} asks for GPU {missing[0]}, but this machine has {gpus_here} "
                 f"GPU(s) (0-{gpus_here - 1})"
             )

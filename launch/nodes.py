@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cluster.errors import ClusterError, printable
+from cluster.errors import UserError, printable
 from cluster.inventory import Host, Inventory
 from cluster.staging import Project
 from launch.spec import DEBUG_ENV, DEBUG_LEVELS, GPUS_PER_PROCESS, JobSpec
@@ -16,7 +16,7 @@ def debug_environment(level: str | None) -> dict[str, str]:
     if level is None:
         return {}
     if level not in DEBUG_LEVELS:
-        raise ClusterError(f"DEBUG={level!r} is not one of 1, detail", hint="DEBUG=1")
+        raise UserError(f"DEBUG={level!r} is not one of 1, detail", hint="DEBUG=1")
     return {**DEBUG_ENV, "TORCH_DISTRIBUTED_DEBUG": level.upper()}
 
 
@@ -31,13 +31,13 @@ def visible_gpus(host: Host, spec: JobSpec) -> tuple[int, ...] | None:
         return None
     shown = ",".join(map(str, selected))
     if host.gpus == 0:
-        raise ClusterError(
+        raise UserError(
             f"GPUS={shown} but node '{host.name}' has no GPU (inventory gpus: 0)",
             hint="leaving GPUS unset on CPU nodes; --nproc-per-node sets the process count",
         )
     missing = [index for index in selected if index >= host.gpus]
     if missing:
-        raise ClusterError(
+        raise UserError(
             f"GPUS={shown} asks for GPU {missing[0]}, but node '{host.name}' has {host.gpus} "
             f"GPU(s) (0-{host.gpus - 1})",
         )
@@ -65,7 +65,7 @@ def process_count(spec: JobSpec, gpus: int, has: str, cpu_default: int = 1) -> i
     what = spec.module if spec.script is None else spec.script.name
     if spec.nproc_per_node is not None:
         if gpus and spec.nproc_per_node * per > gpus:
-            raise ClusterError(
+            raise UserError(
                 f"--nproc-per-node={spec.nproc_per_node} of {what} needs "
                 f"{spec.nproc_per_node * per} GPU(s), but {has}",
                 hint=f"--nproc-per-node={max(1, gpus // per)}",
@@ -74,7 +74,7 @@ def process_count(spec: JobSpec, gpus: int, has: str, cpu_default: int = 1) -> i
     if gpus == 0:
         return cpu_default
     if gpus < per:
-        raise ClusterError(
+        raise UserError(
             f"{what} spans {per} GPUs per process, but {has}",
             hint=f"machines with {per} GPUs, or GPUS= naming {per} of them; without GPUs "
             f"(gpus: 0) its stages run on the CPU",
@@ -163,7 +163,7 @@ def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[st
     found: dict[str, dict[str, str]] = {}
     path = env_file or envfile.default_path(inventory.path)
     if env_file is not None and not env_file.is_file():
-        raise ClusterError(
+        raise UserError(
             f"--env-file {env_file} does not exist",
             hint=f"make netcheck INVENTORY={inventory.path}, which writes it, or no --env-file",
         )

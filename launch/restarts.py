@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 
 from cluster import staging
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.execution import Nodes, SshNodes
 from cluster.inventory import Host, Inventory
 from cluster.remote import on_all
@@ -27,7 +27,7 @@ def wait_for_nodes(
 ) -> float:
     """Until every host of the (narrowed) inventory answers over SSH (a command run, not only a
     port open): the seconds that took. A host that never answers within `wait` seconds is a
-    ClusterError naming it and why."""
+    UserError naming it and why."""
     nodes = nodes or SshNodes(inventory)
     started = time.monotonic()
     missing = {host.name: host for host in inventory.hosts}
@@ -44,7 +44,7 @@ def wait_for_nodes(
             with nodes.session(host) as remote:
                 remote.run(command, timeout=10, check=True)
             return None
-        except ClusterError as exc:
+        except UserError as exc:
             return str(exc)
 
     while True:
@@ -62,7 +62,7 @@ def wait_for_nodes(
             return time.monotonic() - started
         if time.monotonic() - started >= wait:
             name = next(iter(missing))
-            raise ClusterError(
+            raise UserError(
                 f"{', '.join(missing)} did not answer within --restart-wait {wait:g} s: "
                 f"{silent[name]}",
                 hint="bringing the node back, then running the job again (it resumes from its "

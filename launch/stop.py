@@ -6,7 +6,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Host
 from launch.commands import stop_command, unlock_command
 from launch.spec import LOST_NODE_PROBE, STOP_TIMEOUT
@@ -36,13 +36,13 @@ def everywhere(job: Launcher, master: Host | None = None) -> dict[str, float | s
         with job.remote_for(host) as remote:
             try:
                 remote.connect()
-            except ClusterError:
+            except UserError:
                 stopped[host.name] = "unreachable"
                 return
             try:
                 remote.run(command, timeout=STOP_TIMEOUT, check=True)
                 stopped[host.name] = time.monotonic() - started
-            except ClusterError:
+            except UserError:
                 pass  # not confirmed: the command failed or outlasted its limit
 
     threads = [threading.Thread(target=stop, args=(h,), daemon=True) for h in job.hosts]

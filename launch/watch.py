@@ -7,7 +7,7 @@ import collections
 import time
 from typing import TYPE_CHECKING
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Host
 from launch.blame import cut_off
 from launch.commands import link_probe_command
@@ -51,7 +51,7 @@ def link(job: Launcher, host: Host, master: Host) -> None:
             probed_at = time.monotonic()
             try:
                 answer = remote.run(command, timeout=LINK_PROBE_WAIT + 10).stdout.strip()
-            except ClusterError:
+            except UserError:
                 continue  # SSH itself failing is the liveness watcher's business
             if answer == "up":
                 seen_up = True

@@ -1,7 +1,7 @@
 """`netcheck`: the pre-flight check before a multi-node training run.
 
 A thin edge: parse arguments, call netcheck.preflight, write the env file for the launcher,
-print the table (or --json) and exit 0 only when nothing FAILs. A ClusterError (no inventory,
+print the table (or --json) and exit 0 only when nothing FAILs. A UserError (no inventory,
 bad NNODES, unwritable env file) becomes one `Error: ...` line.
 """
 

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 
 FILENAME = "netcheck-env.json"
 
@@ -45,7 +45,7 @@ def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError as exc:
-        raise ClusterError(
+        raise UserError(
             f"cannot write the netcheck env file {path}: {exc.strerror or exc}",
             hint="--env-file with a writable path",
             exit_code=1,
@@ -65,19 +65,19 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, str]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ClusterError(
+        raise UserError(
             f"the netcheck env file {path} does not exist",
             hint="'make netcheck' first: it writes the file next to the inventory",
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ClusterError(
+        raise UserError(
             f"the netcheck env file {path} cannot be read: {exc}",
             hint="'make netcheck' again to rewrite it",
         ) from None
     except (ValueError, RecursionError) as exc:
         # Not JSONDecodeError: an int of over 4300 digits, or arrays nested beyond the stack.
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
-        raise ClusterError(
+        raise UserError(
             f"the netcheck env file {path} cannot be read: {reason}",
             hint="'make netcheck' again to rewrite it",
         ) from None
@@ -88,7 +88,7 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, str]]:
         and all(_text(k) and "=" not in k and _text(v, empty=True) for k, v in env.items())
         for name, env in nodes.items()
     ):
-        raise ClusterError(
+        raise UserError(
             f"the netcheck env file {path} has no valid 'nodes' mapping of name -> variables",
             hint="'make netcheck' again to rewrite it",
         )

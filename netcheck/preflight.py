@@ -10,7 +10,7 @@
 
 A node that does not answer is reported and left out of the later stages; a stage that needs
 every node (TCP, the collective) is then skipped with the reason. Nothing here prints: the
-result is a Report, and cluster.remote's ClusterError never escapes (it becomes a finding).
+result is a Report, and cluster.remote's UserError never escapes (it becomes a finding).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def attempt(nodes: Nodes, host: Host, command: str, timeout: float) -> Attempt:
     started = time.monotonic()
     try:
         result = nodes.run(host, command, timeout)
-    except Exception as exc:  # noqa: BLE001 - ClusterError, or anything else a dead link throws
+    except Exception as exc:  # noqa: BLE001 - UserError, or anything else a dead link throws
         message = str(exc) or type(exc).__name__
         return Attempt(
             None, message.removeprefix(f"host '{host.name}': "), time.monotonic() - started

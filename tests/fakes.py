@@ -13,7 +13,7 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Host
 from cluster.remote import Result
 
@@ -46,7 +46,7 @@ class FakeNodes:
         self._sent[host.name] += 1
         answer = self.respond(host, command)
         if host.name in self.down or self._sent[host.name] <= self.failing_first.get(host.name, 0):
-            raise ClusterError(
+            raise UserError(
                 f"host '{host.name}': cannot SSH to {host.ssh_address}:22: timed out", exit_code=1
             )
         return answer if isinstance(answer, Result) else Result(host.name, command, 0, answer, "")
@@ -81,17 +81,17 @@ class FakeSession:
 
     def connect(self) -> None:
         if self.host.name in self.nodes.refused:
-            raise ClusterError(
+            raise UserError(
                 f"host '{self.host.name}': cannot SSH to it: connection refused", exit_code=1
             )
         if self.host.name in self.nodes.down:
-            raise ClusterError(f"host '{self.host.name}': cannot SSH to it: timed out", exit_code=1)
+            raise UserError(f"host '{self.host.name}': cannot SSH to it: timed out", exit_code=1)
 
     def run(self, command: str, timeout: float | None = 60, check: bool = False, stdin=None):
         self.connect()
         result = self.nodes.run(self.host, command, timeout or 60)
         if check and not result.ok:
-            raise ClusterError(
+            raise UserError(
                 f"host '{self.host.name}': {command!r} exited {result.exit_code}", exit_code=1
             )
         return result

@@ -33,7 +33,7 @@ import netcheck.cli
 import training.ddp  # noqa: F401 - train imports it to check its arguments: here, unwatched
 from cluster import inventory, remote, sim
 from cluster.containers import training_container_options
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.execution import ContainerContext
 from cluster.staging import REMOTE_RUN_ROOT
 from launch import restarts
@@ -192,7 +192,7 @@ def test_the_simulated_clusters_inventory_checks_host_keys(tmp_path):
 def test_an_inventory_that_turns_host_key_checks_off_is_refused(variable, value):
     text = yaml.safe_load((REPO / "inventory.example.yml").read_text())
     text["all"]["children"]["nodes"]["hosts"]["pc2"][variable] = value
-    with pytest.raises(ClusterError) as refused:
+    with pytest.raises(UserError) as refused:
         inventory.parse(yaml.safe_dump(text), "inv.yml")
     assert refused.value.line().startswith(
         f"Error: inventory inv.yml: host 'pc2': field '{variable}'"
@@ -231,7 +231,7 @@ def test_the_fabric_remote_rejects_unknown_host_keys_and_never_uses_a_password(
     monkeypatch.setattr(remote, "Connection", Recorder)
     key = tmp_path / "id_ed25519"
     key.write_text(PRIVATE_KEY)
-    with pytest.raises(ClusterError) as refused:
+    with pytest.raises(UserError) as refused:
         remote.Remote(_host(key), known_hosts=tmp_path / "known_hosts").run("true")
     ((kwargs, client),) = made
     assert isinstance(client._policy, paramiko.RejectPolicy)

@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import console, levers, models, parallel
 from training.config import MODELS, DDPConfig
 
@@ -113,13 +113,13 @@ def parse_levers(text: str, world_size: int) -> list[str]:
     known = (*LEVERS, BASELINE)
     unknown = [name for name in names if name not in known]
     if unknown or not names:
-        raise ClusterError(
+        raise UserError(
             f"--levers {text!r}: {', '.join(unknown) or 'empty'} is not one of {', '.join(known)}"
         )
     if world_size == 1:
         return [BASELINE]
     if BASELINE in names:
-        raise ClusterError(
+        raise UserError(
             f"--levers {BASELINE} is the one-process series; this job has {world_size} processes"
         )
     return list(dict.fromkeys(names))
@@ -132,9 +132,9 @@ def threads() -> int:
     try:
         count = int(value)
     except ValueError:
-        raise ClusterError(f"OMP_NUM_THREADS={value!r} is not an integer") from None
+        raise UserError(f"OMP_NUM_THREADS={value!r} is not an integer") from None
     if count < 1:
-        raise ClusterError(f"OMP_NUM_THREADS={value!r} is below 1")
+        raise UserError(f"OMP_NUM_THREADS={value!r} is below 1")
     return count
 
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console.require_positive(args, "image_size", "batch", "accumulate", "reps", "measure")
     if args.warmup < 0:
-        raise ClusterError(f"--warmup must be 0 or more, got {args.warmup}")
+        raise UserError(f"--warmup must be 0 or more, got {args.warmup}")
     env = parallel.read_env()
     series = parse_levers(args.levers, env.world_size)
     torch.set_num_threads(threads())

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 
 _NAME = re.compile(r"^step-(\d{8})-rank-(\d{5})\.pt$")
 
@@ -124,7 +124,7 @@ class CheckpointStore:
         except OSError as error:
             raise self._write_error("cannot write checkpoints to", error) from None
 
-    def _write_error(self, what: str, error: OSError, after: str = "") -> ClusterError:
+    def _write_error(self, what: str, error: OSError, after: str = "") -> UserError:
         reason = error.strerror or str(error) or type(error).__name__
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             hint = "freeing space there, a smaller --keep, or a --checkpoint-dir with more room"
@@ -132,7 +132,7 @@ class CheckpointStore:
             hint = "a writable --checkpoint-dir"
         else:
             hint = "another --checkpoint-dir"
-        return ClusterError(f"{what} {self.directory}: {reason}{after}", hint=hint, exit_code=1)
+        return UserError(f"{what} {self.directory}: {reason}{after}", hint=hint, exit_code=1)
 
     def load(self, step: int, device: torch.device) -> dict[str, Any]:
         path = self.path(step)
@@ -140,7 +140,7 @@ class CheckpointStore:
             return torch.load(path, map_location=device, weights_only=True)
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise ClusterError(f"cannot load checkpoint {path}: {reason}", exit_code=1) from None
+            raise UserError(f"cannot load checkpoint {path}: {reason}", exit_code=1) from None
 
     def prune(self) -> None:
         for step in self.steps()[: -self.keep]:
@@ -199,7 +199,7 @@ def plan_resume(steps_per_rank: list[list[int]], resume: bool | None, directory:
     if step is None:
         if resume is None and not any(steps_per_rank):
             return ResumePlan(None, f"no checkpoints in {directory}: starting from step 0")
-        raise ClusterError(
+        raise UserError(
             f"no checkpoint step is present on every rank in {directory} ({held})",
             hint="--no-resume to start over",
         )

@@ -17,7 +17,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import console, parallel
 
 OPERATIONS = (
@@ -65,7 +65,7 @@ class Checker:
         )
         for rank, (held_value, wanted_value) in enumerate(reports):
             if held_value != wanted_value:
-                raise ClusterError(
+                raise UserError(
                     f"{operation} is wrong on rank {rank}: expected {_show(wanted_value)}, "
                     f"got {_show(held_value)}",
                     exit_code=1,
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = check_arguments(argv)
     env = parallel.read_env()
     if not env.launched or env.world_size < 2:
-        raise ClusterError(
+        raise UserError(
             "comm_demo needs at least 2 processes",
             hint="python -m torch.distributed.run --nproc-per-node 2 -m training.comm_demo",
         )

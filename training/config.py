@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from cluster.errors import ClusterError, printable, shown
+from cluster.errors import UserError, printable, shown
 from training.console import ArgumentParser
 
 T = TypeVar("T")
@@ -285,13 +285,13 @@ def _check_value(where: str, value: Any, kind: type, optional: bool) -> Any:
         try:
             return float(value)
         except OverflowError:
-            raise ClusterError(f"{where}: {shown(value)} is too large for a float") from None
+            raise UserError(f"{where}: {shown(value)} is too large for a float") from None
     if kind is str and isinstance(value, str) and "\x00" in value:
         # Only YAML's "\0" makes one; every path or name with it fails later, on every rank.
-        raise ClusterError(f"{where}: {shown(value)} holds a NUL character")
+        raise UserError(f"{where}: {shown(value)} holds a NUL character")
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
-    raise ClusterError(f"{where} must be {kind.__name__}, got {shown(value)}")
+    raise UserError(f"{where} must be {kind.__name__}, got {shown(value)}")
 
 
 def _name(key: Any) -> str:
@@ -304,36 +304,36 @@ def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError as error:
-        raise ClusterError(f"cannot read config file {path}: {error.strerror}") from None
+        raise UserError(f"cannot read config file {path}: {error.strerror}") from None
     except UnicodeDecodeError as error:
-        raise ClusterError(f"config file {path} is not UTF-8 text: {error.reason}") from None
+        raise UserError(f"config file {path} is not UTF-8 text: {error.reason}") from None
     except yaml.YAMLError as error:
         # One line: where and what, not PyYAML's several lines of context.
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ClusterError(f"{path} is not valid YAML{at}: {problem}") from None
+        raise UserError(f"{path} is not valid YAML{at}: {problem}") from None
     except RecursionError:  # PyYAML composes nested collections recursively
-        raise ClusterError(f"{path} is nested too deeply to be a config file") from None
+        raise UserError(f"{path} is nested too deeply to be a config file") from None
     except ValueError as error:  # a date like 2024-02-30, an int of over 4300 digits
-        raise ClusterError(
+        raise UserError(
             f"{path} holds a value YAML cannot read: {str(error).split(';')[0]}"
         ) from None
     if not isinstance(raw, dict):
-        raise ClusterError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+        raise UserError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
     sections = dict(_sections(config_type))
     settings: dict[str, dict[str, Any]] = {}
     for section, values in raw.items():
         if section not in sections:
-            raise ClusterError(
+            raise UserError(
                 f"{path}: unknown section {shown(section)}", hint=f"one of {', '.join(sections)}"
             )
         if not isinstance(values, dict):
-            raise ClusterError(f"{path}: section {section} must be a mapping")
+            raise UserError(f"{path}: section {section} must be a mapping")
         leaves = {leaf[0].name: leaf for leaf in _leaves(sections[section])}
         for name, value in values.items():
             if name not in leaves:
-                raise ClusterError(
+                raise UserError(
                     f"{path}: unknown setting {section}.{_name(name)}",
                     hint=f"one of {', '.join(leaves)}",
                 )
@@ -341,7 +341,7 @@ def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
             checked = _check_value(f"{path}: {section}.{name}", value, kind, optional)
             allowed = item.metadata["choices"]
             if allowed and checked not in allowed:
-                raise ClusterError(
+                raise UserError(
                     f"{path}: {section}.{name} is {shown(checked)}, not one of {', '.join(allowed)}"
                 )
             settings.setdefault(section, {})[name] = checked
@@ -380,19 +380,17 @@ def check(config) -> None:
             {"--bucket-cap-mb": ddp.bucket_cap_mb, "--powersgd-rank": ddp.powersgd_rank}
         )
         if ddp.powersgd_start_step < 2:
-            raise ClusterError(
-                "--powersgd-start-step must be at least 2 (torch's PowerSGD needs it)"
-            )
+            raise UserError("--powersgd-start-step must be at least 2 (torch's PowerSGD needs it)")
     # float() takes 'nan' and 'inf' from a flag or the file; neither trains anything.
     for section in dataclasses.fields(config):
         values = getattr(config, section.name)
         for item, kind, _ in _leaves(type(values)):
             value = getattr(values, item.name)
             if kind is float and value is not None and not math.isfinite(value):
-                raise ClusterError(f"{_flag(item.name)} must be a finite number, got {value}")
+                raise UserError(f"{_flag(item.name)} must be a finite number, got {value}")
     for flag, value in positive.items():
         if value <= 0:
-            raise ClusterError(f"{flag} must be positive, got {shown(value)}")
+            raise UserError(f"{flag} must be positive, got {shown(value)}")
     not_negative = {
         "--lr": config.optim.lr,  # torch.optim.SGD refuses negative ones, on every rank
         "--momentum": config.optim.momentum,
@@ -402,33 +400,29 @@ def check(config) -> None:
     }
     for flag, value in not_negative.items():
         if value < 0:
-            raise ClusterError(f"{flag} must be 0 or more, got {value}")
+            raise UserError(f"{flag} must be 0 or more, got {value}")
     if not -(2**63) <= config.run.seed < 2**64:
-        raise ClusterError(
+        raise UserError(
             f"--seed {shown(config.run.seed)} is outside what torch.manual_seed takes "
             "(-2**63 to 2**64-1)"
         )
     if config.data.workers < 0:
-        raise ClusterError(f"--workers must be 0 or more, got {shown(config.data.workers)}")
+        raise UserError(f"--workers must be 0 or more, got {shown(config.data.workers)}")
     if config.data.num_classes < 2:
-        raise ClusterError(
-            f"--num-classes must be at least 2, got {shown(config.data.num_classes)}"
-        )
+        raise UserError(f"--num-classes must be at least 2, got {shown(config.data.num_classes)}")
     if config.model.sync_bn and ddp is None:
-        raise ClusterError("--sync-bn needs DDP: SyncBatchNorm synchronises through it")
+        raise UserError("--sync-bn needs DDP: SyncBatchNorm synchronises through it")
     if not 0 < config.run.collective_timeout <= 86400:
-        raise ClusterError(
+        raise UserError(
             f"--collective-timeout must be above 0 and at most 86400 s, got "
             f"{config.run.collective_timeout}"
         )
     if config.run.slow_rank_factor < 0:
-        raise ClusterError(
-            f"--slow-rank-factor must be 0 or more, got {config.run.slow_rank_factor}"
-        )
+        raise UserError(f"--slow-rank-factor must be 0 or more, got {config.run.slow_rank_factor}")
 
 
 def check_on_rank(config) -> None:
     """What only the machine a rank runs on can tell (the launcher's machine may have no GPU
     while the nodes do)."""
     if config.model.sync_bn and not torch.cuda.is_available():
-        raise ClusterError("--sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA")
+        raise UserError("--sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA")

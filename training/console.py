@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import parallel
 
 
@@ -18,7 +18,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(**kwargs)
 
     def error(self, message: str):
-        raise ClusterError(message, hint="--help")
+        raise UserError(message, hint="--help")
 
 
 def require_positive(args, *names: str) -> None:
@@ -26,7 +26,7 @@ def require_positive(args, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
         if value <= 0:
-            raise ClusterError(f"--{name.replace('_', '-')} must be positive, got {value}")
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 def emit(text: str, stream=None) -> None:
@@ -48,12 +48,12 @@ def say_every_rank(env: parallel.DistEnv, line: str) -> None:
 
 def call(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Call `main` and leave the process group either way (a rank that exits with gloo still up
-    can abort at exit, "terminate called without an active exception"); a ClusterError becomes
+    can abort at exit, "terminate called without an active exception"); a UserError becomes
     one `Error: ...` line and its exit code."""
     try:
         code = main(argv)
         parallel.stop(synchronize=True)
-    except ClusterError as error:
+    except UserError as error:
         emit(error.line(), sys.stderr)
         code = error.exit_code
         parallel.stop()

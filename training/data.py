@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{number}" for number in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch"
@@ -93,15 +93,15 @@ def _unpickle(path: Path) -> dict:
         with path.open("rb") as file:
             batch = pickle.load(file, encoding="bytes")
     except FileNotFoundError:
-        raise ClusterError(
+        raise UserError(
             f"CIFAR-10 batch {path} is missing (needs {', '.join(CIFAR10_TRAIN_FILES)} and "
             f"{CIFAR10_TEST_FILE})",
             hint="extracting cifar-10-python.tar.gz into --data-dir on every node",
         ) from None
     except (pickle.UnpicklingError, EOFError, ValueError) as error:
-        raise ClusterError(f"{path} is not a CIFAR-10 python batch: {error}") from None
+        raise UserError(f"{path} is not a CIFAR-10 python batch: {error}") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
-        raise ClusterError(f"{path} is not a CIFAR-10 python batch: no data/labels entries")
+        raise UserError(f"{path} is not a CIFAR-10 python batch: no data/labels entries")
     return batch
 
 
@@ -159,10 +159,10 @@ def build_splits(config, seed: int) -> Splits:
             _describe("synthetic", config, train, val, config.num_classes),
         )
     if not config.data_dir:
-        raise ClusterError(f"--dataset {config.dataset} needs --data-dir")
+        raise UserError(f"--dataset {config.dataset} needs --data-dir")
     root = Path(config.data_dir)
     if not root.is_dir():
-        raise ClusterError(f"--data-dir {root} is not a directory on this node")
+        raise UserError(f"--data-dir {root} is not a directory on this node")
     if config.dataset == "cifar10":
         if (root / "cifar-10-batches-py").is_dir():
             root = root / "cifar-10-batches-py"
@@ -183,7 +183,7 @@ def _image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset, int]:
 
     for split in ("train", "val"):
         if not (root / split).is_dir():
-            raise ClusterError(f"imagefolder needs {root / split}/<class>/<image> files")
+            raise UserError(f"imagefolder needs {root / split}/<class>/<image> files")
     transform = transforms.Compose(
         [
             transforms.Resize(image_size),
@@ -196,11 +196,11 @@ def _image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset, int]:
         train = datasets.ImageFolder(str(root / "train"), transform=transform)
         val = datasets.ImageFolder(str(root / "val"), transform=transform)
     except (FileNotFoundError, OSError) as error:
-        raise ClusterError(f"imagefolder {root}: {error}") from None
+        raise UserError(f"imagefolder {root}: {error}") from None
     if train.classes != val.classes:
         only_train = sorted(set(train.classes) - set(val.classes))
         only_val = sorted(set(val.classes) - set(train.classes))
-        raise ClusterError(
+        raise UserError(
             f"{root}: train/ and val/ hold different classes (only in train: {only_train}, "
             f"only in val: {only_val})"
         )
@@ -245,7 +245,7 @@ def train_loader(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
     )
     if sampler.num_samples < batch_size:
-        raise ClusterError(
+        raise UserError(
             f"train split of {len(dataset)} samples gives {sampler.num_samples} per rank over "
             f"{world_size} ranks, fewer than the per-rank batch {batch_size}"
         )
@@ -273,7 +273,7 @@ def apply_sharing_strategy(environ: dict[str, str] | None = None) -> str | None:
     import torch.multiprocessing
 
     if wanted not in torch.multiprocessing.get_all_sharing_strategies():
-        raise ClusterError(
+        raise UserError(
             f"TMN_SHARING_STRATEGY={wanted!r} is not one of "
             f"{', '.join(sorted(torch.multiprocessing.get_all_sharing_strategies()))}"
         )

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import console
 from training.config import MODELS
 from training.models import build_model
@@ -195,15 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console.require_positive(args, "batch_size", "image_size", "steps", "num_classes")
     if args.warmup < 0:
-        raise ClusterError(f"--warmup must be 0 or more, got {args.warmup}")
+        raise UserError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.cpu is not None:
         if args.cpu < 2:
-            raise ClusterError(f"--cpu needs at least 2 processes to compare, got {args.cpu}")
+            raise UserError(f"--cpu needs at least 2 processes to compare, got {args.cpu}")
         world_size, devices = args.cpu, [torch.device("cpu")]
     else:
         world_size = torch.cuda.device_count()
         if world_size < 2:
-            raise ClusterError(
+            raise UserError(
                 f"dp_vs_ddp needs two or more GPUs on this machine, found {world_size}",
                 hint="a multi-GPU node, or --cpu 2 to check the code path",
                 exit_code=EXIT_NEEDS_GPUS,

@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import parallel
 
 METHODS = ("env", "tcp", "file")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         env = parallel.read_env()  # the job's backend (TMN_BACKEND) and this rank's device
-    except ClusterError as error:
+    except UserError as error:
         print(error.line(), file=sys.stderr)
         return error.exit_code
     # Before any group forms: otherwise every rank's NCCL work lands on GPU 0.

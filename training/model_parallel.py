@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import console, parallel
 from training.data import SyntheticImages
 
@@ -52,7 +52,7 @@ def stage_devices(env: parallel.DistEnv) -> tuple[torch.device, torch.device]:
     if found < needed:
         processes = "process" if env.local_world_size == 1 else "processes"
         fewer = f"--nproc-per-node {found // 2}, " if found >= 2 else ""
-        raise ClusterError(
+        raise UserError(
             f"on {parallel.node_name()}: {env.local_world_size} {processes} x 2 GPUs each need "
             f"{needed} GPUs, found {found}",
             hint=f"a node with 2 GPUs per process, {fewer}or GPUS= naming two GPU indices per "
@@ -149,7 +149,7 @@ def check_arguments(argv: list[str] | None):
     args = parse_args(argv)
     console.require_positive(args, "batch_size", "image_size", "num_classes", "steps")
     if args.split_size < 0:
-        raise ClusterError("--split-size must be 0 (off) or positive")
+        raise UserError("--split-size must be 0 (off) or positive")
     smallest = (
         (args.batch_size % args.split_size or args.split_size)
         if args.split_size
@@ -157,7 +157,7 @@ def check_arguments(argv: list[str] | None):
     )
     side = math.ceil(args.image_size / 32)  # layer4's output side: resnet50 downsamples 32x
     if smallest * side * side < 2:
-        raise ClusterError(
+        raise UserError(
             f"a micro-batch of {smallest} image(s) at {args.image_size}px leaves layer4's "
             f"BatchNorm {smallest * side * side} value per channel; training needs at least 2",
             hint="--image-size 64, or micro-batches of 2 or more images",

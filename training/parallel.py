@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -67,7 +67,7 @@ def _integer(name: str, environ: dict[str, str]) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ClusterError(f"environment variable {name}={value!r} is not an integer") from None
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def node_name(environ: dict[str, str] | None = None) -> str:
@@ -82,7 +82,7 @@ def _uses_cuda(environ: dict[str, str]) -> bool:
     if not backend:
         return torch.cuda.is_available()
     if backend not in BACKENDS:
-        raise ClusterError(
+        raise UserError(
             f"{BACKEND_VARIABLE}={backend!r} is neither nccl nor gloo",
             hint="leaving it to the launcher, which sets nccl or gloo for the whole job",
         )
@@ -94,7 +94,7 @@ def _uses_cuda(environ: dict[str, str]) -> bool:
         found = "this node shows no GPU (torch.cuda.device_count() is 0)"
     else:
         return True
-    raise ClusterError(
+    raise UserError(
         f"on {node_name(environ)}: this job uses NCCL ({BACKEND_VARIABLE}=nccl) but {found}",
         hint=NO_GPU_HINT,
     )
@@ -108,7 +108,7 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
         return DistEnv(device=torch.device("cuda:0" if cuda else "cpu"))
     missing = [name for name in TORCHRUN_VARIABLES if name not in environ]
     if missing:
-        raise ClusterError(
+        raise UserError(
             f"WORLD_SIZE is set but {', '.join(missing)} is not",
             hint="launching with python -m torch.distributed.run",
         )
@@ -117,11 +117,11 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
     )
     local_world_size = _integer("LOCAL_WORLD_SIZE", environ) if "LOCAL_WORLD_SIZE" in environ else 1
     if not 0 <= rank < world_size:
-        raise ClusterError(f"RANK {rank} is outside world size {world_size}")
+        raise UserError(f"RANK {rank} is outside world size {world_size}")
     if cuda:
         visible = torch.cuda.device_count()
         if local_rank >= visible:
-            raise ClusterError(
+            raise UserError(
                 f"LOCAL_RANK {local_rank} needs GPU {local_rank} but this node has {visible}",
                 hint=f"--nproc-per-node {visible}",
             )
@@ -191,7 +191,7 @@ def all_gather(value: object, env: DistEnv) -> list:
 
 def per_rank_batch(global_batch: int, env: DistEnv) -> int:
     if global_batch % env.world_size:
-        raise ClusterError(
+        raise UserError(
             f"global batch {global_batch} is not divisible by world size {env.world_size}",
             hint=f"--global-batch-size {max(1, global_batch // env.world_size) * env.world_size}",
         )

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import console, parallel
 from training.checkpoint import write_atomically
 from training.data import SyntheticImages
@@ -46,7 +46,7 @@ def build_model(num_classes: int, width: int, seed: int) -> nn.Sequential:
 def stage_bounds(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
     """[start, end) block ranges, as even as possible, earlier stages taking the remainder."""
     if num_stages > num_blocks:
-        raise ClusterError(
+        raise UserError(
             f"{num_stages} pipeline stages need at least {num_stages} blocks; the model has "
             f"{num_blocks}",
             hint=f"--nproc-per-node {num_blocks} or fewer processes in total",
@@ -111,7 +111,7 @@ def check_arguments(argv: list[str] | None):
         args, "steps", "batch_size", "microbatches", "image_size", "num_classes", "width"
     )
     if args.batch_size % args.microbatches:
-        raise ClusterError(
+        raise UserError(
             f"batch {args.batch_size} does not split into {args.microbatches} "
             f"micro-batches ({args.batch_size} % {args.microbatches} = "
             f"{args.batch_size % args.microbatches})"
@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     args = check_arguments(argv)
     env = parallel.read_env()
     if not env.launched:
-        raise ClusterError(
+        raise UserError(
             "the pipeline needs one process per stage",
             hint="python -m torch.distributed.run --nproc-per-node 2 -m training.pipeline",
         )
     if args.schedule == "1f1b" and args.microbatches < env.world_size:
-        raise ClusterError(
+        raise UserError(
             f"1f1b needs at least as many micro-batches as stages: "
             f"{args.microbatches} < {env.world_size}"
         )

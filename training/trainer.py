@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import checkpoint, data, metrics, parallel
 from training.console import say, say_every_rank
 
@@ -47,7 +47,7 @@ def resolve_numerics(precision: str, device: torch.device) -> Numerics:
     """What --precision means on this device; bf16/fp16 autocast and channels_last are GPU-only."""
     if device.type != "cuda":
         if precision in ("bf16", "fp16"):
-            raise ClusterError(
+            raise UserError(
                 f"--precision {precision} needs a GPU; this run is on CPU", hint="--precision fp32"
             )
         return Numerics(None, False, False, "fp32")
@@ -205,7 +205,7 @@ class Trainer:
             ("--checkpoint-pause-rank", config.checkpoint.checkpoint_pause_rank),
         ):
             if rank is not None and not 0 <= rank < env.world_size:
-                raise ClusterError(
+                raise UserError(
                     f"{flag} {rank} is not a rank of this job (0 to {env.world_size - 1})"
                 )
         if env.launched and dist.is_initialized():
@@ -243,7 +243,7 @@ class Trainer:
         expected = {"world_size": self.env.world_size, "batch_per_rank": self.batch}
         for key, value in expected.items():
             if state[key] != value:
-                raise ClusterError(
+                raise UserError(
                     f"checkpoint step {plan.step} in {settings.checkpoint_dir} has {key} "
                     f"{state[key]}, this run has {value}: sampler positions would not match",
                     hint="--no-resume, or the original world size and --global-batch-size",

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster import bootstrap, sim
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import load
 from tests.conftest import VENV_BIN, run_cli
 
@@ -33,7 +33,7 @@ def test_a_private_key_others_can_read_is_refused(tmp_path):
     key = tmp_path / "id_ed25519"
     bootstrap.ensure_key(key)
     key.chmod(0o644)
-    with pytest.raises(ClusterError, match="can be read by other users") as raised:
+    with pytest.raises(UserError, match="can be read by other users") as raised:
         bootstrap.ensure_key(key)
     assert raised.value.hint == f"chmod 600 {key}"
 
@@ -69,7 +69,7 @@ def test_fingerprints_file_reads_names_and_addresses_and_comments(tmp_path):
 def test_a_bad_fingerprints_line_is_named(tmp_path, text, message):
     path = tmp_path / "fingerprints"
     path.write_text(text)
-    with pytest.raises(ClusterError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.")):
         bootstrap.read_fingerprints(path)
 
 
@@ -108,13 +108,13 @@ def test_one_key_for_every_node_defaulting_to_the_users_own(tmp_path):
             },
         )
     )
-    with pytest.raises(ClusterError, match="different ansible_ssh_private_key_file"):
+    with pytest.raises(UserError, match="different ansible_ssh_private_key_file"):
         bootstrap.key_path(two)
 
 
 def test_a_user_name_sudoers_could_misread_is_refused(tmp_path):
     inventory = load(_inventory(tmp_path, {"a": _host(1)}, ansible_user="me,root"))
-    with pytest.raises(ClusterError, match="user 'me,root' is not a user name sudoers takes"):
+    with pytest.raises(UserError, match="user 'me,root' is not a user name sudoers takes"):
         bootstrap.user_of(inventory.hosts[0])
 
 

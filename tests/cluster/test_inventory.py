@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster import inventory
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from tests.conftest import REPO_ROOT, run_cli
 
 VALID = """\
@@ -461,7 +461,7 @@ def test_first_narrows_the_inventory_once_in_rank_order(tmp_path):
     assert narrowed.path == loaded.path and narrowed.rendezvous_port == loaded.rendezvous_port
     assert loaded.first(None) is loaded and loaded.first("") is loaded
     assert [h.name for h in loaded.first("2").hosts] == ["alpha", "beta"]
-    with pytest.raises(ClusterError, match=r"NNODES=5 but inventory"):
+    with pytest.raises(UserError, match=r"NNODES=5 but inventory"):
         loaded.first(5)
 
 
@@ -583,7 +583,7 @@ def test_a_cluster_field_two_hosts_disagree_on_is_named(tmp_path):
     (tmp_path / "host_vars" / "node3.yml").write_text(
         "ansible_host: 10.9.0.3\ncompute_ip: 10.9.0.3\ndata_root: /elsewhere\n"
     )
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         inventory.load(path)
     assert raised.value.line() == (
         f"Error: inventory {path}: host 'node3': field 'data_root' is cluster-wide: the same on "

@@ -14,7 +14,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Host
 from cluster.remote import Remote
 
@@ -142,7 +142,7 @@ def test_a_failed_connection_leaves_nothing_open(ssh_server, behaviour, message)
     host, known_hosts = ssh_server(**behaviour)
     for _ in range(3):
         remote = Remote(host, known_hosts=known_hosts, connect_timeout=0.5)
-        with pytest.raises(ClusterError, match=message):
+        with pytest.raises(UserError, match=message):
             remote.run("true")
         remote.close()
     deadline = time.monotonic() + 5
@@ -154,7 +154,7 @@ def test_a_failed_connection_leaves_nothing_open(ssh_server, behaviour, message)
 _NO_BANNER = """
 import ipaddress, socket, sys
 from pathlib import Path
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import Host
 from cluster.remote import Remote
 listener = socket.socket()
@@ -164,7 +164,7 @@ host = Host("node1", "127.0.0.1", listener.getsockname()[1], "root", None,
             ipaddress.IPv4Address("10.0.0.1"), "eth0", 0)
 try:
     Remote(host, known_hosts=Path(sys.argv[1]), connect_timeout=0.5).run("true")
-except ClusterError as exc:
+except UserError as exc:
     print(exc)
 """
 
@@ -196,7 +196,7 @@ def test_a_handshake_that_stalls_after_the_banner_says_so(tmp_path):
     threading.Thread(target=serve, daemon=True).start()
     host = _local_host(listener.getsockname()[1])
     try:
-        with pytest.raises(ClusterError) as failure:
+        with pytest.raises(UserError) as failure:
             Remote(host, known_hosts=tmp_path / "known_hosts", connect_timeout=0.5).run("true")
     finally:
         listener.close()

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from cluster import sim
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import load
 from cluster.remote import Remote, on_all
 from tests.conftest import run_cli
@@ -118,7 +118,7 @@ def test_unknown_host_key_is_refused(sim2, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
     remote = Remote(inventory.hosts[0], known_hosts=empty)
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         remote.run("true")
     assert str(caught.value) == (
         f"host 'node1': the SSH host key of {inventory.hosts[0].ssh_address} is not in {empty}"
@@ -218,7 +218,7 @@ def test_mirror_comes_from_the_machines_apt_sources(tmp_path):
         "deb [arch=amd64] http://old.invalid/debian bullseye main\n"
     )
     assert sim.debian_mirror(legacy) == ("http://old.invalid/debian", "bullseye")
-    with pytest.raises(ClusterError, match="no Debian mirror found"):
+    with pytest.raises(UserError, match="no Debian mirror found"):
         sim.debian_mirror(tmp_path / "nothing")
 
 
@@ -245,7 +245,7 @@ def test_a_node_that_never_answers_over_ssh_is_named_with_what_its_container_say
         host = type("Host", (), {"name": "node1"})()
 
         def run(self, command, timeout=None, check=False):
-            raise ClusterError("host 'node1': cannot SSH to root@172.30.80.11:22: reset by peer")
+            raise UserError("host 'node1': cannot SSH to root@172.30.80.11:22: reset by peer")
 
         def close(self):
             pass
@@ -255,7 +255,7 @@ def test_a_node_that_never_answers_over_ssh_is_named_with_what_its_container_say
         return subprocess.CompletedProcess(["docker", *args], 0, out, "")
 
     monkeypatch.setattr(sim, "docker", fake_docker)
-    with pytest.raises(ClusterError) as failure:
+    with pytest.raises(UserError) as failure:
         sim._wait_for_ssh(Unreachable(), "tmn-node1", deadline=time.monotonic() - 1)
     assert str(failure.value) == (
         "node node1 did not answer over SSH in time: host 'node1': cannot SSH to "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster import staging, sync
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import parse
 
 INVENTORY = """\
@@ -99,7 +99,7 @@ def test_the_digest_changes_with_one_byte_and_the_node_script_agrees(tmp_path):
 def test_a_workdir_over_the_limit_names_what_is_big(tmp_path):
     root = _project(tmp_path / "proj")
     tree = sync.project_tree(root)
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         sync.check_size(tree, 500)
     assert str(raised.value) == (
         f"workdir {root.resolve()} holds 1.0 KB in 6 files, over the 500 B limit; the biggest: "
@@ -167,10 +167,10 @@ def test_env_names_values_and_refusals():
         (["PYTHONPATH=/x"], "ENV: PYTHONPATH is set by the launcher itself"),
         (["1BAD=x"], "ENV: '1BAD' is not a variable name"),
     ]:
-        with pytest.raises(ClusterError) as raised:
+        with pytest.raises(UserError) as raised:
             staging.parse_env(items, environ)
         assert str(raised.value) == message
-    with pytest.raises(ClusterError, match="holds a newline"):
+    with pytest.raises(UserError, match="holds a newline"):
         staging.parse_env(["A"], {"A": "x\ny"})
 
 
@@ -209,14 +209,14 @@ def test_relative_checkpoint_and_data_dirs_resolve_under_their_roots():
         notes[0]
         == f"--checkpoint-dir exp1 is {inventory.checkpoint_root}/exp1 on every node (checkpoint_root)"
     )
-    with pytest.raises(ClusterError, match="leaves checkpoint_root"):
+    with pytest.raises(UserError, match="leaves checkpoint_root"):
         staging.resolve_paths(("--checkpoint-dir", "../x"), inventory, project, "/r")
 
 
 def test_in_a_container_a_checkpoint_dir_outside_every_mount_is_refused():
     inventory = _container_inventory("container_mounts: [/scratch],")
     project = staging.Project((), "/w/proj", None)
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         staging.resolve_paths(("--checkpoint-dir", "/var/tmp/ckpt"), inventory, project, "/r")
     assert "it would vanish with the container" in str(raised.value)
     assert "/scratch" in str(raised.value)
@@ -279,7 +279,7 @@ def test_a_copy_that_differs_from_the_controllers_is_refused_naming_node_and_fil
     tree = sync.project_tree(here)
     sync.verify(_Node(there), tree, str(there))  # the same files: nothing said
     (there / "mylib" / "model.py").write_text("VERSION = 'stale'\n")
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         sync.verify(_Node(there), tree, str(there))
     assert str(raised.value) == (
         f"on n1: the copy of {here.resolve()} in {there} differs from this machine's "

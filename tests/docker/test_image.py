@@ -13,7 +13,7 @@ import pytest
 
 import cluster
 from cluster import images
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.sim import REPO_ROOT, docker
 from cluster.versions import TORCH_LABEL
 
@@ -46,7 +46,7 @@ def test_build_arguments_choose_the_base():
     assert "BASE_IMAGE=nvcr.io/nvidia/pytorch:26.10-py3" in nvidia
     assert not any(a.startswith(("WHEELS_URL=", "KEEP_GPU_LIBRARIES=")) for a in nvidia)
     assert "--network" not in nvidia
-    with pytest.raises(ClusterError, match="image kind 'rocm' is not one of auto, cpu, cuda"):
+    with pytest.raises(UserError, match="image kind 'rocm' is not one of auto, cpu, cuda"):
         images.build_args("rocm")
 
 

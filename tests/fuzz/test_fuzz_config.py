@@ -1,5 +1,5 @@
 """The training config, fuzzed: any --config file and any flags end in a TrainConfig whose every
-field has its declared type and passes check(), or in one ClusterError line (exit 2)."""
+field has its declared type and passes check(), or in one UserError line (exit 2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from tests.fuzz.strategies import (
     FUZZ,
     any_text,
@@ -111,7 +111,7 @@ def parse_or_error(argv: list[str]) -> TrainConfig | None:
     try:
         config = config_module.parse(TrainConfig, argv, prog="fuzz")
         config_module.check(config)
-    except ClusterError as error:
+    except UserError as error:
         line = error.line()
         assert line.startswith("Error: ") and "\n" not in line and "\r" not in line, line
         assert error.exit_code == 2
@@ -219,7 +219,7 @@ FOUND = [
 def test_what_fuzzing_found_in_files_is_one_error_line(tmp_path, data, message):
     path = tmp_path / "run.yml"
     path.write_bytes(data)
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         config_module.check(config_module.parse(TrainConfig, ["--config", str(path)]))
     assert str(caught.value) == message.replace("{path}", str(path))
     assert caught.value.exit_code == 2
@@ -235,6 +235,6 @@ def test_what_fuzzing_found_in_files_is_one_error_line(tmp_path, data, message):
     ],
 )
 def test_what_fuzzing_found_in_flags_is_one_error_line(argv, message):
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         config_module.check(config_module.parse(TrainConfig, argv))
     assert str(caught.value) == message

@@ -1,5 +1,5 @@
 """The netcheck env file the launcher reads next to the inventory, fuzzed: any content ends in
-the node -> variables mapping or in one ClusterError line; nothing else escapes."""
+the node -> variables mapping or in one UserError line; nothing else escapes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from netcheck import envfile
 from tests.fuzz.strategies import FUZZ, any_text, pathological_texts, text_edits
 
@@ -69,7 +69,7 @@ env_texts = st.one_of(
 def load_or_error(path) -> dict | None:
     try:
         loaded = envfile.load(path)
-    except ClusterError as error:
+    except UserError as error:
         line = error.line()
         assert line.startswith(f"Error: the netcheck env file {path} "), line
         assert "\n" not in line and "\r" not in line, line
@@ -134,7 +134,7 @@ def test_env_files_of_arbitrary_bytes(tmp_path, data):
 def test_what_fuzzing_found_is_one_error_line(tmp_path, text, reason):
     path = tmp_path / "netcheck-env.json"
     path.write_text(text)
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         envfile.load(path)
     assert caught.value.line() == (
         f"Error: the netcheck env file {path} {reason} (try 'make netcheck' again to rewrite it)"

@@ -1,4 +1,4 @@
-"""The inventory loader, fuzzed: any text ends in a valid Inventory or in one ClusterError whose
+"""The inventory loader, fuzzed: any text ends in a valid Inventory or in one UserError whose
 line names the inventory; nothing else escapes. An accepted inventory holds only values the
 callers can use as they are (no newline in a name, no NUL in a path, ports in range, ...)."""
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster import inventory
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from tests.fuzz.strategies import (
     FIELD_VALUES,
     FUZZ,
@@ -28,10 +28,10 @@ from tests.fuzz.strategies import (
 
 
 def parse_or_error(text: str) -> inventory.Inventory | None:
-    """The loader's contract: an Inventory, or a ClusterError of one line, exit code 2."""
+    """The loader's contract: an Inventory, or a UserError of one line, exit code 2."""
     try:
         return inventory.parse(text, "fuzz.yml")
-    except ClusterError as error:
+    except UserError as error:
         line = error.line()
         assert line.startswith("Error: inventory fuzz.yml"), line
         assert "\n" not in line and "\r" not in line, line
@@ -141,7 +141,7 @@ def test_files_of_arbitrary_bytes(tmp_path, data):
     path.write_bytes(data)
     try:
         loaded = inventory.load(path)
-    except ClusterError as error:
+    except UserError as error:
         assert error.line().startswith(f"Error: inventory {path}"), error.line()
         assert "\n" not in error.line()
     else:
@@ -158,7 +158,7 @@ def _with_host(**fields) -> str:
 
 
 def _error(text: str) -> str:
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         inventory.parse(text, "inv.yml")
     return caught.value.line()
 
@@ -292,7 +292,7 @@ def test_ssh_options_of_any_type_are_read_for_host_key_switches_without_a_crash(
 
 
 def test_a_nul_in_the_inventory_path_is_an_error_line():
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         inventory.load("inv\x00.yml")
     assert caught.value.line() == (
         "Error: inventory 'inv\\x00.yml' cannot be read: embedded null byte"
@@ -303,7 +303,7 @@ def test_a_gpu_list_on_the_command_line_takes_ascii_digits_only():
     assert inventory.parse_gpu_list("0, 2") == (0, 2)
     assert inventory.parse_gpu_list("007") == (7,)
     for bad in ("²", "٣", "0,1x"):
-        with pytest.raises(ClusterError) as caught:
+        with pytest.raises(UserError) as caught:
             inventory.parse_gpu_list(bad)
         assert caught.value.line() == (
             f"Error: GPUS: {bad!r} is not a list of GPU indices (try a form like 0,2)"

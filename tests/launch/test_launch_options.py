@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import parse
 from launch.commands import remote_command
 from launch.nodes import entry_point, gpu_problem, job_backend, legacy_flag, nproc_for
@@ -65,7 +65,7 @@ def test_gpu_selection_sets_visible_devices_and_process_count():
 )
 def test_gpu_selection_is_checked_against_each_node(host_index, gpus, message):
     inventory = parse(GPU_INVENTORY, "inv.yml")
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         nproc_for(inventory.hosts[host_index], JobSpec(gpus=gpus))
     assert str(caught.value) == message
 
@@ -204,7 +204,7 @@ def test_nproc_per_node_is_honoured_with_a_gpu_selection():
     spec = JobSpec(run_id="tmn-n", gpus=(0, 1, 2, 3), nproc_per_node=2)
     words = _command(big, spec, inventory)
     assert _nproc(words) == 2 and "CUDA_VISIBLE_DEVICES=0,1,2,3" in words
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         nproc_for(big, JobSpec(gpus=(0, 1), nproc_per_node=3))
     assert str(caught.value) == (
         "--nproc-per-node=3 of training.ddp needs 3 GPU(s), but node 'big' has 2 for the job "
@@ -224,7 +224,7 @@ def test_model_parallel_gets_one_process_per_pair_of_gpus():
     # On a CPU node the stages share the CPU: one process.
     assert _nproc(_command(cpu, model_parallel, inventory)) == 1
     # A node with one GPU for the job (its inventory selection is "1") is refused.
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         nproc_for(small, model_parallel)
     assert str(caught.value) == (
         "training.model_parallel spans 2 GPUs per process, but node 'small' has 1 for the job "
@@ -233,7 +233,7 @@ def test_model_parallel_gets_one_process_per_pair_of_gpus():
     two_gpus = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 2"), "inv.yml").hosts[0]
     assert nproc_for(two_gpus, model_parallel) == 1
     one_gpu = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 1"), "inv.yml").hosts[0]
-    with pytest.raises(ClusterError, match="has 1 for the job \\(inventory gpus: 1\\)"):
+    with pytest.raises(UserError, match="has 1 for the job \\(inventory gpus: 1\\)"):
         nproc_for(one_gpu, model_parallel)
     # Other workloads keep one process per GPU.
     assert nproc_for(one_gpu, JobSpec()) == 1

@@ -18,7 +18,7 @@ import pytest
 
 from cluster import sim
 from cluster.containers import NCCL_CONF_GUARD
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.inventory import load, parse
 from cluster.remote import Remote, on_all
 from cluster.staging import Project
@@ -238,7 +238,7 @@ def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does(
     assert len(said) == 1 and said[0].startswith("[launcher] n2 answers again after ")
 
     nodes = FakeNodes(list(inventory.hosts), failing_first={"n2": 10**6})
-    with pytest.raises(ClusterError) as caught:
+    with pytest.raises(UserError) as caught:
         wait_for_nodes(inventory, 0.05, said.append, nodes, poll=0.01)
     assert caught.value.exit_code == 1
     assert str(caught.value) == (
@@ -281,13 +281,13 @@ def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(
 
 def test_bad_container_memlock_is_rejected():
     text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "container_memlock: lots}")
-    with pytest.raises(ClusterError, match=r"'container_memlock': 'lots' is neither 'unlimited'"):
+    with pytest.raises(UserError, match=r"'container_memlock': 'lots' is neither 'unlimited'"):
         parse(text, "inv.yml")
 
 
 def test_bad_launch_mode_is_rejected():
     text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "launch_mode: vm}")
-    with pytest.raises(ClusterError, match=r"cluster field 'launch_mode': 'vm' is not one of"):
+    with pytest.raises(UserError, match=r"cluster field 'launch_mode': 'vm' is not one of"):
         parse(text, "inv.yml")
 
 
@@ -330,7 +330,7 @@ def test_the_launcher_reads_netchecks_file_where_netcheck_writes_it(tmp_path):
     elsewhere = envfile.write(tmp_path / "other.json", {"n1": {"GLOO_SOCKET_IFNAME": "eth9"}})
     envs = interface_env(inventory, elsewhere)
     assert envs["n1"] == {"GLOO_SOCKET_IFNAME": "eth9"}
-    with pytest.raises(ClusterError, match=r"--env-file .*missing.json does not exist"):
+    with pytest.raises(UserError, match=r"--env-file .*missing.json does not exist"):
         interface_env(inventory, tmp_path / "missing.json")
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.execution import ContainerContext
 from netcheck import bandwidth, checks, collective, envfile, facts
 from netcheck.report import Finding, Link, Measurement, Report, Status, human_bytes, render
@@ -620,7 +620,7 @@ def test_env_file_round_trip_and_errors(tmp_path):
     assert envfile.load(path) == env
     assert set(json.loads(path.read_text())) == {"nodes", "written_at"}
     assert envfile.default_path(tmp_path / "inv.yml") == tmp_path / "netcheck-env.json"
-    with pytest.raises(ClusterError) as missing:
+    with pytest.raises(UserError) as missing:
         envfile.load(tmp_path / "nope.json")
     assert missing.value.line() == (
         f"Error: the netcheck env file {tmp_path / 'nope.json'} does "
@@ -628,7 +628,7 @@ def test_env_file_round_trip_and_errors(tmp_path):
         "next to the inventory)"
     )
     (tmp_path / "bad.json").write_text('{"nodes": {"node1": {"X": 1}}}')
-    with pytest.raises(ClusterError, match="no valid 'nodes' mapping"):
+    with pytest.raises(UserError, match="no valid 'nodes' mapping"):
         envfile.load(tmp_path / "bad.json")
 
 

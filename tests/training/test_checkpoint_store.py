@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training import checkpoint
 from training.checkpoint import CheckpointStore, file_name, newest_common_step, plan_resume
 
@@ -54,7 +54,7 @@ def test_saving_keeps_the_newest_k(tmp_path):
 def test_a_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
     store = CheckpointStore(tmp_path, rank=0, keep=2)
     store.path(7).write_bytes(b"garbage")
-    with pytest.raises(ClusterError, match=f"cannot load checkpoint {store.path(7)}"):
+    with pytest.raises(UserError, match=f"cannot load checkpoint {store.path(7)}"):
         store.load(7, torch.device("cpu"))
 
 
@@ -79,13 +79,13 @@ def test_resume_plans():
     assert plan == checkpoint.ResumePlan(
         4, "resuming from step 4, the newest step every rank has (rank 0 has 4, 8; rank 1 has 4)"
     )
-    with pytest.raises(ClusterError) as error:
+    with pytest.raises(UserError) as error:
         plan_resume([[4, 8], [6]], None, "/ck")
     assert error.value.line() == (
         "Error: no checkpoint step is present on every rank in /ck (rank 0 has 4, 8; rank 1 "
         "has 6) (try --no-resume to start over)"
     )
-    with pytest.raises(ClusterError, match="rank 1 has none"):
+    with pytest.raises(UserError, match="rank 1 has none"):
         plan_resume([[], []], True, "/ck")
 
 
@@ -120,7 +120,7 @@ def test_a_full_disk_is_one_error_line_naming_the_directory_and_keeps_the_last_c
     store = CheckpointStore(tmp_path, rank=1, keep=1)
     store.save(4, {"step": 4})
     monkeypatch.setattr(checkpoint.torch, "save", _disk_full_after(100))
-    with pytest.raises(ClusterError) as error:
+    with pytest.raises(UserError) as error:
         store.save(8, {"step": 8})
     assert error.value.exit_code == 1
     assert error.value.line() == (
@@ -142,14 +142,14 @@ def test_a_read_only_directory_is_refused_before_training(tmp_path, monkeypatch)
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "checkpoints"))
 
     monkeypatch.setattr(checkpoint.tempfile, "NamedTemporaryFile", read_only)
-    with pytest.raises(ClusterError) as error:
+    with pytest.raises(UserError) as error:
         store.check_writable()
     assert error.value.line() == (
         f"Error: cannot write checkpoints to {tmp_path / 'checkpoints'}: Read-only file system "
         "(try a writable --checkpoint-dir)"
     )
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ClusterError) as error:
+    with pytest.raises(UserError) as error:
         CheckpointStore(tmp_path / "a-file" / "sub", rank=0, keep=2).check_writable()
     assert error.value.line() == (
         f"Error: cannot write checkpoints to {tmp_path / 'a-file' / 'sub'}: Not a directory "

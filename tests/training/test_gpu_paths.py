@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 from tests.training.conftest import run_main
 from training import checkpoint, ddp, init_methods, model_parallel, parallel
@@ -132,7 +132,7 @@ def test_a_gloo_job_stays_on_cpu_where_cuda_is_available(monkeypatch):
 def test_an_nccl_job_on_a_node_whose_driver_is_broken_stops_at_once_naming_it(monkeypatch):
     FakeCuda(monkeypatch, [AMPERE], available=False)
     environ = torchrun_env(**{BACKEND_VARIABLE: "nccl", NODE_NAME_VARIABLE: "node2"})
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         parallel.read_env(environ)
     assert raised.value.line() == (
         "Error: on node2: this job uses NCCL (TMN_BACKEND=nccl) but CUDA is not available "
@@ -142,7 +142,7 @@ def test_an_nccl_job_on_a_node_whose_driver_is_broken_stops_at_once_naming_it(mo
 
 def test_an_nccl_job_on_a_node_without_gpus_stops_naming_the_host(monkeypatch):
     FakeCuda(monkeypatch, [])  # CUDA answers, but shows no device
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         parallel.read_env(torchrun_env(**{BACKEND_VARIABLE: "nccl"}))
     assert raised.value.line() == (
         f"Error: on {socket.gethostname()}: this job uses NCCL (TMN_BACKEND=nccl) but this "
@@ -158,7 +158,7 @@ def test_an_nccl_job_where_the_gpus_answer_uses_them(monkeypatch):
 
 def test_an_unknown_job_backend_is_an_error(monkeypatch):
     FakeCuda(monkeypatch, [AMPERE])
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         parallel.read_env(torchrun_env(**{BACKEND_VARIABLE: "mpi"}))
     assert raised.value.line() == (
         "Error: TMN_BACKEND='mpi' is neither nccl nor gloo "
@@ -168,7 +168,7 @@ def test_an_unknown_job_backend_is_an_error(monkeypatch):
 
 def test_a_local_rank_past_the_visible_gpus_is_still_an_error(monkeypatch):
     FakeCuda(monkeypatch, [AMPERE])
-    with pytest.raises(ClusterError, match="LOCAL_RANK 1 needs GPU 1 but this node has 1"):
+    with pytest.raises(UserError, match="LOCAL_RANK 1 needs GPU 1 but this node has 1"):
         parallel.read_env(torchrun_env(1, 2, **{BACKEND_VARIABLE: "nccl"}))
 
 
@@ -194,7 +194,7 @@ def test_model_parallel_names_the_process_count_to_use_on_three_gpus(monkeypatch
     FakeCuda(monkeypatch, [AMPERE] * 3)
     monkeypatch.setenv(NODE_NAME_VARIABLE, "node1")
     env = parallel.read_env(torchrun_env(1, 2))
-    with pytest.raises(ClusterError) as raised:
+    with pytest.raises(UserError) as raised:
         model_parallel.stage_devices(env)
     assert raised.value.line() == (
         "Error: on node1: 2 processes x 2 GPUs each need 4 GPUs, found 3 (try a node with 2 "

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from tests.training.conftest import TINY, run_command, run_main, torchrun_command
 from training import bench_scaling, levers, parallel
 from training.config import DDPConfig
@@ -290,7 +290,7 @@ def test_bench_scaling_on_one_rank_is_a_baseline_without_ddp(torchrun):
 def test_bench_scaling_lever_lists(monkeypatch, capsys):
     assert bench_scaling.parse_levers("fp16, no_sync,fp16", 2) == ["fp16", "no_sync"]
     assert bench_scaling.parse_levers("none,auto", 1) == ["baseline"]
-    with pytest.raises(ClusterError, match="baseline is the one-process series"):
+    with pytest.raises(UserError, match="baseline is the one-process series"):
         bench_scaling.parse_levers("baseline", 2)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -39,7 +39,7 @@ def test_the_image_sharing_strategy_is_applied_and_checked():
     import pytest
     import torch.multiprocessing
 
-    from cluster.errors import ClusterError
+    from cluster.errors import UserError
     from training.data import apply_sharing_strategy
 
     before = torch.multiprocessing.get_sharing_strategy()
@@ -47,7 +47,7 @@ def test_the_image_sharing_strategy_is_applied_and_checked():
         assert apply_sharing_strategy({"TMN_SHARING_STRATEGY": "file_system"}) == "file_system"
         assert torch.multiprocessing.get_sharing_strategy() == "file_system"
         assert apply_sharing_strategy({}) is None
-        with pytest.raises(ClusterError, match="TMN_SHARING_STRATEGY='shm' is not one of"):
+        with pytest.raises(UserError, match="TMN_SHARING_STRATEGY='shm' is not one of"):
             apply_sharing_strategy({"TMN_SHARING_STRATEGY": "shm"})
     finally:
         torch.multiprocessing.set_sharing_strategy(before)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from tests.training.conftest import run_main
 from training import ddp
 from training.config import TrainConfig, parse
@@ -49,7 +49,7 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
 def test_bad_config_files_name_the_setting(tmp_path, text, message):
     settings = tmp_path / "bad.yml"
     settings.write_text(text)
-    with pytest.raises(ClusterError) as error:
+    with pytest.raises(UserError) as error:
         parse(TrainConfig, ["--config", str(settings)])
     assert str(error.value) == f"{settings}: {message}" or str(error.value).endswith(message)
 

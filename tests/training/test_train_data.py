@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cluster.errors import ClusterError
+from cluster.errors import UserError
 from training.config import DataConfig
 from training.data import (
     CIFAR10_MEAN,
@@ -76,10 +76,10 @@ def test_cifar10_is_read_from_the_pickle_batches(tmp_path):
     expected = (torch.tensor(3 / 255) - torch.tensor(CIFAR10_MEAN)) / torch.tensor(CIFAR10_STD)
     assert torch.allclose(image[:, 0, 0], expected)
     (root / "data_batch_4").unlink()
-    with pytest.raises(ClusterError, match=f"CIFAR-10 batch {root / 'data_batch_4'} is missing"):
+    with pytest.raises(UserError, match=f"CIFAR-10 batch {root / 'data_batch_4'} is missing"):
         build_splits(config, seed=0)
     (root / "data_batch_4").write_bytes(b"not a pickle")
-    with pytest.raises(ClusterError, match="is not a CIFAR-10 python batch"):
+    with pytest.raises(UserError, match="is not a CIFAR-10 python batch"):
         build_splits(config, seed=0)
 
 
@@ -97,7 +97,7 @@ def test_imagefolder_counts_classes_and_resizes(tmp_path):
     assert image[2].mean() > image[0].mean()  # dog is blue
     (tmp_path / "val" / "bird").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "val" / "bird" / "0.png")
-    with pytest.raises(ClusterError, match=r"only in train: \[\], only in val: \['bird'\]"):
+    with pytest.raises(UserError, match=r"only in train: \[\], only in val: \['bird'\]"):
         build_splits(config, seed=0)
 
 
