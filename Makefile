@@ -5,6 +5,8 @@
 # Empty: every node of INVENTORY (the simulated cluster starts 2).
 NNODES    ?=
 INVENTORY ?=
+# Empty: the hosts of INVENTORY's group "nodes"; GROUP=gpu_boxes picks another Ansible group.
+GROUP     ?=
 LINK      ?=
 FRESH     ?=
 FINGERPRINTS ?=
@@ -38,7 +40,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: help  ## list the targets and the knobs
 help:
-	@echo "Usage: make TARGET [INVENTORY=path.yml] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
+	@echo "Usage: make TARGET [INVENTORY=path.yml] [GROUP=nodes] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
 	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2]"
 	@echo "                   [DEBUG=1] [RESTARTS=1] [IMAGE=torch-multinode/train:latest] [SRC=dataset-dir] [RUN=job-id]"
 	@echo
@@ -58,23 +60,24 @@ venv: $(STAMP)
 
 .PHONY: bootstrap  ## first contact with freshly installed nodes: key, host keys, sudo (FINGERPRINTS=file, NO_PASSWORD_LOGIN=1)
 bootstrap: $(STAMP)
-	$(BIN)/cluster bootstrap -i "$(INVENTORY)" $(if $(strip $(FINGERPRINTS)),--fingerprints "$(FINGERPRINTS)") \
+	$(BIN)/cluster bootstrap -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(FINGERPRINTS)),--fingerprints "$(FINGERPRINTS)") \
 		$(if $(filter 1 yes true,$(NO_PASSWORD_LOGIN)),--disable-password-login)
 
 .PHONY: provision  ## provision INVENTORY's nodes: names, SSH mesh, firewall, Docker, image
 provision: $(STAMP)
-	$(BIN)/cluster check -i "$(INVENTORY)"
-	$(BIN)/cluster image -i "$(INVENTORY)"
-	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml $(ANSIBLE_ARGS)
+	$(BIN)/cluster check -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
+	$(BIN)/cluster image -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
+	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml \
+		$(if $(strip $(GROUP)),-e node_group=$(GROUP)) $(ANSIBLE_ARGS)
 
 .PHONY: netcheck  ## pre-flight check of INVENTORY's nodes (NNODES=N: the first N)
 netcheck: $(STAMP)
-	$(BIN)/netcheck -i "$(INVENTORY)" $(if $(strip $(NNODES)),--nnodes $(NNODES))
+	$(BIN)/netcheck -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES))
 
 # Not echoed: ENV may hold a secret's value, and the launcher says what it runs anyway.
 .PHONY: train  ## train on INVENTORY's nodes (NNODES=N: the first N; no INVENTORY: the default job, locally)
 train: $(STAMP)
-	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
+	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
 		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
 		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(ENV)),--env '$(ENV)') \
@@ -82,7 +85,7 @@ train: $(STAMP)
 
 .PHONY: data  ## copy dataset directory SRC into every node's data_root (only what changed travels)
 data: $(STAMP)
-	$(BIN)/cluster data -i "$(INVENTORY)" $(if $(strip $(SRC)),"$(SRC)")
+	$(BIN)/cluster data -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(SRC)),"$(SRC)")
 
 .PHONY: tensorboard  ## TensorBoard on a job's run directory, copied back to .runs/RUN
 tensorboard: $(STAMP)
@@ -104,11 +107,11 @@ train-spawn: $(STAMP)
 
 .PHONY: hostfile  ## print INVENTORY as a DeepSpeed/Horovod/MPI hostfile (make -s hostfile INVENTORY=x > hostfile)
 hostfile: $(STAMP)
-	@$(BIN)/cluster hostfile -i "$(INVENTORY)" $(if $(strip $(NNODES)),--nnodes $(NNODES))
+	@$(BIN)/cluster hostfile -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES))
 
 .PHONY: check-inventory  ## validate INVENTORY (and NNODES) without touching any host
 check-inventory: $(STAMP)
-	$(BIN)/cluster check -i "$(INVENTORY)" $(if $(strip $(NNODES)),--nnodes $(NNODES))
+	$(BIN)/cluster check -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES))
 
 .PHONY: sim-up  ## start NNODES (1-4) simulated nodes and write .sim/inventory.yml; LINK=1gbit shapes, FRESH=1 as fresh installs
 sim-up: $(STAMP)

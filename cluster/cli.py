@@ -13,7 +13,7 @@ from pathlib import Path
 from cluster import inventory as inventory_module
 from cluster import sim
 from cluster.errors import ArgumentParser, UserError, at_the_edge, shown
-from cluster.inventory import DEFAULT_TRAINING_IMAGE, is_word
+from cluster.inventory import DEFAULT_TRAINING_IMAGE, GROUP_HELP, NODES_GROUP, is_word
 
 INVENTORY_HELP = (
     "the Ansible inventory: a YAML or INI file (group_vars/ and host_vars/ beside it count) or "
@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         "valid; otherwise one 'Error:' line naming the host and the field, and exit 2.",
     )
     check.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    check.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     check.add_argument("-n", "--nnodes", help="how many nodes the job will use (default: all)")
 
     image = commands.add_parser(
@@ -65,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         help="build what this inventory's jobs need: its training_image, CUDA if any node has "
         "GPUs; nothing when launch_mode is host",
     )
+    image.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
 
     data = commands.add_parser(
         "data",
@@ -75,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         "resolve under data_root, on the nodes and in the containers).",
     )
     data.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    data.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     data.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
     data.add_argument("source", nargs="?", help="the dataset directory (make data SRC=dir)")
 
@@ -88,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         "--hostfile.",
     )
     hostfile.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    hostfile.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     hostfile.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
 
     boot = commands.add_parser(
@@ -103,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         "is ready for provisioning; otherwise one line per failed node and exit 1.",
     )
     boot.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    boot.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     boot.add_argument(
         "--fingerprints",
         default=None,
@@ -173,7 +178,7 @@ def _progress(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "check":
-        inventory = inventory_module.load(args.inventory)
+        inventory = inventory_module.load(args.inventory, args.group)
         hosts = inventory.first(args.nnodes).hosts
         print(
             f"inventory {inventory.path}: valid, {len(inventory.hosts)} host(s), "
@@ -197,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         if args.base_image is not None and not is_word(args.base_image):
             raise UserError(f"--base-image {shown(args.base_image)} is not an image name")
         if args.inventory:
-            inventory = inventory_module.load(args.inventory)
+            inventory = inventory_module.load(args.inventory, args.group)
             if inventory.launch_mode != "container":
                 print(
                     f"inventory {inventory.path}: launch_mode {inventory.launch_mode}, no "
@@ -219,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "bootstrap":
         return _bootstrap(args)
     if args.command == "hostfile":
-        inventory = inventory_module.load(args.inventory)
+        inventory = inventory_module.load(args.inventory, args.group)
         hosts = inventory.first(args.nnodes).hosts
         for host in hosts:
             print(f"{host.name} slots={slots(host)}")
@@ -303,7 +308,7 @@ def _new_password(user: str) -> str:
 def _bootstrap(args: argparse.Namespace) -> int:
     from cluster import bootstrap
 
-    inventory = inventory_module.load(args.inventory)
+    inventory = inventory_module.load(args.inventory, args.group)
     fingerprints = Path(args.fingerprints) if args.fingerprints else None
     prompter = bootstrap.Prompter(password_stdin=args.password_stdin)
     print(f"Bootstrap of {len(inventory.hosts)} node(s) of {inventory.path}:", flush=True)
@@ -347,7 +352,7 @@ def _data(args: argparse.Namespace) -> int:
 
     if not args.source:
         raise UserError("no dataset directory given", hint="make data SRC=path/to/dataset")
-    inventory = inventory_module.load(args.inventory)
+    inventory = inventory_module.load(args.inventory, args.group)
     hosts = inventory.first(args.nnodes).hosts
     tree = sync.data_tree(Path(args.source))
     destination = f"{inventory.data_root}/{sync.safe_name(tree.root.name)}"

@@ -131,6 +131,8 @@ class Inventory:
     """Where the project's code is synced on each node."""
     container_mounts: tuple[Mount, ...] = ()
     """More node directories for the job's container (inventory: "PATH" or "PATH:ro")."""
+    group: str = NODES_GROUP
+    """The Ansible group whose hosts are the nodes (--group, make GROUP=)."""
 
     @property
     def master(self) -> Host:
@@ -187,8 +189,10 @@ class _DuplicateKey(Exception):
         self.key, self.first_line, self.line = key, first_line, line
 
 
-def load(path: str | os.PathLike | None) -> Inventory:
-    """Read and validate an inventory file. Raises UserError on the first problem."""
+def load(path: str | os.PathLike | None, group: str = NODES_GROUP) -> Inventory:
+    """Read and validate an inventory file; the nodes are the hosts of `group`. Raises
+    UserError on the first problem."""
+    check_group(group)
     if path is None or str(path).strip() == "":
         raise UserError(
             "no inventory given",
@@ -199,7 +203,7 @@ def load(path: str | os.PathLike | None) -> Inventory:
     if path.is_dir():
         # A directory, as Ansible takes one: every inventory file in it, with the group_vars/
         # and host_vars/ it holds.
-        return _validate(resolve_with_ansible(path), path)
+        return _validate(resolve_with_ansible(path, group), path, group)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -215,29 +219,47 @@ def load(path: str | os.PathLike | None) -> Inventory:
     # group. A plain YAML file reads the same either way, and reading it directly keeps its
     # errors precise (line numbers, duplicate keys).
     if any((path.parent / name).is_dir() for name in ("group_vars", "host_vars")):
-        return _validate(resolve_with_ansible(path), path)
+        return _validate(resolve_with_ansible(path, group), path, group)
     yaml_file = path.suffix.lower() in YAML_SUFFIXES
     try:
         data = _yaml(text, f"inventory {path}")
     except UserError:
         if yaml_file:
             raise
-        return _validate(resolve_with_ansible(path), path)
-    if (not isinstance(data, dict) and not yaml_file) or _needs_ansible(data):
-        return _validate(resolve_with_ansible(path), path)
-    return _validate(data, path)
+        return _validate(resolve_with_ansible(path, group), path, group)
+    if (not isinstance(data, dict) and not yaml_file) or _needs_ansible(data, group):
+        return _validate(resolve_with_ansible(path, group), path, group)
+    return _validate(data, path, group)
 
 
-def _needs_ansible(data) -> bool:
-    """Whether a YAML inventory has what only Ansible resolves: a host range in the nodes
-    group, or groups nested in it."""
+def check_group(group: object) -> str:
+    """An Ansible group name: letters, digits and underscores, not starting with a digit."""
+    if not isinstance(group, str) or not _GROUP.fullmatch(group):
+        raise UserError(
+            f"--group {shown(group)} is not an Ansible group name",
+            hint="letters, digits and underscores, such as GROUP=gpu_nodes",
+        )
+    return group
+
+
+_GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+GROUP_HELP = (
+    f"the inventory group whose hosts are the nodes, in rank order (default: {NODES_GROUP}; "
+    "make GROUP=...)"
+)
+
+
+def _needs_ansible(data, group: str = NODES_GROUP) -> bool:
+    """Whether a YAML inventory has what only Ansible resolves: a host range in the group of
+    the nodes, or groups nested in it; or, for a group other than the default, the group not
+    directly under all.children (Ansible finds it wherever it is)."""
     top = data.get("all") if isinstance(data, dict) else None
     children = top.get("children") if isinstance(top, dict) else None
-    group = children.get(NODES_GROUP) if isinstance(children, dict) else None
-    if not isinstance(group, dict):
-        return False
-    hosts = group.get("hosts") if isinstance(group.get("hosts"), dict) else {}
-    return "children" in group or any(_HOST_RANGE.search(str(name)) for name in hosts)
+    found = children.get(group) if isinstance(children, dict) else None
+    if not isinstance(found, dict):
+        return group != NODES_GROUP and isinstance(top, dict)
+    hosts = found.get("hosts") if isinstance(found.get("hosts"), dict) else {}
+    return "children" in found or any(_HOST_RANGE.search(str(name)) for name in hosts)
 
 
 # Ansible's host range: node[01:04], node[a:c], node[0:10:2].
@@ -328,7 +350,8 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
             raise UserError(
                 f"{where}: Ansible cannot read it as YAML or INI"
                 + (f": {reasons[-1]}" if reasons else ""),
-                hint="the layout of inventory.example.yml, or an INI inventory with a [nodes] group",
+                hint=f"the layout of inventory.example.yml, or an INI inventory with a [{group}] "
+                "group",
             ) from None
     finally:
         for key, value in saved.items():
@@ -363,7 +386,7 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
         name: {key: value for key, value in own.items() if key not in CLUSTER_FIELDS}
         for name, own in resolved.items()
     }
-    return {"all": {"vars": cluster, "children": {NODES_GROUP: {"hosts": hosts_doc}}}}
+    return {"all": {"vars": cluster, "children": {group: {"hosts": hosts_doc}}}}
 
 
 # Read by ansible-core when it is first imported: only the inventory formats a user writes by
@@ -376,10 +399,10 @@ _ANSIBLE_SETTINGS = {
 }
 
 
-def parse(text: str, path: Path | str = "<inventory>") -> Inventory:
+def parse(text: str, path: Path | str = "<inventory>", group: str = NODES_GROUP) -> Inventory:
     """An inventory in the plain YAML layout, from its text."""
     path = Path(path)
-    return _validate(_yaml(text, f"inventory {path}"), path)
+    return _validate(_yaml(text, f"inventory {path}"), path, check_group(group))
 
 
 def _yaml(text: str, where: str):
@@ -406,7 +429,7 @@ def _yaml(text: str, where: str):
         raise UserError(f"{where} holds a value YAML cannot read: {reason}") from None
 
 
-def _validate(data, path: Path) -> Inventory:
+def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
     """Every check, on an inventory document in the plain layout (from the file itself, or as
     Ansible resolved it)."""
     where = f"inventory {path}"
@@ -418,17 +441,17 @@ def _validate(data, path: Path) -> Inventory:
     top = data["all"]
     cluster_vars = _mapping(top.get("vars"), f"{where}: all.vars")
     children = _mapping(top.get("children"), f"{where}: all.children")
-    group = children.get(NODES_GROUP)
+    group = children.get(group_name)
     if (
         not isinstance(group, dict)
         or not isinstance(group.get("hosts"), dict)
         or not group["hosts"]
     ):
         raise UserError(
-            f"{where}: no hosts under all.children.{NODES_GROUP}.hosts",
+            f"{where}: no hosts under all.children.{group_name}.hosts",
             hint="listing the nodes as in inventory.example.yml",
         )
-    group_vars = _mapping(group.get("vars"), f"{where}: all.children.{NODES_GROUP}.vars")
+    group_vars = _mapping(group.get("vars"), f"{where}: all.children.{group_name}.vars")
     merged = {**cluster_vars, **group_vars}
 
     for field in REQUIRED_CLUSTER_FIELDS:
@@ -527,6 +550,7 @@ def _validate(data, path: Path) -> Inventory:
         data_root=roots["data_root"],
         workdir_root=roots["workdir_root"],
         container_mounts=mounts,
+        group=group_name,
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from cluster import inventory as inventory_module
 from cluster import staging, sync
 from cluster.errors import ArgumentParser, UserError, at_the_edge, shown, stop_on_sigterm
-from cluster.inventory import parse_gpu_list
+from cluster.inventory import GROUP_HELP, parse_gpu_list
 from launch import checks
 from launch.commands import run_dir
 from launch.ending import summary
@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the Ansible inventory, YAML or INI, or a directory (default: run locally)",
     )
     parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
+    parser.add_argument("--group", default=inventory_module.NODES_GROUP, help=GROUP_HELP)
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
         "--script",
@@ -247,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         return run_local(spec, _emit)
 
     # The job's nodes, once: everything below takes the narrowed inventory whole.
-    inventory = inventory_module.load(args.inventory).first(args.nnodes)
+    inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
     master = inventory.master
     # Everything decided here fails before any node is touched.
     project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)

@@ -68,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
         help="the cluster's Ansible inventory, YAML or INI, or a directory (required)",
     )
     p.add_argument(
+        "--group", default=inventory_module.NODES_GROUP, help=inventory_module.GROUP_HELP
+    )
+    p.add_argument(
         "-n",
         "--nnodes",
         metavar="N",
@@ -105,7 +108,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    inventory = inventory_module.load(args.inventory)
+    inventory = inventory_module.load(args.inventory, args.group)
     nnodes = None
     if args.nnodes not in (None, ""):
         nnodes = len(inventory.first(args.nnodes).hosts)  # validates: one Error line, exit 2

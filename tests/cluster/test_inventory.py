@@ -609,3 +609,40 @@ def test_an_inventory_ansible_cannot_parse_is_one_line(tmp_path):
         f"Error: inventory {other}: no hosts in group 'nodes' as Ansible reads it (try listing "
         "the nodes in a group named nodes (inventory.example.yml))"
     ]
+
+
+def test_the_nodes_are_the_hosts_of_the_group_named_by_group(tmp_path):
+    """--group picks the Ansible group whose hosts are the nodes, in an INI inventory (nested
+    groups) and in the plain YAML layout alike; every tool takes it, and a bad name or an
+    absent group is one line."""
+    ini = _ini_cluster(tmp_path)
+    gpu_only = inventory.load(ini, "gpu")
+    assert [h.name for h in gpu_only.hosts] == ["node1", "node2"] and gpu_only.group == "gpu"
+    assert inventory.load(ini).group == "nodes"
+
+    (tmp_path / "lab").mkdir()  # away from the INI's group_vars/
+    yaml_path = tmp_path / "lab" / "lab.yml"
+    example = yaml.safe_load((REPO_ROOT / "inventory.example.yml").read_text())
+    nodes = example["all"]["children"].pop("nodes")
+    example["all"]["children"]["workstations"] = {"children": {"gpu_boxes": nodes}}
+    yaml_path.write_text(yaml.safe_dump(example))
+    nested = inventory.load(yaml_path, "gpu_boxes")  # found where Ansible finds it
+    assert [h.name for h in nested.hosts] == list(nodes["hosts"])
+    example["all"]["children"] = {"gpu_boxes": nodes}
+    yaml_path.write_text(yaml.safe_dump(example))
+    assert inventory.load(yaml_path, "gpu_boxes").hosts == nested.hosts
+
+    for command in (["cluster", "check"], ["cluster", "hostfile"], ["netcheck"], ["train"]):
+        done = run_cli(*command, "-i", str(ini), "--group", "nope", timeout=60)
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert done.stderr.splitlines() == [
+            f"Error: inventory {ini}: no hosts in group 'nope' as Ansible reads it (try listing "
+            "the nodes in a group named nope (inventory.example.yml))"
+        ], command
+    hostfile = run_cli("cluster", "hostfile", "-i", str(ini), "--group", "gpu")
+    assert hostfile.stdout == "node1 slots=2\nnode2 slots=2\n"
+    bad = run_cli("cluster", "check", "-i", str(ini), "--group", "gpu nodes")
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "Error: --group 'gpu nodes' is not an Ansible group name (try letters, digits and "
+        "underscores, such as GROUP=gpu_nodes)"
+    ]
