@@ -26,7 +26,7 @@ from tests.ansible.conftest import (
     ufw_status_lines,
 )
 from tests.conftest import VENV_BIN
-from tests.launch.test_launcher import SCRIPTS
+from tests.helpers import SCRIPTS
 
 pytestmark = pytest.mark.sim
 LISTEN_PORT = 47123

@@ -9,17 +9,8 @@ import uuid
 import pytest
 
 from cluster import sim, staging
-from cluster.inventory import parse
 from cluster.versions import TORCH_LABEL
-
-INVENTORY = """\
-all:
-  vars: {compute_subnet: 10.7.0.0/24, launch_mode: container, training_image: IMAGE}
-  children:
-    nodes:
-      hosts:
-        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.1, compute_interface: eth1, gpus: 0}
-"""
+from tests import helpers
 
 
 def _labelled(label: str | None) -> str:
@@ -69,7 +60,9 @@ def test_the_node_check_reads_the_images_torch_and_refuses_an_old_one(label, pro
     sim.require_engine()
     tag = _labelled(label)
     try:
-        inventory = parse(INVENTORY.replace("IMAGE", tag), "/nonexistent/inv.yml")
+        inventory = helpers.inventory(
+            {"n1": helpers.node(1)}, launch_mode="container", training_image=tag
+        )
         wanted = sim.docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
         found = staging.image_mismatch(inventory.hosts[0], inventory, wanted, _answer(tag))
         if problem is None:

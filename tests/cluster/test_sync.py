@@ -12,17 +12,21 @@ import pytest
 from cluster import staging, sync
 from cluster.errors import UserError
 from cluster.inventory import parse
+from tests.helpers import inventory_text, node
 
-INVENTORY = """\
-all:
-  vars: {compute_subnet: 10.7.0.0/24, ansible_user: trainer,
-         ansible_ssh_private_key_file: /keys/id, ssh_known_hosts_file: /keys/known_hosts}
-  children:
-    nodes:
-      hosts:
-        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.9, compute_interface: eth1, gpus: 0,
-             ansible_port: 2222}
-"""
+
+def _inventory_text(**cluster_vars) -> str:
+    """One node, SSH on port 2222 as trainer with its own key and known_hosts file."""
+    return inventory_text(
+        {"n1": node(1, compute_ip="10.7.0.9", ansible_port=2222)},
+        ansible_user="trainer",
+        ansible_ssh_private_key_file="/keys/id",
+        ssh_known_hosts_file="/keys/known_hosts",
+        **cluster_vars,
+    )
+
+
+INVENTORY = _inventory_text()
 
 
 def _git(root: Path, *args: str) -> None:
@@ -187,9 +191,8 @@ def test_secrets_reach_the_shell_quoted_and_never_a_command_line():
     )
 
 
-def _container_inventory(extra: str = ""):
-    text = INVENTORY.replace("ansible_user: trainer,", f"ansible_user: trainer, {extra}")
-    return parse(text, "/nonexistent/inv.yml")
+def _container_inventory(**cluster_vars):
+    return parse(_inventory_text(**cluster_vars), "/nonexistent/inv.yml")
 
 
 def test_relative_checkpoint_and_data_dirs_resolve_under_their_roots():
@@ -214,7 +217,7 @@ def test_relative_checkpoint_and_data_dirs_resolve_under_their_roots():
 
 
 def test_in_a_container_a_checkpoint_dir_outside_every_mount_is_refused():
-    inventory = _container_inventory("container_mounts: [/scratch],")
+    inventory = _container_inventory(container_mounts=["/scratch"])
     project = staging.Project((), "/w/proj", None)
     with pytest.raises(UserError) as raised:
         staging.resolve_paths(("--checkpoint-dir", "/var/tmp/ckpt"), inventory, project, "/r")
@@ -222,7 +225,7 @@ def test_in_a_container_a_checkpoint_dir_outside_every_mount_is_refused():
     assert "/scratch" in str(raised.value)
     kept, _ = staging.resolve_paths(("--checkpoint-dir=/scratch/c",), inventory, project, "/r")
     assert kept == ("--checkpoint-dir=/scratch/c",)
-    host_mode = _container_inventory("launch_mode: host,")
+    host_mode = _container_inventory(launch_mode="host")
     assert staging.resolve_paths(("--checkpoint-dir", "/var/tmp/c"), host_mode, project, "/r")[0]
 
 

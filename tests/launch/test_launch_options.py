@@ -5,34 +5,25 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from cluster.errors import UserError
-from cluster.inventory import parse
 from launch.commands import remote_command
 from launch.nodes import entry_point, gpu_problem, job_backend, legacy_flag, nproc_for
 from launch.spec import JobSpec
 from tests.conftest import run_cli
+from tests.helpers import SCRIPTS, inventory, node
 
-SCRIPTS = Path(__file__).parents[1] / "training" / "launcher_scripts"
 
-GPU_INVENTORY = """\
-all:
-  vars: {compute_subnet: 10.7.0.0/24, launch_mode: container}
-  children:
-    nodes:
-      hosts:
-        big: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.1, compute_interface: eth1, gpus: 4}
-        small:
-          ansible_host: 10.1.0.2
-          compute_ip: 10.7.0.2
-          compute_interface: eth1
-          gpus: 2
-          cuda_visible_devices: "1"
-        cpu: {ansible_host: 10.1.0.3, compute_ip: 10.7.0.3, compute_interface: eth1, gpus: 0}
-"""
+def _gpu_inventory(big_gpus: int = 4):
+    """A node with 4 GPUs, one with 2 of which its own selection is GPU 1, and a CPU node."""
+    hosts = {
+        "big": node(1, gpus=big_gpus),
+        "small": node(2, gpus=2, cuda_visible_devices="1"),
+        "cpu": node(3),
+    }
+    return inventory(hosts, "inv.yml", launch_mode="container")
 
 
 def _command(host, spec, inventory) -> list[str]:
@@ -41,7 +32,7 @@ def _command(host, spec, inventory) -> list[str]:
 
 
 def test_gpu_selection_sets_visible_devices_and_process_count():
-    inventory = parse(GPU_INVENTORY, "inv.yml")
+    inventory = _gpu_inventory()
     big, small, _ = inventory.hosts
     spec = JobSpec(run_id="tmn-g", gpus=(0, 2))
     words = _command(big, spec, inventory)
@@ -64,7 +55,7 @@ def test_gpu_selection_sets_visible_devices_and_process_count():
     ],
 )
 def test_gpu_selection_is_checked_against_each_node(host_index, gpus, message):
-    inventory = parse(GPU_INVENTORY, "inv.yml")
+    inventory = _gpu_inventory()
     with pytest.raises(UserError) as caught:
         nproc_for(inventory.hosts[host_index], JobSpec(gpus=gpus))
     assert str(caught.value) == message
@@ -85,7 +76,7 @@ def test_gpus_on_a_cpu_machine_is_one_clear_line():
 
 
 def test_debug_turns_on_the_backends_logs_for_that_run():
-    inventory = parse(GPU_INVENTORY, "inv.yml")
+    inventory = _gpu_inventory()
     words = _command(inventory.hosts[0], JobSpec(run_id="tmn-d", debug="info"), inventory)
     for variable in (
         "NCCL_DEBUG=INFO",
@@ -133,15 +124,15 @@ def test_debug_output_shows_backend_lines_from_every_node(sim2, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert f"each node's log: {tmp_path}/NODE.log" in proc.stdout
-    for node, rank in (("node1", 0), ("node2", 1)):
+    for name, rank in (("node1", 0), ("node2", 1)):
         # The C++ side's own log lines (DDP's logger, the reducer), from that node's rank.
         backend = [
             line
             for line in proc.stdout.splitlines()
-            if line.startswith(f"[{node}] [rank{rank}]:[I") and "DDP Initialized with" in line
+            if line.startswith(f"[{name}] [rank{rank}]:[I") and "DDP Initialized with" in line
         ]
-        assert backend, f"no backend debug line from {node}"
-        assert "DDP Initialized with" in (tmp_path / f"{node}.log").read_text()
+        assert backend, f"no backend debug line from {name}"
+        assert "DDP Initialized with" in (tmp_path / f"{name}.log").read_text()
 
 
 @pytest.mark.sim
@@ -199,7 +190,7 @@ def _nproc(words: list[str]) -> int:
 
 
 def test_nproc_per_node_is_honoured_with_a_gpu_selection():
-    inventory = parse(GPU_INVENTORY, "inv.yml")
+    inventory = _gpu_inventory()
     big = inventory.hosts[0]
     spec = JobSpec(run_id="tmn-n", gpus=(0, 1, 2, 3), nproc_per_node=2)
     words = _command(big, spec, inventory)
@@ -213,7 +204,7 @@ def test_nproc_per_node_is_honoured_with_a_gpu_selection():
 
 
 def test_model_parallel_gets_one_process_per_pair_of_gpus():
-    inventory = parse(GPU_INVENTORY, "inv.yml")
+    inventory = _gpu_inventory()
     big, small, cpu = inventory.hosts
     model_parallel = JobSpec(run_id="tmn-m", module="training.model_parallel")
     # The default on a 4-GPU node: two processes of two GPUs each.
@@ -230,9 +221,9 @@ def test_model_parallel_gets_one_process_per_pair_of_gpus():
         "training.model_parallel spans 2 GPUs per process, but node 'small' has 1 for the job "
         "(GPUS=1)"
     )
-    two_gpus = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 2"), "inv.yml").hosts[0]
+    two_gpus = _gpu_inventory(2).hosts[0]
     assert nproc_for(two_gpus, model_parallel) == 1
-    one_gpu = parse(GPU_INVENTORY.replace("gpus: 4", "gpus: 1"), "inv.yml").hosts[0]
+    one_gpu = _gpu_inventory(1).hosts[0]
     with pytest.raises(UserError, match="has 1 for the job \\(inventory gpus: 1\\)"):
         nproc_for(one_gpu, model_parallel)
     # Other workloads keep one process per GPU.
@@ -240,7 +231,7 @@ def test_model_parallel_gets_one_process_per_pair_of_gpus():
 
 
 def test_one_backend_for_the_whole_job():
-    inventory = parse(GPU_INVENTORY, "inv.yml")
+    inventory = _gpu_inventory()
     big, small, cpu = inventory.hosts
     assert job_backend((big, small)) == ("nccl", None)
     assert job_backend((cpu,)) == ("gloo", None)
@@ -253,7 +244,7 @@ def test_one_backend_for_the_whole_job():
 
 
 def test_gpu_nodes_number_gpus_as_nvidia_smi_does():
-    inventory = parse(GPU_INVENTORY, "inv.yml")
+    inventory = _gpu_inventory()
     big, _, cpu = inventory.hosts
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in _command(big, JobSpec(run_id="t"), inventory)
     assert not any(w.startswith("CUDA_DEVICE_ORDER") for w in _command(cpu, JobSpec(), inventory))
@@ -279,7 +270,7 @@ def test_gpu_nodes_number_gpus_as_nvidia_smi_does():
     ],
 )
 def test_gpus_that_do_not_answer_stop_an_nccl_job_naming_the_node(answer, ok, problem):
-    big = parse(GPU_INVENTORY, "inv.yml").hosts[0]
+    big = _gpu_inventory().hosts[0]
     found = gpu_problem(big, JobSpec(), answer, ok)
     if problem is None:
         assert found is None

@@ -20,7 +20,6 @@ from cluster import sim
 from cluster.containers import NCCL_CONF_GUARD
 from cluster.errors import UserError
 from cluster.inventory import load, parse
-from cluster.remote import Remote, on_all
 from cluster.staging import Project
 from launch import stop
 from launch.commands import remote_command, stop_command, torchrun_command
@@ -36,19 +35,20 @@ from launch.spec import (
 from netcheck import envfile
 from tests.conftest import VENV_BIN, run_cli
 from tests.fakes import FakeNodes
+from tests.helpers import SCRIPTS, inventory_text, leftovers, node, run_id_in
 from tests.training.conftest import kill_node
 
-SCRIPTS = Path(__file__).parents[1] / "training" / "launcher_scripts"
 
-INVENTORY = """\
-all:
-  vars: {compute_subnet: 10.7.0.0/24, rendezvous_port: 29400, training_python: /opt/venv/bin/python}
-  children:
-    nodes:
-      hosts:
-        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.9, compute_interface: eth1, gpus: 2}
-        n2: {ansible_host: 10.1.0.2, compute_ip: 10.7.0.10, compute_interface: ens5, gpus: 0}
-"""
+def _inventory_text(**cluster_vars) -> str:
+    hosts = {
+        "n1": node(1, compute_ip="10.7.0.9", gpus=2),
+        "n2": node(2, compute_ip="10.7.0.10", compute_interface="ens5"),
+    }
+    values = {"rendezvous_port": 29400, "training_python": "/opt/venv/bin/python", **cluster_vars}
+    return inventory_text(hosts, **values)
+
+
+INVENTORY = _inventory_text()
 
 
 def test_torchrun_command_binds_rendezvous_to_the_compute_ip():
@@ -92,7 +92,7 @@ def test_remote_command_sets_interfaces_and_the_run_marker():
 
 
 def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
-    text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "training_image: img:1}")
+    text = _inventory_text(training_image="img:1")
     inventory = parse(text, "/nonexistent/inv.yml")
     assert inventory.launch_mode == "container"
     n1, n2 = inventory.hosts
@@ -280,13 +280,13 @@ def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(
 
 
 def test_bad_container_memlock_is_rejected():
-    text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "container_memlock: lots}")
+    text = _inventory_text(container_memlock="lots")
     with pytest.raises(UserError, match=r"'container_memlock': 'lots' is neither 'unlimited'"):
         parse(text, "inv.yml")
 
 
 def test_bad_launch_mode_is_rejected():
-    text = INVENTORY.replace("training_python: /opt/venv/bin/python}", "launch_mode: vm}")
+    text = _inventory_text(launch_mode="vm")
     with pytest.raises(UserError, match=r"cluster field 'launch_mode': 'vm' is not one of"):
         parse(text, "inv.yml")
 
@@ -366,26 +366,8 @@ def test_bad_launch_arguments_are_one_line_errors(args, message):
 # --- On the simulated cluster -------------------------------------------------------------
 
 
-def _leftovers(inventory, run_id: str, hosts=None) -> dict[str, str]:
-    """Per node: processes still carrying the run's marker, and listeners on the rendezvous port."""
-    probe = (
-        f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self; "
-        f"ss -ltnH 'sport = :{inventory.rendezvous_port}'"
-    )
-
-    def look(host):
-        with Remote.for_inventory(inventory, host) as remote:
-            return remote.run(probe).stdout.strip()
-
-    return on_all(hosts or inventory.hosts, look)
-
-
 def _train(inventory_path, *args, timeout=240) -> subprocess.CompletedProcess:
     return run_cli("train", "-i", str(inventory_path), *args, timeout=timeout)
-
-
-def _run_id(stdout: str) -> str:
-    return stdout.split("[launcher] job ", 1)[1].split(":", 1)[0]
 
 
 @pytest.mark.sim
@@ -401,7 +383,7 @@ def test_tutorial_script_runs_unchanged_on_two_nodes(sim2):
     assert ranks[1].startswith("[node2] rank 1/2 local 0 on debian-2")
     assert ranks[0].split("checksum ")[1] == ranks[1].split("checksum ")[1]
     assert "succeeded" in [line for line in lines if line.startswith("Job ")][0]
-    assert _leftovers(sim2.inventory, _run_id(proc.stdout)) == {"node1": "", "node2": ""}
+    assert leftovers(sim2.inventory, run_id_in(proc.stdout)) == {"node1": "", "node2": ""}
 
 
 @pytest.mark.sim
@@ -411,12 +393,12 @@ def test_a_failing_rank_stops_every_node_and_is_named(sim2):
     )
     assert proc.returncode == 1
     summary = proc.stdout[proc.stdout.index("\nJob ") + 1 :].splitlines()
-    assert summary[0].startswith(f"Job {_run_id(proc.stdout)} FAILED on node2 after ")
+    assert summary[0].startswith(f"Job {run_id_in(proc.stdout)} FAILED on node2 after ")
     assert summary[1].split()[0] == "node1"  # stopped by us, or failed on its own first
     assert summary[2].split()[:2] == ["node2", "exit"] and summary[2].split()[2] != "0"
     assert summary[3] == "Last lines from node2:"
     assert any("failing on purpose at step 5" in line for line in summary[4:])
-    assert _leftovers(sim2.inventory, _run_id(proc.stdout)) == {"node1": "", "node2": ""}
+    assert leftovers(sim2.inventory, run_id_in(proc.stdout)) == {"node1": "", "node2": ""}
 
 
 def _start_endless(inventory_path) -> subprocess.Popen:
@@ -451,7 +433,7 @@ def _wait_for(process: subprocess.Popen, text: str, limit: float = 120) -> list[
 def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
     process = _start_endless(sim2.config.inventory_path)
     seen = _wait_for(process, "rank 1 step 20")
-    run_id = _run_id("".join(seen))
+    run_id = run_id_in("".join(seen))
     output = kill_node(process, sim2.config.container(2))
     try:
         stopped_after = output.end()
@@ -460,7 +442,7 @@ def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
         assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
         assert f"Job {run_id} FAILED on node2" in rest
         survivor = sim2.inventory.hosts[:1]
-        assert _leftovers(sim2.inventory, run_id, survivor) == {"node1": ""}
+        assert leftovers(sim2.inventory, run_id, survivor) == {"node1": ""}
     finally:
         sim.up(2, None, sim2.config)  # node2 back for the tests that follow
 
@@ -477,20 +459,20 @@ def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
 def test_ctrl_c_or_sigterm_stops_every_node(sim2, sent, name, code, verdict):
     process = _start_endless(sim2.config.inventory_path)
     seen = _wait_for(process, "rank 1 step 10")
-    run_id = _run_id("".join(seen))
+    run_id = run_id_in("".join(seen))
     process.send_signal(sent)
     rest, _ = process.communicate(timeout=30)
     assert process.returncode == code, rest
     assert f"[launcher] {name}: stopping the job on every node..." in rest
     assert f"Job {run_id} {verdict} after" in rest
-    assert _leftovers(sim2.inventory, run_id) == {"node1": "", "node2": ""}
+    assert leftovers(sim2.inventory, run_id) == {"node1": "", "node2": ""}
 
 
 @pytest.mark.sim
 def test_a_second_job_on_the_same_port_is_refused_and_the_first_goes_on(sim2):
     first = _start_endless(sim2.config.inventory_path)
     seen = _wait_for(first, "rank 1 step 10")
-    first_id = _run_id("".join(seen))
+    first_id = run_id_in("".join(seen))
     try:
         second = _train(sim2.config.inventory_path, "--script", str(SCRIPTS / "tutorial_ddp.py"))
         said = f"exit {second.returncode}\n{second.stdout[-2000:]}\n{second.stderr}"
@@ -535,7 +517,7 @@ def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id
     the second run, under a new run ID, succeeds. Host mode: in container mode the job checks
     the nodes' image against the controller's, which the simulated cluster's tests do."""
     inventory = parse(
-        INVENTORY.replace("{compute_subnet:", "{launch_mode: host, compute_subnet:"),
+        _inventory_text(launch_mode="host"),
         "/nonexistent/inv.yml",
     )
     runs: list[tuple[str, str]] = []

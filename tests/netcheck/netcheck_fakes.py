@@ -15,7 +15,9 @@ from cluster.containers import NCCL_CONF_GUARD
 from cluster.inventory import Host, parse
 from cluster.remote import Result
 from netcheck import preflight
+from tests import helpers
 from tests.fakes import FakeNodes
+from tests.helpers import node
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NETCHECK = Path(sys.executable).parent / "netcheck"
@@ -33,24 +35,26 @@ def run_netcheck(*args: str, timeout: float = 300) -> subprocess.CompletedProces
     )
 
 
-INVENTORY = """
-all:
-  vars:
-    compute_subnet: 10.9.0.0/24
-    rendezvous_port: 29500
-    launch_mode: host
-    training_python: /opt/venv/bin/python
-  children:
-    nodes:
-      hosts:
-        node1: {ansible_host: 10.8.0.11, compute_ip: 10.9.0.11, compute_interface: eth1, gpus: 0}
-        node2: {ansible_host: 10.8.0.12, compute_ip: 10.9.0.12, compute_interface: eth1, gpus: 0}
-        node3: {ansible_host: 10.8.0.13, compute_ip: 10.9.0.13, compute_interface: eth1, gpus: 0}
-"""
+def inventory_text(launch_mode="host"):
+    """Three nodes: SSH on 10.8.0.1N, compute on 10.9.0.1N over eth1."""
+    hosts = {
+        f"node{n}": node(n, ansible_host=f"10.8.0.1{n}", compute_ip=f"10.9.0.1{n}")
+        for n in (1, 2, 3)
+    }
+    return helpers.inventory_text(
+        hosts,
+        compute_subnet="10.9.0.0/24",
+        rendezvous_port=29500,
+        launch_mode=launch_mode,
+        training_python="/opt/venv/bin/python",
+    )
+
+
+INVENTORY = inventory_text()
 
 
 def inventory(path="/nonexistent/inventory.yml", launch_mode="host"):
-    return parse(INVENTORY.replace("launch_mode: host", f"launch_mode: {launch_mode}"), path)
+    return parse(inventory_text(launch_mode), path)
 
 
 def link(name, ip=None, mtu=1500, flags=("BROADCAST", "MULTICAST", "UP", "LOWER_UP")):

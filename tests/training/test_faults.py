@@ -22,7 +22,7 @@ from cluster import sim
 from launch.commands import link_probe_command
 from launch.spec import REMOTE_LOCK_ROOT
 from tests.conftest import VENV_BIN, run_cli
-from tests.launch.test_launcher import SCRIPTS, _leftovers, _run_id
+from tests.helpers import SCRIPTS, leftovers, run_id_in
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -211,8 +211,8 @@ def test_node_killed_while_writing_a_checkpoint_loses_nothing_but_the_steps_sinc
         rest = output.text
         assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
         assert process.returncode == 1
-        assert _summary(rest)[0].startswith(f"Job {_run_id(seen)} FAILED on node2")
-        assert _leftovers(sim2.inventory, _run_id(seen), sim2.inventory.hosts[:1]) == {"node1": ""}
+        assert _summary(rest)[0].startswith(f"Job {run_id_in(seen)} FAILED on node2")
+        assert leftovers(sim2.inventory, run_id_in(seen), sim2.inventory.hosts[:1]) == {"node1": ""}
     finally:
         sim.up(2, None, sim2.config)  # node2 is back, its disk as it was
     # The partial step 8 never got its name; step 4 is intact and loads.
@@ -263,7 +263,7 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
         out,
     )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))  # step 8 saved on both nodes
-    first = _run_id(seen)
+    first = run_id_in(seen)
     output = kill_node(process, sim2.config.container(1))
     restarting = "[launcher] restart 1 of 1: waiting up to 120 s"
     try:
@@ -289,7 +289,7 @@ def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_un
         max_difference(_fetch_model(sim2, out, tmp_path / "model.pt"), reference_ddp.state) < 1e-6
     )
     for run_id in (first, f"{first}-r1"):
-        assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+        assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
     lock = f"{REMOTE_LOCK_ROOT}/port-{sim2.inventory.rendezvous_port}"
     assert _on_node(sim2, 1, f"test -e {lock} && echo still held; true") == ""
 
@@ -309,7 +309,7 @@ def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost
         "10",
     )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +3/"))
-    run_id = _run_id(seen)
+    run_id = run_id_in(seen)
     with _partitioned(sim2, 2):
         cut_at = time.monotonic()
         rest, _ = process.communicate(timeout=120)
@@ -326,7 +326,7 @@ def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost
     node2 = next(line for line in summary if line.split()[0] == "node2")
     assert f"compute link to {master} down for " in node2
     assert "Timed out waiting 10000ms" in rest  # the ranks' own verdict, in the last lines
-    assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+    assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
 
 
 @pytest.mark.sim
@@ -334,7 +334,7 @@ def test_a_partition_stops_any_script_within_the_launchers_network_timeout(sim2,
     # This script's collectives wait 10 min: only the launcher's own check ends the job.
     process = start("--network-timeout", "8", "--script", str(SCRIPTS / "endless_allreduce.py"))
     seen = _wait_for(process, "rank 1 step 10")
-    run_id = _run_id(seen)
+    run_id = run_id_in(seen)
     with _partitioned(sim2, 2):
         cut_at = time.monotonic()
         rest, _ = process.communicate(timeout=120)
@@ -352,7 +352,7 @@ def test_a_partition_stops_any_script_within_the_launchers_network_timeout(sim2,
         r"--network-timeout 8\)",
         node2,
     ), node2
-    assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+    assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
 
 
 def _interrupt(process: subprocess.Popen) -> tuple[str, float]:
@@ -369,7 +369,7 @@ def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
     # node2 cannot reach the rendezvous: node1's agent waits for it, node2's keeps trying.
     with _dropped(sim2, 2, f"OUTPUT -o {sim.COMPUTE_INTERFACE} -p tcp --dport {port}"):
         process = start("--", *TINY, "--steps", "4")
-        run_id = _run_id(process.stdout.readline())
+        run_id = run_id_in(process.stdout.readline())
         marker = f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -385,7 +385,7 @@ def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
     assert took < 10, f"the launcher took {took:.1f} s to end"
     assert f"Job {run_id} interrupted" in rest
     assert not re.search(r"\] step +\d+/", rest)  # no rank ever started training
-    assert _leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+    assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
 
 
 @pytest.mark.sim
@@ -407,8 +407,8 @@ def test_ctrl_c_during_a_checkpoint_write_leaves_no_process_or_port_and_the_prev
     rest, took = _interrupt(process)
     assert process.returncode == 130, rest
     assert took < 10, f"the launcher took {took:.1f} s to end"
-    assert f"Job {_run_id(seen)} interrupted" in rest
-    assert _leftovers(sim2.inventory, _run_id(seen)) == NO_LEFTOVERS
+    assert f"Job {run_id_in(seen)} interrupted" in rest
+    assert leftovers(sim2.inventory, run_id_in(seen)) == NO_LEFTOVERS
     # Lost: steps 5-8. Step 4 is complete on both nodes; step 8 never got its name.
     for index, rank in ((1, 0), (2, 1)):
         files = _files(sim2, index, checkpoint_dir)

@@ -21,9 +21,7 @@ from tests.training.conftest import (
     load_state,
     max_difference,
 )
-from tests.training.test_ddp_equality import one_process
-from tests.training.test_pipeline import BATCH, STEPS
-from tests.training.test_pipeline import one_process as unsplit_pipeline
+from tests.training.references import BATCH, STEPS, ddp_in_one_process, pipeline_in_one_process
 from training import config as config_module
 from training.config import TrainConfig
 
@@ -54,7 +52,7 @@ def test_two_node_ddp_equals_one_process_on_the_same_global_batches(sim2, tmp_pa
     assert sorted(digests) == [0, 1] and digests[0] == digests[1]
     _fetch(sim2, out, tmp_path / "model.pt")
     config = config_module.parse(TrainConfig, [*TINY, "--steps", str(REFERENCE_STEPS)])
-    expected = one_process(config, REFERENCE_STEPS)  # tiny has no BatchNorm: see that test
+    expected = ddp_in_one_process(config, REFERENCE_STEPS)  # tiny has no BatchNorm: see that test
     assert max_difference(expected.state_dict(), load_state(tmp_path / "model.pt")) < 1e-6
 
 
@@ -85,7 +83,7 @@ def test_pipeline_stages_on_two_nodes_match_the_unsplit_model(sim2, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "[node1] pipeline  2 stages: blocks 0-2 on rank 0, blocks 3-4 on rank 1" in proc.stdout
-    losses, parameters, gradients = unsplit_pipeline()
+    losses, parameters, gradients = pipeline_in_one_process()
     import torch
 
     for rank in (0, 1):

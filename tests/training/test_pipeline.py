@@ -4,31 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.training.conftest import load_state, run_main
+from tests.training.references import (
+    BATCH,
+    STEPS,
+    pipeline_in_one_process,
+)
 from training import pipeline
-from training.data import SyntheticImages
-
-STEPS, BATCH, CLASSES, WIDTH, SIZE, SEED = 3, 16, 10, 8, 16, 0
-
-
-def one_process():
-    """The whole model in one process: losses per step, final parameters, last gradients."""
-    model = pipeline.build_model(CLASSES, WIDTH, SEED)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    dataset = SyntheticImages(
-        split="train", size=4 * BATCH, num_classes=CLASSES, image_size=SIZE, noise=1.0, seed=SEED
-    )
-    losses = []
-    for images, labels in pipeline.batches(dataset, BATCH, STEPS):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(images), labels)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return losses, model.state_dict(), gradients
 
 
 @pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 2)])
@@ -50,7 +33,7 @@ def test_two_stages_match_the_unsplit_model(torchrun, tmp_path, schedule, microb
     assert run.lines("pipeline  ") == [
         "pipeline  2 stages: blocks 0-2 on rank 0, blocks 3-4 on rank 1"
     ]
-    losses, parameters, gradients = one_process()
+    losses, parameters, gradients = pipeline_in_one_process()
     stages = [load_state(tmp_path / f"stage-{rank}.pt") for rank in range(2)]
     assert [stage["blocks"] for stage in stages] == [(0, 3), (3, 5)]
     assert stages[0]["losses"] == []
