@@ -1,6 +1,7 @@
 """The one exception type the project's CLIs turn into a single `Error: ...` line."""
 
 import argparse
+import math
 import signal
 import sys
 from collections.abc import Callable
@@ -71,6 +72,42 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, UserError(printable(message), hint=f"{self.prog} --help").line() + "\n")
+
+
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `minimum`. Every CLI checks its numbers
+    this one way, so a bad one is argparse's one line: 'argument --x: 0 is below 1'."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    parse.__name__ = "whole number"  # what argparse would name it
+    return parse
+
+
+def positive_number(what: str = "number") -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (float() alone takes 'nan' and 'inf', a
+    limit that never comes); `what` names it in the error ("number of seconds")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not a {what}")
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{shown(text)} must be above 0")
+        return value
+
+    parse.__name__ = what
+    return parse
 
 
 def shown(value: object) -> str:

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from cluster import inventory as inventory_module
 from cluster import staging, sync
-from cluster.errors import ArgumentParser, UserError, at_the_edge, shown, stop_on_sigterm
+from cluster.errors import (
+    ArgumentParser,
+    UserError,
+    at_the_edge,
+    positive_number,
+    shown,
+    stop_on_sigterm,
+    whole_number,
+)
 from cluster.inventory import GROUP_HELP, parse_gpu_list
 from launch import checks
 from launch.commands import run_dir
@@ -81,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workdir-limit",
-        type=float,
+        type=positive_number("number of MB"),
         default=sync.DEFAULT_WORKDIR_LIMIT / 1e6,
         help="MB a workdir may hold; datasets go through 'make data' (default: %(default)g)",
     )
@@ -96,26 +104,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=whole_number(1),
         default=None,
         help="processes per node (default: the node's GPU count, or 1 on a CPU node; 2 locally)",
     )
     parser.add_argument(
         "--rendezvous-timeout",
-        type=int,
+        type=whole_number(1),
         default=60,
         help="seconds to wait for every node to join (default: %(default)s)",
     )
     parser.add_argument(
         "--network-timeout",
-        type=float,
+        type=positive_number("number of seconds"),
         default=DEFAULT_NETWORK_TIMEOUT,
         help="seconds a node may be unable to reach the master over the compute network before "
         "it is declared lost and the job stopped (default: %(default)g)",
     )
     parser.add_argument(
         "--restarts",
-        type=int,
+        type=whole_number(0),
         default=0,
         help="after a failure (a node died, a rank crashed, the network was cut), wait for every "
         "node to answer over SSH again and start the job again, up to this many times; the "
@@ -123,13 +131,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--restart-wait",
-        type=float,
+        type=positive_number("number of seconds"),
         default=DEFAULT_RESTART_WAIT,
         help="seconds a restart waits for every node to answer (default: %(default)g)",
     )
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=whole_number(0),
         default=0,
         help="torchrun's own restarts of the worker processes while every node stays up "
         "(default: %(default)s)",
@@ -181,21 +189,6 @@ def run(args: argparse.Namespace) -> int:
         extra = extra[1:]
     if args.script is not None and not args.script.is_file():
         raise UserError(f"script {args.script} does not exist", hint="a path to a .py file")
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        raise UserError(f"--nproc-per-node={args.nproc_per_node} is below 1")
-    if not 0 < args.network_timeout < float("inf"):
-        raise UserError(f"--network-timeout={args.network_timeout:g} is not a positive number")
-    # Checked here, not left to torchrun on every node, which would each fail its own way.
-    if args.rendezvous_timeout < 1:
-        raise UserError(f"--rendezvous-timeout={args.rendezvous_timeout} is below 1 second")
-    if args.max_restarts < 0:
-        raise UserError(f"--max-restarts={args.max_restarts} is below 0")
-    if args.restarts < 0:
-        raise UserError(f"--restarts={args.restarts} is below 0")
-    if not 0 < args.workdir_limit < float("inf"):
-        raise UserError(f"--workdir-limit={args.workdir_limit:g} is not a positive number")
-    if not 0 < args.restart_wait < float("inf"):
-        raise UserError(f"--restart-wait={args.restart_wait:g} is not a positive number")
     if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
         raise UserError(
             f"--module {shown(args.module)} is not a Python module name",

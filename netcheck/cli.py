@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from cluster import inventory as inventory_module
-from cluster.errors import ArgumentParser, at_the_edge
+from cluster.errors import ArgumentParser, at_the_edge, positive_number
 from cluster.execution import SshNodes
 from netcheck import envfile
 from netcheck.preflight import DEFAULT_SWEEP_TIMEOUT, DEFAULT_TIMEOUT, Options, preflight
@@ -40,18 +39,6 @@ examples:
   netcheck -i inventory.yml --sweep          # bandwidth: sizes to 64 MiB, busbw vs raw TCP
   netcheck -i inventory.yml --pairwise       # raw TCP between every pair: finds a slow link
 """
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value):  # float() takes 'nan' and 'inf': no limit at all
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -99,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout",
         metavar="S",
-        type=_positive,
+        type=positive_number("number of seconds"),
         help=f"wall-clock seconds for each torch stage on a node (default: "
         f"{DEFAULT_TIMEOUT:g}, with --sweep {DEFAULT_SWEEP_TIMEOUT:g}); SSH "
         f"connections give up after 5 s",

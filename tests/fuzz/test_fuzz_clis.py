@@ -399,14 +399,22 @@ def run(main, argv: list[str], root: Path):
         (
             launch.cli.main,
             ["--rendezvous-timeout", "0"],
-            "Error: --rendezvous-timeout=0 is below 1 second",
+            "Error: argument --rendezvous-timeout: 0 is below 1 (try train --help)",
         ),
-        (launch.cli.main, ["--max-restarts", "-1"], "Error: --max-restarts=-1 is below 0"),
-        (launch.cli.main, ["--restarts", "-1"], "Error: --restarts=-1 is below 0"),
+        (
+            launch.cli.main,
+            ["--max-restarts", "-1"],
+            "Error: argument --max-restarts: -1 is below 0 (try train --help)",
+        ),
+        (
+            launch.cli.main,
+            ["--restarts", "-1"],
+            "Error: argument --restarts: -1 is below 0 (try train --help)",
+        ),
         (
             launch.cli.main,
             ["--restart-wait", "nan"],
-            "Error: --restart-wait=nan is not a positive number",
+            "Error: argument --restart-wait: 'nan' is not a number of seconds (try train --help)",
         ),
         (
             launch.cli.main,

@@ -355,7 +355,10 @@ def test_rank_order_warning_names_the_real_order():
             "Error: NNODES=2 needs an inventory (try INVENTORY=path.yml, or 'make "
             "sim-up' for a simulated cluster)",
         ),
-        (["--nproc-per-node", "0"], "Error: --nproc-per-node=0 is below 1"),
+        (
+            ["--nproc-per-node", "0"],
+            "Error: argument --nproc-per-node: 0 is below 1 (try train --help)",
+        ),
     ],
 )
 def test_bad_launch_arguments_are_one_line_errors(args, message):
