@@ -479,7 +479,7 @@ def test_a_full_or_read_only_checkpoint_dir_is_one_error_line_and_the_last_check
 
 @pytest.mark.sim
 def test_a_slow_node_is_named_with_its_step_time(sim2):
-    # Rank 1 (on node2: c10d ranks nodes by compute IP) sleeps 0.5 s after each step.
+    # Rank 1 (on node2: c10d ranks nodes by compute IP) sleeps 1 s after each step.
     proc = _train(
         sim2,
         "--",
@@ -489,7 +489,7 @@ def test_a_slow_node_is_named_with_its_step_time(sim2):
         "--log-every",
         "4",
         "--step-delay",
-        "0.5",
+        "1.0",
         "--step-delay-rank",
         "1",
     )
@@ -502,9 +502,12 @@ def test_a_slow_node_is_named_with_its_step_time(sim2):
     )
     matches = [pattern.fullmatch(line) for line in warnings]
     assert all(matches), warnings
-    # Every window of 4 steps names it; its 0.5 s of extra work per step shows, and the others'
+    # Every window of 4 steps names it, but the first one may not: its first step holds the
+    # connection set-up, and on a loaded machine (CI, 2 cores) the others' median of steps 1-4
+    # can come near the slow rank's. Its 1 s of extra work per step shows, and the others'
     # time is their own, not the time they spent waiting for it.
     windows = [(m.group(2), m.group(3)) for m in matches]
-    assert windows == [("1", "4"), ("5", "8"), ("9", "12")], proc.stdout[-3000:]
-    for match in matches:
-        assert float(match.group(1)) >= 0.5 > 1.5 * float(match.group(4))
+    assert windows[-2:] == [("5", "8"), ("9", "12")], proc.stdout[-3000:]
+    assert windows[:-2] in ([], [("1", "4")]), proc.stdout[-3000:]
+    for match in matches[-2:]:
+        assert float(match.group(1)) >= 1.0 > 1.5 * float(match.group(4))
