@@ -57,6 +57,8 @@ STORAGE_ROOTS = {
 CLUSTER_ONLY_FIELDS = (*STORAGE_ROOTS, "container_mounts")
 READ_ONLY_SUFFIX = ":ro"
 LAUNCH_MODES = ("container", "host")
+# How jobs reach the nodes: the launcher over SSH, or Slurm from the distribution's packages.
+SCHEDULERS = ("ssh", "slurm")
 REQUIRED_HOST_FIELDS = ("ansible_host", "compute_ip", "compute_interface", "gpus")
 REQUIRED_CLUSTER_FIELDS = ("compute_subnet",)
 # RFC 1123 host label: letters, digits and hyphens, 1-63 long, no hyphen at either end.
@@ -133,6 +135,8 @@ class Inventory:
     """More node directories for the job's container (inventory: "PATH" or "PATH:ro")."""
     group: str = NODES_GROUP
     """The Ansible group whose hosts are the nodes (--group, make GROUP=)."""
+    scheduler: str = "ssh"
+    """'ssh': the launcher starts jobs over SSH; 'slurm': provisioning also sets Slurm up."""
 
     @property
     def master(self) -> Host:
@@ -288,6 +292,7 @@ CLUSTER_FIELDS = (
     "rendezvous_port",
     "ssh_known_hosts_file",
     "launch_mode",
+    "scheduler",
     "training_image",
     "container_memlock",
     *CLUSTER_ONLY_FIELDS,
@@ -467,6 +472,12 @@ def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
             f"{where}: cluster field 'launch_mode': {shown(launch_mode)} is not one of "
             f"{', '.join(LAUNCH_MODES)}"
         )
+    scheduler = merged.get("scheduler", "ssh")
+    if scheduler not in SCHEDULERS:
+        raise UserError(
+            f"{where}: cluster field 'scheduler': {shown(scheduler)} is not one of "
+            f"{', '.join(SCHEDULERS)}"
+        )
     image = merged.get("training_image", DEFAULT_TRAINING_IMAGE)
     if not is_word(image):
         raise UserError(
@@ -551,6 +562,7 @@ def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
         workdir_root=roots["workdir_root"],
         container_mounts=mounts,
         group=group_name,
+        scheduler=scheduler,
     )
 
 

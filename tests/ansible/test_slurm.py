@@ -1,0 +1,74 @@
+"""scheduler: slurm in the inventory: provisioning also sets Slurm up from the distribution's
+packages on two fresh simulated nodes (no systemd there: the daemons are started directly).
+--check changes nothing; the run registers both nodes idle and a job runs on both; the munge
+key is one, made on the controller, 0400 munge on the nodes and never printed; a second run
+changes nothing. Only the hostname role (Slurm knows nodes by name) and the slurm role run
+(--tags hostname,slurm): the other roles have their own end-to-end tests."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.ansible.conftest import (
+    ansible_playbook,
+    node_sh,
+    read_inventory,
+    snapshot,
+    write_inventory,
+)
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.sim
+
+
+@pytest.mark.timeout(1500)
+def test_slurm_from_the_inventory_registers_every_node_idle_and_runs_a_job(sim_factory, tmp_path):
+    cluster = sim_factory.up(2)
+    name = f"tmn-test-{uuid.uuid4().hex[:8]}"  # its own munge key, removed at the end
+    key = REPO_ROOT / ".slurm" / f"{name}.munge.key"
+    containers = [cluster.config.container(i) for i in (1, 2)]
+    try:
+        document = read_inventory(cluster.config.inventory_path)
+        document["all"]["vars"]["scheduler"] = "slurm"
+        inventory = write_inventory(document, tmp_path / "slurm.yml")
+        args = ("--tags", "hostname,slurm", "-e", f"slurm_cluster_name={name}")
+
+        before = snapshot(containers)
+        check = ansible_playbook(inventory, "--check", *args)
+        assert check.returncode == 0, check.describe()
+        assert snapshot(containers) == before
+        assert node_sh(containers[0], "command -v slurmctld").returncode != 0  # not installed
+
+        first = ansible_playbook(inventory, *args)
+        assert first.returncode == 0, first.describe()
+        nodes = node_sh(containers[0], "sinfo --Node --noheader --format '%N %T'")
+        assert nodes.stdout.split("\n")[:2] == ["node1 idle", "node2 idle"], nodes
+        job = node_sh(containers[0], "srun --nodes 2 --label hostname | sort", timeout=120)
+        assert job.returncode == 0, job.stderr
+        assert job.stdout.splitlines() == ["0: node1", "1: node2"], job.stdout
+
+        assert oct(key.stat().st_mode & 0o777) == "0o600" and key.stat().st_size == 1024
+        for container in containers:
+            mode = node_sh(container, "stat -c '%a %U' /etc/munge/munge.key").stdout.strip()
+            assert mode == "400 munge", container
+            same = node_sh(container, "sha256sum < /etc/munge/munge.key").stdout.split()[0]
+            assert same == _sha256(key)
+        assert key.read_bytes().hex()[:32] not in first.output
+
+        second = ansible_playbook(inventory, *args)
+        assert second.returncode == 0, second.describe()
+        changed = second.changed()
+        assert {"node1", "node2"} <= set(changed) and set(changed.values()) == {0}, (
+            second.describe()
+        )
+    finally:
+        sim_factory.down(cluster)
+        key.unlink(missing_ok=True)
+
+
+def _sha256(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
