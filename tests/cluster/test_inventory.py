@@ -646,3 +646,17 @@ def test_the_nodes_are_the_hosts_of_the_group_named_by_group(tmp_path):
         "Error: --group 'gpu nodes' is not an Ansible group name (try letters, digits and "
         "underscores, such as GROUP=gpu_nodes)"
     ]
+
+
+def test_the_scheduler_is_ssh_unless_the_inventory_says_slurm():
+    from tests.helpers import inventory as built
+    from tests.helpers import inventory_text, node
+
+    hosts = {"n1": node(1), "n2": node(2)}
+    assert built(hosts).scheduler == "ssh"
+    assert built(hosts, scheduler="slurm").scheduler == "slurm"
+    with pytest.raises(UserError) as caught:
+        inventory.parse(inventory_text(hosts, scheduler="pbs"), "inv.yml")
+    assert str(caught.value) == (
+        "inventory inv.yml: cluster field 'scheduler': 'pbs' is not one of ssh, slurm"
+    )
