@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import sim
+from cluster import sim, sync
 from cluster.errors import UserError
 from cluster.inventory import Inventory, load
 from launch.commands import remote_command
@@ -371,21 +371,7 @@ def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
         command = remote_command(
             host, hosts[0], len(hosts), spec, inventory.rendezvous_port, env[host.name]
         )
-        ssh = [
-            "ssh",
-            "-i",
-            str(host.ssh_key),
-            "-p",
-            str(host.ssh_port),
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "StrictHostKeyChecking=yes",
-            "-o",
-            f"UserKnownHostsFile={inventory.known_hosts}",
-            f"{host.ssh_user}@{host.ssh_address}",
-            command,
-        ]
+        ssh = [*sync.ssh_command(inventory, host), f"{host.ssh_user}@{host.ssh_address}", command]
         processes.append(
             subprocess.Popen(ssh, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
