@@ -369,7 +369,7 @@ def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
     processes = []
     for host in hosts:
         command = remote_command(
-            host, hosts[0], len(hosts), spec, inventory.rendezvous_port, env[host.name]
+            host, inventory.master, len(hosts), spec, inventory.rendezvous_port, env[host.name]
         )
         ssh = [*sync.ssh_command(inventory, host), f"{host.ssh_user}@{host.ssh_address}", command]
         processes.append(

@@ -129,7 +129,7 @@ def preflight(
     hosts = list(inventory.hosts)
     context = context or context_for(inventory, nodes.ship_code(hosts))
     names = [h.name for h in hosts]
-    master = hosts[0]
+    master = inventory.master
     rendezvous = str(master.compute_ip)
     subnet = str(inventory.compute_subnet)
     token = f"netcheck-{uuid.uuid4().hex[:12]}"
