@@ -26,7 +26,7 @@ from pathlib import Path
 from cluster.execution import Context, Nodes, context_for, python_command
 from cluster.inventory import Host, Inventory
 from cluster.remote import Result, on_all
-from netcheck import bandwidth, checks, facts
+from netcheck import bandwidth, checks, facts, slurm
 from netcheck.collective import IMPORT_TIMEOUT, RESULT_PREFIX
 from netcheck.report import BANDWIDTH, CHECKS, Finding, Link, Report, Status
 
@@ -178,6 +178,10 @@ def preflight(
     add(interfaces.findings)
     report.env = interfaces.env
     report.nic_speed_mbps = interfaces.speeds
+
+    # Slurm, on a Slurm inventory: the controller knows every node, ready; munge works.
+    if inventory.scheduler == "slurm":
+        add(_slurm(inventory, nodes, hosts, up, master))
 
     # 4. Ports, for real: listen on the rendezvous port and a random one, connect from peers.
     add(
@@ -478,6 +482,24 @@ def wall_clock(command: str, seconds: float, pidfile: str) -> str:
         f"timeout -k 5 {seconds:g} {command} & echo $! > {shlex.quote(pidfile)}; "
         f"wait $!; rc=$?; rm -f {shlex.quote(pidfile)}; exit $rc"
     )
+
+
+def _slurm(
+    inventory: Inventory, nodes: Nodes, hosts: list[Host], up: list[Host], master: Host
+) -> list[Finding]:
+    if master not in up:
+        return checks.skipped(slurm.CHECK, [h.name for h in hosts], f"{master.name} is down")
+    sinfo = attempt(nodes, master, slurm.SINFO, PORTS_TIMEOUT)
+    munge = _parallel(up, lambda h: attempt(nodes, h, slurm.MUNGE, PORTS_TIMEOUT))
+    found = slurm.findings(
+        inventory,
+        up,
+        master,
+        (sinfo.result.stdout, None) if sinfo.ok else (None, sinfo.why()),
+        {name: None if a.ok else a.why() for name, a in munge.items()},
+    )
+    down = [h.name for h in hosts if h not in up]
+    return found + (checks.skipped(slurm.CHECK, down, "no SSH") if down else [])
 
 
 def _collective(

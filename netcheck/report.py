@@ -24,6 +24,7 @@ class Status(enum.StrEnum):
 # Column order of the table; "bandwidth" only appears when it was measured.
 CHECKS = ("ssh", "ping", "names", "ports", "interfaces", "software", "collective")
 BANDWIDTH = "bandwidth"
+SLURM = "slurm"
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,9 @@ class Report:
     @property
     def checks(self) -> list[str]:
         names = list(CHECKS)
-        if any(f.check == BANDWIDTH for f in self.findings):
-            names.append(BANDWIDTH)
+        for optional in (SLURM, BANDWIDTH):  # columns only where they were checked
+            if any(f.check == optional for f in self.findings):
+                names.append(optional)
         return names
 
     @property

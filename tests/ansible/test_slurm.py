@@ -7,6 +7,8 @@ changes nothing. Only the hostname role (Slurm knows nodes by name) and the slur
 
 from __future__ import annotations
 
+import json
+import subprocess
 import uuid
 
 import pytest
@@ -18,7 +20,7 @@ from tests.ansible.conftest import (
     snapshot,
     write_inventory,
 )
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, VENV_BIN
 
 pytestmark = pytest.mark.sim
 
@@ -57,6 +59,23 @@ def test_slurm_from_the_inventory_registers_every_node_idle_and_runs_a_job(sim_f
             assert same == _sha256(key)
         assert key.read_bytes().hex()[:32] not in first.output
 
+        # netcheck's Slurm column: both nodes ready; then a drained node is named, with the
+        # reason Slurm gives and the command that returns it. (Only the slurm role ran here,
+        # so netcheck's other checks may fail: the test reads this column alone.)
+        assert _slurm_column(inventory) == {
+            "node1": ("PASS", "Slurm has node1 idle"),
+            "node2": ("PASS", "Slurm has node2 idle"),
+        }
+        drained = node_sh(containers[0], "scontrol update nodename=node2 state=drain reason=disk")
+        assert drained.returncode == 0, drained.stderr
+        column = _slurm_column(inventory, remedies=True)
+        assert column["node2"] == (
+            "FAIL",
+            "Slurm has node2 drained (disk)",
+            ["on node1: once that is dealt with, scontrol update nodename=node2 state=resume"],
+        )
+        node_sh(containers[0], "scontrol update nodename=node2 state=resume")
+
         second = ansible_playbook(inventory, *args)
         assert second.returncode == 0, second.describe()
         changed = second.changed()
@@ -72,3 +91,19 @@ def _sha256(path) -> str:
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _slurm_column(inventory, remedies: bool = False) -> dict:
+    done = subprocess.run(
+        [str(VENV_BIN / "netcheck"), "-i", str(inventory), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    results = json.loads(done.stdout)["results"]
+    return {
+        node: (row["slurm"]["status"], row["slurm"]["detail"])
+        + ((row["slurm"]["remedies"],) if remedies else ())
+        for node, row in results.items()
+    }

@@ -14,7 +14,7 @@ from pathlib import Path
 from cluster.containers import NCCL_CONF_GUARD
 from cluster.inventory import Host, parse
 from cluster.remote import Result
-from netcheck import preflight
+from netcheck import preflight, slurm
 from tests import helpers
 from tests.fakes import FakeNodes
 from tests.helpers import node
@@ -107,6 +107,10 @@ class FakeCluster(FakeNodes):
     loopback_name: set[str] = field(default_factory=set)
     mtu: dict[str, int] = field(default_factory=dict)
     torch: dict[str, str] = field(default_factory=dict)
+    slurm_state: dict[str, str] = field(default_factory=dict)
+    """Per node, sinfo's 'STATE|REASON' (default idle|none)."""
+    slurm_unknown: set[str] = field(default_factory=set)
+    munge_broken: set[str] = field(default_factory=set)
     broken_worker: set[str] = field(default_factory=set)
     """Nodes where `python -m netcheck.collective` does not start."""
     calls: list[tuple[str, str]] = field(default_factory=list)
@@ -147,6 +151,10 @@ class FakeCluster(FakeNodes):
             return "facts"
         if "netcheck.collective" in command:
             return "collective"
+        if command == slurm.SINFO:
+            return "sinfo"
+        if command == slurm.MUNGE:
+            return "munge"
         argv = shlex.split(command.rsplit("; docker ps", 1)[0])
         if argv[2] == preflight.SOFTPROBE:
             return "software"
@@ -154,6 +162,18 @@ class FakeCluster(FakeNodes):
         return argv[3]
 
     def on_true(self, host, command):
+        return ""
+
+    def on_sinfo(self, host, command):
+        return "".join(
+            f"{h.name}|{self.slurm_state.get(h.name, 'idle|none')}\n"
+            for h in self.hosts
+            if h.name not in self.slurm_unknown
+        )
+
+    def on_munge(self, host, command):
+        if host.name in self.munge_broken:
+            return Result(host.name, command, 1, "", "unmunge: Error: Socket communication error")
         return ""
 
     def on_facts(self, host, command):

@@ -263,3 +263,58 @@ def test_a_worker_that_cannot_start_gets_the_software_probe_alone():
     assert report.for_node("node1", "collective")[0].detail.endswith(
         "(waiting for node2, which failed)"
     )
+
+
+# --- on a Slurm inventory ---------------------------------------------------------------------
+
+
+def _slurm_report(cluster, nnodes=3):
+    from dataclasses import replace
+
+    slurm_inventory = replace(fake_inventory(), scheduler="slurm")
+    report = preflight.preflight(slurm_inventory, preflight.Options(nnodes=nnodes), cluster)
+    assert cluster.surprises == []
+    return report
+
+
+def test_a_slurm_inventory_adds_the_slurm_column_and_passes_when_every_node_is_ready():
+    cluster = fake(3)
+    report = _slurm_report(cluster)
+    assert report.ok, report.findings
+    assert report.checks[-1] == "slurm"
+    slurm = {f.node: (f.status, f.detail) for f in report.findings if f.check == "slurm"}
+    assert slurm == {n: (Status.PASS, f"Slurm has {n} idle") for n in ("node1", "node2", "node3")}
+    assert [n for n, k in cluster.calls if k == "sinfo"] == ["node1"]  # asked of the controller
+    assert sorted(n for n, k in cluster.calls if k == "munge") == ["node1", "node2", "node3"]
+    assert (
+        "slurm"
+        not in preflight.preflight(fake_inventory(), preflight.Options(nnodes=2), fake(2)).checks
+    )  # not on an SSH inventory
+
+
+def test_slurm_names_a_drained_an_unknown_a_not_responding_node_and_broken_munge():
+    cluster = fake(
+        3,
+        slurm_state={"node2": "drained|disk replaced", "node3": "idle*|Not responding"},
+        munge_broken={"node1"},
+    )
+    found = {f.node: f for f in _slurm_report(cluster).findings if f.check == "slurm"}
+    assert all(f.status is Status.FAIL for f in found.values())
+    assert found["node1"].detail == (
+        "munge does not work on node1: exit 1: unmunge: Error: Socket communication error"
+    )
+    assert found["node2"].detail == "Slurm has node2 drained (disk replaced)"
+    assert found["node2"].remedy == (
+        "on node1: once that is dealt with, scontrol update nodename=node2 state=resume"
+    )
+    assert found["node3"].detail == "Slurm has node3 idle* (Not responding)"
+    assert found["node3"].remedy.startswith("on node3: check slurmd and munge")
+
+    report = _slurm_report(fake(3, slurm_unknown={"node3"}))
+    slurm = {f.node: f for f in report.findings if f.check == "slurm"}
+    assert [n for n, f in slurm.items() if f.status is Status.FAIL] == ["node3"]
+    assert slurm["node3"].detail == "node3 is not a node of Slurm's controller on node1"
+    assert slurm["node3"].remedy == (
+        "make provision INVENTORY=/nonexistent/inventory.yml (slurm.conf lists every node of "
+        "the inventory)"
+    )

@@ -669,3 +669,21 @@ def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
         "& echo $! > /tmp/netcheck-abc-collective.pid; wait $!; rc=$?; "
         "rm -f /tmp/netcheck-abc-collective.pid; exit $rc"
     )
+
+
+def test_slurm_findings_when_the_controller_does_not_answer_and_sinfo_parsing():
+    from netcheck import slurm
+
+    inv = inventory()
+    hosts = list(inv.hosts[:2])
+    found = slurm.findings(inv, hosts, hosts[0], (None, "exit 1: slurm_load_node error"), {})
+    assert [(f.node, f.status) for f in found] == [("node1", Status.FAIL), ("node2", Status.FAIL)]
+    assert found[0].detail == (
+        "Slurm's controller on node1 does not answer sinfo: exit 1: slurm_load_node error"
+    )
+    assert found[0].remedy.startswith("on node1: check slurmctld")
+    # A node in two partitions is listed twice: the first line counts; 'none' is no reason.
+    assert slurm.node_states("n1|idle|none\nn2|mixed|none\nn1|idle|none\nbad line\n") == {
+        "n1": ("idle", ""),
+        "n2": ("mixed", ""),
+    }
