@@ -109,6 +109,14 @@ train-spawn: $(STAMP)
 hostfile: $(STAMP)
 	@$(BIN)/cluster hostfile -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES))
 
+.PHONY: queue  ## Slurm's queue on INVENTORY (scheduler: slurm)
+queue: $(STAMP)
+	@$(BIN)/cluster queue -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
+
+.PHONY: cancel  ## cancel Slurm job JOB on INVENTORY (scheduler: slurm)
+cancel: $(STAMP)
+	@$(BIN)/cluster cancel -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(JOB)
+
 .PHONY: check-inventory  ## validate INVENTORY (and NNODES) without touching any host
 check-inventory: $(STAMP)
 	$(BIN)/cluster check -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES))

@@ -128,6 +128,22 @@ def _parser() -> argparse.ArgumentParser:
         help="read the login password from the first line of standard input instead of asking",
     )
 
+    queue = commands.add_parser(
+        "queue",
+        help="Slurm's queue (scheduler: slurm): the jobs, their state and nodes",
+        description="squeue on Slurm's controller (the inventory's first node), over SSH.",
+    )
+    queue.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    queue.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
+    cancel = commands.add_parser(
+        "cancel",
+        help="cancel a Slurm job (scheduler: slurm)",
+        description="scancel on Slurm's controller (the inventory's first node), over SSH.",
+    )
+    cancel.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    cancel.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
+    cancel.add_argument("job", nargs="?", help="the job's ID, as make queue shows it")
+
     simulated = commands.add_parser(
         "sim", help="the simulated cluster (node containers reached over SSH)"
     )
@@ -223,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         return _data(args)
     if args.command == "bootstrap":
         return _bootstrap(args)
+    if args.command in ("queue", "cancel"):
+        return _slurm(args)
     if args.command == "hostfile":
         inventory = inventory_module.load(args.inventory, args.group)
         hosts = inventory.first(args.nnodes).hosts
@@ -303,6 +321,25 @@ def _new_password(user: str) -> str:
     if getpass.getpass("The same password again: ") != first:
         raise UserError("the two passwords differ", hint="make sim-up FRESH=1 again")
     return first
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from cluster import slurm
+    from cluster.execution import SshNodes
+
+    if args.command == "cancel" and not args.job:
+        raise UserError("no job given", hint="make cancel JOB=<an ID from make queue>")
+    inventory = inventory_module.load(args.inventory, args.group)
+    slurm.require(inventory)
+    nodes = SshNodes(inventory)
+    try:
+        if args.command == "queue":
+            print("\n".join(slurm.queue(inventory, nodes)))
+        else:
+            print(slurm.cancel(inventory, nodes, args.job))
+    finally:
+        nodes.close()
+    return 0
 
 
 def _bootstrap(args: argparse.Namespace) -> int:

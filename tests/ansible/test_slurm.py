@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -76,6 +77,28 @@ def test_slurm_from_the_inventory_registers_every_node_idle_and_runs_a_job(sim_f
         )
         node_sh(containers[0], "scontrol update nodename=node2 state=resume")
 
+        # make queue and make cancel, from the controller: a job on both nodes is listed
+        # running, cancelled, and gone; an ID Slurm does not know is one line and exit 1.
+        job = node_sh(containers[0], "sbatch --parsable --nodes 2 --wrap 'sleep 300'")
+        assert job.returncode == 0, job.stderr
+        job_id = job.stdout.strip().split(";")[0]
+        listed = _until(lambda: _cli("queue", inventory), lambda out: " RUNNING " in out)
+        header, row = listed.stdout.splitlines()
+        assert header.split()[:4] == ["JOB", "NAME", "USER", "STATE"]
+        cells = row.split()
+        assert (cells[0], cells[3], cells[5], cells[6]) == (job_id, "RUNNING", "2", "node[1-2]")
+        cancelled = _cli("cancel", inventory, job_id)
+        assert (cancelled.returncode, cancelled.stdout) == (
+            0,
+            f"Cancelled Slurm job {job_id} on node1's controller.\n",
+        ), cancelled.stderr
+        empty = _until(lambda: _cli("queue", inventory), lambda out: "No jobs" in out)
+        assert empty.stdout == "No jobs in Slurm's queue on node1.\n"
+        unknown = _cli("cancel", inventory, "999999")
+        assert unknown.returncode == 1 and unknown.stderr.startswith(
+            "Error: Slurm did not cancel job 999999: "
+        ), unknown.stderr
+
         second = ansible_playbook(inventory, *args)
         assert second.returncode == 0, second.describe()
         changed = second.changed()
@@ -107,3 +130,24 @@ def _slurm_column(inventory, remedies: bool = False) -> dict:
         + ((row["slurm"]["remedies"],) if remedies else ())
         for node, row in results.items()
     }
+
+
+def _cli(command: str, inventory, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VENV_BIN / "cluster"), command, "-i", str(inventory), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _until(run, done, limit: float = 60) -> subprocess.CompletedProcess:
+    """`run()` again until `done(its stdout)`, for at most `limit` seconds (Slurm acts
+    asynchronously: a job starts, and leaves the queue, a moment later)."""
+    deadline = time.monotonic() + limit
+    while True:
+        result = run()
+        if done(result.stdout) or time.monotonic() > deadline:
+            return result
+        time.sleep(1)
