@@ -87,7 +87,6 @@ def whole_number(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
         return value
 
-    parse.__name__ = "whole number"  # what argparse would name it
     return parse
 
 
@@ -106,7 +105,6 @@ def positive_number(what: str = "number") -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{shown(text)} must be above 0")
         return value
 
-    parse.__name__ = what
     return parse
 
 

@@ -41,6 +41,12 @@ class Result:
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    @property
+    def last_line(self) -> str:
+        """What the command said last: its stderr's last line, else its stdout's ('' if none)."""
+        said = (self.stderr.strip() or self.stdout.strip()).splitlines()
+        return said[-1] if said else ""
+
 
 class Remote:
     """One node reached over SSH, in batch mode: keys only, host key verified."""
@@ -181,9 +187,9 @@ class Remote:
     def _checked(self, result: Result, check: bool) -> Result:
         """`result`, or with `check` a UserError when the command failed."""
         if check and not result.ok:
-            last = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or [""]
             raise UserError(
-                f"host '{self.host.name}': {result.command!r} exited {result.exit_code}: {last[0]}",
+                f"host '{self.host.name}': {result.command!r} exited {result.exit_code}: "
+                f"{result.last_line}",
                 exit_code=1,
             )
         return result

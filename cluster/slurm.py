@@ -30,9 +30,9 @@ def queue(inventory: Inventory, nodes: Nodes) -> list[str]:
     master = inventory.master
     answer = nodes.run(master, SQUEUE, QUEUE_TIMEOUT)
     if not answer.ok:
-        said = (answer.stderr.strip() or answer.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise UserError(
-            f"Slurm's controller on {master.name} does not answer squeue: {said[0]}",
+            f"Slurm's controller on {master.name} does not answer squeue: "
+            f"{answer.last_line or 'no output'}",
             hint=f"make netcheck INVENTORY={inventory.path}, which names what is wrong",
             exit_code=1,
         )

@@ -503,10 +503,9 @@ def verify(remote: Remote, tree: Tree, destination: str) -> None:
     if result.ok and lines[0].strip() == tree.digest:
         return
     if not result.ok:
-        why = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise UserError(
             f"on {remote.host.name}: could not check the copy of {tree.root} in {destination}: "
-            f"{why[0]}",
+            f"{result.last_line or 'no output'}",
             exit_code=1,
         )
     found = remote.run(command + " --each", timeout=120, stdin=listing).stdout.split("\n")[1:]

@@ -81,8 +81,7 @@ class Attempt:
         if self.error is not None:
             return self.error
         assert self.result is not None
-        tail = (self.result.stderr.strip() or self.result.stdout.strip()).splitlines()[-1:]
-        return f"exit {self.result.exit_code}: {tail[0] if tail else 'no output'}"
+        return f"exit {self.result.exit_code}: {self.result.last_line or 'no output'}"
 
     def json(self, prefix: str = "") -> dict | None:
         """The last JSON line of stdout (after `prefix`), or None."""
