@@ -27,7 +27,7 @@ from cluster.errors import (
     whole_number,
 )
 from cluster.inventory import GROUP_HELP, parse_gpu_list
-from launch import checks
+from launch import checks, slurm
 from launch.commands import run_dir
 from launch.ending import summary
 from launch.local import run_local
@@ -266,12 +266,20 @@ def run(args: argparse.Namespace) -> int:
         )
     if spec.debug:
         _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
+    through_slurm = inventory.scheduler == "slurm"
     if args.restarts:
         _emit(
-            f"[launcher] up to {args.restarts} restart(s) after a failure, each once every node "
-            f"answers again (--restart-wait {args.restart_wait:g} s)"
+            f"[launcher] up to {args.restarts} restart(s) after a failure, "
+            + (
+                "each a requeue of the job in Slurm"
+                if through_slurm
+                else f"each once every node answers again (--restart-wait {args.restart_wait:g} s)"
+            )
         )
-    result = run_job(inventory, spec, _emit, args.restarts, args.restart_wait, project)
+    if through_slurm:
+        result = slurm.run_job(inventory, spec, _emit, args.restarts, project)
+    else:
+        result = run_job(inventory, spec, _emit, args.restarts, args.restart_wait, project)
     for line in summary(result, inventory.hosts):
         _emit(line)
     _emit(f"Logs: {spec.log_dir}/ (one file per node)")

@@ -156,20 +156,25 @@ class Launcher:
         self._parallel(self._connect)
         self._claim_port(master)  # before the sync: a running job's code is never changed
         try:
-            if self.project is None:
-                self.project = staging.plan(
-                    self.inventory, self.spec.script, self.spec.workdir, self.spec.workdir_limit
-                )
-            for tree, destination in self.project.trees:
-                sent = sync.push(self.inventory, self.hosts, tree, destination, self.emit)
-                self.emit("[launcher] " + sync.summary_line(tree, destination, sent))
-            image_id = None
-            if self.inventory.launch_mode == "container":
-                image_id = staging.local_image_id(self.inventory.training_image)
-            self._parallel(lambda host: self._prepare(host, image_id))
+            self._send_project()
         except BaseException:  # a refusal, or Ctrl-C while the project is sent: the port is free
             self._release_port(master)
             raise
+
+    def _send_project(self) -> None:
+        """The project onto every node (only what changed), then each node's copy, image and
+        directories checked (`_prepare`). Only once no other job of ours runs on the nodes."""
+        if self.project is None:
+            self.project = staging.plan(
+                self.inventory, self.spec.script, self.spec.workdir, self.spec.workdir_limit
+            )
+        for tree, destination in self.project.trees:
+            sent = sync.push(self.inventory, self.hosts, tree, destination, self.emit)
+            self.emit("[launcher] " + sync.summary_line(tree, destination, sent))
+        image_id = None
+        if self.inventory.launch_mode == "container":
+            image_id = staging.local_image_id(self.inventory.training_image)
+        self._parallel(lambda host: self._prepare(host, image_id))
 
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
