@@ -14,7 +14,16 @@ from bench import measure, report
 from cluster import sim
 from cluster.errors import ArgumentParser, UserError, at_the_edge
 
-SECTIONS = ("provision", "netcheck", "bandwidth", "scaling", "accuracy", "launcher", "editloop")
+SECTIONS = (
+    "provision",
+    "netcheck",
+    "bandwidth",
+    "scaling",
+    "accuracy",
+    "launcher",
+    "editloop",
+    "slurm",
+)
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
 SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
 SCALING_QUICK = ["--image-size", "16", "--batch", "4", "--accumulate", "2", "--measure", "1"]
@@ -117,6 +126,8 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
             data["launcher"] = measure.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
         if "editloop" in only:
             data["edit_loop"] = measure.measure_edit_loop(inventory, args.reps, progress)
+        if "slurm" in only:
+            data["slurm"] = measure.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
     finally:
         sim.down(config)
     data["minutes"] = (time.monotonic() - started) / 60

@@ -499,3 +499,56 @@ def measure_edit_loop(inventory_path: Path, reps: int, progress: Progress) -> di
         "ratio": ratio_series(edited, unchanged).as_dict(),
         "edit_bytes_per_node": Series(sent).as_dict(),
     }
+
+
+# -- 8. Slurm --------------------------------------------------------------------------------
+
+
+def measure_slurm(inventory_path: Path, args: list[str], reps: int, progress: Progress) -> dict:
+    """make train through Slurm (scheduler: slurm) over make train through the SSH launcher,
+    the same job on the same 2 nodes, time from the command to the first training step: what
+    the queue costs (submission, scheduling, the script's go, polling) before training starts."""
+    import yaml
+
+    document = yaml.safe_load(inventory_path.read_text())
+    document["all"]["vars"]["scheduler"] = "slurm"
+    inventory = inventory_path.with_name("inventory-slurm.yml")
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+    name = "tmnbench"
+    progress("slurm: setting Slurm up on the nodes (the hostname and slurm roles)...")
+    key = REPO_ROOT / ".slurm" / f"{name}.munge.key"
+    try:
+        run(
+            [
+                str(BIN / "ansible-playbook"),
+                "-i",
+                str(inventory),
+                str(REPO_ROOT / "ansible" / "site.yml"),
+                "--tags",
+                "hostname,slurm",
+                "-e",
+                f"slurm_cluster_name={name}",
+            ],
+            timeout=1800,
+            what="the slurm role",
+        )
+        through_slurm, through_ssh = [], []
+        for rep in range(reps):
+            # Alternate which goes first, so warm caches on the nodes favour neither.
+            first_slurm = rep % 2 == 1
+            if first_slurm:
+                through_slurm.append(make_train_to_first_step(inventory, args))
+            through_ssh.append(make_train_to_first_step(inventory_path, args))
+            if not first_slurm:
+                through_slurm.append(make_train_to_first_step(inventory, args))
+            progress(
+                f"slurm: rep {rep + 1}/{reps}: through Slurm {through_slurm[-1]:.1f} s, "
+                f"through the SSH launcher {through_ssh[-1]:.1f} s to the first step"
+            )
+    finally:
+        key.unlink(missing_ok=True)
+    return {
+        "slurm_seconds": Series(through_slurm).as_dict(),
+        "ssh_seconds": Series(through_ssh).as_dict(),
+        "ratio": ratio_series(through_slurm, through_ssh).as_dict(),
+    }

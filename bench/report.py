@@ -25,6 +25,7 @@ TARGETS = {
         "<= 1.10",
     ),
     "edit_kilobytes": ("KB sent per node for that one-line edit", "<= 100"),
+    "slurm": ("make train through Slurm / through the SSH launcher, time to first step", "<= 1.25"),
 }
 
 
@@ -59,6 +60,7 @@ def figures(data: dict) -> dict[str, float | None]:
         ("netcheck", "netcheck"),
         ("provision", "provision"),
         ("edit_loop", "edit_loop"),
+        ("slurm", "slurm"),
     ):
         if data.get(section):
             found[key] = _median(data[section]["ratio"])
@@ -225,6 +227,17 @@ def markdown(data: dict) -> str:
             f"- bytes sent per node for the edit (rsync: file list, checksums, delta): "
             f"{_spread(edit['edit_bytes_per_node'], '{:.0f}')}, against "
             f"{human_bytes(edit['workdir_bytes'])} for the whole project",
+        ]
+    slurm = data.get("slurm")
+    if slurm:
+        lines += [
+            "",
+            "## 8. Through Slurm (jobs on the host)",
+            "",
+            "The same job on the same 2 nodes, from `make train` to the first training step:",
+            f"- through Slurm (scheduler: slurm): {_spread(slurm['slurm_seconds'], '{:.1f}')} s",
+            f"- through the SSH launcher: {_spread(slurm['ssh_seconds'], '{:.1f}')} s",
+            f"- ratio: {_spread(slurm['ratio'], '{:.2f}')}",
         ]
     return "\n".join(lines) + "\n"
 

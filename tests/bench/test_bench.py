@@ -88,6 +88,11 @@ def bench_data() -> dict:
             "ratio": spread(1.02, 1.04, 1.0),
             "edit_bytes_per_node": spread(41000, 41200, 40900),
         },
+        "slurm": {
+            "slurm_seconds": spread(12, 13, 12),
+            "ssh_seconds": spread(10, 10, 10),
+            "ratio": spread(1.2, 1.3, 1.2),
+        },
     }
 
 
@@ -167,6 +172,11 @@ def test_the_report_is_markdown_json_and_plots(tmp_path):
     assert "98.00 % without a hook, 96.50 % with PowerSGD (+1.50 points of cost)" in text
     assert "| KB sent per node for that one-line edit | 41.00 | <= 100 | meets |" in text
     assert "- ratio: 1.02 (1.00 to 1.04, n=3)" in text
+    assert (
+        "| make train through Slurm / through the SSH launcher, time to first step | 1.20 "
+        "| <= 1.25 | meets |" in text
+    )
+    assert "- through Slurm (scheduler: slurm): 12.0 (12.0 to 13.0, n=3) s" in text
 
 
 def test_a_partial_run_reports_what_it_measured(tmp_path):
