@@ -1,0 +1,119 @@
+"""The Slurm job's pieces that need no cluster: the batch script, the follower of a node's
+output, and reading Slurm's answers (scontrol's job line, the queue's order)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from launch import slurm
+from launch.spec import JobSpec
+from tests.helpers import inventory, node
+
+SPEC = JobSpec(run_id="tmn-0123456789", args=("--steps", "3"))
+
+
+def _inventory():
+    return inventory({"node1": node(1), "node2": node(2)}, scheduler="slurm")
+
+
+def test_the_batch_script_asks_for_exactly_the_jobs_nodes_and_runs_each_ones_command(tmp_path):
+    commands = {"node1": "echo 'one' && exec true", "node2": "echo two"}
+    script = slurm.batch_script(_inventory(), SPEC, commands, requeue=False)
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    directives = [line for line in lines if line.startswith("#SBATCH ")]
+    assert directives == [
+        "#SBATCH --job-name=tmn-0123456789",
+        "#SBATCH --nodes=2",
+        "#SBATCH --nodelist=node1,node2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",
+        "#SBATCH --output=/tmp/%x-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --no-requeue",
+    ]
+    # each node's command in a subshell of its own (an `exec` there must not end the task
+    # before its exit status is written)
+    assert "node1) ( echo 'one' && exec true ) ;;" in lines
+    assert "node2) ( echo two ) ;;" in lines
+    assert "#SBATCH --requeue" in slurm.batch_script(_inventory(), SPEC, commands, requeue=True)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], check=False).returncode == 0
+
+
+def test_the_task_writes_its_nodes_output_and_exit_status_to_its_file(tmp_path):
+    """The script's task, run here as srun would on node2 (commands pointing at tmp_path)."""
+    spec = JobSpec(run_id="tmn-task")
+    commands = {"node1": "exit 9", "node2": "echo 'hello from two'; exit 3"}
+    script = slurm.batch_script(_inventory(), spec, commands, requeue=False)
+    task = script.split("<<'END_OF_TASK'\n", 1)[1].split("\nEND_OF_TASK", 1)[0]
+    task = task.replace(slurm.run_dir(spec), str(tmp_path))
+    done = subprocess.run(
+        ["bash", "-c", task],
+        env={"SLURMD_NODENAME": "node2", "SLURM_RESTART_COUNT": "1", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert done.returncode == 3
+    assert (tmp_path / "slurm-node2-1.log").read_text() == (
+        f"hello from two\n{slurm.EXIT_MARKER} 3\n"
+    )
+
+
+def _follow(path) -> subprocess.Popen:
+    command = [sys.executable, "-c", slurm.FOLLOWER, str(path), slurm.EXIT_MARKER]
+    return subprocess.Popen(command, stdout=subprocess.PIPE)
+
+
+def test_the_follower_prints_the_file_as_it_grows_and_exits_with_the_nodes_status(tmp_path):
+    path = tmp_path / "out.log"
+    follower = _follow(path)  # before the file exists: it waits for it
+    time.sleep(0.3)
+    with path.open("ab") as out:
+        out.write(b"line one\nprogress 10%\r")
+        out.flush()
+        time.sleep(0.4)
+        out.write(b"progress 90%\rdone\n" + slurm.EXIT_MARKER.encode())
+        out.flush()
+        time.sleep(0.4)
+        out.write(b" 7\n")
+    said, _ = follower.communicate(timeout=10)
+    assert follower.returncode == 7
+    assert said == b"line one\nprogress 10%\rprogress 90%\rdone\n"
+
+
+def test_the_follower_shows_a_redrawn_line_before_it_ends(tmp_path):
+    path = tmp_path / "out.log"
+    path.write_bytes(b"epoch 1: 50%\r")
+    follower = _follow(path)
+    seen: list[bytes] = []
+    reader = threading.Thread(target=lambda: seen.append(follower.stdout.read1(100)))
+    reader.start()
+    reader.join(5)
+    assert seen == [b"epoch 1: 50%\r"]
+    with path.open("ab") as out:
+        out.write(f"\n{slurm.EXIT_MARKER} 0\n".encode())
+    follower.communicate(timeout=10)
+    assert follower.returncode == 0
+
+
+def test_scontrols_job_line_is_read_for_state_reason_nodes_and_requeues():
+    line = (
+        "JobId=7 JobName=tmn-a UserId=root(0) JobState=PENDING Reason=BeginTime Dependency=(null) "
+        "Requeue=1 Restarts=1 BatchFlag=1 NodeList=node[1-2] ExitCode=1:0"
+    )
+    assert slurm.parse_job(line) == slurm.JobState("PENDING", "BeginTime", "node[1-2]", 1)
+    assert not slurm.parse_job(line).ended
+    assert slurm.parse_job("JobId=7 JobState=NODE_FAIL Reason=NodeDown").ended
+    assert slurm.parse_job("slurm_load_jobs error: Invalid job id specified") is None
+
+
+def test_the_queue_position_counts_running_jobs_first_then_slurms_order():
+    listing = "12|tmn-b|ann|PENDING\n11|tmn-a|bob|RUNNING\n13|tmn-c|root|PENDING\n"
+    assert slurm.queue_position(listing, "13") == (3, "job 12 (tmn-b, ann, pending)")
+    assert slurm.queue_position(listing, "12") == (2, "job 11 (tmn-a, bob, running)")
+    assert slurm.queue_position(listing, "11") == (1, "")
+    assert slurm.queue_position(listing, "99") is None
