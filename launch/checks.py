@@ -3,7 +3,6 @@ arguments, and that a local job's module exists."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import sys
@@ -11,22 +10,16 @@ from pathlib import Path
 
 from cluster.errors import UserError
 from launch.spec import DEFAULT_MODULE
+from training import arguments
 
 
 def workload_arguments(module: str, argv: list[str]) -> None:
     """A workload of this project checks its own arguments here, before any process starts
     anywhere: bad input is one error line and exit 2, not the same error from every rank
-    followed by torchrun's report. (Its --help is printed here too.) Other modules and scripts
-    are the user's: they check their own on the nodes."""
-    if module.split(".")[0] != "training":
-        return
-    try:
-        loaded = importlib.import_module(module)
-    except ImportError:
-        return  # not here: a local job refuses it below, the nodes may have it
-    check = getattr(loaded, "check_arguments", None)
-    if check is not None:
-        check(_without_files_elsewhere(argv))
+    followed by torchrun's report. (Its --help is printed here too.) The checks are the
+    workloads' own, from training.arguments, which imports no torch. A module it does not list
+    (the user's, or one of training/ without checks there) checks its own on the nodes."""
+    arguments.check(module, _without_files_elsewhere(argv))
 
 
 def _without_files_elsewhere(argv: list[str]) -> list[str]:

@@ -30,7 +30,6 @@ import yaml
 import cluster.cli
 import launch.cli
 import netcheck.cli
-import training.ddp  # noqa: F401 - train imports it to check its arguments: here, unwatched
 from cluster import inventory, remote, sim
 from cluster.containers import training_container_options
 from cluster.errors import UserError

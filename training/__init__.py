@@ -7,6 +7,8 @@
     comm_demo       every point-to-point and collective operation, each checked
     dp_vs_ddp       DataParallel against DDP on one multi-GPU node
 
-The pieces they share: config (typed settings, CLI over file over defaults), data, models,
-parallel (process group, device, DDP wrapping), trainer (the loop), checkpoint, metrics.
+The pieces they share: config (typed settings, CLI over file over defaults), arguments (each
+workload's command line, checked without torch: `train` checks it on the controller too),
+data, models, parallel (process group, device, DDP wrapping), trainer (the loop), checkpoint,
+metrics.
 """

@@ -10,7 +10,6 @@ with the backend's reason.
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 
@@ -18,20 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.errors import UserError
-from training import console, parallel
-
-OPERATIONS = (
-    "send_recv",
-    "isend_irecv",
-    "broadcast",
-    "scatter",
-    "gather",
-    "reduce",
-    "all_gather",
-    "all_reduce",
-    "reduce_scatter",
-    "new_group",
-)
+from training import arguments, console, parallel
 
 
 def _show(value: list[float] | None) -> str:
@@ -186,27 +172,8 @@ def subgroups(env: parallel.DistEnv, check: Checker) -> None:
     check("new_group", "SUM of rank within even/odd ranks", held, tensor(sum(members)))
 
 
-def parse_args(argv: list[str] | None):
-    parser = console.ArgumentParser(prog="python -m training.comm_demo", description=__doc__)
-    parser.add_argument(
-        "--corrupt",
-        choices=OPERATIONS,
-        metavar="OPERATION",
-        # test hook, hidden from --help: the last rank adds 1 to what OPERATION gave it, to
-        # show that a wrong value is caught
-        help=argparse.SUPPRESS,
-    )
-    return parser.parse_args(argv)
-
-
-def check_arguments(argv: list[str] | None):
-    """Parsed without a process group: by every rank, and by the launcher before any process
-    starts."""
-    return parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments(argv)
+    args = arguments.comm_demo(argv)
     env = parallel.read_env()
     if not env.launched or env.world_size < 2:
         raise UserError(

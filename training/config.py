@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 import yaml
 
 from cluster.errors import UserError, printable, shown
@@ -32,6 +31,7 @@ COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 COMM_HOOK_CHOICES = (*COMM_HOOKS, "auto")  # auto: timed at start (training.levers)
 SCHEDULES = ("cosine", "constant")
 TEST_HOOK = "test hook:"  # a setting whose help starts so is for the tests: hidden from --help
+STOP_EXIT_CODE = 75  # --stop-after-step: EX_TEMPFAIL, "try again", which is what resume does
 
 
 def doc(text: str, default: Any = None, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -139,7 +139,7 @@ class CheckpointConfig:
         "holds checkpoints; --no-resume deletes this rank's checkpoints there and starts over"
     )
     stop_after_step: int | None = doc(
-        "test hook: exit with code 75 once this step is done and checkpointed"
+        f"test hook: exit with code {STOP_EXIT_CODE} once this step is done and checkpointed"
     )
     checkpoint_pause_step: int | None = doc(
         "test hook: the checkpoint of this step pauses 120 s between its complete temp file "
@@ -191,6 +191,17 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass
+class ManualDPConfig:
+    """Everything `python -m training.manual_dp` takes."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -424,5 +435,7 @@ def check(config) -> None:
 def check_on_rank(config) -> None:
     """What only the machine a rank runs on can tell (the launcher's machine may have no GPU
     while the nodes do)."""
+    import torch  # not at the top: the launcher parses configs on the controller without torch
+
     if config.model.sync_bn and not torch.cuda.is_available():
         raise UserError("--sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA")

@@ -1,13 +1,19 @@
-"""The edge of every workload: printing on the right rank, and errors as one `Error:` line."""
+"""The edge of every workload: printing on the right rank, and errors as one `Error:` line.
+
+Torch-free: the argument checks the launcher runs on the controller use it (training.arguments).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cluster.errors import UserError
-from training import parallel
+
+if TYPE_CHECKING:
+    from training import parallel
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -50,6 +56,8 @@ def call(main: Callable[[list[str] | None], int | None], argv: list[str] | None 
     """Call `main` and leave the process group either way (a rank that exits with gloo still up
     can abort at exit, "terminate called without an active exception"); a UserError becomes
     one `Error: ...` line and its exit code."""
+    from training import parallel  # imports torch, which the workload calling this has done
+
     try:
         code = main(argv)
         parallel.stop(synchronize=True)

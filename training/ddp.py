@@ -17,23 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.jobenv import RUN_DIR_VARIABLE
+from training import arguments, console, data, levers, models, parallel
 from training import config as config_module
-from training import console, data, levers, models, parallel
 from training.checkpoint import write_atomically
-from training.config import TrainConfig
-from training.trainer import STOP_EXIT_CODE, Trainer, TrainResult, resolve_numerics
-
-EPILOG = f"""\
-precedence: flags > --config YAML file (sections as above, e.g. `optim: {{lr: 0.1}}`) > defaults
-
-examples:
-  python -m torch.distributed.run --standalone --nproc-per-node 2 -m training.ddp
-  python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
-      --rdzv-endpoint 192.168.1.10:29500 -m training.ddp --dataset cifar10 --data-dir /data/cifar
-  python -m training.ddp --model tiny --steps 20     # one process, no process group
-
-exit codes: 0 done, 1 failed, 2 bad input (one `Error:` line), {STOP_EXIT_CODE} --stop-after-step
-"""
+from training.trainer import Trainer, TrainResult, resolve_numerics
 
 
 def default_run_dir(workload: str) -> str:
@@ -152,19 +139,8 @@ def save_model(path: str, model: nn.Module) -> None:
     write_atomically(Path(path), state)
 
 
-def check_arguments(argv: list[str] | None) -> TrainConfig:
-    """The settings parsed and checked as far as they can be without a process group or a
-    device: by every rank, and by the launcher before any process starts (bad input is then
-    one line and exit 2, not an error from every rank)."""
-    config = config_module.parse(
-        TrainConfig, argv, prog="python -m training.ddp", description=__doc__, epilog=EPILOG
-    )
-    config_module.check(config)
-    return config
-
-
 def main(argv: list[str] | None = None) -> int:
-    config = check_arguments(argv)
+    config = arguments.ddp(argv)
     env = parallel.read_env()
     batch, numerics = prepare(config, env, "ddp")
     parallel.start(env)

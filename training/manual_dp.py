@@ -13,26 +13,11 @@ wrapped. Instead:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch.distributed as dist
 from torch import nn
 
-from training import config as config_module
-from training import console, ddp, parallel
-from training.config import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig
+from training import arguments, console, ddp, parallel
 from training.trainer import Trainer
-
-
-@dataclass
-class ManualDPConfig:
-    """Everything `python -m training.manual_dp` takes."""
-
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run: RunConfig = field(default_factory=RunConfig)
 
 
 def broadcast_state(model: nn.Module, env: parallel.DistEnv) -> None:
@@ -57,21 +42,8 @@ def average_gradients(model: nn.Module, env: parallel.DistEnv) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def check_arguments(argv: list[str] | None) -> ManualDPConfig:
-    """Parsed and checked without a process group or device (see training.ddp)."""
-    config = config_module.parse(
-        ManualDPConfig,
-        argv,
-        prog="python -m training.manual_dp",
-        description=__doc__,
-        epilog="precedence: flags > --config YAML file > defaults",
-    )
-    config_module.check(config)
-    return config
-
-
 def main(argv: list[str] | None = None) -> int:
-    config = check_arguments(argv)
+    config = arguments.manual_dp(argv)
     env = parallel.read_env()
     batch, numerics = ddp.prepare(config, env, "manual_dp")
     parallel.start(env)

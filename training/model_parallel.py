@@ -21,7 +21,6 @@ model's; eval-mode outputs do not.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.errors import UserError
-from training import console, parallel
+from training import arguments, console, parallel
 from training.data import SyntheticImages
 
 
@@ -118,55 +117,8 @@ def build(split_size: int, num_classes: int, devices, base: nn.Module | None = N
     return ModelParallelResNet50(num_classes=num_classes, devices=devices, base=base)
 
 
-def parse_args(argv: list[str] | None):
-    parser = console.ArgumentParser(prog="python -m training.model_parallel", description=__doc__)
-    parser.add_argument(
-        "--split-size",
-        type=int,
-        metavar="N",
-        default=0,
-        help="micro-batch size for pipelining; 0: no pipelining (default: 0). "
-        "On two GPUs try --batch-size 120 --split-size 20",
-    )
-    parser.add_argument(
-        "--batch-size", type=int, metavar="N", default=8, help="per process (default: 8)"
-    )
-    parser.add_argument(
-        "--image-size", type=int, metavar="N", default=64, help="default: 64 (224 on GPUs)"
-    )
-    parser.add_argument("--num-classes", type=int, metavar="N", default=10, help="default: 10")
-    parser.add_argument("--steps", type=int, metavar="N", default=3, help="default: 3")
-    parser.add_argument(
-        "--lr", type=float, default=0.001, help="SGD learning rate (default: 0.001)"
-    )
-    parser.add_argument("--seed", type=int, metavar="N", default=0, help="default: 0")
-    return parser.parse_args(argv)
-
-
-def check_arguments(argv: list[str] | None):
-    """Parsed and checked without a process group or device: by every rank, and by the
-    launcher before any process starts."""
-    args = parse_args(argv)
-    console.require_positive(args, "batch_size", "image_size", "num_classes", "steps")
-    if args.split_size < 0:
-        raise UserError("--split-size must be 0 (off) or positive")
-    smallest = (
-        (args.batch_size % args.split_size or args.split_size)
-        if args.split_size
-        else args.batch_size
-    )
-    side = math.ceil(args.image_size / 32)  # layer4's output side: resnet50 downsamples 32x
-    if smallest * side * side < 2:
-        raise UserError(
-            f"a micro-batch of {smallest} image(s) at {args.image_size}px leaves layer4's "
-            f"BatchNorm {smallest * side * side} value per channel; training needs at least 2",
-            hint="--image-size 64, or micro-batches of 2 or more images",
-        )
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments(argv)
+    args = arguments.model_parallel(argv)
     env = parallel.read_env()
     devices = stage_devices(env)
     # The process's own device is its first stage's, not cuda:LOCAL_RANK.

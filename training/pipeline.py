@@ -11,7 +11,6 @@ The batch is cut into micro-batches that flow through the stages per the schedul
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -19,11 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.errors import UserError
-from training import console, parallel
+from training import arguments, console, parallel
 from training.checkpoint import write_atomically
 from training.data import SyntheticImages
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def build_model(num_classes: int, width: int, seed: int) -> nn.Sequential:
@@ -67,60 +64,8 @@ def batches(dataset: SyntheticImages, batch_size: int, steps: int):
         yield torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = console.ArgumentParser(prog="python -m training.pipeline", description=__doc__)
-    parser.add_argument(
-        "--schedule", choices=SCHEDULES, default="gpipe", help="gpipe or 1f1b (default: gpipe)"
-    )
-    parser.add_argument(
-        "--steps", type=int, metavar="N", default=3, help="optimizer steps (default: 3)"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, metavar="N", default=32, help="samples per step (default: 32)"
-    )
-    parser.add_argument(
-        "--microbatches",
-        type=int,
-        metavar="N",
-        default=4,
-        help="micro-batches per step; must divide the batch (default: 4)",
-    )
-    parser.add_argument("--image-size", type=int, metavar="N", default=16, help="default: 16")
-    parser.add_argument("--num-classes", type=int, metavar="N", default=10, help="default: 10")
-    parser.add_argument(
-        "--width", type=int, metavar="N", default=8, help="channels of the first conv (default: 8)"
-    )
-    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default: 0.1)")
-    parser.add_argument(
-        "--seed", type=int, metavar="N", default=0, help="weights and data (default: 0)"
-    )
-    parser.add_argument(
-        "--out-dir",
-        metavar="DIR",
-        help="every rank writes stage-<rank>.pt here: its parameters, "
-        "last gradients and (last stage) losses",
-    )
-    return parser.parse_args(argv)
-
-
-def check_arguments(argv: list[str] | None):
-    """Parsed and checked without a process group: by every rank, and by the launcher before
-    any process starts."""
-    args = parse_args(argv)
-    console.require_positive(
-        args, "steps", "batch_size", "microbatches", "image_size", "num_classes", "width"
-    )
-    if args.batch_size % args.microbatches:
-        raise UserError(
-            f"batch {args.batch_size} does not split into {args.microbatches} "
-            f"micro-batches ({args.batch_size} % {args.microbatches} = "
-            f"{args.batch_size % args.microbatches})"
-        )
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments(argv)
+    args = arguments.pipeline(argv)
     env = parallel.read_env()
     if not env.launched:
         raise UserError(

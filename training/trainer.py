@@ -26,9 +26,9 @@ from torch import nn
 
 from cluster.errors import UserError
 from training import checkpoint, data, metrics, parallel
+from training.config import STOP_EXIT_CODE
 from training.console import say, say_every_rank
 
-STOP_EXIT_CODE = 75  # --stop-after-step: EX_TEMPFAIL, "try again", which is what resume does
 CHECKPOINT_PAUSE_SECONDS = 120.0  # --checkpoint-pause-step: long enough to kill or interrupt
 # A rank is only called slow when it also loses this much per step: on small steps, scheduling
 # noise alone makes ratios of 2 between ranks.

@@ -25,7 +25,6 @@ import cluster.cli
 import launch.cli
 import netcheck.cli
 import netcheck.envfile  # noqa: F401 - the same, for netcheck
-import training.ddp  # noqa: F401 - train imports it to check its arguments: here, unwatched
 from cluster import bootstrap, images, sim, sync
 from cluster.inventory import Inventory, is_word
 from launch import restarts

@@ -298,3 +298,83 @@ def test_a_local_module_of_the_users_own_directory_is_found_and_not_run(tmp_path
     (tmp_path / "mine.py").write_text("raise SystemExit('imported: find_spec must not run it')\n")
     monkeypatch.chdir(tmp_path)
     checks.importable_here("mine")  # no error, and no SystemExit from running it
+
+
+# Every workload training.arguments checks: arguments it takes, and bad ones with their error.
+WORKLOAD_ARGUMENTS = {
+    "training.ddp": (["--steps", "3"], ["--steps", "-1"], "--steps must be positive, got -1"),
+    "training.manual_dp": (["--lr", "0.1"], ["--lr", "-0.5"], "--lr must be 0 or more, got -0.5"),
+    "training.model_parallel": (
+        ["--split-size", "2"],
+        ["--split-size", "-3"],
+        "--split-size must be 0 (off) or positive",
+    ),
+    "training.pipeline": (
+        ["--schedule", "1f1b"],
+        ["--batch-size", "10", "--microbatches", "4"],
+        "batch 10 does not split into 4 micro-batches (10 % 4 = 2)",
+    ),
+    "training.comm_demo": (
+        ["--corrupt", "gather"],
+        ["--bogus"],
+        "unrecognized arguments: --bogus (try --help)",
+    ),
+}
+CONTROLLER_CHECK = """\
+import contextlib, io, json, sys
+from cluster.errors import UserError
+from launch import checks
+
+outcomes = []
+for module, argv in json.loads(sys.argv[1]):
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            checks.workload_arguments(module, argv)
+        outcomes.append("accepted")
+    except UserError as error:
+        outcomes.append(error.line())
+    except SystemExit as exited:
+        outcomes.append(f"exit {exited.code}: {printed.getvalue()}")
+print(json.dumps({"outcomes": outcomes, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_the_controller_checks_a_workloads_arguments_without_importing_torch():
+    """`train` checks every workload's arguments on the controller before anything starts;
+    importing the workload (and with it torch) cost 2 s of CPU on every `make train`. In a
+    fresh interpreter: the verdicts and the --help text are the workload's own, and neither
+    torch nor the workload module was imported."""
+    import importlib
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+    from training.arguments import CHECKS
+
+    assert set(WORKLOAD_ARGUMENTS) == set(CHECKS)  # a workload added there gets its cases here
+    calls, expected = [], []
+    for module, (good, bad, error) in WORKLOAD_ARGUMENTS.items():
+        calls += [(module, good), (module, bad), (module, ["--help"])]
+        expected += ["accepted", f"Error: {error}", "help"]
+    done = subprocess.run(
+        [sys.executable, "-c", CONTROLLER_CHECK, json.dumps(calls)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    helps = {
+        module: outcome
+        for (module, argv), outcome in zip(calls, found["outcomes"], strict=True)
+        if argv == ["--help"] and outcome.startswith("exit 0: usage: ")
+    }
+    assert [o if o not in helps.values() else "help" for o in found["outcomes"]] == expected
+    assert [name for name in found["modules"] if name.split(".")[0] == "torch"] == []
+    assert set(found["modules"]) & set(CHECKS) == set()
+    for module, text in helps.items():  # described by the module's own docstring
+        assert importlib.import_module(module).__doc__.strip() in text

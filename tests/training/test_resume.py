@@ -16,7 +16,7 @@ from tests.training.conftest import (
     torchrun_command,
 )
 from training.checkpoint import file_name
-from training.trainer import STOP_EXIT_CODE
+from training.config import STOP_EXIT_CODE
 
 CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4", "--keep", "2")
 

@@ -1,0 +1,203 @@
+"""Every workload's command line, parsed and checked as far as it can be without a process
+group, a device or torch: by every rank before it starts, and by `train` on the controller
+before any process starts anywhere (bad input is then one error line and exit 2, not the same
+error from every rank followed by torchrun's report).
+
+Nothing here imports torch or a workload module (they import torch, seconds of CPU on every
+`make train`): a workload's --help describes it with its module's docstring, read from its
+source. A workload that takes arguments parses them with its function here, and is listed in
+CHECKS so that `train` checks them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import math
+from collections.abc import Callable
+from typing import Any
+
+from cluster.errors import UserError
+from training import config as config_module
+from training.config import STOP_EXIT_CODE, ManualDPConfig, TrainConfig
+from training.console import ArgumentParser, require_positive
+
+DDP_EPILOG = f"""\
+precedence: flags > --config YAML file (sections as above, e.g. `optim: {{lr: 0.1}}`) > defaults
+
+examples:
+  python -m torch.distributed.run --standalone --nproc-per-node 2 -m training.ddp
+  python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+      --rdzv-endpoint 192.168.1.10:29500 -m training.ddp --dataset cifar10 --data-dir /data/cifar
+  python -m training.ddp --model tiny --steps 20     # one process, no process group
+
+exit codes: 0 done, 1 failed, 2 bad input (one `Error:` line), {STOP_EXIT_CODE} --stop-after-step
+"""
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+COMM_OPERATIONS = (
+    "send_recv",
+    "isend_irecv",
+    "broadcast",
+    "scatter",
+    "gather",
+    "reduce",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "new_group",
+)
+
+
+def docstring(module: str) -> str | None:
+    """`module.__doc__`, read from its source without running it (imports its parent packages
+    only)."""
+    spec = importlib.util.find_spec(module)
+    source = spec.loader.get_source(module)
+    return ast.get_docstring(ast.parse(source), clean=False)
+
+
+def _named(module: str) -> dict[str, str | None]:
+    """What a workload's parser is called in its --help: `python -m <module>`, and described
+    with the module's docstring."""
+    return {"prog": f"python -m {module}", "description": docstring(module)}
+
+
+def ddp(argv: list[str] | None) -> TrainConfig:
+    """training.ddp's settings."""
+    config = config_module.parse(TrainConfig, argv, **_named("training.ddp"), epilog=DDP_EPILOG)
+    config_module.check(config)
+    return config
+
+
+def manual_dp(argv: list[str] | None) -> ManualDPConfig:
+    """training.manual_dp's settings: training.ddp's without the DDP section."""
+    config = config_module.parse(
+        ManualDPConfig,
+        argv,
+        **_named("training.manual_dp"),
+        epilog="precedence: flags > --config YAML file > defaults",
+    )
+    config_module.check(config)
+    return config
+
+
+def model_parallel(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(**_named("training.model_parallel"))
+    parser.add_argument(
+        "--split-size",
+        type=int,
+        metavar="N",
+        default=0,
+        help="micro-batch size for pipelining; 0: no pipelining (default: 0). "
+        "On two GPUs try --batch-size 120 --split-size 20",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, metavar="N", default=8, help="per process (default: 8)"
+    )
+    parser.add_argument(
+        "--image-size", type=int, metavar="N", default=64, help="default: 64 (224 on GPUs)"
+    )
+    parser.add_argument("--num-classes", type=int, metavar="N", default=10, help="default: 10")
+    parser.add_argument("--steps", type=int, metavar="N", default=3, help="default: 3")
+    parser.add_argument(
+        "--lr", type=float, default=0.001, help="SGD learning rate (default: 0.001)"
+    )
+    parser.add_argument("--seed", type=int, metavar="N", default=0, help="default: 0")
+    args = parser.parse_args(argv)
+    require_positive(args, "batch_size", "image_size", "num_classes", "steps")
+    if args.split_size < 0:
+        raise UserError("--split-size must be 0 (off) or positive")
+    smallest = (
+        (args.batch_size % args.split_size or args.split_size)
+        if args.split_size
+        else args.batch_size
+    )
+    side = math.ceil(args.image_size / 32)  # layer4's output side: resnet50 downsamples 32x
+    if smallest * side * side < 2:
+        raise UserError(
+            f"a micro-batch of {smallest} image(s) at {args.image_size}px leaves layer4's "
+            f"BatchNorm {smallest * side * side} value per channel; training needs at least 2",
+            hint="--image-size 64, or micro-batches of 2 or more images",
+        )
+    return args
+
+
+def pipeline(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(**_named("training.pipeline"))
+    parser.add_argument(
+        "--schedule",
+        choices=PIPELINE_SCHEDULES,
+        default="gpipe",
+        help="gpipe or 1f1b (default: gpipe)",
+    )
+    parser.add_argument(
+        "--steps", type=int, metavar="N", default=3, help="optimizer steps (default: 3)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, metavar="N", default=32, help="samples per step (default: 32)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="N",
+        default=4,
+        help="micro-batches per step; must divide the batch (default: 4)",
+    )
+    parser.add_argument("--image-size", type=int, metavar="N", default=16, help="default: 16")
+    parser.add_argument("--num-classes", type=int, metavar="N", default=10, help="default: 10")
+    parser.add_argument(
+        "--width", type=int, metavar="N", default=8, help="channels of the first conv (default: 8)"
+    )
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default: 0.1)")
+    parser.add_argument(
+        "--seed", type=int, metavar="N", default=0, help="weights and data (default: 0)"
+    )
+    parser.add_argument(
+        "--out-dir",
+        metavar="DIR",
+        help="every rank writes stage-<rank>.pt here: its parameters, "
+        "last gradients and (last stage) losses",
+    )
+    args = parser.parse_args(argv)
+    require_positive(
+        args, "steps", "batch_size", "microbatches", "image_size", "num_classes", "width"
+    )
+    if args.batch_size % args.microbatches:
+        raise UserError(
+            f"batch {args.batch_size} does not split into {args.microbatches} "
+            f"micro-batches ({args.batch_size} % {args.microbatches} = "
+            f"{args.batch_size % args.microbatches})"
+        )
+    return args
+
+
+def comm_demo(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(**_named("training.comm_demo"))
+    parser.add_argument(
+        "--corrupt",
+        choices=COMM_OPERATIONS,
+        metavar="OPERATION",
+        # test hook, hidden from --help: the last rank adds 1 to what OPERATION gave it, to
+        # show that a wrong value is caught
+        help=argparse.SUPPRESS,
+    )
+    return parser.parse_args(argv)
+
+
+CHECKS: dict[str, Callable[[list[str] | None], Any]] = {
+    "training.ddp": ddp,
+    "training.manual_dp": manual_dp,
+    "training.model_parallel": model_parallel,
+    "training.pipeline": pipeline,
+    "training.comm_demo": comm_demo,
+}
+"""Every workload that takes arguments: `train` checks them on the controller."""
+
+
+def check(module: str, argv: list[str]) -> None:
+    """`module`'s arguments checked, if it is one of CHECKS (a bad one raises UserError,
+    --help prints and exits); any other module checks its own on the nodes."""
+    parse = CHECKS.get(module)
+    if parse is not None:
+        parse(argv)
