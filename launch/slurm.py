@@ -8,8 +8,9 @@ queues it: a second job waits for the first instead of being refused, and never 
 nodes, so their rendezvous ports cannot clash.
 
 `make train` submits the script, says where the job waits in the queue, and once the nodes are
-the job's, sends the project and checks every node as the SSH launcher does; only then does the
-script go on (it waits for a go file), so a queued job never changes the code of a running one.
+the job's, sends the project and checks every node as the SSH launcher does (secrets handed
+over); only then does the script go on (it waits for a go file, each run of it for its own), so
+a queued job never changes the code of a running one.
 Each node's part writes its output to a file on that node, which the launcher follows over SSH
 with the node's prefix, and ends with its exit status, which the follower exits with: the
 summary and exit code are the SSH launcher's. Ctrl-C or SIGTERM cancels the job (scancel) and
@@ -33,7 +34,7 @@ from launch import blame, stop
 from launch.commands import run_dir
 from launch.ending import bring_back, summary
 from launch.job import Launcher
-from launch.nodes import interface_env, job_backend, nproc_for
+from launch.nodes import interface_env, job_backend, nproc_for, visible_gpus
 from launch.spec import (
     BLAME_GRACE,
     INTERRUPTED_RUNNER_GRACE,
@@ -47,7 +48,8 @@ SCRIPT_NAME = "job.sbatch"
 EXIT_MARKER = "tmn-slurm-task-exit"
 """The last line of a node's output file: its part's exit status (the follower exits with it)."""
 GO_WAIT = 600  # seconds the batch script waits for the launcher's go before giving up
-POLL = 1.0  # seconds between two looks at the job's state
+POLL = 1.0  # seconds between two looks at the state of a running job
+START_POLL = 0.25  # the same while it waits to start: it may start a moment after submission
 SLURM_TIMEOUT = 30.0  # for one sbatch, squeue, scontrol or scancel
 SQUEUE_ORDER = "squeue --noheader --format '%i|%j|%u|%T'"  # in Slurm's order
 # Slurm's states of a job that has ended (squeue/scontrol's JobState).
@@ -126,6 +128,7 @@ code=$?
 echo "{EXIT_MARKER} $code" >>"$out"
 exit $code"""
     what = f"script {spec.script}" if spec.script else f"module {spec.module}"
+    gres = _gpu_request(inventory, spec)
     return f"""\
 #!/bin/bash
 # torch-multinode job {spec.run_id}: {what} on {", ".join(names)}
@@ -140,11 +143,12 @@ exit $code"""
 #SBATCH --output=/tmp/%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH {"--requeue" if requeue else "--no-requeue"}
-set -u
+{gres}set -u
 if [ -n "${{TMN_GO_FILE:-}}" ]; then
     # make train sends the project once the nodes are this job's, then writes this file.
-    for _ in $(seq {GO_WAIT}); do [ -e "$TMN_GO_FILE" ] && break; sleep 1; done
+    for _ in $(seq {GO_WAIT * 5}); do [ -e "$TMN_GO_FILE" ] && break; sleep 0.2; done
     [ -e "$TMN_GO_FILE" ] || {{ echo "no go from make train within {GO_WAIT} s"; exit 1; }}
+    rm -f "$TMN_GO_FILE"  # a requeued run waits for a go of its own
 fi
 # One task per node: that node's command, its output into its file, then its exit status.
 read -r -d '' TASK <<'END_OF_TASK'
@@ -152,6 +156,24 @@ read -r -d '' TASK <<'END_OF_TASK'
 END_OF_TASK
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "$TASK"
 """
+
+
+def _gpu_request(inventory: Inventory, spec: JobSpec) -> str:
+    """The GPUs the job holds on each node, as Slurm's GRES request ('' on CPU nodes): what the
+    job uses there (GPUS=, the host's selection, else all of them). Slurm asks the same count of
+    every node; where the job uses more on some, the smallest is asked (Slurm accounts for those;
+    the job's containers are given theirs by the launcher's command either way)."""
+    counts = []
+    for host in inventory.hosts:
+        selected = visible_gpus(host, spec)
+        counts.append(len(selected) if selected is not None else host.gpus)
+    if not all(counts):
+        return ""
+    line = f"#SBATCH --gres=gpu:{min(counts)}\n"
+    if len(set(counts)) > 1:
+        used = ", ".join(f"{h.name} {n}" for h, n in zip(inventory.hosts, counts, strict=True))
+        line = f"# GPUs used per node: {used}; Slurm asks every node for the same count\n" + line
+    return line
 
 
 def follow_command(path: str) -> str:
@@ -261,7 +283,7 @@ class SlurmAttempt(Launcher):
 
     def _wait_until_running(self) -> JobState:
         """Until Slurm runs the job, saying where it waits whenever that changes."""
-        shown = None
+        shown = where = None
         while True:
             state = self._look()
             if state is not None and state.state == "RUNNING":
@@ -280,9 +302,9 @@ class SlurmAttempt(Launcher):
                     shown = where
                     self.emit(
                         f"[launcher] Slurm job {self.job_id} waits in the queue: position "
-                        f"{where[0]}, behind {where[1]} ({state.reason})"
+                        f"{where[0]}, behind {where[1]}; Slurm's reason: {state.reason}"
                     )
-            time.sleep(POLL)
+            time.sleep(START_POLL if where is None or where[0] == 1 else POLL)
 
     def _cancel(self) -> None:
         """scancel, then until Slurm has it ended (at most a few seconds)."""
@@ -315,7 +337,14 @@ class SlurmAttempt(Launcher):
         silent = [name for name, outcome in self.outcomes.items() if outcome.exit_code is None]
         for name in silent:
             self.outcomes[name].error = f"Slurm ended the job: {state.state} ({state.reason})"
-        # A node Slurm has down (its slurmd stopped answering: NODE_FAIL) is the one to name.
+        self._name_down_nodes()
+        if silent and self.first_failure is None:
+            self.fail(silent[0])
+        self.done.set()
+
+    def _name_down_nodes(self) -> None:
+        """The job's nodes Slurm has down (a slurmd that stopped answering: NODE_FAIL) are the
+        ones to name: marked lost, with Slurm's state and reason."""
         listing = self.nodes.run(
             self.inventory.master,
             "sinfo --Node --noheader --format '%N|%T|%E' --nodes "
@@ -325,13 +354,12 @@ class SlurmAttempt(Launcher):
         for line in listing.stdout.splitlines():
             name, _, rest = line.partition("|")
             node_state, _, reason = rest.partition("|")
-            if name in self.outcomes and node_state.rstrip("*") in ("down", "fail", "drained"):
-                self.outcomes[name].error = f"Slurm has {name} {node_state.rstrip('*')} ({reason})"
+            node_state = node_state.rstrip("*~#")
+            if name in self.outcomes and node_state in ("down", "fail", "failing"):
+                self.outcomes[name].error = f"Slurm has {name} {node_state} ({reason})"
                 self.outcomes[name].unreachable = True
-                self.fail(name)
-        if silent and self.first_failure is None:
-            self.fail(silent[0])
-        self.done.set()
+                if name not in self.failures:
+                    self.fail(name)
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -359,13 +387,14 @@ class SlurmAttempt(Launcher):
             else:
                 self._slurm(f"scontrol requeue {self.job_id}", "requeue the job")
             state = self._wait_until_running()
-            if first:
-                self._send_project()  # the nodes are the job's now: no other job's code changes
-                self._parallel(
-                    lambda host: self._remotes[host.name].run(
-                        f"touch {shlex.quote(go_path(self.spec))}", timeout=15, check=True
-                    )
+            # The nodes are the job's now: no other job's code changes. On a requeue this sends
+            # nothing new, but checks the nodes again and hands over the secrets once more.
+            self._send_project()
+            self._parallel(
+                lambda host: self._remotes[host.name].run(
+                    f"touch {shlex.quote(go_path(self.spec))}", timeout=15, check=True
                 )
+            )
             self.emit(
                 f"[launcher] Slurm job {self.job_id} runs on {state.nodes}"
                 + (f", requeued {state.restarts} time(s)" if state.restarts else "")
@@ -400,6 +429,9 @@ class SlurmAttempt(Launcher):
             deadline = time.monotonic() + BLAME_GRACE
             while time.monotonic() < deadline and any(r.is_alive() for r in runners):
                 time.sleep(0.1)
+            ended = self.state or self._look()
+            if ended is not None and ended.state == "NODE_FAIL":
+                self._name_down_nodes()  # its rank's own failure is a consequence
             self.first_failure = blame.blame(self.failures, self.outcomes, self.hosts)
             self.emit(f"[launcher] {self.first_failure} failed: stopping the job on every node...")
         if interrupted or self.first_failure is not None:

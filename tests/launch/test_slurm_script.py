@@ -45,6 +45,21 @@ def test_the_batch_script_asks_for_exactly_the_jobs_nodes_and_runs_each_ones_com
     assert subprocess.run(["bash", "-n", str(path)], check=False).returncode == 0
 
 
+def test_gpu_nodes_ask_slurm_for_the_gpus_the_job_uses_there():
+    both = {"node1": "true", "node2": "true"}
+    two = inventory({"node1": node(1, gpus=2), "node2": node(2, gpus=2)}, scheduler="slurm")
+    assert "\n#SBATCH --gres=gpu:2\n" in slurm.batch_script(two, SPEC, both, False)
+    selected = JobSpec(run_id="tmn-x", gpus=(1,))
+    assert "\n#SBATCH --gres=gpu:1\n" in slurm.batch_script(two, selected, both, False)
+    mixed = inventory({"node1": node(1, gpus=2), "node2": node(2, gpus=4)}, scheduler="slurm")
+    script = slurm.batch_script(mixed, SPEC, both, False)
+    assert (
+        "# GPUs used per node: node1 2, node2 4; Slurm asks every node for the same count\n"
+        "#SBATCH --gres=gpu:2\n" in script
+    )
+    assert "--gres" not in slurm.batch_script(_inventory(), SPEC, both, False)
+
+
 def test_the_task_writes_its_nodes_output_and_exit_status_to_its_file(tmp_path):
     """The script's task, run here as srun would on node2 (commands pointing at tmp_path)."""
     spec = JobSpec(run_id="tmn-task")

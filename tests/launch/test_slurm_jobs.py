@@ -1,0 +1,281 @@
+"""make train on an inventory with scheduler: slurm, in the training containers: the shared
+provisioned cluster gets Slurm (the slurm role alone), and jobs go through sbatch. The default
+job and a project of several files end with the same parameters as through the SSH launcher;
+a second job waits in the queue, then runs; Ctrl-C cancels the job and leaves nothing; a
+failing node is named with its last lines. Slurm is stopped on the nodes afterwards."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import sim
+from cluster.inventory import load
+from tests.ansible.conftest import ansible_playbook
+from tests.conftest import REPO_ROOT, make
+from tests.helpers import leftovers, run_id_in
+
+pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
+
+TINY = "--model tiny --steps 4 --log-every 2 --no-tensorboard"
+SHA = re.compile(r"\[rank 0\] parameters sha256 ([0-9a-f]{64})")
+
+PROJECT_TRAIN = '''\
+"""A user's project: its own package and a config beside the script."""
+import hashlib
+import os
+import pathlib
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from mylib.model import build
+
+here = pathlib.Path(__file__).resolve().parent
+config = yaml.safe_load((here / "config.yaml").read_text())
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 1 and config.get("fail_on_rank_1"):
+    raise SystemExit("Error: rank 1 was told to fail")
+mark = pathlib.Path(config.get("fail_once_mark", "/nonexistent/mark"))
+if rank == 1 and mark.parent.is_dir() and not mark.exists():
+    mark.write_text("failed once")
+    raise SystemExit("Error: rank 1 fails its first attempt")
+torch.manual_seed(0)
+model = build()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(config["steps"]):
+    torch.manual_seed(100 * step + rank)
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+        parameter.grad /= dist.get_world_size()
+    optimizer.step()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+token = os.environ.get("PROJECT_TOKEN", "")
+print(f"rank {rank}: project parameters {digest.hexdigest()}, token of {len(token)} characters",
+      flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module")
+def slurm_inventory(provisioned, tmp_path_factory):
+    """The provisioned cluster's inventory with scheduler: slurm, Slurm set up on its nodes;
+    stopped there again at the end (the nodes as other tests found them)."""
+    name = f"tmn-test-{uuid.uuid4().hex[:8]}"
+    document = yaml.safe_load(provisioned.inventory.read_text())
+    document["all"]["vars"]["scheduler"] = "slurm"
+    path = tmp_path_factory.mktemp("slurm") / "inventory.yml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    try:
+        run = ansible_playbook(path, "--tags", "slurm", "-e", f"slurm_cluster_name={name}")
+        assert run.returncode == 0, run.describe()
+        yield path
+    finally:
+        for index in (1, 2):
+            _on_node(provisioned, index, "pkill -x slurmctld; pkill -x slurmd; pkill -x munged")
+        (REPO_ROOT / ".slurm" / f"{name}.munge.key").unlink(missing_ok=True)
+
+
+def _on_node(provisioned, index: int, command: str) -> str:
+    container = provisioned.cluster.config.container(index)
+    return sim.docker("exec", container, "sh", "-c", command, check=False).stdout
+
+
+def _train(
+    inventory: Path, *variables: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return make("train", f"INVENTORY={inventory}", "NNODES=2", *variables, timeout=600, env=env)
+
+
+def _start(inventory: Path, *variables: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2", *variables],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _read_until(process: subprocess.Popen, text: str, limit: int = 400) -> str:
+    seen: list[str] = []
+    while not any(text in line for line in seen[-1:]):
+        line = process.stdout.readline()
+        if not line or len(seen) > limit:
+            raise AssertionError(f"never saw {text!r}:\n{''.join(seen)[-4000:]}")
+        seen.append(line)
+    return "".join(seen)
+
+
+def _project(root: Path, **config) -> Path:
+    (root / "mylib").mkdir(parents=True)
+    (root / "mylib" / "__init__.py").write_text("")
+    (root / "mylib" / "model.py").write_text(
+        "import torch\n\n\ndef build():\n    return torch.nn.Linear(4, 2)\n"
+    )
+    (root / "config.yaml").write_text(yaml.safe_dump({"steps": 5, **config}))
+    (root / "train.py").write_text(PROJECT_TRAIN)
+    return root / "train.py"
+
+
+def _nothing_left(provisioned, inventory: Path, run_id: str) -> None:
+    queue = _on_node(provisioned, 1, "squeue --noheader")
+    assert queue.strip() == "", queue
+    assert leftovers(load(inventory), run_id) == {"node1": "", "node2": ""}
+    for index in (1, 2):
+        label = f"label=torch-multinode.run={run_id}"
+        assert _on_node(provisioned, index, f"docker ps -aq --filter {label}").strip() == ""
+
+
+def test_the_default_job_and_a_project_end_through_slurm_as_through_ssh(
+    slurm_inventory, provisioned, tmp_path
+):
+    by_ssh = _train(provisioned.inventory, f"ARGS={TINY}")
+    assert by_ssh.returncode == 0, by_ssh.stdout + by_ssh.stderr
+    through_slurm = _train(slurm_inventory, f"ARGS={TINY}")
+    out = through_slurm.stdout
+    assert through_slurm.returncode == 0, out + through_slurm.stderr
+    assert re.search(r"\[launcher\] Slurm job \d+ submitted", out), out
+    assert SHA.search(out).group(1) == SHA.search(by_ssh.stdout).group(1)
+    assert "[node2] [rank 1] parameters sha256" in out
+    assert re.search(r"  node1 +exit 0\n  node2 +exit 0\n", out), out
+
+    # The script is saved, runs the job in the training container, and is valid shell.
+    run_id = run_id_in(out)
+    script = REPO_ROOT / ".runs" / run_id / "job.sbatch"
+    text = script.read_text()
+    assert "#SBATCH --nodelist=node1,node2" in text and "docker run" in text
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    _nothing_left(provisioned, slurm_inventory, run_id)
+
+    # A project of several files, with a secret: the same parameters both ways, the secret
+    # seen by every rank and written nowhere (not in the saved script, not in the output).
+    train = _project(tmp_path / "project")
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    results = [
+        _train(inventory, f"SCRIPT={train}", "ENV=PROJECT_TOKEN", env={"PROJECT_TOKEN": secret})
+        for inventory in (provisioned.inventory, slurm_inventory)
+    ]
+    digests = []
+    for result in results:
+        assert result.returncode == 0, result.stdout + result.stderr
+        found = re.findall(
+            r"\[node\d\] rank (\d): project parameters ([0-9a-f]{64}), token of (\d+) ",
+            result.stdout,
+        )
+        assert sorted(rank for rank, _, _ in found) == ["0", "1"], result.stdout
+        assert {(digest, size) for _, digest, size in found} == {(found[0][1], str(len(secret)))}
+        assert secret not in result.stdout + result.stderr
+        digests.append(found[0][1])
+    assert digests[0] == digests[1]
+    script = REPO_ROOT / ".runs" / run_id_in(results[1].stdout) / "job.sbatch"
+    assert secret not in script.read_text()
+
+
+def test_a_second_job_waits_in_the_queue_then_runs(slurm_inventory, provisioned):
+    long = "ARGS=--model tiny --steps 400 --log-every 100 --no-tensorboard"
+    first = _start(slurm_inventory, long)
+    try:
+        seen = _read_until(first, "runs on node[1-2]")
+        first_job = re.search(r"Slurm job (\d+) submitted", seen).group(1)
+        second = _start(slurm_inventory, f"ARGS={TINY}")
+        waiting = _read_until(second, "waits in the queue")
+        assert re.search(
+            rf"Slurm job \d+ waits in the queue: position 2, behind job {first_job} \(tmn-",
+            waiting,
+        ), waiting
+        rest, _ = second.communicate(timeout=600)
+        assert second.returncode == 0, waiting + rest
+        assert "succeeded" in rest
+        first_rest, _ = first.communicate(timeout=600)
+        assert first.returncode == 0, seen + first_rest
+    finally:
+        for process in (first,):
+            if process.poll() is None:
+                process.kill()
+
+
+def test_ctrl_c_cancels_the_slurm_job_and_leaves_nothing_on_any_node(slurm_inventory, provisioned):
+    job = _start(
+        slurm_inventory, "ARGS=--model tiny --steps 100000 --log-every 20 --no-tensorboard"
+    )
+    seen = _read_until(job, "40/100000")
+    os.killpg(job.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: make and its children
+    rest, _ = job.communicate(timeout=120)
+    output = seen + rest
+    assert job.returncode != 0, output
+    assert re.search(r"\[launcher\] Ctrl-C: cancelling Slurm job \d+", output), output
+    assert "interrupted after" in output
+    _nothing_left(provisioned, slurm_inventory, run_id_in(output))
+
+
+def test_a_failing_node_is_named_with_its_last_lines(slurm_inventory, provisioned, tmp_path):
+    train = _project(tmp_path / "project", fail_on_rank_1=True)
+    result = _train(slurm_inventory, f"SCRIPT={train}")
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "FAILED on node2" in out, out
+    excerpt = out.split("Last lines from node2:", 1)[1]
+    assert "Error: rank 1 was told to fail" in excerpt, out
+    _nothing_left(provisioned, slurm_inventory, run_id_in(out))
+
+
+def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
+    slurm_inventory, provisioned, tmp_path
+):
+    mark = f"/shared/slurm-test-{uuid.uuid4().hex[:8]}"  # /shared is mounted in the containers
+    train = _project(tmp_path / "project", fail_once_mark=mark)
+    try:
+        result = _train(slurm_inventory, f"SCRIPT={train}", "RESTARTS=1")
+    finally:
+        _on_node(provisioned, 2, f"rm -f {mark}")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "Error: rank 1 fails its first attempt" in out
+    job = re.search(r"restart 1 of 1: requeueing Slurm job (\d+)", out).group(1)
+    assert f"Slurm job {job} runs on node[1-2], requeued 1 time(s)" in out, out
+    assert re.search(r"succeeded after [\d.]+ s on 2 node\(s\), restart 1 of 1\.", out), out
+    assert len(re.findall(r"rank \d: project parameters", out)) == 2, out
+    _nothing_left(provisioned, slurm_inventory, run_id_in(out))
+
+
+def test_a_node_whose_slurmd_dies_is_named_and_returns_to_idle_once_restarted(
+    slurm_inventory, provisioned
+):
+    job = _start(
+        slurm_inventory, "ARGS=--model tiny --steps 100000 --log-every 20 --no-tensorboard"
+    )
+    try:
+        seen = _read_until(job, "40/100000")
+        _on_node(provisioned, 2, "pkill -x slurmd")
+        rest, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        _on_node(provisioned, 2, "pgrep -x slurmd >/dev/null || slurmd -N node2")
+    output = seen + rest
+    assert job.returncode != 0, output
+    assert "FAILED on node2" in output, output
+    assert re.search(r"  node2 +Slurm has node2 down \(", output), output
+    run_id = run_id_in(output)
+    for _ in range(120):
+        state = _on_node(provisioned, 1, "sinfo --Node --noheader --format '%N %T' -n node2")
+        if state.split() == ["node2", "idle"]:
+            break
+        time.sleep(1)
+    assert state.split() == ["node2", "idle"], state
+    _nothing_left(provisioned, slurm_inventory, run_id)
