@@ -208,88 +208,75 @@ class Launcher:
                 elif all(o.exit_code is not None for o in self.outcomes.values()):
                     self.done.set()
 
-    def run(self) -> JobResult:
-        started = time.monotonic()
-        master, nnodes = self.inventory.master, len(self.hosts)
+    def _setup(self, announce: bool = True) -> dict[str, dict[str, str]]:
+        """What needs no node: each node's process count checked (a GPU the node lacks stops
+        us before any SSH), the job's backend said, the log directory made; each node's
+        environment (interface settings and the backend)."""
         envs = interface_env(self.inventory, self.spec.env_file)
         for host in self.hosts:
-            nproc_for(host, self.spec)  # a GPU the node lacks stops us before any SSH
+            nproc_for(host, self.spec)
         note = job_backend(self.hosts)[1]
-        if note:
+        if note and announce:
             self.emit(f"[launcher] {note}")
-        envs = {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
         if self.spec.log_dir:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self._stage(master)
-        except BaseException:
-            self._close()
-            raise
+        return {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
 
-        interrupted = terminated = False
-        runners = [
-            threading.Thread(
-                target=self._run_node,
-                args=(h, self._command(h, master, nnodes, envs[h.name])),
-                daemon=True,
-            )
+    def _runners(self, commands: dict[str, str]) -> list[threading.Thread]:
+        """One runner per node, streaming its command's output (not started yet)."""
+        return [
+            threading.Thread(target=self._run_node, args=(h, commands[h.name]), daemon=True)
             for h in self.hosts
         ]
-        watchers = [threading.Thread(target=watch.liveness, args=(self,), daemon=True)]
-        watchers += [
-            threading.Thread(target=watch.link, args=(self, h, master), daemon=True)
-            for h in self.hosts[1:]
-        ]
-        try:
-            for runner in runners:
-                runner.start()
-            for watcher in watchers:
-                watcher.start()
-            while not self.done.wait(0.2):
-                for writer in list(self._writers):
-                    writer.tick()  # a progress bar's latest state, every few seconds
-                if not any(runner.is_alive() for runner in runners):
-                    break  # every runner has ended: nothing is left to wait for
-        except KeyboardInterrupt as signalled:
-            interrupted = True
-            terminated = isinstance(signalled, Terminated)
-            why = "SIGTERM" if terminated else "Ctrl-C"
-            self.emit(f"[launcher] {why}: stopping the job on every node...")
-        finally:
-            if self.first_failure is not None and not interrupted:
-                # The others may take a moment to report their own failure, which can say more
-                # than the first; not worth waiting for once a node is known to be gone.
-                deadline = time.monotonic() + BLAME_GRACE
-                while (
-                    time.monotonic() < deadline
-                    and any(runner.is_alive() for runner in runners)
-                    and not any(self.outcomes[name].lost for name in self.failures)
-                ):
-                    time.sleep(0.1)
-                self.first_failure = blame.blame(self.failures, self.outcomes, self.hosts)
-                self.emit(
-                    f"[launcher] {self.first_failure} failed: stopping the job on every node..."
-                )
-            if interrupted or self.first_failure is not None:
-                stopped = stop.everywhere(self, master)
-                self.emit(
-                    "[launcher] stopped: "
-                    + ", ".join(
-                        f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
-                        for name, done in stopped.items()
-                    )
-                )
-                if not isinstance(stopped[master.name], float) and master.name not in self.silent:
-                    self._release_port(master)  # a silent master: the next launch finds it stale
-            else:
-                self._release_port(master)
-            self.done.set()
-            deadline = time.monotonic() + (
-                INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE
+
+    def _follow(self, runners: list[threading.Thread]) -> None:
+        """Until the job is done (a failure, or every node's exit), or every runner ended."""
+        while not self.done.wait(0.2):
+            for writer in list(self._writers):
+                writer.tick()  # a progress bar's latest state, every few seconds
+            if not any(runner.is_alive() for runner in runners):
+                break  # every runner has ended: nothing is left to wait for
+
+    def _settle_blame(self, runners: list[threading.Thread], named: Callable[[], None]) -> None:
+        """After a first failure: the others may take a moment to report their own, which can
+        say more than the first (not worth waiting for once a node is known to be gone); then
+        `named` (what else tells who failed) and the node to blame, said."""
+        deadline = time.monotonic() + BLAME_GRACE
+        while (
+            time.monotonic() < deadline
+            and any(runner.is_alive() for runner in runners)
+            and not any(self.outcomes[name].lost for name in self.failures)
+        ):
+            time.sleep(0.1)
+        named()
+        self.first_failure = blame.blame(self.failures, self.outcomes, self.hosts)
+        self.emit(f"[launcher] {self.first_failure} failed: stopping the job on every node...")
+
+    def _stop_everywhere(self, master: Host) -> dict[str, float | str]:
+        stopped = stop.everywhere(self, master)
+        self.emit(
+            "[launcher] stopped: "
+            + ", ".join(
+                f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
+                for name, done in stopped.items()
             )
-            for runner in runners:
-                runner.join(max(0.0, deadline - time.monotonic()))
-            self._close()
+        )
+        return stopped
+
+    def _wind_down(
+        self,
+        runners: list[threading.Thread],
+        started: float,
+        interrupted: bool,
+        terminated: bool,
+    ) -> JobResult:
+        """The runners given a moment to see their sessions end, the sessions closed: what
+        became of the job."""
+        self.done.set()
+        deadline = time.monotonic() + (INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE)
+        for runner in runners:
+            runner.join(max(0.0, deadline - time.monotonic()))
+        self._close()
         return JobResult(
             self.spec.run_id,
             self.outcomes,
@@ -298,6 +285,46 @@ class Launcher:
             time.monotonic() - started,
             terminated=terminated,
         )
+
+    def run(self) -> JobResult:
+        started = time.monotonic()
+        master, nnodes = self.inventory.master, len(self.hosts)
+        envs = self._setup()
+        try:
+            self._stage(master)
+        except BaseException:
+            self._close()
+            raise
+
+        interrupted = terminated = False
+        runners = self._runners(
+            {h.name: self._command(h, master, nnodes, envs[h.name]) for h in self.hosts}
+        )
+        watchers = [threading.Thread(target=watch.liveness, args=(self,), daemon=True)]
+        watchers += [
+            threading.Thread(target=watch.link, args=(self, h, master), daemon=True)
+            for h in self.hosts[1:]
+        ]
+        try:
+            for thread in runners + watchers:
+                thread.start()
+            self._follow(runners)
+        except KeyboardInterrupt as signalled:
+            interrupted = True
+            terminated = isinstance(signalled, Terminated)
+            why = "SIGTERM" if terminated else "Ctrl-C"
+            self.emit(f"[launcher] {why}: stopping the job on every node...")
+        finally:
+            if self.first_failure is not None and not interrupted:
+                self._settle_blame(runners, lambda: None)
+            if interrupted or self.first_failure is not None:
+                stopped = self._stop_everywhere(master)
+                if not isinstance(stopped[master.name], float) and master.name not in self.silent:
+                    self._release_port(master)  # a silent master: the next launch finds it stale
+            else:
+                self._release_port(master)
+            result = self._wind_down(runners, started, interrupted, terminated)
+        return result
 
     def _claim_port(self, master: Host) -> None:
         port = self.inventory.rendezvous_port

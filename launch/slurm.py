@@ -28,17 +28,14 @@ from dataclasses import dataclass
 from cluster.errors import Terminated, UserError
 from cluster.execution import Nodes, SshNodes
 from cluster.inventory import Inventory
-from cluster.jobenv import BACKEND_VARIABLE
 from cluster.staging import Project
-from launch import blame, stop
+from launch import stop
 from launch.commands import run_dir
 from launch.ending import bring_back, summary
 from launch.job import Launcher
-from launch.nodes import interface_env, job_backend, nproc_for, visible_gpus
+from launch.nodes import visible_gpus
 from launch.spec import (
     BLAME_GRACE,
-    INTERRUPTED_RUNNER_GRACE,
-    RUNNER_GRACE,
     Emit,
     JobResult,
     JobSpec,
@@ -342,6 +339,13 @@ class SlurmAttempt(Launcher):
             self.fail(silent[0])
         self.done.set()
 
+    def _name_down_nodes_after_node_fail(self) -> None:
+        """A job Slurm ended for a node: that node is the one to name, not a peer whose rank
+        failed in consequence."""
+        ended = self.state or self._look()
+        if ended is not None and ended.state == "NODE_FAIL":
+            self._name_down_nodes()
+
     def _name_down_nodes(self) -> None:
         """The job's nodes Slurm has down (a slurmd that stopped answering: NODE_FAIL) are the
         ones to name: marked lost, with Slurm's state and reason."""
@@ -366,21 +370,12 @@ class SlurmAttempt(Launcher):
     def run(self) -> JobResult:
         started = time.monotonic()
         master, nnodes = self.inventory.master, len(self.hosts)
-        envs = interface_env(self.inventory, self.spec.env_file)
-        for host in self.hosts:
-            nproc_for(host, self.spec)  # a GPU the node lacks stops us before any SSH
-        note = job_backend(self.hosts)[1]
-        if note and self.job_id is None:
-            self.emit(f"[launcher] {note}")
-        envs = {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
-        if self.spec.log_dir:
-            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        envs = self._setup(announce=self.job_id is None)
         interrupted = terminated = False
         runners: list[threading.Thread] = []
         try:
             self._parallel(self._connect)
-            first = self.job_id is None
-            if first:
+            if self.job_id is None:
                 self._submit(
                     {h.name: self._command(h, master, nnodes, envs[h.name]) for h in self.hosts}
                 )
@@ -399,22 +394,16 @@ class SlurmAttempt(Launcher):
                 f"[launcher] Slurm job {self.job_id} runs on {state.nodes}"
                 + (f", requeued {state.restarts} time(s)" if state.restarts else "")
             )
-            runners = [
-                threading.Thread(
-                    target=self._run_node,
-                    args=(h, follow_command(output_path(self.spec, h.name, state.restarts))),
-                    daemon=True,
-                )
-                for h in self.hosts
-            ]
+            runners = self._runners(
+                {
+                    h.name: follow_command(output_path(self.spec, h.name, state.restarts))
+                    for h in self.hosts
+                }
+            )
             for runner in runners:
                 runner.start()
             threading.Thread(target=self._watch_state, daemon=True).start()
-            while not self.done.wait(0.2):
-                for writer in list(self._writers):
-                    writer.tick()  # a progress bar's latest state, every few seconds
-                if not any(runner.is_alive() for runner in runners):
-                    break
+            self._follow(runners)
         except KeyboardInterrupt as signalled:
             interrupted = True
             terminated = isinstance(signalled, Terminated)
@@ -426,38 +415,12 @@ class SlurmAttempt(Launcher):
             self._close()
             raise
         if self.first_failure is not None and not interrupted:
-            deadline = time.monotonic() + BLAME_GRACE
-            while time.monotonic() < deadline and any(r.is_alive() for r in runners):
-                time.sleep(0.1)
-            ended = self.state or self._look()
-            if ended is not None and ended.state == "NODE_FAIL":
-                self._name_down_nodes()  # its rank's own failure is a consequence
-            self.first_failure = blame.blame(self.failures, self.outcomes, self.hosts)
-            self.emit(f"[launcher] {self.first_failure} failed: stopping the job on every node...")
+            self._settle_blame(runners, self._name_down_nodes_after_node_fail)
         if interrupted or self.first_failure is not None:
             if interrupted or not self.restarts_left:
                 self._cancel()  # a restart requeues the job instead
-            stopped = stop.everywhere(self, master)  # a container outlives its `docker run`
-            self.emit(
-                "[launcher] stopped: "
-                + ", ".join(
-                    f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
-                    for name, done in stopped.items()
-                )
-            )
-        self.done.set()
-        deadline = time.monotonic() + (INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE)
-        for runner in runners:
-            runner.join(max(0.0, deadline - time.monotonic()))
-        self._close()
-        return JobResult(
-            self.spec.run_id,
-            self.outcomes,
-            self.first_failure,
-            interrupted,
-            time.monotonic() - started,
-            terminated=terminated,
-        )
+            self._stop_everywhere(master)  # a container outlives its `docker run`
+        return self._wind_down(runners, started, interrupted, terminated)
 
 
 def run_job(
