@@ -20,6 +20,7 @@ from typing import Any
 
 from cluster.errors import UserError
 from training import config as config_module
+from training import fsdp_config
 from training.config import STOP_EXIT_CODE, ManualDPConfig, TrainConfig
 from training.console import ArgumentParser, require_positive
 
@@ -79,6 +80,27 @@ def manual_dp(argv: list[str] | None) -> ManualDPConfig:
         epilog="precedence: flags > --config YAML file > defaults",
     )
     config_module.check(config)
+    return config
+
+
+FSDP_EPILOG = f"""\
+precedence: flags > --config YAML file (sections as above, e.g. `model: {{layers: 8}}`) > defaults
+
+examples:
+  python -m torch.distributed.run --standalone --nproc-per-node 2 -m training.fsdp
+  python -m training.fsdp --steps 20        # one process: FSDP2 over a group of one
+  make train INVENTORY=... NNODES=2 MODULE=training.fsdp ARGS="--checkpoint-dir /shared/gpt"
+
+exit codes: 0 done, 1 failed, 2 bad input (one `Error:` line), {STOP_EXIT_CODE} --stop-after-step
+"""
+
+
+def fsdp(argv: list[str] | None) -> fsdp_config.FSDPConfig:
+    """training.fsdp's settings."""
+    config = config_module.parse(
+        fsdp_config.FSDPConfig, argv, **_named("training.fsdp"), epilog=FSDP_EPILOG
+    )
+    fsdp_config.check(config)
     return config
 
 
@@ -188,6 +210,7 @@ def comm_demo(argv: list[str] | None) -> argparse.Namespace:
 CHECKS: dict[str, Callable[[list[str] | None], Any]] = {
     "training.ddp": ddp,
     "training.manual_dp": manual_dp,
+    "training.fsdp": fsdp,
     "training.model_parallel": model_parallel,
     "training.pipeline": pipeline,
     "training.comm_demo": comm_demo,

@@ -304,6 +304,11 @@ def test_a_local_module_of_the_users_own_directory_is_found_and_not_run(tmp_path
 WORKLOAD_ARGUMENTS = {
     "training.ddp": (["--steps", "3"], ["--steps", "-1"], "--steps must be positive, got -1"),
     "training.manual_dp": (["--lr", "0.1"], ["--lr", "-0.5"], "--lr must be 0 or more, got -0.5"),
+    "training.fsdp": (
+        ["--layers", "2", "--checkpoint-dir", "/shared/gpt"],
+        ["--width", "30"],
+        "--width 30 does not split into 4 heads (30 % 4 = 2) (try --width 28)",
+    ),
     "training.model_parallel": (
         ["--split-size", "2"],
         ["--split-size", "-3"],

@@ -1,0 +1,319 @@
+"""training.fsdp on this machine: FSDP2 on 2 ranks equals one plain process, resumes exactly,
+reshards 2 -> 1 and 1 -> 2 from a directory every rank sees, refuses to reshard from node-local
+disks, holds about half a replica per rank, and exports a model a plain process loads.
+
+Tolerance: 2 ranks against one plain process, fp32, 20 steps of AdamW: every parameter within
+1e-5 (measured: 2.2e-7; the ranks' gradient sums round differently). A resume at the same world
+size is bit for bit; resharded runs are within 1e-5 of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.training.conftest import (
+    LOOPBACK,
+    free_port,
+    load_state,
+    max_difference,
+    run_command,
+    torchrun_command,
+)
+from training import arguments, gpt
+from training.config import STOP_EXIT_CODE
+from training.fsdp import build_optimizer
+from training.trainer import learning_rate
+
+# One worker runs these (make test's --dist loadgroup): most of them start from the `straight`
+# run, which would otherwise be repeated in every worker that gets one of them.
+pytestmark = pytest.mark.xdist_group("fsdp")
+TOLERANCE = 1e-5
+STEPS = 20
+SMALL = (
+    "--layers",
+    "2",
+    "--width",
+    "32",
+    "--heads",
+    "4",
+    "--seq-len",
+    "16",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "0.01",
+    "--steps",
+    str(STEPS),
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "5",
+)
+PROGRESS = re.compile(r"^step +(\d+)/\d+  loss ([\d.]+)  grad norm ([\d.]+)", re.M)
+
+
+def progress(stdout: str) -> dict[int, tuple[float, float]]:
+    """step -> (loss, gradient norm before clipping), from the progress lines."""
+    return {int(s): (float(loss), float(norm)) for s, loss, norm in PROGRESS.findall(stdout)}
+
+
+def digest(stdout: str) -> str:
+    (found,) = re.findall(r"^parameters +sha256 ([0-9a-f]{64})$", stdout, re.M)
+    return found
+
+
+def bench_row(stdout: str) -> dict:
+    (line,) = [line for line in stdout.splitlines() if line.startswith("BENCH ")]
+    return json.loads(line.removeprefix("BENCH "))
+
+
+def reference(steps: int = STEPS):
+    """The same training in this process on a plain GPT: each step's whole global batch, plain
+    tensors, torch's clip_grad_norm_. (model, {step: (loss, norm before clipping)})."""
+    config = arguments.fsdp(list(SMALL))
+    source = gpt.build_data(config)
+    m = config.model
+    torch.manual_seed(config.run.seed)
+    model = gpt.GPT(gpt.Shape(m.layers, m.width, m.heads, m.seq_len, source.vocab_size))
+    optimizer = build_optimizer(model, config.optim)
+    found = {}
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config.optim, step, STEPS)
+        loss = gpt.loss_of(model, source.batch(step, config.optim.global_batch_size))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        found[step + 1] = (loss.item(), norm.item())
+    return model, found
+
+
+def launch(directory: Path, *args: str, nproc: int = 2, env=None):
+    """training.fsdp under torchrun (nproc ranks), or as one plain process (nproc 0)."""
+    if nproc:
+        command = torchrun_command("training.fsdp", *SMALL, *args, nproc=nproc)
+    else:
+        command = [sys.executable, "-m", "training.fsdp", *SMALL, *args]
+    return run_command(command, directory, env, 180)
+
+
+def copy_step(source: Path, step: int, target: Path) -> Path:
+    """A checkpoint directory holding only `step` of `source`'s."""
+    target.mkdir(parents=True)
+    shutil.copytree(source / f"step-{step:08d}", target / f"step-{step:08d}")
+    return target
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """20 uninterrupted steps on 2 ranks, checkpoints every 5 in one directory, exported."""
+    directory = tmp_path_factory.mktemp("straight")
+    run = launch(
+        directory, "--checkpoint-dir", "checkpoints", "--export", str(directory / "model.pt")
+    )
+    assert run.returncode == 0, run.explain()
+    return directory, run
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return reference()
+
+
+def test_two_ranks_equal_one_plain_process_and_the_loss_falls(straight, plain):
+    directory, run = straight
+    model, expected = plain
+    assert run.lines("world    ") == ["world    2 processes on 1 node(s), gloo, cpu"]
+    assert run.lines("model    ") == [
+        "model    GPT 2 blocks, width 32, 4 heads, 0.03M parameters, fp32, "
+        "FSDP2 (fully_shard per block and root)"
+    ]
+    assert max_difference(load_state(directory / "model.pt"), model.state_dict()) < TOLERANCE
+    found = progress(run.stdout)
+    assert sorted(found) == list(range(1, STEPS + 1))
+    for step, (loss, norm) in found.items():
+        # The norm clip_grad_norm_ computed over the DTensor shards (and clipped with: every
+        # step's is above 1) is the whole gradient's; the progress line rounds to 4 decimals.
+        assert norm == pytest.approx(expected[step][1], abs=1e-4), step
+        assert loss == pytest.approx(expected[step][0], abs=1e-4), step
+    assert min(norm for _, norm in found.values()) > 1.0  # --grad-clip 1 clipped every step
+    assert found[1][0] > 4.0 and found[STEPS][0] < 2.6  # ln 64 = 4.16; the floor is 0.73
+
+
+def test_each_rank_holds_half_of_an_unsharded_replica(straight):
+    _, run = straight
+    row = bench_row(run.stdout)
+    assert row["world_size"] == 2 and row["strategy"] == "fsdp"
+    assert len(row["bytes_held"]) == 2
+    assert max(row["bytes_held"]) / row["bytes_unsharded"] == row["bytes_ratio"] <= 0.55
+    assert row["tokens_per_second"] > 0 and row["steps"] == STEPS - 1
+    held = run.lines("] holds parameters")
+    assert len(held) == 2 and all(line.endswith(f"({row['bytes_ratio']:.3f})") for line in held)
+
+
+def test_the_export_loads_into_a_plain_model(straight, plain):
+    directory, _ = straight
+    model, _ = plain
+    shape = json.loads((directory / "model.pt.json").read_text())["shape"]
+    loaded = gpt.GPT(gpt.Shape(**shape))
+    loaded.load_state_dict(torch.load(directory / "model.pt", weights_only=True))  # strict
+    tokens = gpt.TokenChains(64, 16, 0.1, 0).batch(1000, 8)  # a batch it never trained on
+    with torch.no_grad():
+        assert (loaded(tokens[:, :-1]) - model(tokens[:, :-1])).abs().max() < 1e-4
+        torch.manual_seed(0)
+        untrained = gpt.loss_of(gpt.GPT(gpt.Shape(**shape)), tokens)
+        assert gpt.loss_of(loaded, tokens) < untrained - 1.0
+
+
+def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(straight, tmp_path):
+    directory, uninterrupted = straight
+    checkpoints = copy_step(directory / "checkpoints", 10, tmp_path / "checkpoints")
+    half_written = checkpoints / ".step-00000015.tmp"  # a run killed while writing step 15
+    half_written.mkdir()
+    (half_written / "__0_0.distcp").write_bytes(b"partial")
+    run = launch(
+        tmp_path, "--checkpoint-dir", "checkpoints", "--export", str(tmp_path / "model.pt")
+    )
+    assert run.returncode == 0, run.explain()
+    assert run.lines("resuming from") == [
+        "resuming from step 10, the newest step every rank has (rank 0 has 10; rank 1 has 10)"
+    ]
+    assert digest(run.stdout) == digest(uninterrupted.stdout)
+    assert (
+        max_difference(load_state(tmp_path / "model.pt"), load_state(directory / "model.pt")) == 0
+    )
+    assert progress(run.stdout) == {
+        s: v for s, v in progress(uninterrupted.stdout).items() if s > 10
+    }
+    assert not half_written.exists()
+    # --keep 3 (the default): the newest three complete steps remain.
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        f"step-{step:08d}" for step in (10, 15, 20)
+    ]
+
+
+def test_resharding_from_shared_storage_continues_the_run(straight, tmp_path):
+    """Saved at world size 2, resumed by one process; saved by that process, resumed at 2
+    (with activation checkpointing, which changes what is kept, not what is computed)."""
+    directory, uninterrupted = straight
+    expected = progress(uninterrupted.stdout)
+    one = copy_step(directory / "checkpoints", 10, tmp_path / "one")
+    run = launch(tmp_path, "--checkpoint-dir", str(one), nproc=0)
+    assert run.returncode == 0, run.explain()
+    assert run.lines("resharded") == [
+        "resharded step 10 from world size 2 to 1: each rank read the parts of the saved "
+        "shards it now holds"
+    ]
+    found = progress(run.stdout)
+    assert sorted(found) == list(range(11, STEPS + 1))
+    for step, (loss, _) in found.items():
+        assert loss == pytest.approx(expected[step][0], abs=1e-4), step
+
+    two = copy_step(one, 15, tmp_path / "two")
+    out = tmp_path / "model.pt"
+    run = launch(
+        tmp_path, "--checkpoint-dir", str(two), "--activation-checkpointing", "--export", str(out)
+    )
+    assert run.returncode == 0, run.explain()
+    assert run.lines("resharded") == [
+        "resharded step 15 from world size 1 to 2: each rank read the parts of the saved "
+        "shards it now holds"
+    ]
+    assert run.lines("model    ")[0].endswith(", activation checkpointing")
+    found = progress(run.stdout)
+    assert sorted(found) == list(range(16, STEPS + 1))
+    for step, (loss, _) in found.items():
+        assert loss == pytest.approx(expected[step][0], abs=1e-4), step
+    assert max_difference(load_state(out), load_state(directory / "model.pt")) < TOLERANCE
+
+
+def two_nodes(directory: Path, *args: str) -> list:
+    """A job of two "nodes" on this machine, one rank each: its own checkpoint directory
+    (a node-local disk) and node name, node ranks fixed (torchrun's static rendezvous)."""
+    port = free_port()
+
+    def node(index: int):
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={index}",
+            f"--master-addr={LOOPBACK}",
+            f"--master-port={port}",
+            f"--local-addr={LOOPBACK}",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+            "-m",
+            "training.fsdp",
+            *SMALL,
+            "--checkpoint-dir",
+            str(directory / f"disk-{index}"),
+            *args,
+        ]
+        return run_command(command, directory, {"TMN_NODE_NAME": f"node-{index}"}, 180)
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(node, (0, 1)))
+
+
+def test_node_local_checkpoints_resume_at_their_world_size_and_refuse_to_reshard(
+    straight, tmp_path
+):
+    _, uninterrupted = straight
+    first, second = two_nodes(tmp_path, "--stop-after-step", "10")
+    assert f"exitcode  : {STOP_EXIT_CODE}" in first.stderr, first.explain()
+    assert first.lines("checkpoint step 10 written") == [
+        f"checkpoint step 10 written to {tmp_path / 'disk-0'}/step-00000010 (node-local "
+        "disks: each node holds its own ranks' shards)"
+    ]
+    for index, other in ((0, 1), (1, 0)):
+        names = {p.name for p in (tmp_path / f"disk-{index}" / "step-00000010").iterdir()}
+        # Each disk: its own rank's shards and file, and a copy of DCP's index.
+        assert {".metadata", "manifest.pt", f"__{index}_0.distcp", f"rank-0000{index}.pt"} <= names
+        assert not names & {f"__{other}_0.distcp", f"rank-0000{other}.pt"}
+
+    # One process from node 0's disk would need node 1's shards.
+    alone = launch(
+        tmp_path,
+        "--checkpoint-dir",
+        str(tmp_path / "disk-0"),
+        nproc=0,
+        env={"TMN_NODE_NAME": "node-0"},
+    )
+    assert alone.returncode == 2, alone.explain()
+    assert alone.stderr.splitlines() == [
+        f"Error: checkpoint step 10 in {tmp_path / 'disk-0'} was written by 2 ranks on node-0, "
+        "node-1 to node-local disks (node-0 sees 3 of its 5 files); resuming it at world size 1 "
+        "reshards it, and resharding needs storage every node sees (try the world size it was "
+        "written at (2), or a --checkpoint-dir on storage every node sees, such as /shared on "
+        "the simulated cluster)"
+    ]
+
+    # The same two nodes resume, each from its own disk, and end where the straight run does.
+    first, second = two_nodes(tmp_path)
+    assert first.returncode == second.returncode == 0, first.explain() + second.explain()
+    assert first.lines("resuming from") == [
+        "resuming from step 10, the newest step every rank has (rank 0 has 5, 10; rank 1 has 5, 10)"
+    ]
+    assert digest(first.stdout) == digest(uninterrupted.stdout)
+
+
+def test_ddp_strategy_trains_the_same_model_with_whole_replicas(plain, tmp_path):
+    model, _ = plain
+    out = tmp_path / "model.pt"
+    run = launch(tmp_path, "--strategy", "ddp", "--export", str(out))
+    assert run.returncode == 0, run.explain()
+    assert run.lines("model    ")[0].endswith("DDP (a whole replica per rank)")
+    assert max_difference(load_state(out), model.state_dict()) < TOLERANCE
+    assert bench_row(run.stdout)["bytes_ratio"] == 1.0

@@ -1,0 +1,409 @@
+"""Distributed checkpoints of a sharded model: torch.distributed.checkpoint (DCP), one directory
+per step that exists only once complete, resumable at another world size where storage is
+shared.
+
+Layout of `--checkpoint-dir`:
+
+    step-00000020/          complete: renamed from .step-00000020.tmp/ once every rank wrote
+        .metadata           DCP's index of every shard (rank 0 writes it; copied to every node)
+        __<rank>_<n>.distcp each rank's shards of the parameters and the optimizer state
+        rank-<rank>.pt      each rank's own: position, RNG, the optimizer's unsharded entries
+        manifest.pt         step, world size, the node of every writer, every file, the run's
+                            shape
+    .step-00000030.tmp/     being written (removed at the next start)
+
+Only DTensors (the shards) go through DCP; everything else (the optimizer's step counts and
+hyperparameters, and every tensor of a strategy that does not shard) goes into each rank's own
+file. DCP writes a replicated value once, from one rank, so on node-local disks a rank on
+another node could not read it back: this way a rank needs at the same world size only its
+own files and the index, which every node gets a copy of.
+
+Storage every rank sees (one directory holds every rank's files) is told apart from node-local
+disks by looking: each rank writes a probe file and looks for the others'. Each directory's
+lowest rank renames, prunes and cleans it. Resuming at another world size (resharding) reads
+other ranks' shards: where a rank cannot see all the files the manifest lists, the run stops
+with one line saying that resharding needs shared storage.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from cluster.errors import UserError
+from training import checkpoint, parallel
+from training.console import say
+
+FORMAT = 1
+MANIFEST = "manifest.pt"
+METADATA = ".metadata"  # DCP's index file (torch.distributed.checkpoint.filesystem)
+SHARDED = "<in the DCP shards>"  # what stands in a rank's file where a DTensor was
+_STEP = re.compile(r"^step-(\d{8})$")
+_DCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter: __<rank>_<n>.distcp
+SHARED_HINT = (
+    "a --checkpoint-dir on storage every node sees, such as /shared on the simulated cluster"
+)
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+# -- splitting a state dict into its shards and the rest ---------------------------------------
+
+
+def split(state: Any, path: tuple = ()) -> tuple[Any, dict[str, DTensor]]:
+    """(state with every DTensor replaced by SHARDED, {path: DTensor})."""
+    if isinstance(state, DTensor):
+        return SHARDED, {"/".join(map(str, path)): state}
+    if isinstance(state, dict | list | tuple):
+        items = state.items() if isinstance(state, dict) else enumerate(state)
+        rest, sharded = {}, {}
+        for key, value in items:
+            rest[key], found = split(value, (*path, key))
+            sharded.update(found)
+        if not isinstance(state, dict):
+            rest = type(state)(rest[index] for index in range(len(state)))
+        return rest, sharded
+    return state, {}
+
+
+def merge(rest: Any, sharded: dict[str, DTensor], path: tuple = ()) -> Any:
+    """The inverse of split."""
+    if isinstance(rest, str) and rest == SHARDED:
+        return sharded["/".join(map(str, path))]
+    if isinstance(rest, dict):
+        return {key: merge(value, sharded, (*path, key)) for key, value in rest.items()}
+    if isinstance(rest, list | tuple):
+        return type(rest)(merge(value, sharded, (*path, i)) for i, value in enumerate(rest))
+    return rest
+
+
+def _synced(path: Path, payload: Any) -> None:
+    """torch.save (bytes as they are) to `path`, on disk before the directory is renamed."""
+    with path.open("wb") as file:
+        if isinstance(payload, bytes):
+            file.write(payload)
+        else:
+            torch.save(payload, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def agree(env: parallel.DistEnv, error: UserError | None) -> None:
+    """Raise on every rank the lowest rank's error, if any rank had one: a rank that raised
+    alone would leave the others waiting in their next collective."""
+    found = parallel.all_gather(
+        None if error is None else (str(error), error.hint, error.exit_code), env
+    )
+    for entry in found:
+        if entry is not None:
+            message, hint, code = entry
+            raise UserError(message, hint=hint, exit_code=code)
+
+
+# What a failed read or write raises: DCP gathers every rank's exception into one
+# CheckpointException (a BaseException), raised on every rank; torch.save and torch.load report
+# a failed write or a bad file as a RuntimeError.
+FAILURES = (OSError, RuntimeError, ValueError, CheckpointException)
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, in a few words: the OSError behind it, else its first line."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _) = next(iter(error.failures.items()))
+        return f"rank {rank}: {_reason(error)}"
+    cause = checkpoint._os_error(error)
+    if cause is not None:
+        return cause.strerror or str(cause)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who shares this rank's directory, learnt by looking."""
+
+    rank: int
+    visible: tuple[int, ...]  # the ranks whose files this rank sees in its directory
+    nodes: tuple[str, ...]  # every rank's node, by rank
+
+    @property
+    def owner(self) -> bool:
+        """Whether this rank is its directory's lowest rank: the one that renames and prunes."""
+        return self.rank == self.visible[0]
+
+
+class Checkpoints:
+    """One job's distributed checkpoints in `directory` (the same path on every node)."""
+
+    def __init__(self, directory: Path, env: parallel.DistEnv, keep: int, node: str):
+        self.directory, self.env, self.keep, self.node = Path(directory), env, keep, node
+        self.layout: Layout | None = None
+
+    def path(self, step: int) -> Path:
+        return self.directory / step_name(step)
+
+    def steps(self) -> list[int]:
+        """The complete checkpoints this rank sees, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            match = _STEP.match(entry.name)
+            if match and (entry / MANIFEST).is_file():
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    # -- the directory's layout ------------------------------------------------------------------
+
+    def look(self) -> Layout:
+        """Every rank writes a probe file and looks for the others' (collective); also the check
+        that the directory takes files at all."""
+        env = self.env
+        token = parallel.all_gather(uuid.uuid4().hex[:12], env)[0]
+        probe = self.directory / f".probe-{token}-{env.rank:05d}"
+        store = checkpoint.CheckpointStore(self.directory, env.rank, self.keep)
+        error = None
+        try:
+            store.check_writable()
+            probe.touch()
+        except UserError as raised:
+            error = raised
+        except OSError as raised:
+            error = store._write_error("cannot write checkpoints to", raised)
+        agree(env, error)
+        visible = tuple(
+            r
+            for r in range(env.world_size)
+            if (self.directory / f".probe-{token}-{r:05d}").exists()
+        )
+        nodes = tuple(node for node, _ in parallel.all_gather((self.node, visible), env))
+        probe.unlink(missing_ok=True)  # every rank has looked: the gather waited for them
+        self.layout = Layout(env.rank, visible, nodes)
+        return self.layout
+
+    def _clean(self) -> None:
+        """The owner's sweep: half-written steps and probes a killed run left behind."""
+        for entry in self.directory.iterdir():
+            if entry.name.startswith(".step-") and entry.name.endswith(".tmp"):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.startswith(".probe-"):
+                entry.unlink(missing_ok=True)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(self, step: int, model: nn.Module, optimizer, own: dict[str, Any], info: dict) -> str:
+        """Write step `step` (collective): the shards through DCP, each rank's own file, then
+        the manifest, and the rename that makes it complete. The line to print."""
+        env, layout = self.env, self.layout
+        final = self.path(step)
+        temporary = self.directory / f".{final.name}.tmp"
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        rest, sharded = split({"model": model_state, "optimizer": optimizer_state})
+        error = None
+        try:
+            temporary.mkdir(parents=True, exist_ok=True)
+            if sharded:
+                dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temporary))
+            _synced(temporary / rank_file(env.rank), {"rest": rest, "own": own})
+        except FAILURES as raised:
+            error = UserError(
+                f"cannot write checkpoint step {step} to {self.directory}: {_reason(raised)}",
+                hint="freeing space there, or another --checkpoint-dir",
+                exit_code=1,
+            )
+        agree(env, error)  # also: every rank's files are written
+        index = (temporary / METADATA).read_bytes() if env.is_main and sharded else None
+        index = parallel.all_gather(index, env)[0]
+        if layout.owner:
+            if index is not None and not (temporary / METADATA).exists():
+                _synced(temporary / METADATA, index)  # a node-local disk: a copy of the index
+            files = [METADATA] if index is not None else []
+            if index is not None:
+                files += sorted(
+                    {info.relative_path for info in pickle.loads(index).storage_data.values()}
+                )
+            files += [rank_file(r) for r in range(env.world_size)]
+            manifest = {
+                "format": FORMAT,
+                "step": step,
+                "world_size": env.world_size,
+                "nodes": list(layout.nodes),
+                "files": files,
+                "info": info,
+            }
+            _synced(temporary / MANIFEST, manifest)
+            _sync_directory(temporary)
+            if final.exists():  # this step written before, by a run that went on from it
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            _sync_directory(self.directory)
+        parallel.barrier(env)  # complete everywhere before anything older goes
+        if layout.owner:
+            for old in self.steps()[: -self.keep]:
+                shutil.rmtree(self.path(old), ignore_errors=True)
+        where = (
+            "storage every rank sees"
+            if len(layout.visible) == env.world_size
+            else ("node-local disks: each node holds its own ranks' shards")
+        )
+        return f"checkpoint step {step} written to {final} ({where})"
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def resume(
+        self, model: nn.Module, optimizer, resume: bool | None, info: dict
+    ) -> tuple[int | None, dict[str, Any] | None]:
+        """Load the newest step every rank sees (collective): (its step, this rank's own state
+        as saved, None when resharded) or (None, None) to start from step 0."""
+        env = self.env
+        layout = self.look()
+        if layout.owner:
+            self._clean()
+            if resume is False:
+                for step in self.steps():
+                    shutil.rmtree(self.path(step), ignore_errors=True)
+        held = parallel.all_gather(self.steps(), env)  # after the owners' sweep
+        self._refuse_what_only_other_nodes_hold(held)
+        plan = checkpoint.plan_resume(held, resume, str(self.directory))
+        say(env, plan.message)
+        if plan.step is None:
+            return None, None
+        step = plan.step
+        manifest = self._manifest(step)
+        agree(env, self._mismatch(step, manifest, info))
+        resharding = manifest["world_size"] != env.world_size
+        self._refuse_missing_files(step, manifest, resharding)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        _, sharded = split({"model": model_state, "optimizer": optimizer_state})
+        # Resharded, every rank's file holds the same unsharded entries: rank 0's are taken.
+        mine = self.path(step) / rank_file(0 if resharding else env.rank)
+        error, saved = None, None
+        try:
+            if sharded:  # DCP reports a rank's failure on every rank
+                dcp.load(sharded, storage_reader=dcp.FileSystemReader(self.path(step)))
+            saved = torch.load(mine, map_location="cpu", weights_only=True)
+        except (*FAILURES, EOFError, pickle.UnpicklingError) as raised:
+            error = UserError(
+                f"cannot load checkpoint step {step} from {self.directory}: {_reason(raised)}",
+                hint="--no-resume to start over",
+                exit_code=1,
+            )
+        agree(env, error)
+        state = merge(saved["rest"], sharded)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        if resharding:
+            say(
+                env,
+                f"resharded step {step} from world size {manifest['world_size']} to "
+                f"{env.world_size}: each rank read the parts of the saved shards it now holds",
+            )
+        return step, None if resharding else saved["own"]
+
+    def _manifest(self, step: int) -> dict:
+        return torch.load(self.path(step) / MANIFEST, map_location="cpu", weights_only=True)
+
+    def _mismatch(self, step: int, manifest: dict, info: dict) -> UserError | None:
+        if manifest.get("format") != FORMAT:
+            return UserError(
+                f"checkpoint step {step} in {self.directory} is not in this workload's format "
+                f"{FORMAT}",
+                hint="--no-resume, or another --checkpoint-dir",
+            )
+        for key, value in info.items():
+            saved = manifest["info"].get(key)
+            if saved != value:
+                return UserError(
+                    f"checkpoint step {step} in {self.directory} has {key} {saved}, this run "
+                    f"{value}: it cannot continue that run",
+                    hint=f"--no-resume, or the {key} it was saved with",
+                )
+        return None
+
+    def _writers(self, manifest: dict) -> str:
+        nodes = list(dict.fromkeys(manifest["nodes"]))
+        ranks = manifest["world_size"]
+        return f"{ranks} rank{'s' if ranks > 1 else ''} on {', '.join(nodes)}"
+
+    def _resharding_error(self, step: int, manifest: dict, seen: str) -> UserError:
+        return UserError(
+            f"checkpoint step {step} in {self.directory} was written by "
+            f"{self._writers(manifest)} to node-local disks ({seen}); resuming it at world size "
+            f"{self.env.world_size} reshards it, and resharding needs storage every node sees",
+            hint=f"the world size it was written at ({manifest['world_size']}), or {SHARED_HINT}",
+        )
+
+    def _refuse_what_only_other_nodes_hold(self, held: list[list[int]]) -> None:
+        """No step every rank sees, but some rank holds one written at another world size: the
+        checkpoint is on node-local disks and the job's shape changed."""
+        if checkpoint.newest_common_step(held) is not None or not any(held):
+            return
+        newest = max(step for steps in held for step in steps)
+        error = None
+        if newest in self.steps():
+            manifest = self._manifest(newest)
+            if manifest["world_size"] != self.env.world_size:
+                blind = [r for r, steps in enumerate(held) if newest not in steps]
+                nodes = sorted({self.layout.nodes[r] for r in blind})
+                error = self._resharding_error(
+                    newest, manifest, f"{', '.join(nodes)} holds none of it"
+                )
+        agree(self.env, error)
+
+    def _refuse_missing_files(self, step: int, manifest: dict, resharding: bool) -> None:
+        """Each rank needs every file to reshard; at the same world size, its own and the
+        index."""
+        rank, directory = self.env.rank, self.path(step)
+        needed = manifest["files"]
+        if not resharding:
+            own = {METADATA, MANIFEST, rank_file(rank)}
+            needed = [
+                name
+                for name in needed
+                if name in own or (_DCP_FILE.match(name) and int(_DCP_FILE.match(name)[1]) == rank)
+            ]
+        missing = [name for name in needed if not (directory / name).is_file()]
+        error = None
+        if missing and resharding:
+            seen = f"{self.node} sees {len(needed) - len(missing)} of its {len(needed)} files"
+            error = self._resharding_error(step, manifest, seen)
+        elif missing:
+            writer = manifest["nodes"][rank]
+            error = UserError(
+                f"checkpoint step {step} in {self.directory} on {self.node} lacks rank {rank}'s "
+                f"{', '.join(missing)} (rank {rank} wrote it on {writer}): node-local "
+                "checkpoints resume only with every rank on the node it was on",
+                hint=f"the same nodes in the same order, or {SHARED_HINT}",
+                exit_code=1,
+            )
+        agree(self.env, error)

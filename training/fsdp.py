@@ -1,0 +1,487 @@
+"""FSDP2 training of a GPT-style decoder, with distributed checkpoints: for a model too large to
+keep whole (with its gradients and optimizer state) on one GPU.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m training.fsdp
+
+trains a 4-block GPT on synthetic token chains for 60 steps. Every block and the root are
+wrapped with fully_shard: each rank keeps 1/world of the parameters, gradients and AdamW state,
+and gathers a block's parameters only while it computes with it. The job prints what each rank
+holds against one unsharded replica, tokens/s, and on GPUs the peak memory and the model FLOPs
+utilisation; rank 0 prints one `BENCH {json}` line of it. Without torchrun it runs as one
+process (FSDP2 over a process group of one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from cluster.errors import UserError
+from cluster.jobenv import RUN_DIR_VARIABLE
+from training import arguments, checkpoint, console, gpt, models, parallel
+from training.bench_scaling import report
+from training.config import STOP_EXIT_CODE, DDPConfig
+from training.dcp import Checkpoints, agree
+from training.ddp import save_model
+from training.trainer import learning_rate, resolve_numerics
+
+BETAS = (0.9, 0.95)
+BYTE_PARTS = ("parameters", "gradients", "optimizer state")
+
+
+# -- what runs where -------------------------------------------------------------------------
+
+
+def start(env: parallel.DistEnv, timeout: float) -> None:
+    """The process group: torchrun's, or for one plain process a group of one (FSDP2 and DCP
+    are the same code at every world size)."""
+    if env.launched:
+        parallel.start(env)
+        dist.set_timeout(timedelta(seconds=timeout))
+        return
+    parallel.use_device(env)
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def compile_problem(device: torch.device) -> UserError | None:
+    """What torch.compile would fail on here, found before any compiling: on CPUs inductor builds
+    C++ kernels with Python bindings (a C++ compiler, Python.h); on GPUs triton builds a C
+    launcher (triton, a C compiler, Python.h)."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return UserError(
+                "--compile on GPUs needs triton, which this torch does not find",
+                hint="the CUDA training image (it keeps triton), or leave out --compile",
+            )
+        # triton's own search (triton.runtime.build): $CC, else gcc, else clang
+        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+        if compiler is None:
+            return UserError(
+                "--compile on GPUs needs a C compiler for triton's launcher ($CC, gcc or clang); "
+                "none is installed here",
+                hint="apt-get install gcc, or leave out --compile",
+            )
+    else:
+        from torch._inductor import config as inductor
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception:  # inductor's own search failed: InvalidCxxCompiler, or its cause
+            tried = " or ".join(name for name in inductor.cpp.cxx if name)
+            return UserError(
+                f"--compile on CPUs needs a C++ compiler to build torch.compile's kernels, and "
+                f"{tried} does not run here",
+                hint="apt-get install g++ (or CXX=<compiler>), or leave out --compile",
+            )
+    headers = Path(sysconfig.get_paths()["include"], "Python.h")
+    if not headers.is_file():
+        return UserError(
+            f"--compile needs Python's C headers, and {headers} is missing (the compiled kernels "
+            "include it)",
+            hint="apt-get install python3-dev (for this Python), or leave out --compile",
+        )
+    return None
+
+
+def wrap(model: nn.Module, env: parallel.DistEnv, config, numerics) -> nn.Module:
+    """The strategy applied: fully_shard every block, then the root (which keeps the
+    embeddings, the final norm and the head), or DDP."""
+    if config.model.compile:
+        for block in model.blocks:
+            block.compile()  # in place: the parameter names stay the plain model's
+    if config.model.strategy == "ddp":
+        return parallel.wrap_ddp(model.to(env.device), env, DDPConfig())
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    if numerics.autocast_dtype == torch.bfloat16:
+        # Parameters all-gathered and computed in bf16; gradients reduce-scattered in fp32 into
+        # fp32 shards, which the optimizer updates.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def build_optimizer(model: nn.Module, config) -> torch.optim.AdamW:
+    """AdamW; matrices decay, biases, norms and nothing else."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        lr=config.lr,
+        betas=BETAS,
+    )
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def held_bytes(model: nn.Module, optimizer) -> dict[str, tuple[int, int]]:
+    """Per part: (bytes this rank holds, from its local shards; bytes one unsharded replica
+    holds). Gradients exist between backward and the next zero_grad."""
+
+    def sizes(tensor: torch.Tensor) -> tuple[int, int]:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size(), tensor.numel() * tensor.element_size()
+
+    parameters = list(model.parameters())
+    parts = {
+        "parameters": [sizes(p) for p in parameters],
+        "gradients": [sizes(p.grad) for p in parameters if p.grad is not None],
+        "optimizer state": [
+            sizes(value)
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ],
+    }
+    return {
+        name: (sum(h for h, _ in found), sum(u for _, u in found)) for name, found in parts.items()
+    }
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The norm of the whole gradient before clipping, and the gradient clipped to max_norm
+    (0: not clipped). On FSDP2's DTensor gradients torch computes each rank's part and
+    all-reduces it: the norm is the unsharded gradient's."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+class Clock:
+    """Training time: the device's queued work included (synchronised at every reading),
+    checkpoints and test delays not."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.total, self._since = device, 0.0, 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        self._sync()
+        self.total += time.perf_counter() - self._since
+
+
+@dataclass
+class Progress:
+    """What the next progress line reports, and the run's measured part: every step but this
+    run's first (lazy initialisation and first allocations)."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    window_steps: int = 0  # measured steps since the last line
+    window_from: float = 0.0  # the clock's total at the last line
+    measured_steps: int = 0
+    last_loss: float = float("nan")
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def resolve_export(path: str | None) -> str | None:
+    """Under the launcher a relative --export lands in the run directory, which comes back to
+    the controller."""
+    if path and os.environ.get(RUN_DIR_VARIABLE) and not os.path.isabs(path):
+        return os.path.join(os.environ[RUN_DIR_VARIABLE], path)
+    return path
+
+
+def header(config, env, source, model: gpt.GPT, batch: int, numerics) -> list[str]:
+    shape, parameters = model.shape, models.count_parameters(model)
+    strategy = (
+        "FSDP2 (fully_shard per block and root)"
+        if config.model.strategy == "fsdp"
+        else "DDP (a whole replica per rank)"
+    )
+    extras = [
+        name
+        for name, on in (
+            ("activation checkpointing", config.model.activation_checkpointing),
+            ("torch.compile", config.model.compile),
+        )
+        if on
+    ]
+    world = env.describe() if env.launched else f"1 process (a group of one), {env.device.type}"
+    optim = config.optim
+    clip = f"clip {optim.grad_clip:g}" if optim.grad_clip > 0 else "no clipping"
+    return [
+        f"world    {world}",
+        f"data     {source.describe()}",
+        f"batch    {batch} sequences of {shape.seq_len} tokens per rank x {env.world_size} "
+        f"ranks = {batch * env.world_size * shape.seq_len:,} tokens per step",
+        f"steps    {config.run.steps}, AdamW lr {optim.lr:g} ({optim.warmup_steps} warmup, "
+        f"{optim.schedule}), weight decay {optim.weight_decay:g}, {clip}",
+        f"model    GPT {shape.layers} blocks, width {shape.width}, {shape.heads} heads, "
+        f"{parameters / 1e6:.2f}M parameters, {numerics.name}, {strategy}"
+        + "".join(f", {extra}" for extra in extras),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = arguments.fsdp(argv)
+    env = parallel.read_env()
+    batch = parallel.per_rank_batch(config.optim.global_batch_size, env)
+    parallel.use_device(env)
+    numerics = resolve_numerics(config.model.precision, env.device)
+    export = resolve_export(config.checkpoint.export)
+    start(env, config.run.collective_timeout)
+
+    # What only this node can tell, agreed on by every rank before anyone goes on.
+    source, error = None, compile_problem(env.device) if config.model.compile else None
+    if error is None:
+        try:
+            source = gpt.build_data(config)
+        except UserError as raised:
+            error = raised
+    agree(env, error)
+    shape = gpt.Shape(
+        config.model.layers,
+        config.model.width,
+        config.model.heads,
+        config.model.seq_len,
+        source.vocab_size,
+    )
+    torch.manual_seed(config.run.seed)  # the same whole model on every rank, before sharding
+    model = gpt.GPT(shape, activation_checkpointing=config.model.activation_checkpointing)
+    console.say(env, *header(config, env, source, model, batch, numerics))
+    model = wrap(model, env, config, numerics)
+    optimizer = build_optimizer(model, config.optim)
+
+    node = parallel.node_name()
+    store = None
+    start_step = 0
+    info = {
+        "shape": shape.as_dict(),
+        "strategy": config.model.strategy,
+        "global_batch_size": config.optim.global_batch_size,
+        "seed": config.run.seed,
+    }
+    if config.checkpoint.checkpoint_dir:
+        store = Checkpoints(
+            Path(config.checkpoint.checkpoint_dir), env, config.checkpoint.keep, node
+        )
+        resumed, own = store.resume(model, optimizer, config.checkpoint.resume, info)
+        start_step = resumed or 0
+        if own is not None:
+            checkpoint.restore_rng_states(own["rng"], env.device)
+
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    result = train(config, env, model, optimizer, source, batch, store, start_step, info)
+    finish(config, env, model, shape, source, result, start_step, numerics, export)
+    return 0
+
+
+@dataclass
+class Result:
+    held: dict[str, tuple[int, int]]  # part -> (this rank's bytes, an unsharded replica's)
+    progress: Progress
+    seconds: float  # of the measured steps
+    tokens_per_step: int
+
+
+def train(config, env, model, optimizer, source, batch, store, start_step, info) -> Result:
+    run, optim = config.run, config.optim
+    total, global_batch = run.steps, optim.global_batch_size
+    tokens_per_step = global_batch * config.model.seq_len
+    autocast = resolve_numerics(config.model.precision, env.device).autocast_dtype
+    if config.model.strategy == "fsdp":
+        autocast = None  # FSDP2's mixed-precision policy casts instead
+    progress, clock, held = Progress(), Clock(env.device), {}
+    norm = torch.zeros(())
+    model.train()
+    clock.start()
+    for step in range(start_step, total):
+        tokens = gpt.rank_slice(source.batch(step, global_batch), env.rank, env.world_size)
+        tokens = tokens.to(env.device, non_blocking=True)
+        lr = learning_rate(optim, step, total)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
+            loss = gpt.loss_of(model, tokens)
+        loss.backward()
+        norm = clip_gradients(model, optim.grad_clip)
+        optimizer.step()
+        progress.losses.append(loss.detach())
+        done = step + 1
+        if step == start_step:
+            held = held_bytes(model, optimizer)  # gradients and optimizer state exist now
+            clock.stop()
+            clock.total = 0.0  # the first step is not timed
+            clock.start()
+        else:
+            progress.measured_steps += 1
+            progress.window_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        if done % run.log_every == 0 or done == total:
+            clock.stop()
+            report_progress(env, progress, clock.total, (done, total), lr, norm, tokens_per_step)
+            clock.start()
+        if store is not None and (done % config.checkpoint.checkpoint_every == 0 or done == total):
+            clock.stop()
+            own = {"position": {"step": done}, "rng": checkpoint.rng_states(env.device)}
+            console.say(env, store.save(done, model, optimizer, own, info))
+            clock.start()
+        if run.step_delay > 0:
+            clock.stop()
+            time.sleep(run.step_delay)
+            clock.start()
+        if config.checkpoint.stop_after_step == done:
+            parallel.barrier(env)
+            console.say(
+                env, f"stopping after step {done} (--stop-after-step): exit {STOP_EXIT_CODE}"
+            )
+            os._exit(STOP_EXIT_CODE)
+    clock.stop()
+    return Result(held, progress, clock.total, tokens_per_step)
+
+
+def report_progress(env, progress, clock_total, steps, lr, norm, tokens_per_step) -> None:
+    """One progress line: the loss averaged over the ranks and the steps since the last line,
+    the last step's gradient norm (before clipping), tokens/s of the measured steps."""
+    step, total = steps
+    count = len(progress.losses)
+    local = torch.stack(progress.losses).sum().item()
+    loss_sum, seconds = parallel.all_reduce_sum([local, clock_total - progress.window_from], env)
+    seconds /= env.world_size  # the ranks' mean
+    if progress.window_steps and seconds > 0:
+        rate = progress.window_steps * tokens_per_step / seconds
+        speed = f"{rate / env.world_size:,.0f} tokens/s/rank  {rate:,.0f} tokens/s total"
+    else:
+        speed = "(the first step is not timed)"
+    progress.last_loss = loss_sum / (count * env.world_size)
+    progress.losses, progress.window_steps, progress.window_from = [], 0, clock_total
+    console.say(
+        env,
+        f"step {step:>{len(str(total))}}/{total}  loss {progress.last_loss:.4f}  grad norm "
+        f"{norm.item():.4f}  lr {lr:.4g}  {speed}",
+    )
+
+
+def finish(config, env, model, shape, source, result: Result, start_step, numerics, export):
+    """Per rank what it holds; rank 0: the summary, the BENCH line, the export."""
+    held = result.held
+    mine = sum(h for h, _ in held.values())
+    unsharded = sum(u for _, u in held.values())
+    parts = " + ".join(f"{name} {held[name][0]:,} B" for name in BYTE_PARTS)
+    console.say_every_rank(
+        env,
+        f"holds {parts} = {mine:,} B; one unsharded replica {unsharded:,} B "
+        f"({mine / unsharded:.3f})",
+    )
+    peak = torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None
+    per_rank = parallel.all_gather((mine, peak), env)
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if not env.is_main:
+        return
+    with torch.device("meta"):
+        plain = gpt.GPT(shape)
+    plain.load_state_dict(full, assign=True)  # the gathered tensors, no copy
+    digest = parallel.parameter_digest(plain)
+    progress = result.progress
+    measured = progress.measured_steps
+    rate = measured * result.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
+    resumed = f" (resumed from step {start_step})" if start_step else ""
+    ratio = max(m for m, _ in per_rank) / unsharded
+    lines = [
+        "-" * 60,
+        f"steps          {config.run.steps}{resumed}",
+        f"time           {result.seconds:.2f} s for {measured} steps (this run's first not "
+        f"timed): {rate:,.0f} tokens/s total, {rate / env.world_size:,.0f} tokens/s/rank",
+        f"train loss     {progress.last_loss:.4f} (steps since the previous report)",
+        f"memory         per rank at most {ratio:.3f} of one unsharded replica's parameters, "
+        f"gradients and optimizer state ({max(m for m, _ in per_rank):,} of {unsharded:,} B)",
+    ]
+    row = {
+        "workload": "fsdp",
+        "strategy": config.model.strategy,
+        "world_size": env.world_size,
+        "device": env.device.type,
+        "precision": numerics.name,
+        "shape": shape.as_dict(),
+        "steps": measured,
+        "seconds": result.seconds,
+        "tokens_per_second": rate,
+        "tokens_per_second_per_rank": rate / env.world_size,
+        "bytes_held": [m for m, _ in per_rank],
+        "bytes_unsharded": unsharded,
+        "bytes_ratio": ratio,
+        "loss": progress.last_loss,
+    }
+    if env.device.type == "cuda":
+        lines += gpu_lines(config, env, shape, numerics, rate, [p for _, p in per_rank], row)
+    lines += [f"parameters     sha256 {digest}", "-" * 60]
+    console.say(env, *lines)
+    report(row)
+    if export:
+        save_model(export, plain)
+        sidecar = {
+            "shape": shape.as_dict(),
+            "characters": getattr(source, "characters", None),
+            "loads_into": "training.gpt.GPT(training.gpt.Shape(**shape))",
+        }
+        Path(f"{export}.json").write_text(json.dumps(sidecar, indent=1) + "\n", encoding="utf-8")
+        console.say(env, f"model state_dict written to {export} (its shape in {export}.json)")
+
+
+def gpu_lines(config, env, shape, numerics, rate, peaks, row) -> list[str]:
+    """Peak memory and model FLOPs utilisation (CUDA only)."""
+    name = torch.cuda.get_device_name(env.device)
+    busiest = max(peaks)
+    lines = [
+        f"peak memory    {busiest / 2**30:.2f} GiB allocated on the busiest GPU "
+        f"(torch.cuda.max_memory_allocated; {name})"
+    ]
+    peak = config.run.peak_tflops or gpt.peak_tflops(name, numerics.name)
+    row["peak_memory_bytes"] = peaks
+    if peak is None:
+        lines.append(
+            f"MFU            unknown: no peak TFLOP/s known for {name} (give --peak-tflops)"
+        )
+        return lines
+    per_gpu = rate / env.world_size
+    utilisation = gpt.mfu(per_gpu, shape, peak)
+    row["mfu"] = utilisation
+    lines.append(
+        f"MFU            {100 * utilisation:.1f}% ({per_gpu * gpt.flops_per_token(shape) / 1e12:.1f} "
+        f"of {peak:g} TFLOP/s per GPU at {numerics.name})"
+    )
+    return lines
+
+
+if __name__ == "__main__":
+    console.run(main)

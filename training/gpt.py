@@ -1,0 +1,234 @@
+"""The GPT-style decoder training.fsdp trains, the token data it learns, and the arithmetic of
+model FLOPs utilisation.
+
+The model is an ordinary nn.Module (pre-norm blocks of causal self-attention and an MLP, learnt
+position embeddings, an untied output head): an exported state_dict loads into it in a process
+without torch.distributed. Every batch is a pure function of (seed, step): rank r takes the
+r-th slice of the step's global batch, so one process and any number of ranks see the same
+global batches, and a resumed run, at any world size, continues the same stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from cluster.errors import UserError
+from training.data import _generator
+
+INIT_STD = 0.02  # GPT-2's
+MLP_RATIO = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model's sizes."""
+
+    layers: int
+    width: int
+    heads: int
+    seq_len: int
+    vocab_size: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        width = shape.width
+        self.heads = shape.heads
+        self.attn_norm = nn.LayerNorm(width)
+        # No biases in the linear layers (as PaLM and LLaMA): a key's bias would not change the
+        # attention at all, and a parameter whose true gradient is zero only moves by AdamW's
+        # normalised rounding noise.
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width, bias=False)
+        self.mlp_norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, MLP_RATIO * width, bias=False)
+        self.out = nn.Linear(MLP_RATIO * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.out(F.gelu(self.fc(self.mlp_norm(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, shape: Shape, *, activation_checkpointing: bool = False):
+        super().__init__()
+        self.shape = shape
+        self.activation_checkpointing = activation_checkpointing
+        self.tokens = nn.Embedding(shape.vocab_size, shape.width)
+        self.positions = nn.Embedding(shape.seq_len, shape.width)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+        self.norm = nn.LayerNorm(shape.width)
+        self.head = nn.Linear(shape.width, shape.vocab_size, bias=False)
+        for name, parameter in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(parameter)
+            elif parameter.dim() > 1:
+                # GPT-2: the projections into the residual stream scaled by depth
+                residual = name.endswith(("proj.weight", "out.weight"))
+                std = INIT_STD / math.sqrt(2 * shape.layers) if residual else INIT_STD
+                nn.init.normal_(parameter, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, length, vocab) for tokens (batch, length), length <= seq_len."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tokens(tokens) + self.positions(positions)
+        for block in self.blocks:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # The block's activations are dropped after forward and recomputed in backward.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.norm(x))
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of sequences (batch, seq_len + 1)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+class TokenChains:
+    """Synthetic sequences with structure to learn: every token has a fixed successor (a
+    permutation drawn from the seed) that follows it with probability 1 - noise; otherwise a
+    uniformly random token follows. The best possible loss is the entropy of that choice."""
+
+    def __init__(self, vocab_size: int, seq_len: int, noise: float, seed: int):
+        self.vocab_size, self.seq_len, self.noise, self.seed = vocab_size, seq_len, noise, seed
+        self.successor = torch.randperm(vocab_size, generator=_generator(seed, "successor"))
+
+    def batch(self, step: int, count: int) -> torch.Tensor:
+        """Step `step`'s global batch: `count` sequences of seq_len + 1 tokens."""
+        generator = _generator(self.seed, "chains", step)
+        length = self.seq_len + 1
+        tokens = torch.empty(count, length, dtype=torch.long)
+        tokens[:, 0] = torch.randint(self.vocab_size, (count,), generator=generator)
+        jump = torch.rand(count, length, generator=generator) < self.noise
+        random = torch.randint(self.vocab_size, (count, length), generator=generator)
+        for position in range(1, length):
+            follows = self.successor[tokens[:, position - 1]]
+            tokens[:, position] = torch.where(jump[:, position], random[:, position], follows)
+        return tokens
+
+    def loss_floor(self) -> float:
+        """The entropy (nats) of the next token given the previous one."""
+        stay = 1 - self.noise + self.noise / self.vocab_size
+        other = self.noise / self.vocab_size
+        terms = [stay * math.log(stay)] if stay > 0 else []
+        if other > 0:
+            terms.append((self.vocab_size - 1) * other * math.log(other))
+        return -sum(terms)
+
+    def describe(self) -> str:
+        return (
+            f"synthetic token chains, vocabulary {self.vocab_size}, noise {self.noise:g} "
+            f"(loss floor {self.loss_floor():.3f})"
+        )
+
+
+class CharacterText:
+    """A text file as characters: each step's sequences start at random offsets."""
+
+    def __init__(self, path: Path, seq_len: int, seed: int):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserError(f"--data {path} does not exist on this node") from None
+        except OSError as error:
+            raise UserError(f"cannot read --data {path}: {error.strerror}") from None
+        except UnicodeDecodeError as error:
+            raise UserError(f"--data {path} is not UTF-8 text: {error.reason}") from None
+        if len(text) < seq_len + 2:
+            raise UserError(
+                f"--data {path} holds {len(text)} characters, too few for sequences of "
+                f"--seq-len {seq_len} (at least {seq_len + 2})"
+            )
+        self.path, self.seq_len, self.seed = path, seq_len, seed
+        self.characters = "".join(sorted(set(text)))
+        index = {character: number for number, character in enumerate(self.characters)}
+        self.ids = torch.tensor([index[character] for character in text], dtype=torch.long)
+        self.vocab_size = max(2, len(self.characters))
+
+    def batch(self, step: int, count: int) -> torch.Tensor:
+        generator = _generator(self.seed, "text", step)
+        starts = torch.randint(len(self.ids) - self.seq_len, (count,), generator=generator)
+        return torch.stack([self.ids[start : start + self.seq_len + 1] for start in starts])
+
+    def describe(self) -> str:
+        return f"{self.path}: {len(self.ids):,} characters, vocabulary {len(self.characters)}"
+
+
+def build_data(config) -> TokenChains | CharacterText:
+    """The token source of an FSDPConfig."""
+    model, data = config.model, config.data
+    if data.data:
+        return CharacterText(Path(data.data), model.seq_len, config.run.seed)
+    return TokenChains(model.vocab_size, model.seq_len, data.noise, config.run.seed)
+
+
+def rank_slice(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's part of a global batch: the rank-th of world_size equal slices."""
+    per_rank = tokens.shape[0] // world_size
+    return tokens[rank * per_rank : (rank + 1) * per_rank]
+
+
+# -- model FLOPs utilisation -------------------------------------------------------------------
+
+# Dense peak TFLOP/s per GPU by the name CUDA reports, at (bf16 with fp32 accumulation, fp32).
+# bf16 is the tensor cores' rate; fp32 is the CUDA cores' (PyTorch keeps TF32 off for matmuls
+# by default). From NVIDIA's whitepapers and datasheets, without sparsity: GA102 (RTX 3090),
+# AD102 (RTX 4090), A100, H100 SXM and PCIe.
+PEAK_TFLOPS = (
+    ("RTX 3090", 71.0, 35.6),
+    ("RTX 4090", 165.2, 82.6),
+    ("A100", 312.0, 19.5),
+    ("H100 PCIe", 756.0, 51.2),
+    ("H100", 989.4, 66.9),  # SXM5
+)
+
+
+def matmul_parameters(shape: Shape) -> int:
+    """Weights that multiply activations: per block qkv (3 w^2), projection (w^2) and MLP
+    (8 w^2), and the output head; not the embeddings (looked up), biases or norms."""
+    return shape.layers * (4 + 2 * MLP_RATIO) * shape.width**2 + shape.width * shape.vocab_size
+
+
+def flops_per_token(shape: Shape) -> int:
+    """Training FLOPs per token, forward and backward, as PaLM counts model FLOPs (Chowdhery et
+    al. 2022, appendix B): 6 per matmul parameter, plus 12 * layers * seq_len * width for the
+    attention scores and their weighted sum (causal masking not discounted). Activation
+    checkpointing's recomputation is not counted: it is not the model's work."""
+    return 6 * matmul_parameters(shape) + 12 * shape.layers * shape.seq_len * shape.width
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The table's peak for a GPU name (the first entry it contains), or None."""
+    for name, bf16, fp32 in PEAK_TFLOPS:
+        if name in device_name:
+            return bf16 if precision == "bf16" else fp32
+    return None
+
+
+def mfu(tokens_per_second_per_gpu: float, shape: Shape, peak: float) -> float:
+    """Model FLOPs utilisation: the model's FLOPs per second on one GPU over its peak
+    (TFLOP/s)."""
+    return tokens_per_second_per_gpu * flops_per_token(shape) / (peak * 1e12)
