@@ -2,6 +2,7 @@
 
     ddp             DDP image classification: the workload the cluster is verified with
     manual_dp       the same training with hand-written gradient averaging instead of DDP
+    fsdp            a GPT sharded with FSDP2 (fully_shard), distributed checkpoints, resharding
     model_parallel  ResNet-50 split over two devices, optionally pipelined, optionally under DDP
     pipeline        pipeline parallelism across processes (torch.distributed.pipelining)
     comm_demo       every point-to-point and collective operation, each checked
