@@ -378,21 +378,37 @@ def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
     return _until_first_step(processes, 0, 600)
 
 
+def side_by_side(
+    reps: int,
+    ours: Callable[[], float],
+    theirs: Callable[[], float],
+    said: Callable[[int, float, float], None],
+) -> tuple[list[float], list[float]]:
+    """`reps` pairs of measurements, alternating which goes first so that warm caches on the
+    nodes favour neither; `said(rep, ours, theirs)` after each pair."""
+    first, second = [], []
+    for rep in range(reps):
+        ours_first = rep % 2 == 1
+        if ours_first:
+            first.append(ours())
+        second.append(theirs())
+        if not ours_first:
+            first.append(ours())
+        said(rep, first[-1], second[-1])
+    return first, second
+
+
 def measure_launcher(inventory_path: Path, args: list[str], reps: int, progress: Progress) -> dict:
     inventory = load(inventory_path)
-    ours, by_hand = [], []
-    for rep in range(reps):
-        # Alternate which goes first, so warm caches on the nodes favour neither.
-        first_ours = rep % 2 == 1
-        if first_ours:
-            ours.append(make_train_to_first_step(inventory_path, args))
-        by_hand.append(by_hand_to_first_step(inventory, args))
-        if not first_ours:
-            ours.append(make_train_to_first_step(inventory_path, args))
-        progress(
-            f"launcher: rep {rep + 1}/{reps}: make train {ours[-1]:.1f} s, "
-            f"torchrun by hand {by_hand[-1]:.1f} s to the first step"
-        )
+    ours, by_hand = side_by_side(
+        reps,
+        lambda: make_train_to_first_step(inventory_path, args),
+        lambda: by_hand_to_first_step(inventory, args),
+        lambda rep, train, hand: progress(
+            f"launcher: rep {rep + 1}/{reps}: make train {train:.1f} s, "
+            f"torchrun by hand {hand:.1f} s to the first step"
+        ),
+    )
     return {
         "make_train_seconds": Series(ours).as_dict(),
         "by_hand_seconds": Series(by_hand).as_dict(),
@@ -532,19 +548,15 @@ def measure_slurm(inventory_path: Path, args: list[str], reps: int, progress: Pr
             timeout=1800,
             what="the slurm role",
         )
-        through_slurm, through_ssh = [], []
-        for rep in range(reps):
-            # Alternate which goes first, so warm caches on the nodes favour neither.
-            first_slurm = rep % 2 == 1
-            if first_slurm:
-                through_slurm.append(make_train_to_first_step(inventory, args))
-            through_ssh.append(make_train_to_first_step(inventory_path, args))
-            if not first_slurm:
-                through_slurm.append(make_train_to_first_step(inventory, args))
-            progress(
-                f"slurm: rep {rep + 1}/{reps}: through Slurm {through_slurm[-1]:.1f} s, "
-                f"through the SSH launcher {through_ssh[-1]:.1f} s to the first step"
-            )
+        through_slurm, through_ssh = side_by_side(
+            reps,
+            lambda: make_train_to_first_step(inventory, args),
+            lambda: make_train_to_first_step(inventory_path, args),
+            lambda rep, queued, direct: progress(
+                f"slurm: rep {rep + 1}/{reps}: through Slurm {queued:.1f} s, "
+                f"through the SSH launcher {direct:.1f} s to the first step"
+            ),
+        )
     finally:
         key.unlink(missing_ok=True)
     return {

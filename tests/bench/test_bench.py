@@ -209,3 +209,21 @@ def test_bad_arguments_are_one_line_and_start_nothing(argv, message, capsys, mon
     assert code == 2
     assert err.startswith(message) and err.count("\n") == 1
     assert started == []
+
+
+def test_side_by_side_alternates_which_measurement_goes_first():
+    order: list[str] = []
+    said: list[tuple] = []
+
+    def ours() -> float:
+        order.append("ours")
+        return 2.0
+
+    def theirs() -> float:
+        order.append("theirs")
+        return 1.0
+
+    first, second = measure.side_by_side(3, ours, theirs, lambda *pair: said.append(pair))
+    assert order == ["theirs", "ours", "ours", "theirs", "theirs", "ours"]
+    assert (first, second) == ([2.0] * 3, [1.0] * 3)
+    assert said == [(0, 2.0, 1.0), (1, 2.0, 1.0), (2, 2.0, 1.0)]
