@@ -96,6 +96,16 @@ def merge(rest: Any, sharded: dict[str, DTensor], path: tuple = ()) -> Any:
     return rest
 
 
+def sharded_paths(rest: Any, path: tuple = ()) -> set[str]:
+    """The paths split() took DTensors from."""
+    if isinstance(rest, str) and rest == SHARDED:
+        return {"/".join(map(str, path))}
+    if not isinstance(rest, dict | list | tuple):
+        return set()
+    items = rest.items() if isinstance(rest, dict) else enumerate(rest)
+    return set().union(*(sharded_paths(value, (*path, key)) for key, value in items))
+
+
 def _synced(path: Path, payload: Any) -> None:
     """torch.save (bytes as they are) to `path`, on disk before the directory is renamed."""
     with path.open("wb") as file:
@@ -299,29 +309,7 @@ class Checkpoints:
         agree(env, self._mismatch(step, manifest, info))
         resharding = manifest["world_size"] != env.world_size
         self._refuse_missing_files(step, manifest, resharding)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        _, sharded = split({"model": model_state, "optimizer": optimizer_state})
-        # Resharded, every rank's file holds the same unsharded entries: rank 0's are taken.
-        mine = self.path(step) / rank_file(0 if resharding else env.rank)
-        error, saved = None, None
-        try:
-            if sharded:  # DCP reports a rank's failure on every rank
-                dcp.load(sharded, storage_reader=dcp.FileSystemReader(self.path(step)))
-            saved = torch.load(mine, map_location="cpu", weights_only=True)
-        except (*FAILURES, EOFError, pickle.UnpicklingError) as raised:
-            error = UserError(
-                f"cannot load checkpoint step {step} from {self.directory}: {_reason(raised)}",
-                hint="--no-resume to start over",
-                exit_code=1,
-            )
-        agree(env, error)
-        state = merge(saved["rest"], sharded)
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
+        saved = self._load(step, model, optimizer, rank_file(0 if resharding else env.rank))
         if resharding:
             say(
                 env,
@@ -329,6 +317,55 @@ class Checkpoints:
                 f"{env.world_size}: each rank read the parts of the saved shards it now holds",
             )
         return step, None if resharding else saved["own"]
+
+    def _load(self, step: int, model: nn.Module, optimizer, name: str) -> dict[str, Any]:
+        """The model and optimizer loaded from step `step`, with the unsharded entries of the
+        rank file `name` (resharded, every rank's file holds the same ones: rank 0's are
+        read); that file's contents."""
+        directory, env = self.path(step), self.env
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        _, sharded = split({"model": model_state, "optimizer": optimizer_state})
+        saved, error = None, None
+        try:
+            saved = torch.load(directory / name, map_location="cpu", weights_only=True)
+            error = self._other_model(step, sharded_paths(saved["rest"]), set(sharded))
+        except (*FAILURES, EOFError, pickle.UnpicklingError) as raised:
+            error = self._unreadable(step, raised)
+        agree(env, error)
+        try:
+            if sharded:  # DCP raises a rank's failure on every rank
+                dcp.load(sharded, storage_reader=dcp.FileSystemReader(directory))
+            state = merge(saved["rest"], sharded)
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
+        except FAILURES as raised:
+            error = self._unreadable(step, raised)
+        agree(env, error)
+        return saved
+
+    def _unreadable(self, step: int, error: BaseException) -> UserError:
+        return UserError(
+            f"cannot load checkpoint step {step} from {self.directory}: {_reason(error)}",
+            hint="--no-resume to start over",
+            exit_code=1,
+        )
+
+    def _other_model(self, step: int, saved: set[str], expected: set[str]) -> UserError | None:
+        """Shards saved from a model with other parameters (the code changed since)."""
+        if saved == expected:
+            return None
+        extra, missing = sorted(saved - expected), sorted(expected - saved)
+        example = (extra or missing)[0].split("/", 1)[1]
+        return UserError(
+            f"checkpoint step {step} in {self.directory} was saved from another model: "
+            f"{len(extra)} of its shards are not this model's and {len(missing)} of this "
+            f"model's are not in it (such as {example})",
+            hint="--no-resume, or the code and settings it was saved with",
+        )
 
     def _manifest(self, step: int) -> dict:
         return torch.load(self.path(step) / MANIFEST, map_location="cpu", weights_only=True)

@@ -266,6 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as raised:
             error = raised
     agree(env, error)
+    node = parallel.node_name()
+    copies = parallel.all_gather((node, source.fingerprint()), env)
+    if len({found for _, found in copies}) > 1:  # the ranks would build different models
+        seen = "; ".join(f"{where}: {found}" for where, found in sorted(set(copies)))
+        raise UserError(
+            f"--data {config.data.data} differs between the nodes ({seen})",
+            hint="the same file on every node",
+        )
     shape = gpt.Shape(
         config.model.layers,
         config.model.width,
@@ -279,7 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     model = wrap(model, env, config, numerics)
     optimizer = build_optimizer(model, config.optim)
 
-    node = parallel.node_name()
     store = None
     start_step = 0
     info = {
@@ -299,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    result = train(config, env, model, optimizer, source, batch, store, start_step, info)
+    result = train(config, env, model, optimizer, source, numerics, store, start_step, info)
     finish(config, env, model, shape, source, result, start_step, numerics, export)
     return 0
 
@@ -312,13 +319,14 @@ class Result:
     tokens_per_step: int
 
 
-def train(config, env, model, optimizer, source, batch, store, start_step, info) -> Result:
+def train(config, env, model, optimizer, source, numerics, store, start_step, info) -> Result:
+    """Steps start_step + 1 to --steps. The data position is the step: every batch is a
+    function of it."""
     run, optim = config.run, config.optim
     total, global_batch = run.steps, optim.global_batch_size
     tokens_per_step = global_batch * config.model.seq_len
-    autocast = resolve_numerics(config.model.precision, env.device).autocast_dtype
-    if config.model.strategy == "fsdp":
-        autocast = None  # FSDP2's mixed-precision policy casts instead
+    # DDP computes under autocast; FSDP2's mixed-precision policy casts instead.
+    autocast = numerics.autocast_dtype if config.model.strategy == "ddp" else None
     progress, clock, held = Progress(), Clock(env.device), {}
     norm = torch.zeros(())
     model.train()
@@ -365,6 +373,8 @@ def train(config, env, model, optimizer, source, batch, store, start_step, info)
             )
             os._exit(STOP_EXIT_CODE)
     clock.stop()
+    if not held:  # resumed from the last step: nothing left to train, no gradients
+        held = held_bytes(model, optimizer)
     return Result(held, progress, clock.total, tokens_per_step)
 
 

@@ -10,6 +10,7 @@ global batches, and a resumed run, at any world size, continues the same stream.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,10 @@ class TokenChains:
             terms.append((self.vocab_size - 1) * other * math.log(other))
         return -sum(terms)
 
+    def fingerprint(self) -> str:
+        """What every rank must agree on: the chains come from the seed alone."""
+        return "synthetic"
+
     def describe(self) -> str:
         return (
             f"synthetic token chains, vocabulary {self.vocab_size}, noise {self.noise:g} "
@@ -167,6 +172,11 @@ class CharacterText:
         index = {character: number for number, character in enumerate(self.characters)}
         self.ids = torch.tensor([index[character] for character in text], dtype=torch.long)
         self.vocab_size = max(2, len(self.characters))
+        self.digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def fingerprint(self) -> str:
+        """What every rank must agree on: the text."""
+        return f"{len(self.ids):,} characters, sha256 {self.digest[:12]}"
 
     def batch(self, step: int, count: int) -> torch.Tensor:
         generator = _generator(self.seed, "text", step)
