@@ -217,6 +217,11 @@ def test_resharding_from_shared_storage_continues_the_run(straight, tmp_path):
     assert sorted(found) == list(range(11, STEPS + 1))
     for step, (loss, _) in found.items():
         assert loss == pytest.approx(expected[step][0], abs=1e-4), step
+    # Started again (a restart after the last checkpoint), it has nothing left to train.
+    again = launch(tmp_path, "--checkpoint-dir", str(one), nproc=0)
+    assert again.returncode == 0, again.explain()
+    assert again.lines("steps          ") == [f"steps          {STEPS} (resumed from step {STEPS})"]
+    assert digest(again.stdout) == digest(run.stdout)
 
     two = copy_step(one, 15, tmp_path / "two")
     out = tmp_path / "model.pt"
