@@ -205,7 +205,10 @@ class Checkpoints:
         except UserError as raised:
             error = raised
         except OSError as raised:
-            error = store._write_error("cannot write checkpoints to", raised)
+            reason = raised.strerror or str(raised)
+            error = UserError(
+                f"cannot write checkpoints to {self.directory}: {reason}", exit_code=1
+            )
         agree(env, error)
         visible = tuple(
             r
@@ -255,9 +258,8 @@ class Checkpoints:
                 _synced(temporary / METADATA, index)  # a node-local disk: a copy of the index
             files = [METADATA] if index is not None else []
             if index is not None:
-                files += sorted(
-                    {info.relative_path for info in pickle.loads(index).storage_data.values()}
-                )
+                stored = pickle.loads(index).storage_data.values()
+                files += sorted({entry.relative_path for entry in stored})
             files += [rank_file(r) for r in range(env.world_size)]
             manifest = {
                 "format": FORMAT,
