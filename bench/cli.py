@@ -30,6 +30,7 @@ SCALING_QUICK = ["--image-size", "16", "--batch", "4", "--accumulate", "2", "--m
 ACCURACY = ["--steps", "40", "--log-every", "40", "--seed", "1"]
 ACCURACY_QUICK = ["--steps", "6", "--log-every", "6", "--model", "tiny"]
 FIRST_STEP = ["--steps", "2", "--log-every", "1"]
+FSDP_STEPS, FSDP_STEPS_QUICK = 30, 4
 NAME = "tmnbench"
 
 
@@ -128,6 +129,9 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
             data["edit_loop"] = measure.measure_edit_loop(inventory, args.reps, progress)
         if "slurm" in only:
             data["slurm"] = measure.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
+        if "fsdp" in only:
+            steps = FSDP_STEPS_QUICK if args.quick else FSDP_STEPS
+            data["fsdp"] = measure.measure_fsdp(inventory, steps, args.reps, progress)
     finally:
         sim.down(config)
     data["minutes"] = (time.monotonic() - started) / 60

@@ -564,3 +564,67 @@ def measure_slurm(inventory_path: Path, args: list[str], reps: int, progress: Pr
         "ssh_seconds": Series(through_ssh).as_dict(),
         "ratio": ratio_series(through_slurm, through_ssh).as_dict(),
     }
+
+
+# -- 9. FSDP2 against DDP --------------------------------------------------------------------
+
+FSDP_MODEL = [
+    "--layers",
+    "4",
+    "--width",
+    "256",
+    "--heads",
+    "4",
+    "--seq-len",
+    "128",
+    "--global-batch-size",
+    "8",
+    "--log-every",
+    "10",
+]
+
+
+def fsdp_row(inventory: Path, strategy: str, steps: int) -> dict:
+    """training.fsdp on 2 nodes with --strategy `strategy`: rank 0's BENCH row."""
+    args = [*FSDP_MODEL, "--steps", str(steps), "--strategy", strategy]
+    done = run(
+        [
+            "make",
+            "--no-print-directory",
+            "train",
+            f"INVENTORY={inventory}",
+            "NNODES=2",
+            "MODULE=training.fsdp",
+            f"ARGS={shlex.join(args)}",
+        ],
+        timeout=1200,
+        what=f"make train MODULE=training.fsdp (--strategy {strategy})",
+    )
+    (row,) = [row for row in bench_rows(done.stdout) if row.get("workload") == "fsdp"]
+    return row
+
+
+def measure_fsdp(inventory: Path, steps: int, reps: int, progress: Progress) -> dict:
+    """The same GPT on the same 2 nodes, sharded (FSDP2) and replicated (DDP), alternating:
+    tokens/s of each, and what one rank holds (parameters, gradients, optimizer state) against
+    one unsharded replica."""
+    sharded, replicated = side_by_side(
+        reps,
+        lambda: fsdp_row(inventory, "fsdp", steps),
+        lambda: fsdp_row(inventory, "ddp", steps),
+        lambda rep, fsdp, ddp: progress(
+            f"fsdp: rep {rep + 1}/{reps}: FSDP2 {fsdp['tokens_per_second']:,.0f} tokens/s "
+            f"(holds {fsdp['bytes_ratio']:.3f} of a replica), DDP "
+            f"{ddp['tokens_per_second']:,.0f} tokens/s ({ddp['bytes_ratio']:.3f})"
+        ),
+    )
+    fsdp_rate = [row["tokens_per_second"] for row in sharded]
+    ddp_rate = [row["tokens_per_second"] for row in replicated]
+    return {
+        "model": FSDP_MODEL + ["--steps", str(steps)],
+        "fsdp_tokens_per_second": Series(fsdp_rate).as_dict(),
+        "ddp_tokens_per_second": Series(ddp_rate).as_dict(),
+        "tokens_ratio": ratio_series(fsdp_rate, ddp_rate).as_dict(),
+        "fsdp_bytes_ratio": Series([row["bytes_ratio"] for row in sharded]).as_dict(),
+        "ddp_bytes_ratio": Series([row["bytes_ratio"] for row in replicated]).as_dict(),
+    }

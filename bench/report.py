@@ -25,6 +25,12 @@ TARGETS = {
         "<= 1.10",
     ),
     "edit_kilobytes": ("KB sent per node for that one-line edit", "<= 100"),
+    "fsdp_bytes": (
+        "FSDP2, one rank's parameters + gradients + optimizer state / one unsharded replica's, "
+        "2 nodes",
+        "<= 0.55",
+    ),
+    "fsdp_vs_ddp": ("FSDP2 / DDP tokens/s, the same GPT on 2 nodes", "(no target)"),
     "slurm": ("make train through Slurm / through the SSH launcher, time to first step", "<= 1.25"),
 }
 
@@ -64,6 +70,9 @@ def figures(data: dict) -> dict[str, float | None]:
     ):
         if data.get(section):
             found[key] = _median(data[section]["ratio"])
+    if data.get("fsdp"):
+        found["fsdp_bytes"] = _median(data["fsdp"]["fsdp_bytes_ratio"])
+        found["fsdp_vs_ddp"] = _median(data["fsdp"]["tokens_ratio"])
     if data.get("edit_loop"):
         found["edit_kilobytes"] = _median(data["edit_loop"]["edit_bytes_per_node"]) / 1000
     return found
@@ -238,6 +247,19 @@ def markdown(data: dict) -> str:
             f"- through Slurm (scheduler: slurm): {_spread(slurm['slurm_seconds'], '{:.1f}')} s",
             f"- through the SSH launcher: {_spread(slurm['ssh_seconds'], '{:.1f}')} s",
             f"- ratio: {_spread(slurm['ratio'], '{:.2f}')}",
+        ]
+    fsdp = data.get("fsdp")
+    if fsdp:
+        lines += [
+            "",
+            "## 9. FSDP2 against DDP (training.fsdp, the same GPT)",
+            "",
+            f"`{' '.join(fsdp['model'])}` on 2 nodes, `--strategy fsdp` and `--strategy ddp`:",
+            f"- FSDP2: {_spread(fsdp['fsdp_tokens_per_second'], '{:,.0f}')} tokens/s, one rank "
+            f"holds {_spread(fsdp['fsdp_bytes_ratio'], '{:.3f}')} of an unsharded replica",
+            f"- DDP: {_spread(fsdp['ddp_tokens_per_second'], '{:,.0f}')} tokens/s, "
+            f"{_spread(fsdp['ddp_bytes_ratio'], '{:.3f}')}",
+            f"- tokens/s ratio: {_spread(fsdp['tokens_ratio'], '{:.2f}')}",
         ]
     return "\n".join(lines) + "\n"
 

@@ -88,6 +88,14 @@ def bench_data() -> dict:
             "ratio": spread(1.02, 1.04, 1.0),
             "edit_bytes_per_node": spread(41000, 41200, 40900),
         },
+        "fsdp": {
+            "model": ["--layers", "4"],
+            "fsdp_tokens_per_second": spread(6000, 6100, 5900),
+            "ddp_tokens_per_second": spread(8600, 8700, 8500),
+            "tokens_ratio": spread(0.70, 0.70, 0.69),
+            "fsdp_bytes_ratio": spread(0.5, 0.5, 0.5),
+            "ddp_bytes_ratio": spread(1.0, 1.0, 1.0),
+        },
         "slurm": {
             "slurm_seconds": spread(12, 13, 12),
             "ssh_seconds": spread(10, 10, 10),
@@ -177,6 +185,11 @@ def test_the_report_is_markdown_json_and_plots(tmp_path):
         "| <= 1.25 | meets |" in text
     )
     assert "- through Slurm (scheduler: slurm): 12.0 (12.0 to 13.0, n=3) s" in text
+    assert (
+        "| FSDP2, one rank's parameters + gradients + optimizer state / one unsharded replica's, "
+        "2 nodes | 0.50 | <= 0.55 | meets |" in text
+    )
+    assert "- FSDP2: 6,000 (5,900 to 6,100, n=3) tokens/s, one rank holds 0.500" in text
 
 
 def test_a_partial_run_reports_what_it_measured(tmp_path):

@@ -3,14 +3,19 @@ local tests and the simulated cluster's."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, default_collate
 
-from training import pipeline
+from training import arguments, gpt, pipeline
 from training.config import TrainConfig
 from training.data import SyntheticImages, build_splits
+from training.fsdp import build_optimizer
 from training.models import build_model
+from training.trainer import learning_rate
 
 WORLD_SIZE = 2
 """The DDP reference's ranks."""
@@ -71,3 +76,66 @@ def pipeline_in_one_process():
         losses.append(loss.item())
     gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
     return losses, model.state_dict(), gradients
+
+
+# -- training.fsdp: the small GPT's run, and what its output says ------------------------------
+
+STEPS = 20
+SMALL = (
+    "--layers",
+    "2",
+    "--width",
+    "32",
+    "--heads",
+    "4",
+    "--seq-len",
+    "16",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "0.01",
+    "--steps",
+    str(STEPS),
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "5",
+)
+PROGRESS = re.compile(r"^step +(\d+)/\d+  loss ([\d.]+)  grad norm ([\d.]+)", re.M)
+
+
+def progress(stdout: str) -> dict[int, tuple[float, float]]:
+    """step -> (loss, gradient norm before clipping), from the progress lines."""
+    return {int(s): (float(loss), float(norm)) for s, loss, norm in PROGRESS.findall(stdout)}
+
+
+def digest(stdout: str) -> str:
+    (found,) = re.findall(r"^parameters +sha256 ([0-9a-f]{64})$", stdout, re.M)
+    return found
+
+
+def bench_row(stdout: str) -> dict:
+    (line,) = [line for line in stdout.splitlines() if line.startswith("BENCH ")]
+    return json.loads(line.removeprefix("BENCH "))
+
+
+def reference(steps: int = STEPS):
+    """The same training in this process on a plain GPT: each step's whole global batch, plain
+    tensors, torch's clip_grad_norm_. (model, {step: (loss, norm before clipping)})."""
+    config = arguments.fsdp(list(SMALL))
+    source = gpt.build_data(config)
+    m = config.model
+    torch.manual_seed(config.run.seed)
+    model = gpt.GPT(gpt.Shape(m.layers, m.width, m.heads, m.seq_len, source.vocab_size))
+    optimizer = build_optimizer(model, config.optim)
+    found = {}
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config.optim, step, STEPS)
+        loss = gpt.loss_of(model, source.batch(step, config.optim.global_batch_size))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        found[step + 1] = (loss.item(), norm.item())
+    return model, found

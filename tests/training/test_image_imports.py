@@ -19,6 +19,7 @@ CONTROLLER_ONLY = ("fabric", "paramiko", "invoke", "ansible", "ansible_collectio
 # What runs on a node: the workloads (python -m training.<name>) and netcheck's node-side probes.
 NODE_MODULES = (
     "training.ddp",
+    "training.fsdp",
     "training.spawn",
     "training.model_parallel",
     "training.pipeline",
