@@ -1,0 +1,144 @@
+"""training.fsdp on the simulated cluster, in the training containers, through make train: two
+nodes equal one plain process (within 1e-5, as on one machine) with each rank holding half a
+replica; a rank killed mid-run and RESTARTS=1 ends bit for bit where the uninterrupted run does;
+a run saved on 2 nodes to /shared resumes on 1; node-local checkpoints refuse to be resharded."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import uuid
+
+import pytest
+
+from cluster import sim
+from tests.conftest import REPO_ROOT, make
+from tests.helpers import run_id_in
+from tests.training.conftest import load_state, max_difference
+from tests.training.references import SMALL, bench_row, digest, progress, reference
+
+pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
+TOLERANCE = 1e-5  # as tests/training/test_fsdp.py states for 2 ranks against one process
+PREFIX = re.compile(r"^\[node\d\] ", re.M)
+
+
+def _on_node(provisioned, index: int, command: str) -> str:
+    container = provisioned.cluster.config.container(index)
+    return sim.docker("exec", container, "sh", "-c", command, check=False).stdout
+
+
+def _args(*more: str) -> str:
+    return "ARGS=" + " ".join([*SMALL, *more])
+
+
+def _train(provisioned, *variables: str, nnodes: int = 2) -> subprocess.CompletedProcess:
+    return make(
+        "train",
+        f"INVENTORY={provisioned.inventory}",
+        f"NNODES={nnodes}",
+        "MODULE=training.fsdp",
+        *variables,
+        timeout=600,
+    )
+
+
+def _master_lines(stdout: str) -> str:
+    """What node1 (rank 0) printed, without the launcher's prefix."""
+    return "\n".join(
+        PREFIX.sub("", line) for line in stdout.splitlines() if line.startswith("[node1] ")
+    )
+
+
+@pytest.fixture(scope="module")
+def straight(provisioned):
+    """20 uninterrupted steps on 2 nodes, exported into the run directory (which comes back)."""
+    run = _train(provisioned, _args("--export", "model.pt"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def test_two_nodes_equal_one_process_each_rank_holding_half_a_replica(straight):
+    out = straight.stdout
+    assert "[node1] world    2 processes on 2 node(s), gloo, cpu" in out, out
+    model, steps = reference()
+    exported = REPO_ROOT / ".runs" / run_id_in(out) / "model.pt"
+    assert max_difference(load_state(exported), model.state_dict()) <= TOLERANCE
+    losses = progress(_master_lines(out))
+    assert losses[20][0] < losses[1][0] - 1.0, losses
+    assert bench_row(_master_lines(out))["bytes_ratio"] <= 0.55
+
+
+def test_a_killed_rank_and_restarts_1_end_where_the_uninterrupted_run_does(provisioned, straight):
+    directory = f"fsdp-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
+    job = subprocess.Popen(
+        [
+            "make",
+            "--no-print-directory",
+            "train",
+            f"INVENTORY={provisioned.inventory}",
+            "NNODES=2",
+            "MODULE=training.fsdp",
+            "RESTARTS=1",
+            _args("--checkpoint-dir", directory, "--step-delay", "0.5"),
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        for line in job.stdout:
+            seen.append(line)
+            if re.match(r"\[node1\] step +12/20 ", line):
+                break
+        # Every process of the job on node2, torchrun's agent and the rank: SIGKILL.
+        _on_node(provisioned, 2, "pkill -9 -f 'training.fsdp'")
+        rest, _ = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    out = "".join(seen) + rest
+    assert job.returncode == 0, out
+    assert "restart 1 of 1" in out, out
+    assert re.search(r"\[node1\] resuming from step 10, the newest step every rank has", out), out
+    assert digest(_master_lines(out.split("restart 1 of 1", 1)[1])) == digest(
+        _master_lines(straight.stdout)
+    )
+
+
+def test_a_run_saved_on_two_nodes_in_shared_storage_resumes_on_one(provisioned, straight):
+    shared = f"/shared/fsdp-{uuid.uuid4().hex[:8]}/ckpt"
+    try:
+        first = _train(provisioned, _args("--checkpoint-dir", shared))
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "(storage every rank sees)" in first.stdout, first.stdout
+        _on_node(provisioned, 1, f"rm -rf {shared}/step-00000015 {shared}/step-00000020")
+        resumed = _train(provisioned, _args("--checkpoint-dir", shared), nnodes=1)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "resharded step 10 from world size 2 to 1" in resumed.stdout, resumed.stdout
+        before, after = (
+            progress(_master_lines(first.stdout)),
+            progress(_master_lines(resumed.stdout)),
+        )
+        assert min(after) == 11 and max(after) == 20, after
+        for step in range(11, 21):
+            assert after[step][0] == pytest.approx(before[step][0], abs=1e-4), step
+    finally:
+        _on_node(provisioned, 1, f"rm -rf {shared.rsplit('/', 1)[0]}")
+
+
+def test_node_local_checkpoints_are_not_resharded(provisioned):
+    directory = f"fsdp-local-{uuid.uuid4().hex[:8]}"
+    args = _args("--checkpoint-dir", directory).replace("--steps 20", "--steps 10")
+    first = _train(provisioned, args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "(node-local disks: each node holds its own ranks' shards)" in first.stdout
+    refused = _train(provisioned, args, nnodes=1)
+    assert refused.returncode != 0
+    assert re.search(
+        r"\[node1\] Error: checkpoint step 10 in \S+ was written by 2 ranks on node1, node2 to "
+        r"node-local disks .*resharding needs storage every node sees",
+        refused.stdout,
+    ), refused.stdout
