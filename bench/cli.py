@@ -23,6 +23,7 @@ SECTIONS = (
     "launcher",
     "editloop",
     "slurm",
+    "fsdp",
 )
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
 SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
