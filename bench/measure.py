@@ -344,17 +344,26 @@ def _until_first_step(
     return elapsed
 
 
-def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
-    command = [
+def train_command(inventory: Path, args: list[str], *variables: str) -> list[str]:
+    """`make train` of a job with `args` on the first 2 nodes of `inventory`."""
+    return [
         "make",
         "--no-print-directory",
         "train",
         f"INVENTORY={inventory}",
         "NNODES=2",
+        *variables,
         f"ARGS={shlex.join(args)}",
     ]
+
+
+def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
     proc = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        train_command(inventory, args),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     return _until_first_step([proc], 0, 600)
 
@@ -444,17 +453,12 @@ def edit_loop_project(root: Path) -> Path:
 def _train_in_containers(inventory: Path, script: Path) -> tuple[float, dict[str, int]]:
     """make train of `script`: seconds to the first step, and the bytes the project's sync sent
     each node."""
-    command = [
-        "make",
-        "--no-print-directory",
-        "train",
-        f"INVENTORY={inventory}",
-        "NNODES=2",
-        f"SCRIPT={script}",
-        f"ARGS={shlex.join(EDIT_LOOP_ARGS)}",
-    ]
     proc = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        train_command(inventory, EDIT_LOOP_ARGS, f"SCRIPT={script}"),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     outputs: list = []
     seconds = _until_first_step([proc], 0, 900, outputs)
@@ -588,15 +592,7 @@ def fsdp_row(inventory: Path, strategy: str, steps: int) -> dict:
     """training.fsdp on 2 nodes with --strategy `strategy`: rank 0's BENCH row."""
     args = [*FSDP_MODEL, "--steps", str(steps), "--strategy", strategy]
     done = run(
-        [
-            "make",
-            "--no-print-directory",
-            "train",
-            f"INVENTORY={inventory}",
-            "NNODES=2",
-            "MODULE=training.fsdp",
-            f"ARGS={shlex.join(args)}",
-        ],
+        train_command(inventory, args, "MODULE=training.fsdp"),
         timeout=1200,
         what=f"make train MODULE=training.fsdp (--strategy {strategy})",
     )
