@@ -1,16 +1,19 @@
-"""What several test modules share: the inventory builder, the launcher's test scripts, and
-looks at what a job left on the simulated nodes. Test modules import from here (and from
+"""What several test modules share: the inventory builder, the launcher's test scripts, make
+train started and read as it runs, and looks at the simulated nodes and what a job left there. Test modules import from here (and from
 tests/fakes.py and the conftest files), never from each other."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import yaml
 
+from cluster import sim
 from cluster.inventory import Inventory, parse
 from cluster.remote import Remote, on_all
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "training" / "launcher_scripts"
 """Training scripts the launcher's tests run (tutorial DDP, an endless all-reduce...)."""
 
@@ -62,3 +65,38 @@ def leftovers(inventory: Inventory, run_id: str, hosts=None) -> dict[str, str]:
             return remote.run(probe).stdout.strip()
 
     return on_all(hosts or inventory.hosts, look)
+
+
+def on_node(cluster: sim.SimCluster, index: int, command: str, check: bool = True) -> str:
+    """`command` in the shell of simulated node `index`: its output."""
+    container = cluster.config.container(index)
+    return sim.docker("exec", container, "sh", "-c", command, check=check).stdout
+
+
+def start_train(inventory: Path, *variables: str, env: dict | None = None) -> subprocess.Popen:
+    """`make train INVENTORY=... NNODES=2 VARIABLES` started, its output read as it comes (in a
+    session of its own: os.killpg presses Ctrl-C as a terminal does)."""
+    return subprocess.Popen(
+        ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2", *variables],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:
+    """The process's output up to the line where the last of `texts` was seen (each in some
+    line); AssertionError when it ends or `limit` lines go by first."""
+    seen, missing = [], list(texts)
+    while missing:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError(f"never saw {missing}:\n{''.join(seen)[-4000:]}")
+        seen.append(line)
+        missing = [text for text in missing if text not in line]
+        if len(seen) > limit:
+            raise AssertionError(f"never saw {missing} in {limit} lines:\n{''.join(seen)[-4000:]}")
+    return "".join(seen)

@@ -35,6 +35,7 @@ import yaml
 from cluster import sim
 from cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 from tests.conftest import REPO_ROOT, make
+from tests.helpers import on_node, read_until, run_id_in, start_train
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -114,11 +115,6 @@ def _project(root: Path) -> Path:
     return root / "train.py"
 
 
-def _on_node(provisioned, index: int, command: str, check: bool = True) -> str:
-    container = provisioned.cluster.config.container(index)
-    return sim.docker("exec", container, "sh", "-c", command, check=check).stdout
-
-
 def _exit_code(returncode: int, output: str) -> int:
     """The launcher's exit code: make exits 2 for any failed recipe and names the recipe's."""
     if returncode == 0:
@@ -127,46 +123,10 @@ def _exit_code(returncode: int, output: str) -> int:
     return int(found.group(2)) if found else -returncode
 
 
-def _run_id(stdout: str) -> str:
-    return stdout.split("[launcher] job ", 1)[1].split(":", 1)[0]
-
-
 def _train(provisioned, *variables: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return make(
         "train", f"INVENTORY={provisioned.inventory}", "NNODES=2", *variables, timeout=900, env=env
     )
-
-
-def _start(provisioned, *variables: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            "make",
-            "--no-print-directory",
-            "train",
-            f"INVENTORY={provisioned.inventory}",
-            "NNODES=2",
-            *variables,
-        ],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-
-
-def _read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:
-    seen, missing = [], list(texts)
-    while missing:
-        line = process.stdout.readline()
-        if not line:
-            raise AssertionError(f"never saw {missing}:\n{''.join(seen)[-4000:]}")
-        seen.append(line)
-        missing = [text for text in missing if text not in line]
-        if len(seen) > limit:
-            raise AssertionError(f"never saw {missing} in {limit} lines:\n{''.join(seen)[-4000:]}")
-    return "".join(seen)
 
 
 def _bring_back(provisioned, index: int) -> None:
@@ -174,20 +134,22 @@ def _bring_back(provisioned, index: int) -> None:
     answers as well as its SSH (a rebooted node is used once it has booted)."""
     sim.up(2, None, provisioned.cluster.config)
     for _ in range(180):
-        if _on_node(provisioned, index, "docker info >/dev/null 2>&1 && echo up", False).strip():
+        if on_node(
+            provisioned.cluster, index, "docker info >/dev/null 2>&1 && echo up", False
+        ).strip():
             return
         subprocess.run(["sleep", "1"], check=True)
-    log = _on_node(provisioned, index, "tail -n 20 /var/log/dockerd.log", False)
+    log = on_node(provisioned.cluster, index, "tail -n 20 /var/log/dockerd.log", False)
     raise AssertionError(f"node{index}'s Docker engine did not come back:\n{log}")
 
 
 def _no_containers_left(provisioned) -> None:
     for index in (1, 2):
         deadline = 60
-        while _on_node(provisioned, index, "docker ps -aq").strip() and deadline:
+        while on_node(provisioned.cluster, index, "docker ps -aq").strip() and deadline:
             deadline -= 1
             subprocess.run(["sleep", "1"], check=True)
-        assert _on_node(provisioned, index, "docker ps -aq").strip() == "", index
+        assert on_node(provisioned.cluster, index, "docker ps -aq").strip() == "", index
 
 
 def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_next_time(
@@ -197,19 +159,22 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
     checkpoints = f"project-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PROJECT_MODE": "fast"}
     variables = (f"SCRIPT={script}", f"ENV=PROJECT_TOKEN={SECRET} PROJECT_MODE")
-    process = _start(
-        provisioned, *variables, f"ARGS=--checkpoint-dir {checkpoints} --steps 3 --hold 6", env=env
+    process = start_train(
+        provisioned.inventory,
+        *variables,
+        f"ARGS=--checkpoint-dir {checkpoints} --steps 3 --hold 6",
+        env=env,
     )
     try:
-        seen = _read_until(process, "[node1] rank 0: holding", "[node2] rank 1: holding")
+        seen = read_until(process, "[node1] rank 0: holding", "[node2] rank 1: holding")
         # While the job runs: the secret is on no command line of either node, and not in what
         # Docker tells about the containers.
         for index in (1, 2):
-            cmdlines = _on_node(
-                provisioned, index, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '"
+            cmdlines = on_node(
+                provisioned.cluster, index, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '"
             )
             assert "PROJECT_TOKEN" not in cmdlines and SECRET not in cmdlines, index
-            inspect = _on_node(provisioned, index, "docker inspect $(docker ps -q)")
+            inspect = on_node(provisioned.cluster, index, "docker inspect $(docker ps -q)")
             assert '"Image"' in inspect and SECRET not in inspect, index
         rest, _ = process.communicate(timeout=300)
     finally:
@@ -217,7 +182,7 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
             process.kill()
     output = seen + rest
     assert process.returncode == 0, output[-4000:]
-    run_id = _run_id(output)
+    run_id = run_id_in(output)
     for rank, node in ((0, "node1"), (1, "node2")):
         assert (
             f"[{node}] rank {rank}: mylib v1, config tiny-experiment, token of {len(SECRET)} "
@@ -240,8 +205,10 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
     # The containers are gone; the checkpoints are on each node's disk.
     _no_containers_left(provisioned)
     for index, rank in ((1, 0), (2, 1)):
-        kept = _on_node(
-            provisioned, index, f"cat {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}/rank{rank}.txt"
+        kept = on_node(
+            provisioned.cluster,
+            index,
+            f"cat {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}/rank{rank}.txt",
         )
         assert kept == "3", (index, kept)
 
@@ -256,7 +223,7 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
     # Only the edited file travelled.
     assert re.search(r"node1 1 changed file\(s\), .* node2 1 changed file\(s\)", again.stdout)
     for index in (1, 2):
-        _on_node(provisioned, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
+        on_node(provisioned.cluster, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
     shutil.rmtree(runs, ignore_errors=True)
 
 
@@ -280,7 +247,7 @@ def test_the_default_jobs_tensorboard_events_and_out_come_back(provisioned):
     args = [arg for arg in TINY if arg != "--no-tensorboard"]
     proc = _train(provisioned, "ARGS=" + " ".join([*args, "--steps", "4", "--out", "model.pt"]))
     assert proc.returncode == 0, proc.stdout[-4000:]
-    run_id = _run_id(proc.stdout)
+    run_id = run_id_in(proc.stdout)
     runs = REPO_ROOT / ".runs" / run_id
     try:
         assert list((runs / "tensorboard").glob("events.out.tfevents.*")), sorted(runs.rglob("*"))
@@ -298,8 +265,8 @@ def test_a_node_whose_image_differs_is_refused_before_anything_starts(provisione
     image = sim.docker("image", "inspect", "--format", "{{.Id}}", "torch-multinode/train:test")
     image = image.stdout.strip()
     sim.docker("tag", "torch-multinode/train:test", probe)
-    _on_node(provisioned, 1, f"docker tag torch-multinode/train:test {probe}")
-    _on_node(provisioned, 2, f"tar cf - --files-from /dev/null | docker import - {probe}")
+    on_node(provisioned.cluster, 1, f"docker tag torch-multinode/train:test {probe}")
+    on_node(provisioned.cluster, 2, f"tar cf - --files-from /dev/null | docker import - {probe}")
     document = yaml.safe_load(provisioned.inventory.read_text())
     document["all"]["vars"]["training_image"] = probe
     inventory = tmp_path / "inventory.yml"
@@ -314,7 +281,7 @@ def test_a_node_whose_image_differs_is_refused_before_anything_starts(provisione
         assert "[node1]" not in proc.stdout  # nothing started
     finally:
         for index in (1, 2):
-            _on_node(provisioned, index, f"docker rmi {probe}", check=False)
+            on_node(provisioned.cluster, index, f"docker rmi {probe}", check=False)
         sim.docker("rmi", probe, check=False)
 
 
@@ -331,9 +298,11 @@ def test_make_data_sends_a_dataset_once(provisioned, tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     assert "Done: 0 file(s)," in second.stdout and "(every node already had it)" in second.stdout
     for index in (1, 2):
-        there = _on_node(provisioned, index, f"ls {DEFAULT_DATA_ROOT}/{dataset.name}/train | wc -l")
+        there = on_node(
+            provisioned.cluster, index, f"ls {DEFAULT_DATA_ROOT}/{dataset.name}/train | wc -l"
+        )
         assert there.strip() == "20"
-        _on_node(provisioned, index, f"rm -rf {DEFAULT_DATA_ROOT}/{dataset.name}")
+        on_node(provisioned.cluster, index, f"rm -rf {DEFAULT_DATA_ROOT}/{dataset.name}")
 
 
 def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the_nodes_disks(
@@ -355,9 +324,9 @@ def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the
         "--out",
         "model.pt",
     ]
-    process = _start(provisioned, "RESTARTS=1", "ARGS=" + " ".join(args))
-    seen = _read_until(process, "[node1] step  9/")  # step 8 saved on both nodes
-    first = _run_id(seen)
+    process = start_train(provisioned.inventory, "RESTARTS=1", "ARGS=" + " ".join(args))
+    seen = read_until(process, "[node1] step  9/")  # step 8 saved on both nodes
+    first = run_id_in(seen)
     output = kill_node(process, provisioned.cluster.config.container(2))
     try:
         output.first("[launcher] restart 1 of 1: waiting up to")
@@ -375,7 +344,7 @@ def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the
     finally:
         shutil.rmtree(runs, ignore_errors=True)
         for index in (1, 2):
-            _on_node(provisioned, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
+            on_node(provisioned.cluster, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
 
 
 def test_a_checkpoint_dir_outside_every_mount_is_refused_before_launch(provisioned):
@@ -395,7 +364,7 @@ def _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args: list[str]) ->
     parameters (its --out comes back in .runs/JOB-ID/model.pt)."""
     rerun = _train(provisioned, "ARGS=" + " ".join([*args, "--out", "model.pt"]))
     assert rerun.returncode == 0, rerun.stdout[-3000:]
-    runs = REPO_ROOT / ".runs" / _run_id(rerun.stdout)
+    runs = REPO_ROOT / ".runs" / run_id_in(rerun.stdout)
     try:
         assert max_difference(load_state(runs / "model.pt"), reference_ddp.state) < 1e-6
     finally:
@@ -419,12 +388,12 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
         "--checkpoint-dir",
         checkpoints,
     ]
-    process = _start(
-        provisioned,
+    process = start_train(
+        provisioned.inventory,
         "ARGS=" + " ".join([*args, "--checkpoint-pause-step", "8", "--checkpoint-pause-rank", "1"]),
     )
     try:
-        _read_until(process, "[node2] [rank 1] checkpoint step 8: ")
+        read_until(process, "[node2] [rank 1] checkpoint step 8: ")
         output = kill_node(process, provisioned.cluster.config.container(2))
         assert output.end(timeout=120) < 15, output.stamped
         assert _exit_code(process.returncode, output.text) == 1, output.text[-3000:]
@@ -435,13 +404,13 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
         _bring_back(provisioned, 2)
     try:
         # The partial step 8 never got its name on node2; step 4 is there, on the node's disk.
-        written = _on_node(provisioned, 2, f"ls -A {directory}").split()
+        written = on_node(provisioned.cluster, 2, f"ls -A {directory}").split()
         assert written[0].startswith(f".{file_name(8, 1)}.") and written[1:] == [file_name(4, 1)]
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
         assert "[node1] resuming from step 4, the newest step every rank has" in rerun
     finally:
         for index in (1, 2):
-            _on_node(provisioned, index, f"rm -rf {directory}")
+            on_node(provisioned.cluster, index, f"rm -rf {directory}")
 
 
 def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
@@ -451,8 +420,10 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
     directory = f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}"
     # node2's checkpoint directory is a small filesystem of its own, mounted on the node before
     # the job: the container sees it through its mount of checkpoint_root.
-    _on_node(
-        provisioned, 2, f"mkdir -p {directory} && mount -t tmpfs -o size=512k tmpfs {directory}"
+    on_node(
+        provisioned.cluster,
+        2,
+        f"mkdir -p {directory} && mount -t tmpfs -o size=512k tmpfs {directory}",
     )
     args = [
         *TINY,
@@ -472,8 +443,11 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
             ),
         )
         assert first.returncode == 0, first.stdout[-3000:]
-        _on_node(
-            provisioned, 2, f"dd if=/dev/zero of={directory}/filler bs=4k 2>/dev/null", check=False
+        on_node(
+            provisioned.cluster,
+            2,
+            f"dd if=/dev/zero of={directory}/filler bs=4k 2>/dev/null",
+            check=False,
         )
         full = _train(provisioned, "ARGS=" + " ".join(args))
         assert _exit_code(full.returncode, full.stderr) == 1, full.stdout[-3000:]
@@ -483,20 +457,20 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
             "--checkpoint-dir with more room)"
         )
         assert f"[node2] {error}" in full.stdout.splitlines(), full.stdout[-3000:]
-        _on_node(provisioned, 2, f"rm {directory}/filler && mount -o remount,ro {directory}")
+        on_node(provisioned.cluster, 2, f"rm {directory}/filler && mount -o remount,ro {directory}")
         read_only = _train(provisioned, "ARGS=" + " ".join(args))
         assert _exit_code(read_only.returncode, read_only.stderr) == 1
         assert (
             f"[node2] Error: cannot write checkpoints to {directory}: Read-only file system "
             "(try a writable --checkpoint-dir)"
         ) in read_only.stdout.splitlines()
-        _on_node(provisioned, 2, f"mount -o remount,rw {directory}")
+        on_node(provisioned.cluster, 2, f"mount -o remount,rw {directory}")
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
         assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun
     finally:
-        _on_node(provisioned, 2, f"umount {directory}", check=False)
+        on_node(provisioned.cluster, 2, f"umount {directory}", check=False)
         for index in (1, 2):
-            _on_node(provisioned, index, f"rm -rf {directory}")
+            on_node(provisioned.cluster, index, f"rm -rf {directory}")
 
 
 def test_an_edit_to_the_projects_own_workloads_runs_without_a_new_image(provisioned, tmp_path):
@@ -518,7 +492,7 @@ def test_an_edit_to_the_projects_own_workloads_runs_without_a_new_image(provisio
     assert proc.returncode == 0, proc.stdout[-3000:]
     for node in ("node1", "node2"):
         assert f"[{node}] edited workloads here" in proc.stdout.splitlines()
-    shutil.rmtree(REPO_ROOT / ".runs" / _run_id(proc.stdout), ignore_errors=True)
+    shutil.rmtree(REPO_ROOT / ".runs" / run_id_in(proc.stdout), ignore_errors=True)
 
 
 def test_an_nccl_job_whose_gpus_do_not_answer_stops_at_start_naming_the_node(provisioned, tmp_path):
@@ -615,8 +589,8 @@ def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configurati
         outputs = [process.communicate(timeout=240)[0] for process in started]
     finally:
         for index in (1, 2):
-            _on_node(
-                provisioned,
+            on_node(
+                provisioned.cluster,
                 index,
                 f"docker ps -q --filter label={label} | xargs -r docker rm -f",
                 check=False,

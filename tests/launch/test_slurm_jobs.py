@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import sim
 from cluster.inventory import load
 from tests.ansible.conftest import ansible_playbook
 from tests.conftest import REPO_ROOT, make
-from tests.helpers import leftovers, run_id_in
+from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 
@@ -85,40 +84,19 @@ def slurm_inventory(provisioned, tmp_path_factory):
         yield path
     finally:
         for index in (1, 2):
-            _on_node(provisioned, index, "pkill -x slurmctld; pkill -x slurmd; pkill -x munged")
+            on_node(
+                provisioned.cluster,
+                index,
+                "pkill -x slurmctld; pkill -x slurmd; pkill -x munged",
+                check=False,
+            )
         (REPO_ROOT / ".slurm" / f"{name}.munge.key").unlink(missing_ok=True)
-
-
-def _on_node(provisioned, index: int, command: str) -> str:
-    container = provisioned.cluster.config.container(index)
-    return sim.docker("exec", container, "sh", "-c", command, check=False).stdout
 
 
 def _train(
     inventory: Path, *variables: str, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     return make("train", f"INVENTORY={inventory}", "NNODES=2", *variables, timeout=600, env=env)
-
-
-def _start(inventory: Path, *variables: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        ["make", "--no-print-directory", "train", f"INVENTORY={inventory}", "NNODES=2", *variables],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _read_until(process: subprocess.Popen, text: str, limit: int = 400) -> str:
-    seen: list[str] = []
-    while not any(text in line for line in seen[-1:]):
-        line = process.stdout.readline()
-        if not line or len(seen) > limit:
-            raise AssertionError(f"never saw {text!r}:\n{''.join(seen)[-4000:]}")
-        seen.append(line)
-    return "".join(seen)
 
 
 def _project(root: Path, **config) -> Path:
@@ -133,12 +111,17 @@ def _project(root: Path, **config) -> Path:
 
 
 def _nothing_left(provisioned, inventory: Path, run_id: str) -> None:
-    queue = _on_node(provisioned, 1, "squeue --noheader")
+    queue = on_node(provisioned.cluster, 1, "squeue --noheader", check=False)
     assert queue.strip() == "", queue
     assert leftovers(load(inventory), run_id) == {"node1": "", "node2": ""}
     for index in (1, 2):
         label = f"label=torch-multinode.run={run_id}"
-        assert _on_node(provisioned, index, f"docker ps -aq --filter {label}").strip() == ""
+        assert (
+            on_node(
+                provisioned.cluster, index, f"docker ps -aq --filter {label}", check=False
+            ).strip()
+            == ""
+        )
 
 
 def test_the_default_job_and_a_project_end_through_slurm_as_through_ssh(
@@ -188,12 +171,12 @@ def test_the_default_job_and_a_project_end_through_slurm_as_through_ssh(
 
 def test_a_second_job_waits_in_the_queue_then_runs(slurm_inventory, provisioned):
     long = "ARGS=--model tiny --steps 400 --log-every 100 --no-tensorboard"
-    first = _start(slurm_inventory, long)
+    first = start_train(slurm_inventory, long)
     try:
-        seen = _read_until(first, "runs on node[1-2]")
+        seen = read_until(first, "runs on node[1-2]")
         first_job = re.search(r"Slurm job (\d+) submitted", seen).group(1)
-        second = _start(slurm_inventory, f"ARGS={TINY}")
-        waiting = _read_until(second, "waits in the queue")
+        second = start_train(slurm_inventory, f"ARGS={TINY}")
+        waiting = read_until(second, "waits in the queue")
         assert re.search(
             rf"Slurm job \d+ waits in the queue: position 2, behind job {first_job} \(tmn-",
             waiting,
@@ -210,10 +193,10 @@ def test_a_second_job_waits_in_the_queue_then_runs(slurm_inventory, provisioned)
 
 
 def test_ctrl_c_cancels_the_slurm_job_and_leaves_nothing_on_any_node(slurm_inventory, provisioned):
-    job = _start(
+    job = start_train(
         slurm_inventory, "ARGS=--model tiny --steps 100000 --log-every 20 --no-tensorboard"
     )
-    seen = _read_until(job, "40/100000")
+    seen = read_until(job, "40/100000")
     os.killpg(job.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: make and its children
     rest, _ = job.communicate(timeout=120)
     output = seen + rest
@@ -242,7 +225,7 @@ def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
     try:
         result = _train(slurm_inventory, f"SCRIPT={train}", "RESTARTS=1")
     finally:
-        _on_node(provisioned, 2, f"rm -f {mark}")
+        on_node(provisioned.cluster, 2, f"rm -f {mark}", check=False)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "Error: rank 1 fails its first attempt" in out
@@ -256,24 +239,28 @@ def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
 def test_a_node_whose_slurmd_dies_is_named_and_returns_to_idle_once_restarted(
     slurm_inventory, provisioned
 ):
-    job = _start(
+    job = start_train(
         slurm_inventory, "ARGS=--model tiny --steps 100000 --log-every 20 --no-tensorboard"
     )
     try:
-        seen = _read_until(job, "40/100000")
-        _on_node(provisioned, 2, "pkill -x slurmd")
+        seen = read_until(job, "40/100000")
+        on_node(provisioned.cluster, 2, "pkill -x slurmd", check=False)
         rest, _ = job.communicate(timeout=300)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-        _on_node(provisioned, 2, "pgrep -x slurmd >/dev/null || slurmd -N node2")
+        on_node(
+            provisioned.cluster, 2, "pgrep -x slurmd >/dev/null || slurmd -N node2", check=False
+        )
     output = seen + rest
     assert job.returncode != 0, output
     assert "FAILED on node2" in output, output
     assert re.search(r"  node2 +Slurm has node2 down \(", output), output
     run_id = run_id_in(output)
     for _ in range(120):
-        state = _on_node(provisioned, 1, "sinfo --Node --noheader --format '%N %T' -n node2")
+        state = on_node(
+            provisioned.cluster, 1, "sinfo --Node --noheader --format '%N %T' -n node2", check=False
+        )
         if state.split() == ["node2", "idle"]:
             break
         time.sleep(1)

@@ -11,20 +11,14 @@ import uuid
 
 import pytest
 
-from cluster import sim
 from tests.conftest import REPO_ROOT, make
-from tests.helpers import run_id_in
+from tests.helpers import on_node, run_id_in, start_train
 from tests.training.conftest import load_state, max_difference
 from tests.training.references import SMALL, bench_row, digest, progress, reference
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 TOLERANCE = 1e-5  # as tests/training/test_fsdp.py states for 2 ranks against one process
 PREFIX = re.compile(r"^\[node\d\] ", re.M)
-
-
-def _on_node(provisioned, index: int, command: str) -> str:
-    container = provisioned.cluster.config.container(index)
-    return sim.docker("exec", container, "sh", "-c", command, check=False).stdout
 
 
 def _args(*more: str) -> str:
@@ -70,22 +64,11 @@ def test_two_nodes_equal_one_process_each_rank_holding_half_a_replica(straight):
 
 def test_a_killed_rank_and_restarts_1_end_where_the_uninterrupted_run_does(provisioned, straight):
     directory = f"fsdp-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
-    job = subprocess.Popen(
-        [
-            "make",
-            "--no-print-directory",
-            "train",
-            f"INVENTORY={provisioned.inventory}",
-            "NNODES=2",
-            "MODULE=training.fsdp",
-            "RESTARTS=1",
-            _args("--checkpoint-dir", directory, "--step-delay", "0.5"),
-        ],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    job = start_train(
+        provisioned.inventory,
+        "MODULE=training.fsdp",
+        "RESTARTS=1",
+        _args("--checkpoint-dir", directory, "--step-delay", "0.5"),
     )
     seen = []
     try:
@@ -94,7 +77,7 @@ def test_a_killed_rank_and_restarts_1_end_where_the_uninterrupted_run_does(provi
             if re.match(r"\[node1\] step +12/20 ", line):
                 break
         # Every process of the job on node2, torchrun's agent and the rank: SIGKILL.
-        _on_node(provisioned, 2, "pkill -9 -f 'training.fsdp'")
+        on_node(provisioned.cluster, 2, "pkill -9 -f 'training.fsdp'", check=False)
         rest, _ = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
@@ -114,7 +97,12 @@ def test_a_run_saved_on_two_nodes_in_shared_storage_resumes_on_one(provisioned, 
         first = _train(provisioned, _args("--checkpoint-dir", shared))
         assert first.returncode == 0, first.stdout + first.stderr
         assert "(storage every rank sees)" in first.stdout, first.stdout
-        _on_node(provisioned, 1, f"rm -rf {shared}/step-00000015 {shared}/step-00000020")
+        on_node(
+            provisioned.cluster,
+            1,
+            f"rm -rf {shared}/step-00000015 {shared}/step-00000020",
+            check=False,
+        )
         resumed = _train(provisioned, _args("--checkpoint-dir", shared), nnodes=1)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         assert "resharded step 10 from world size 2 to 1" in resumed.stdout, resumed.stdout
@@ -126,7 +114,7 @@ def test_a_run_saved_on_two_nodes_in_shared_storage_resumes_on_one(provisioned, 
         for step in range(11, 21):
             assert after[step][0] == pytest.approx(before[step][0], abs=1e-4), step
     finally:
-        _on_node(provisioned, 1, f"rm -rf {shared.rsplit('/', 1)[0]}")
+        on_node(provisioned.cluster, 1, f"rm -rf {shared.rsplit('/', 1)[0]}", check=False)
 
 
 def test_node_local_checkpoints_are_not_resharded(provisioned):
