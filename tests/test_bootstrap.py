@@ -11,6 +11,7 @@ every output, in the files the run wrote and in the nodes' files and logs.
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import threading
@@ -32,6 +33,8 @@ CONFIRM = (
     r"  On node\d's own console, 'ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub' prints its "
     r"fingerprint.\n  Is it the same\? Type yes to trust it, anything else to refuse: "
 )
+# Files under the repository larger than this are not searched for the password.
+MAX_SEARCHED = 50 * 1024 * 1024
 PASSWORD_PROMPT = r"Login password of trainer on the nodes \(typed once, not shown\): "
 
 
@@ -112,6 +115,7 @@ def _node_state(container: str) -> str:
 @pytest.fixture(scope="module")
 def fresh(sim_factory, tmp_path_factory):
     """Two nodes as a fresh install leaves them; node2's user has another password than node1's."""
+    started = time.time()  # before the passwords exist: files changed from here on are searched
     config = sim_factory.config()
     sim_factory.started.append(config)
     first, second = secrets.token_urlsafe(12), secrets.token_urlsafe(12)
@@ -121,7 +125,7 @@ def fresh(sim_factory, tmp_path_factory):
     document["all"]["vars"].update(launch_mode="container", training_image=TEST_IMAGE)
     inventory = tmp_path_factory.mktemp("fresh") / "inventory.yml"
     inventory.write_text(yaml.safe_dump(document, sort_keys=False))
-    yield cluster, inventory, (first, second)
+    yield cluster, inventory, (first, second), started
     # Its nodes hold a copy of the image each: gone as soon as the test is, not at the run's end.
     sim_factory.down(cluster)
 
@@ -130,7 +134,7 @@ def fresh(sim_factory, tmp_path_factory):
 @pytest.mark.image_e2e
 @pytest.mark.timeout(2400)
 def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
-    cluster, inventory, (first, second) = fresh
+    cluster, inventory, (first, second), started = fresh
     config = cluster.config
     containers = [config.container(1), config.container(2)]
     known_hosts = config.known_hosts_path
@@ -221,7 +225,9 @@ def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
         seen |= watch.stop()
 
     # 7. The password in no process list, output, file written, or node file or log.
-    for password in (first, second, "not-" + second):
+    passwords = (first, second, "not-" + second)
+    assert _repository_files_holding(passwords, since=started) == []
+    for password in passwords:
         assert not [line for line in seen if password in line]
         assert not [text for text in outputs if password in text]
         for root in (config.state_dir, inventory.parent, REPO_ROOT / ".runs"):
@@ -247,6 +253,40 @@ def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
             )
             assert found.stdout == "", found.stdout
     assert len(seen) > 20  # the watch did see the processes of the runs
+
+
+def _repository_files_holding(passwords: tuple[str, ...], since: float) -> list[str]:
+    """The regular files under the repository written or changed since `since` (by mtime or
+    ctime: a copy that kept an older mtime still counts) that hold any of `passwords`. Not
+    searched: .venv/, .git/objects, files over MAX_SEARCHED and any that cannot be read (other
+    tests write and remove files here meanwhile). Symbolic links are not followed."""
+    needles = [password.encode() for password in passwords]
+    skipped = {REPO_ROOT / ".venv", REPO_ROOT / ".git" / "objects"}
+    holding: list[str] = []
+    pending = [REPO_ROOT]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if path not in skipped:
+                        pending.append(path)
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                info = entry.stat(follow_symlinks=False)
+                if max(info.st_mtime, info.st_ctime) < since or info.st_size > MAX_SEARCHED:
+                    continue
+                data = path.read_bytes()
+            except OSError:
+                continue
+            if any(needle in data for needle in needles):
+                holding.append(str(path.relative_to(REPO_ROOT)))
+    return holding
 
 
 def _another_host_key_is_refused(config: sim.SimConfig, inventory: Path) -> str:
