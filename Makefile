@@ -69,6 +69,11 @@ provision: $(STAMP)
 	$(BIN)/cluster image -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
 	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml \
 		$(if $(strip $(GROUP)),-e node_group=$(GROUP)) $(ANSIBLE_ARGS)
+	$(BIN)/cluster ship -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
+
+.PHONY: ship  ## ship INVENTORY's training image to its nodes (by layers through the controller's registry)
+ship: $(STAMP)
+	$(BIN)/cluster ship -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(VIA)),--via $(VIA))
 
 .PHONY: netcheck  ## pre-flight check of INVENTORY's nodes (NNODES=N: the first N)
 netcheck: $(STAMP)

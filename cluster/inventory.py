@@ -42,6 +42,8 @@ from cluster.errors import UserError, printable, shown
 NODES_GROUP = "nodes"
 DEFAULT_RENDEZVOUS_PORT = 29500
 DEFAULT_TRAINING_IMAGE = "torch-multinode/train:latest"
+# The controller's image registry (ansible/roles/image_registry, cluster/ship.py).
+DEFAULT_IMAGE_REGISTRY_PORT = 5000
 # Node-local directories a job keeps, the same on every node and mounted at the same path in
 # its container (ansible/roles/job_storage makes them; a test keeps its defaults equal).
 DEFAULT_CHECKPOINT_ROOT = "/var/lib/torch-multinode/checkpoints"
@@ -137,6 +139,9 @@ class Inventory:
     """The Ansible group whose hosts are the nodes (--group, make GROUP=)."""
     scheduler: str = "ssh"
     """'ssh': the launcher starts jobs over SSH; 'slurm': provisioning also sets Slurm up."""
+    image_registry: bool = True
+    """Whether the training image travels through the controller's registry (by layers)."""
+    image_registry_port: int = DEFAULT_IMAGE_REGISTRY_PORT
 
     @property
     def master(self) -> Host:
@@ -295,6 +300,8 @@ CLUSTER_FIELDS = (
     "scheduler",
     "training_image",
     "container_memlock",
+    "image_registry",
+    "image_registry_port",
     *CLUSTER_ONLY_FIELDS,
 )
 YAML_SUFFIXES = (".yml", ".yaml", ".json")
@@ -483,6 +490,16 @@ def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
         raise UserError(
             f"{where}: cluster field 'training_image': {shown(image)} is not an image name"
         )
+    registry = merged.get("image_registry", True)
+    if not isinstance(registry, bool):
+        raise UserError(
+            f"{where}: cluster field 'image_registry': {shown(registry)} is neither true nor false"
+        )
+    registry_port = _port(
+        merged.get("image_registry_port", DEFAULT_IMAGE_REGISTRY_PORT),
+        f"{where}: cluster",
+        "image_registry_port",
+    )
     roots = {
         field: _directory(merged.get(field, default), f"{where}: cluster field '{field}'", default)
         for field, default in STORAGE_ROOTS.items()
@@ -563,6 +580,8 @@ def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
         container_mounts=mounts,
         group=group_name,
         scheduler=scheduler,
+        image_registry=registry,
+        image_registry_port=registry_port,
     )
 
 

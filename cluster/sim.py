@@ -109,6 +109,11 @@ class SimConfig:
         return str(net.network_address + FIRST_HOST_OFFSET + index - 1)
 
     @property
+    def mgmt_gateway(self) -> str:
+        """This machine's address on the management network (where its registry listens)."""
+        return str(ipaddress.IPv4Network(self.mgmt_subnet).network_address + 1)
+
+    @property
     def inventory_path(self) -> Path:
         return self.state_dir / "inventory.yml"
 
@@ -678,7 +683,28 @@ def down(config: SimConfig | None = None, progress: Progress = _quiet) -> Remove
         docker("volume", "rm", "-f", *volumes)
     for path in (config.inventory_path, config.known_hosts_path):
         path.unlink(missing_ok=True)
+    _stop_registries(config.mgmt_gateway)
     return Removed(len(containers), len(networks), len(volumes))
+
+
+def _stop_registries(address: str) -> None:
+    """Stop the image registry instances provisioning started on this cluster's management
+    address (ansible/roles/image_registry, without an init system: a pid file in /run), which
+    would otherwise outlive the network they listen on."""
+    for pidfile in Path("/run").glob(f"torch-multinode-registry-{address.replace('.', '-')}-*.pid"):
+        subprocess.run(
+            [
+                "start-stop-daemon",
+                "--stop",
+                "--pidfile",
+                str(pidfile),
+                "--retry",
+                "5",
+                "--remove-pidfile",
+            ],
+            capture_output=True,
+            check=False,
+        )
 
 
 def status(config: SimConfig | None = None) -> list[tuple[str, str, bool]]:

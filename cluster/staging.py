@@ -254,7 +254,7 @@ def image_mismatch(host: Host, inventory: Inventory, wanted: str, answer: str) -
     torch older than the project's minimum), or None."""
     found = answer.strip()
     image = inventory.training_image
-    fix = f"make provision INVENTORY={inventory.path} ANSIBLE_ARGS='--tags image_distribution'"
+    fix = f"make ship INVENTORY={inventory.path}"
     identity, _, torch = found.partition(" torch=")
     if identity == wanted:
         if torch in ("", "<no value>"):

@@ -277,7 +277,7 @@ def test_a_node_whose_image_differs_is_refused_before_anything_starts(provisione
         error = proc.stderr.strip().splitlines()[0]
         assert error.startswith(f"Error: on node2: the training image {probe} is "), error
         assert f"not this machine's {image[7:19]}" in error
-        assert "(try make provision INVENTORY=" in error and "--tags image_distribution" in error
+        assert error.endswith(f"(try make ship INVENTORY={inventory})"), error
         assert "[node1]" not in proc.stdout  # nothing started
     finally:
         for index in (1, 2):

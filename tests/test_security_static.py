@@ -164,10 +164,17 @@ def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
     assert config.getboolean("defaults", "host_key_checking") is True
     template = (REPO / "ansible/roles/ssh_mesh/templates/ssh_config.j2").read_text()
     assert re.search(r"^\s*StrictHostKeyChecking yes$", template, re.MULTILINE)
-    defaults = yaml.safe_load(
-        (REPO / "ansible/roles/image_distribution/defaults/main.yml").read_text()
+    # the image stream's ssh (cluster ship, when no registry runs) is the one rsync uses
+    from cluster import ship, sync
+
+    assert ship.ssh_command is sync.ssh_command
+    hosts = inventory.parse(
+        "all:\n  vars: {compute_subnet: 10.7.0.0/24}\n  children:\n    nodes:\n      hosts:\n"
+        "        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.1, compute_interface: eth1, "
+        "gpus: 0}\n"
     )
-    assert "StrictHostKeyChecking=yes" in defaults["image_distribution_ssh_options"]
+    command = sync.ssh_command(hosts, hosts.hosts[0])
+    assert "StrictHostKeyChecking=yes" in command and "BatchMode=yes" in command
 
 
 def test_the_simulated_clusters_inventory_checks_host_keys(tmp_path):

@@ -264,9 +264,15 @@ def snapshot(containers: list[str]) -> dict[str, str]:
     return {container: node_sh(container, SNAPSHOT).stdout for container in containers}
 
 
-def image_args(image: str) -> list[str]:
-    """Extra vars shipping the test image."""
-    return ["-e", f"image_distribution_name={image}"]
+def ship_image(inventory: Path, image: str) -> subprocess.CompletedProcess:
+    """`cluster ship` of `image` to the inventory's nodes, as make provision runs it last."""
+    return subprocess.run(
+        [str(VENV_BIN / "cluster"), "ship", "-i", str(inventory), "--image", image],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
 
 
 def ufw_status_lines(subnet: str) -> list[str]:

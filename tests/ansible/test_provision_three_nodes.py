@@ -3,6 +3,7 @@ provisioning, a rerun that changes nothing, and a firewall run that removes a fo
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 
 import pytest
@@ -10,9 +11,9 @@ import pytest
 from tests.ansible.conftest import (
     PlaybookRun,
     ansible_playbook,
-    image_args,
     image_id,
     node_sh,
+    ship_image,
     snapshot,
     ufw_status_lines,
 )
@@ -31,6 +32,7 @@ class Provisioned:
     first: PlaybookRun
     second: PlaybookRun
     firewall: PlaybookRun
+    shipped: subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +41,18 @@ def provisioned(sim_factory, tiny_image, tmp_path_factory):
     try:
         inventory = cluster.config.inventory_path
         containers = [cluster.config.container(i) for i in (1, 2, 3)]
-        args = image_args(tiny_image)
         before = snapshot(containers)
-        check = ansible_playbook(inventory, "--check", *args)
+        check = ansible_playbook(inventory, "--check")
         after_check = snapshot(containers)
-        first = ansible_playbook(inventory, *args)
-        second = ansible_playbook(inventory, *args)
+        first = ansible_playbook(inventory)
+        shipped = ship_image(inventory, tiny_image)
+        second = ansible_playbook(inventory)
         # A rule someone added by hand: the firewall role must take it out again.
         node_sh(containers[2], "ufw allow 8080/tcp")
-        firewall = ansible_playbook(inventory, "--tags", "firewall", *args)
-        yield Provisioned(cluster, containers, before, check, after_check, first, second, firewall)
+        firewall = ansible_playbook(inventory, "--tags", "firewall")
+        yield Provisioned(
+            cluster, containers, before, check, after_check, first, second, firewall, shipped
+        )
     finally:
         sim_factory.down(cluster)
 
@@ -95,6 +99,7 @@ def test_firewall_run_removes_a_foreign_rule_and_touches_nothing_else(provisione
 
 
 def test_every_node_holds_the_same_image_and_runs_docker(provisioned, tiny_image):
+    assert provisioned.shipped.returncode == 0, provisioned.shipped.stderr
     ids = {image_id(tiny_image, container) for container in provisioned.containers}
     assert ids == {image_id(tiny_image)}
     for container in provisioned.containers:

@@ -16,12 +16,12 @@ from tests.ansible.conftest import (
     Listener,
     PlaybookRun,
     ansible_playbook,
-    image_args,
     image_id,
     listening_tcp,
     node_sh,
     node_tcp_connects,
     node_tcp_probe,
+    ship_image,
     tcp_connects,
     ufw_status_lines,
 )
@@ -37,6 +37,8 @@ class Provisioned:
     cluster: object
     first: PlaybookRun
     second: PlaybookRun
+    shipped: subprocess.CompletedProcess
+    reshipped: subprocess.CompletedProcess
 
     @property
     def hosts(self):
@@ -56,14 +58,12 @@ def provisioned(sim_factory, tiny_image, tmp_path_factory):
             r"printf '127.0.1.1\tnode1.lan node1\n192.0.2.7\tprinter\n' >> /etc/hosts",
         )
         assert seeded.returncode == 0, seeded.stderr
-        args = image_args(tiny_image)
-        first = ansible_playbook(cluster.config.inventory_path, *args)
-        second = (
-            ansible_playbook(cluster.config.inventory_path, *args)
-            if first.returncode == 0
-            else first
-        )
-        yield Provisioned(cluster, first, second)
+        inventory = cluster.config.inventory_path
+        first = ansible_playbook(inventory)
+        shipped = ship_image(inventory, tiny_image)
+        second = ansible_playbook(inventory) if first.returncode == 0 else first
+        reshipped = ship_image(inventory, tiny_image)
+        yield Provisioned(cluster, first, second, shipped, reshipped)
     finally:
         sim_factory.down(cluster)
 
@@ -253,6 +253,21 @@ def test_while_a_job_runs_every_port_but_ssh_is_closed_from_outside_the_compute_
 
 
 def test_docker_runs_and_every_node_holds_the_controllers_image(provisioned, tiny_image):
+    # Jobs of this inventory run on the hosts, so no registry was set up: the image was
+    # streamed whole, and `cluster ship` said so and why; the second time nothing moved.
+    shipped = provisioned.shipped
+    assert shipped.returncode == 0, shipped.stderr
+    lines = shipped.stdout.splitlines()
+    assert lines[0].startswith(f"Shipping {tiny_image} (")
+    assert lines[0].endswith(
+        ") to node1, node2 whole (docker save | ssh | docker load): no registry is set up for "
+        f"{provisioned.cluster.config.mgmt_gateway}:5000 (make provision sets it up)."
+    )
+    assert lines[-1].startswith(f"Done: {tiny_image} (") and "streamed whole" in lines[-1]
+    reshipped = provisioned.reshipped
+    assert reshipped.returncode == 0, reshipped.stderr
+    assert reshipped.stdout.startswith(f"Every node already holds {tiny_image} (")
+    assert reshipped.stdout.rstrip().endswith("): nothing sent.")
     expected = image_id(tiny_image)
     assert expected.startswith("sha256:")
     for host in provisioned.hosts:

@@ -237,8 +237,7 @@ def test_an_image_that_differs_or_is_missing_names_the_node_and_the_fix():
     other = staging.image_mismatch(host, inventory, wanted, "sha256:" + "b" * 64 + " torch=2.14.1")
     assert other == (
         "on n1: the training image torch-multinode/train:latest is bbbbbbbbbbbb, not this "
-        "machine's aaaaaaaaaaaa (try make provision INVENTORY=/nonexistent/inv.yml "
-        "ANSIBLE_ARGS='--tags image_distribution')"
+        "machine's aaaaaaaaaaaa (try make ship INVENTORY=/nonexistent/inv.yml)"
     )
     missing = staging.image_mismatch(
         host, inventory, wanted, "Error: No such image: torch-multinode/train:latest"

@@ -1,0 +1,443 @@
+"""Shipping the training image to the nodes: by layers through the controller's registry, or
+streamed whole when no registry can run.
+
+Through the registry (ansible/roles/image_registry runs it, one instance per address the nodes
+reach the controller on, TLS with client certificates): the controller's engine pushes the
+image (only layers the registry lacks travel), then every node's engine pulls at once, so a
+node fetches only the layers it lacks. Without one (image_registry: false, no instance set up
+for the address, or it does not answer): one `docker save` on the controller is written into
+`docker load` on every node lacking the image, over SSH, and this is said with the reason.
+
+Either way a line per node every few seconds says how far the image has come (bytes, rate,
+time left), and at the end every node must hold the controller's image ID.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.errors import UserError
+from cluster.inventory import Host, Inventory
+from cluster.remote import on_all
+from cluster.sync import PROGRESS_EVERY, human, ssh_command
+
+Emit = Callable[[str], None]
+REGISTRY_DIR = Path("/etc/torch-multinode/registry")
+CERTS_D = Path("/etc/docker/certs.d")
+CHUNK = 1 << 20
+ENGINE_TIMEOUT = 30
+
+# Sent to a node's python3 (or run here): one request to the local Docker engine's socket, its
+# streamed JSON lines written out as they come. The engine's own API reports a pull's or a
+# push's progress per layer, which the docker CLI prints only on a terminal.
+ENGINE_REQUEST = r"""
+import base64, http.client, socket, sys
+class Engine(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect("/var/run/docker.sock")
+engine = Engine("localhost")
+engine.request("POST", sys.argv[1], headers={"X-Registry-Auth": base64.b64encode(b"{}").decode()})
+response = engine.getresponse()
+if response.status >= 300:
+    sys.stdout.write('{"error": %r}\n' % response.read().decode(errors="replace").strip())
+    sys.exit(1)
+for line in response:
+    sys.stdout.write(line.decode(errors="replace"))
+    sys.stdout.flush()
+"""
+
+
+@dataclass(frozen=True)
+class Registry:
+    """One instance of the controller's registry, as a node reaches it."""
+
+    address: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    @property
+    def instance(self) -> str:
+        return f"torch-multinode-registry-{self.address.replace('.', '-')}-{self.port}"
+
+    def reference(self, image: str) -> str:
+        """The image's name in this registry: the same repository and tag under its address."""
+        return f"{self.endpoint}/{image if ':' in image.rsplit('/', 1)[-1] else image + ':latest'}"
+
+
+@dataclass
+class Meter:
+    """How far an image has come to one node: a line every few seconds while it moves."""
+
+    node: str
+    emit: Emit
+    total: int = 0
+    done: int = 0
+    every: float = PROGRESS_EVERY
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(default=0.0)
+    shown: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        self.started = self.shown = self.clock()
+
+    def update(self, done: int, total: int | None = None, phase: str = "") -> None:
+        self.done = done
+        if total is not None:
+            self.total = total
+        now = self.clock()
+        if now - self.shown >= self.every:
+            self.shown = now
+            self.emit(self.line(phase))
+
+    def line(self, phase: str = "") -> str:
+        seconds = max(self.clock() - self.started, 1e-9)
+        rate = self.done / seconds
+        of = f" of {human(self.total)}" if self.total else ""
+        left = ""
+        if self.total and rate > 0 and self.done < self.total:
+            left = f", about {_duration((self.total - self.done) / rate)} left"
+        elif phase:
+            left = f", {phase}"
+        return f"[image] {self.node}: {human(self.done)}{of}, {human(rate)}/s{left}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds + 0.5)
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+
+
+@dataclass
+class Shipment:
+    """What `ship` did, for its summary and for benchmarks."""
+
+    image: str
+    image_id: str
+    via: str  # "registry", "stream" or "" (nothing to send)
+    reason: str = ""  # why the stream was chosen
+    received: dict[str, int] = field(default_factory=dict)  # bytes each node fetched
+    already: list[str] = field(default_factory=list)  # nodes that held the image
+    seconds: float = 0.0
+
+
+def engine_lines(lines: Iterable[str]) -> Iterable[dict]:
+    """The engine's JSON progress lines, skipping what is not one."""
+    for line in lines:
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+class LayerProgress:
+    """A pull's or push's per-layer progress folded into bytes moved and bytes to move."""
+
+    MOVING = {"Downloading", "Pushing"}
+    MOVED = {"Download complete", "Pushed", "Verifying Checksum", "Extracting", "Pull complete"}
+
+    def __init__(self) -> None:
+        self.layers: dict[str, list[int]] = {}  # id -> [current, total]
+        self.error = ""
+
+    def feed(self, message: dict) -> str:
+        """Take one message; the phase it tells of ('' for most)."""
+        if message.get("error"):
+            self.error = str(message.get("error")).strip()
+            return "failed"
+        status = str(message.get("status", ""))
+        layer = str(message.get("id", ""))
+        detail = message.get("progressDetail") or {}
+        if status in self.MOVING and layer:
+            total = int(detail.get("total") or 0)
+            current = int(detail.get("current") or 0)
+            seen = self.layers.setdefault(layer, [0, total])
+            seen[0] = max(seen[0], current)
+            seen[1] = max(seen[1], total)
+        elif status in self.MOVED and layer in self.layers:
+            self.layers[layer][0] = self.layers[layer][1]
+            if status == "Extracting":
+                return "unpacking"
+        return ""
+
+    @property
+    def done(self) -> int:
+        return sum(current for current, _ in self.layers.values())
+
+    @property
+    def total(self) -> int:
+        return sum(total for _, total in self.layers.values())
+
+
+def image_id(image: str) -> str:
+    proc = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", image],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise UserError(
+            f"the training image {image} is not in this machine's Docker engine",
+            hint="make image (make provision builds it first)",
+            exit_code=1,
+        )
+    return proc.stdout.strip()
+
+
+def _sudo(host: Host) -> str:
+    """Root's commands on a node: as root, or through passwordless sudo (make bootstrap)."""
+    return "" if (host.ssh_user or "root") == "root" else "sudo -n "
+
+
+def _on_node(inventory: Inventory, host: Host, command: str, **kwargs) -> subprocess.Popen:
+    target = f"{host.ssh_user}@{host.ssh_address}" if host.ssh_user else host.ssh_address
+    return subprocess.Popen(
+        [*ssh_command(inventory, host), target, command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=kwargs.pop("text", True),
+        **kwargs,
+    )
+
+
+def node_images(inventory: Inventory, image: str) -> dict[str, str]:
+    """Each node's ID for `image` ('' where it has none)."""
+
+    def one(host: Host) -> str:
+        command = f"{_sudo(host)}docker image inspect --format '{{{{.Id}}}}' {shlex.quote(image)}"
+        process = _on_node(inventory, host, command)
+        out, _ = process.communicate(timeout=ENGINE_TIMEOUT + 30)
+        return out.strip() if process.returncode == 0 else ""
+
+    return on_all(inventory.hosts, one)
+
+
+def registry_for(host: Host, port: int) -> Registry:
+    """The controller's address on the network this node is reached through."""
+    proc = subprocess.run(
+        ["ip", "-json", "route", "get", host.ssh_address],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        address = json.loads(proc.stdout)[0]["prefsrc"]
+    except (ValueError, LookupError, TypeError):
+        raise UserError(
+            f"cannot tell this machine's address towards {host.name} ({host.ssh_address}): "
+            f"{proc.stderr.strip() or 'ip route get gave no source address'}"
+        ) from None
+    return Registry(address, port)
+
+
+def find_registries(inventory: Inventory) -> tuple[dict[str, Registry], str]:
+    """The registry instance each node pulls from, or ({}, why there is none to use)."""
+    if not inventory.image_registry:
+        return {}, "image_registry: false in the inventory"
+    found = {
+        host.name: registry_for(host, inventory.image_registry_port) for host in inventory.hosts
+    }
+    for registry in set(found.values()):
+        config = REGISTRY_DIR / f"{registry.instance}.yml"
+        if not config.exists():
+            return {}, f"no registry is set up for {registry.endpoint} (make provision sets it up)"
+        if not (CERTS_D / registry.endpoint / "client.cert").exists():
+            return {}, f"this machine's Docker engine holds no certificate for {registry.endpoint}"
+        try:
+            socket.create_connection((registry.address, registry.port), timeout=3).close()
+        except OSError as exc:
+            return {}, (
+                f"the registry on {registry.endpoint} does not answer ({exc.strerror or exc}; its "
+                f"log: /var/log/torch-multinode/{registry.instance}.log)"
+            )
+    return found, ""
+
+
+def _engine(arguments: list[str], path: str) -> list[str]:
+    return [*arguments, "-c", ENGINE_REQUEST, path]
+
+
+def push(image: str, registry: Registry, emit: Emit) -> int:
+    """Push `image` from this machine's engine into `registry`; the bytes that moved."""
+    reference = registry.reference(image)
+    subprocess.run(["docker", "tag", image, reference], check=True, capture_output=True)
+    repository, _, tag = reference.rpartition(":")
+    meter = Meter(f"registry {registry.endpoint}", emit)
+    progress = LayerProgress()
+    try:
+        process = subprocess.Popen(
+            _engine([sys.executable], f"/images/{repository}/push?tag={tag}"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for message in engine_lines(process.stdout):
+            phase = progress.feed(message)
+            meter.update(progress.done, progress.total, phase)
+        stderr = process.stderr.read()
+        if process.wait() != 0 or progress.error:
+            raise UserError(
+                f"pushing {image} to the registry on {registry.endpoint} failed: "
+                f"{progress.error or stderr.strip().splitlines()[-1:] or 'no reason given'}",
+                exit_code=1,
+            )
+    finally:
+        subprocess.run(["docker", "rmi", reference], check=False, capture_output=True)
+    return progress.done
+
+
+def pull(inventory: Inventory, host: Host, image: str, registry: Registry, emit: Emit) -> int:
+    """Have `host`'s engine pull `image` from `registry` (only the layers it lacks) and name it
+    as the controller does; the bytes it fetched."""
+    reference = registry.reference(image)
+    repository, _, tag = reference.rpartition(":")
+    sudo = _sudo(host)
+    request = shlex.join(
+        ["python3", "-c", ENGINE_REQUEST, f"/images/create?fromImage={repository}&tag={tag}"]
+    )
+    retag = (
+        f"{sudo}docker tag {shlex.quote(reference)} {shlex.quote(image)} && "
+        f"{sudo}docker rmi {shlex.quote(reference)} >/dev/null"
+    )
+    process = _on_node(inventory, host, f"{sudo}{request} && {retag}")
+    meter = Meter(host.name, emit)
+    progress = LayerProgress()
+    for message in engine_lines(process.stdout):
+        phase = progress.feed(message)
+        meter.update(progress.done, progress.total, phase)
+    stderr = process.stderr.read()
+    if process.wait() != 0 or progress.error:
+        last = progress.error or (stderr.strip().splitlines() or ["no reason given"])[-1]
+        raise UserError(f"on {host.name}: pulling {image} from {registry.endpoint} failed: {last}")
+    return progress.done
+
+
+def stream(inventory: Inventory, hosts: list[Host], image: str, emit: Emit) -> dict[str, int]:
+    """One `docker save` here written into `docker load` on every host at once; the bytes
+    each received. A host whose load fails is named once every other host is done."""
+    size = int(
+        subprocess.run(
+            ["docker", "image", "inspect", "--format", "{{.Size}}", image],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        or 0
+    )
+    loads = {
+        host.name: _on_node(
+            inventory, host, f"{_sudo(host)}docker load --quiet", stdin=subprocess.PIPE, text=False
+        )
+        for host in hosts
+    }
+    meters = {host.name: Meter(host.name, emit, total=size) for host in hosts}
+    sent = dict.fromkeys(loads, 0)
+    broken: dict[str, str] = {}
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    while chunk := save.stdout.read(CHUNK):
+        for name, load in loads.items():
+            if name in broken:
+                continue
+            try:
+                load.stdin.write(chunk)
+            except (BrokenPipeError, OSError):
+                broken[name] = "the node's docker load ended early"
+                continue
+            sent[name] += len(chunk)
+            meters[name].update(sent[name], max(size, sent[name]))
+    failures = []
+    for name, load in loads.items():
+        try:
+            load.stdin.close()
+        except OSError:
+            pass
+        _, err = load.communicate(timeout=600)
+        if load.returncode != 0:
+            last = (err.decode(errors="replace").strip().splitlines() or [broken.get(name, "")])[-1]
+            failures.append(f"on {name}: docker load of {image} failed: {last}")
+    if save.wait() != 0:
+        raise UserError(f"docker save {image} failed on this machine", exit_code=1)
+    if failures:
+        raise UserError(failures[0], hint="make netcheck (disk space, the engine)", exit_code=1)
+    return sent
+
+
+def ship(
+    inventory: Inventory,
+    image: str | None = None,
+    via: str = "auto",
+    emit: Emit = print,
+) -> Shipment:
+    """Bring `image` (the inventory's training image) to every node lacking the controller's
+    ID for it; `via`: 'auto' (the registry when it answers, else the stream, said so),
+    'registry' (refuse without one) or 'stream'."""
+    image = image or inventory.training_image
+    wanted = image_id(image)
+    started = time.monotonic()
+    held = node_images(inventory, image)
+    lacking = [host for host in inventory.hosts if held[host.name] != wanted]
+    shipment = Shipment(image, wanted, "", already=[n for n, i in held.items() if i == wanted])
+    if not lacking:
+        return shipment
+    registries, reason = (
+        ({}, "asked for the stream") if via == "stream" else find_registries(inventory)
+    )
+    if registries:
+        shipment.via = "registry"
+        emit(
+            f"Shipping {image} ({wanted[7:19]}) to {', '.join(h.name for h in lacking)} through "
+            f"the registry on {', '.join(sorted({r.endpoint for r in registries.values()}))}: "
+            "each node fetches only the layers it lacks."
+        )
+        for registry in sorted(set(registries.values()), key=lambda r: r.endpoint):
+            push(image, registry, emit)
+        received = on_all(
+            lacking, lambda host: pull(inventory, host, image, registries[host.name], emit)
+        )
+    else:
+        if via == "registry":
+            raise UserError(f"no registry to ship {image} through: {reason}", exit_code=1)
+        shipment.via, shipment.reason = "stream", reason
+        emit(
+            f"Shipping {image} ({wanted[7:19]}) to {', '.join(h.name for h in lacking)} whole "
+            f"(docker save | ssh | docker load): {reason}."
+        )
+        received = stream(inventory, lacking, image, emit)
+    shipment.received = received
+    after = node_images(inventory, image)
+    for host in lacking:
+        if after[host.name] != wanted:
+            raise UserError(
+                f"on {host.name}: {image} is {after[host.name][7:19] or 'missing'} after shipping, "
+                f"not this machine's {wanted[7:19]}",
+                exit_code=1,
+            )
+    shipment.seconds = time.monotonic() - started
+    return shipment
+
+
+def summary(shipment: Shipment) -> str:
+    if not shipment.via:
+        return (
+            f"Every node already holds {shipment.image} ({shipment.image_id[7:19]}): nothing sent."
+        )
+    each = ", ".join(f"{name} {human(size)}" for name, size in shipment.received.items())
+    held = f"; {', '.join(shipment.already)} already held it" if shipment.already else ""
+    how = "through the registry" if shipment.via == "registry" else "streamed whole"
+    return (
+        f"Done: {shipment.image} ({shipment.image_id[7:19]}) on every node, {how} in "
+        f"{_duration(shipment.seconds)} ({each}{held})."
+    )

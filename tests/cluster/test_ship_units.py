@@ -1,0 +1,157 @@
+"""cluster.ship's pure parts: the engine's progress folded per node, the progress line, the
+registry names, and the reasons the stream is chosen. No network, no engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster import ship
+from cluster.inventory import parse
+from tests.helpers import REPO_ROOT, inventory_text, node
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_pulls_layers_fold_into_bytes_fetched_and_bytes_to_fetch():
+    progress = ship.LayerProgress()
+    messages = [
+        {"status": "Pulling from torch-multinode/train", "id": "test"},
+        {"status": "Already exists", "id": "aaa"},
+        {"status": "Pulling fs layer", "id": "bbb"},
+        {"status": "Pulling fs layer", "id": "ccc"},
+        {"status": "Downloading", "progressDetail": {"current": 400, "total": 1000}, "id": "bbb"},
+        {"status": "Downloading", "progressDetail": {"current": 50, "total": 200}, "id": "ccc"},
+    ]
+    for message in messages:
+        progress.feed(message)
+    assert (progress.done, progress.total) == (450, 1200)  # the layer it had is not counted
+    assert progress.feed({"status": "Download complete", "id": "ccc"}) == ""
+    assert (
+        progress.feed(
+            {"status": "Extracting", "progressDetail": {"current": 9, "total": 99}, "id": "ccc"}
+        )
+        == "unpacking"
+    )
+    assert (progress.done, progress.total) == (600, 1200)
+    progress.feed({"status": "Pull complete", "id": "bbb"})
+    assert progress.done == progress.total == 1200
+    assert progress.error == ""
+
+
+def test_a_push_counts_only_the_layers_the_registry_lacked():
+    progress = ship.LayerProgress()
+    for message in (
+        {"status": "Layer already exists", "id": "aaa"},
+        {"status": "Pushing", "progressDetail": {"current": 512, "total": 2048}, "id": "bbb"},
+        {"status": "Pushed", "id": "bbb"},
+    ):
+        progress.feed(message)
+    assert (progress.done, progress.total) == (2048, 2048)
+
+
+def test_an_engine_error_is_kept_word_for_word():
+    progress = ship.LayerProgress()
+    phase = progress.feed(
+        {"errorDetail": {"message": "x"}, "error": "received unexpected HTTP status: 500 "}
+    )
+    assert phase == "failed"
+    assert progress.error == "received unexpected HTTP status: 500"
+
+
+def test_engine_lines_skip_what_is_not_json():
+    lines = ['{"status": "a"}\n', "\n", "Warning: something\n", "{broken\n", '{"id": "b"}']
+    assert list(ship.engine_lines(lines)) == [{"status": "a"}, {"id": "b"}]
+
+
+def test_a_nodes_progress_line_every_few_seconds_with_rate_and_time_left():
+    clock, lines = Clock(), []
+    meter = ship.Meter("node1", lines.append, every=3.0, clock=clock)
+    clock.now += 1
+    meter.update(10_000_000, 100_000_000)
+    assert lines == []  # not yet: one line per node every few seconds
+    clock.now += 3  # 4 s in, 40 MB of 100 MB: 10 MB/s, 6 s left
+    meter.update(40_000_000)
+    assert lines == ["[image] node1: 40.0 MB of 100.0 MB, 10.0 MB/s, about 6 s left"]
+    clock.now += 100
+    meter.update(40_000_000, phase="unpacking")
+    assert lines[-1] == "[image] node1: 40.0 MB of 100.0 MB, 384.6 KB/s, about 2 min 36 s left"
+    meter.update(100_000_000, phase="unpacking")
+    clock.now += 5
+    meter.update(100_000_000, phase="unpacking")
+    assert lines[-1].endswith(", unpacking")
+
+
+def test_the_registry_names_the_image_under_its_address():
+    registry = ship.Registry("172.30.77.1", 5000)
+    assert registry.endpoint == "172.30.77.1:5000"
+    assert registry.instance == "torch-multinode-registry-172-30-77-1-5000"
+    assert registry.reference("torch-multinode/train:test") == (
+        "172.30.77.1:5000/torch-multinode/train:test"
+    )
+    assert registry.reference("torch-multinode/train") == (
+        "172.30.77.1:5000/torch-multinode/train:latest"
+    )
+    # the instance name is the one ansible/roles/image_registry gives its files
+    role = (REPO_ROOT / "ansible/roles/image_registry/tasks/instance.yml").read_text()
+    assert "torch-multinode-registry-{{ image_registry_address | replace('.', '-') }}-{{" in role
+
+
+def _inventory(tmp_path, **cluster_vars):
+    text = inventory_text({"n1": node(1), "n2": node(2)}, **cluster_vars)
+    return parse(text, tmp_path / "inventory.yml")
+
+
+def test_image_registry_false_streams_and_says_why(tmp_path):
+    inventory = _inventory(tmp_path, image_registry=False)
+    assert ship.find_registries(inventory) == ({}, "image_registry: false in the inventory")
+
+
+def test_a_registry_never_set_up_for_the_address_streams_and_says_why(tmp_path, monkeypatch):
+    inventory = _inventory(tmp_path, image_registry_port=5123)
+    monkeypatch.setattr(ship, "REGISTRY_DIR", tmp_path / "none")
+    route = json.dumps([{"dst": "10.7.0.11", "prefsrc": "10.7.0.1"}])
+    monkeypatch.setattr(
+        ship.subprocess,
+        "run",
+        lambda *a, **k: ship.subprocess.CompletedProcess(a, 0, route, ""),
+    )
+    assert ship.find_registries(inventory) == (
+        {},
+        "no registry is set up for 10.7.0.1:5123 (make provision sets it up)",
+    )
+
+
+def test_a_registry_that_does_not_answer_names_its_log(tmp_path, monkeypatch):
+    inventory = _inventory(tmp_path)
+    registry = ship.Registry("127.0.0.1", 9)  # discard port: nothing listens on loopback
+    monkeypatch.setattr(ship, "registry_for", lambda host, port: registry)
+    monkeypatch.setattr(ship, "REGISTRY_DIR", tmp_path)
+    monkeypatch.setattr(ship, "CERTS_D", tmp_path / "certs.d")
+    (tmp_path / f"{registry.instance}.yml").write_text("version: 0.1\n")
+    (tmp_path / "certs.d" / registry.endpoint).mkdir(parents=True)
+    (tmp_path / "certs.d" / registry.endpoint / "client.cert").write_text("x")
+    found, why = ship.find_registries(inventory)
+    assert found == {}
+    assert why.startswith("the registry on 127.0.0.1:9 does not answer (")
+    assert why.endswith(f"its log: /var/log/torch-multinode/{registry.instance}.log)")
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("yes", "cluster field 'image_registry': 'yes' is neither true nor false"),
+        (70000, "field 'image_registry_port': 70000 is not a port number (1-65535)"),
+    ],
+)
+def test_the_registry_fields_are_checked(tmp_path, value, error):
+    field = "image_registry" if error.count("image_registry'") else "image_registry_port"
+    with pytest.raises(ship.UserError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        _inventory(tmp_path, **{field: value})
