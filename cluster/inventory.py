@@ -142,6 +142,9 @@ class Inventory:
     image_registry: bool = True
     """Whether the training image travels through the controller's registry (by layers)."""
     image_registry_port: int = DEFAULT_IMAGE_REGISTRY_PORT
+    image_base_from_nodes: bool = False
+    """Each node pulls the image's base (e.g. NVIDIA's, from nvcr.io) itself; the controller
+    sends only the layers above it."""
 
     @property
     def master(self) -> Host:
@@ -302,6 +305,7 @@ CLUSTER_FIELDS = (
     "container_memlock",
     "image_registry",
     "image_registry_port",
+    "image_base_from_nodes",
     *CLUSTER_ONLY_FIELDS,
 )
 YAML_SUFFIXES = (".yml", ".yaml", ".json")
@@ -490,11 +494,10 @@ def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
         raise UserError(
             f"{where}: cluster field 'training_image': {shown(image)} is not an image name"
         )
-    registry = merged.get("image_registry", True)
-    if not isinstance(registry, bool):
-        raise UserError(
-            f"{where}: cluster field 'image_registry': {shown(registry)} is neither true nor false"
-        )
+    registry, base_from_nodes = (
+        _boolean(merged, field, default, where)
+        for field, default in (("image_registry", True), ("image_base_from_nodes", False))
+    )
     registry_port = _port(
         merged.get("image_registry_port", DEFAULT_IMAGE_REGISTRY_PORT),
         f"{where}: cluster",
@@ -582,6 +585,7 @@ def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
         scheduler=scheduler,
         image_registry=registry,
         image_registry_port=registry_port,
+        image_base_from_nodes=base_from_nodes,
     )
 
 
@@ -714,6 +718,13 @@ def _subnet(value, where: str) -> ipaddress.IPv4Network:
             f"({printable(str(exc))})",
             hint="a form like 192.168.1.0/24",
         ) from None
+
+
+def _boolean(values: dict, field: str, default: bool, where: str) -> bool:
+    value = values.get(field, default)
+    if not isinstance(value, bool):
+        raise UserError(f"{where}: cluster field '{field}': {shown(value)} is neither true nor false")
+    return value
 
 
 def _port(value, where: str, field: str = "rendezvous_port") -> int:

@@ -1,12 +1,13 @@
 """Shipping the training image to the nodes: by layers through the controller's registry, or
-streamed whole when no registry can run.
+by stream when no registry can run.
 
 Through the registry (ansible/roles/image_registry runs it, one instance per address the nodes
 reach the controller on, TLS with client certificates): the controller's engine pushes the
 image (only layers the registry lacks travel), then every node's engine pulls at once, so a
 node fetches only the layers it lacks. Without one (image_registry: false, no instance set up
 for the address, or it does not answer): one `docker save` on the controller is written into
-`docker load` on every node lacking the image, over SSH, and this is said with the reason.
+`docker load` on every node lacking the image, over SSH, each node sent only the layers it
+lacks, and this is said with the reason.
 
 Either way a line per node every few seconds says how far the image has come (bytes, rate,
 time left), and at the end every node must hold the controller's image ID.
@@ -14,11 +15,14 @@ time left), and at the end every node must hold the controller's image ID.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -299,20 +303,19 @@ def push(image: str, registry: Registry, emit: Emit) -> int:
     return progress.done
 
 
-def pull(inventory: Inventory, host: Host, image: str, registry: Registry, emit: Emit) -> int:
-    """Have `host`'s engine pull `image` from `registry` (only the layers it lacks) and name it
-    as the controller does; the bytes it fetched."""
-    reference = registry.reference(image)
+def engine_pull(
+    inventory: Inventory, host: Host, reference: str, emit: Emit, then: str = ""
+) -> int:
+    """Have `host`'s engine pull `reference` from its registry (only the layers it lacks),
+    a progress line every few seconds, then run `then` there; the bytes it fetched."""
     repository, _, tag = reference.rpartition(":")
-    sudo = _sudo(host)
+    if not repository or "/" in tag:  # no tag (a colon, if any, was the registry's port)
+        repository, tag = reference, "latest"
     request = shlex.join(
         ["python3", "-c", ENGINE_REQUEST, f"/images/create?fromImage={repository}&tag={tag}"]
     )
-    retag = (
-        f"{sudo}docker tag {shlex.quote(reference)} {shlex.quote(image)} && "
-        f"{sudo}docker rmi {shlex.quote(reference)} >/dev/null"
-    )
-    process = _on_node(inventory, host, f"{sudo}{request} && {retag}")
+    command = f"{_sudo(host)}{request}" + (f" && {then}" if then else "")
+    process = _on_node(inventory, host, command)
     meter = Meter(host.name, emit)
     progress = LayerProgress()
     for message in engine_lines(process.stdout):
@@ -321,13 +324,138 @@ def pull(inventory: Inventory, host: Host, image: str, registry: Registry, emit:
     stderr = process.stderr.read()
     if process.wait() != 0 or progress.error:
         last = progress.error or (stderr.strip().splitlines() or ["no reason given"])[-1]
-        raise UserError(f"on {host.name}: pulling {image} from {registry.endpoint} failed: {last}")
+        raise UserError(f"on {host.name}: pulling {reference} failed: {last}")
     return progress.done
 
 
+def pull(inventory: Inventory, host: Host, image: str, registry: Registry, emit: Emit) -> int:
+    """Have `host`'s engine pull `image` from `registry` (only the layers it lacks) and name it
+    as the controller does; the bytes it fetched."""
+    reference = registry.reference(image)
+    sudo = _sudo(host)
+    retag = (
+        f"{sudo}docker tag {shlex.quote(reference)} {shlex.quote(image)} && "
+        f"{sudo}docker rmi {shlex.quote(reference)} >/dev/null"
+    )
+    return engine_pull(inventory, host, reference, emit, then=retag)
+
+
+BASE_LABEL = "org.opencontainers.image.base.name"
+
+
+def base_of(image: str) -> str:
+    """The base the image was built on, as its OCI label records it ('' where it has none)."""
+    form = f'{{{{index .Config.Labels "{BASE_LABEL}"}}}}'
+    proc = subprocess.run(
+        ["docker", "image", "inspect", "--format", form, image],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = proc.stdout.strip()
+    return "" if proc.returncode != 0 or found == "<no value>" else found
+
+
+def image_layers(image: str) -> list[str]:
+    """The image's layers (diff IDs), bottom first, as this machine's engine holds it."""
+    proc = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", image],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(proc.stdout)
+
+
+# On a node: the layers (bottom first) of every image its engine holds, one JSON list a line.
+NODE_LAYERS = (
+    'ids=$({sudo}docker images --quiet --no-trunc | sort -u); [ -z "$ids" ] || '
+    "{sudo}docker image inspect --format '{{{{json .RootFS.Layers}}}}' $ids"
+)
+
+
+def held_layers(inventory: Inventory, host: Host, layers: list[str]) -> int:
+    """How many of `layers`, from the bottom, `host` already holds as one chain (a layer
+    counts only with every layer below it, as Docker stores them)."""
+    process = _on_node(inventory, host, NODE_LAYERS.format(sudo=_sudo(host)))
+    out, _ = process.communicate(timeout=ENGINE_TIMEOUT + 30)
+    best = 0
+    for line in out.splitlines():
+        try:
+            chain = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        common = 0
+        for mine, theirs in zip(layers, chain or [], strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        best = max(best, common)
+    return best
+
+
+class _Counted:
+    """A node's `docker load` input, counting what goes in and reporting it."""
+
+    def __init__(self, stream, on_sent: Callable[[int], None]) -> None:
+        self.stream = stream
+        self.on_sent = on_sent
+
+    def write(self, data: bytes) -> int:
+        self.stream.write(data)
+        self.on_sent(len(data))
+        return len(data)
+
+
+def _rewrite(archive, outputs: dict[str, _Counted], skip: dict[str, set[str]]) -> dict[str, str]:
+    """`docker save`'s archive written to every node less the layers that node holds:
+    `docker load` takes a layer from its own store when its chain is there and reads the
+    layer's file only otherwise. A layer file is known by its content's digest (its diff ID),
+    so each is spooled here while it is hashed, then sent to the nodes that lack it. The nodes
+    whose input broke, with why."""
+    writers = {name: tarfile.open(fileobj=out, mode="w|") for name, out in outputs.items()}
+    broken: dict[str, str] = {}
+
+    def add(name: str, member: tarfile.TarInfo, data) -> None:
+        if name in broken:
+            return
+        try:
+            writers[name].addfile(member, data)
+        except OSError as exc:
+            broken[name] = f"the connection ended early ({exc.strerror or exc})"
+
+    source = tarfile.open(fileobj=archive, mode="r|")
+    for member in source:
+        data = source.extractfile(member) if member.isfile() else None
+        if data is None:
+            for name in writers:
+                add(name, member, None)
+            continue
+        with tempfile.TemporaryFile() as spool:
+            digest = hashlib.sha256()
+            while chunk := data.read(CHUNK):
+                digest.update(chunk)
+                spool.write(chunk)
+            diff_id = f"sha256:{digest.hexdigest()}"  # only a layer's file can match one
+            for name in writers:
+                if diff_id not in skip[name]:
+                    spool.seek(0)
+                    add(name, member, spool)
+    for name, writer in writers.items():
+        if name not in broken:
+            try:
+                writer.close()
+            except OSError as exc:
+                broken[name] = f"the connection ended early ({exc.strerror or exc})"
+    return broken
+
+
 def stream(inventory: Inventory, hosts: list[Host], image: str, emit: Emit) -> dict[str, int]:
-    """One `docker save` here written into `docker load` on every host at once; the bytes
-    each received. A host whose load fails is named once every other host is done."""
+    """One `docker save` here written into `docker load` on every host at once, each host sent
+    only the layers it lacks (all of them, read straight through, when no host holds any);
+    the bytes each received. A host whose load fails is named once every other is done."""
+    layers = image_layers(image)
+    held = on_all(hosts, lambda host: held_layers(inventory, host, layers))
     size = int(
         subprocess.run(
             ["docker", "image", "inspect", "--format", "{{.Size}}", image],
@@ -343,31 +471,42 @@ def stream(inventory: Inventory, hosts: list[Host], image: str, emit: Emit) -> d
         )
         for host in hosts
     }
-    meters = {host.name: Meter(host.name, emit, total=size) for host in hosts}
     sent = dict.fromkeys(loads, 0)
-    broken: dict[str, str] = {}
+    # the image's size is what a node lacking every layer receives; others, less
+    meters = {name: Meter(name, emit, total=size if not held[name] else 0) for name in loads}
+
+    def counted(name: str) -> _Counted:
+        def on_sent(count: int) -> None:
+            sent[name] += count
+            meters[name].update(sent[name])
+
+        return _Counted(loads[name].stdin, on_sent)
+
     save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
-    while chunk := save.stdout.read(CHUNK):
-        for name, load in loads.items():
-            if name in broken:
-                continue
-            try:
-                load.stdin.write(chunk)
-            except (BrokenPipeError, OSError):
-                broken[name] = "the node's docker load ended early"
-                continue
-            sent[name] += len(chunk)
-            meters[name].update(sent[name], max(size, sent[name]))
+    outputs = {name: counted(name) for name in loads}
+    if any(held.values()):
+        skip = {name: set(layers[: held[name]]) - set(layers[held[name] :]) for name in loads}
+        broken = _rewrite(save.stdout, outputs, skip)
+    else:
+        broken = {}
+        while chunk := save.stdout.read(CHUNK):
+            for name, out in outputs.items():
+                if name not in broken:
+                    try:
+                        out.write(chunk)
+                    except OSError as exc:
+                        broken[name] = f"the connection ended early ({exc.strerror or exc})"
     failures = []
     for name, load in loads.items():
         try:
             load.stdin.close()
         except OSError:
             pass
+        load.stdin = None  # closed: communicate() must not flush it
         _, err = load.communicate(timeout=600)
         if load.returncode != 0:
-            last = (err.decode(errors="replace").strip().splitlines() or [broken.get(name, "")])[-1]
-            failures.append(f"on {name}: docker load of {image} failed: {last}")
+            lines = err.decode(errors="replace").strip().splitlines() or [broken.get(name, "")]
+            failures.append(f"on {name}: docker load of {image} failed: {lines[-1]}")
     if save.wait() != 0:
         raise UserError(f"docker save {image} failed on this machine", exit_code=1)
     if failures:
@@ -386,15 +525,34 @@ def ship(
     'registry' (refuse without one) or 'stream'."""
     image = image or inventory.training_image
     wanted = image_id(image)
+    reason = ""
     started = time.monotonic()
     held = node_images(inventory, image)
     lacking = [host for host in inventory.hosts if held[host.name] != wanted]
     shipment = Shipment(image, wanted, "", already=[n for n, i in held.items() if i == wanted])
     if not lacking:
         return shipment
-    registries, reason = (
-        ({}, "asked for the stream") if via == "stream" else find_registries(inventory)
-    )
+    if inventory.image_base_from_nodes:
+        # The nodes' own pull of the base leaves its layers under the base registry's digests,
+        # which the controller's registry cannot offer again: what lies above goes by stream.
+        base = base_of(image)
+        if not base:
+            raise UserError(
+                f"image_base_from_nodes: true, but {image} records no base image (label "
+                f"{BASE_LABEL})",
+                hint="make image BASE_IMAGE=... (it records the base), or "
+                "image_base_from_nodes: false",
+            )
+        emit(
+            f"Each of {', '.join(h.name for h in lacking)} pulls the base {base} itself "
+            "(image_base_from_nodes: true)..."
+        )
+        on_all(lacking, lambda host: engine_pull(inventory, host, base, emit))
+        via, reason = "stream", f"the base came from each node's own pull of {base}"
+    if via == "stream":
+        registries, reason = {}, reason or "asked for the stream"
+    else:
+        registries, reason = find_registries(inventory)
     if registries:
         shipment.via = "registry"
         emit(
@@ -412,8 +570,9 @@ def ship(
             raise UserError(f"no registry to ship {image} through: {reason}", exit_code=1)
         shipment.via, shipment.reason = "stream", reason
         emit(
-            f"Shipping {image} ({wanted[7:19]}) to {', '.join(h.name for h in lacking)} whole "
-            f"(docker save | ssh | docker load): {reason}."
+            f"Shipping {image} ({wanted[7:19]}) to {', '.join(h.name for h in lacking)} by "
+            f"stream (docker save | ssh | docker load, each node sent only the layers it "
+            f"lacks): {reason}."
         )
         received = stream(inventory, lacking, image, emit)
     shipment.received = received
@@ -436,7 +595,7 @@ def summary(shipment: Shipment) -> str:
         )
     each = ", ".join(f"{name} {human(size)}" for name, size in shipment.received.items())
     held = f"; {', '.join(shipment.already)} already held it" if shipment.already else ""
-    how = "through the registry" if shipment.via == "registry" else "streamed whole"
+    how = "through the registry" if shipment.via == "registry" else "by stream"
     return (
         f"Done: {shipment.image} ({shipment.image_id[7:19]}) on every node, {how} in "
         f"{_duration(shipment.seconds)} ({each}{held})."

@@ -137,3 +137,56 @@ def test_a_change_to_the_top_layer_sends_each_node_only_that_layer(provisioned, 
         for index in (1, 2):
             on_node(cluster, index, f"docker rmi {tag} >/dev/null 2>&1 || true")
         subprocess.run(["docker", "rmi", tag], capture_output=True, check=False)
+
+
+def test_with_the_base_pulled_by_the_nodes_only_the_layers_above_it_are_streamed(
+    provisioned, tmp_path
+):
+    """image_base_from_nodes: each node pulls the base itself (NVIDIA's on a real cluster; here
+    the controller's registry stands in for nvcr.io) and only the layers above it come from
+    the controller, by stream, since the node's pull keeps the base registry's digests."""
+    endpoint = f"{provisioned.cluster.config.mgmt_gateway}:5000"
+    suffix = uuid.uuid4().hex[:8]
+    base = f"{endpoint}/torch-multinode-test/base:{suffix}"
+    tag = f"torch-multinode-test/derived:{suffix}"
+    subprocess.run(["docker", "tag", TEST_IMAGE, base], check=True, capture_output=True)
+    (tmp_path / "change.bin").write_bytes(os.urandom(LAYER_BYTES))
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {base}\nLABEL {ship.BASE_LABEL}={base}\nCOPY change.bin /opt/change.bin\n"
+    )
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(
+        provisioned.inventory.read_text().replace(
+            f"training_image: {TEST_IMAGE}",
+            f"training_image: {tag}\n    image_base_from_nodes: true",
+        )
+    )
+    assert "image_base_from_nodes: true" in inventory.read_text()
+    cluster = provisioned.cluster
+    try:
+        pushed = subprocess.run(["docker", "push", base], capture_output=True, text=True)
+        assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+        subprocess.run(
+            ["docker", "build", "-q", "-t", tag, str(tmp_path)], check=True, capture_output=True
+        )
+        before = {index: _received(cluster, index) for index in (1, 2)}
+        shipped = _cli("ship", "-i", str(inventory))
+        after = {index: _received(cluster, index) for index in (1, 2)}
+        assert shipped.returncode == 0, shipped.stdout + shipped.stderr
+        lines = shipped.stdout.splitlines()
+        assert lines[0] == (
+            f"Each of node1, node2 pulls the base {base} itself (image_base_from_nodes: true)..."
+        )
+        assert any(
+            line.endswith(f"lacks): the base came from each node's own pull of {base}.")
+            for line in lines
+        ), shipped.stdout
+        for index in (1, 2):
+            moved = after[index] - before[index]
+            assert moved <= LAYER_BYTES + OVERHEAD, f"node{index}: {moved}\n{shipped.stdout}"
+            held = on_node(cluster, index, f"docker image inspect --format '{{{{.Id}}}}' {tag}")
+            assert held.strip() == ship.image_id(tag)
+    finally:
+        for index in (1, 2):
+            on_node(cluster, index, f"docker rmi {tag} {base} >/dev/null 2>&1 || true")
+        subprocess.run(["docker", "rmi", tag, base], capture_output=True, check=False)

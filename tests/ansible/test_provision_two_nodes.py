@@ -254,16 +254,17 @@ def test_while_a_job_runs_every_port_but_ssh_is_closed_from_outside_the_compute_
 
 def test_docker_runs_and_every_node_holds_the_controllers_image(provisioned, tiny_image):
     # Jobs of this inventory run on the hosts, so no registry was set up: the image was
-    # streamed whole, and `cluster ship` said so and why; the second time nothing moved.
+    # streamed, and `cluster ship` said so and why; the second time nothing moved.
     shipped = provisioned.shipped
     assert shipped.returncode == 0, shipped.stderr
     lines = shipped.stdout.splitlines()
     assert lines[0].startswith(f"Shipping {tiny_image} (")
     assert lines[0].endswith(
-        ") to node1, node2 whole (docker save | ssh | docker load): no registry is set up for "
+        ") to node1, node2 by stream (docker save | ssh | docker load, each node sent only the "
+        "layers it lacks): no registry is set up for "
         f"{provisioned.cluster.config.mgmt_gateway}:5000 (make provision sets it up)."
     )
-    assert lines[-1].startswith(f"Done: {tiny_image} (") and "streamed whole" in lines[-1]
+    assert lines[-1].startswith(f"Done: {tiny_image} (") and "by stream" in lines[-1]
     reshipped = provisioned.reshipped
     assert reshipped.returncode == 0, reshipped.stderr
     assert reshipped.stdout.startswith(f"Every node already holds {tiny_image} (")

@@ -3,7 +3,10 @@ registry names, and the reasons the stream is chosen. No network, no engine."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import tarfile
 
 import pytest
 
@@ -155,3 +158,93 @@ def test_the_registry_fields_are_checked(tmp_path, value, error):
     field = "image_registry" if error.count("image_registry'") else "image_registry_port"
     with pytest.raises(ship.UserError, match=error.replace("(", r"\(").replace(")", r"\)")):
         _inventory(tmp_path, **{field: value})
+
+
+def _archive(entries: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in entries.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _diff_id(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def test_each_node_is_sent_the_archive_less_the_layers_it_holds():
+    base, middle, top = b"base layer" * 10000, b"middle layer" * 3000, b"the changed top layer"
+    entries = {
+        "aaa/layer.tar": base,
+        "aaa/json": b"{}",
+        "bbb/layer.tar": middle,
+        "ccc/layer.tar": top,
+        "config.json": b'{"rootfs": "..."}',
+        "manifest.json": b"[]",
+    }
+    outputs = {name: io.BytesIO() for name in ("n1", "n2", "n3")}
+    sent = dict.fromkeys(outputs, 0)
+
+    def counted(name):
+        def on_sent(count):
+            sent[name] += count
+
+        return ship._Counted(outputs[name], on_sent)
+
+    skip = {
+        "n1": {_diff_id(base), _diff_id(middle)},  # holds the chain up to the top layer
+        "n2": {_diff_id(base)},
+        "n3": set(),  # holds nothing: everything
+    }
+    broken = ship._rewrite(
+        io.BytesIO(_archive(entries)), {name: counted(name) for name in outputs}, skip
+    )
+    assert broken == {}
+    received = {}
+    for name, out in outputs.items():
+        out.seek(0)
+        with tarfile.open(fileobj=out, mode="r") as tar:
+            received[name] = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        assert sent[name] == len(out.getvalue())
+    assert received["n3"] == entries
+    assert set(received["n2"]) == set(entries) - {"aaa/layer.tar"}
+    assert set(received["n1"]) == {"aaa/json", "ccc/layer.tar", "config.json", "manifest.json"}
+    assert received["n1"]["ccc/layer.tar"] == top
+    assert sent["n1"] < sent["n2"] < sent["n3"]
+
+
+def test_a_node_holds_the_longest_chain_any_of_its_images_shares(monkeypatch, tmp_path):
+    layers = ["sha256:a", "sha256:b", "sha256:c"]
+    answers = "\n".join(
+        [
+            json.dumps(["sha256:a", "sha256:x"]),  # shares one
+            json.dumps(["sha256:a", "sha256:b"]),  # the base: shares two
+            json.dumps(["sha256:b", "sha256:c"]),  # not from the bottom: none
+            "not json",
+        ]
+    )
+
+    class Finished:
+        returncode = 0
+
+        def communicate(self, timeout):
+            return answers, ""
+
+    monkeypatch.setattr(ship, "_on_node", lambda *a, **k: Finished())
+    inventory = _inventory(tmp_path)
+    assert ship.held_layers(inventory, inventory.hosts[0], layers) == 2
+    answers = ""
+    assert ship.held_layers(inventory, inventory.hosts[0], layers) == 0
+
+
+def test_the_base_is_read_from_the_images_oci_label(monkeypatch):
+    replies = iter(["nvcr.io/nvidia/pytorch:25.12-py3\n", "<no value>\n"])
+    monkeypatch.setattr(
+        ship.subprocess,
+        "run",
+        lambda command, **k: ship.subprocess.CompletedProcess(command, 0, next(replies), ""),
+    )
+    assert ship.base_of("img") == "nvcr.io/nvidia/pytorch:25.12-py3"
+    assert ship.base_of("img") == ""
