@@ -69,7 +69,9 @@ provision: $(STAMP)
 	$(BIN)/cluster image -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
 	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml \
 		$(if $(strip $(GROUP)),-e node_group=$(GROUP)) $(ANSIBLE_ARGS)
-	$(BIN)/cluster ship -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
+	$(if $(filter --check -C --tags -t,$(ANSIBLE_ARGS)),@echo "Not shipping the training image \
+	(ANSIBLE_ARGS has --check or --tags): make ship INVENTORY=$(INVENTORY) does it.",\
+	$(BIN)/cluster ship -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)))
 
 .PHONY: ship  ## ship INVENTORY's training image to its nodes (by layers through the controller's registry)
 ship: $(STAMP)

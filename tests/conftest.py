@@ -34,6 +34,7 @@ _GROUPS = {
     "tests/docker/": "image",  # the training image, built once
     "tests/test_end_to_end.py": "image",  # and the cluster provisioned with it, once
     "tests/test_projects_in_containers.py": "image",
+    "tests/test_image_shipping.py": "image",  # layers through the registry, on that cluster
     "tests/launch/test_slurm_jobs.py": "image",  # Slurm on that provisioned cluster
     "tests/training/test_fsdp_cluster.py": "image",
     "tests/test_bootstrap.py": "image",  # fresh nodes provisioned with that image
