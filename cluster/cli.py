@@ -228,9 +228,16 @@ def run(args: argparse.Namespace) -> int:
             tag = inventory.training_image
             if kind == "auto":
                 kind = "cuda" if any(h.gpus > 0 for h in inventory.hosts) else "cpu"
-        built = images.build(kind, tag, progress=_progress, base_image=args.base_image or None)
+            sim.require_engine()  # the build's first need, checked before the nodes are asked
+            platform = _nodes_platform(inventory)
+        else:
+            platform = None  # this machine's own, as its engine builds by default
+        built = images.build(
+            kind, tag, progress=_progress, base_image=args.base_image or None, platform=platform
+        )
         done = "Up to date:" if built.up_to_date else f"Built in {built.seconds:.0f} s:"
-        print(f"{built.tag} ({built.kind}, {built.image_id[:19]}). {done}")
+        pinned = f", {platform}" if platform else ""
+        print(f"{built.tag} ({built.kind}{pinned}, {built.image_id[:19]}). {done}")
         for name, version in images.versions(built.tag, gpus=images.gpu_present()).items():
             print(f"  {name}: {version}")
         return 0
@@ -302,6 +309,20 @@ def run(args: argparse.Namespace) -> int:
     for container, ip, running in nodes:
         print(f"{container}  ssh {ip}  {'running' if running else 'stopped'}")
     return 0
+
+
+def _nodes_platform(inventory) -> str:
+    """The Docker platform the inventory's nodes share, asked over SSH (cluster.images)."""
+    from cluster import images
+    from cluster.execution import SshNodes
+
+    nodes = SshNodes(inventory)
+    try:
+        platform = images.nodes_platform(inventory.hosts, nodes)
+    finally:
+        nodes.close()
+    _progress(f"The {len(inventory.hosts)} node(s) run {platform}: the image is built for it.")
+    return platform
 
 
 def slots(host) -> int:

@@ -65,9 +65,10 @@ class FakeLauncher:
         raise Reached("launcher")
 
 
-def fake_build(kind: str, tag: str, progress=None, base_image=None) -> None:
+def fake_build(kind: str, tag: str, progress=None, base_image=None, platform=None) -> None:
     assert kind in ("auto", "cpu", "cuda") and is_word(tag)
     assert base_image is None or is_word(base_image)
+    assert platform is None or platform.startswith("linux/")
     raise Reached("docker build")
 
 
