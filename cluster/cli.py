@@ -80,6 +80,25 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     data.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
     data.add_argument("source", nargs="?", help="the dataset directory (make data SRC=dir)")
+    ship = commands.add_parser(
+        "ship",
+        help="bring the training image to every node that lacks the controller's image ID",
+        description="Ship the inventory's training image to its nodes: through the controller's "
+        "registry (set up by make provision; each node fetches only the layers it lacks, all "
+        "nodes at once), or, when no registry answers, streamed (docker save | ssh | "
+        "docker load), which is said with the reason. A line per node every few seconds tells "
+        "how far it has come; at the end every node holds the controller's image ID.",
+    )
+    ship.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    ship.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
+    ship.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+    ship.add_argument("--image", help="ship this image instead of the inventory's training_image")
+    ship.add_argument(
+        "--via",
+        choices=("auto", "registry", "stream"),
+        default="auto",
+        help="auto (default): the registry when it answers, else the stream",
+    )
 
     hostfile = commands.add_parser(
         "hostfile",
@@ -244,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.command == "data":
         return _data(args)
+    if args.command == "ship":
+        return _ship(args)
     if args.command == "bootstrap":
         return _bootstrap(args)
     if args.command in ("queue", "cancel"):
@@ -402,6 +423,20 @@ def _bootstrap(args: argparse.Namespace) -> int:
         f"All {len(outcome.nodes)} node(s) take key login and passwordless sudo. Next: "
         f"make provision INVENTORY={inventory.path}"
     )
+    return 0
+
+
+def _ship(args: argparse.Namespace) -> int:
+    from cluster import ship
+
+    inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
+    if inventory.launch_mode != "container" and args.image is None:
+        print(f"Jobs of {inventory.path} run on the hosts (launch_mode: host): no image to ship.")
+        return 0
+    if args.image is not None and not is_word(args.image):
+        raise UserError(f"--image {shown(args.image)} is not an image name")
+    shipment = ship.ship(inventory, args.image, args.via, lambda line: print(line, flush=True))
+    print(ship.summary(shipment))
     return 0
 
 

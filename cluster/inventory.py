@@ -723,7 +723,9 @@ def _subnet(value, where: str) -> ipaddress.IPv4Network:
 def _boolean(values: dict, field: str, default: bool, where: str) -> bool:
     value = values.get(field, default)
     if not isinstance(value, bool):
-        raise UserError(f"{where}: cluster field '{field}': {shown(value)} is neither true nor false")
+        raise UserError(
+            f"{where}: cluster field '{field}': {shown(value)} is neither true nor false"
+        )
     return value
 
 

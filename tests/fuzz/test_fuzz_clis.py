@@ -25,7 +25,7 @@ import cluster.cli
 import launch.cli
 import netcheck.cli
 import netcheck.envfile  # noqa: F401 - the same, for netcheck
-from cluster import bootstrap, images, sim, sync
+from cluster import bootstrap, images, ship, sim, sync
 from cluster.inventory import Inventory, is_word
 from launch import restarts
 from launch.spec import JobSpec
@@ -79,6 +79,12 @@ def fake_bootstrap(inventory: Inventory, prompter, say, fingerprints=None, disab
     raise Reached("bootstrap")
 
 
+def fake_ship(inventory, image=None, via="auto", emit=print):
+    assert via in ("auto", "registry", "stream") and (image is None or is_word(image))
+    assert inventory.hosts
+    raise Reached("ship")
+
+
 def no_engine() -> None:
     raise Reached("docker engine")
 
@@ -94,6 +100,13 @@ def seams(monkeypatch, tmp_path) -> Path:
     monkeypatch.setattr(sim, "require_engine", no_engine)
     # A project is listed as a plain directory, not by asking git (a process of its own).
     monkeypatch.setattr(sync, "_git", lambda root, *args: None)
+    monkeypatch.setattr(ship, "ship", fake_ship)
+    # An inventory directory is read by ansible-core, whose first import opens /dev/null for
+    # writing: imported here, outside the guard, so that is not taken for the CLI writing.
+    import ansible.inventory.manager  # noqa: F401
+    import ansible.parsing.dataloader  # noqa: F401
+    import ansible.vars.manager  # noqa: F401
+
     return tmp_path
 
 
@@ -266,6 +279,14 @@ CLUSTER = st.one_of(
     command_line(words("sim", "status"), SIM_OPTIONS),
     command_line(inventory_option.map(lambda found: ["hostfile", *found]), [option("-n", numbers)]),
     command_line(
+        inventory_option.map(lambda found: ["ship", *found]),
+        [
+            option("-n", numbers),
+            option("--image", st.one_of(st.sampled_from(["t:1", "a b", ""]), any_text)),
+            option("--via", st.sampled_from(["auto", "registry", "stream", "fast"])),
+        ],
+    ),
+    command_line(
         inventory_option.map(lambda found: ["bootstrap", *found]),
         [option("--fingerprints", paths), words("--disable-password-login")],
     ),
@@ -278,6 +299,7 @@ KNOWN_WORDS = [
     "down",
     "status",
     "bootstrap",
+    "ship",
     "-i",
     "-n",
     "--help",
