@@ -180,12 +180,23 @@ def torch_refusal(reported: str, base_image: str | None) -> UserError | None:
     return UserError(problem, hint=hint, exit_code=1)
 
 
+# The OCI annotation of the image a build started from: set when that is a registry's image
+# (BASE_IMAGE=), which nodes may pull themselves (inventory image_base_from_nodes, cluster.ship).
+BASE_LABEL = "org.opencontainers.image.base.name"
+
+
 def label_command(
-    image_id: str, tag: str, torch: str, made_from: str, platform: str | None = None
+    image_id: str,
+    tag: str,
+    torch: str,
+    made_from: str,
+    platform: str | None = None,
+    base_image: str | None = None,
 ) -> tuple[list[str], str]:
-    """The `docker build` that puts the torch and recipe labels on a built image, and the
-    Dockerfile it reads on stdin: no context is sent, and a rebuild with the same labels is a
-    cache hit. With `platform`, pinned to it as the image's own build was."""
+    """The `docker build` that puts the torch and recipe labels on a built image (and, built on
+    BASE_IMAGE, the name of that base), and the Dockerfile it reads on stdin: no context is
+    sent, and a rebuild with the same labels is a cache hit. With `platform`, pinned to it as
+    the image's own build was."""
     command = [
         "docker",
         "build",
@@ -195,6 +206,7 @@ def label_command(
         f"{TORCH_LABEL}={torch}",
         "--label",
         f"{RECIPE_LABEL}={made_from}",
+        *(["--label", f"{BASE_LABEL}={base_image}"] if base_image else []),
         "-t",
         tag,
         "-",
@@ -207,10 +219,17 @@ def torch_label(tag: str) -> str:
     return image_label(tag, TORCH_LABEL)
 
 
-def label(image_id: str, tag: str, torch: str, made_from: str, platform: str | None = None) -> str:
+def label(
+    image_id: str,
+    tag: str,
+    torch: str,
+    made_from: str,
+    platform: str | None = None,
+    base_image: str | None = None,
+) -> str:
     """Label `image_id` with the torch it carries and its recipe, under `tag`; the labelled
     image's id."""
-    command, dockerfile = label_command(image_id, tag, torch, made_from, platform)
+    command, dockerfile = label_command(image_id, tag, torch, made_from, platform, base_image)
     proc = subprocess.run(command, input=dockerfile, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
@@ -463,7 +482,7 @@ def build(
     if refusal is not None:
         docker("rmi", tag, check=False)
         raise refusal
-    image_id = label(_image_id(tag), tag, reported, made_from, platform)
+    image_id = label(_image_id(tag), tag, reported, made_from, platform, base_image)
     return BuiltImage(tag, kind, image_id, time.monotonic() - started, reported)
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster import images
 from cluster.errors import UserError
 from cluster.inventory import Host, Inventory
 from cluster.remote import on_all
@@ -217,14 +218,15 @@ def _on_node(inventory: Inventory, host: Host, command: str, **kwargs) -> subpro
     )
 
 
-def node_images(inventory: Inventory, image: str) -> dict[str, str]:
-    """Each node's ID for `image` ('' where it has none)."""
+def node_images(inventory: Inventory, image: str) -> dict[str, tuple[str, str]]:
+    """Each node's ID for `image` ('' where it has none) and its machine's architecture."""
 
-    def one(host: Host) -> str:
-        command = f"{_sudo(host)}docker image inspect --format '{{{{.Id}}}}' {shlex.quote(image)}"
-        process = _on_node(inventory, host, command)
+    def one(host: Host) -> tuple[str, str]:
+        inspect = f"{_sudo(host)}docker image inspect --format '{{{{.Id}}}}' {shlex.quote(image)}"
+        process = _on_node(inventory, host, f"uname -m; {inspect} 2>/dev/null || true")
         out, _ = process.communicate(timeout=ENGINE_TIMEOUT + 30)
-        return out.strip() if process.returncode == 0 else ""
+        lines = out.split()
+        return (lines[1] if len(lines) > 1 else "", lines[0] if lines else "")
 
     return on_all(inventory.hosts, one)
 
@@ -340,7 +342,7 @@ def pull(inventory: Inventory, host: Host, image: str, registry: Registry, emit:
     return engine_pull(inventory, host, reference, emit, then=retag)
 
 
-BASE_LABEL = "org.opencontainers.image.base.name"
+BASE_LABEL = images.BASE_LABEL
 
 
 def base_of(image: str) -> str:
@@ -527,11 +529,25 @@ def ship(
     wanted = image_id(image)
     reason = ""
     started = time.monotonic()
-    held = node_images(inventory, image)
+    found = node_images(inventory, image)
+    held = {name: identity for name, (identity, _) in found.items()}
     lacking = [host for host in inventory.hosts if held[host.name] != wanted]
     shipment = Shipment(image, wanted, "", already=[n for n, i in held.items() if i == wanted])
     if not lacking:
         return shipment
+    platform = images.platform_of(images.image_architecture(image))
+    for host in lacking:
+        architecture = found[host.name][1]
+        if not architecture:
+            raise UserError(
+                f"{host.name} did not answer over SSH", hint="make netcheck", exit_code=1
+            )
+        if images.platform_of(architecture) != platform:
+            raise UserError(
+                f"{image} is built for {platform}, but {host.name} is "
+                f"{images.platform_of(architecture)}",
+                hint=f"make provision INVENTORY={inventory.path} (it builds for the nodes' platform)",
+            )
     if inventory.image_base_from_nodes:
         # The nodes' own pull of the base leaves its layers under the base registry's digests,
         # which the controller's registry cannot offer again: what lies above goes by stream.
@@ -576,7 +592,7 @@ def ship(
         )
         received = stream(inventory, lacking, image, emit)
     shipment.received = received
-    after = node_images(inventory, image)
+    after = {name: identity for name, (identity, _) in node_images(inventory, image).items()}
     for host in lacking:
         if after[host.name] != wanted:
             raise UserError(

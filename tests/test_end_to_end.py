@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster import images
 from cluster.sim import docker
 from tests.conftest import REPO_ROOT, make
 
@@ -49,8 +51,12 @@ def test_provision_then_train_then_netcheck_in_the_image_on_fresh_nodes(
 def _provision_builds_and_ships_the_image(cluster, provision, training_image) -> None:
     assert provision.returncode == 0, provision.stdout[-4000:] + provision.stderr[-2000:]
     # The fixture built the image; provisioning finds it made from the same recipe and ships it.
-    assert f"{training_image.tag} (cpu, {training_image.image_id[:19]}). Up to date:" in (
-        provision.stdout
+    # Built for the nodes' platform, asked over SSH (the simulated nodes are this machine's).
+    pinned = images.platform_of(platform.machine())
+    assert f"The 2 node(s) run {pinned}: the image is built for it." in provision.stderr
+    assert (
+        f"{training_image.tag} (cpu, {pinned}, {training_image.image_id[:19]}). Up to date:"
+        in provision.stdout
     )
     controller_image = docker("image", "inspect", "--format", "{{.Id}}", training_image.tag)
     for index in (1, 2):

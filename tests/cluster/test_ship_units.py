@@ -248,3 +248,33 @@ def test_the_base_is_read_from_the_images_oci_label(monkeypatch):
     )
     assert ship.base_of("img") == "nvcr.io/nvidia/pytorch:25.12-py3"
     assert ship.base_of("img") == ""
+
+
+def test_a_node_of_another_architecture_is_refused_before_anything_moves(monkeypatch, tmp_path):
+    inventory = _inventory(tmp_path)
+    monkeypatch.setattr(ship, "image_id", lambda image: "sha256:" + "a" * 64)
+    monkeypatch.setattr(
+        ship, "node_images", lambda inv, image: {"n1": ("", "x86_64"), "n2": ("", "aarch64")}
+    )
+    monkeypatch.setattr(ship.images, "image_architecture", lambda image: "amd64")
+    moved = []
+    monkeypatch.setattr(ship, "find_registries", lambda inv: moved.append("asked") or ({}, ""))
+    with pytest.raises(ship.UserError) as refused:
+        ship.ship(inventory, "t:1", emit=moved.append)
+    assert refused.value.line() == (
+        "Error: t:1 is built for linux/amd64, but n2 is linux/arm64 (try make provision "
+        f"INVENTORY={inventory.path} (it builds for the nodes' platform))"
+    )
+    assert moved == []
+
+
+def test_nodes_that_hold_the_image_are_left_alone(monkeypatch, tmp_path):
+    inventory = _inventory(tmp_path)
+    wanted = "sha256:" + "a" * 64
+    monkeypatch.setattr(ship, "image_id", lambda image: wanted)
+    monkeypatch.setattr(
+        ship, "node_images", lambda inv, image: {"n1": (wanted, "x86_64"), "n2": (wanted, "x86_64")}
+    )
+    shipment = ship.ship(inventory, "t:1", emit=pytest.fail)
+    assert (shipment.via, shipment.already) == ("", ["n1", "n2"])
+    assert ship.summary(shipment) == "Every node already holds t:1 (aaaaaaaaaaaa): nothing sent."

@@ -121,6 +121,14 @@ def test_the_label_step_records_the_torch_the_image_reported():
     ]
     assert dockerfile == "FROM sha256:abc\n"
     assert TORCH_LABEL == "io.torch-multinode.torch"
+    # built on a registry's image (BASE_IMAGE=), the base is recorded for nodes that pull it
+    on_base, _ = images.label_command(
+        "sha256:abc", "tmn/train:x", "2.14.1", "f00d", base_image="nvcr.io/nvidia/pytorch:25.12-py3"
+    )
+    assert on_base[-5:-3] == [
+        "--label",
+        "org.opencontainers.image.base.name=nvcr.io/nvidia/pytorch:25.12-py3",
+    ]
 
 
 @pytest.mark.sim
