@@ -13,6 +13,7 @@ from pathlib import Path
 from bench import measure, report
 from cluster import sim
 from cluster.errors import ArgumentParser, UserError, at_the_edge
+from cluster.inventory import load
 
 SECTIONS = (
     "provision",
@@ -24,6 +25,7 @@ SECTIONS = (
     "editloop",
     "slurm",
     "fsdp",
+    "image",
 )
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
 SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
@@ -62,6 +64,18 @@ def parser() -> argparse.ArgumentParser:
         help="tiny workloads: checks every path in minutes; figures not meaningful",
     )
     p.add_argument(
+        "--training-image",
+        default=None,
+        help="the image of the sections with jobs in containers (editloop, image; default: "
+        "the inventory's training_image, built if missing)",
+    )
+    p.add_argument(
+        "--image-reps",
+        type=int,
+        default=1,
+        help="repetitions of the image section's first shipments, about 4 GB each (default: 1)",
+    )
+    p.add_argument(
         "--subnet-octet",
         type=int,
         default=61,
@@ -80,6 +94,10 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         )
     if not 1 <= args.reps <= 20:
         raise UserError(f"--reps {args.reps} is not between 1 and 20", hint="--reps 3")
+    if not 1 <= args.image_reps <= 20:
+        raise UserError(
+            f"--image-reps {args.image_reps} is not between 1 and 20", hint="--image-reps 1"
+        )
     if not 1 <= args.subnet_octet <= 254:
         raise UserError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
     sim.require_engine()
@@ -126,13 +144,19 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
             )
         if "launcher" in only:
             data["launcher"] = measure.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
+        containers = None  # 2 nodes provisioned for jobs in containers, once for both
+        if {"editloop", "image"} & set(only):
+            containers = measure.provision_containers(inventory, args.training_image, progress)
         if "editloop" in only:
-            data["edit_loop"] = measure.measure_edit_loop(inventory, args.reps, progress)
+            data["edit_loop"] = measure.measure_edit_loop(containers, args.reps, progress)
         if "slurm" in only:
             data["slurm"] = measure.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
         if "fsdp" in only:
             steps = FSDP_STEPS_QUICK if args.quick else FSDP_STEPS
             data["fsdp"] = measure.measure_fsdp(inventory, steps, args.reps, progress)
+        if "image" in only:
+            image = load(containers).training_image
+            data["image"] = measure.measure_image(containers, image, args.image_reps, progress)
     finally:
         sim.down(config)
     data["minutes"] = (time.monotonic() - started) / 60

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cluster.sync import human
 from netcheck.report import human_bytes
 
 FIXED_LEVERS = ("none", "fp16", "bf16", "powersgd", "no_sync")
@@ -32,6 +33,16 @@ TARGETS = {
     ),
     "fsdp_vs_ddp": ("FSDP2 / DDP tokens/s, the same GPT on 2 nodes", "(no target)"),
     "slurm": ("make train through Slurm / through the SSH launcher, time to first step", "<= 1.25"),
+    "image_first_shipment": (
+        "first shipment of the training image to 2 nodes, time through the registry / "
+        "streamed whole (docker save into docker load over SSH)",
+        "(no target)",
+    ),
+    "image_top_layer": (
+        "bytes a node received after a change to the image's top layer / the whole image "
+        "(the node's network counters, the larger of 2 nodes)",
+        "(no target)",
+    ),
 }
 
 
@@ -73,6 +84,10 @@ def figures(data: dict) -> dict[str, float | None]:
     if data.get("fsdp"):
         found["fsdp_bytes"] = _median(data["fsdp"]["fsdp_bytes_ratio"])
         found["fsdp_vs_ddp"] = _median(data["fsdp"]["tokens_ratio"])
+    image = data.get("image")
+    if image:
+        found["image_first_shipment"] = _median(image["ratio"])
+        found["image_top_layer"] = max(image["top_layer"]["rx_over_image"].values())
     if data.get("edit_loop"):
         found["edit_kilobytes"] = _median(data["edit_loop"]["edit_bytes_per_node"]) / 1000
     return found
@@ -111,7 +126,7 @@ def markdown(data: dict) -> str:
     ]
     for key, (text, target) in TARGETS.items():
         value = found[key]
-        shown = "-" if value is None else f"{value:.2f}"
+        shown = "-" if value is None else f"{value:.2f}" if abs(value) >= 0.01 else f"{value:.5f}"
         lines.append(f"| {text} | {shown} | {target} | {meets(key, value)} |")
     bandwidth = data.get("bandwidth")
     if bandwidth:
@@ -261,7 +276,66 @@ def markdown(data: dict) -> str:
             f"{_spread(fsdp['ddp_bytes_ratio'], '{:.3f}')}",
             f"- tokens/s ratio: {_spread(fsdp['tokens_ratio'], '{:.2f}')}",
         ]
+    if data.get("image"):
+        lines += image_lines(data["image"])
     return "\n".join(lines) + "\n"
+
+
+def _per_node(values: dict[str, int]) -> str:
+    return ", ".join(f"{node} {value:,} B ({human(value)})" for node, value in values.items())
+
+
+def image_lines(image: dict) -> list[str]:
+    """Section 10: the image's first shipment both ways, and a change to its top layer."""
+    registry, stream, top = image["registry_runs"], image["stream_runs"], image["top_layer"]
+    n = len(registry)
+    lines = [
+        "",
+        "## 10. Shipping the training image (2 nodes, jobs in containers)",
+        "",
+        f"`{image['image']}`, {image['image_bytes']:,} bytes ({human(image['image_bytes'])})"
+        " unpacked. First shipment: the image removed from both nodes (`docker rmi -f`, "
+        "`docker image prune -f`) and, for the registry, from the registry's storage, then "
+        "`cluster ship`'s own code (`ship.ship`) with `via=registry` (push, then both nodes "
+        "pull at once) and with `via=stream` (one `docker save` written into `docker load` on "
+        f"both nodes over SSH), {n} time(s) each, order {', '.join(image['order'])} "
+        "(alternating when repeated). Wall time from the call to every node holding the "
+        "controller's image ID.",
+        "",
+        "| | through the registry | streamed whole |",
+        "|---|---|---|",
+        f"| seconds | {_spread(image['registry_seconds'], '{:.0f}')} | "
+        f"{_spread(image['stream_seconds'], '{:.0f}')} |",
+    ]
+    for rep, (through, whole) in enumerate(zip(registry, stream, strict=False)):
+        lines += [
+            f"| rep {rep + 1}: bytes per node, as the shipment counted them | "
+            f"{_per_node(through['received'])} | {_per_node(whole['received'])} |",
+            f"| rep {rep + 1}: bytes per node, its network counters | "
+            f"{_per_node(through['rx_bytes'])} | {_per_node(whole['rx_bytes'])} |",
+        ]
+    lines += [
+        "",
+        f"- ratio, registry / stream: {_spread(image['ratio'], '{:.2f}')} (lower is better)",
+        "",
+        f"A change to the image's top layer (one new file of random bytes on top, a rebuild "
+        f"after an edit to the Dockerfile's last step): layer {top['layer_bytes']:,} bytes, "
+        f"image {top['image_bytes']:,} bytes, shipped {top['via'] or 'nowhere'} "
+        f"{('(' + top['reason'] + ') ') if top['reason'] else ''}in {top['seconds']:.1f} s.",
+        "",
+        "| node | received (network counters) | counted by the shipment | / whole image "
+        "| / the layer |",
+        "|---|---|---|---|---|",
+    ]
+    for node, value in top["rx_bytes"].items():
+        counted = top["received"].get(node, 0)
+        lines.append(
+            f"| {node} | {value:,} | {counted:,} | {value / top['image_bytes']:.5f} | "
+            f"{value / top['layer_bytes']:.2f} |"
+            if top["layer_bytes"]
+            else "- |"
+        )
+    return lines
 
 
 def plots(data: dict, directory: Path) -> list[Path]:

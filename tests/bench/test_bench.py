@@ -101,6 +101,46 @@ def bench_data() -> dict:
             "ssh_seconds": spread(10, 10, 10),
             "ratio": spread(1.2, 1.3, 1.2),
         },
+        "image": image_section(),
+    }
+
+
+def image_section() -> dict:
+    whole, layer = 3_980_000_000, 1_049_000
+    nodes = ("node1", "node2")
+    return {
+        "image": "torch-multinode/train:test",
+        "image_bytes": whole - layer,
+        "order": ["stream", "registry"],
+        "registry_seconds": spread(180.0),
+        "stream_seconds": spread(240.0),
+        "ratio": spread(0.75),
+        "registry_runs": [
+            {
+                "seconds": 180.0,
+                "received": dict.fromkeys(nodes, 2_200_000_000),
+                "rx_bytes": dict.fromkeys(nodes, 2_260_000_000),
+                "registry_bytes_forgotten": 2_200_000_000,
+            }
+        ],
+        "stream_runs": [
+            {
+                "seconds": 240.0,
+                "received": dict.fromkeys(nodes, 3_990_000_000),
+                "rx_bytes": dict.fromkeys(nodes, 4_100_000_000),
+                "registry_bytes_forgotten": 0,
+            }
+        ],
+        "top_layer": {
+            "via": "registry",
+            "reason": "",
+            "seconds": 4.2,
+            "image_bytes": whole,
+            "layer_bytes": layer,
+            "received": {"node1": 1_049_100, "node2": 1_049_100},
+            "rx_bytes": {"node1": 1_200_000, "node2": 1_300_000},
+            "rx_over_image": {"node1": 1_200_000 / whole, "node2": 1_300_000 / whole},
+        },
     }
 
 
@@ -208,6 +248,10 @@ def test_a_partial_run_reports_what_it_measured(tmp_path):
         (["--only", "scaling,speed"], "Error: --only speed: not a section (try one or more of "),
         (["--reps", "0"], "Error: --reps 0 is not between 1 and 20 (try --reps 3)"),
         (["--subnet-octet", "300"], "Error: --subnet-octet 300 is not between 1 and 254"),
+        (
+            ["--only", "image", "--image-reps", "0"],
+            "Error: --image-reps 0 is not between 1 and 20 (try --image-reps 1)",
+        ),
         (["--reps", "x"], "Error: argument --reps: invalid int value: 'x' (try bench --help)"),
     ],
 )
@@ -240,3 +284,87 @@ def test_side_by_side_alternates_which_measurement_goes_first():
     assert order == ["theirs", "ours", "ours", "theirs", "theirs", "ours"]
     assert (first, second) == ([2.0] * 3, [1.0] * 3)
     assert said == [(0, 2.0, 1.0), (1, 2.0, 1.0), (2, 2.0, 1.0)]
+
+
+def test_a_nodes_received_bytes_leave_loopback_out():
+    listing = "docker0 70\neth0 1000\neth1 2345\nlo 999999\n"
+    assert measure.rx_bytes(listing) == 70 + 1000 + 2345
+    assert measure.rx_bytes("") == 0
+
+
+def test_the_top_layer_change_is_a_tag_of_the_same_repository():
+    assert measure.repository_of("torch-multinode/train:test") == "torch-multinode/train"
+    assert measure.repository_of("train") == "train"
+    assert measure.repository_of("127.0.0.1:5000/a/b") == "127.0.0.1:5000/a/b"
+    assert measure.derived_tag("torch-multinode/train:test") == (
+        f"torch-multinode/train:{measure.TOP_LAYER_TAG}"
+    )
+
+
+def _repository(storage, name: str, layers: list[str], manifests: list[str]) -> None:
+    for kind, digests in (("_layers", layers), ("_manifests/revisions", manifests)):
+        for digest in digests:
+            link = storage / "repositories" / name / kind / "sha256" / digest / "link"
+            link.parent.mkdir(parents=True)
+            link.write_text(f"sha256:{digest}")
+    (storage / "repositories" / name / "_manifests" / "tags" / "test").mkdir(parents=True)
+
+
+def test_the_registry_forgets_a_repository_and_only_the_blobs_no_other_one_links(tmp_path):
+    storage = tmp_path / "v2"
+    for digest in ("aa11", "bb22", "cc33", "dd44", "ee55"):
+        blob = storage / "blobs" / "sha256" / digest[:2] / digest / "data"
+        blob.parent.mkdir(parents=True)
+        blob.write_bytes(b"x")
+    _repository(storage, "torch-multinode/train", ["aa11", "bb22", "cc33"], ["dd44", "ff66"])
+    _repository(storage, "other/small", ["bb22"], ["ee55"])
+    blobs = storage / "blobs" / "sha256"
+    assert measure.registry_files(storage, "torch-multinode/train") == [
+        storage / "repositories" / "torch-multinode" / "train",
+        blobs / "aa" / "aa11",
+        blobs / "cc" / "cc33",
+        blobs / "dd" / "dd44",  # ff66 is linked but was never stored: nothing to delete
+    ]
+    assert measure.registry_files(storage, "never/pushed") == []
+
+
+def test_the_bench_waits_only_for_other_clusters_registries():
+    names = [
+        "torch-multinode-registry-172-30-150-1-5000.yml",
+        "torch-multinode-registry-172-30-200-1-5001.yml",
+        "ca.yml",
+    ]
+    assert measure.registry_endpoints(names) == {"172.30.150.1:5000", "172.30.200.1:5001"}
+    ss = (
+        "0 0 172.30.150.1:5000 172.30.150.11:44978\n"
+        "0 0 172.30.200.1:39000 172.30.200.1:5001\n"
+        "0 0 10.0.0.2:22 10.0.0.9:50000\n"
+    )
+    assert measure.connections_to(ss, {"172.30.150.1:5000"}) == 1
+    assert measure.connections_to(ss, {"172.30.150.1:5000", "172.30.200.1:5001"}) == 2
+    assert measure.connections_to(ss, {"172.30.1.1:5000"}) == 0
+
+
+def test_the_image_figures_set_the_first_shipment_and_a_top_layer_change_side_by_side(tmp_path):
+    found = report.figures(bench_data())
+    assert found["image_first_shipment"] == pytest.approx(0.75)
+    assert found["image_top_layer"] == pytest.approx(1_300_000 / 3_980_000_000)
+    assert report.meets("image_first_shipment", 0.75) == ""
+    report.write(bench_data(), tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert (
+        "| first shipment of the training image to 2 nodes, time through the registry / streamed "
+        "whole (docker save into docker load over SSH) | 0.75 | (no target) |  |" in text
+    )
+    assert (
+        "the whole image (the node's network counters, the larger of 2 nodes) | 0.00033 |" in text
+    )
+    assert "## 10. Shipping the training image (2 nodes, jobs in containers)" in text
+    assert "| seconds | 180 (180 to 180, n=1) | 240 (240 to 240, n=1) |" in text
+    assert "order stream, registry" in text
+    assert "| node2 | 1,300,000 | 1,049,100 | 0.00033 | 1.24 |" in text
+    assert "- ratio, registry / stream: 0.75 (0.75 to 0.75, n=1) (lower is better)" in text
+    assert (
+        "| rep 1: bytes per node, its network counters | node1 2,260,000,000 B (2.3 GB), node2 "
+        "2,260,000,000 B (2.3 GB) | node1 4,100,000,000 B (4.1 GB)" in text
+    )
