@@ -100,7 +100,7 @@ tensorboard: $(STAMP)
 	@test -d ".runs/$(RUN)" || { echo "Error: .runs/$(RUN) does not exist (try ls .runs)"; exit 2; }
 	$(BIN)/tensorboard --logdir ".runs/$(RUN)"
 
-.PHONY: bench  ## benchmarks on fresh simulated nodes: bench-results/bench.md, .json, plots (~20 min)
+.PHONY: bench  ## benchmarks on fresh simulated nodes: bench-results/bench.md, .json, plots (~35 min)
 bench: $(STAMP)
 	$(BIN)/bench $(BENCH_ARGS)
 
