@@ -295,9 +295,9 @@ def push(image: str, registry: Registry, emit: Emit) -> int:
             meter.update(progress.done, progress.total, phase)
         stderr = process.stderr.read()
         if process.wait() != 0 or progress.error:
+            last = progress.error or (stderr.strip().splitlines() or ["no reason given"])[-1]
             raise UserError(
-                f"pushing {image} to the registry on {registry.endpoint} failed: "
-                f"{progress.error or stderr.strip().splitlines()[-1:] or 'no reason given'}",
+                f"pushing {image} to the registry on {registry.endpoint} failed: {last}",
                 exit_code=1,
             )
     finally:
@@ -576,20 +576,19 @@ def ship(
             f"the registry on {', '.join(sorted({r.endpoint for r in registries.values()}))}: "
             "each node fetches only the layers it lacks."
         )
-        for registry in sorted(set(registries.values()), key=lambda r: r.endpoint):
-            push(image, registry, emit)
-        received = on_all(
-            lacking, lambda host: pull(inventory, host, image, registries[host.name], emit)
-        )
+        received, failed = _through_registries(inventory, lacking, image, registries, emit)
+        if failed and via == "registry":
+            raise UserError(next(iter(failed.values())), exit_code=1)
+        if failed:  # what the registry could not bring goes by stream, said so
+            shipment.reason = "; ".join(failed.values())
+            late = [host for host in lacking if host.name in failed]
+            _say_stream(emit, image, wanted, late, f"the registry failed them: {shipment.reason}")
+            received.update(stream(inventory, late, image, emit))
     else:
         if via == "registry":
             raise UserError(f"no registry to ship {image} through: {reason}", exit_code=1)
         shipment.via, shipment.reason = "stream", reason
-        emit(
-            f"Shipping {image} ({wanted[7:19]}) to {', '.join(h.name for h in lacking)} by "
-            f"stream (docker save | ssh | docker load, each node sent only the layers it "
-            f"lacks): {reason}."
-        )
+        _say_stream(emit, image, wanted, lacking, reason)
         received = stream(inventory, lacking, image, emit)
     shipment.received = received
     after = {name: identity for name, (identity, _) in node_images(inventory, image).items()}
@@ -602,6 +601,42 @@ def ship(
             )
     shipment.seconds = time.monotonic() - started
     return shipment
+
+
+def _say_stream(emit: Emit, image: str, wanted: str, hosts: list[Host], reason: str) -> None:
+    emit(
+        f"Shipping {image} ({wanted[7:19]}) to {', '.join(h.name for h in hosts)} by stream "
+        f"(docker save | ssh | docker load, each node sent only the layers it lacks): {reason}."
+    )
+
+
+def _through_registries(
+    inventory: Inventory,
+    hosts: list[Host],
+    image: str,
+    registries: dict[str, Registry],
+    emit: Emit,
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Push to each instance, then every node pulls from its own; the bytes each node fetched,
+    and why the nodes the registry could not serve were not (a failed push fails its nodes)."""
+    failed: dict[str, str] = {}
+    for registry in sorted(set(registries.values()), key=lambda r: r.endpoint):
+        try:
+            push(image, registry, emit)
+        except UserError as error:
+            failed.update(
+                {name: str(error) for name, used in registries.items() if used == registry}
+            )
+
+    def one(host: Host) -> int | str:
+        try:
+            return pull(inventory, host, image, registries[host.name], emit)
+        except UserError as error:
+            return str(error)
+
+    pulled = on_all([host for host in hosts if host.name not in failed], one)
+    failed.update({name: result for name, result in pulled.items() if isinstance(result, str)})
+    return {name: got for name, got in pulled.items() if isinstance(got, int)}, failed
 
 
 def summary(shipment: Shipment) -> str:

@@ -278,3 +278,43 @@ def test_nodes_that_hold_the_image_are_left_alone(monkeypatch, tmp_path):
     shipment = ship.ship(inventory, "t:1", emit=pytest.fail)
     assert (shipment.via, shipment.already) == ("", ["n1", "n2"])
     assert ship.summary(shipment) == "Every node already holds t:1 (aaaaaaaaaaaa): nothing sent."
+
+
+def test_a_node_the_registry_fails_gets_the_stream_and_is_told_why(monkeypatch, tmp_path):
+    inventory = _inventory(tmp_path)
+    wanted = "sha256:" + "a" * 64
+    held = {"n1": "", "n2": ""}
+    monkeypatch.setattr(ship, "image_id", lambda image: wanted)
+    monkeypatch.setattr(
+        ship, "node_images", lambda inv, image: {n: (i, "x86_64") for n, i in held.items()}
+    )
+    monkeypatch.setattr(ship.images, "image_architecture", lambda image: "amd64")
+    registry = ship.Registry("10.1.0.254", 5000)
+    monkeypatch.setattr(ship, "find_registries", lambda inv: ({"n1": registry, "n2": registry}, ""))
+    monkeypatch.setattr(ship, "push", lambda image, reg, emit: 100)
+
+    def pull(inv, host, image, reg, emit):
+        if host.name == "n2":
+            raise ship.UserError("on n2: pulling t:1 from 10.1.0.254:5000 failed: no space left")
+        held["n1"] = wanted
+        return 10
+
+    def stream(inv, hosts, image, emit):
+        assert [host.name for host in hosts] == ["n2"]
+        held["n2"] = wanted
+        return {"n2": 99}
+
+    monkeypatch.setattr(ship, "pull", pull)
+    monkeypatch.setattr(ship, "stream", stream)
+    said = []
+    shipment = ship.ship(inventory, "t:1", emit=said.append)
+    assert shipment.received == {"n1": 10, "n2": 99}
+    assert said[-1] == (
+        "Shipping t:1 (aaaaaaaaaaaa) to n2 by stream (docker save | ssh | docker load, each node "
+        "sent only the layers it lacks): the registry failed them: on n2: pulling t:1 from "
+        "10.1.0.254:5000 failed: no space left."
+    )
+    # asked for the registry alone, the same failure is the command's error
+    held.update(n1="", n2="")
+    with pytest.raises(ship.UserError, match="on n2: pulling t:1 .* no space left"):
+        ship.ship(inventory, "t:1", via="registry", emit=said.append)
