@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import signal
 import subprocess
 import time
@@ -181,12 +180,10 @@ def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory
     rest, _ = process.communicate(timeout=60)
     took = time.monotonic() - sent_at
     assert "interrupted" in rest and took < 10, f"{took:.1f} s:\n{rest[-3000:]}"
-    # The launcher exits 130 (README: Ctrl-C, exit 130); make, which got the same SIGINT,
-    # reports its recipe's status, then ends by that signal itself (GNU make re-raises it).
-    # Under `make check` this make is a sub-make and says make[N].
-    reported = re.search(r"^make(\[\d+\])?: \*\*\* \[Makefile:\d+: train\] Error 130$", rest, re.M)
-    assert reported, rest[-3000:]
-    assert process.returncode == -signal.SIGINT, (process.returncode, rest[-3000:])
+    # make got the same SIGINT: it ends by that signal, or, when it saw the launcher's 130
+    # first, with its own 2; which one is a race (CI saw make die before it reported). The
+    # launcher's own 130 is asserted where it is started directly (tests/training/test_faults.py).
+    assert process.returncode in (-signal.SIGINT, 2), (process.returncode, rest[-3000:])
     port = yaml.safe_load(inventory.read_text())["all"]["vars"].get("rendezvous_port", 29500)
     for index in (1, 2):
         left = docker(
