@@ -282,7 +282,6 @@ def push(image: str, registry: Registry, emit: Emit) -> int:
     subprocess.run(["docker", "tag", image, reference], check=True, capture_output=True)
     repository, _, tag = reference.rpartition(":")
     meter = Meter(f"registry {registry.endpoint}", emit)
-    progress = LayerProgress()
     try:
         process = subprocess.Popen(
             _engine([sys.executable], f"/images/{repository}/push?tag={tag}"),
@@ -290,19 +289,30 @@ def push(image: str, registry: Registry, emit: Emit) -> int:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for message in engine_lines(process.stdout):
-            phase = progress.feed(message)
-            meter.update(progress.done, progress.total, phase)
-        stderr = process.stderr.read()
-        if process.wait() != 0 or progress.error:
-            last = progress.error or (stderr.strip().splitlines() or ["no reason given"])[-1]
+        moved, failure = _follow(process, meter)
+        if failure:
             raise UserError(
-                f"pushing {image} to the registry on {registry.endpoint} failed: {last}",
+                f"pushing {image} to the registry on {registry.endpoint} failed: {failure}",
                 exit_code=1,
             )
     finally:
         subprocess.run(["docker", "rmi", reference], check=False, capture_output=True)
-    return progress.done
+    return moved
+
+
+def _follow(process: subprocess.Popen, meter: Meter) -> tuple[int, str]:
+    """An engine request's progress read as it comes, shown by `meter`: the bytes it moved,
+    and why it failed ('' when it did not)."""
+    progress = LayerProgress()
+    for message in engine_lines(process.stdout):
+        phase = progress.feed(message)
+        meter.update(progress.done, progress.total, phase)
+    stderr = process.stderr.read()
+    if process.wait() != 0 or progress.error:
+        return progress.done, progress.error or (
+            stderr.strip().splitlines() or ["no reason given"]
+        )[-1]
+    return progress.done, ""
 
 
 def engine_pull(
@@ -317,17 +327,10 @@ def engine_pull(
         ["python3", "-c", ENGINE_REQUEST, f"/images/create?fromImage={repository}&tag={tag}"]
     )
     command = f"{_sudo(host)}{request}" + (f" && {then}" if then else "")
-    process = _on_node(inventory, host, command)
-    meter = Meter(host.name, emit)
-    progress = LayerProgress()
-    for message in engine_lines(process.stdout):
-        phase = progress.feed(message)
-        meter.update(progress.done, progress.total, phase)
-    stderr = process.stderr.read()
-    if process.wait() != 0 or progress.error:
-        last = progress.error or (stderr.strip().splitlines() or ["no reason given"])[-1]
-        raise UserError(f"on {host.name}: pulling {reference} failed: {last}")
-    return progress.done
+    fetched, failure = _follow(_on_node(inventory, host, command), Meter(host.name, emit))
+    if failure:
+        raise UserError(f"on {host.name}: pulling {reference} failed: {failure}")
+    return fetched
 
 
 def pull(inventory: Inventory, host: Host, image: str, registry: Registry, emit: Emit) -> int:

@@ -318,3 +318,31 @@ def test_a_node_the_registry_fails_gets_the_stream_and_is_told_why(monkeypatch, 
     held.update(n1="", n2="")
     with pytest.raises(ship.UserError, match="on n2: pulling t:1 .* no space left"):
         ship.ship(inventory, "t:1", via="registry", emit=said.append)
+
+
+class _Request:
+    """An engine request's process, as _follow reads it."""
+
+    def __init__(self, lines, stderr="", code=0):
+        self.stdout, self.stderr, self.code = iter(lines), io.StringIO(stderr), code
+
+    def wait(self):
+        return self.code
+
+
+def test_an_engine_request_is_followed_to_its_bytes_or_its_reason():
+    lines = [
+        json.dumps(
+            {"status": "Downloading", "progressDetail": {"current": 7, "total": 9}, "id": "a"}
+        )
+        + "\n",
+        json.dumps({"status": "Pull complete", "id": "a"}) + "\n",
+    ]
+    clock, shown = Clock(), []
+    meter = ship.Meter("n1", shown.append, every=0.0, clock=clock)
+    assert ship._follow(_Request(lines), meter) == (9, "")
+    assert shown[0].startswith("[image] n1: 7 B of 9 B")
+    failed = _Request(lines[:1], "ssh: connect to host 10.1.0.1 port 22: timed out\n", code=255)
+    assert ship._follow(failed, meter) == (7, "ssh: connect to host 10.1.0.1 port 22: timed out")
+    refused = _Request(['{"error": "unauthorized: authentication required"}\n'], code=0)
+    assert ship._follow(refused, meter) == (0, "unauthorized: authentication required")
