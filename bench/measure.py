@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import sim, sync
+from cluster import images, sim, sync
 from cluster.errors import UserError
 from cluster.inventory import Inventory, load
 from launch.commands import remote_command
@@ -841,10 +841,6 @@ def ship_from_nothing(inventory_path: Path, image: str, via: str, progress: Prog
     }
 
 
-def image_size(image: str) -> int:
-    return int(sim.docker("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
-
-
 def top_layer_size(image: str) -> int:
     """The size of the image's last layer (`docker history`, newest first)."""
     out = sim.docker("history", "--no-trunc", "--human=false", "--format", "{{.Size}}", image)
@@ -883,7 +879,7 @@ def ship_top_layer_change(inventory_path: Path, image: str, progress: Progress) 
     tag = derived_tag(image)
     build_top_layer_change(image, tag)
     try:
-        whole, layer = image_size(tag), top_layer_size(tag)
+        whole, layer = images.image_size(tag), top_layer_size(tag)
         before = node_rx(containers)
         started = time.monotonic()
         shipment = ship.ship(
@@ -958,7 +954,7 @@ def measure_image(inventory: Path, image: str, reps: int, progress: Progress) ->
     )
     return {
         "image": image,
-        "image_bytes": image_size(image),
+        "image_bytes": images.image_size(image),
         "order": order,
         "registry_seconds": Series(first).as_dict(),
         "stream_seconds": Series(second).as_dict(),

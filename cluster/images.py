@@ -153,6 +153,11 @@ def image_label(tag: str, name: str) -> str:
     return docker("image", "inspect", "--format", template, tag).stdout.strip()
 
 
+def image_size(tag: str) -> int:
+    """The image's size unpacked, as its engine reports it (`docker image inspect`'s .Size)."""
+    return int(docker("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
+
+
 def torch_refusal(reported: str, base_image: str | None) -> UserError | None:
     """Why an image whose own `--version` says torch `reported` is refused, or None."""
     if base_image is not None:

@@ -350,15 +350,7 @@ BASE_LABEL = images.BASE_LABEL
 
 def base_of(image: str) -> str:
     """The base the image was built on, as its OCI label records it ('' where it has none)."""
-    form = f'{{{{index .Config.Labels "{BASE_LABEL}"}}}}'
-    proc = subprocess.run(
-        ["docker", "image", "inspect", "--format", form, image],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    found = proc.stdout.strip()
-    return "" if proc.returncode != 0 or found == "<no value>" else found
+    return images.image_label(image, BASE_LABEL)
 
 
 def image_layers(image: str) -> list[str]:
@@ -461,15 +453,7 @@ def stream(inventory: Inventory, hosts: list[Host], image: str, emit: Emit) -> d
     the bytes each received. A host whose load fails is named once every other is done."""
     layers = image_layers(image)
     held = on_all(hosts, lambda host: held_layers(inventory, host, layers))
-    size = int(
-        subprocess.run(
-            ["docker", "image", "inspect", "--format", "{{.Size}}", image],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        or 0
-    )
+    size = images.image_size(image)
     loads = {
         host.name: _on_node(
             inventory, host, f"{_sudo(host)}docker load --quiet", stdin=subprocess.PIPE, text=False

@@ -240,11 +240,12 @@ def test_a_node_holds_the_longest_chain_any_of_its_images_shares(monkeypatch, tm
 
 
 def test_the_base_is_read_from_the_images_oci_label(monkeypatch):
-    replies = iter(["nvcr.io/nvidia/pytorch:25.12-py3\n", "<no value>\n"])
+    # what the engine prints for the label, then for an image without it
+    replies = iter(["nvcr.io/nvidia/pytorch:25.12-py3\n", "\n"])
     monkeypatch.setattr(
-        ship.subprocess,
-        "run",
-        lambda command, **k: ship.subprocess.CompletedProcess(command, 0, next(replies), ""),
+        ship.images,
+        "docker",
+        lambda *args, **k: ship.subprocess.CompletedProcess(args, 0, next(replies), ""),
     )
     assert ship.base_of("img") == "nvcr.io/nvidia/pytorch:25.12-py3"
     assert ship.base_of("img") == ""
