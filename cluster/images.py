@@ -563,8 +563,9 @@ def _build_help() -> str:
     return proc.stdout + proc.stderr
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
+def duration(seconds: float) -> str:
+    """A time as progress lines and summaries say it: "42 s", "2 min 05 s"."""
+    seconds = int(seconds + 0.5)
     if seconds < 60:
         return f"{seconds} s"
     return f"{seconds // 60} min {seconds % 60:02d} s"
@@ -685,11 +686,11 @@ class BuildWatch:
         while phase.next_tick <= now:  # on the schedule, not drifting with the events' times
             since = phase.next_tick - phase.started
             phase.next_tick += self.every if since < 6 * self.every else 3 * self.every
-        line = f"  ... {phase.name} still running ({_duration(running)})"
+        line = f"  ... {phase.name} still running ({duration(running)})"
         if not phase.latest:
             return [f"{line}, no output yet"]
         if now - phase.latest_at >= self.every:
-            quiet = _duration(now - phase.latest_at)
+            quiet = duration(now - phase.latest_at)
             return [f"{line}, no output for {quiet}; last: {phase.latest}"]
         return [f"{line}: {phase.latest}"]
 

@@ -112,15 +112,10 @@ class Meter:
         of = f" of {human(self.total)}" if self.total else ""
         left = ""
         if self.total and rate > 0 and self.done < self.total:
-            left = f", about {_duration((self.total - self.done) / rate)} left"
+            left = f", about {images.duration((self.total - self.done) / rate)} left"
         elif phase:
             left = f", {phase}"
         return f"[image] {self.node}: {human(self.done)}{of}, {human(rate)}/s{left}"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds + 0.5)
-    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
 
 
 @dataclass
@@ -636,5 +631,5 @@ def summary(shipment: Shipment) -> str:
     how = "through the registry" if shipment.via == "registry" else "by stream"
     return (
         f"Done: {shipment.image} ({shipment.image_id[7:19]}) on every node, {how} in "
-        f"{_duration(shipment.seconds)} ({each}{held})."
+        f"{images.duration(shipment.seconds)} ({each}{held})."
     )
