@@ -565,7 +565,7 @@ def _build_help() -> str:
 
 def duration(seconds: float) -> str:
     """A time as progress lines and summaries say it: "42 s", "2 min 05 s"."""
-    seconds = int(seconds + 0.5)
+    seconds = int(seconds)
     if seconds < 60:
         return f"{seconds} s"
     return f"{seconds // 60} min {seconds % 60:02d} s"
