@@ -1,6 +1,6 @@
 """From machines as a fresh install leaves them to a job, as a user types it:
 
-    make sim-up NNODES=2 FRESH=1                 (here: the same nodes, started by the test)
+    make sim-up NNODES=2 FRESH=1                 (here: the command it runs, on the test's networks)
     make bootstrap INVENTORY=...                  (host keys confirmed, the password typed once)
     make provision / make netcheck / make train NNODES=2   (jobs in the training image)
 
@@ -119,13 +119,33 @@ def fresh(sim_factory, tmp_path_factory):
     config = sim_factory.config()
     sim_factory.started.append(config)
     first, second = secrets.token_urlsafe(12), secrets.token_urlsafe(12)
-    cluster = sim.up(2, None, config, fresh=True, fresh_password=first)
+    # What `make sim-up NNODES=2 FRESH=1` runs, on this test's own networks and state directory;
+    # the password comes on stdin, as from a pipe (at a terminal it is asked twice).
+    planned = make("-n", "sim-up", "NNODES=2", "FRESH=1", timeout=60)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    command = planned.stdout.strip().splitlines()[-1].split()
+    assert command[0].endswith("bin/cluster"), planned.stdout
+    assert command[1:] == "sim up --nodes 2 --fresh".split(), planned.stdout
+    placed = ["--name", config.name, "--subnet", config.subnet, "--mgmt-subnet"]
+    placed += [config.mgmt_subnet, "--state-dir", str(config.state_dir)]
+    up = subprocess.run(
+        [*command, *placed],
+        cwd=REPO_ROOT,
+        input=first + "\n",
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"make bootstrap INVENTORY={config.inventory_path}" in up.stdout, up.stdout
+    assert f"trainer@{config.mgmt_ip(1)}" in up.stdout, up.stdout
+    cluster = sim.SimCluster(config, [config.container(1), config.container(2)], None, False)
     sim.docker("exec", "-i", config.container(2), "chpasswd", stdin=f"trainer:{second}\n")
     document = yaml.safe_load(config.inventory_path.read_text())
     document["all"]["vars"].update(launch_mode="container", training_image=TEST_IMAGE)
     inventory = tmp_path_factory.mktemp("fresh") / "inventory.yml"
     inventory.write_text(yaml.safe_dump(document, sort_keys=False))
-    yield cluster, inventory, (first, second), started
+    yield cluster, inventory, (first, second), started, up.stdout + up.stderr
     # Its nodes hold a copy of the image each: gone as soon as the test is, not at the run's end.
     sim_factory.down(cluster)
 
@@ -134,11 +154,11 @@ def fresh(sim_factory, tmp_path_factory):
 @pytest.mark.image_e2e
 @pytest.mark.timeout(2400)
 def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
-    cluster, inventory, (first, second), started = fresh
+    cluster, inventory, (first, second), started, sim_up_output = fresh
     config = cluster.config
     containers = [config.container(1), config.container(2)]
     known_hosts = config.known_hosts_path
-    outputs: list[str] = []
+    outputs: list[str] = [sim_up_output]
     seen: set[str] = set()
     watch = Watch(containers)
     try:
