@@ -163,7 +163,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _environment(extra: dict[str, str] | None) -> dict[str, str]:
+def run_environment(extra: dict[str, str] | None) -> dict[str, str]:
+    """The environment of a process a test starts: gloo on loopback, one thread, unbuffered."""
     # A clean slate: a test run under torchrun must not leak its own rank into the launches.
     environ = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
     environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -180,7 +181,7 @@ def run_command(
         text=True,
         timeout=timeout,
         cwd=cwd,
-        env=_environment(env),
+        env=run_environment(env),
         check=False,
     )
     return Finished(command, done.returncode, done.stdout, done.stderr)
@@ -245,7 +246,7 @@ def two_node_launch(
         process = subprocess.Popen(
             command,
             cwd=cwd,
-            env=_environment(None),
+            env=run_environment(None),
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO_ROOT
-from tests.training.conftest import REFERENCE_STEPS, TINY, _environment
+from tests.training.conftest import REFERENCE_STEPS, TINY, run_environment
 from training.parallel import DistEnv
 
 HANG_GUARD_SECONDS = 900  # against a hang only; the run's speed is a benchmark's business
@@ -77,7 +77,7 @@ def test_each_comm_hook_is_registered_and_compresses(hook):
     probe = subprocess.run(
         [sys.executable, "-m", "tests.training.comm_hook_probe", hook],
         cwd=REPO_ROOT,
-        env=_environment(None),
+        env=run_environment(None),
         capture_output=True,
         text=True,
         timeout=HANG_GUARD_SECONDS,
