@@ -1,0 +1,22 @@
+#!/bin/sh
+# What a real host has before its init starts: its own SSH host keys, and cgroup hierarchies
+# it may write (Docker mounts a container's read-only; systemd and a Docker engine inside need
+# to create groups). Then systemd, as PID 1.
+set -eu
+[ -s /etc/ssh/ssh_host_ed25519_key ] || ssh-keygen -A >/dev/null
+if [ -d /sys/fs/cgroup/cpuset ] && ! mkdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null; then
+    # Every cgroup v1 hierarchy, systemd's named one included, mounted again read-write.
+    grep -E '^(cgroup|systemd) /sys/fs/cgroup/' /proc/self/mounts | while read -r _ path _ options _; do
+        controllers=$(echo "$options" | tr ',' '\n' \
+            | grep -vxE 'ro|rw|nosuid|nodev|noexec|relatime' | paste -sd, -)
+        case "$controllers" in name=*) controllers="none,$controllers" ;; esac
+        echo "$path $controllers"
+    done > /run/sim-cgroups
+    mount -t tmpfs -o mode=755 cgroup_root /sys/fs/cgroup
+    while read -r path controllers; do
+        mkdir -p "$path" && mount -t cgroup -o "$controllers" cgroup "$path"
+    done < /run/sim-cgroups
+else
+    rmdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null || true
+fi
+exec /lib/systemd/systemd

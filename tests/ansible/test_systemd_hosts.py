@@ -1,0 +1,260 @@
+"""Provisioning on hosts booted by systemd: the path real controllers and nodes take.
+
+CI's controller and the simulated nodes have no init system, so provisioning takes its "no
+init system" branches there (start-stop-daemon; proven by every provisioning test). Here the
+playbooks run against containers booted by systemd (docker/sim-systemd), each on a network
+this test creates, reached through the Docker engine (Ansible's community.docker connection):
+
+- the image registry's controller half: its own unit, enabled, bound to the management
+  address with client certificates required, back after a reboot;
+- the whole of site.yml on a node with `scheduler: slurm`: Docker, SSH, munge, slurmctld and
+  slurmd run as enabled units, a second run changes nothing, and after a reboot every one is
+  back and Slurm runs a job.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import yaml
+
+from cluster import sim
+from tests.ansible.conftest import PLAYBOOKS, ansible_playbook
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]
+
+IMAGE = "torch-multinode/sim-systemd:test"
+CERTS = "/etc/torch-multinode/registry"
+# What a container needs for systemd as its PID 1 here (no --privileged: see ENVIRONMENT.md).
+SYSTEMD_OPTIONS = [
+    "--cap-add", "ALL", "--cap-drop", "SYS_RESOURCE",
+    "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
+    "--cgroupns", "private", "--tmpfs", "/run", "--tmpfs", "/run/lock",
+]  # fmt: skip
+# The units a provisioned node runs (ufw's is a one-shot that loads the rules at boot).
+NODE_UNITS = ["ssh", "docker", "munge", "slurmctld", "slurmd"]
+
+
+def sh(container: str, script: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["docker", "exec", container, "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def wait_for_boot(container: str) -> None:
+    """Until systemd says the boot is over (its bus appears a moment after the start)."""
+    deadline = time.monotonic() + 120
+    while True:
+        done = sh(container, "systemctl is-system-running --wait", timeout=120)
+        if done.stdout.strip() in ("running", "degraded") or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert done.stdout.strip() in ("running", "degraded"), done.stdout + done.stderr
+
+
+def reboot(container: str) -> None:
+    sim.docker("restart", "-t", "30", container, timeout=120)
+    wait_for_boot(container)
+
+
+@pytest.fixture(scope="module")
+def systemd_image() -> str:
+    sim.build_images()  # the Debian base, cached after the first time
+    sim.docker("build", "--quiet", "-t", IMAGE, str(REPO_ROOT / "docker" / "sim-systemd"))
+    return IMAGE
+
+
+@contextmanager
+def booted(sim_factory, image: str, hostname: str, docker_volume: bool = False) -> Iterator:
+    """A container booted by systemd, alone on a network of its own: (name, address)."""
+    config = sim_factory.config()
+    name, network = f"{config.name}-{hostname}", f"{config.name}-sd"
+    volume = f"{config.name}-{hostname}-docker"
+    address = config.node_ip(1)
+    # A Docker engine inside keeps its images on a volume (overlayfs on overlayfs fails).
+    mounts = ["-v", f"{volume}:/var/lib/docker"] if docker_volume else []
+    sim.docker("network", "create", "--subnet", config.subnet, network)
+    try:
+        sim.docker(
+            "run", "-d", "--name", name, "--hostname", hostname, "--network", network,
+            "--ip", address, *SYSTEMD_OPTIONS, *mounts, image,
+        )  # fmt: skip
+        wait_for_boot(name)
+        yield config, name, address
+    finally:
+        sim.docker("rm", "-f", "-v", name, check=False)
+        sim.docker("network", "rm", network, check=False)
+        if docker_volume:
+            sim.docker("volume", "rm", volume, check=False)
+
+
+def registry_answers(container: str, address: str, with_client_key: bool) -> str:
+    """The HTTP status of GET /v2/ over TLS, trusting only the role's CA ("000": no answer, the
+    handshake failed)."""
+    client = (
+        f"--cert {CERTS}/client.crt --key {CERTS}/private/client.key" if with_client_key else ""
+    )
+    done = sh(
+        container,
+        f"curl -sS -o /dev/null -w '%{{http_code}}' --cacert {CERTS}/ca.crt {client} "
+        f"https://{address}:5000/v2/",
+    )
+    return done.stdout.strip()
+
+
+def test_the_registry_runs_as_an_enabled_systemd_unit_bound_to_its_address(
+    sim_factory, systemd_image, tmp_path
+):
+    with booted(sim_factory, systemd_image, "controller") as (config, name, address):
+        _registry_on_a_systemd_controller(config, name, address, tmp_path)
+
+
+def _registry_on_a_systemd_controller(config, name: str, address: str, tmp_path) -> None:
+    # Two nodes on the same network, which nothing is sent to: the role only asks
+    # `ip route get` which of the controller's addresses reaches them.
+    inventory = tmp_path / "inventory.yml"
+    controller = {
+        "ansible_connection": "community.docker.docker",
+        "ansible_host": name,
+        "ansible_python_interpreter": "/usr/bin/python3",
+    }
+    nodes = {
+        "node1": {"ansible_host": config.node_ip(2)},
+        "node2": {"ansible_host": config.node_ip(3)},
+    }
+    document = {
+        "all": {"hosts": {"controller": controller}, "children": {"nodes": {"hosts": nodes}}}
+    }
+    inventory.write_text(yaml.safe_dump(document))
+    unit = f"torch-multinode-registry-{address.replace('.', '-')}-5000"
+    playbook = PLAYBOOKS / "registry_controller.yml"
+
+    first = ansible_playbook(inventory, playbook=playbook, timeout=600)
+    assert first.returncode == 0, first.describe()
+    assert "TASK [image_registry : Ensure the instance runs and starts at boot]" in first.output
+
+    # Its own unit, enabled, as the registry's user; the package's plain-HTTP instance is off.
+    state = sh(
+        name,
+        f"systemctl is-active {unit}; systemctl is-enabled {unit}; "
+        "systemctl is-active docker-registry; systemctl is-enabled docker-registry; "
+        f"systemctl show -p User --value {unit}",
+    )
+    assert state.stdout.split() == ["active", "enabled", "inactive", "disabled", "docker-registry"]
+    assert sh(name, "pgrep -c -x docker-registry").stdout.strip() == "1"  # systemd's, alone
+    # Bound to the management address only, TLS with a client certificate required.
+    listening = sh(name, "ss -Hltn 'sport = :5000' | awk '{print $4}'")
+    assert listening.stdout.split() == [f"{address}:5000"], listening.stdout
+    assert registry_answers(name, address, with_client_key=True) == "200"
+    assert registry_answers(name, address, with_client_key=False) == "000"
+
+    # The unit's sandbox (ProtectSystem=full) still lets it store what is pushed.
+    blob = "hello from the systemd test\n"
+    auth = f"--cacert {CERTS}/ca.crt --cert {CERTS}/client.crt --key {CERTS}/private/client.key"
+    stored = sh(
+        name,
+        f"set -e; base=https://{address}:5000/v2/probe/blobs; "
+        f"digest=sha256:$(printf %s {shlex.quote(blob)} | sha256sum | cut -d' ' -f1); "
+        f"upload=$(curl -sS -D - -o /dev/null -X POST {auth} $base/uploads/ "
+        "| awk 'tolower($1)==\"location:\" {print $2}' | tr -d '\\r'); "
+        f"printf %s {shlex.quote(blob)} | curl -sS -f -X PUT {auth} "
+        "-H 'Content-Type: application/octet-stream' --data-binary @- \"$upload&digest=$digest\"; "
+        f"curl -sS -f {auth} $base/$digest",
+    )
+    assert stored.returncode == 0 and stored.stdout == blob, stored.stdout + stored.stderr
+
+    # A second run changes nothing.
+    again = ansible_playbook(inventory, playbook=playbook, timeout=600)
+    assert again.returncode == 0, again.describe()
+    assert again.changed() == {"controller": 0}, again.describe()
+
+    # After a reboot the unit is back by itself, serving what it stored.
+    reboot(name)
+    assert sh(name, f"systemctl is-active {unit}").stdout.strip() == "active"
+    kept = sh(
+        name,
+        f"curl -sS -f {auth} https://{address}:5000/v2/probe/blobs/"
+        f"sha256:$(printf %s {shlex.quote(blob)} | sha256sum | cut -d' ' -f1)",
+    )
+    assert kept.stdout == blob, kept.stdout + kept.stderr
+
+
+def test_site_yml_on_a_systemd_node_runs_every_daemon_as_an_enabled_unit(
+    sim_factory, systemd_image, tmp_path
+):
+    with booted(sim_factory, systemd_image, "node1", docker_volume=True) as (config, name, ip):
+        try:
+            _site_on_a_systemd_node(config, name, ip, tmp_path)
+        finally:
+            (REPO_ROOT / ".slurm" / f"{config.name}.munge.key").unlink(missing_ok=True)
+
+
+def _site_on_a_systemd_node(config, name: str, address: str, tmp_path) -> None:
+    inventory = tmp_path / "inventory.yml"
+    settings = {
+        "compute_subnet": config.subnet,
+        "rendezvous_port": 29500,
+        "ansible_connection": "community.docker.docker",
+        "ansible_python_interpreter": "/usr/bin/python3",
+        "launch_mode": "host",
+        "training_python": "/usr/bin/python3",
+        "scheduler": "slurm",
+        "slurm_cluster_name": config.name,
+        # Docker owns a container's /etc/hostname and the network (the hostname is given at
+        # `docker run`); the simulated nodes' inventory says the same.
+        "hostname_set": False,
+        "netplan_enabled": False,
+        "container_memlock": 8388608,
+    }
+    node = {"ansible_host": name, "compute_ip": address, "compute_interface": "eth0", "gpus": 0}
+    document = {"all": {"vars": settings, "children": {"nodes": {"hosts": {"node1": node}}}}}
+    inventory.write_text(yaml.safe_dump(document))
+
+    first = ansible_playbook(inventory, timeout=800)
+    assert first.returncode == 0, first.describe()
+    assert "TASK [docker : Ensure the Docker engine runs and starts at boot]" in first.output
+    again = ansible_playbook(inventory, timeout=600)
+    assert again.returncode == 0, again.describe()
+    assert set(again.changed().values()) == {0}, again.describe()
+
+    def units() -> list[str]:
+        states = sh(
+            name,
+            " ".join(f"systemctl is-active {u}; systemctl is-enabled {u};" for u in NODE_UNITS),
+        )
+        return states.stdout.split()
+
+    def slurm_runs_a_job() -> None:
+        # slurmd registers with slurmctld a moment after both start.
+        deadline = time.monotonic() + 60
+        while sh(name, "sinfo -h -o %t").stdout.strip() != "idle":
+            assert time.monotonic() < deadline, sh(
+                name, "sinfo; tail -5 /var/log/slurm/*.log"
+            ).stdout
+            time.sleep(1)
+        job = sh(name, "timeout 60 srun -N1 hostname", timeout=90)
+        assert (job.returncode, job.stdout.strip()) == (0, "node1"), job.stdout + job.stderr
+
+    expected = ["active", "enabled"] * len(NODE_UNITS)
+    assert units() == expected
+    # Each daemon is the unit's own process, not one started by hand beside it.
+    for daemon in ("dockerd", "munged", "slurmd"):
+        assert sh(name, f"pgrep -c -x {daemon}").stdout.strip() == "1", daemon
+    assert sh(name, "ufw status").stdout.startswith("Status: active")
+    slurm_runs_a_job()
+
+    reboot(name)
+    assert units() == expected
+    assert sh(name, "ufw status").stdout.startswith("Status: active")
+    assert sh(name, "docker version --format '{{.Server.Version}}'").returncode == 0
+    slurm_runs_a_job()
