@@ -5,7 +5,8 @@
 set -eu
 [ -s /etc/ssh/ssh_host_ed25519_key ] || ssh-keygen -A >/dev/null
 if [ -d /sys/fs/cgroup/cpuset ] && ! mkdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null; then
-    # Every cgroup v1 hierarchy, systemd's named one included, mounted again read-write.
+    # docker/sim-node/entrypoint.sh's remount, systemd's named hierarchy included: every
+    # cgroup v1 hierarchy mounted again read-write.
     grep -E '^(cgroup|systemd) /sys/fs/cgroup/' /proc/self/mounts | while read -r _ path _ options _; do
         controllers=$(echo "$options" | tr ',' '\n' \
             | grep -vxE 'ro|rw|nosuid|nodev|noexec|relatime' | paste -sd, -)
