@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import paramiko
 import yaml
 
 from cluster import sim
@@ -100,3 +101,27 @@ def read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:
         if len(seen) > limit:
             raise AssertionError(f"never saw {missing} in {limit} lines:\n{''.join(seen)[-4000:]}")
     return "".join(seen)
+
+
+def password_login(host, known_hosts: Path, password: str, user: str = "trainer") -> str:
+    """Logging in to `host` as `user` with `password` (its host key checked against
+    `known_hosts`): 'ok', 'refused' (wrong password) or 'not offered' (password login off)."""
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    client.load_host_keys(str(known_hosts))
+    try:
+        client.connect(
+            host.ssh_address,
+            username=user,
+            password=password,
+            timeout=15,
+            look_for_keys=False,
+            allow_agent=False,
+        )
+        return "ok"
+    except paramiko.BadAuthenticationType:
+        return "not offered"
+    except paramiko.AuthenticationException:
+        return "refused"
+    finally:
+        client.close()

@@ -18,13 +18,13 @@ import threading
 import time
 from pathlib import Path
 
-import paramiko
 import pytest
 import yaml
 
 from cluster import bootstrap, sim
 from cluster.inventory import load
 from tests.conftest import REPO_ROOT, TEST_IMAGE, VENV_BIN, make
+from tests.helpers import password_login
 from tests.terminal import Terminal
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"
@@ -75,29 +75,6 @@ def _bootstrap_terminal(inventory: Path, *extra: str) -> Terminal:
     return Terminal(
         ["make", "--no-print-directory", "bootstrap", f"INVENTORY={inventory}", *extra], REPO_ROOT
     )
-
-
-def _password_login(host, known_hosts: Path, password: str) -> str:
-    """'ok', 'refused' (wrong password) or 'not offered' (password login is off)."""
-    client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    client.load_host_keys(str(known_hosts))
-    try:
-        client.connect(
-            host.ssh_address,
-            username="trainer",
-            password=password,
-            timeout=15,
-            look_for_keys=False,
-            allow_agent=False,
-        )
-        return "ok"
-    except paramiko.BadAuthenticationType:
-        return "not offered"
-    except paramiko.AuthenticationException:
-        return "refused"
-    finally:
-        client.close()
 
 
 def _node_state(container: str) -> str:
@@ -231,12 +208,12 @@ def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
         # 6. Password login off, once key and sudo are proven: refused after, key login works.
         watch = Watch(containers)
         hosts = load(inventory).hosts
-        assert _password_login(hosts[0], known_hosts, first) == "ok"
+        assert password_login(hosts[0], known_hosts, first) == "ok"
         off = make("bootstrap", f"INVENTORY={inventory}", "NO_PASSWORD_LOGIN=1", timeout=300)
         outputs.append(off.stdout + off.stderr)
         assert off.returncode == 0, off.stdout + off.stderr
         assert off.stdout.count("SSH password login off (") == 2
-        logins = [_password_login(hosts[i], known_hosts, p) for i, p in enumerate((first, second))]
+        logins = [password_login(hosts[i], known_hosts, p) for i, p in enumerate((first, second))]
         assert logins == ["not offered", "not offered"]
         assert all(
             bootstrap.key_login_works(h, known_hosts, "trainer") == (True, True) for h in hosts

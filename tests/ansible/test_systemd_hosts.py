@@ -9,11 +9,14 @@ this test creates, reached through the Docker engine (Ansible's community.docker
   address with client certificates required, back after a reboot;
 - the whole of site.yml on a node with `scheduler: slurm`: Docker, SSH, munge, slurmctld and
   slurmd run as enabled units, a second run changes nothing, and after a reboot every one is
-  back and Slurm runs a job.
+  back and Slurm runs a job;
+- `cluster bootstrap --disable-password-login` on a fresh node: sshd reloaded through its
+  unit, password login off, and still off after a reboot.
 """
 
 from __future__ import annotations
 
+import secrets
 import shlex
 import subprocess
 import time
@@ -23,9 +26,11 @@ from contextlib import contextmanager
 import pytest
 import yaml
 
-from cluster import sim
+from cluster import bootstrap, sim
+from cluster.inventory import load
 from tests.ansible.conftest import PLAYBOOKS, ansible_playbook
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.helpers import password_login
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]
 
@@ -258,3 +263,59 @@ def _site_on_a_systemd_node(config, name: str, address: str, tmp_path) -> None:
     assert sh(name, "ufw status").stdout.startswith("Status: active")
     assert sh(name, "docker version --format '{{.Server.Version}}'").returncode == 0
     slurm_runs_a_job()
+
+
+def test_bootstrap_turns_password_login_off_through_systemd(sim_factory, systemd_image, tmp_path):
+    """On a fresh node booted by systemd, bootstrap reloads sshd through its unit (not a signal
+    to a pid file), and password login stays off after a reboot."""
+    with booted(sim_factory, systemd_image, "node1") as (config, name, address):
+        _bootstrap_on_a_systemd_node(config, name, address, tmp_path)
+
+
+def _bootstrap_on_a_systemd_node(config, name: str, address: str, tmp_path) -> None:
+    # A fresh install's user: a password, sudo asking for it, SSH password login (Debian's
+    # default), no key.
+    password = secrets.token_urlsafe(12)
+    assert sh(name, "useradd -m -s /bin/bash -G sudo trainer").returncode == 0
+    sim.docker("exec", "-i", name, "chpasswd", stdin=f"trainer:{password}\n")
+    sshd_before = sh(name, "systemctl show -p MainPID --value ssh").stdout.strip()
+    assert sshd_before not in ("", "0")
+
+    known_hosts, key = tmp_path / "known_hosts", tmp_path / "id_ed25519"
+    known_hosts.write_text("")
+    inventory = tmp_path / "inventory.yml"
+    settings = {
+        "compute_subnet": config.subnet,
+        "ansible_user": "trainer",
+        "ansible_ssh_private_key_file": str(key),
+        "ssh_known_hosts_file": str(known_hosts),
+    }
+    node = {"ansible_host": address, "compute_ip": address, "compute_interface": "eth0", "gpus": 0}
+    document = {"all": {"vars": settings, "children": {"nodes": {"hosts": {"node1": node}}}}}
+    inventory.write_text(yaml.safe_dump(document))
+    printed = sh(name, "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub").stdout.split()[1]
+    fingerprints = tmp_path / "fingerprints"
+    fingerprints.write_text(f"node1 {printed}\n")
+    host = load(inventory).hosts[0]
+
+    done = subprocess.run(
+        [
+            str(VENV_BIN / "cluster"), "bootstrap", "-i", str(inventory),
+            "--fingerprints", str(fingerprints), "--password-stdin", "--disable-password-login",
+        ],
+        input=password + "\n", capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SSH password login off (" in done.stdout, done.stdout
+    assert password not in done.stdout + done.stderr
+    # Reloaded by systemd: the same sshd, still the unit's, now without password login.
+    state = sh(name, "systemctl is-active ssh; systemctl show -p MainPID --value ssh")
+    assert state.stdout.split() == ["active", sshd_before]
+    journal = sh(name, "journalctl -u ssh --no-pager -o cat").stdout
+    assert "Reloaded ssh.service" in journal or "Reloaded OpenBSD Secure Shell" in journal, journal
+    assert password_login(host, known_hosts, password) == "not offered"
+    assert bootstrap.key_login_works(host, known_hosts, "trainer") == (True, True)
+
+    reboot(name)
+    assert password_login(host, known_hosts, password) == "not offered"
+    assert bootstrap.key_login_works(host, known_hosts, "trainer") == (True, True)
