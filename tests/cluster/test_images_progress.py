@@ -416,7 +416,8 @@ def test_this_engines_own_output_is_read_as_canned_here():
     try:
         dockerfile = f"FROM {base}\nLABEL {mark}\nRUN true\n"
         proc = subprocess.run(
-            ["docker", "build", *images.plain_progress(images._build_help()), "-"],
+            # --force-rm: the failed step's container goes too (it was left behind before).
+            ["docker", "build", "--force-rm", *images.plain_progress(images._build_help()), "-"],
             input=dockerfile,
             capture_output=True,
             text=True,
