@@ -81,7 +81,8 @@ def systemd_image() -> str:
 
 @contextmanager
 def booted(sim_factory, image: str, hostname: str, docker_volume: bool = False) -> Iterator:
-    """A container booted by systemd, alone on a network of its own: (name, address)."""
+    """A container booted by systemd, alone on a network of its own: (its SimConfig, which
+    names the network and subnet, the container's name, its address)."""
     config = sim_factory.config()
     name, network = f"{config.name}-{hostname}", f"{config.name}-sd"
     volume = f"{config.name}-{hostname}-docker"
@@ -215,8 +216,8 @@ def _site_on_a_systemd_node(config, name: str, address: str, tmp_path) -> None:
         "training_python": "/usr/bin/python3",
         "scheduler": "slurm",
         "slurm_cluster_name": config.name,
-        # Docker owns a container's /etc/hostname and the network (the hostname is given at
-        # `docker run`); the simulated nodes' inventory says the same.
+        # Docker owns a container's /etc/hostname (a bind mount, which hostnamectl cannot
+        # replace: the name is given at `docker run`) and its addresses.
         "hostname_set": False,
         "netplan_enabled": False,
         "container_memlock": 8388608,
