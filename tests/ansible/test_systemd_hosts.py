@@ -28,7 +28,7 @@ import yaml
 
 from cluster import bootstrap, sim
 from cluster.inventory import load
-from tests.ansible.conftest import PLAYBOOKS, ansible_playbook
+from tests.ansible.conftest import PLAYBOOKS, ansible_playbook, node_sh
 from tests.conftest import REPO_ROOT, VENV_BIN
 from tests.helpers import password_login
 
@@ -46,21 +46,11 @@ SYSTEMD_OPTIONS = [
 NODE_UNITS = ["ssh", "docker", "munge", "slurmctld", "slurmd"]
 
 
-def sh(container: str, script: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["docker", "exec", container, "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 def wait_for_boot(container: str) -> None:
     """Until systemd says the boot is over (its bus appears a moment after the start)."""
     deadline = time.monotonic() + 120
     while True:
-        done = sh(container, "systemctl is-system-running --wait", timeout=120)
+        done = node_sh(container, "systemctl is-system-running --wait", timeout=120)
         if done.stdout.strip() in ("running", "degraded") or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -110,7 +100,7 @@ def registry_answers(container: str, address: str, with_client_key: bool) -> str
     client = (
         f"--cert {CERTS}/client.crt --key {CERTS}/private/client.key" if with_client_key else ""
     )
-    done = sh(
+    done = node_sh(
         container,
         f"curl -sS -o /dev/null -w '%{{http_code}}' --cacert {CERTS}/ca.crt {client} "
         f"https://{address}:5000/v2/",
@@ -150,16 +140,16 @@ def _registry_on_a_systemd_controller(config, name: str, address: str, tmp_path)
     assert "TASK [image_registry : Ensure the instance runs and starts at boot]" in first.output
 
     # Its own unit, enabled, as the registry's user; the package's plain-HTTP instance is off.
-    state = sh(
+    state = node_sh(
         name,
         f"systemctl is-active {unit}; systemctl is-enabled {unit}; "
         "systemctl is-active docker-registry; systemctl is-enabled docker-registry; "
         f"systemctl show -p User --value {unit}",
     )
     assert state.stdout.split() == ["active", "enabled", "inactive", "disabled", "docker-registry"]
-    assert sh(name, "pgrep -c -x docker-registry").stdout.strip() == "1"  # systemd's, alone
+    assert node_sh(name, "pgrep -c -x docker-registry").stdout.strip() == "1"  # systemd's, alone
     # Bound to the management address only, TLS with a client certificate required.
-    listening = sh(name, "ss -Hltn 'sport = :5000' | awk '{print $4}'")
+    listening = node_sh(name, "ss -Hltn 'sport = :5000' | awk '{print $4}'")
     assert listening.stdout.split() == [f"{address}:5000"], listening.stdout
     assert registry_answers(name, address, with_client_key=True) == "200"
     assert registry_answers(name, address, with_client_key=False) == "000"
@@ -167,7 +157,7 @@ def _registry_on_a_systemd_controller(config, name: str, address: str, tmp_path)
     # The unit's sandbox (ProtectSystem=full) still lets it store what is pushed.
     blob = "hello from the systemd test\n"
     auth = f"--cacert {CERTS}/ca.crt --cert {CERTS}/client.crt --key {CERTS}/private/client.key"
-    stored = sh(
+    stored = node_sh(
         name,
         f"set -e; base=https://{address}:5000/v2/probe/blobs; "
         f"digest=sha256:$(printf %s {shlex.quote(blob)} | sha256sum | cut -d' ' -f1); "
@@ -186,8 +176,8 @@ def _registry_on_a_systemd_controller(config, name: str, address: str, tmp_path)
 
     # After a reboot the unit is back by itself, serving what it stored.
     reboot(name)
-    assert sh(name, f"systemctl is-active {unit}").stdout.strip() == "active"
-    kept = sh(
+    assert node_sh(name, f"systemctl is-active {unit}").stdout.strip() == "active"
+    kept = node_sh(
         name,
         f"curl -sS -f {auth} https://{address}:5000/v2/probe/blobs/"
         f"sha256:$(printf %s {shlex.quote(blob)} | sha256sum | cut -d' ' -f1)",
@@ -234,7 +224,7 @@ def _site_on_a_systemd_node(config, name: str, address: str, tmp_path) -> None:
     assert set(again.changed().values()) == {0}, again.describe()
 
     def units() -> list[str]:
-        states = sh(
+        states = node_sh(
             name,
             " ".join(f"systemctl is-active {u}; systemctl is-enabled {u};" for u in NODE_UNITS),
         )
@@ -243,26 +233,26 @@ def _site_on_a_systemd_node(config, name: str, address: str, tmp_path) -> None:
     def slurm_runs_a_job() -> None:
         # slurmd registers with slurmctld a moment after both start.
         deadline = time.monotonic() + 60
-        while sh(name, "sinfo -h -o %t").stdout.strip() != "idle":
-            assert time.monotonic() < deadline, sh(
+        while node_sh(name, "sinfo -h -o %t").stdout.strip() != "idle":
+            assert time.monotonic() < deadline, node_sh(
                 name, "sinfo; tail -5 /var/log/slurm/*.log"
             ).stdout
             time.sleep(1)
-        job = sh(name, "timeout 60 srun -N1 hostname", timeout=90)
+        job = node_sh(name, "timeout 60 srun -N1 hostname", timeout=90)
         assert (job.returncode, job.stdout.strip()) == (0, "node1"), job.stdout + job.stderr
 
     expected = ["active", "enabled"] * len(NODE_UNITS)
     assert units() == expected
     # Each daemon is the unit's own process, not one started by hand beside it.
     for daemon in ("dockerd", "munged", "slurmd"):
-        assert sh(name, f"pgrep -c -x {daemon}").stdout.strip() == "1", daemon
-    assert sh(name, "ufw status").stdout.startswith("Status: active")
+        assert node_sh(name, f"pgrep -c -x {daemon}").stdout.strip() == "1", daemon
+    assert node_sh(name, "ufw status").stdout.startswith("Status: active")
     slurm_runs_a_job()
 
     reboot(name)
     assert units() == expected
-    assert sh(name, "ufw status").stdout.startswith("Status: active")
-    assert sh(name, "docker version --format '{{.Server.Version}}'").returncode == 0
+    assert node_sh(name, "ufw status").stdout.startswith("Status: active")
+    assert node_sh(name, "docker version --format '{{.Server.Version}}'").returncode == 0
     slurm_runs_a_job()
 
 
@@ -277,9 +267,9 @@ def _bootstrap_on_a_systemd_node(config, name: str, address: str, tmp_path) -> N
     # A fresh install's user: a password, sudo asking for it, SSH password login (Debian's
     # default), no key.
     password = secrets.token_urlsafe(12)
-    assert sh(name, "useradd -m -s /bin/bash -G sudo trainer").returncode == 0
+    assert node_sh(name, "useradd -m -s /bin/bash -G sudo trainer").returncode == 0
     sim.docker("exec", "-i", name, "chpasswd", stdin=f"trainer:{password}\n")
-    sshd_before = sh(name, "systemctl show -p MainPID --value ssh").stdout.strip()
+    sshd_before = node_sh(name, "systemctl show -p MainPID --value ssh").stdout.strip()
     assert sshd_before not in ("", "0")
 
     known_hosts, key = tmp_path / "known_hosts", tmp_path / "id_ed25519"
@@ -294,7 +284,7 @@ def _bootstrap_on_a_systemd_node(config, name: str, address: str, tmp_path) -> N
     node = {"ansible_host": address, "compute_ip": address, "compute_interface": "eth0", "gpus": 0}
     document = {"all": {"vars": settings, "children": {"nodes": {"hosts": {"node1": node}}}}}
     inventory.write_text(yaml.safe_dump(document))
-    printed = sh(name, "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub").stdout.split()[1]
+    printed = node_sh(name, "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub").stdout.split()[1]
     fingerprints = tmp_path / "fingerprints"
     fingerprints.write_text(f"node1 {printed}\n")
     host = load(inventory).hosts[0]
@@ -310,9 +300,9 @@ def _bootstrap_on_a_systemd_node(config, name: str, address: str, tmp_path) -> N
     assert "SSH password login off (" in done.stdout, done.stdout
     assert password not in done.stdout + done.stderr
     # Reloaded by systemd: the same sshd, still the unit's, now without password login.
-    state = sh(name, "systemctl is-active ssh; systemctl show -p MainPID --value ssh")
+    state = node_sh(name, "systemctl is-active ssh; systemctl show -p MainPID --value ssh")
     assert state.stdout.split() == ["active", sshd_before]
-    journal = sh(name, "journalctl -u ssh --no-pager -o cat").stdout
+    journal = node_sh(name, "journalctl -u ssh --no-pager -o cat").stdout
     assert "Reloaded ssh.service" in journal or "Reloaded OpenBSD Secure Shell" in journal, journal
     assert password_login(host, known_hosts, password) == "not offered"
     assert bootstrap.key_login_works(host, known_hosts, "trainer") == (True, True)
