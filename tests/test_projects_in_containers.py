@@ -12,6 +12,8 @@
 - `make data` twice: the second run sends no file;
 - a node killed mid-run with RESTARTS=1: the job resumes from the checkpoints on the nodes'
   disks and ends with the parameters of an uninterrupted run;
+- a node killed mid-checkpoint, Ctrl-C during a checkpoint write, a full or read-only
+  checkpoint directory: as README's table of faults says (what a failed job wrote comes back);
 - an NCCL job on nodes whose GPUs do not answer stops at start naming the node, and model
   parallel on 1-GPU nodes is refused before anything starts.
 
@@ -25,7 +27,9 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -33,9 +37,9 @@ import pytest
 import yaml
 
 from cluster import sim
-from cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
-from tests.conftest import REPO_ROOT, make
-from tests.helpers import on_node, read_until, run_id_in, start_train
+from cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
+from tests.conftest import REPO_ROOT, VENV_BIN, make
+from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -393,11 +397,15 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
         "ARGS=" + " ".join([*args, "--checkpoint-pause-step", "8", "--checkpoint-pause-rank", "1"]),
     )
     try:
-        read_until(process, "[node2] [rank 1] checkpoint step 8: ")
+        seen = read_until(process, "[node2] [rank 1] checkpoint step 8: ")
         output = kill_node(process, provisioned.cluster.config.container(2))
         assert output.end(timeout=120) < 15, output.stamped
         assert _exit_code(process.returncode, output.text) == 1, output.text[-3000:]
         assert " FAILED on node2" in output.text
+        # node1, which lived on: no process of the job, no listener on the rendezvous port.
+        inventory = load(provisioned.inventory)
+        left = leftovers(inventory, run_id_in(seen), inventory.hosts[:1])
+        assert left == {"node1": ""}, left
     finally:
         if process.poll() is None:
             process.kill()
@@ -409,6 +417,51 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
         assert "[node1] resuming from step 4, the newest step every rank has" in rerun
     finally:
+        for index in (1, 2):
+            on_node(provisioned.cluster, index, f"rm -rf {directory}")
+
+
+def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_the_last_one(
+    provisioned,
+):
+    checkpoints = f"interrupted-{uuid.uuid4().hex[:8]}"
+    directory = f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}"
+    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4"]
+    # The launcher itself, not make: its exit code is the one asserted.
+    process = subprocess.Popen(
+        [
+            str(VENV_BIN / "train"), "-i", str(provisioned.inventory), "--", *args,
+            "--checkpoint-dir", checkpoints, "--checkpoint-pause-step", "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        seen = read_until(
+            process, "[node1] [rank 0] checkpoint step 8: ", "[node2] [rank 1] checkpoint step 8: "
+        )
+        process.send_signal(signal.SIGINT)
+        sent_at = time.monotonic()
+        rest, _ = process.communicate(timeout=60)
+        took = time.monotonic() - sent_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    try:
+        assert process.returncode == 130, rest[-3000:]
+        assert took < 10, f"the launcher took {took:.1f} s to end"
+        run_id = run_id_in(seen)
+        assert f"Job {run_id} interrupted" in rest
+        assert leftovers(load(provisioned.inventory), run_id) == {"node1": "", "node2": ""}
+        _no_containers_left(provisioned)
+        # Step 4 is complete on each node's disk; step 8 never got its name.
+        for index, rank in ((1, 0), (2, 1)):
+            written = sorted(on_node(provisioned.cluster, index, f"ls -A {directory}").split())
+            assert written[1:] == [file_name(4, rank)], (index, written)
+            assert written[0].startswith(f".{file_name(8, rank)}."), (index, written)
+    finally:
+        shutil.rmtree(REPO_ROOT / ".runs" / run_id_in(seen), ignore_errors=True)
         for index in (1, 2):
             on_node(provisioned.cluster, index, f"rm -rf {directory}")
 
@@ -449,7 +502,9 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
             f"dd if=/dev/zero of={directory}/filler bs=4k 2>/dev/null",
             check=False,
         )
-        full = _train(provisioned, "ARGS=" + " ".join(args))
+        # With TensorBoard on: what rank 0 wrote comes back although the job failed.
+        with_events = [arg for arg in args if arg != "--no-tensorboard"]
+        full = _train(provisioned, "ARGS=" + " ".join(with_events))
         assert _exit_code(full.returncode, full.stderr) == 1, full.stdout[-3000:]
         error = (
             f"Error: cannot write checkpoint step 8 to {directory}: No space left on "
@@ -457,6 +512,11 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
             "--checkpoint-dir with more room)"
         )
         assert f"[node2] {error}" in full.stdout.splitlines(), full.stdout[-3000:]
+        failed_run = REPO_ROOT / ".runs" / run_id_in(full.stdout)
+        events = list((failed_run / "tensorboard").glob("events.out.tfevents.*"))
+        shutil.rmtree(failed_run, ignore_errors=True)
+        assert events, full.stdout[-3000:]
+        assert f"TensorBoard: make tensorboard RUN={failed_run.name}" in full.stdout
         on_node(provisioned.cluster, 2, f"rm {directory}/filler && mount -o remount,ro {directory}")
         read_only = _train(provisioned, "ARGS=" + " ".join(args))
         assert _exit_code(read_only.returncode, read_only.stderr) == 1
@@ -464,6 +524,7 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
             f"[node2] Error: cannot write checkpoints to {directory}: Read-only file system "
             "(try a writable --checkpoint-dir)"
         ) in read_only.stdout.splitlines()
+        assert not re.search(r"\] step +\d+/", read_only.stdout)  # before the first step
         on_node(provisioned.cluster, 2, f"mount -o remount,rw {directory}")
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
         assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun
