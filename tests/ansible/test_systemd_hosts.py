@@ -6,7 +6,8 @@ playbooks run against containers booted by systemd (docker/sim-systemd), each on
 this test creates, reached through the Docker engine (Ansible's community.docker connection):
 
 - the image registry's controller half: its own unit, enabled, bound to the management
-  address with client certificates required, back after a reboot;
+  address with client certificates required, back after a reboot; and on a controller where
+  it cannot run (no package), the reason said and the play going on, nothing half set up;
 - the whole of site.yml on a node with `scheduler: slurm`: Docker, SSH, munge, slurmctld and
   slurmd run as enabled units, a second run changes nothing, and after a reboot every one is
   back and Slurm runs a job;
@@ -19,9 +20,11 @@ from __future__ import annotations
 import secrets
 import shlex
 import subprocess
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import yaml
@@ -115,9 +118,38 @@ def test_the_registry_runs_as_an_enabled_systemd_unit_bound_to_its_address(
         _registry_on_a_systemd_controller(config, name, address, tmp_path)
 
 
-def _registry_on_a_systemd_controller(config, name: str, address: str, tmp_path) -> None:
-    # Two nodes on the same network, which nothing is sent to: the role only asks
-    # `ip route get` which of the controller's addresses reaches them.
+def test_a_controller_that_cannot_run_the_registry_says_why_and_provisioning_goes_on(
+    sim_factory, systemd_image, tmp_path
+):
+    with booted(sim_factory, systemd_image, "controller") as (config, name, address):
+        # The distribution offers no registry package here (apt pins it away).
+        node_sh(
+            name,
+            "printf 'Package: docker-registry\\nPin: release *\\nPin-Priority: -1\\n' "
+            "> /etc/apt/preferences.d/no-registry",
+        )
+        inventory = _controller_inventory(config, name, tmp_path)
+        run = ansible_playbook(
+            inventory, "-e", "expect_registry=false", playbook=PLAYBOOKS / "registry_controller.yml"
+        )
+        assert run.returncode == 0, run.describe()  # the play went on to its end
+        # What the role said, as Ansible's YAML output shows it (folded over lines).
+        task = run.output.split("TASK [image_registry : Say that images will be streamed]")[1]
+        said = yaml.safe_load(textwrap.dedent(task.split("\nTASK [")[0].split("=>", 1)[1]))
+        assert said["msg"] == (
+            "No image registry on the controller (Ensure the distribution's registry package is "
+            "installed: no available installation candidate for docker-registry). `cluster ship` "
+            "streams the image instead (docker save | ssh | docker load)."
+        ), run.output[-3000:]
+        # Nothing half set up: no instance, no trust for the controller's engine.
+        left = node_sh(name, "ls /etc/docker/certs.d /etc/systemd/system | grep -c registry")
+        assert left.stdout.strip() == "0", left.stdout
+
+
+def _controller_inventory(config, name: str, tmp_path) -> Path:
+    """The controller container (reached through Docker) and two nodes on its network, which
+    nothing is sent to: the role only asks `ip route get` which of the controller's addresses
+    reaches them."""
     inventory = tmp_path / "inventory.yml"
     controller = {
         "ansible_connection": "community.docker.docker",
@@ -132,6 +164,11 @@ def _registry_on_a_systemd_controller(config, name: str, address: str, tmp_path)
         "all": {"hosts": {"controller": controller}, "children": {"nodes": {"hosts": nodes}}}
     }
     inventory.write_text(yaml.safe_dump(document))
+    return inventory
+
+
+def _registry_on_a_systemd_controller(config, name: str, address: str, tmp_path) -> None:
+    inventory = _controller_inventory(config, name, tmp_path)
     unit = f"torch-multinode-registry-{address.replace('.', '-')}-5000"
     playbook = PLAYBOOKS / "registry_controller.yml"
 
