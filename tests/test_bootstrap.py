@@ -12,6 +12,7 @@ every output, in the files the run wrote and in the nodes' files and logs.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 import threading
@@ -180,8 +181,20 @@ def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
 
         # 3. A second run asks nothing (no terminal at all) and changes nothing.
         before = [_node_state(c) for c in containers], known_hosts.read_text()
-        again = make("bootstrap", f"INVENTORY={inventory}", timeout=300)
+        #    No terminal: standard input empty and no controlling terminal, so a prompt would
+        #    end the run with an error rather than wait.
+        again = subprocess.run(
+            ["make", "--no-print-directory", "bootstrap", f"INVENTORY={inventory}"],
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            start_new_session=True,
+            check=False,
+        )
         outputs.append(again.stdout + again.stderr)
+        assert "Login password" not in outputs[-1] and "Type yes" not in outputs[-1]
         assert again.returncode == 0, again.stdout + again.stderr
         assert again.stdout.count("already bootstrapped, nothing changed") == 2
         assert ([_node_state(c) for c in containers], known_hosts.read_text()) == before
@@ -222,6 +235,9 @@ def test_fresh_install_to_a_job_through_bootstrap(fresh, training_image):
         seen |= watch.stop()
 
     # 7. The password in no process list, output, file written, or node file or log.
+    #    The watch did look while bootstrap ran: it saw its process here and its logins there.
+    assert [line for line in seen if "cluster bootstrap -i" in line], sorted(seen)[:50]
+    assert [line for line in seen if re.match(r"sshd(-session)?: trainer", line)], sorted(seen)
     passwords = (first, second, "not-" + second)
     assert _repository_files_holding(passwords, since=started) == []
     for password in passwords:
