@@ -228,3 +228,26 @@ def test_an_image_s_architecture_is_read_from_this_engine():
         sim.docker("rmi", tag, check=False)
     with pytest.raises(UserError, match=f"no image {tag} on this machine's engine"):
         images.image_architecture(tag)
+
+
+@pytest.mark.parametrize("gpus", [True, False])
+def test_the_built_images_report_counts_this_machines_gpus_when_it_has_some(
+    monkeypatch, capsys, gpus
+):
+    # Without --gpus a CUDA image always reports "gpus: 0", even on a GPU controller.
+    monkeypatch.setattr(
+        images,
+        "build",
+        lambda kind, tag, **_: images.BuiltImage(tag, kind, "sha256:" + "ab" * 32, 1.0, "2.14.1"),
+    )
+    monkeypatch.setattr(images, "gpu_present", lambda: gpus)
+    asked = {}
+
+    def versions(tag, gpus=False):
+        asked.update(tag=tag, gpus=gpus)
+        return {"torch": "2.14.1", "gpus": "2" if gpus else "0"}
+
+    monkeypatch.setattr(images, "versions", versions)
+    assert cluster.cli.main(["image", "--kind", "cuda", "--tag", "tmn-report:1"]) == 0
+    assert asked == {"tag": "tmn-report:1", "gpus": gpus}
+    assert f"  gpus: {2 if gpus else 0}\n" in capsys.readouterr().out
