@@ -94,8 +94,54 @@ def collect() -> dict[str, str]:
     found["nccl"] = _nccl_version(torch)
     found["cudnn-engines"] = _cudnn_engines()
     found["triton"] = _distribution_version("triton")
+    found["cuda-archs"] = cuda_archs(torch) or "none"
     found["gpus"] = str(torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return found
+
+
+def cuda_archs(torch) -> str | None:
+    """The GPU architectures torch's kernels were built for ('sm_75 sm_80 ... compute_120'), as
+    torch.cuda.get_arch_list() has them but without needing a GPU (the build's own constant);
+    None for a CPU build."""
+    flags = getattr(getattr(torch, "_C", None), "_cuda_getArchFlags", None)
+    return (flags() or None) if flags else None
+
+
+def _arch_number(arch: str) -> int | None:
+    """'sm_86' -> 86, 'sm_120' -> 120, 'sm_90a' -> 90, 'compute_120' -> 120."""
+    digits = ""
+    for character in arch.split("_", 1)[-1]:
+        if not character.isdigit():
+            break
+        digits += character
+    return int(digits) if digits else None
+
+
+def gpu_runs(archs: str, capability: str) -> bool:
+    """Whether a GPU of compute capability `capability` ('7.0', '8.9', '12.0') can run a torch
+    built for `archs`: a kernel binary of its major with a minor no higher than its own
+    (sm_80 runs on 8.6), or PTX (compute_XY) no newer than the GPU, which the driver compiles.
+    Torch's own check (torch.cuda._check_capability) only warns; the first kernel then fails
+    with "no kernel image is available"."""
+    major, _, minor = capability.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return True  # not a capability: nothing to say
+    have = int(major) * 10 + int(minor)
+    for arch in archs.split():
+        number = _arch_number(arch)
+        if number is None:
+            continue
+        if arch.startswith("sm_") and number // 10 == int(major) and number <= have:
+            return True
+        if arch.startswith("compute_") and number <= have:
+            return True
+    return False
+
+
+def oldest_capability(archs: str) -> str:
+    """The oldest compute capability `archs` has kernels for: 'sm_75 sm_80' -> '7.5'."""
+    numbers = [n for n in map(_arch_number, archs.split()) if n is not None]
+    return f"{min(numbers) // 10}.{min(numbers) % 10}" if numbers else "unknown"
 
 
 def _distribution_version(name: str) -> str:

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 from cluster.execution import Context, HostContext
 from cluster.inventory import Host
-from cluster.versions import driver_needed, minimum_shown, release, torch_meets_minimum
+from cluster.versions import (
+    driver_needed,
+    gpu_runs,
+    minimum_shown,
+    oldest_capability,
+    release,
+    torch_meets_minimum,
+)
 from netcheck import bandwidth
 from netcheck.facts import FQDN, OWN, NodeFacts
 from netcheck.report import Finding, Link, Measurement, Status
@@ -599,6 +606,23 @@ def software_findings(
                 f"on {node}: install driver branch {needed} or newer (nvidia_driver_install: "
                 f'true, nvidia_driver_branch: "{needed}" in the inventory; make provision; '
                 f"reboot)",
+            )
+        archs = probe.get("cuda_archs")
+        unable = [
+            f"GPU {index} ({name}, compute capability {capability})"
+            for index, (name, capability) in enumerate(probe.get("gpu_capabilities") or [])
+            if archs and not gpu_runs(archs, capability)
+        ]
+        if unable:
+            oldest = oldest_capability(archs)
+            out.add(
+                node,
+                Status.FAIL,
+                f"{', '.join(unable)} on {node} cannot run torch {torch} in {where}: its "
+                f"kernels are built for compute capability {oldest} and newer ({archs})",
+                f"on {node}: GPUs of compute capability {oldest} or newer (CUDA 13 builds of "
+                f"torch dropped Volta, Pascal and Maxwell), or gpus: 0 for that node in the "
+                f"inventory (it then trains on its CPU, and so does the whole job)",
             )
         if not probe.get("netcheck"):
             out.add(node, Status.FAIL, f"netcheck is not importable in {where}", install)

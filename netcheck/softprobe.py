@@ -29,6 +29,10 @@ def probe() -> dict:
             found["nccl"] = ".".join(str(part) for part in torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001 - CPU-only builds have no NCCL
             found["nccl"] = None
+        # The GPU architectures its kernels were built for (a CUDA build's constant, no GPU
+        # needed); None on a CPU build.
+        arch_flags = getattr(getattr(torch, "_C", None), "_cuda_getArchFlags", None)
+        found["cuda_archs"] = (arch_flags() or None) if arch_flags else None
         found["gloo"] = bool(dist.is_available() and dist.is_gloo_available())
         found["nccl_backend"] = bool(dist.is_available() and dist.is_nccl_available())
     except Exception as exc:  # noqa: BLE001 - reported, not raised
@@ -61,6 +65,18 @@ def probe() -> dict:
                 check=False,
             ).stdout.split()
             found["driver"] = driver[0] if driver else None
+            listed = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            ).stdout
+            found["gpu_capabilities"] = [
+                [part.strip() for part in line.rsplit(",", 1)]
+                for line in listed.splitlines()
+                if line.count(",") >= 1
+            ]
         except (OSError, subprocess.SubprocessError):
             pass
     return found

@@ -16,6 +16,7 @@ import pytest
 
 from cluster import images
 from cluster.sim import debian_base, docker, image_exists
+from cluster.versions import gpu_runs, oldest_capability
 
 # A name of this run's own: another test run on the same engine builds its own beside it.
 TAG = f"torch-multinode/train:cuda-test-{uuid.uuid4().hex[:8]}"
@@ -35,6 +36,9 @@ def test_the_cuda_image_carries_the_pinned_torch_and_every_gpu_library():
         assert found["cudnn-engines"] == "present", found
         assert re.fullmatch(r"\d+\.\d+\.\d+", found["triton"]), found
         assert found["gpus"] == "0"  # no GPU here: the report needs none
+        # Its kernels: Turing (7.5) and newer, no Volta; README says so, netcheck checks it.
+        assert oldest_capability(found["cuda-archs"]) == "7.5", found
+        assert not gpu_runs(found["cuda-archs"], "7.0"), found
         # The label holds the torch exactly as the image reported it.
         assert built.torch == found["torch"] == images.torch_label(TAG)
         environment = docker("image", "inspect", "--format", "{{json .Config.Env}}", TAG).stdout
@@ -125,5 +129,6 @@ def test_a_base_whose_torch_meets_the_minimum_is_labelled_with_it(base_with_torc
         found = images.versions(tag)
         assert found["torch"] == built.torch and found["cudnn-engines"] == "unknown", found
         assert found["triton"] == "none" and found["nccl"] == "none", found
+        assert found["cuda-archs"] == "none", found  # a torch without torch._C still answers
     finally:
         docker("rmi", tag, check=False)

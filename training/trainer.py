@@ -53,7 +53,7 @@ def resolve_numerics(precision: str, device: torch.device) -> Numerics:
         return Numerics(None, False, False, "fp32")
     if precision == "auto":
         # Native bf16 only (Ampere and later): by default torch also counts the emulated bf16 of
-        # a T4 or V100, slower than fp32. torch asks the current device, which the caller has
+        # a T4 (Turing), slower than fp32. torch asks the current device, which the caller has
         # made this rank's (parallel.use_device) so that GPU 0 is not asked in every rank.
         native = torch.cuda.is_bf16_supported(including_emulation=False)
         precision = "bf16" if native else "fp32"

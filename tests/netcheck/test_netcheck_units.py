@@ -458,6 +458,37 @@ def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
     assert only(found, "node1")[0].status is Status.PASS
 
 
+def test_a_gpu_older_than_the_torch_build_is_named_with_its_compute_capability():
+    archs = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
+    gpu = {"cuda_available": True, "gpus": 0, "cuda_archs": archs}
+    found = checks.software_findings(
+        [N1, N2],
+        {
+            "node1": probe(gpu_capabilities=[["Tesla V100-SXM2-16GB", "7.0"]], **gpu),
+            "node2": probe(gpu_capabilities=[["NVIDIA L4", "8.9"], ["Tesla T4", "7.5"]], **gpu),
+        },
+        N1,
+        ContainerContext("train:1"),
+    )
+    (fail,) = only(found, "node1")
+    assert fail.detail == (
+        "GPU 0 (Tesla V100-SXM2-16GB, compute capability 7.0) on node1 cannot run torch 2.14.1 "
+        f"in the training image train:1: its kernels are built for compute capability 7.5 and "
+        f"newer ({archs})"
+    )
+    assert fail.remedy == (
+        "on node1: GPUs of compute capability 7.5 or newer (CUDA 13 builds of torch dropped "
+        "Volta, Pascal and Maxwell), or gpus: 0 for that node in the inventory (it then trains "
+        "on its CPU, and so does the whole job)"
+    )
+    assert only(found, "node2")[0].status is Status.PASS
+    # A CPU build has no architectures to hold a GPU against: nothing said.
+    found = checks.software_findings(
+        [N1], {"node1": probe(gpu_capabilities=[["Tesla V100", "7.0"]], cuda_archs=None)}, N1
+    )
+    assert only(found, "node1")[0].status is Status.PASS
+
+
 def test_gpu_count_shm_and_missing_torch():
     found = checks.software_findings(
         [N1, N2],
