@@ -53,25 +53,11 @@ def probe() -> dict:
     found["nvidia_smi_gpus"] = None
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(
-                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False
-            ).stdout
+            out = _nvidia_smi("-L")
             found["nvidia_smi_gpus"] = sum(line.startswith("GPU ") for line in out.splitlines())
-            driver = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=False,
-            ).stdout.split()
+            driver = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split()
             found["driver"] = driver[0] if driver else None
-            listed = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=False,
-            ).stdout
+            listed = _nvidia_smi("--query-gpu=name,compute_cap", "--format=csv,noheader")
             found["gpu_capabilities"] = [
                 [part.strip() for part in line.rsplit(",", 1)]
                 for line in listed.splitlines()
@@ -80,6 +66,12 @@ def probe() -> dict:
         except (OSError, subprocess.SubprocessError):
             pass
     return found
+
+
+def _nvidia_smi(*args: str) -> str:
+    return subprocess.run(
+        ["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=False
+    ).stdout
 
 
 if __name__ == "__main__":
