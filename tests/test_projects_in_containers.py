@@ -58,6 +58,7 @@ TRAIN = '''\
 import argparse
 import os
 import pathlib
+import time
 
 import torch
 import torch.distributed as dist
