@@ -58,7 +58,6 @@ TRAIN = '''\
 import argparse
 import os
 import pathlib
-import time
 
 import torch
 import torch.distributed as dist
