@@ -4,7 +4,9 @@ tests/fakes.py and the conftest files), never from each other."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import paramiko
@@ -86,6 +88,14 @@ def start_train(inventory: Path, *variables: str, env: dict | None = None) -> su
         env=env,
         start_new_session=True,
     )
+
+
+def interrupt(process: subprocess.Popen) -> tuple[str, float]:
+    """Ctrl-C at the launcher: its remaining output, and how long it took to end."""
+    process.send_signal(signal.SIGINT)
+    sent_at = time.monotonic()
+    rest, _ = process.communicate(timeout=60)
+    return rest, time.monotonic() - sent_at
 
 
 def read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:

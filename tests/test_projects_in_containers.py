@@ -27,9 +27,7 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -39,7 +37,7 @@ import yaml
 from cluster import sim
 from cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
 from tests.conftest import REPO_ROOT, VENV_BIN, make
-from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
+from tests.helpers import interrupt, leftovers, on_node, read_until, run_id_in, start_train
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -441,10 +439,7 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
         seen = read_until(
             process, "[node1] [rank 0] checkpoint step 8: ", "[node2] [rank 1] checkpoint step 8: "
         )
-        process.send_signal(signal.SIGINT)
-        sent_at = time.monotonic()
-        rest, _ = process.communicate(timeout=60)
-        took = time.monotonic() - sent_at
+        rest, took = interrupt(process)
     finally:
         if process.poll() is None:
             process.kill()

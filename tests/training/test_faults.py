@@ -22,7 +22,7 @@ from cluster import sim
 from launch.commands import link_probe_command
 from launch.spec import REMOTE_LOCK_ROOT
 from tests.conftest import VENV_BIN, run_cli
-from tests.helpers import SCRIPTS, leftovers, run_id_in
+from tests.helpers import SCRIPTS, interrupt, leftovers, run_id_in
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -355,14 +355,6 @@ def test_a_partition_stops_any_script_within_the_launchers_network_timeout(sim2,
     assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
 
 
-def _interrupt(process: subprocess.Popen) -> tuple[str, float]:
-    """Ctrl-C at the launcher: its remaining output, and how long it took to end."""
-    process.send_signal(signal.SIGINT)
-    sent_at = time.monotonic()
-    rest, _ = process.communicate(timeout=60)
-    return rest, time.monotonic() - sent_at
-
-
 @pytest.mark.sim
 def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
     port = sim2.inventory.rendezvous_port
@@ -380,7 +372,7 @@ def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
             time.sleep(0.5)
         else:
             pytest.fail("the agents never reached the rendezvous")
-        rest, took = _interrupt(process)
+        rest, took = interrupt(process)
     assert process.returncode == 130, rest
     assert took < 10, f"the launcher took {took:.1f} s to end"
     assert f"Job {run_id} interrupted" in rest
@@ -404,7 +396,7 @@ def test_ctrl_c_during_a_checkpoint_write_leaves_no_process_or_port_and_the_prev
     seen = _wait_for(
         process, "[node1] [rank 0] checkpoint step 8: ", "[node2] [rank 1] checkpoint step 8: "
     )
-    rest, took = _interrupt(process)
+    rest, took = interrupt(process)
     assert process.returncode == 130, rest
     assert took < 10, f"the launcher took {took:.1f} s to end"
     assert f"Job {run_id_in(seen)} interrupted" in rest
