@@ -134,10 +134,14 @@ class CheckpointStore:
             hint = "another --checkpoint-dir"
         return UserError(f"{what} {self.directory}: {reason}{after}", hint=hint, exit_code=1)
 
-    def load(self, step: int, device: torch.device) -> dict[str, Any]:
+    def load(self, step: int) -> dict[str, Any]:
+        """This rank's checkpoint of `step`, every tensor on the CPU whatever device wrote it.
+        State reaches the rank's device through load_state_dict (model, optimizer) and
+        restore_rng_states; loaded onto a GPU, numpy's generator keys could not be read back
+        (Tensor.numpy() takes CPU tensors only) and every rank's resume crashed."""
         path = self.path(step)
         try:
-            return torch.load(path, map_location=device, weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise UserError(f"cannot load checkpoint {path}: {reason}", exit_code=1) from None

@@ -239,7 +239,7 @@ class Trainer:
                 self.store.clear()
             parallel.barrier(self.env)  # nobody writes step files while another rank clears
             return None
-        state = self.store.load(plan.step, self.env.device)
+        state = self.store.load(plan.step)
         expected = {"world_size": self.env.world_size, "batch_per_rank": self.batch}
         for key, value in expected.items():
             if state[key] != value:

@@ -37,7 +37,7 @@ def test_only_complete_files_of_this_rank_count(tmp_path):
     (tmp_path / f".{file_name(30, 1)}.abc123.tmp").write_bytes(b"half written")
     (tmp_path / "step-40-rank-1.pt").write_bytes(b"not our naming")
     assert store.steps() == [10, 20]
-    assert store.load(20, torch.device("cpu")) == {"step": 20}
+    assert store.load(20) == {"step": 20}
     store.remove_temporaries()
     assert not (tmp_path / f".{file_name(30, 1)}.abc123.tmp").exists()
     assert (tmp_path / file_name(30, 0)).exists()
@@ -55,7 +55,7 @@ def test_a_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
     store = CheckpointStore(tmp_path, rank=0, keep=2)
     store.path(7).write_bytes(b"garbage")
     with pytest.raises(UserError, match=f"cannot load checkpoint {store.path(7)}"):
-        store.load(7, torch.device("cpu"))
+        store.load(7)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +130,7 @@ def test_a_full_disk_is_one_error_line_naming_the_directory_and_keeps_the_last_c
     )
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == [file_name(4, 1)]  # no temp file left
-    assert store.load(4, torch.device("cpu")) == {"step": 4}
+    assert store.load(4) == {"step": 4}
 
 
 def test_a_read_only_directory_is_refused_before_training(tmp_path, monkeypatch):

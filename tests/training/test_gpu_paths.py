@@ -4,7 +4,10 @@ a real collective is stopped or recorded."""
 
 from __future__ import annotations
 
+import random
 import socket
+
+import numpy as np
 
 import pytest
 import torch
@@ -299,6 +302,35 @@ def test_resuming_with_fewer_visible_gpus_restores_the_ranks_own_rng_state(monke
     resumed_on.rng[0].fill_(99)
     checkpoint.restore_rng_states(states, torch.device("cuda:0"))
     assert torch.equal(resumed_on.rng[0], saved_on.rng[0])
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_there(monkeypatch, tmp_path):
+    """Loaded onto the rank's GPU (map_location=device), numpy's generator keys came back as a
+    GPU tensor and restore_rng_states' `keys.numpy()` raised a TypeError in every rank on every
+    resume. Here a load onto a CUDA device gives tensors that, as on a GPU, cannot become numpy
+    arrays; the store must load to the CPU, and every generator must continue where it was."""
+    FakeCuda(monkeypatch, [AMPERE, AMPERE])
+    device = torch.device("cuda:1")
+    real_load, asked = torch.load, []
+
+    def load(*args, map_location=None, **kwargs):
+        asked.append(map_location)
+        on_gpu = map_location is not None and torch.device(map_location).type == "cuda"
+        state = real_load(*args, map_location="meta" if on_gpu else map_location, **kwargs)
+        return state  # meta tensors, like CUDA ones, refuse .numpy()
+
+    monkeypatch.setattr(torch, "load", load)
+    store = checkpoint.CheckpointStore(tmp_path, rank=1, keep=2)
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    store.save(4, {"rng": checkpoint.rng_states(device), "weight": torch.ones(2)})
+    expected = (random.random(), np.random.random(), torch.rand(1).item())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+
+    state = store.load(4)
+    checkpoint.restore_rng_states(state["rng"], device)
+    assert (random.random(), np.random.random(), torch.rand(1).item()) == expected
+    assert [torch.device(where).type for where in asked] == ["cpu"]
+    assert state["weight"].device.type == "cpu"
 
 
 def test_a_rank_saves_the_rng_state_of_its_own_gpu(monkeypatch):
