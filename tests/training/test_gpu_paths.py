@@ -8,7 +8,6 @@ import random
 import socket
 
 import numpy as np
-
 import pytest
 import torch
 import torch.distributed as dist
