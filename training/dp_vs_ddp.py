@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.errors import UserError
-from training import console
+from training import console, parallel
 from training.config import MODELS
 from training.models import build_model
 
@@ -102,6 +102,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, args, results) -> None:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
+        **parallel.bound_device(device),
     )
     try:
         torch.manual_seed(args.seed)

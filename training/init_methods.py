@@ -37,6 +37,7 @@ def form_and_check(
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
+        **parallel.bound_device(device),
     )
     # NCCL reduces GPU tensors only, each rank's on its own GPU.
     value = torch.tensor([float(rank + 1)], device=device)

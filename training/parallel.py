@@ -143,11 +143,21 @@ def use_device(env: DistEnv) -> None:
         torch.cuda.set_device(env.device)
 
 
+def bound_device(device: torch.device) -> dict[str, torch.device]:
+    """init_process_group's `device_id` for a rank on `device`: its GPU under NCCL, nothing on
+    the CPU. torch 2.14 then forms the NCCL communicator at once (an unreachable peer or a
+    broken GPU fails here, not at the first collective) and binds the group to that GPU, so
+    barrier() knows its device instead of guessing one and warning on every call."""
+    return {"device_id": device} if device.type == "cuda" else {}
+
+
 def start(env: DistEnv, timeout_seconds: float = 600) -> None:
     """Join the process group (a no-op for a single unlaunched process)."""
     use_device(env)
     if env.launched and not dist.is_initialized():
-        dist.init_process_group(env.backend, timeout=timedelta(seconds=timeout_seconds))
+        dist.init_process_group(
+            env.backend, timeout=timedelta(seconds=timeout_seconds), **bound_device(env.device)
+        )
 
 
 def stop(synchronize: bool = False) -> None:

@@ -8,6 +8,7 @@ explicit rank and world size. It trains exactly what `make train` trains under t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import sys
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from training import console, ddp
+from training import console, ddp, parallel
 
 LOOPBACK = "127.0.0.1"
 
@@ -26,15 +27,9 @@ def worker(rank: int, world_size: int, port: int, argv: list[str]) -> None:
     if "OMP_NUM_THREADS" not in os.environ and world_size > 1:
         # As torchrun does: one thread per process, and the same float reductions as there.
         torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{LOOPBACK}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=5),
-    )
-    # What torchrun would have said, so the workload describes this layout like any other.
+    # What torchrun would have said, so the workload describes this layout like any other, and
+    # this rank's backend and device are decided as under torchrun (a rank past the GPUs is an
+    # error naming them).
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -43,9 +38,23 @@ def worker(rank: int, world_size: int, port: int, argv: list[str]) -> None:
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
     )
-    code = console.call(ddp.main, argv)
+    code = console.call(functools.partial(_join_and_train, port), argv)
     if code:
         sys.exit(code)
+
+
+def _join_and_train(port: int, argv: list[str] | None) -> int:
+    env = parallel.read_env()
+    parallel.use_device(env)
+    dist.init_process_group(
+        env.backend,
+        init_method=f"tcp://{LOOPBACK}:{port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(minutes=5),
+        **parallel.bound_device(env.device),
+    )
+    return ddp.main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from cluster.errors import UserError
 from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 from tests.training.conftest import run_main
-from training import checkpoint, ddp, init_methods, model_parallel, parallel
+from training import checkpoint, ddp, init_methods, model_parallel, parallel, spawn
 from training.config import TrainConfig
 from training.config import parse as parse_config
 from training.trainer import resolve_numerics
@@ -248,7 +248,7 @@ def test_init_methods_puts_each_rank_on_its_gpu_before_the_group_forms(monkeypat
     events = []
 
     def init_process_group(backend, **kwargs):
-        events.append(("init", backend, list(cuda.set_devices)))
+        events.append(("init", backend, list(cuda.set_devices), kwargs.get("device_id")))
 
     def all_reduce(tensor):
         events.append(("all_reduce", seen.devices[-1]))
@@ -262,8 +262,35 @@ def test_init_methods_puts_each_rank_on_its_gpu_before_the_group_forms(monkeypat
         monkeypatch.setenv(name, value)
     monkeypatch.delenv(BACKEND_VARIABLE, raising=False)
     init_methods.main(["--methods", "env"])
-    assert events == [("init", "nccl", [1]), ("all_reduce", torch.device("cuda:1"))]
+    assert events == [
+        ("init", "nccl", [1], torch.device("cuda:1")),
+        ("all_reduce", torch.device("cuda:1")),
+    ]
     assert cuda.current == 1
+
+
+def test_every_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
+    """Without device_id, torch 2.14 sets NCCL up lazily and every barrier warns that it guesses
+    the device; with it the communicator forms at once on the rank's own GPU. Both ways a job
+    forms its group, torchrun's (parallel.start) and mp.spawn's, pass it; a CPU rank does not."""
+    FakeCuda(monkeypatch, [AMPERE, AMPERE])
+    groups = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(groups))
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kwargs: groups.append((backend, kwargs))
+    )
+    parallel.start(parallel.read_env(torchrun_env(1, 2)))
+    assert groups[-1][0] == "nccl" and groups[-1][1]["device_id"] == torch.device("cuda:1")
+
+    monkeypatch.setattr(ddp, "main", lambda argv: 0)
+    for name, value in torchrun_env(1, 2).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(BACKEND_VARIABLE, raising=False)
+    groups.clear()
+    assert spawn._join_and_train(29500, []) == 0
+    assert groups[-1][0] == "nccl" and groups[-1][1]["device_id"] == torch.device("cuda:1")
+
+    assert parallel.bound_device(torch.device("cpu")) == {}
 
 
 # -- 3. --precision auto: native bf16 only, asked of the rank's own GPU --------------------------
