@@ -117,6 +117,10 @@ def batch_script(
 attempt=${{SLURM_RESTART_COUNT:-0}}
 out={shlex.quote(directory)}/slurm-$SLURMD_NODENAME-$attempt.log
 mkdir -p {shlex.quote(directory)}
+# Slurm sets CUDA_VISIBLE_DEVICES to the GPUs of the GRES request, the same count on every node;
+# the job holds its nodes whole (--exclusive), and each node's command names its own GPUs (GPUS=,
+# the host's selection) or uses all it has, as over SSH.
+unset CUDA_VISIBLE_DEVICES
 case "$SLURMD_NODENAME" in
 {cases}
 *) echo "$SLURMD_NODENAME is not one of this job's nodes ({", ".join(names)})"; false ;;
@@ -157,9 +161,11 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "$TASK"
 
 def _gpu_request(inventory: Inventory, spec: JobSpec) -> str:
     """The GPUs the job holds on each node, as Slurm's GRES request ('' on CPU nodes): what the
-    job uses there (GPUS=, the host's selection, else all of them). Slurm asks the same count of
-    every node; where the job uses more on some, the smallest is asked (Slurm accounts for those;
-    the job's containers are given theirs by the launcher's command either way)."""
+    job uses there (GPUS=, the host's selection, else all of them). `--gres` asks the same count
+    of every node (Slurm's sbatch: "per node"); where the job uses more on some, the smallest is
+    asked, for Slurm's accounting only: the job holds its nodes whole (--exclusive), and the task
+    drops the CUDA_VISIBLE_DEVICES Slurm derives from the request, so that a host-mode node with
+    more GPUs than the smallest runs a rank on each of them, as the launcher counted."""
     counts = []
     for host in inventory.hosts:
         selected = visible_gpus(host, spec)

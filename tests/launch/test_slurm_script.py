@@ -60,6 +60,31 @@ def test_gpu_nodes_ask_slurm_for_the_gpus_the_job_uses_there():
     assert "--gres" not in slurm.batch_script(_inventory(), SPEC, both, False)
 
 
+def test_a_node_with_more_gpus_than_the_gres_request_sees_all_the_job_uses_there(tmp_path):
+    """Unequal nodes (2 and 4 GPUs): Slurm asks gpu:2 of each and sets CUDA_VISIBLE_DEVICES=0,1 in
+    the task, so in host mode torchrun's ranks 2 and 3 on node2 found no GPU. The task drops
+    Slurm's pick: a node's command sees only what the launcher gives it (GPUS=, else all)."""
+    mixed = inventory({"node1": node(1, gpus=2), "node2": node(2, gpus=4)}, scheduler="slurm")
+    spec = JobSpec(run_id="tmn-gres")
+    commands = {
+        "node1": 'echo "seen ${CUDA_VISIBLE_DEVICES-all}"',
+        "node2": 'echo "seen ${CUDA_VISIBLE_DEVICES-all}"; CUDA_VISIBLE_DEVICES=1,3 sh -c '
+        "'echo \"selected $CUDA_VISIBLE_DEVICES\"'",
+    }
+    script = slurm.batch_script(mixed, spec, commands, requeue=False)
+    assert "#SBATCH --gres=gpu:2\n" in script
+    task = script.split("<<'END_OF_TASK'\n", 1)[1].split("\nEND_OF_TASK", 1)[0]
+    task = task.replace(slurm.run_dir(spec), str(tmp_path))
+    slurm_env = {"SLURM_RESTART_COUNT": "0", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0,1"}
+    for name in ("node1", "node2"):
+        done = subprocess.run(
+            ["bash", "-c", task], env={**slurm_env, "SLURMD_NODENAME": name}, check=False
+        )
+        assert done.returncode == 0
+    assert (tmp_path / "slurm-node1-0.log").read_text().startswith("seen all\n")
+    assert (tmp_path / "slurm-node2-0.log").read_text().startswith("seen all\nselected 1,3\n")
+
+
 def test_the_task_writes_its_nodes_output_and_exit_status_to_its_file(tmp_path):
     """The script's task, run here as srun would on node2 (commands pointing at tmp_path)."""
     spec = JobSpec(run_id="tmn-task")
