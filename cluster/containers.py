@@ -3,6 +3,8 @@ for netcheck's probes, so netcheck checks exactly the environment jobs get."""
 
 from __future__ import annotations
 
+import shlex
+
 from cluster.inventory import Host
 
 # NCCL's own configuration, written by provisioning (role nccl_config) and mounted read-only
@@ -15,6 +17,33 @@ NCCL_CONF_GUARD = (
     f"provision, whose nccl_config role writes it)' >&2; exit 125; }}"
 )
 
+# InfiniBand and RoCE through verbs: the node's device files, the right to pin memory.
+RDMA_DEVICE_DIR = "/dev/infiniband"
+RDMA_DEVICES = ("uverbs*", "rdma_cm", "umad*")
+RDMA_OPTIONS = ("--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1")
+
+
+def rdma_options(device_dir: str = RDMA_DEVICE_DIR) -> str:
+    """Shell text, one unquoted command substitution, that the node's shell expands to the
+    `docker run` options verbs needs where the node has RDMA devices, and to nothing elsewhere:
+    `--device` for each of its uverbs*, rdma_cm and umad* entries, `--cap-add IPC_LOCK` and
+    memlock unlimited (NCCL registers its buffers with the NIC). Decided on the node when the
+    container starts, by what /dev/infiniband holds there: no flag, no probe to keep in step.
+    Placed after every other option, so its memlock wins over the inventory's (Docker keeps
+    the last --ulimit of a kind)."""
+    patterns = " ".join(f"{device_dir}/{p}" for p in RDMA_DEVICES)
+    return (
+        f'$(o=; for d in {patterns}; do [ -e "$d" ] && o="$o --device $d"; done; '
+        f'[ -z "$o" ] || echo "$o {" ".join(RDMA_OPTIONS)}")'
+    )
+
+
+def container_command(options: list[str], image: str, command: list[str]) -> str:
+    """The `docker run` line for the node's shell: `options` (training_container_options' and
+    the caller's own), the RDMA options the node turns out to need (rdma_options), then the
+    image and what runs in it. Every word quoted but the RDMA substitution."""
+    return f"{shlex.join(options)} {rdma_options()} {shlex.join([image, *command])}"
+
 
 def training_container_options(host: Host, memlock: str, label: str) -> list[str]:
     """`docker run` options up to (not including) the image.
@@ -23,7 +52,8 @@ def training_container_options(host: Host, memlock: str, label: str) -> list[str
     bound to; the host's IPC namespace so /dev/shm is as large as the machine's (DataLoader
     workers and NCCL's shared-memory transport need more than Docker's 64 MB); memlock as the
     inventory says ('unlimited' for RDMA registration); GPUs only where the node has them;
-    NCCL's configuration file, read-only (run NCCL_CONF_GUARD first).
+    NCCL's configuration file, read-only (run NCCL_CONF_GUARD first). The RDMA devices are not
+    here: they depend on the node, and container_command adds them there when it runs.
     `--pull never`: a missing image is an error to report, not a download to start.
     """
     limit = "-1:-1" if memlock == "unlimited" else f"{memlock}:{memlock}"

@@ -23,7 +23,7 @@ import socket
 import threading
 from typing import Protocol
 
-from cluster.containers import NCCL_CONF_GUARD, training_container_options
+from cluster.containers import NCCL_CONF_GUARD, container_command, training_container_options
 from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, Result
 
@@ -219,7 +219,9 @@ class ContainerContext:
                 "-e",
                 f"PYTHONPATH={self.code_dir}",
             ]
-        return f"{NCCL_CONF_GUARD} && " + shlex.join([*options, self.image, "sh", "-c", command])
+        return f"{NCCL_CONF_GUARD} && " + container_command(
+            options, self.image, ["sh", "-c", command]
+        )
 
     def cleanup(self, token: str) -> str | None:
         label = shlex.quote(f"label={NETCHECK_LABEL}={token}")

@@ -7,7 +7,7 @@ import shlex
 from dataclasses import replace
 
 from cluster import staging
-from cluster.containers import NCCL_CONF_GUARD, training_container_options
+from cluster.containers import NCCL_CONF_GUARD, container_command, training_container_options
 from cluster.inventory import Host
 from cluster.jobenv import RUN_DIR_VARIABLE
 from cluster.staging import REMOTE_RUN_ROOT, Project
@@ -89,9 +89,7 @@ def remote_command(
         command = docker_run_command(
             host, spec, image or "", variables, workdir, torchrun, memlock, mounted
         )
-        return (
-            f"mkdir -p {shlex.quote(directory)} && {NCCL_CONF_GUARD} && exec {shlex.join(command)}"
-        )
+        return f"mkdir -p {shlex.quote(directory)} && {NCCL_CONF_GUARD} && exec {command}"
     command = torchrun_command(host, master, nnodes, spec, port, entry)
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
     return (
@@ -109,9 +107,10 @@ def docker_run_command(
     command: list[str],
     memlock: str = "unlimited",
     mounts: list[tuple[str, bool]] | None = None,
-) -> list[str]:
-    """The training container for one node: the job's whole lifetime, removed when it ends.
-    Every node directory the job reads or writes is mounted at the same path."""
+) -> str:
+    """The training container for one node, as shell text: the job's whole lifetime, removed
+    when it ends. Every node directory the job reads or writes is mounted at the same path; the
+    node's RDMA devices are passed where it has them (cluster.containers.container_command)."""
     options = training_container_options(host, memlock, f"{RUN_LABEL}={spec.run_id}")
     options += ["--name", f"{spec.run_id}-{host.name}"]
     seen: set[str] = set()
@@ -122,7 +121,7 @@ def docker_run_command(
     options += ["-w", workdir]
     for key, value in env.items():
         options += ["-e", f"{key}={value}"]
-    return [*options, image, *command]
+    return container_command(options, image, command)
 
 
 def lock_command(run_id: str, port: int) -> str:

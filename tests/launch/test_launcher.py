@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cluster import sim
-from cluster.containers import NCCL_CONF_GUARD
+from cluster.containers import NCCL_CONF_GUARD, rdma_options
 from cluster.errors import UserError
 from cluster.inventory import load, parse
 from cluster.staging import Project
@@ -101,7 +101,8 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     command = remote_command(
         n1, n1, 2, spec, 29400, envs["n1"], inventory.launch_mode, inventory.training_image
     )
-    words = shlex.split(command)
+    # The node's RDMA devices are decided by its shell (tested below): one word here.
+    words = shlex.split(command.replace(rdma_options(), "RDMA"))
     guard = shlex.split(NCCL_CONF_GUARD)
     assert (
         words[: 5 + len(guard)]
@@ -109,7 +110,8 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
             : 5 + len(guard)
         ]
     )
-    docker = words[words.index("exec") + 1 : words.index("img:1")]
+    assert words[words.index("img:1") - 1] == "RDMA"
+    docker = words[words.index("exec") + 1 : words.index("RDMA")]
     assert docker == [
         "docker",
         "run",
@@ -160,6 +162,68 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     capped = remote_command(n2, n1, 2, spec, 29400, {}, "container", "img:1", "8388608")
     assert "memlock=8388608:8388608" in shlex.split(capped)
     assert "docker ps -q --filter label=torch-multinode.run=tmn-z" in stop_command("tmn-z")
+
+
+def _docker_argv(command: str, tmp_path: Path, devices: list[str] | None) -> list[str]:
+    """What `docker` is given when the node's shell runs the container line of `command`, on a
+    node whose /dev/infiniband holds `devices` (None: no such directory): the real shell, a
+    fake docker that prints its arguments, the device directory swapped for a fake one."""
+    tmp_path.mkdir()
+    fake_dir = tmp_path / "infiniband"
+    if devices is not None:
+        fake_dir.mkdir()
+        for name in devices:
+            (fake_dir / name).touch()
+    line = command.split(" && exec ", 1)[1] if " && exec " in command else command
+    assert rdma_options() in line
+    line = line.replace(rdma_options(), rdma_options(str(fake_dir)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    (bin_dir / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize("memlock", ["unlimited", "8388608"])
+def test_a_job_container_gets_the_nodes_rdma_devices_where_it_has_them(tmp_path, memlock):
+    """InfiniBand/RoCE in container mode: on a node with /dev/infiniband the job's container
+    gets its verbs devices (uverbs*, rdma_cm, umad*; not the subnet manager's issm*), IPC_LOCK
+    and memlock unlimited, after the inventory's memlock so that it wins; on a node without,
+    none of that. Decided by the node's own shell when the container starts."""
+    text = _inventory_text(training_image="img:1")
+    inventory = parse(text, "/nonexistent/inv.yml")
+    n1, n2 = inventory.hosts
+    spec = JobSpec(run_id="tmn-ib")
+    command = remote_command(n1, n1, 2, spec, 29400, {}, "container", "img:1", memlock)
+    with_ib = _docker_argv(
+        command, tmp_path / "ib", ["uverbs0", "uverbs1", "rdma_cm", "umad0", "issm0"]
+    )
+    image = with_ib.index("img:1")
+    assert with_ib[:2] == ["run", "--rm"]
+    assert with_ib[image - 12 : image] == [
+        "--device",
+        f"{tmp_path}/ib/infiniband/uverbs0",
+        "--device",
+        f"{tmp_path}/ib/infiniband/uverbs1",
+        "--device",
+        f"{tmp_path}/ib/infiniband/rdma_cm",
+        "--device",
+        f"{tmp_path}/ib/infiniband/umad0",
+        "--cap-add",
+        "IPC_LOCK",
+        "--ulimit",
+        "memlock=-1:-1",
+    ]
+    assert not any("issm" in word for word in with_ib)
+    assert with_ib[image + 1 : image + 4] == ["python3", "-m", "torch.distributed.run"]
+    for devices in (None, []):
+        plain = _docker_argv(command, tmp_path / f"plain-{devices}", devices)
+        assert "--device" not in plain and "--cap-add" not in plain
+        limit = "-1:-1" if memlock == "unlimited" else "8388608:8388608"
+        assert [w for w in plain if w.startswith("memlock=")] == [f"memlock={limit}"]
+        assert plain == with_ib[: image - 12] + with_ib[image:]
 
 
 def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_path):

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cluster.containers import rdma_options
 from cluster.execution import ContainerContext, HostContext, context_for
 from netcheck import cli, preflight
 from netcheck.report import CHECKS, Status
@@ -203,16 +204,17 @@ def test_container_context_starts_the_probe_like_the_launcher_starts_a_job():
     host = fake_inventory().hosts[0]
     gpu_host = host.__class__(**{**host.__dict__, "gpus": 2})
     context = ContainerContext("train:1")
-    # NCCL's file is checked for first: Docker would make a missing one a directory.
+    # NCCL's file is checked for first: Docker would make a missing one a directory. The node's
+    # RDMA devices, where it has them, come last before the image, as the launcher's.
     assert context.wrap(host, "python3 -c 'print(1)'", "netcheck-abc") == (
         "test -f /etc/nccl.conf || { echo 'Error: /etc/nccl.conf is missing on this node (try "
         "make provision, whose nccl_config role writes it)' >&2; exit 125; } && "
         "docker run --rm --init --pull never --label torch-multinode.netcheck=netcheck-abc "
         "--network host --ipc host --ulimit memlock=-1:-1 --ulimit stack=67108864 "
-        "-v /etc/nccl.conf:/etc/nccl.conf:ro train:1 "
+        f"-v /etc/nccl.conf:/etc/nccl.conf:ro {rdma_options()} train:1 "
         "sh -c 'python3 -c '\"'\"'print(1)'\"'\"''"
     )
-    assert " --gpus all train:1 " in context.wrap(gpu_host, "true", "t")
+    assert f" --gpus all {rdma_options()} train:1 " in context.wrap(gpu_host, "true", "t")
     assert context.cleanup("netcheck-abc") == (
         "docker ps -q --filter label=torch-multinode.netcheck=netcheck-abc | xargs -r docker rm "
         "-f >/dev/null 2>&1; true"
@@ -226,7 +228,8 @@ def test_the_shipped_code_is_on_the_import_path_of_the_probe_and_the_workers():
     """The image holds no project code: netcheck's own, sent to the nodes, is mounted (read-only)
     and on PYTHONPATH in the container, and on PYTHONPATH on the host."""
     host = fake_inventory().hosts[0]
-    inside = shlex.split(ContainerContext("train:1", code_dir="/w/tmn-1").wrap(host, "true", "t"))
+    wrapped = ContainerContext("train:1", code_dir="/w/tmn-1").wrap(host, "true", "t")
+    inside = shlex.split(wrapped.replace(rdma_options(), ""))
     image = inside.index("train:1")
     assert inside[image - 4 : image] == ["-v", "/w/tmn-1:/w/tmn-1:ro", "-e", "PYTHONPATH=/w/tmn-1"]
     assert HostContext("/w/tmn 1").wrap(host, "python3 x", "t") == (
