@@ -607,6 +607,9 @@ def software_findings(
                 f'true, nvidia_driver_branch: "{needed}" in the inventory; make provision; '
                 f"reboot)",
             )
+        fabric = fabric_manager_problem(node, probe)
+        if fabric:
+            out.add(node, Status.FAIL, *fabric)
         archs = probe.get("cuda_archs")
         unable = [
             f"GPU {index} ({name}, compute capability {capability})"
@@ -690,6 +693,42 @@ def software_findings(
             f"{(p.get('shm_bytes') or 0) >> 20} MiB, memlock {memlock}"
         )
     return out.done([h.name for h in hosts], passed)
+
+
+FABRIC_WAITING = ("Not Started", "In Progress")
+
+
+def fabric_manager_problem(node: str, probe: dict) -> tuple[str, str] | None:
+    """(detail, remedy) for an NVSwitch node whose fabric manager is not running, or None.
+
+    The probe's `nvswitches` (PCI bus), `fabricmanager` (process or systemd; None where the
+    probe cannot see them, as in a container) and `fabric_states` (nvidia-smi's per-GPU fabric
+    registration) decide; without a running fabric manager those GPUs never initialise."""
+    switches = probe.get("nvswitches") or 0
+    if not switches:
+        return None
+    states = probe.get("fabric_states") or []
+    waiting = [f"GPU {i} {state}" for i, (state, _) in enumerate(states) if state in FABRIC_WAITING]
+    smi = probe.get("nvidia_smi_gpus")
+    if probe.get("fabricmanager") is False:
+        why = "no fabric manager runs (nv-fabricmanager; systemd: nvidia-fabricmanager inactive)"
+    elif waiting:
+        why = f"the GPUs' fabric registration is not complete ({', '.join(waiting)})"
+    elif probe.get("fabricmanager") is None and smi and not probe.get("gpus"):
+        why = f"torch sees none of the {smi} GPU(s) nvidia-smi lists (is nvidia-fabricmanager running?)"
+    else:
+        return None
+    driver = probe.get("driver") or ""
+    branch = release(driver)[0] if release(driver) else None
+    package = f"nvidia-fabricmanager-{branch}" if branch else "nvidia-fabricmanager"
+    return (
+        f"{node} has {switches} NVSwitch(es) but {why}: its GPUs stay uninitialised (CUDA "
+        f"error 802, system not yet initialized)",
+        f"on {node}: make provision with nvidia_driver_install: true (it installs and starts the "
+        f"fabric manager of the driver's branch), or install {package} of the driver's exact "
+        f"version{f' ({driver})' if driver else ''} and start it (systemctl enable --now "
+        f"nvidia-fabricmanager)",
+    )
 
 
 # --- 7. collective and bandwidth ------------------------------------------------------------
