@@ -19,6 +19,8 @@ RUN       ?=
 MODULE    ?=
 ARGS      ?=
 GPUS      ?=
+# Processes per node (torchrun's --nproc-per-node); empty: one per GPU, 1 on a CPU node, 2 locally.
+NPROC     ?=
 RESTARTS  ?=
 DEBUG     ?=
 ANSIBLE_ARGS ?=
@@ -41,7 +43,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help  ## list the targets and the knobs
 help:
 	@echo "Usage: make TARGET [INVENTORY=path.yml] [GROUP=nodes] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
-	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2]"
+	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2] [NPROC=2]"
 	@echo "                   [DEBUG=1] [RESTARTS=1] [IMAGE=torch-multinode/train:latest] [SRC=dataset-dir] [RUN=job-id] [JOB=slurm-id]"
 	@echo
 	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
@@ -85,7 +87,7 @@ netcheck: $(STAMP)
 .PHONY: train  ## train on INVENTORY's nodes (NNODES=N: the first N; no INVENTORY: the default job, locally)
 train: $(STAMP)
 	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
-		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
+		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
 		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(ENV)),--env '$(ENV)') \
 		$(if $(strip $(ARGS)),-- $(ARGS))

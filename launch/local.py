@@ -50,7 +50,7 @@ def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
         if gpus_here == 0:
             raise UserError(
                 f"GPUS={shown} but this machine has no GPU",
-                hint="leaving GPUS unset; --nproc-per-node sets the process count",
+                hint="leaving GPUS unset; NPROC= sets the process count",
             )
         missing = [index for index in spec.gpus if index >= gpus_here]
         if missing:

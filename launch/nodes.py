@@ -33,7 +33,7 @@ def visible_gpus(host: Host, spec: JobSpec) -> tuple[int, ...] | None:
     if host.gpus == 0:
         raise UserError(
             f"GPUS={shown} but node '{host.name}' has no GPU (inventory gpus: 0)",
-            hint="leaving GPUS unset on CPU nodes; --nproc-per-node sets the process count",
+            hint="leaving GPUS unset on CPU nodes; NPROC= sets the process count",
         )
     missing = [index for index in selected if index >= host.gpus]
     if missing:
@@ -66,9 +66,9 @@ def process_count(spec: JobSpec, gpus: int, has: str, cpu_default: int = 1) -> i
     if spec.nproc_per_node is not None:
         if gpus and spec.nproc_per_node * per > gpus:
             raise UserError(
-                f"--nproc-per-node={spec.nproc_per_node} of {what} needs "
+                f"NPROC={spec.nproc_per_node} (--nproc-per-node) of {what} needs "
                 f"{spec.nproc_per_node * per} GPU(s), but {has}",
-                hint=f"--nproc-per-node={max(1, gpus // per)}",
+                hint=f"NPROC={max(1, gpus // per)}",
             )
         return spec.nproc_per_node
     if gpus == 0:

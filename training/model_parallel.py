@@ -50,7 +50,7 @@ def stage_devices(env: parallel.DistEnv) -> tuple[torch.device, torch.device]:
     needed = 2 * env.local_world_size
     if found < needed:
         processes = "process" if env.local_world_size == 1 else "processes"
-        fewer = f"--nproc-per-node {found // 2}, " if found >= 2 else ""
+        fewer = f"NPROC={found // 2}, " if found >= 2 else ""
         raise UserError(
             f"on {parallel.node_name()}: {env.local_world_size} {processes} x 2 GPUs each need "
             f"{needed} GPUs, found {found}",

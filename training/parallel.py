@@ -123,7 +123,7 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
         if local_rank >= visible:
             raise UserError(
                 f"LOCAL_RANK {local_rank} needs GPU {local_rank} but this node has {visible}",
-                hint=f"--nproc-per-node {visible}",
+                hint=f"NPROC={visible} (torchrun's --nproc-per-node)",
             )
     return DistEnv(
         rank=rank,

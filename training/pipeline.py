@@ -46,7 +46,7 @@ def stage_bounds(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
         raise UserError(
             f"{num_stages} pipeline stages need at least {num_stages} blocks; the model has "
             f"{num_blocks}",
-            hint=f"--nproc-per-node {num_blocks} or fewer processes in total",
+            hint=f"NPROC={num_blocks} (torchrun's --nproc-per-node) or fewer processes in total",
         )
     base, extra = divmod(num_blocks, num_stages)
     bounds, start = [], 0

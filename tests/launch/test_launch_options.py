@@ -12,7 +12,7 @@ from cluster.errors import UserError
 from launch.commands import remote_command
 from launch.nodes import entry_point, gpu_problem, job_backend, legacy_flag, nproc_for
 from launch.spec import JobSpec
-from tests.conftest import run_cli
+from tests.conftest import make, run_cli
 from tests.helpers import SCRIPTS, inventory, node
 
 
@@ -65,8 +65,8 @@ def test_gpus_on_a_cpu_machine_is_one_clear_line():
     proc = run_cli("train", "--gpus", "0")
     assert proc.returncode == 2
     assert proc.stderr == (
-        "Error: GPUS=0 but this machine has no GPU (try leaving GPUS unset; --nproc-per-node "
-        "sets the process count)\n"
+        "Error: GPUS=0 but this machine has no GPU (try leaving GPUS unset; NPROC= sets the "
+        "process count)\n"
     )
     proc = run_cli("train", "--gpus", "0,zero")
     assert proc.returncode == 2
@@ -198,9 +198,22 @@ def test_nproc_per_node_is_honoured_with_a_gpu_selection():
     with pytest.raises(UserError) as caught:
         nproc_for(big, JobSpec(gpus=(0, 1), nproc_per_node=3))
     assert str(caught.value) == (
-        "--nproc-per-node=3 of training.ddp needs 3 GPU(s), but node 'big' has 2 for the job "
-        "(GPUS=0,1)"
+        "NPROC=3 (--nproc-per-node) of training.ddp needs 3 GPU(s), but node 'big' has 2 for "
+        "the job (GPUS=0,1)"
     )
+
+
+def test_the_process_count_hint_names_a_knob_that_reaches_the_launcher():
+    """The hint said --nproc-per-node, which only ARGS could carry, and ARGS go to the workload,
+    which rejects it. NPROC= is the make knob; what the hint suggests is what make hands over."""
+    with pytest.raises(UserError) as caught:
+        nproc_for(_gpu_inventory().hosts[0], JobSpec(gpus=(0, 1), nproc_per_node=3))
+    assert caught.value.hint == "NPROC=2"
+    planned = make("-n", "train", "INVENTORY=cluster.yml", caught.value.hint, timeout=60)
+    assert planned.returncode == 0, planned.stderr
+    assert "--nproc-per-node 2" in planned.stdout, planned.stdout
+    planned = make("-n", "train", timeout=60).stdout
+    assert "--nproc-per-node" not in planned, planned
 
 
 def test_model_parallel_gets_one_process_per_pair_of_gpus():

@@ -200,7 +200,7 @@ def test_model_parallel_names_the_process_count_to_use_on_three_gpus(monkeypatch
         model_parallel.stage_devices(env)
     assert raised.value.line() == (
         "Error: on node1: 2 processes x 2 GPUs each need 4 GPUs, found 3 (try a node with 2 "
-        "GPUs per process, --nproc-per-node 1, or GPUS= naming two GPU indices per process, "
+        "GPUs per process, NPROC=1, or GPUS= naming two GPU indices per process, "
         "e.g. GPUS=0,1)"
     )
 
