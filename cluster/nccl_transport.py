@@ -49,22 +49,43 @@ def rdma_devices(class_dir: Path = RDMA_CLASS_DIR) -> list[str]:
 
 def verbs_usable(device_dir: Path = RDMA_DEVICE_DIR) -> bool:
     """Whether this process (a container, perhaps) can open the verbs devices at all."""
-    return device_dir.is_dir() and any(os.access(p, os.R_OK | os.W_OK) for p in device_dir.iterdir())
+    return device_dir.is_dir() and any(
+        os.access(p, os.R_OK | os.W_OK) for p in device_dir.iterdir()
+    )
 
 
-def transport_finding(used: str | None, hardware: list[str]) -> tuple[str, str]:
+def transport_finding(
+    used: str | None, hardware: list[str], verbs: bool | None = None
+) -> tuple[str, str]:
     """(status, detail) for a collective that used `used` on a node with RDMA devices
     `hardware`: PASS when they agree, WARN when InfiniBand/RoCE exists but NCCL fell back to
-    sockets (an order of magnitude slower), SKIP when NCCL did not say."""
+    sockets (an order of magnitude slower), SKIP when NCCL did not say. `verbs`, when known:
+    whether the process that ran NCCL could open /dev/infiniband (verbs_usable), which tells
+    the missing device files apart from a missing libibverbs."""
     if used is None:
         return "SKIP", "NCCL did not say which network it used (no 'Using network' line)"
     if used == "Socket" and hardware:
+        if verbs is False:
+            why = (
+                "this process cannot open /dev/infiniband (try a container with its devices, "
+                "which the launcher gives where the node has them, or the node's permissions "
+                "on /dev/infiniband)"
+            )
+        elif verbs:
+            why = (
+                "/dev/infiniband is open to it, so libibverbs or NCCL_IB_DISABLE is the likely "
+                "cause (try an image with libibverbs (make image) and NCCL_IB_DISABLE unset; "
+                "NCCL_DEBUG=INFO says why IB was not used)"
+            )
+        else:
+            why = (
+                "try a container with /dev/infiniband, which the launcher gives where the node "
+                "has it, an image with libibverbs (make image), and NCCL_IB_DISABLE unset; "
+                "NCCL_DEBUG=INFO says why IB was not used"
+            )
         return "WARN", (
             f"NCCL used TCP sockets although the node has RDMA devices ({', '.join(hardware)}): "
-            "inter-node traffic is an order of magnitude slower than it could be (try a "
-            "container with /dev/infiniband, which the launcher gives where the node has it, an "
-            "image with libibverbs (make image), and NCCL_IB_DISABLE unset; NCCL_DEBUG=INFO "
-            "says why IB was not used)"
+            f"inter-node traffic is an order of magnitude slower than it could be ({why})"
         )
     if used == "Socket":
         return "PASS", "NCCL used TCP sockets (no RDMA device on this node)"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from cluster.execution import Context, HostContext
 from cluster.inventory import Host
+from cluster.nccl_transport import transport_finding
 from cluster.versions import (
     driver_needed,
     gpu_runs,
@@ -25,7 +26,7 @@ from cluster.versions import (
 )
 from netcheck import bandwidth
 from netcheck.facts import FQDN, OWN, NodeFacts
-from netcheck.report import Finding, Link, Measurement, Status
+from netcheck.report import TRANSPORT, Finding, Link, Measurement, Status
 
 RTT_WARN_MS = 2.0
 LOSS_FAIL_PERCENT = 20.0
@@ -819,6 +820,41 @@ def collective_findings(
             remedy = f"on {node}: run it by hand to see the whole error: {rerun[node]}"
         out.add(node, Status.FAIL, detail, remedy)
     return out.done([h.name for h in hosts], passed)
+
+
+def transport_findings(
+    hosts: list[Host], results: dict[str, dict | str], backend: str
+) -> list[Finding]:
+    """The network NCCL's collective used on each node against the node's RDMA hardware
+    (cluster.nccl_transport's rule): WARN where InfiniBand/RoCE exists but NCCL fell back to TCP
+    sockets. Only on NCCL: gloo (CPU nodes) uses sockets whatever the hardware, and the report
+    says so in a line of its own (Report.transport) instead of a column."""
+    if backend != "nccl":
+        return []
+    out = _Collector(TRANSPORT)
+    for host in hosts:
+        node = host.name
+        result = results.get(node)
+        seen = result.get("transport") if isinstance(result, dict) else None
+        if not isinstance(seen, dict):
+            out.add(node, Status.SKIP, f"not checked: the collective did not finish on {node}")
+            continue
+        hardware = list(seen.get("rdma") or [])
+        status, detail = transport_finding(seen.get("used"), hardware, seen.get("verbs"))
+        remedy = None
+        if status == "WARN":
+            remedy = (
+                f"on {node}: give NCCL the RDMA devices ({', '.join(hardware)}): "
+                + (
+                    "/dev/infiniband, which the training containers get where the node has it "
+                    "(where it is missing: modprobe ib_uverbs rdma_ucm)"
+                    if not seen.get("verbs")
+                    else "libibverbs in the image (make image) and NCCL_IB_DISABLE unset"
+                )
+                + "; then make netcheck again"
+            )
+        out.add(node, Status(status), detail, remedy)
+    return out.done([h.name for h in hosts], {})
 
 
 def bandwidth_findings(

@@ -13,13 +13,21 @@ RESULT_PREFIX; the controller reads the last one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
 
+from cluster.nccl_transport import (
+    NCCL_TRANSPORT_ENV,
+    rdma_devices,
+    transport_used,
+    verbs_usable,
+)
 from netcheck import bandwidth
 from netcheck.softprobe import probe
 
@@ -127,6 +135,45 @@ def run_op(
     return float(slowest.item()), bad
 
 
+def nccl_log_path(token: str) -> str:
+    """Where this worker's NCCL writes its INFO lines (NCCL_DEBUG_FILE): a file of its own, so
+    that the network NCCL chose is read back without flooding the output the controller
+    parses."""
+    return os.path.join(tempfile.gettempdir(), f"{token or 'netcheck'}-nccl-{os.getpid()}.log")
+
+
+def log_nccl_transport(path: str) -> None:
+    """Make NCCL say which network it uses, into `path`. NCCL reads these once, when it first
+    logs (at the first communicator): this must run before the NCCL group is made."""
+    os.environ.update(NCCL_TRANSPORT_ENV)
+    os.environ["NCCL_DEBUG_FILE"] = path
+
+
+def read_transport(backend: str, log_path: str | None) -> dict:
+    """What the controller needs to judge the transport: the network NCCL used (None when it did
+    not say), the node's RDMA devices, whether this process could open them; on gloo, why there
+    is nothing to judge."""
+    hardware = rdma_devices()
+    found = {"rdma": hardware, "verbs": verbs_usable() if hardware else False}
+    if backend != "nccl":
+        return {**found, "used": None, "reason": "gloo on CPU nodes: TCP sockets, no NCCL"}
+    log = ""
+    if log_path:
+        try:
+            with open(log_path, encoding="utf-8", errors="replace") as file:
+                log = file.read()
+        except OSError:
+            pass
+    return {**found, "used": transport_used(log)}
+
+
+def nccl_group(dist, device):
+    """The NCCL group for the data, bound to this rank's GPU: torch then forms the communicator
+    at once (not at the first collective), NCCL's INFO lines are written by the time it
+    returns, and its barriers know their device instead of warning that they guess it."""
+    return dist.new_group(backend="nccl", device_id=device)
+
+
 def choose_backend(stacks: list[dict], allow_nccl: bool) -> str:
     """NCCL only when the inventory gives every node GPUs and every rank's torch can use them
     with NCCL; otherwise gloo on the CPU. Every rank decides from the same gathered facts."""
@@ -158,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", default="", help="marks the process for cleanup")
     args = parser.parse_args(argv)
     rank, world = args.rank, args.world_size
+    # Before torch is imported: NCCL must not have logged anything yet.
+    nccl_log = nccl_log_path(args.token) if args.allow_nccl else None
+    if nccl_log:
+        log_nccl_transport(nccl_log)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     watchdog = Watchdog(rank, args.timeout)
 
@@ -189,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_gather_object(stacks, stack)
         backend = choose_backend(stacks, args.allow_nccl)
         if backend == "nccl":
+            # One worker per node: its GPU is the first one it sees (local rank 0).
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
-            group = dist.new_group(backend="nccl")
+            watchdog.start("forming the NCCL communicator")
+            group = nccl_group(dist, device)
 
             def synchronize():
                 torch.cuda.synchronize(device)
@@ -226,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         emit({"rank": rank, "ok": False, "stage": "collective", "error": describe(exc)})
         os._exit(1)
     watchdog.stop()
+    transport = read_transport(backend, nccl_log)
+    if nccl_log:
+        with contextlib.suppress(OSError):
+            os.remove(nccl_log)
     emit(
         {
             "rank": rank,
@@ -233,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": backend,
             "world_size": world,
             "results": results,
+            "transport": transport,
         }
     )
     dist.destroy_process_group()

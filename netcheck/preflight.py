@@ -581,6 +581,12 @@ def _collective(
     report.findings.extend(
         checks.collective_findings(hosts, results, report.backend, commands, stacks)
     )
+    report.transport = {
+        name: r["transport"]
+        for name, r in results.items()
+        if isinstance(r, dict) and isinstance(r.get("transport"), dict)
+    }
+    report.findings.extend(checks.transport_findings(hosts, results, report.backend))
     if isinstance(rank0, dict) and rank0.get("results"):
         report.measurements = checks.measurements(rank0["results"], len(hosts))
     return stacks

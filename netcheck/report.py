@@ -25,6 +25,9 @@ class Status(enum.StrEnum):
 CHECKS = ("ssh", "ping", "names", "ports", "interfaces", "software", "collective")
 BANDWIDTH = "bandwidth"
 SLURM = "slurm"
+TRANSPORT = "transport"
+"""The network NCCL's collective used, against the node's RDMA hardware: only where it ran on
+NCCL (gloo on CPU nodes has no choice to judge; the report says so in a line)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ class Report:
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     env_file: str | None = None
     backend: str | None = None
+    transport: dict[str, dict] = field(default_factory=dict)
+    """Per node, what the collective's worker said of its network: `used` (NCCL's "IB",
+    "Socket", a plugin's name, or None), `rdma` (the node's RDMA devices), `verbs` (whether
+    the worker could open /dev/infiniband), and on gloo the `reason` nothing was judged."""
     measurements: list[Measurement] = field(default_factory=list)
     ring: list[Link] = field(default_factory=list)
     pairwise: list[Link] = field(default_factory=list)
@@ -92,7 +99,7 @@ class Report:
     @property
     def checks(self) -> list[str]:
         names = list(CHECKS)
-        for optional in (SLURM, BANDWIDTH):  # columns only where they were checked
+        for optional in (SLURM, TRANSPORT, BANDWIDTH):  # columns only where they were checked
             if any(f.check == optional for f in self.findings):
                 names.append(optional)
         return names
@@ -159,6 +166,7 @@ class Report:
             "env_file": self.env_file,
             "collective": {
                 "backend": self.backend,
+                "transport": self.transport,
                 "measurements": [asdict(m) for m in self.measurements],
             },
             "tcp": {
@@ -182,6 +190,26 @@ def human_bytes(count: int) -> str:
     return f"{count} B"
 
 
+def transport_line(report: Report) -> str:
+    """Which network the collective used, per node, in one line ('' when no worker said)."""
+    if not report.transport:
+        return ""
+    if report.backend != "nccl":
+        reasons = {t.get("reason") for t in report.transport.values() if t.get("reason")}
+        rdma = sorted({d for t in report.transport.values() for d in t.get("rdma") or []})
+        seen = f"; RDMA devices here ({', '.join(rdma)}) are for NCCL on GPUs" if rdma else ""
+        return f"transport: not checked ({'; '.join(sorted(reasons)) or report.backend}){seen}"
+    parts = []
+    for node in report.nodes:
+        seen = report.transport.get(node)
+        if seen is None:
+            continue
+        used = seen.get("used") or "not said"
+        rdma = seen.get("rdma") or []
+        parts.append(f"{node} {used}" + (f" ({', '.join(rdma)})" if rdma else ""))
+    return "NCCL transport: " + ", ".join(parts)
+
+
 def render(report: Report) -> str:
     """The report for people: a node-by-check table, the measurements, then what to fix."""
     lines = [
@@ -198,8 +226,12 @@ def render(report: Report) -> str:
         cells = [node] + [(report.cell(node, c) or Status.SKIP).value for c in checks]
         lines.append("  ".join(v.ljust(w) for v, w in zip(cells, widths, strict=True)).rstrip())
 
-    if report.measurements:
+    transport = transport_line(report)
+    if report.measurements or transport:
         lines += ["", f"collective ({report.backend}, {len(report.nodes)} node(s))"]
+    if transport:
+        lines.append(f"  {transport}")
+    if report.measurements:
         lines.append(f"  {'op':<11} {'size':>9} {'time':>10} {'algbw':>11} {'busbw':>11}")
         for m in report.measurements:
             lines.append(

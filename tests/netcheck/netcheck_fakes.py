@@ -113,6 +113,9 @@ class FakeCluster(FakeNodes):
     munge_broken: set[str] = field(default_factory=set)
     broken_worker: set[str] = field(default_factory=set)
     """Nodes where `python -m netcheck.collective` does not start."""
+    nccl_transport: dict[str, dict] = field(default_factory=dict)
+    """Per node, the `transport` its worker reports (see fake_transport); when set, the
+    collective ran on NCCL. A node missing from it reports no transport."""
     calls: list[tuple[str, str]] = field(default_factory=list)
     surprises: list[str] = field(default_factory=list)
     """Commands the fake did not recognise: netcheck swallows errors, so tests check this."""
@@ -310,10 +313,38 @@ class FakeCluster(FakeNodes):
                 {
                     "rank": rank,
                     "ok": True,
-                    "backend": "gloo",
+                    "backend": "nccl" if self.nccl_transport else "gloo",
                     "world_size": len(self.hosts),
                     "results": results,
+                    **(
+                        {"transport": self.nccl_transport[host.name]}
+                        if host.name in self.nccl_transport
+                        else {}
+                    ),
                 }
             )
             + "\n"
         )
+
+
+def nccl_log(network: str | None, ib_devices: tuple[str, ...] = ()) -> str:
+    """What NCCL 2.2x writes with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET at communicator
+    init (its format: host:pid:tid [cuda device] NCCL INFO ...), choosing `network`."""
+    lines = ["node1:4242:4242 [0] NCCL INFO Bootstrap : Using eth1:10.9.0.11<0>"]
+    if ib_devices:
+        found = " ".join(f"[{i}]{d}:1/IB" for i, d in enumerate(ib_devices))
+        lines.append(
+            f"node1:4242:4242 [0] NCCL INFO NET/IB : Using {found} ; OOB eth1:10.9.0.11<0>"
+        )
+    else:
+        lines.append("node1:4242:4242 [0] NCCL INFO NET/IB : No device found.")
+        lines.append("node1:4242:4242 [0] NCCL INFO NET/Socket : Using [0]eth1:10.9.0.11<0>")
+    if network:
+        lines.append(f"node1:4242:4242 [0] NCCL INFO Using network {network}")
+    lines.append("node1:4242:4290 [0] NCCL INFO comm 0x5555 rank 0 nranks 2 - Init COMPLETE")
+    return "\n".join(lines) + "\n"
+
+
+def fake_transport(used: str | None, rdma: tuple[str, ...] = (), verbs: bool = False) -> dict:
+    """A worker's `transport` report (netcheck.collective.read_transport's shape)."""
+    return {"rdma": list(rdma), "verbs": verbs, "used": used}

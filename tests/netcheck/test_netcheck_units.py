@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
+from cluster import nccl_transport
 from cluster.errors import UserError
 from cluster.execution import ContainerContext
-from netcheck import bandwidth, checks, collective, envfile, facts
+from netcheck import bandwidth, checks, collective, envfile, facts, preflight
 from netcheck.report import Finding, Link, Measurement, Report, Status, human_bytes, render
-from tests.netcheck.netcheck_fakes import facts_text, inventory, link, ping_lost, ping_ok
+from tests.netcheck.netcheck_fakes import (
+    FakeCluster,
+    facts_text,
+    fake_transport,
+    inventory,
+    link,
+    nccl_log,
+    ping_lost,
+    ping_ok,
+)
 
 INV = inventory()
 N1, N2, N3 = INV.hosts
@@ -718,3 +729,182 @@ def test_slurm_findings_when_the_controller_does_not_answer_and_sinfo_parsing():
         "n1": ("idle", ""),
         "n2": ("mixed", ""),
     }
+
+
+# --- NCCL's transport (issue 27): which network the collective used -------------------------
+
+
+def test_the_network_nccl_used_is_read_from_its_info_lines():
+    assert nccl_transport.transport_used(nccl_log("IB", ("mlx5_0",))) == "IB"
+    assert nccl_transport.transport_used(nccl_log("Socket")) == "Socket"
+    assert nccl_transport.transport_used(nccl_log(None)) is None
+    assert nccl_transport.transport_used("") is None
+
+
+def test_rdma_devices_and_verbs_are_what_the_directories_hold(tmp_path):
+    sys_class, dev = tmp_path / "class", tmp_path / "dev"
+    assert nccl_transport.rdma_devices(sys_class) == []
+    assert not nccl_transport.verbs_usable(dev)
+    sys_class.mkdir()
+    (sys_class / "mlx5_1").mkdir()
+    (sys_class / "mlx5_0").mkdir()
+    dev.mkdir()
+    assert nccl_transport.rdma_devices(sys_class) == ["mlx5_0", "mlx5_1"]
+    assert not nccl_transport.verbs_usable(dev)  # the directory alone: no device to open
+    (dev / "uverbs0").touch()
+    assert nccl_transport.verbs_usable(dev)
+
+
+def test_the_worker_reads_the_transport_from_its_nccl_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(collective, "rdma_devices", lambda: ["mlx5_0"])
+    monkeypatch.setattr(collective, "verbs_usable", lambda: False)
+    log = tmp_path / "nccl.log"
+    log.write_text(nccl_log("Socket"))
+    assert collective.read_transport("nccl", str(log)) == {
+        "rdma": ["mlx5_0"],
+        "verbs": False,
+        "used": "Socket",
+    }
+    # No log (NCCL never started, or wrote nowhere): nothing said, nothing invented.
+    assert collective.read_transport("nccl", str(tmp_path / "absent"))["used"] is None
+    gloo = collective.read_transport("gloo", None)
+    assert gloo["used"] is None and "gloo" in gloo["reason"] and gloo["rdma"] == ["mlx5_0"]
+
+
+def test_sockets_on_a_node_with_infiniband_warn_and_name_what_is_missing():
+    hosts = list(inventory().hosts[:3])
+    results = {
+        "node1": {"ok": True, "transport": fake_transport("IB", ("mlx5_0",), verbs=True)},
+        "node2": {"ok": True, "transport": fake_transport("Socket", ("mlx5_0",), verbs=False)},
+        "node3": "exit 1: boom",
+    }
+    found = checks.transport_findings(hosts, results, "nccl")
+    assert [(f.check, f.node, f.status) for f in found] == [
+        ("transport", "node1", Status.PASS),
+        ("transport", "node2", Status.WARN),
+        ("transport", "node3", Status.SKIP),
+    ]
+    assert found[0].detail == "NCCL used IB (mlx5_0)"
+    assert found[1].detail.startswith(
+        "NCCL used TCP sockets although the node has RDMA devices (mlx5_0): inter-node traffic "
+        "is an order of magnitude slower than it could be (this process cannot open "
+        "/dev/infiniband"
+    )
+    assert found[1].remedy.startswith("on node2: give NCCL the RDMA devices (mlx5_0): ")
+    assert "modprobe ib_uverbs rdma_ucm" in found[1].remedy
+    assert found[2].detail == "not checked: the collective did not finish on node3"
+    # Sockets without RDMA hardware are right; the device there but sockets used anyway: the
+    # image (libibverbs) or NCCL_IB_DISABLE.
+    plain = {"node1": {"ok": True, "transport": fake_transport("Socket")}}
+    (only_one,) = checks.transport_findings(hosts[:1], plain, "nccl")
+    assert only_one.status is Status.PASS and "no RDMA device" in only_one.detail
+    opened = {"node1": {"ok": True, "transport": fake_transport("Socket", ("mlx5_0",), True)}}
+    (warned,) = checks.transport_findings(hosts[:1], opened, "nccl")
+    assert warned.status is Status.WARN and "libibverbs in the image" in warned.remedy
+    # gloo on CPU nodes: nothing to judge, no column.
+    assert checks.transport_findings(hosts, results, "gloo") == []
+
+
+def test_a_nccl_run_reports_its_transport_column_line_and_json():
+    hosts = list(inventory().hosts[:2])
+    cluster = FakeCluster(
+        hosts,
+        nccl_transport={
+            "node1": fake_transport("IB", ("mlx5_0",), verbs=True),
+            "node2": fake_transport("Socket", ("mlx5_0",), verbs=False),
+        },
+    )
+    report = preflight.preflight(inventory(), preflight.Options(nnodes=2), cluster)
+    assert cluster.surprises == []
+    assert report.backend == "nccl" and "transport" in report.checks
+    assert report.cell("node1", "transport") is Status.PASS
+    assert report.cell("node2", "transport") is Status.WARN
+    text = render(report)
+    assert (
+        "collective (nccl, 2 node(s))\n  NCCL transport: node1 IB (mlx5_0), node2 Socket (mlx5_0)"
+        in text
+    )
+    assert "  WARN transport node2: NCCL used TCP sockets although" in text
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["collective"]["transport"]["node2"]["used"] == "Socket"
+
+
+def test_a_gloo_run_says_why_its_transport_is_not_judged():
+    report = sample_report()
+    report.backend = "gloo"
+    reason = "gloo on CPU nodes: TCP sockets, no NCCL"
+    report.transport = {
+        n: {"rdma": [], "verbs": False, "used": None, "reason": reason} for n in report.nodes
+    }
+    assert "transport" not in report.checks
+    assert f"collective (gloo, 2 node(s))\n  transport: not checked ({reason})" in render(report)
+
+
+class _FakeGroupMaker:
+    """torch.distributed's new_group, as NCCL would behave: writing its INFO lines where
+    NCCL_DEBUG_FILE says, at communicator creation."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, **kwargs):
+        self.calls.append(({k: os.environ.get(k) for k in NCCL_KEYS}, kwargs))
+        with open(os.environ["NCCL_DEBUG_FILE"], "w") as log:
+            log.write(nccl_log("IB", ("mlx5_0",)))
+        return "nccl-group"
+
+
+NCCL_KEYS = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
+
+
+class _NoWatchdog:
+    def __init__(self, *args):
+        pass
+
+    def start(self, *args):
+        pass
+
+    def stop(self):
+        pass
+
+
+def test_the_worker_binds_its_nccl_group_to_its_gpu_and_reports_the_transport(
+    monkeypatch, capsys, tmp_path
+):
+    """Defect 6 and the node side of defect 3, without a GPU: torch.distributed and the CUDA
+    calls are faked. The NCCL group is made with device_id= (torch 2.14 then forms the
+    communicator at once and barriers know their device), after NCCL was told to log its
+    network to a file of the worker's own, which it reads and removes."""
+    import torch
+    import torch.distributed as dist
+
+    for key in NCCL_KEYS:  # recorded, so that what the worker sets is undone afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(collective.tempfile, "gettempdir", lambda: str(tmp_path))
+    stack = {"torch": "2.14.1", "cuda_available": True, "gpus": 1, "nccl_backend": True}
+    monkeypatch.setattr(collective, "probe", lambda: dict(stack))
+    monkeypatch.setattr(collective, "Watchdog", _NoWatchdog)  # its timers would os._exit
+    monkeypatch.setattr(collective, "rdma_devices", lambda: ["mlx5_0"])
+    monkeypatch.setattr(collective, "verbs_usable", lambda: True)
+    monkeypatch.setattr(collective, "run_op", lambda *a, **k: (1e-3, 0))
+    devices = []
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    made = _FakeGroupMaker()
+    monkeypatch.setattr(dist, "new_group", made)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(0, obj))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    args = ["--rank", "0", "--world-size", "1", "--master-addr", "127.0.0.1"]
+    args += ["--master-port", "1", "--allow-nccl", "--sizes", "1024", "--token", "tok"]
+    assert collective.main(args) == 0
+    ((env, kwargs),) = made.calls
+    assert kwargs == {"backend": "nccl", "device_id": torch.device("cuda", 0)}
+    assert devices == [torch.device("cuda", 0)]
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
+    assert env["NCCL_DEBUG_FILE"].startswith(f"{tmp_path}/tok-nccl-")
+    assert list(tmp_path.iterdir()) == []  # the log is removed
+    lines = [json.loads(x.removeprefix("NETCHECK ")) for x in capsys.readouterr().out.splitlines()]
+    assert lines[-1]["backend"] == "nccl"
+    assert lines[-1]["transport"] == {"rdma": ["mlx5_0"], "verbs": True, "used": "IB"}
