@@ -56,7 +56,13 @@ def start(env: parallel.DistEnv, timeout: float) -> None:
         return
     parallel.use_device(env)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(
+        backend,
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        **parallel.bound_device(env.device),
+    )
 
 
 def compile_problem(device: torch.device) -> UserError | None:

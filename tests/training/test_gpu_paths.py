@@ -15,7 +15,7 @@ import torch.distributed as dist
 from cluster.errors import UserError
 from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 from tests.training.conftest import run_main
-from training import checkpoint, ddp, init_methods, model_parallel, parallel, spawn
+from training import checkpoint, ddp, fsdp, init_methods, model_parallel, parallel, spawn
 from training.config import TrainConfig
 from training.config import parse as parse_config
 from training.trainer import resolve_numerics
@@ -289,6 +289,10 @@ def test_every_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     groups.clear()
     assert spawn._join_and_train(29500, []) == 0
     assert groups[-1][0] == "nccl" and groups[-1][1]["device_id"] == torch.device("cuda:1")
+
+    groups.clear()  # FSDP's group of one, for a plain process
+    fsdp.start(parallel.read_env({}), timeout=60)
+    assert groups[-1][0] == "nccl" and groups[-1][1]["device_id"] == torch.device("cuda:0")
 
     assert parallel.bound_device(torch.device("cpu")) == {}
 
