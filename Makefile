@@ -92,6 +92,12 @@ train: $(STAMP)
 		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(ENV)),--env '$(ENV)') \
 		$(if $(strip $(ARGS)),-- $(ARGS))
 
+.PHONY: selftest  ## every GPU path on every node of INVENTORY (no INVENTORY: this machine): a table; exit 1 on a failure
+selftest: $(STAMP)
+	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
+		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) --module training.selftest \
+		$(if $(strip $(ARGS)),-- $(ARGS))
+
 .PHONY: data  ## copy dataset directory SRC into every node's data_root (only what changed travels)
 data: $(STAMP)
 	$(BIN)/cluster data -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(SRC)),"$(SRC)")

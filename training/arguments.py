@@ -207,6 +207,44 @@ def comm_demo(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+SELFTEST_CHECKS = (
+    "device",
+    "comm-in-node",
+    "comm-across-nodes",
+    "nccl-transport",
+    "amp-bf16",
+    "amp-fp16",
+    "ddp-checkpoint",
+    "fsdp2-dcp",
+    "compile",
+    "data-parallel",
+    "model-parallel",
+)
+
+
+def selftest(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(
+        **_named("training.selftest"),
+        epilog="exit codes: 0 every check passed or was skipped, 1 a check failed (one `Error:` "
+        "line each, naming the check, the node and the remedy), 2 bad input",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where the checkpoint checks write (a directory of their own inside, removed at the "
+        "end); on storage every node sees (/shared on the simulated cluster) the distributed "
+        "checkpoint is also resharded (default: the temporary directory of each node)",
+    )
+    parser.add_argument(
+        "--fail",
+        choices=SELFTEST_CHECKS,
+        metavar="CHECK",
+        # test hook, hidden from --help: the last rank reports CHECK as failed after running it
+        help=argparse.SUPPRESS,
+    )
+    return parser.parse_args(argv)
+
+
 CHECKS: dict[str, Callable[[list[str] | None], Any]] = {
     "training.ddp": ddp,
     "training.manual_dp": manual_dp,
@@ -214,6 +252,7 @@ CHECKS: dict[str, Callable[[list[str] | None], Any]] = {
     "training.model_parallel": model_parallel,
     "training.pipeline": pipeline,
     "training.comm_demo": comm_demo,
+    "training.selftest": selftest,
 }
 """Every workload that takes arguments: `train` checks them on the controller."""
 

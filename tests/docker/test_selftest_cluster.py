@@ -1,0 +1,47 @@
+"""`make selftest INVENTORY=...` on the provisioned simulated cluster: every check on both nodes,
+in the training image's containers (launch_mode: container), as a job through the launcher. The
+image's gcc and Python headers let torch.compile build its kernels there; the checkpoint checks
+write to /shared, which both nodes see, so the distributed checkpoint is resharded too. The GPU
+checks are SKIPPED with their reasons (the nodes have no GPU).
+
+Here (tests/docker/) because that directory runs in the `image` group, whose provisioned cluster
+the test shares.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import make
+from tests.helpers import on_node
+
+pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
+
+
+def _row(out: str, check: str, node: str) -> str:
+    """The table row of `check` on `node`, printed by rank 0 (on node1)."""
+    found = re.search(rf"^\[node1\] {re.escape(check)} +{node} +(.*)$", out, re.M)
+    assert found, f"no row for {check} on {node}:\n{out}"
+    return found.group(1)
+
+
+def test_selftest_passes_on_two_nodes_in_containers(provisioned):
+    run = make("selftest", f"INVENTORY={provisioned.inventory}", "ARGS=--checkpoint-dir /shared")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "[node1] selftest: 2 rank(s) on 2 node(s), gloo, cpu" in out, out
+    for node in ("node1", "node2"):
+        assert _row(out, "comm-across-nodes", node).startswith("PASS"), out
+        assert _row(out, "compile", node).startswith("PASS"), out
+        assert "resharded to 1" in _row(out, "fsdp2-dcp", node), out
+        assert _row(out, "ddp-checkpoint", node).startswith("PASS"), out
+        assert _row(out, "amp-bf16", node).startswith("PASS"), out
+        assert re.match(r"SKIPPED +- +1 rank on this node", _row(out, "comm-in-node", node)), out
+        for gpu_only in ("amp-fp16", "data-parallel", "model-parallel", "nccl-transport"):
+            assert re.match(r"SKIPPED +- +\S", _row(out, gpu_only, node)), out
+    assert "[node1] selftest passed on 2 node(s)" in out, out
+    assert "Error:" not in out, out
+    # What the checks wrote on the shared storage is gone.
+    assert "selftest-" not in on_node(provisioned.cluster, 1, "ls -a /shared"), out
