@@ -11,9 +11,11 @@ label (cluster.versions.TORCH_LABEL), which the launcher checks on every node.
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import hashlib
 import queue
+import random
 import re
 import shutil
 import subprocess
@@ -36,10 +38,29 @@ from cluster.versions import TORCH_LABEL, minimum_shown, release, torch_meets_mi
 if TYPE_CHECKING:
     from cluster.execution import Nodes
 
-# The base of both kinds: Debian's own packages, no registry account.
-CPU_BASE_IMAGE = "torch-multinode/debian-python:bookworm"
 KINDS = ("auto", "cpu", "cuda")
-CPU_BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "iproute2", "procps")
+# The base of both kinds: Debian's own packages, no registry account. Beside Python: a C and C++
+# compiler and Python's headers, which torch.compile needs (triton builds its GPU launcher with
+# them, inductor's CPU path compiles its C++ kernels), and rdma-core's userspace libraries, which
+# NCCL loads to use InfiniBand or RoCE from a container.
+CPU_BASE_PACKAGES = (
+    "python3",
+    "python3-venv",
+    "python3-dev",
+    "gcc",
+    "g++",
+    "ca-certificates",
+    "iproute2",
+    "procps",
+    "libibverbs1",
+    "ibverbs-providers",
+    "librdmacm1",
+)
+# Named after its packages: a machine holding a base made from another list makes a new one.
+CPU_BASE_IMAGE = (
+    "torch-multinode/debian-python:bookworm-"
+    + hashlib.sha256(" ".join(CPU_BASE_PACKAGES).encode()).hexdigest()[:8]
+)
 # Debian bookworm's python3: the wheels are fetched for it, whatever Python runs this.
 CPU_BASE_PYTHON = "3.11"
 # The pair the project pins (pyproject.toml); a test keeps the two in step.
@@ -55,6 +76,15 @@ WHEELS_DIR = REPO_ROOT / "docker" / "wheels"
 RECIPE_LABEL = "io.torch-multinode.recipe"
 # What the image is made of, beside the wheels and the base (the context .dockerignore lets in).
 RECIPE_FILES = ("docker/Dockerfile", "docker/entrypoint.sh", "cluster/versions.py")
+
+# Where the build finds the wheels: a name and a port that never change, so that the install
+# layer's cache key (which holds WHEELS_URL) is the same from one build to the next; the name
+# is resolved for each build to the loopback address its server took (--add-host, outside the
+# key). A random port or address in the URL rebuilt torch's 3.8 GB layer on every build.
+WHEELS_HOST = "tmn-wheels"
+WHEELS_PORT = 47719
+WHEELS_URL = f"http://{WHEELS_HOST}:{WHEELS_PORT}/"
+WHEELS_ADDRESS_TRIES = 20
 
 Progress = Callable[[str], None]
 
@@ -76,16 +106,24 @@ def gpu_present() -> bool:
     return proc.returncode == 0 and "GPU" in proc.stdout
 
 
-def build_args(kind: str, base_image: str | None = None, wheels_url: str = "") -> list[str]:
-    """The `docker build` arguments for one kind, from the repository root as context. With
-    `base_image` (one that brings its own torch, such as NVIDIA's), no wheels are installed;
-    otherwise pip reads them from `wheels_url`, served on the engine's loopback (see
-    serve_wheels), which the build reaches on the host's network."""
+def build_args(
+    kind: str,
+    base_image: str | None = None,
+    wheels_address: str = "127.0.0.1",
+    context: Path = REPO_ROOT,
+) -> list[str]:
+    """The `docker build` arguments for one kind, with `context` (the repository root) as the
+    build's context. With `base_image` (one that brings its own torch, such as NVIDIA's), no
+    wheels are installed; otherwise pip reads them from WHEELS_URL, which names the wheels'
+    server by WHEELS_HOST, resolved to `wheels_address` (see serve_wheels) by --add-host: the
+    build reaches it on the host's network. Every value that enters a layer's cache key is
+    the same from build to build; the address, which changes, goes only into --add-host,
+    which is not part of it."""
     if kind not in ("cpu", "cuda"):
         raise UserError(f"image kind {kind!r} is not one of {', '.join(KINDS)}")
     common = [
         "-f",
-        str(DOCKERFILE),
+        str(context / DOCKERFILE.relative_to(REPO_ROOT)),
         "--build-arg",
         f"PROJECT_VERSION={__version__}",
         "--build-arg",
@@ -99,10 +137,12 @@ def build_args(kind: str, base_image: str | None = None, wheels_url: str = "") -
         *common,
         "--network",
         "host",
+        "--add-host",
+        f"{WHEELS_HOST}:{wheels_address}",
         "--build-arg",
         f"BASE_IMAGE={CPU_BASE_IMAGE}",
         "--build-arg",
-        f"WHEELS_URL={wheels_url}",
+        f"WHEELS_URL={WHEELS_URL}",
         "--build-arg",
         f"KEEP_GPU_LIBRARIES={1 if kind == 'cuda' else 0}",
     ]
@@ -113,16 +153,37 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
+def _loopback_server(handler: Callable[..., SimpleHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """A server on WHEELS_PORT of a loopback address of its own (127.X.Y.Z, chosen at random):
+    the port stays the same from build to build, and two builds at once never meet."""
+    chooser = random.SystemRandom()
+    for _ in range(WHEELS_ADDRESS_TRIES):
+        address = ".".join(["127", *(str(chooser.randint(1, 254)) for _ in range(3))])
+        try:
+            return ThreadingHTTPServer((address, WHEELS_PORT), handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise UserError(
+        f"no free loopback address for the wheels' server on port {WHEELS_PORT} after "
+        f"{WHEELS_ADDRESS_TRIES} tries",
+        hint="make image again",
+        exit_code=1,
+    )
+
+
 @contextmanager
 def serve_wheels(directory: Path = WHEELS_DIR) -> Iterator[str]:
-    """The wheels directory as a pip --find-links page on 127.0.0.1, for one build's length:
-    the build reads the wheels from there instead of receiving them in its context."""
+    """The wheels directory as a pip --find-links page on WHEELS_PORT of a loopback address of
+    its own, for one build's length: the build reads the wheels from there (as WHEELS_URL,
+    WHEELS_HOST resolved to that address) instead of receiving them in its context. Yields the
+    address."""
     handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _loopback_server(handler)
     thread = threading.Thread(target=server.serve_forever, name="wheels", daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
+        yield str(server.server_address[0])
     finally:
         server.shutdown()
         server.server_close()
@@ -242,19 +303,19 @@ def label(
     return _image_id(tag)
 
 
-def fetch_wheels(progress: Progress) -> None:
-    """torch, torchvision, TensorBoard and PyYAML wheels (with their dependencies) into the
-    build context: pip inside the image cannot reach the package index, so it installs from
-    these with --no-index."""
+def fetch_wheels(progress: Progress, directory: Path = WHEELS_DIR) -> None:
+    """torch, torchvision, TensorBoard and PyYAML wheels (with their dependencies) into
+    `directory` (the build context's docker/wheels): pip inside the image cannot reach the
+    package index, so it installs from these with --no-index."""
     wanted = (f"torch-{TORCH_VERSION}-", f"torchvision-{TORCHVISION_VERSION}-", "tensorboard-")
-    present = [p.name for p in WHEELS_DIR.glob("*.whl")] if WHEELS_DIR.exists() else []
+    present = [p.name for p in directory.glob("*.whl")] if directory.exists() else []
     if all(any(name.startswith(w) for name in present) for w in wanted):
         return
     progress(
         f"Downloading torch {TORCH_VERSION}, torchvision {TORCHVISION_VERSION} and "
-        f"TensorBoard wheels into {WHEELS_DIR} (once, ~3 GB)..."
+        f"TensorBoard wheels into {directory} (once, ~3 GB)..."
     )
-    WHEELS_DIR.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
     # Wheels only (nothing to compile in the image), for the base's Python and this machine's
     # platform, which is the engine's.
     proc = subprocess.run(
@@ -265,7 +326,7 @@ def fetch_wheels(progress: Progress) -> None:
             "download",
             "--quiet",
             "--dest",
-            str(WHEELS_DIR),
+            str(directory),
             "--only-binary",
             ":all:",
             "--python-version",
@@ -434,16 +495,18 @@ def build(
     progress: Progress = print,
     base_image: str | None = None,
     platform: str | None = None,
+    context: Path = REPO_ROOT,
 ) -> BuiltImage:
     """Build the training image `tag` of `kind` (see the module's docstring). With `platform`
     ("linux/arm64", the nodes' one: nodes_platform), the build is pinned to it (`docker build
     --platform`) and the image's architecture checked against it afterwards; a base of
     another architecture is refused before anything is built. Without it, the image is this
-    machine's engine's own platform."""
+    machine's engine's own platform. `context` is the repository the build reads (its docker/
+    and cluster/versions.py, its wheels): this checkout's own unless given."""
     require_engine()
     if kind == "auto":
         kind = "cuda" if gpu_present() else "cpu"
-    arguments = build_args(kind, base_image)  # refuses an unknown kind before any work
+    arguments = build_args(kind, base_image, context=context)  # refuses an unknown kind first
     started = time.monotonic()
     if base_image is None:
         debian_base(CPU_BASE_IMAGE, CPU_BASE_PACKAGES, progress)
@@ -451,9 +514,10 @@ def build(
         base_refusal = _base_refusal(base_image, platform)
         if base_refusal is not None:
             raise base_refusal
+    wheels = context / WHEELS_DIR.relative_to(REPO_ROOT)
     if base_image is None:
-        fetch_wheels(progress)
-    made_from = recipe(kind, base_image)
+        fetch_wheels(progress, wheels)
+    made_from = recipe(kind, base_image, context)
     if (
         image_exists(tag)
         and image_label(tag, RECIPE_LABEL) == made_from
@@ -467,10 +531,11 @@ def build(
     pinned = f" for {platform}" if platform else ""
     progress(f"Building the {kind.upper()} training image {tag}{on}{pinned}...")
     if base_image is None:
-        with serve_wheels() as wheels_url:
-            _docker_build(build_args(kind, None, wheels_url), tag, progress, None, platform)
+        with serve_wheels(wheels) as address:
+            served = build_args(kind, None, address, context)
+            _docker_build(served, tag, progress, None, platform, context)
     else:
-        _docker_build(arguments, tag, progress, base_image, platform)
+        _docker_build(arguments, tag, progress, base_image, platform, context)
     if platform is not None:
         refusal = architecture_refusal(tag, image_architecture(tag), platform)
         if refusal is not None:
@@ -496,14 +561,19 @@ def _image_id(tag: str) -> str:
 
 
 def _docker_build(
-    arguments: list[str], tag: str, progress: Progress, base: str | None, platform: str | None
+    arguments: list[str],
+    tag: str,
+    progress: Progress,
+    base: str | None,
+    platform: str | None,
+    context: Path = REPO_ROOT,
 ) -> None:
     """`docker build` of `tag`, its progress shown live (see BuildWatch); on failure the
     output's last lines, then a UserError naming the step and what the builder said."""
     pinned = ["--platform", platform] if platform else []
     command = ["docker", "build", *plain_progress(_build_help()), *pinned, *arguments, "-t", tag]
     process = subprocess.Popen(
-        [*command, str(REPO_ROOT)],
+        [*command, str(context)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

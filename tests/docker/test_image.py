@@ -3,11 +3,13 @@ is the environment only: editing the project's code leaves the image as it is.""
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import json
 import re
-import subprocess
 import tomllib
 import urllib.request
+import uuid
 
 import pytest
 
@@ -16,6 +18,7 @@ from cluster import images
 from cluster.errors import UserError
 from cluster.sim import REPO_ROOT, docker
 from cluster.versions import TORCH_LABEL
+from tests.image_layers import build_with_an_edited_entrypoint, copy_of_the_repository, install_step
 
 
 def test_image_pins_follow_the_project_pins():
@@ -34,18 +37,25 @@ def test_build_arguments_choose_the_base():
     # image keeps the GPU libraries the CPU twin drops. (The CUDA kind was NVIDIA's
     # pytorch:25.12, whose torch 2.10 lacks what the code calls.)
     # The wheels are served on the engine's loopback, which the build reaches on the host's
-    # network: they never enter the context or a layer.
+    # network: they never enter the context or a layer. Their server's address changes from
+    # build to build and goes only into --add-host, which no layer's cache key holds: the
+    # build arguments (which the keys hold) are the same whatever the address.
     for kind, keep in (("cuda", "1"), ("cpu", "0")):
-        arguments = images.build_args(kind, None, "http://127.0.0.1:41234/")
+        arguments = images.build_args(kind, None, "127.31.41.59")
         assert f"BASE_IMAGE={images.CPU_BASE_IMAGE}" in arguments
-        assert "WHEELS_URL=http://127.0.0.1:41234/" in arguments
+        assert "WHEELS_URL=http://tmn-wheels:47719/" in arguments
+        assert images.WHEELS_URL == "http://tmn-wheels:47719/"
         assert f"KEEP_GPU_LIBRARIES={keep}" in arguments
         assert arguments[arguments.index("--network") + 1] == "host"
+        assert arguments[arguments.index("--add-host") + 1] == "tmn-wheels:127.31.41.59"
+        other = images.build_args(kind, None, "127.2.7.18")
+        assert [a for a in other if "127." not in a] == [a for a in arguments if "127." not in a]
+        assert [a for a in other if "127." in a] == ["tmn-wheels:127.2.7.18"]
     # Another base brings its own torch: no wheels, nothing to keep or strip, no host network.
     nvidia = images.build_args("cuda", "nvcr.io/nvidia/pytorch:26.10-py3")
     assert "BASE_IMAGE=nvcr.io/nvidia/pytorch:26.10-py3" in nvidia
     assert not any(a.startswith(("WHEELS_URL=", "KEEP_GPU_LIBRARIES=")) for a in nvidia)
-    assert "--network" not in nvidia
+    assert "--network" not in nvidia and "--add-host" not in nvidia
     with pytest.raises(UserError, match="image kind 'rocm' is not one of auto, cpu, cuda"):
         images.build_args("rocm")
 
@@ -53,7 +63,7 @@ def test_build_arguments_choose_the_base():
 def test_the_dockerfile_strips_gpu_libraries_only_for_the_cpu_twin():
     lines = images.DOCKERFILE.read_text().splitlines()
     dockerfile = "\n".join(line for line in lines if not line.startswith("#"))
-    assert "ARG BASE_IMAGE=torch-multinode/debian-python:bookworm" in dockerfile
+    assert "ARG BASE_IMAGE\n" in dockerfile  # make image names the base, after its packages
     assert "ARG KEEP_GPU_LIBRARIES=0" in dockerfile
     # One stage: the venv is one layer, made in the RUN that strips it, with no copy of it or
     # of the wheels anywhere in the build.
@@ -65,6 +75,24 @@ def test_the_dockerfile_strips_gpu_libraries_only_for_the_cpu_twin():
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=" not in dockerfile
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in dockerfile
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in dockerfile
+    # Nothing that changes between builds or releases sits below the install: the project's
+    # version (an ARG in the install's cache key, a LABEL below it) and the copied files come
+    # after it, so changing them rebuilds only the small layers above.
+    install = dockerfile.index("pip install")
+    assert "--trusted-host tmn-wheels" in dockerfile
+    for later in ("ARG PROJECT_VERSION", "LABEL ", "COPY docker/entrypoint.sh", "COPY cluster/"):
+        assert dockerfile.index(later) > install, later
+
+
+def test_the_base_brings_compilers_python_headers_and_rdma_libraries():
+    # torch.compile needs a C compiler and Python's headers (triton's launcher), and a C++
+    # compiler (inductor's CPU kernels); NCCL loads rdma-core's userspace libraries for IB/RoCE.
+    # Both kinds share the base; its name follows its packages, so a machine holding a base
+    # made from an older list makes the new one.
+    for package in ("gcc", "g++", "python3-dev", "libibverbs1", "ibverbs-providers", "librdmacm1"):
+        assert package in images.CPU_BASE_PACKAGES
+    digest = hashlib.sha256(" ".join(images.CPU_BASE_PACKAGES).encode()).hexdigest()[:8]
+    assert images.CPU_BASE_IMAGE == f"torch-multinode/debian-python:bookworm-{digest}"
 
 
 NVIDIA_HINT = (
@@ -100,7 +128,7 @@ def test_the_pinned_wheels_must_have_installed_the_pinned_torch():
     )
     old = images.torch_refusal("2.10.0+cu130", None).line()
     assert old.startswith(
-        "Error: base torch-multinode/debian-python:bookworm carries torch 2.10.0+cu130, older "
+        f"Error: base {images.CPU_BASE_IMAGE} carries torch 2.10.0+cu130, older "
         "than the 2.14 this project needs (try make image again"
     )
 
@@ -203,17 +231,6 @@ def test_build_context_holds_only_the_environment(training_image, tmp_path):
     ]
 
 
-def _copy_of_the_repository(destination):
-    """The tracked tree, hard-linked (the 3 GB of wheels in docker/ cost nothing to "copy")."""
-    destination.mkdir()
-    tracked = subprocess.run(
-        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for name in sorted({path.split("/")[0] for path in tracked} | {"docker"}):
-        subprocess.run(["cp", "-al", str(REPO_ROOT / name), str(destination / name)], check=True)
-    return destination
-
-
 def _edit(path):
     text = path.read_text()
     path.unlink()  # break the hard link before writing
@@ -224,7 +241,7 @@ def _edit(path):
 def test_editing_the_code_leaves_the_image_as_it_is(training_image, tmp_path):
     # What the image is made from is unchanged by an edit to the code, and changed by an edit
     # to what the build reads; the kind and the base count too.
-    copy = _copy_of_the_repository(tmp_path / "copy")
+    copy = copy_of_the_repository(tmp_path / "copy")
     made_from = images.recipe("cpu")
     assert images.recipe("cpu", root=copy) == made_from
     _edit(copy / "training" / "config.py")
@@ -248,8 +265,10 @@ def test_editing_the_code_leaves_the_image_as_it_is(training_image, tmp_path):
 
 def test_the_wheels_are_served_on_loopback_for_the_builds_length_only(tmp_path):
     (tmp_path / "torch-0-py3-none-any.whl").write_bytes(b"wheel")
-    with images.serve_wheels(tmp_path) as url:
-        assert url.startswith("http://127.0.0.1:")
+    with images.serve_wheels(tmp_path) as address, images.serve_wheels(tmp_path) as beside:
+        # the same port each time, on a loopback address of each server's own
+        assert ipaddress.ip_address(address).is_loopback and address != beside
+        url = f"http://{address}:{images.WHEELS_PORT}/"
         page = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'href="torch-0-py3-none-any.whl"' in page
         assert urllib.request.urlopen(url + "torch-0-py3-none-any.whl", timeout=10).read() == (
@@ -257,3 +276,49 @@ def test_the_wheels_are_served_on_loopback_for_the_builds_length_only(tmp_path):
         )
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=10)
+
+
+@pytest.mark.sim
+def test_torch_compile_runs_in_the_cpu_twin_and_rdma_libraries_load(training_image):
+    """Inductor's CPU path compiles C++ with the base's g++ and Python's headers; a failure
+    to compile raises (torch.compile does not fall back silently by default)."""
+    script = (
+        "import torch\n"
+        "def f(x):\n"
+        "    return torch.sin(x) * 2 + x\n"
+        "compiled = torch.compile(f)\n"
+        "x = torch.randn(64)\n"
+        "assert torch.allclose(compiled(x), f(x))\n"
+        "import ctypes\n"
+        "ctypes.CDLL('libibverbs.so.1')\n"
+        "ctypes.CDLL('librdmacm.so.1')\n"
+        "print('compiled and loaded')\n"
+    )
+    proc = docker("run", "--rm", training_image.tag, "python3", "-c", script, timeout=600)
+    assert proc.stdout.strip().splitlines()[-1] == "compiled and loaded", proc.stderr[-3000:]
+
+
+@pytest.mark.sim
+def test_a_changed_entrypoint_rebuilds_only_the_layers_above_the_install(training_image, tmp_path):
+    """Two builds through images.build (the fixture's, from the checkout, and one from a copy
+    whose docker/entrypoint.sh has one more line): the torch install is the same layer, and
+    only the steps above it were made anew. Nothing in a cache key changes between builds: the
+    wheels' server took another address, not another URL."""
+    tag = f"{training_image.tag}-entrypoint-{uuid.uuid4().hex[:8]}"
+    try:
+        rebuilt = build_with_an_edited_entrypoint(tmp_path / "copy", tag)
+        assert rebuilt.image_id != training_image.image_id and not rebuilt.up_to_date
+        install, above = install_step(tag)
+        first_install, first_above = install_step(training_image.tag)
+        assert install.image_id == first_install.image_id  # the same 3.8 GB layer, not rebuilt
+        assert install.size > 1_000_000_000
+        new = {step.image_id for step in above} - {step.image_id for step in first_above}
+        assert new and sum(step.size for step in above) < 1_000_000, above
+        layers = docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout
+        first = docker(
+            "image", "inspect", "--format", "{{json .RootFS.Layers}}", training_image.tag
+        ).stdout
+        shared = [a == b for a, b in zip(json.loads(layers), json.loads(first), strict=False)]
+        assert shared.count(True) >= 2 and shared[:2] == [True, True], shared  # base, venv
+    finally:
+        docker("rmi", tag, check=False)

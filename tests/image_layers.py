@@ -1,0 +1,75 @@
+"""The training image's layers, for the tests of its rebuilds (tests/docker/test_image.py,
+tests/test_image_shipping.py): a copy of the repository to build from, edited there (never in
+the checkout, which other tests read at the same time), and which layers a build made anew."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster import images
+from cluster.sim import REPO_ROOT, docker
+
+# How the install step appears in `docker history` (its command holds the pip install).
+INSTALL_STEP = "pip install --no-cache-dir --no-index"
+
+
+def copy_of_the_repository(destination: Path) -> Path:
+    """The tracked tree, hard-linked (the 3 GB of wheels in docker/ cost nothing to "copy")."""
+    destination.mkdir()
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in sorted({path.split("/")[0] for path in tracked} | {"docker"}):
+        subprocess.run(["cp", "-al", str(REPO_ROOT / name), str(destination / name)], check=True)
+    return destination
+
+
+def edit(path: Path, line: str = "# a one-line change") -> None:
+    """Append one line to `path` in a hard-linked copy, breaking the link first (and keeping
+    its mode: the entrypoint must stay executable)."""
+    text, mode = path.read_text(), path.stat().st_mode
+    path.unlink()
+    path.write_text(f"{text}\n{line}\n")
+    path.chmod(mode)
+
+
+@dataclass(frozen=True)
+class Step:
+    image_id: str  # the image this step made ("<missing>" for a base's own history)
+    created_by: str
+    size: int
+
+
+def history(tag: str) -> list[Step]:
+    """The image's steps, oldest first."""
+    out = docker(
+        "history",
+        "--no-trunc",
+        "--human=false",
+        "--format",
+        "{{.ID}}\t{{.Size}}\t{{.CreatedBy}}",
+        tag,
+    ).stdout
+    steps = []
+    for line in out.splitlines():
+        image_id, size, created_by = line.split("\t", 2)
+        steps.append(Step(image_id, created_by, int(size)))
+    return steps[::-1]
+
+
+def install_step(tag: str) -> tuple[Step, list[Step]]:
+    """The step that installed torch, and the steps above it (oldest first)."""
+    steps = history(tag)
+    found = [index for index, step in enumerate(steps) if INSTALL_STEP in step.created_by]
+    assert len(found) == 1, [step.created_by[:80] for step in steps]
+    return steps[found[0]], steps[found[0] + 1 :]
+
+
+def build_with_an_edited_entrypoint(root: Path, tag: str) -> images.BuiltImage:
+    """The CPU twin built by the project's own build function from a copy of the repository
+    whose docker/entrypoint.sh has one more line, under `tag`."""
+    copy = copy_of_the_repository(root)
+    edit(copy / "docker" / "entrypoint.sh", f"# rebuilt as {tag}")
+    return images.build("cpu", tag, progress=lambda _: None, context=copy)
