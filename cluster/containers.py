@@ -20,17 +20,20 @@ NCCL_CONF_GUARD = (
 # InfiniBand and RoCE through verbs: the node's device files, the right to pin memory.
 RDMA_DEVICE_DIR = "/dev/infiniband"
 RDMA_DEVICES = ("uverbs*", "rdma_cm", "umad*")
-RDMA_OPTIONS = ("--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1")
+RDMA_OPTIONS = ("--cap-add", "IPC_LOCK")
 
 
 def rdma_options(device_dir: str = RDMA_DEVICE_DIR) -> str:
     """Shell text, one unquoted command substitution, that the node's shell expands to the
     `docker run` options verbs needs where the node has RDMA devices, and to nothing elsewhere:
-    `--device` for each of its uverbs*, rdma_cm and umad* entries, `--cap-add IPC_LOCK` and
-    memlock unlimited (NCCL registers its buffers with the NIC). Decided on the node when the
+    `--device` for each of its uverbs*, rdma_cm and umad* entries and `--cap-add IPC_LOCK`
+    (NCCL pins its buffers and registers them with the NIC). Decided on the node when the
     container starts, by what /dev/infiniband holds there: no flag, no probe to keep in step.
-    Placed after every other option, so its memlock wins over the inventory's (Docker keeps
-    the last --ulimit of a kind)."""
+
+    memlock stays the inventory's container_memlock, unlimited unless it says otherwise, which
+    is what verbs needs: forcing it here would stop the container from starting at all where
+    Docker cannot raise the limit ("error setting rlimit type 8: operation not permitted",
+    measured on this project's development machine), which that setting exists for."""
     patterns = " ".join(f"{device_dir}/{p}" for p in RDMA_DEVICES)
     return (
         f'$(o=; for d in {patterns}; do [ -e "$d" ] && o="$o --device $d"; done; '

@@ -189,9 +189,9 @@ def _docker_argv(command: str, tmp_path: Path, devices: list[str] | None) -> lis
 @pytest.mark.parametrize("memlock", ["unlimited", "8388608"])
 def test_a_job_container_gets_the_nodes_rdma_devices_where_it_has_them(tmp_path, memlock):
     """InfiniBand/RoCE in container mode: on a node with /dev/infiniband the job's container
-    gets its verbs devices (uverbs*, rdma_cm, umad*; not the subnet manager's issm*), IPC_LOCK
-    and memlock unlimited, after the inventory's memlock so that it wins; on a node without,
-    none of that. Decided by the node's own shell when the container starts."""
+    gets its verbs devices (uverbs*, rdma_cm, umad*; not the subnet manager's issm*) and
+    IPC_LOCK; on a node without, neither. memlock is the inventory's either way (unlimited
+    unless it says otherwise). Decided by the node's own shell when the container starts."""
     text = _inventory_text(training_image="img:1")
     inventory = parse(text, "/nonexistent/inv.yml")
     n1, n2 = inventory.hosts
@@ -202,7 +202,7 @@ def test_a_job_container_gets_the_nodes_rdma_devices_where_it_has_them(tmp_path,
     )
     image = with_ib.index("img:1")
     assert with_ib[:2] == ["run", "--rm"]
-    assert with_ib[image - 12 : image] == [
+    assert with_ib[image - 10 : image] == [
         "--device",
         f"{tmp_path}/ib/infiniband/uverbs0",
         "--device",
@@ -213,17 +213,15 @@ def test_a_job_container_gets_the_nodes_rdma_devices_where_it_has_them(tmp_path,
         f"{tmp_path}/ib/infiniband/umad0",
         "--cap-add",
         "IPC_LOCK",
-        "--ulimit",
-        "memlock=-1:-1",
     ]
     assert not any("issm" in word for word in with_ib)
     assert with_ib[image + 1 : image + 4] == ["python3", "-m", "torch.distributed.run"]
+    limit = "-1:-1" if memlock == "unlimited" else "8388608:8388608"
+    assert [w for w in with_ib if w.startswith("memlock=")] == [f"memlock={limit}"]
     for devices in (None, []):
         plain = _docker_argv(command, tmp_path / f"plain-{devices}", devices)
         assert "--device" not in plain and "--cap-add" not in plain
-        limit = "-1:-1" if memlock == "unlimited" else "8388608:8388608"
-        assert [w for w in plain if w.startswith("memlock=")] == [f"memlock={limit}"]
-        assert plain == with_ib[: image - 12] + with_ib[image:]
+        assert plain == with_ib[: image - 10] + with_ib[image:]
 
 
 def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_path):
