@@ -411,8 +411,10 @@ def _dcp_index(job: Job, directory: Path) -> None:
     index = directory / ".metadata"
     data = index.read_bytes() if job.env.is_main else None
     data = job.gather(data)[0]
-    if not index.exists():
-        index.write_bytes(data)
+    if not index.exists():  # several ranks of a node may copy it: each renames a whole file
+        copy = directory / f".metadata.rank{job.env.rank}"
+        copy.write_bytes(data)
+        os.replace(copy, index)
 
 
 def check_fsdp2_dcp(job: Job) -> str:

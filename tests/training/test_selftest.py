@@ -141,3 +141,11 @@ def test_the_two_gpu_checks_say_why_they_skip(tmp_path, monkeypatch, device, gpu
     for check in (selftest.check_data_parallel, selftest.check_model_parallel):
         with pytest.raises(selftest.Skip, match=reason):
             check(job)
+
+
+def test_the_fail_hook_reports_a_check_that_ran_as_failed_on_the_last_rank(tmp_path):
+    job = selftest.Job(parallel.DistEnv(), "node1", tmp_path, "amp-bf16")  # one plain process
+    result = selftest.run_check(job, "amp-bf16")
+    assert (result.check, result.node, result.status) == ("amp-bf16", "node1", "FAIL")
+    assert result.detail == "failed on purpose (--fail, a test hook)"
+    assert selftest.run_check(job, "amp-fp16").status == "SKIPPED"
