@@ -110,12 +110,12 @@ def no_build(monkeypatch):
     built: list[dict] = []
     monkeypatch.setattr(images, "require_engine", lambda: None)
     monkeypatch.setattr(images, "debian_base", lambda *args: None)
-    monkeypatch.setattr(images, "fetch_wheels", lambda progress: None)
-    monkeypatch.setattr(images, "recipe", lambda kind, base_image=None: "f00d")
+    monkeypatch.setattr(images, "fetch_wheels", lambda progress, directory=None: None)
+    monkeypatch.setattr(images, "recipe", lambda kind, base_image=None, root=None: "f00d")
     monkeypatch.setattr(images, "image_exists", lambda tag: False)
     monkeypatch.setattr(images, "image_architecture", lambda tag: "amd64")
 
-    def docker_build(arguments, tag, progress, base, platform):
+    def docker_build(arguments, tag, progress, base, platform, context=None):
         built.append({"tag": tag, "platform": platform})
         raise UserError("stop here: the build was reached", exit_code=1)
 
