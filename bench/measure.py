@@ -963,3 +963,117 @@ def measure_image(inventory: Path, image: str, reps: int, progress: Progress) ->
         "stream_runs": stream,
         "top_layer": changed,
     }
+
+
+# -- 11. rebuilding the image after a one-line change ----------------------------------------
+
+# The image this section builds and ships under its own name (never a tag tests or users hold),
+# removed at the end; its layers below the change stay in the engine's cache, shared.
+REBUILD_TAG = "torch-multinode/train:bench-rebuild"
+REBUILD_FILE = "docker/entrypoint.sh"  # copied after the torch install, as a user edits it
+REBUILD_TIMEOUT = 3600
+
+
+def scratch_checkout(destination: Path) -> Path:
+    """A checkout of this repository for the bench to edit as a user edits theirs: the tracked
+    tree and docker/wheels hard-linked (3 GB that cost nothing to "copy"), the venv linked.
+    Editing a file there (edit_line) never touches this checkout, which tests may read."""
+    destination.mkdir(parents=True)
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in sorted({path.split("/")[0] for path in tracked} | {"docker"}):
+        subprocess.run(["cp", "-al", str(REPO_ROOT / name), str(destination / name)], check=True)
+    (destination / ".venv").symlink_to(REPO_ROOT / ".venv")
+    return destination
+
+
+def edit_line(path: Path, line: str) -> None:
+    """One line appended to `path` in a hard-linked checkout, the link broken first and its
+    mode kept (the entrypoint stays executable)."""
+    text, mode = path.read_text(), path.stat().st_mode
+    path.unlink()
+    path.write_text(f"{text}\n{line}\n")
+    path.chmod(mode)
+
+
+def make_provision_in(checkout: Path, inventory: Path) -> tuple[float, str]:
+    """`make provision INVENTORY=...` typed in `checkout` (its code runs: PYTHONPATH puts it
+    before this checkout's editable install, as a user's own clone would be): wall seconds,
+    and its output."""
+    import os
+
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "provision", f"INVENTORY={inventory}"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=REBUILD_TIMEOUT,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(checkout)},
+    )
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        raise UserError(f"make provision failed (exit {proc.returncode}):\n  " + "\n  ".join(tail))
+    return seconds, proc.stdout
+
+
+def install_layer(image: str) -> str:
+    """The id of the step that installed torch (`docker history`), the image's 3.8 GB layer."""
+    out = sim.docker("history", "--no-trunc", "--format", "{{.ID}}\t{{.CreatedBy}}", image).stdout
+    found = [line.split("\t")[0] for line in out.splitlines() if "pip install" in line]
+    if len(found) != 1:
+        raise UserError(f"{image}: {len(found)} steps install with pip, not 1")
+    return found[0]
+
+
+def measure_rebuild(config: sim.SimConfig, link: str, reps: int, progress: Progress) -> dict:
+    """On 2 fresh simulated nodes for jobs in containers (a cluster of its own, `config`,
+    removed at the end): `make provision` typed in a scratch checkout, the first time (it builds
+    the training image, from the engine's cache where it holds the layers, and ships the whole
+    of it), then `reps` times again, each after one more line appended to docker/entrypoint.sh
+    there (make image rebuilds the layers above that COPY, cluster ship sends them). Each
+    second run over the first; the torch install layer's id before and after; the bytes each
+    node received in each second run."""
+    import tempfile
+
+    sim.down(config)
+    try:
+        cluster = sim.up(2, link, config)
+        inventory = containers_inventory(cluster.config.inventory_path, REBUILD_TAG)
+        containers = node_containers(inventory)
+        with tempfile.TemporaryDirectory(prefix="bench-checkout-") as scratch:
+            checkout = scratch_checkout(Path(scratch) / "checkout")
+            progress("rebuild: make provision on 2 fresh nodes, jobs in containers...")
+            first, _ = make_provision_in(checkout, inventory)
+            installed = install_layer(REBUILD_TAG)
+            progress(f"rebuild: first make provision {first:.0f} s")
+            seconds, received, kept = [], [], []
+            for rep in range(reps):
+                edit_line(checkout / REBUILD_FILE, f"# bench rebuild {rep + 1}")
+                before = node_rx(containers)
+                again, _ = make_provision_in(checkout, inventory)
+                after = node_rx(containers)
+                seconds.append(again)
+                received.append({node: after[node] - before[node] for node in containers})
+                kept.append(install_layer(REBUILD_TAG) == installed)
+                progress(
+                    f"rebuild: rep {rep + 1}/{reps}: make provision after a one-line change to "
+                    f"{REBUILD_FILE} {again:.0f} s ({again / first:.2f} of the first); "
+                    + ", ".join(f"{n} {v:,} bytes received" for n, v in received[-1].items())
+                )
+            whole = images.image_size(REBUILD_TAG)
+    finally:
+        sim.down(config)  # the nodes, and the image they held
+        sim.docker("rmi", REBUILD_TAG, check=False)
+    return {
+        "changed_file": REBUILD_FILE,
+        "image_bytes": whole,
+        "first_seconds": first,
+        "second_seconds": Series(seconds).as_dict(),
+        "ratio": Series([value / first for value in seconds]).as_dict(),
+        "install_layer_kept": kept,
+        "rx_bytes": received,
+    }

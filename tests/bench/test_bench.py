@@ -368,3 +368,52 @@ def test_the_image_figures_set_the_first_shipment_and_a_top_layer_change_side_by
         "| rep 1: bytes per node, its network counters | node1 2,260,000,000 B (2.3 GB), node2 "
         "2,260,000,000 B (2.3 GB) | node1 4,100,000,000 B (4.1 GB)" in text
     )
+
+
+def rebuild_section() -> dict:
+    return {
+        "changed_file": "docker/entrypoint.sh",
+        "image_bytes": 3_980_000_000,
+        "first_seconds": 400.0,
+        "second_seconds": spread(60.0, 70.0, 65.0),
+        "ratio": spread(0.15, 0.175, 0.1625),
+        "install_layer_kept": [True, True, True],
+        "rx_bytes": [dict.fromkeys(("node1", "node2"), 90_000)] * 3,
+    }
+
+
+def test_the_rebuild_figure_is_the_second_make_provision_over_the_first(tmp_path):
+    data = {**bench_data(), "rebuild": rebuild_section()}
+    found = report.figures(data)
+    assert found["image_rebuild"] == pytest.approx(0.1625)
+    assert report.meets("image_rebuild", found["image_rebuild"]) == "meets"
+    assert report.meets("image_rebuild", 0.3) == "MISSES"  # the bound: a quarter
+    assert report.figures(bench_data())["image_rebuild"] is None
+    report.write(data, tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert (
+        "| make provision after a one-line change to docker/entrypoint.sh / the first make "
+        "provision on fresh nodes, 2 nodes, jobs in containers | 0.16 | <= 0.25 | meets |" in text
+    )
+    assert "## 11. Rebuilding the image after a one-line change" in text
+    assert "- first run: 400 s" in text
+    assert "- after the change: 65 (60 to 70, n=3) s" in text
+    assert "- the torch install layer kept by the rebuild: 3 of 3" in text
+    assert "- rep 2: bytes received, network counters: node1 90,000 B" in text
+    without = tmp_path / "without"
+    report.write(bench_data(), without)
+    assert "## 11." not in (without / "bench.md").read_text()
+
+
+def test_the_rebuild_edits_a_scratch_checkout_never_this_one(tmp_path):
+    checkout = measure.scratch_checkout(tmp_path / "checkout")
+    original = (measure.REPO_ROOT / measure.REBUILD_FILE).read_text()
+    measure.edit_line(checkout / measure.REBUILD_FILE, "# bench rebuild 1")
+    assert (checkout / measure.REBUILD_FILE).read_text() == f"{original}\n# bench rebuild 1\n"
+    assert (measure.REPO_ROOT / measure.REBUILD_FILE).read_text() == original
+    assert (checkout / measure.REBUILD_FILE).stat().st_mode == (
+        measure.REPO_ROOT / measure.REBUILD_FILE
+    ).stat().st_mode  # still executable
+    assert (checkout / ".venv").resolve() == (measure.REPO_ROOT / ".venv").resolve()
+    assert (checkout / "Makefile").is_file() and (checkout / "cluster" / "images.py").is_file()
+    assert "rebuild" in cli.SECTIONS
