@@ -628,7 +628,10 @@ def run_check(job: Job, name: str) -> Result:
         status, detail = FAIL, lines[0] if lines else type(error).__name__
         remedy = DEBUG_REMEDY
     if job.cuda:
-        torch.cuda.synchronize(job.device)
+        try:  # the check's kernels are done before its time is taken
+            torch.cuda.synchronize(job.device)
+        except RuntimeError as error:  # an asynchronous CUDA error surfaces here
+            status, detail, remedy = FAIL, str(error).splitlines()[0], DEBUG_REMEDY
     return Result(
         name, job.env.rank, job.node, status, time.perf_counter() - started, detail, remedy
     )
