@@ -45,9 +45,50 @@ def test_the_cuda_image_carries_the_pinned_torch_and_every_gpu_library():
         assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in environment
         assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in environment
         assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in environment
+        # torch.compile works: triton builds its launcher (a Python C extension) with the base's
+        # gcc and Python's headers, shown here by triton's own build function; inductor's CPU
+        # path (the one this machine without a GPU can run) compiles its C++ kernels. And
+        # rdma-core's userspace libraries are there for NCCL's InfiniBand/RoCE transport.
+        proc = docker(
+            "run",
+            "--rm",
+            TAG,
+            "python3",
+            "-c",
+            COMPILE_PROBE,
+            C_EXTENSION,
+            timeout=900,
+            check=False,
+        )
+        assert proc.stdout.split() == ["launcher", "42", "compiled", "ibverbs"], proc.stderr[-3000:]
+        libraries = docker("run", "--rm", TAG, "ldconfig", "-p").stdout
+        for library in ("libibverbs.so.1", "librdmacm.so.1", "libmlx5.so.1"):
+            assert library in libraries, library
     finally:
         docker("rmi", TAG, check=False)  # 6 GB that no other test uses
 
+
+# What triton compiles for its launcher, in miniature: a Python C extension.
+C_EXTENSION = """\
+#include <Python.h>
+static PyObject *answer(PyObject *self, PyObject *args) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tmn_probe", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_tmn_probe(void) { return PyModule_Create(&module); }
+"""
+COMPILE_PROBE = """\
+import ctypes, sys
+import torch
+from triton.runtime.build import compile_module_from_src
+print("launcher", compile_module_from_src(sys.argv[1], "tmn_probe").answer())
+def f(x):
+    return torch.sin(x) * 2 + x
+x = torch.randn(64)
+assert torch.allclose(torch.compile(f)(x), f(x))
+print("compiled")
+ctypes.CDLL("libibverbs.so.1")
+print("ibverbs")
+"""
 
 # A stand-in for NVIDIA's image, made here from the Debian base: a `torch` package that only
 # says its version, and the other modules the Dockerfile's check imports.
