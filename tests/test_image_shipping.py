@@ -6,7 +6,9 @@ provisioned 2-node cluster of jobs in containers:
 - the registry answers only on that address and only to a client holding the certificate
   provisioning gave the nodes;
 - after a change to the image's top layer, each node receives at most that layer plus the
-  registry's overhead (measured on the nodes' own network counters).
+  registry's overhead (measured on the nodes' own network counters);
+- after `make image`'s own build runs again with one more line in docker/entrypoint.sh, each
+  node receives only the layers above the torch install, which the rebuild kept.
 
 The stream (docker save | ssh | docker load), chosen automatically when no registry runs, is
 tested with the provisioning scenarios (tests/ansible), whose jobs run on the hosts.
@@ -24,6 +26,7 @@ import pytest
 from cluster import ship
 from tests.conftest import TEST_IMAGE, VENV_BIN
 from tests.helpers import on_node
+from tests.image_layers import build_with_an_edited_entrypoint, install_step
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 
@@ -133,6 +136,38 @@ def test_a_change_to_the_top_layer_sends_each_node_only_that_layer(provisioned, 
         done = shipped.stdout.splitlines()[-1]
         sizes = re.findall(r"node\d ([\d.]+) MB", done)
         assert len(sizes) == 2 and all(2.9 < float(size) < 3.5 for size in sizes), done
+    finally:
+        for index in (1, 2):
+            on_node(cluster, index, f"docker rmi {tag} >/dev/null 2>&1 || true")
+        subprocess.run(["docker", "rmi", tag], capture_output=True, check=False)
+
+
+def test_a_rebuild_after_an_entrypoint_change_ships_only_the_layers_above_the_install(
+    provisioned, tmp_path
+):
+    """The image the nodes hold (the fixture's build), rebuilt by images.build from a copy of
+    the repository with one line appended to docker/entrypoint.sh: the torch install is the
+    same layer, so `cluster ship` sends each node only the few small layers above it."""
+    tag = f"{TEST_IMAGE}-entrypoint-{uuid.uuid4().hex[:8]}"
+    cluster = provisioned.cluster
+    try:
+        build_with_an_edited_entrypoint(tmp_path / "copy", tag)
+        install, above = install_step(tag)
+        assert install.image_id == install_step(TEST_IMAGE)[0].image_id
+        new_bytes = sum(step.size for step in above)
+        before = {index: _received(cluster, index) for index in (1, 2)}
+        shipped = _cli("ship", "-i", str(provisioned.inventory), "--image", tag)
+        after = {index: _received(cluster, index) for index in (1, 2)}
+        assert shipped.returncode == 0, shipped.stdout + shipped.stderr
+        assert "through the registry on" in shipped.stdout.splitlines()[0], shipped.stdout
+        for index in (1, 2):
+            moved = after[index] - before[index]
+            assert moved <= new_bytes + OVERHEAD, (
+                f"node{index} received {moved} bytes for {new_bytes} bytes of new layers above a "
+                f"{install.size}-byte install layer:\n{shipped.stdout}"
+            )
+            held = on_node(cluster, index, f"docker image inspect --format '{{{{.Id}}}}' {tag}")
+            assert held.strip() == ship.image_id(tag)
     finally:
         for index in (1, 2):
             on_node(cluster, index, f"docker rmi {tag} >/dev/null 2>&1 || true")
