@@ -95,7 +95,7 @@ train: $(STAMP)
 .PHONY: selftest  ## every GPU path on every node of INVENTORY (no INVENTORY: this machine): a table; exit 1 on a failure
 selftest: $(STAMP)
 	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
-		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) --module training.selftest \
+		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(filter 1 yes true,$(DEBUG)),--debug) --module training.selftest \
 		$(if $(strip $(ARGS)),-- $(ARGS))
 
 .PHONY: data  ## copy dataset directory SRC into every node's data_root (only what changed travels)

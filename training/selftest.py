@@ -487,8 +487,12 @@ def check_compile(job: Job) -> str:
     from training.fsdp import compile_problem
 
     problem = compile_problem(job.device)
-    if problem is not None:
-        raise Failed(str(problem).replace("--compile ", "torch.compile "), problem.hint)
+    if problem is not None:  # its hint's way out, "leave out --compile", is training.fsdp's
+        remedy = (problem.hint or "").replace(", or leave out --compile", "")
+        raise Failed(
+            str(problem).replace("--compile ", "torch.compile "),
+            f"{remedy} on the node, or the training image (make image), which has them",
+        )
     device = job.device
     model = _seeded_net(device)
     compiled = torch.compile(model)

@@ -50,8 +50,8 @@ def test_a_missing_compiler_is_one_line_naming_the_check_the_node_and_the_remedy
     assert errors == [
         f"Error: selftest check compile failed on {socket.gethostname()} (rank 0): "
         "torch.compile on CPUs needs a C++ compiler to build torch.compile's kernels, and "
-        "/nonexistent/g++ does not run here (try apt-get install g++ (or CXX=<compiler>), or "
-        "leave out --compile)"
+        "/nonexistent/g++ does not run here (try apt-get install g++ (or CXX=<compiler>) on the "
+        "node, or the training image (make image), which has them)"
     ], out
     assert re.match(r"FAIL +[\d.]+s", _row(out, "compile")), out
     assert _row(out, "ddp-checkpoint").startswith("PASS"), out  # the others still ran
