@@ -27,13 +27,18 @@ as one UserError naming the host and the field.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import functools
 import io
 import ipaddress
 import os
 import posixpath
 import re
+import shlex
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -215,7 +220,7 @@ def load(path: str | os.PathLike | None, group: str = NODES_GROUP) -> Inventory:
     if path.is_dir():
         # A directory, as Ansible takes one: every inventory file in it, with the group_vars/
         # and host_vars/ it holds.
-        return _validate(resolve_with_ansible(path, group), path, group)
+        return _through_ansible(path, group)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -231,17 +236,25 @@ def load(path: str | os.PathLike | None, group: str = NODES_GROUP) -> Inventory:
     # group. A plain YAML file reads the same either way, and reading it directly keeps its
     # errors precise (line numbers, duplicate keys).
     if any((path.parent / name).is_dir() for name in ("group_vars", "host_vars")):
-        return _validate(resolve_with_ansible(path, group), path, group)
+        return _through_ansible(path, group)
     yaml_file = path.suffix.lower() in YAML_SUFFIXES
     try:
         data = _yaml(text, f"inventory {path}")
     except UserError:
         if yaml_file:
             raise
-        return _validate(resolve_with_ansible(path, group), path, group)
+        return _through_ansible(path, group)
     if (not isinstance(data, dict) and not yaml_file) or _needs_ansible(data, group):
-        return _validate(resolve_with_ansible(path, group), path, group)
-    return _validate(data, path, group)
+        return _through_ansible(path, group)
+    problems = _Problems()
+    _check_defined_once([(path, data)], f"inventory {path}", problems)
+    return _validate(data, path, group, problems)
+
+
+def _through_ansible(path: Path, group: str) -> Inventory:
+    problems = _Problems()
+    _check_defined_once(_sources(path), f"inventory {path}", problems)
+    return _validate(resolve_with_ansible(path, group, problems), path, group, problems)
 
 
 def check_group(group: object) -> str:
@@ -328,12 +341,17 @@ def _plain(value):
     return value
 
 
-def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
+def resolve_with_ansible(
+    path: Path, group: str = NODES_GROUP, problems: _Problems | None = None
+) -> dict:
     """The inventory as ansible-playbook sees it (ansible-core's inventory loader and variable
     manager: YAML or INI, group_vars/ and host_vars/, ranges, nested groups), as a document in
     the plain layout: the hosts of `group` in order, each with every variable it resolves to,
-    and the cluster-wide fields once (refused where two hosts disagree)."""
+    and the cluster-wide fields once (refused where two hosts disagree). Errors go into
+    `problems` where given (raised with the others), else are raised here."""
     where = f"inventory {path}"
+    own_problems = problems is None
+    problems = _Problems() if problems is None else problems
     saved = {key: os.environ.get(key) for key in _ANSIBLE_SETTINGS}
     os.environ.update(_ANSIBLE_SETTINGS)
     try:
@@ -363,12 +381,14 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
                 r"Failed to parse inventory with '\w+' plugin: (?:Failed to parse inventory: )?(.+)",
                 said.getvalue(),
             )
-            raise UserError(
-                f"{where}: Ansible cannot read it as YAML or INI"
-                + (f": {reasons[-1]}" if reasons else ""),
-                hint=f"the layout of inventory.example.yml, or an INI inventory with a [{group}] "
-                "group",
-            ) from None
+            problems.fatal(
+                UserError(
+                    f"{where}: Ansible cannot read it as YAML or INI"
+                    + (f": {reasons[-1]}" if reasons else ""),
+                    hint=f"the layout of inventory.example.yml, or an INI inventory with a "
+                    f"[{group}] group",
+                )
+            )
     finally:
         for key, value in saved.items():
             if value is None:
@@ -376,9 +396,11 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
             else:
                 os.environ[key] = value
     if not resolved:
-        raise UserError(
-            f"{where}: no hosts in group '{group}' as Ansible reads it",
-            hint=f"listing the nodes in a group named {group} (inventory.example.yml)",
+        problems.fatal(
+            UserError(
+                f"{where}: no hosts in group '{group}' as Ansible reads it",
+                hint=f"listing the nodes in a group named {group} (inventory.example.yml)",
+            )
         )
     cluster: dict = {}
     first_name = next(iter(resolved))
@@ -392,16 +414,35 @@ def resolve_with_ansible(path: Path, group: str = NODES_GROUP) -> dict:
             here, there = (
                 shown(values[name]) if name in values else "unset" for name in (other, first_name)
             )
-            raise UserError(
-                f"{where}: host '{printable(other)}': field '{field}' is cluster-wide: "
-                f"the same on every node ({here} here, {there} on '{printable(first_name)}')",
-                hint="setting it once, for all (group_vars/all.yml or all.vars)",
+            problems.add(
+                UserError(
+                    f"{where}: host '{printable(other)}': field '{field}' is cluster-wide: "
+                    f"the same on every node ({here} here, {there} on '{printable(first_name)}')",
+                    hint="setting it once, for all (group_vars/all.yml or all.vars)",
+                )
             )
+            continue
         cluster[field] = values[first_name]
+    # A variable the project does not read, the same on every host (set for a group, or in
+    # group_vars/all.yml), is one cluster-wide value: a typo in it is reported once, not per host.
+    for key, value in next(iter(resolved.values())).items():
+        if (
+            key not in CLUSTER_FIELDS
+            and isinstance(key, str)
+            and key not in _known_fields()
+            and all(key in own and repr(own[key]) == repr(value) for own in resolved.values())
+        ):
+            cluster[key] = value
     hosts_doc = {
         name: {key: value for key, value in own.items() if key not in CLUSTER_FIELDS}
         for name, own in resolved.items()
     }
+    hosts_doc = {
+        name: {key: value for key, value in own.items() if key not in cluster}
+        for name, own in hosts_doc.items()
+    }
+    if own_problems:
+        problems.raise_if_any()
     return {"all": {"vars": cluster, "children": {group: {"hosts": hosts_doc}}}}
 
 
@@ -418,7 +459,11 @@ _ANSIBLE_SETTINGS = {
 def parse(text: str, path: Path | str = "<inventory>", group: str = NODES_GROUP) -> Inventory:
     """An inventory in the plain YAML layout, from its text."""
     path = Path(path)
-    return _validate(_yaml(text, f"inventory {path}"), path, check_group(group))
+    data = _yaml(text, f"inventory {path}")
+    group = check_group(group)
+    problems = _Problems()
+    _check_defined_once([(path, data)], f"inventory {path}", problems)
+    return _validate(data, path, group, problems)
 
 
 def _yaml(text: str, where: str):
@@ -445,72 +490,387 @@ def _yaml(text: str, where: str):
         raise UserError(f"{where} holds a value YAML cannot read: {reason}") from None
 
 
-def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
+class InventoryErrors(UserError):
+    """Several problems found in one pass. Its own message is the last one's; load() has
+    printed the others, one `Error: ...` line each, before raising it (the CLIs print one
+    UserError as one line), so every problem reaches the user in order."""
+
+    def __init__(self, errors: list[UserError]):
+        super().__init__(str(errors[-1]), hint=errors[-1].hint)
+        self.errors = errors
+
+
+class _Problems:
+    """What one pass over an inventory found: errors (all raised together at the end) and
+    warnings (printed, one line each, whatever the outcome)."""
+
+    def __init__(self) -> None:
+        self.errors: list[UserError] = []
+        self.warnings: list[str] = []
+
+    def add(self, error: UserError) -> None:
+        self.errors.append(error)
+
+    @contextlib.contextmanager
+    def check(self):
+        """A check whose UserError is recorded and the pass goes on."""
+        try:
+            yield
+        except UserError as error:
+            self.add(error)
+
+    def fatal(self, error: UserError) -> NoReturn:
+        """A problem after which nothing else can be checked: raised with those found so far."""
+        self.add(error)
+        self.raise_if_any()
+        raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def fatal_on_error(self):
+        try:
+            yield
+        except UserError as error:
+            self.fatal(error)
+
+    def warn_unknown(self, values: dict, where: str, skip=()) -> None:
+        """A warning for each name the project does not read that is within a typo of one it
+        does (Ansible's own variables and unrelated ones stay silent)."""
+        for name in values:
+            if not isinstance(name, str) or name in skip or name in _known_fields():
+                continue
+            close = _close_field(name)
+            if close is not None:
+                self.warnings.append(
+                    f"Warning: {where} '{printable(name)}' is not one the project reads; "
+                    f"did you mean '{close}'?"
+                )
+
+    def raise_if_any(self) -> None:
+        for line in self.warnings:
+            print(printable(line), file=sys.stderr)
+        self.warnings = []
+        if not self.errors:
+            return
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        for error in self.errors[:-1]:
+            print(printable(error.line()), file=sys.stderr)
+        raise InventoryErrors(self.errors)
+
+
+# Host fields the project reads beyond the required ones.
+OPTIONAL_HOST_FIELDS = (
+    "ansible_port",
+    "ansible_user",
+    "ansible_ssh_private_key_file",
+    "ansible_host_key_checking",
+    "training_python",
+    "cuda_visible_devices",
+    *SSH_OPTION_FIELDS,
+)
+# Ansible's own names for a host's connection (ansible.constants.MAGIC_VARIABLE_MAPPING, which
+# a test keeps this a superset of): exact ones are silent even where close to one of ours
+# (ansible_ssh_user is ansible_user's older name, not a typo of it).
+ANSIBLE_CONNECTION_VARIABLES = frozenset(
+    {
+        "ansible_connection",
+        "ansible_module_compression",
+        "ansible_shell_type",
+        "ansible_shell_executable",
+        "ansible_ssh_host",
+        "ansible_host",
+        "ansible_ssh_user",
+        "ansible_user",
+        "ansible_ssh_pass",
+        "ansible_password",
+        "ansible_ssh_port",
+        "ansible_port",
+        "ansible_ssh_pipelining",
+        "ansible_pipelining",
+        "ansible_ssh_timeout",
+        "ansible_timeout",
+        "ansible_ssh_private_key_file",
+        "ansible_private_key_file",
+        "ansible_network_os",
+        "ansible_connection_user",
+        "ansible_ssh_executable",
+        "ansible_ssh_common_args",
+        "ansible_sftp_extra_args",
+        "ansible_scp_extra_args",
+        "ansible_ssh_extra_args",
+        "ansible_ssh_transfer_method",
+        "ansible_docker_extra_args",
+        "ansible_become",
+        "ansible_become_method",
+        "ansible_become_user",
+        "ansible_become_password",
+        "ansible_become_pass",
+        "ansible_become_exe",
+        "ansible_become_flags",
+        "ansible_python_interpreter",
+    }
+)
+# How close a name must be to one of ours to be taken for its typo (difflib's ratio):
+# 'compute_interfce' 0.97, 'lanch_mode' 0.95, 'gpu' 0.86; 'gpu_count' (0.46) is the user's own.
+TYPO_CUTOFF = 0.8
+_ROLES = Path(__file__).resolve().parent.parent / "ansible" / "roles"
+
+
+@functools.cache
+def _our_fields() -> tuple[str, ...]:
+    """Every variable the project reads: the inventory's fields, and the roles' defaults (an
+    inventory may override them), where this checkout has the roles."""
+    names = {*REQUIRED_HOST_FIELDS, *CLUSTER_FIELDS, *OPTIONAL_HOST_FIELDS, "node_group"}
+    for defaults in sorted(_ROLES.glob("*/defaults/main.yml")):
+        with contextlib.suppress(OSError, yaml.YAMLError, UnicodeDecodeError):
+            found = yaml.safe_load(defaults.read_text(encoding="utf-8"))
+            if isinstance(found, dict):
+                names.update(name for name in found if isinstance(name, str))
+    return tuple(sorted(names))
+
+
+@functools.cache
+def _known_fields() -> frozenset[str]:
+    return frozenset(_our_fields()) | ANSIBLE_CONNECTION_VARIABLES | _ANSIBLE_MAGIC
+
+
+def _close_field(name: str) -> str | None:
+    """The field of ours `name` is within a typo of, or None."""
+    found = difflib.get_close_matches(name.lower(), _our_fields(), n=1, cutoff=TYPO_CUTOFF)
+    return found[0] if found else None
+
+
+def _missing(message: str, field: str, values: dict, typos: set[str]) -> UserError | None:
+    """`message` (a required field is missing) naming the variable that looks like its typo
+    (added to `typos`), or None where there is none."""
+    for name in values:
+        if isinstance(name, str) and name not in _known_fields() and _close_field(name) == field:
+            typos.add(name)
+            return UserError(
+                f"{message}; '{printable(name)}' looks like a typo of it",
+                hint=f"renaming {printable(name)} to {field}",
+            )
+    return None
+
+
+def _sources(path: Path) -> list[tuple[Path, object]]:
+    """The inventory files Ansible reads for `path` (the file, or each file of a directory but
+    group_vars/ and host_vars/), each with its YAML document, or None where it is not YAML
+    (then INI)."""
+    files = (
+        [path]
+        if not path.is_dir()
+        else sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+    )
+    found = []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            document = yaml.safe_load(text)
+        except (yaml.YAMLError, ValueError, RecursionError):
+            document = None
+        found.append((file, document if isinstance(document, dict) else text))
+    return found
+
+
+def _check_defined_once(sources, where: str, problems: _Problems) -> None:
+    """A host given values in two places (two groups, two lines of an INI file, two files)
+    where they disagree: Ansible keeps one of them without a word, so it is refused, naming
+    both places."""
+    seen: dict[str, list[tuple[str, dict]]] = {}
+    several = len(sources) > 1
+    for file, document in sources:
+        definitions = (
+            _yaml_definitions(document)
+            if isinstance(document, dict)
+            else _ini_definitions(document)
+            if isinstance(document, str)
+            else ()
+        )
+        for name, place, values in definitions:
+            place = f"{file.name} {place}" if several else place
+            for other_place, other in seen.get(name, []):
+                for field, value in values.items():
+                    if field in other and repr(other[field]) != repr(value):
+                        problems.add(
+                            UserError(
+                                f"{where}: host '{printable(name)}': field "
+                                f"'{printable(str(field))}': defined twice, "
+                                f"{shown(other[field])} {other_place} and {shown(value)} {place}",
+                                hint="giving the host's values once, and its name alone in its "
+                                "other groups",
+                            )
+                        )
+            seen.setdefault(name, []).append((place, values))
+
+
+def _yaml_definitions(document: dict):
+    """(host, "group 'G'", values) for each host given values in a YAML inventory."""
+
+    def walk(group, body, depth=0):
+        if not isinstance(body, dict) or depth > 50:
+            return
+        hosts = body.get("hosts")
+        if isinstance(hosts, dict):
+            for name, values in hosts.items():
+                if isinstance(values, dict) and values:
+                    yield _text(name), f"in group '{printable(_text(group))}'", values
+        children = body.get("children")
+        if isinstance(children, dict):
+            for child, child_body in children.items():
+                yield from walk(child, child_body, depth + 1)
+
+    for group, body in document.items():
+        yield from walk(group, body)
+
+
+_INI_SECTION = re.compile(r"\[([^:\]\s]+)(?::(\w+))?\]\s*(?:[#;].*)?")
+
+
+def _ini_definitions(text: str):
+    """(host, "line N (group 'G')", values) for each INI host line that gives values, its
+    range expanded as Ansible expands it."""
+    group, kind = "ungrouped", "hosts"
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        section = _INI_SECTION.fullmatch(line)
+        if section:
+            group, kind = section.group(1), section.group(2) or "hosts"
+            continue
+        if kind != "hosts":
+            continue
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        if len(tokens) < 2 or not all("=" in token for token in tokens[1:]):
+            continue
+        values = dict(token.split("=", 1) for token in tokens[1:])
+        for name in _expanded(tokens[0]):
+            yield name, f"on line {number} (group '{printable(group)}')", values
+
+
+def _expanded(pattern: str) -> list[str]:
+    if pattern.count(":") == 1 and not _HOST_RANGE.search(pattern):
+        pattern = pattern.split(":")[0]  # host:port
+    if not _HOST_RANGE.search(pattern):
+        return [pattern]
+    try:
+        from ansible.plugins.inventory import expand_hostname_range
+
+        return list(expand_hostname_range(pattern))
+    except Exception:  # noqa: BLE001 - Ansible reports a bad range itself
+        return [pattern]
+
+
+def _validate(
+    data, path: Path, group_name: str = NODES_GROUP, problems: _Problems | None = None
+) -> Inventory:
     """Every check, on an inventory document in the plain layout (from the file itself, or as
-    Ansible resolved it)."""
+    Ansible resolved it). Every problem is found in one pass: each check that does not depend
+    on another's value runs, and all their errors are raised together (_Problems)."""
+    problems = problems if problems is not None else _Problems()
     where = f"inventory {path}"
     if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
-        raise UserError(
-            f"{where}: the top level must be a mapping with an 'all' key",
-            hint="the layout of inventory.example.yml",
+        problems.fatal(
+            UserError(
+                f"{where}: the top level must be a mapping with an 'all' key",
+                hint="the layout of inventory.example.yml",
+            )
         )
     top = data["all"]
-    cluster_vars = _mapping(top.get("vars"), f"{where}: all.vars")
-    children = _mapping(top.get("children"), f"{where}: all.children")
+    with problems.fatal_on_error():
+        cluster_vars = _mapping(top.get("vars"), f"{where}: all.vars")
+        children = _mapping(top.get("children"), f"{where}: all.children")
     group = children.get(group_name)
     if (
         not isinstance(group, dict)
         or not isinstance(group.get("hosts"), dict)
         or not group["hosts"]
     ):
-        raise UserError(
-            f"{where}: no hosts under all.children.{group_name}.hosts",
-            hint="listing the nodes as in inventory.example.yml",
+        problems.fatal(
+            UserError(
+                f"{where}: no hosts under all.children.{group_name}.hosts",
+                hint="listing the nodes as in inventory.example.yml",
+            )
         )
-    group_vars = _mapping(group.get("vars"), f"{where}: all.children.{group_name}.vars")
+    with problems.fatal_on_error():
+        group_vars = _mapping(group.get("vars"), f"{where}: all.children.{group_name}.vars")
     merged = {**cluster_vars, **group_vars}
+    typos: set[str] = set()  # names reported as a missing field's typo: not warned about too
+    cluster_warnings_at = len(problems.warnings)
 
     for field in REQUIRED_CLUSTER_FIELDS:
         if merged.get(field) in (None, ""):
-            raise UserError(f"{where}: cluster field '{field}' is missing (set it in all.vars)")
-    subnet = _subnet(merged["compute_subnet"], where)
-    _check_host_keys_stay_checked(merged, f"{where}: cluster")
-    port = _port(merged.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT), f"{where}: cluster")
-    known_hosts = _optional_path(merged.get("ssh_known_hosts_file"), where, "ssh_known_hosts_file")
+            problems.add(
+                _missing(f"{where}: cluster field '{field}' is missing", field, merged, typos)
+                or UserError(f"{where}: cluster field '{field}' is missing (set it in all.vars)")
+            )
+    subnet = None
+    if "compute_subnet" in merged and merged["compute_subnet"] not in (None, ""):
+        with problems.check():
+            subnet = _subnet(merged["compute_subnet"], where)
+    with problems.check():
+        _check_host_keys_stay_checked(merged, f"{where}: cluster")
+    port = known_hosts = launch_mode = scheduler = image = registry = base_from_nodes = None
+    registry_port = memlock = None
+    with problems.check():
+        port = _port(merged.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT), f"{where}: cluster")
+    with problems.check():
+        known_hosts = _optional_path(
+            merged.get("ssh_known_hosts_file"), where, "ssh_known_hosts_file"
+        )
     launch_mode = merged.get("launch_mode", "container")
     if launch_mode not in LAUNCH_MODES:
-        raise UserError(
-            f"{where}: cluster field 'launch_mode': {shown(launch_mode)} is not one of "
-            f"{', '.join(LAUNCH_MODES)}"
+        problems.add(
+            UserError(
+                f"{where}: cluster field 'launch_mode': {shown(launch_mode)} is not one of "
+                f"{', '.join(LAUNCH_MODES)}"
+            )
         )
     scheduler = merged.get("scheduler", "ssh")
     if scheduler not in SCHEDULERS:
-        raise UserError(
-            f"{where}: cluster field 'scheduler': {shown(scheduler)} is not one of "
-            f"{', '.join(SCHEDULERS)}"
+        problems.add(
+            UserError(
+                f"{where}: cluster field 'scheduler': {shown(scheduler)} is not one of "
+                f"{', '.join(SCHEDULERS)}"
+            )
         )
     image = merged.get("training_image", DEFAULT_TRAINING_IMAGE)
     if not is_word(image):
-        raise UserError(
-            f"{where}: cluster field 'training_image': {shown(image)} is not an image name"
+        problems.add(
+            UserError(
+                f"{where}: cluster field 'training_image': {shown(image)} is not an image name"
+            )
         )
-    registry, base_from_nodes = (
-        _boolean(merged, field, default, where)
-        for field, default in (("image_registry", True), ("image_base_from_nodes", False))
-    )
-    registry_port = _port(
-        merged.get("image_registry_port", DEFAULT_IMAGE_REGISTRY_PORT),
-        f"{where}: cluster",
-        "image_registry_port",
-    )
-    roots = {
-        field: _directory(merged.get(field, default), f"{where}: cluster field '{field}'", default)
-        for field, default in STORAGE_ROOTS.items()
-    }
-    _check_distinct(roots, where)
-    mounts = _mounts(
-        merged.get("container_mounts"), f"{where}: cluster field 'container_mounts'", roots
-    )
+    with problems.check():
+        registry = _boolean(merged, "image_registry", True, where)
+    with problems.check():
+        base_from_nodes = _boolean(merged, "image_base_from_nodes", False, where)
+    with problems.check():
+        registry_port = _port(
+            merged.get("image_registry_port", DEFAULT_IMAGE_REGISTRY_PORT),
+            f"{where}: cluster",
+            "image_registry_port",
+        )
+    roots: dict[str, str] = {}
+    for field, default in STORAGE_ROOTS.items():
+        with problems.check():
+            roots[field] = _directory(
+                merged.get(field, default), f"{where}: cluster field '{field}'", default
+            )
+    with problems.check():
+        _check_distinct(roots, where)
+    mounts: tuple[Mount, ...] = ()
+    with problems.check():
+        mounts = _mounts(
+            merged.get("container_mounts"), f"{where}: cluster field 'container_mounts'", roots
+        )
 
     hosts: list[Host] = []
     names: dict[str, str] = {}
@@ -520,54 +880,84 @@ def _validate(data, path: Path, group_name: str = NODES_GROUP) -> Inventory:
         try:
             name = str(key)
         except ValueError:  # an int of more digits than Python converts
-            raise UserError(f"{where}: host {shown(key)}: name is not a hostname") from None
+            problems.add(UserError(f"{where}: host {shown(key)}: name is not a hostname"))
+            continue
         host_where = f"{where}: host '{printable(name)}'"
         if not _LABEL.fullmatch(name):
-            raise UserError(
-                f"{host_where}: name is not a valid RFC 1123 hostname label "
-                "(letters, digits and '-', 1-63 characters, no '-' at either end)"
+            problems.add(
+                UserError(
+                    f"{host_where}: name is not a valid RFC 1123 hostname label "
+                    "(letters, digits and '-', 1-63 characters, no '-' at either end)"
+                )
             )
+            continue
         if name.lower() in names:
-            raise UserError(
-                f"{host_where}: name duplicates host '{names[name.lower()]}' "
-                "(hostnames are case-insensitive)"
+            problems.add(
+                UserError(
+                    f"{host_where}: name duplicates host '{names[name.lower()]}' "
+                    "(hostnames are case-insensitive)"
+                )
             )
+            continue
         names[name.lower()] = name
-        own = _mapping(own, host_where)
+        try:
+            own = _mapping(own, host_where)
+        except UserError as error:
+            problems.add(error)
+            continue
         for field in CLUSTER_ONLY_FIELDS:
             if field in own:
-                raise UserError(
-                    f"{host_where}: field '{field}' is cluster-wide: the same on every node",
-                    hint="setting it once, in all.vars",
+                problems.add(
+                    UserError(
+                        f"{host_where}: field '{field}' is cluster-wide: the same on every node",
+                        hint="setting it once, in all.vars",
+                    )
                 )
         values = {**merged, **own}
-        _check_host_keys_stay_checked(values, host_where)
-        for field in REQUIRED_HOST_FIELDS:
-            if values.get(field) in (None, ""):
-                raise UserError(f"{host_where}: field '{field}' is missing")
-        host = _host(name, values, subnet, host_where)
+        with problems.check():
+            _check_host_keys_stay_checked(values, host_where)
+        missing = [field for field in REQUIRED_HOST_FIELDS if values.get(field) in (None, "")]
+        for field in missing:
+            message = f"{host_where}: field '{field}' is missing"
+            problems.add(_missing(message, field, values, typos) or UserError(message))
+        problems.warn_unknown(own, f"{host_where}: field", skip={*merged, *typos})
+        if missing:
+            continue
+        host = _host(name, values, subnet, host_where, problems)
+        if host is None:
+            continue
         if host.compute_ip in ips:
-            raise UserError(
-                f"{host_where}: field 'compute_ip': {host.compute_ip} is already used by "
-                f"host '{ips[host.compute_ip]}'"
+            problems.add(
+                UserError(
+                    f"{host_where}: field 'compute_ip': {host.compute_ip} is already used by "
+                    f"host '{ips[host.compute_ip]}'"
+                )
             )
-        ips[host.compute_ip] = name
+        ips.setdefault(host.compute_ip, name)
         target = (host.ssh_address, host.ssh_port)
         if target in ssh_targets:
-            raise UserError(
-                f"{host_where}: field 'ansible_host': {host.ssh_address}:{host.ssh_port} is "
-                f"already used by host '{ssh_targets[target]}'"
+            problems.add(
+                UserError(
+                    f"{host_where}: field 'ansible_host': {host.ssh_address}:{host.ssh_port} is "
+                    f"already used by host '{ssh_targets[target]}'"
+                )
             )
-        ssh_targets[target] = name
+        ssh_targets.setdefault(target, name)
         hosts.append(host)
     memlock = merged.get("container_memlock", "unlimited")
     if memlock != "unlimited" and (
         isinstance(memlock, bool) or not isinstance(memlock, int) or not 0 <= memlock <= MAX_MEMLOCK
     ):
-        raise UserError(
-            f"{where}: cluster field 'container_memlock': {shown(memlock)} is neither "
-            f"'unlimited' nor a number of bytes (0 to 2**63-1)"
+        problems.add(
+            UserError(
+                f"{where}: cluster field 'container_memlock': {shown(memlock)} is neither "
+                f"'unlimited' nor a number of bytes (0 to 2**63-1)"
+            )
         )
+    cluster = _Problems()
+    cluster.warn_unknown(merged, f"{where}: cluster field", skip=typos)
+    problems.warnings[cluster_warnings_at:cluster_warnings_at] = cluster.warnings
+    problems.raise_if_any()
     return Inventory(
         path,
         tuple(hosts),
@@ -743,17 +1133,31 @@ def _optional_path(value, where: str, field: str) -> Path | None:
     return Path(os.path.expanduser(value))
 
 
-def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) -> Host:
+def _host(
+    name: str,
+    values: dict,
+    subnet: ipaddress.IPv4Network | None,
+    where: str,
+    problems: _Problems,
+) -> Host | None:
+    """The host's fields, each checked on its own: every bad one is added to `problems`, and
+    None returned where any was."""
+    before = len(problems.errors)
+    compute_ip = None
     try:
         compute_ip = ipaddress.IPv4Address(str(values["compute_ip"]))
     except ValueError:
-        raise UserError(
-            f"{where}: field 'compute_ip': {shown(values['compute_ip'])} is not an IPv4 address"
-        ) from None
-    if compute_ip not in subnet:
-        raise UserError(
-            f"{where}: field 'compute_ip': {compute_ip} is outside compute_subnet {subnet}",
-            hint="an address inside the subnet, or correct compute_subnet",
+        problems.add(
+            UserError(
+                f"{where}: field 'compute_ip': {shown(values['compute_ip'])} is not an IPv4 address"
+            )
+        )
+    if compute_ip is not None and subnet is not None and compute_ip not in subnet:
+        problems.add(
+            UserError(
+                f"{where}: field 'compute_ip': {compute_ip} is outside compute_subnet {subnet}",
+                hint="an address inside the subnet, or correct compute_subnet",
+            )
         )
     interface = values["compute_interface"]
     if (
@@ -762,37 +1166,54 @@ def _host(name: str, values: dict, subnet: ipaddress.IPv4Network, where: str) ->
         or len(interface.encode()) > IFNAME_BYTES
         or interface in (".", "..")
     ):
-        raise UserError(
-            f"{where}: field 'compute_interface': {shown(interface)} is not a network interface "
-            "name"
+        problems.add(
+            UserError(
+                f"{where}: field 'compute_interface': {shown(interface)} is not a network "
+                "interface name"
+            )
         )
     gpus = values["gpus"]
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
-        raise UserError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0")
-    if gpus > MAX_GPUS:
-        raise UserError(
-            f"{where}: field 'gpus': {shown(gpus)} is more than one node holds (at most {MAX_GPUS})"
+        problems.add(UserError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0"))
+    elif gpus > MAX_GPUS:
+        problems.add(
+            UserError(
+                f"{where}: field 'gpus': {shown(gpus)} is more than one node holds (at most "
+                f"{MAX_GPUS})"
+            )
         )
     address = values["ansible_host"]
     if not is_word(address):
-        raise UserError(f"{where}: field 'ansible_host': {shown(address)} is not a host address")
+        problems.add(
+            UserError(f"{where}: field 'ansible_host': {shown(address)} is not a host address")
+        )
     user = values.get("ansible_user")
     if user is not None and not is_word(user):
-        raise UserError(f"{where}: field 'ansible_user': {shown(user)} is not a user name")
+        problems.add(UserError(f"{where}: field 'ansible_user': {shown(user)} is not a user name"))
     python = values.get("training_python", "python3")
     if not is_word(python):
-        raise UserError(f"{where}: field 'training_python': {shown(python)} is not a program path")
-    visible = parse_gpu_list(
-        values.get("cuda_visible_devices"), f"{where}: field 'cuda_visible_devices'"
-    )
+        problems.add(
+            UserError(f"{where}: field 'training_python': {shown(python)} is not a program path")
+        )
+    visible = ssh_port = ssh_key = None
+    with problems.check():
+        visible = parse_gpu_list(
+            values.get("cuda_visible_devices"), f"{where}: field 'cuda_visible_devices'"
+        )
+    with problems.check():
+        ssh_port = _port(values.get("ansible_port", 22), where, "ansible_port")
+    with problems.check():
+        ssh_key = _optional_path(
+            values.get("ansible_ssh_private_key_file"), where, "ansible_ssh_private_key_file"
+        )
+    if len(problems.errors) > before:
+        return None
     return Host(
         name=name,
         ssh_address=address,
-        ssh_port=_port(values.get("ansible_port", 22), where, "ansible_port"),
+        ssh_port=ssh_port,
         ssh_user=user,
-        ssh_key=_optional_path(
-            values.get("ansible_ssh_private_key_file"), where, "ansible_ssh_private_key_file"
-        ),
+        ssh_key=ssh_key,
         compute_ip=compute_ip,
         compute_interface=interface,
         gpus=gpus,

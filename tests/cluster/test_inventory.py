@@ -301,12 +301,6 @@ REJECTIONS = [
         "own)",
     ),
     (
-        "one problem at a time: the roots in their order, then the mounts",
-        with_cluster_vars("workdir_root: work", "checkpoint_root: ckpt", "container_mounts: 1"),
-        "cluster field 'checkpoint_root': 'ckpt' is not an absolute path (try a path from /, "
-        "such as /var/lib/torch-multinode/checkpoints)",
-    ),
-    (
         "container_mounts not a list",
         with_cluster_vars("container_mounts: /datasets"),
         "cluster field 'container_mounts': '/datasets' is not a list (try a list such as "
@@ -660,3 +654,23 @@ def test_the_scheduler_is_ssh_unless_the_inventory_says_slurm():
     assert str(caught.value) == (
         "inventory inv.yml: cluster field 'scheduler': 'pbs' is not one of ssh, slurm"
     )
+
+
+def test_every_problem_is_reported_in_one_pass_the_roots_in_their_order_then_the_mounts(
+    tmp_path,
+):
+    """Each bad field is its own line (it was the first alone), then exit 2."""
+    path = write(
+        tmp_path,
+        with_cluster_vars("workdir_root: work", "checkpoint_root: ckpt", "container_mounts: 1"),
+    )
+    proc = check(path)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [
+        f"Error: inventory {path}: cluster field 'checkpoint_root': 'ckpt' is not an absolute "
+        "path (try a path from /, such as /var/lib/torch-multinode/checkpoints)",
+        f"Error: inventory {path}: cluster field 'workdir_root': 'work' is not an absolute path "
+        "(try a path from /, such as /var/lib/torch-multinode/work)",
+        f"Error: inventory {path}: cluster field 'container_mounts': 1 is not a list (try a list "
+        'such as ["/datasets:ro"])',
+    ]

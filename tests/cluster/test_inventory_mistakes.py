@@ -1,0 +1,168 @@
+"""Issue 28, finding 3: inventory mistakes that passed silently or were misreported. Typos of
+the project's fields, a host defined twice with different values, and several errors at once,
+through the real CLI."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import ansible.constants
+
+from cluster import inventory
+from tests.conftest import run_cli
+
+VALID = """\
+all:
+  vars:
+    compute_subnet: 10.9.0.0/24
+  children:
+    nodes:
+      hosts:
+        pc1:
+          ansible_host: 10.9.0.1
+          compute_ip: 10.9.0.1
+          compute_interface: eth1
+          gpus: 1
+        pc2:
+          ansible_host: 10.9.0.2
+          compute_ip: 10.9.0.2
+          compute_interface: eth1
+          gpus: 1
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "inventory.yml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def check(path: Path):
+    return run_cli("cluster", "check", "-i", str(path))
+
+
+def test_a_typo_of_launch_mode_is_a_warning_naming_the_field(tmp_path):
+    path = write(
+        tmp_path, VALID.replace("    compute_subnet:", "    lanch_mode: host\n    compute_subnet:")
+    )
+    proc = check(path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == (
+        f"Warning: inventory {path}: cluster field 'lanch_mode' is not one the project reads; "
+        "did you mean 'launch_mode'?\n"
+    )
+
+
+def test_a_typo_of_a_host_field_is_a_warning_naming_host_and_field(tmp_path):
+    path = write(
+        tmp_path,
+        VALID.replace(
+            "          gpus: 1\n", "          gpus: 1\n          trainig_python: /opt/py\n", 1
+        ),
+    )
+    proc = check(path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == (
+        f"Warning: inventory {path}: host 'pc1': field 'trainig_python' is not one the project "
+        "reads; did you mean 'training_python'?\n"
+    )
+
+
+def test_ansible_and_unrelated_variables_stay_silent(tmp_path):
+    text = VALID.replace(
+        "    compute_subnet:",
+        "    ansible_ssh_user: admin\n    ansible_python_interpreter: /usr/bin/python3\n"
+        "    gpu_count_note: many\n    owner: lab\n    firewall_allowed_tcp_ports: [22]\n"
+        "    compute_subnet:",
+    )
+    proc = check(write(tmp_path, text))
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_a_missing_field_names_its_typo(tmp_path):
+    text = VALID.replace(
+        "          compute_interface: eth1\n          gpus: 1\n        pc2",
+        "          compute_interface: eth1\n          gpus: 1\n        pc2",
+        1,
+    )
+    text = text.rsplit("          compute_interface: eth1\n", 1)
+    text = "          compute_interfce: enp3s0\n".join(text)
+    path = write(tmp_path, text)
+    proc = check(path)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (
+        f"Error: inventory {path}: host 'pc2': field 'compute_interface' is missing; "
+        "'compute_interfce' looks like a typo of it (try renaming compute_interfce to "
+        "compute_interface)\n"
+    )
+
+
+def test_several_errors_are_all_reported_one_line_each(tmp_path):
+    text = VALID.replace("compute_ip: 10.9.0.1", "compute_ip: 10.8.0.1").replace(
+        "          gpus: 1\n", "          gpus: -1\n"
+    )
+    text = text.replace(
+        "    compute_subnet: 10.9.0.0/24\n",
+        "    compute_subnet: 10.9.0.0/24\n    rendezvous_port: 0\n",
+    )
+    path = write(tmp_path, text)
+    proc = check(path)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [
+        f"Error: inventory {path}: cluster: field 'rendezvous_port': 0 is not a port number "
+        "(1-65535)",
+        f"Error: inventory {path}: host 'pc1': field 'compute_ip': 10.8.0.1 is outside "
+        "compute_subnet 10.9.0.0/24 (try an address inside the subnet, or correct "
+        "compute_subnet)",
+        f"Error: inventory {path}: host 'pc1': field 'gpus': -1 is not a whole number >= 0",
+        f"Error: inventory {path}: host 'pc2': field 'gpus': -1 is not a whole number >= 0",
+    ]
+
+
+def test_the_raised_error_carries_every_problem(tmp_path):
+    text = VALID.replace("          gpus: 1\n", "          gpus: x\n")
+    try:
+        inventory.load(write(tmp_path, text))
+    except inventory.InventoryErrors as caught:
+        assert [str(error).rsplit(": ", 2)[-2] for error in caught.errors] == ["field 'gpus'"] * 2
+    else:
+        raise AssertionError("accepted")
+
+
+def test_an_ini_host_defined_twice_with_different_values_is_refused_naming_both_lines(tmp_path):
+    path = write(
+        tmp_path,
+        "[nodes]\n"
+        "pc1 ansible_host=10.9.0.1 compute_ip=10.9.0.1 compute_interface=eth1 gpus=1\n"
+        "pc2 ansible_host=10.9.0.2 compute_ip=10.9.0.2 compute_interface=eth1 gpus=1\n"
+        "\n[gpu]\npc1 ansible_host=10.9.0.7 gpus=1\npc2\n"
+        "\n[all:vars]\ncompute_subnet=10.9.0.0/24\n",
+        "cluster.ini",
+    )
+    proc = check(path)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (
+        f"Error: inventory {path}: host 'pc1': field 'ansible_host': defined twice, '10.9.0.1' "
+        "on line 2 (group 'nodes') and '10.9.0.7' on line 6 (group 'gpu') (try giving the "
+        "host's values once, and its name alone in its other groups)\n"
+    )
+
+
+def test_a_yaml_host_defined_twice_with_different_values_is_refused_naming_both_groups(
+    tmp_path,
+):
+    text = VALID + "    gpu:\n      hosts:\n        pc2:\n          gpus: 4\n"
+    path = write(tmp_path, text)
+    proc = check(path)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (
+        f"Error: inventory {path}: host 'pc2': field 'gpus': defined twice, 1 in group 'nodes' "
+        "and 4 in group 'gpu' (try giving the host's values once, and its name alone in its "
+        "other groups)\n"
+    )
+
+
+def test_ansible_connection_variables_cover_ansibles_own():
+    theirs = {name for names in ansible.constants.MAGIC_VARIABLE_MAPPING.values() for name in names}
+    assert theirs <= inventory.ANSIBLE_CONNECTION_VARIABLES
