@@ -20,8 +20,10 @@ An inventory that only Ansible's own reading resolves (INI, group_vars/ or host_
 it, host ranges, groups nested in `nodes`) is read through ansible-core's inventory loader and
 variable manager, so provisioning, netcheck and the launcher see the same values; a plain YAML
 file reads the same either way and is read directly, for errors with line numbers.
-Validation happens entirely here, before any caller acts, and the first problem found is raised
-as one UserError naming the host and the field.
+Validation happens entirely here, before any caller acts, in one pass: every problem found is
+one `Error:` line naming the host and the field (all but the last printed to stderr, the last
+raised as a UserError, InventoryErrors where there were several); a name within a typo of one
+the project reads is a `Warning:` line.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ class _DuplicateKey(Exception):
 
 def load(path: str | os.PathLike | None, group: str = NODES_GROUP) -> Inventory:
     """Read and validate an inventory file; the nodes are the hosts of `group`. Raises
-    UserError on the first problem."""
+    UserError (InventoryErrors, all of them, where there are several) after checking it all."""
     check_group(group)
     if path is None or str(path).strip() == "":
         raise UserError(
