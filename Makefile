@@ -68,6 +68,8 @@ bootstrap: $(STAMP)
 .PHONY: provision  ## provision INVENTORY's nodes: names, SSH mesh, firewall, Docker, image
 provision: $(STAMP)
 	$(BIN)/cluster check -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
+	$(BIN)/cluster ready -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) \
+		$(if $(filter -K --ask-become-pass,$(ANSIBLE_ARGS)),--ask-become-pass)
 	$(BIN)/cluster image -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP))
 	ANSIBLE_CONFIG=ansible/ansible.cfg $(BIN)/ansible-playbook -i "$(INVENTORY)" ansible/site.yml \
 		$(if $(strip $(GROUP)),-e node_group=$(GROUP)) $(ANSIBLE_ARGS)

@@ -38,7 +38,7 @@ import paramiko
 
 from cluster.errors import UserError, shown
 from cluster.inventory import Host, Inventory
-from cluster.remote import Remote
+from cluster.remote import Remote, on_all
 
 DEFAULT_KEY = Path("~/.ssh/id_ed25519")
 DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
@@ -510,20 +510,63 @@ def _password_allowed(host: Host, user: str) -> bool | None:
 
 def key_login_works(host: Host, known_hosts: Path, user: str) -> tuple[bool, bool]:
     """(key login works, passwordless sudo works), with the key alone."""
+    refused, sudo = probe(host, known_hosts, user)
+    return refused is None, sudo
+
+
+def probe(host: Host, known_hosts: Path, user: str) -> tuple[str | None, bool]:
+    """(what stops key login, None where it works; passwordless sudo works): SSH in batch mode,
+    the host key checked against `known_hosts`, with the inventory's key alone, then
+    `sudo -n true`."""
     remote = Remote(host, known_hosts=known_hosts, connect_timeout=CONNECT_TIMEOUT)
     try:
         remote.connect()
-    except UserError:
+    except UserError as error:
         remote.close()
-        return False, False
+        return _login_refused(host, known_hosts, user, error), False
     try:
         if user == "root":
-            return True, True
-        return True, remote.run("sudo -n true", timeout=COMMAND_TIMEOUT).ok
+            return None, True
+        return None, remote.run("sudo -n true", timeout=COMMAND_TIMEOUT).ok
     except UserError:
-        return True, False
+        return None, False
     finally:
         remote.close()
+
+
+def _login_refused(host: Host, known_hosts: Path, user: str, error: UserError) -> str:
+    """Why key login failed, in words for a line that names the node."""
+    cause = error.__context__  # what Remote turned into this one-line error
+    if isinstance(cause, paramiko.BadHostKeyException):
+        return f"its SSH host key is not the one in {known_hosts} (reinstalled?)"
+    if isinstance(cause, paramiko.AuthenticationException):
+        key = host.ssh_key or "~/.ssh/id_*"
+        return f"it refuses key login as {user} with {key}"
+    if isinstance(cause, paramiko.SSHException) and "not found in known_hosts" in str(cause):
+        return f"its SSH host key is not in {known_hosts}"
+    if isinstance(cause, FileNotFoundError):
+        return f"the key {host.ssh_key or '~/.ssh/id_*'} does not exist on this machine"
+    return str(error).split(": ", 1)[-1]  # unreachable: Remote's reason, without the host
+
+
+def not_ready(inventory: Inventory, sudo_without_password: bool = True) -> dict[str, str]:
+    """What each node that `make provision` cannot use yet lacks (the nodes that are ready are
+    left out): its host key in the inventory's known_hosts, key login with the inventory's key
+    and user, passwordless sudo (unless not `sudo_without_password`: the playbook is given
+    sudo's password). `make bootstrap` gives a fresh node all three."""
+    known_hosts = Path(os.path.expanduser(inventory.known_hosts or DEFAULT_KNOWN_HOSTS))
+
+    def missing(host: Host) -> str | None:
+        user = user_of(host)
+        refused, sudo = probe(host, known_hosts, user)
+        if refused is not None:
+            return refused
+        if not sudo and sudo_without_password:
+            return f"sudo asks {user} for a password (sudo -n true fails)"
+        return None
+
+    found = on_all(list(inventory.hosts), missing)
+    return {name: what for name, what in found.items() if what is not None}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,6 +113,24 @@ def _parser() -> argparse.ArgumentParser:
     hostfile.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     hostfile.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
 
+    ready = commands.add_parser(
+        "ready",
+        help="whether make provision can use the nodes: host keys known, key login, sudo",
+        description="What 'make provision' runs before its playbook: each node is reached the "
+        "way Ansible reaches it (SSH in batch mode, the host key checked against the "
+        "inventory's known_hosts, the inventory's key and user), then 'sudo -n true'. Exit 0 "
+        "when every node is ready; otherwise one line per node naming what it lacks, with "
+        "make bootstrap as the remedy, and exit 1.",
+    )
+    ready.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    ready.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
+    ready.add_argument(
+        "--ask-become-pass",
+        action="store_true",
+        help="the playbook asks for sudo's password (ansible-playbook -K): sudo need not be "
+        "passwordless",
+    )
+
     boot = commands.add_parser(
         "bootstrap",
         help="first contact with freshly installed nodes: key login, host keys, sudo",
@@ -267,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
         return _ship(args)
     if args.command == "bootstrap":
         return _bootstrap(args)
+    if args.command == "ready":
+        return _ready(args)
     if args.command in ("queue", "cancel"):
         return _slurm(args)
     if args.command == "hostfile":
@@ -381,6 +401,26 @@ def _slurm(args: argparse.Namespace) -> int:
             print(slurm.cancel(inventory, nodes, args.job))
     finally:
         nodes.close()
+    return 0
+
+
+def _ready(args: argparse.Namespace) -> int:
+    from cluster import bootstrap
+
+    inventory = inventory_module.load(args.inventory, args.group)
+    missing = bootstrap.not_ready(inventory, sudo_without_password=not args.ask_become_pass)
+    group = f" GROUP={args.group}" if args.group != NODES_GROUP else ""
+    for host in inventory.hosts:
+        if host.name in missing:
+            print(
+                f"Error: host '{host.name}' ({host.ssh_address}) is not ready for provisioning: "
+                f"{missing[host.name]} (try make bootstrap INVENTORY={inventory.path}{group})",
+                file=sys.stderr,
+            )
+    if missing:
+        return 1
+    sudo = "" if args.ask_become_pass else " and passwordless sudo"
+    print(f"{len(inventory.hosts)} node(s) ready for provisioning: key login{sudo}.", flush=True)
     return 0
 
 

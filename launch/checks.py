@@ -13,13 +13,38 @@ from launch.spec import DEFAULT_MODULE
 from training import arguments
 
 
-def workload_arguments(module: str, argv: list[str]) -> None:
+def workload_arguments(module: str, argv: list[str], world_size: int | None = None) -> str | None:
     """A workload of this project checks its own arguments here, before any process starts
     anywhere: bad input is one error line and exit 2, not the same error from every rank
     followed by torchrun's report. (Its --help is printed here too.) The checks are the
     workloads' own, from training.arguments, which imports no torch. A module it does not list
-    (the user's, or one of training/ without checks there) checks its own on the nodes."""
-    arguments.check(module, _without_files_elsewhere(argv))
+    (the user's, or one of training/ without checks there) checks its own on the nodes.
+
+    With the job's `world_size` (every node's processes together), its batch is checked
+    against it too: what the job's header says where a default batch was rounded to it, or
+    None."""
+    return arguments.check(module, _without_files_elsewhere(argv), world_size)
+
+
+def script_compiles(path: Path) -> None:
+    """A SCRIPT= must be Python that compiles, before anything starts: otherwise every rank
+    of every node prints the same SyntaxError and torchrun adds its report."""
+    try:
+        source = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"script {path} cannot be read: {error.strerror}") from None
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as error:
+        where = f" at line {error.lineno}" if error.lineno else ""
+        raise UserError(
+            f"script {path} is not Python: {error.msg}{where}",
+            hint="SCRIPT=path/to/train.py, a Python file",
+        ) from None
+    except ValueError as error:  # NUL bytes: a binary file
+        raise UserError(
+            f"script {path} is not Python: {error}", hint="SCRIPT=path/to/train.py, a Python file"
+        ) from None
 
 
 def _without_files_elsewhere(argv: list[str]) -> list[str]:

@@ -31,7 +31,7 @@ from launch import checks, slurm
 from launch.commands import run_dir
 from launch.ending import summary
 from launch.local import run_local
-from launch.nodes import legacy_flag, rank_order_warning
+from launch.nodes import legacy_flag, nproc_for, rank_order_warning
 from launch.restarts import run_job
 from launch.spec import (
     DEBUG_LEVELS,
@@ -189,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         extra = extra[1:]
     if args.script is not None and not args.script.is_file():
         raise UserError(f"script {args.script} does not exist", hint="a path to a .py file")
+    if args.script is not None:
+        checks.script_compiles(args.script)
     if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
         raise UserError(
             f"--module {shown(args.module)} is not a Python module name",
@@ -231,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
                 "this environment",
                 hint="INVENTORY=path.yml",
             )
+        if args.nnodes not in (None, ""):
+            # a number first (as with an inventory), then whether it needs one
+            inventory_module.check_nnodes(args.nnodes, sys.maxsize, "")
         if args.nnodes not in (None, "", "1"):
             raise UserError(
                 f"NNODES={args.nnodes} needs an inventory",
@@ -244,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
     inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
     master = inventory.master
     # Everything decided here fails before any node is touched.
+    fitted = None  # the workload's batch against the world size: every node's processes
+    if args.script is None:
+        world = sum(nproc_for(host, spec) for host in inventory.hosts)
+        fitted = checks.workload_arguments(spec.module, extra, world)
     project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
     resolved, notes = staging.resolve_paths(spec.args, inventory, project, run_dir(spec))
     spec = replace(spec, args=resolved)
@@ -251,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         f"[launcher] job {spec.run_id}: {len(inventory.hosts)} node(s), master {master.name} "
         f"{master.compute_ip}:{inventory.rendezvous_port}, "
         + ("script " + str(args.script) if args.script else f"module {spec.module}")
+        + (f", {fitted}" if fitted else "")
     )
     warning = rank_order_warning(inventory.hosts)
     if warning:

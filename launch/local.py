@@ -15,6 +15,7 @@ import sys
 import time
 
 from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
+from launch import checks
 from launch.ending import failure_excerpt
 from launch.nodes import debug_environment, process_count
 from launch.spec import STOP_GRACE, TAIL_LINES, Emit, JobSpec
@@ -109,7 +110,12 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
     an interruption."""
     env, nproc = environment(spec, _local_gpu_count())
     argv = command(spec, nproc)
-    emit(f"[launcher] local job {spec.run_id}: {shlex.join(argv)}")
+    # the workload's batch against this machine's processes, before any starts
+    fitted = None if spec.script else checks.workload_arguments(spec.module, list(spec.args), nproc)
+    emit(
+        f"[launcher] local job {spec.run_id}: {shlex.join(argv)}"
+        + (f"; {fitted}" if fitted else "")
+    )
     started = time.monotonic()
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     process = subprocess.Popen(

@@ -15,6 +15,7 @@ import argparse
 import ast
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -64,22 +65,36 @@ def _named(module: str) -> dict[str, str | None]:
     return {"prog": f"python -m {module}", "description": docstring(module)}
 
 
-def ddp(argv: list[str] | None) -> TrainConfig:
-    """training.ddp's settings."""
-    config = config_module.parse(TrainConfig, argv, **_named("training.ddp"), epilog=DDP_EPILOG)
+def launched_world_size() -> int | None:
+    """The world size torchrun gave this process (WORLD_SIZE), or None: not launched, or not a
+    number (parallel.read_env says so)."""
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+
+
+def ddp(argv: list[str] | None, world_size: int | None = None) -> TrainConfig:
+    """training.ddp's settings; with `world_size`, its global batch made to fit it
+    (config.fit_batch)."""
+    config, given = config_module.parse_given(
+        TrainConfig, argv, **_named("training.ddp"), epilog=DDP_EPILOG
+    )
     config_module.check(config)
+    config_module.fit_batch(config.optim, "global_batch_size" in given, world_size)
     return config
 
 
-def manual_dp(argv: list[str] | None) -> ManualDPConfig:
+def manual_dp(argv: list[str] | None, world_size: int | None = None) -> ManualDPConfig:
     """training.manual_dp's settings: training.ddp's without the DDP section."""
-    config = config_module.parse(
+    config, given = config_module.parse_given(
         ManualDPConfig,
         argv,
         **_named("training.manual_dp"),
         epilog="precedence: flags > --config YAML file > defaults",
     )
     config_module.check(config)
+    config_module.fit_batch(config.optim, "global_batch_size" in given, world_size)
     return config
 
 
@@ -95,12 +110,13 @@ exit codes: 0 done, 1 failed, 2 bad input (one `Error:` line), {STOP_EXIT_CODE} 
 """
 
 
-def fsdp(argv: list[str] | None) -> fsdp_config.FSDPConfig:
-    """training.fsdp's settings."""
-    config = config_module.parse(
+def fsdp(argv: list[str] | None, world_size: int | None = None) -> fsdp_config.FSDPConfig:
+    """training.fsdp's settings; with `world_size`, its global batch made to fit it."""
+    config, given = config_module.parse_given(
         fsdp_config.FSDPConfig, argv, **_named("training.fsdp"), epilog=FSDP_EPILOG
     )
     fsdp_config.check(config)
+    config_module.fit_batch(config.optim, "global_batch_size" in given, world_size)
     return config
 
 
@@ -255,11 +271,26 @@ CHECKS: dict[str, Callable[[list[str] | None], Any]] = {
     "training.selftest": selftest,
 }
 """Every workload that takes arguments: `train` checks them on the controller."""
+BATCHED = ("training.ddp", "training.manual_dp", "training.fsdp")
+"""The workloads of CHECKS whose global batch is split over the ranks (they take world_size)."""
 
 
-def check(module: str, argv: list[str]) -> None:
+def check(module: str, argv: list[str], world_size: int | None = None) -> str | None:
     """`module`'s arguments checked, if it is one of CHECKS (a bad one raises UserError,
-    --help prints and exits); any other module checks its own on the nodes."""
+    --help prints and exits); any other module checks its own on the nodes. With the job's
+    `world_size`, a batched workload's global batch is checked against it (one the user chose
+    must split evenly): what to say where a default batch was rounded to fit, else None."""
     parse = CHECKS.get(module)
-    if parse is not None:
+    if parse is None:
+        return None
+    if module not in BATCHED or world_size is None:
         parse(argv)
+        return None
+    default = parse(argv).optim.global_batch_size
+    fitted = parse(argv, world_size).optim.global_batch_size
+    if fitted == default:
+        return None
+    return (
+        f"global batch {fitted} (the default {default} rounded to a multiple of the world size "
+        f"{world_size})"
+    )

@@ -361,15 +361,47 @@ def load_file(config_type: type, path: Path) -> dict[str, dict[str, Any]]:
 
 def parse(config_type: type[T], argv: list[str] | None, **parser_kwargs) -> T:
     """Defaults, overridden by the --config file, overridden by flags."""
+    return parse_given(config_type, argv, **parser_kwargs)[0]
+
+
+def parse_given(
+    config_type: type[T], argv: list[str] | None, **parser_kwargs
+) -> tuple[T, frozenset[str]]:
+    """parse's config, and the names of the fields the user set (by flag or in the file): the
+    others hold their defaults."""
     given = vars(build_parser(config_type, **parser_kwargs).parse_args(argv))
     file_settings = load_file(config_type, Path(given.pop("config"))) if "config" in given else {}
     sections = {}
+    chosen: set[str] = set()
     for section, section_type in _sections(config_type):
         values = dict(file_settings.get(section, {}))
         names = {item.name for item in dataclasses.fields(section_type)}
         values.update({name: value for name, value in given.items() if name in names})
+        chosen.update(values)
         sections[section] = section_type(**values)
-    return config_type(**sections)
+    return config_type(**sections), frozenset(chosen)
+
+
+def batch_fits(global_batch: int, world_size: int) -> None:
+    """A global batch the user chose must split evenly over the ranks."""
+    if global_batch % world_size:
+        raise UserError(
+            f"global batch {global_batch} is not divisible by world size {world_size}",
+            hint=f"--global-batch-size {max(1, global_batch // world_size) * world_size}",
+        )
+
+
+def fit_batch(optim, given: bool, world_size: int | None) -> None:
+    """The global batch made to fit `world_size` ranks (None: not known yet, left as it is): a
+    default one rounded down to a multiple of it, at least one per rank, so that every
+    workload's defaults run on any number of nodes and processes; one the user chose (`given`)
+    refused where it does not split evenly."""
+    if world_size is None or world_size < 1:
+        return
+    if given:
+        batch_fits(optim.global_batch_size, world_size)
+    else:
+        optim.global_batch_size = max(1, optim.global_batch_size // world_size) * world_size
 
 
 def check(config) -> None:

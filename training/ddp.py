@@ -140,7 +140,7 @@ def save_model(path: str, model: nn.Module) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = arguments.ddp(argv)
+    config = arguments.ddp(argv, arguments.launched_world_size())
     env = parallel.read_env()
     batch, numerics = prepare(config, env, "ddp")
     parallel.start(env)

@@ -257,7 +257,7 @@ def header(config, env, source, model: gpt.GPT, batch: int, numerics) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = arguments.fsdp(argv)
+    config = arguments.fsdp(argv, arguments.launched_world_size())
     env = parallel.read_env()
     batch = parallel.per_rank_batch(config.optim.global_batch_size, env)
     parallel.use_device(env)

@@ -43,7 +43,7 @@ def average_gradients(model: nn.Module, env: parallel.DistEnv) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = arguments.manual_dp(argv)
+    config = arguments.manual_dp(argv, arguments.launched_world_size())
     env = parallel.read_env()
     batch, numerics = ddp.prepare(config, env, "manual_dp")
     parallel.start(env)

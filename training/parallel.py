@@ -24,6 +24,7 @@ from torch import nn
 
 from cluster.errors import UserError
 from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
+from training.config import batch_fits
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("nccl", "gloo")
@@ -200,11 +201,7 @@ def all_gather(value: object, env: DistEnv) -> list:
 
 
 def per_rank_batch(global_batch: int, env: DistEnv) -> int:
-    if global_batch % env.world_size:
-        raise UserError(
-            f"global batch {global_batch} is not divisible by world size {env.world_size}",
-            hint=f"--global-batch-size {max(1, global_batch // env.world_size) * env.world_size}",
-        )
+    batch_fits(global_batch, env.world_size)  # a default one was fitted when it was parsed
     return global_batch // env.world_size
 
 
