@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import threading
@@ -975,21 +976,34 @@ REBUILD_TIMEOUT = 3600
 
 
 def scratch_checkout(destination: Path) -> Path:
-    """A checkout of this repository for the bench to edit as a user edits theirs: the tracked
-    tree and docker/wheels hard-linked (3 GB that cost nothing to "copy"), the venv linked.
-    Editing a file there (edit_line) never touches this checkout, which tests may read."""
+    """A checkout of this repository for the bench to edit as a user edits theirs: its files
+    (tracked, and untracked ones git does not ignore) copied as they are now, so that edits
+    made here meanwhile never reach it; docker/wheels hard-linked (3 GB that never change, cost
+    nothing to "copy"); the venv linked. Editing a file there (edit_line) never touches this
+    checkout, which tests may read."""
     destination.mkdir(parents=True)
-    tracked = subprocess.run(
-        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for name in sorted({path.split("/")[0] for path in tracked} | {"docker"}):
-        subprocess.run(["cp", "-al", str(REPO_ROOT / name), str(destination / name)], check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    for name in filter(None, listed):
+        source = REPO_ROOT / name
+        if source.is_file() and not source.is_symlink():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+    if images.WHEELS_DIR.is_dir():
+        wheels = destination / images.WHEELS_DIR.relative_to(REPO_ROOT)
+        wheels.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-al", str(images.WHEELS_DIR), str(wheels)], check=True)
     (destination / ".venv").symlink_to(REPO_ROOT / ".venv")
     return destination
 
 
 def edit_line(path: Path, line: str) -> None:
-    """One line appended to `path` in a hard-linked checkout, the link broken first and its
+    """One line appended to `path`, a new file in its place (never through a hard link), its
     mode kept (the entrypoint stays executable)."""
     text, mode = path.read_text(), path.stat().st_mode
     path.unlink()

@@ -4,6 +4,7 @@ the checkout, which other tests read at the same time), and which layers a build
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,19 +17,31 @@ INSTALL_STEP = "pip install --no-cache-dir --no-index"
 
 
 def copy_of_the_repository(destination: Path) -> Path:
-    """The tracked tree, hard-linked (the 3 GB of wheels in docker/ cost nothing to "copy")."""
+    """The repository's files (tracked, and untracked ones git does not ignore) copied as they
+    are now, so that edits others make to the checkout meanwhile never reach the copy; the
+    3 GB of wheels hard-linked (they never change, and cost nothing to "copy")."""
     destination.mkdir()
-    tracked = subprocess.run(
-        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for name in sorted({path.split("/")[0] for path in tracked} | {"docker"}):
-        subprocess.run(["cp", "-al", str(REPO_ROOT / name), str(destination / name)], check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    for name in filter(None, listed):
+        source = REPO_ROOT / name
+        if source.is_file() and not source.is_symlink():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+    if images.WHEELS_DIR.is_dir():
+        wheels = destination / images.WHEELS_DIR.relative_to(REPO_ROOT)
+        subprocess.run(["cp", "-al", str(images.WHEELS_DIR), str(wheels)], check=True)
     return destination
 
 
 def edit(path: Path, line: str = "# a one-line change") -> None:
-    """Append one line to `path` in a hard-linked copy, breaking the link first (and keeping
-    its mode: the entrypoint must stay executable)."""
+    """Append one line to `path`, a new file in its place (never through a hard link), keeping
+    its mode: the entrypoint must stay executable."""
     text, mode = path.read_text(), path.stat().st_mode
     path.unlink()
     path.write_text(f"{text}\n{line}\n")
