@@ -337,6 +337,11 @@ WORKLOAD_ARGUMENTS = {
         ["--bogus"],
         "unrecognized arguments: --bogus (try --help)",
     ),
+    "training.selftest": (
+        ["--checkpoint-dir", "/shared"],
+        ["--checkpoint-dir"],
+        "argument --checkpoint-dir: expected one argument (try --help)",
+    ),
 }
 CONTROLLER_CHECK = """\
 import contextlib, io, json, sys
