@@ -22,6 +22,9 @@ GPUS      ?=
 # Processes per node (torchrun's --nproc-per-node); empty: one per GPU, 1 on a CPU node, 2 locally.
 NPROC     ?=
 RESTARTS  ?=
+# make exits 2 whenever train fails, whatever the launcher's code: train and selftest write that
+# code (0 success, 1 job failed, 2 bad input, 130 Ctrl-C, 143 SIGTERM) to this file instead.
+EXIT_CODE ?= .runs/exit-code
 DEBUG     ?=
 ANSIBLE_ARGS ?=
 BENCH_ARGS ?=
@@ -88,7 +91,8 @@ netcheck: $(STAMP)
 # Not echoed: ENV may hold a secret's value, and the launcher says what it runs anyway.
 .PHONY: train  ## train on INVENTORY's nodes (NNODES=N: the first N; no INVENTORY: the default job, locally)
 train: $(STAMP)
-	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
+	@rm -f "$(EXIT_CODE)"
+	@TMN_EXIT_CODE_FILE="$(abspath $(EXIT_CODE))" $(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
 		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
 		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(ENV)),--env '$(ENV)') \
@@ -96,7 +100,8 @@ train: $(STAMP)
 
 .PHONY: selftest  ## every GPU path on every node of INVENTORY (no INVENTORY: this machine): a table; exit 1 on a failure
 selftest: $(STAMP)
-	@$(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
+	@rm -f "$(EXIT_CODE)"
+	@TMN_EXIT_CODE_FILE="$(abspath $(EXIT_CODE))" $(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
 		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(filter 1 yes true,$(DEBUG)),--debug) --module training.selftest \
 		$(if $(strip $(ARGS)),-- $(ARGS))
 
@@ -110,7 +115,7 @@ tensorboard: $(STAMP)
 	@test -d ".runs/$(RUN)" || { echo "Error: .runs/$(RUN) does not exist (try ls .runs)"; exit 2; }
 	$(BIN)/tensorboard --logdir ".runs/$(RUN)"
 
-.PHONY: bench  ## benchmarks on fresh simulated nodes: bench-results/bench.md, .json, plots (~35 min)
+.PHONY: bench  ## benchmarks on fresh simulated nodes: bench-results/bench.md, .json, plots (docs/benchmarks.md: how long)
 bench: $(STAMP)
 	$(BIN)/bench $(BENCH_ARGS)
 

@@ -1,7 +1,7 @@
 """What the project says about torch's own collective timeouts is what the pinned torch does:
-NCCL's default is 10 minutes and gloo's 30 (torch.distributed.constants), stated in the README's
-table of faults, the Dockerfile's comment on NCCL's error handling, --collective-timeout's help
-and the trainer's comment. No file may say NCCL waits 30 minutes."""
+NCCL's default is 10 minutes and gloo's 30 (torch.distributed.constants), stated in the table of
+faults (docs/faults.md), the Dockerfile's comment on NCCL's error handling,
+--collective-timeout's help and the trainer's comment. No file may say NCCL waits 30 minutes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.distributed import constants
 from tests.conftest import REPO_ROOT
 
 # Where the defaults are stated, each as "N min(utes) for/under NCCL, M (min) for/under gloo".
-STATING = ("README.md", "docker/Dockerfile", "training/config.py", "training/trainer.py")
+STATING = ("docs/faults.md", "docker/Dockerfile", "training/config.py", "training/trainer.py")
 BOTH = re.compile(
     r"(\d+) min(?:ute)?s? (?:for|under) NCCL, (\d+)(?: min(?:ute)?s?)? (?:for|under) gloo"
 )
