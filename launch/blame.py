@@ -1,17 +1,20 @@
 """Which node caused a failure: the one that stopped answering, then the one cut off from the
-master, then one whose own output shows no sign of a peer's death."""
+master, then one where a rank raised its own exception, then one whose own output shows no
+sign of a peer's death."""
 
 from __future__ import annotations
 
 from cluster.inventory import Host
+from launch.ending import cause_and_knock_ons, exceptions
 from launch.spec import _COLLATERAL
 
 
 def blame(failures: list[str], outcomes: dict, hosts: tuple[Host, ...]) -> str | None:
     """The node that caused the failure. A node that stopped answering comes first, then a
     node cut off from the master over the compute network. Peers of a crashed rank fail
-    too, often first ("Connection closed by peer"): prefer a node whose own output shows no
-    such sign, then a node that such messages name, then simply the first to fail."""
+    too, often first ("Connection closed by peer"): prefer a node where a rank raised its own
+    exception (launch.ending.exceptions), then one whose own output shows no such sign, then
+    a node that such messages name, then simply the first to fail."""
     if not failures:
         return None
     for name in failures:
@@ -20,6 +23,9 @@ def blame(failures: list[str], outcomes: dict, hosts: tuple[Host, ...]) -> str |
     linkless = cut_off(hosts, outcomes)
     if linkless is not None:
         return linkless
+    for name in failures:  # a rank's own exception, not a peer's knock-on error
+        if cause_and_knock_ons(exceptions(list(outcomes[name].tail)))[0] is not None:
+            return name
     for name in failures:
         outcome = outcomes[name]
         if outcome.error or not any(_COLLATERAL.search(line) for line in outcome.tail):

@@ -29,7 +29,7 @@ from cluster.errors import (
 from cluster.inventory import GROUP_HELP, parse_gpu_list
 from launch import checks, slurm
 from launch.commands import run_dir
-from launch.ending import summary
+from launch.ending import record_exit_code, summary
 from launch.local import run_local
 from launch.nodes import legacy_flag, nproc_for, rank_order_warning
 from launch.restarts import run_job
@@ -301,9 +301,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    stop_on_sigterm()  # a killed launcher stops the job on every node, as Ctrl-C does
-    return at_the_edge(run, args)
+    code = 1  # an uncaught exception (a bug): Python's own exit code
+    try:
+        args = _parser().parse_args(argv)
+        stop_on_sigterm()  # a killed launcher stops the job on every node, as Ctrl-C does
+        code = at_the_edge(run, args)
+    except SystemExit as exiting:  # argparse: --help (0) or bad usage (2)
+        code = exiting.code if isinstance(exiting.code, int) else int(exiting.code is not None)
+        raise
+    finally:
+        record_exit_code(code)  # for a script around make, which exits 2 on any failure
+    return code
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@ master's run directory brought back."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from cluster import staging
 from cluster.inventory import Host, Inventory
@@ -24,6 +28,8 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
         f"Job {result.run_id} {verdict} after {result.seconds:.1f} s on {len(hosts)} node(s)"
         + (f", restart {result.restart} of {result.restarts}." if result.restart else ".")
     ]
+    if result.failed_node and not result.interrupted:
+        lines += _why(result, hosts)
     for host in hosts:
         outcome = result.outcomes[host.name]
         state = (
@@ -42,6 +48,22 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
             lines.append(f"Last lines from {result.failed_node}:")
             lines += [f"  | {line}" for line in excerpt]
     return lines
+
+
+def _why(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
+    """The failed node's own exception, then every rank's error that follows from it (on that
+    node or another) marked as its consequence."""
+    failed = result.failed_node
+    cause, knock_ons = cause_and_knock_ons(exceptions(list(result.outcomes[failed].tail)))
+    marked = [(failed, r) for r in knock_ons]
+    for host in hosts:
+        if host.name != failed:
+            marked += [
+                (host.name, r)
+                for r in cause_and_knock_ons(exceptions(list(result.outcomes[host.name].tail)))[1]
+            ]
+    labelled = [(f"{name} rank {r.rank}" if r.rank else name, r) for name, r in marked]
+    return cause_lines(cause, labelled, where=failed)
 
 
 def bring_back(
@@ -90,3 +112,133 @@ def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
 
 
 _WORKER_ERROR = re.compile(r"\s*(\[rank\d+\]:\s*)?Error: ")
+
+
+# A rank's error that follows from a peer's failure, not its own (gloo, NCCL, c10d's store,
+# torchrun's SIGTERM of the survivors): the knock-on, never the cause.
+_KNOCK_ON = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused"
+    r"|DistBackendError|DistNetworkError|DistStoreError|TCPStore|recvValue|Socket Timeout"
+    r"|NCCL communicator was aborted|ncclRemoteError|remote process exited|ProcessGroupNCCL"
+    r"|got signal: 15|SignalException|Signals\.SIGTERM|Watchdog caught collective"
+)
+_RANK = re.compile(r"^\[(?:default)?rank(\d+)\]:\s?")
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_RAISED = re.compile(r"^(?P<kind>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+_LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python\d|^<")
+MESSAGE_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Raised:
+    """One Python exception a rank died of, as its traceback showed it."""
+
+    rank: str | None  # torchrun's "[rankN]:" prefix, when the line had one
+    kind: str  # ValueError, torch.distributed.DistBackendError, ...
+    message: str
+    where: str | None  # file:line of the innermost frame outside installed packages
+    knock_on: bool  # a consequence of a peer's failure
+
+    def said(self) -> str:
+        text = f"{self.kind}: {_short(self.message)}" if self.message else self.kind
+        return text + (f" (at {self.where})" if self.where else "")
+
+
+def exceptions(lines: list[str]) -> list[Raised]:
+    """Every exception whose traceback ended in `lines`, in the order they ended; ranks'
+    interleaved lines are told apart by torchrun's "[rankN]:" prefix. Of a chain ("During
+    handling of the above exception"), only the last, the one the rank died of."""
+    frames: dict[str | None, list[tuple[str, str]] | None] = {}
+    found: list[Raised] = []
+    chained: set[str | None] = set()
+    for raw in lines:
+        match = _RANK.match(raw)
+        rank, line = (match.group(1), raw[match.end() :]) if match else (None, raw)
+        if line.startswith("Traceback (most recent call last):"):
+            frames[rank] = []
+            continue
+        if any(line.startswith(text) for text in _CHAINED):
+            chained.add(rank)
+            continue
+        stack = frames.get(rank)
+        if stack is None:
+            continue
+        frame = _FRAME.match(line)
+        if frame:
+            stack.append((frame.group("file"), frame.group("line")))
+            continue
+        if line[:1].isspace() or not line.strip():
+            continue  # the source line under a frame, or its ^^^ markers
+        raised = _RAISED.match(line.strip())
+        frames[rank] = None
+        if raised is None or raised.group("kind").endswith("ChildFailedError"):
+            continue  # not an exception line, or torchrun's own report of the failure
+        if rank in chained:  # it replaces the one it was raised while handling
+            chained.discard(rank)
+            previous = next((r for r in reversed(found) if r.rank == rank), None)
+            found = [r for r in found if r is not previous]
+        own = [f for f in stack if not _LIBRARY.search(f[0])] or stack
+        kind, message = raised.group("kind"), (raised.group("message") or "").strip()
+        found.append(
+            Raised(
+                rank=rank,
+                kind=kind,
+                message=message,
+                where=f"{own[-1][0]}:{own[-1][1]}" if own else None,
+                knock_on=bool(_KNOCK_ON.search(f"{kind}: {message}")),
+            )
+        )
+    return found
+
+
+def cause_and_knock_ons(raised: list[Raised]) -> tuple[Raised | None, list[Raised]]:
+    """The root cause (the first exception that is no peer's consequence) and the knock-on
+    errors, one per rank."""
+    cause = next((r for r in raised if not r.knock_on), None)
+    knock_ons: dict[str | None, Raised] = {}
+    for r in raised:
+        if r.knock_on and r is not cause:
+            knock_ons.setdefault(r.rank, r)
+    return cause, list(knock_ons.values())
+
+
+def cause_lines(
+    cause: Raised | None, knock_ons: list[tuple[str, Raised]], where: str = ""
+) -> list[str]:
+    """The summary's lines on why: the cause first, then each knock-on error (`who`, the
+    rank's label, and what it raised) marked as its consequence. `where`: the cause's node."""
+    lines = []
+    if cause is not None:
+        who = " ".join(part for part in (where, f"rank {cause.rank}" if cause.rank else "") if part)
+        lines.append(f"Cause: {who} raised {cause.said()}" if who else f"Cause: {cause.said()}")
+    of = (f"rank {cause.rank}'s" if cause.rank else "that") if cause else "a peer's"
+    for who, raised in knock_ons:
+        lines.append(
+            f"Consequence (of {of} failure): {who}'s {raised.kind}: {_short(raised.message)}"
+        )
+    return lines
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 3] + "..."
+
+
+EXIT_CODE_VARIABLE = "TMN_EXIT_CODE_FILE"
+
+
+def record_exit_code(code: int, environ=os.environ) -> None:
+    """The launcher's exit code (0, 1, 2, 130, 143), written as one line to the file that
+    TMN_EXIT_CODE_FILE names, when set: `make train` sets it (EXIT_CODE=, default
+    .runs/exit-code) since make itself exits 2 whenever a recipe fails, whatever its code."""
+    path = environ.get(EXIT_CODE_VARIABLE)
+    if not path:
+        return
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}")
+        partial.write_text(f"{code}\n")
+        partial.replace(target)  # whole or absent, never half-written
+    except OSError as exc:
+        print(f"[launcher] could not write the exit code to {path}: {exc}", file=sys.stderr)

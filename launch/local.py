@@ -16,7 +16,7 @@ import time
 
 from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
 from launch import checks
-from launch.ending import failure_excerpt
+from launch.ending import cause_and_knock_ons, cause_lines, exceptions, failure_excerpt
 from launch.nodes import debug_environment, process_count
 from launch.spec import STOP_GRACE, TAIL_LINES, Emit, JobSpec
 
@@ -81,10 +81,22 @@ def summary(run_id: str, code: int, seconds: float, tail: list[str]) -> list[str
         return [f"Job {run_id} succeeded after {seconds:.1f} s on this machine."]
     first = next((m for line in reversed(tail) if (m := _FIRST_FAILURE.match(line))), None)
     how = f"{first.group(1)}, {first.group(2)}" if first else f"exit {code}"
-    lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s ({how})."]
     workers = [
         line for line in tail if not (_TORCHRUN_LOG.match(line) or _FIRST_FAILURE.match(line))
     ]
+    # The rank whose own exception started it leads, even when a peer's knock-on error (its
+    # collective's "Connection closed by peer") ended first or was printed last.
+    cause, knock_ons = cause_and_knock_ons(exceptions(workers))
+    if (
+        cause is not None
+        and cause.rank is not None
+        and (not first or first.group(1) != f"rank {cause.rank}")
+    ):
+        how = f"rank {cause.rank}" + (
+            f"; {first.group(1)} exited first, {first.group(2)}" if first else f", exit {code}"
+        )
+    lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s ({how})."]
+    lines += cause_lines(cause, [(f"rank {r.rank}" if r.rank else "a rank", r) for r in knock_ons])
     excerpt = failure_excerpt(workers)
     if excerpt:
         lines.append("Last lines:")
