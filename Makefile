@@ -47,10 +47,11 @@ STAMP := $(VENV)/.installed
 help:
 	@echo "Usage: make TARGET [INVENTORY=path.yml] [GROUP=nodes] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
 	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2] [NPROC=2]"
-	@echo "                   [DEBUG=1] [RESTARTS=1] [IMAGE=torch-multinode/train:latest] [SRC=dataset-dir] [RUN=job-id] [JOB=slurm-id]"
+	@echo "                   [DEBUG=1] [RESTARTS=1] [EXIT_CODE=.runs/exit-code] [IMAGE=torch-multinode/train:latest]"
+	@echo "                   [SRC=dataset-dir] [RUN=job-id] [JOB=slurm-id]"
 	@echo
 	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
-		sed -E 's/^\.PHONY: ([a-z0-9-]+) +## (.*)/  \1|\2/' | awk -F'|' '{printf "%-17s %s\n", $$1, $$2}'
+		sed -E 's/^\.PHONY: ([a-z0-9-]+) +## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-15s %s\n", $$1, $$2}'
 
 # The first target that needs Python creates the environment (torch and torchvision pinned).
 $(STAMP): pyproject.toml ansible/requirements.txt
