@@ -29,6 +29,11 @@ class UserError(Exception):
             text += f" (try {self.hint})"
         return text
 
+    def lines(self) -> list[str]:
+        """Every problem this error stands for, one `Error: ...` line each (one, unless a check
+        that goes on after a problem gathered several)."""
+        return [self.line()]
+
 
 INTERRUPTED_EXIT = 128 + signal.SIGINT  # 130, Ctrl-C
 TERMINATED_EXIT = 128 + signal.SIGTERM  # 143
@@ -56,7 +61,8 @@ def at_the_edge(run: Callable[[T], int], args: T) -> int:
         return run(args)
     except UserError as exc:
         # printable: a newline in a path or name from the command line must not split the line
-        print(printable(exc.line()), file=sys.stderr)
+        for line in exc.lines():
+            print(printable(line), file=sys.stderr)
         return exc.exit_code
     except Terminated:
         print("Terminated.", file=sys.stderr)

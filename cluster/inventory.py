@@ -21,9 +21,9 @@ it, host ranges, groups nested in `nodes`) is read through ansible-core's invent
 variable manager, so provisioning, netcheck and the launcher see the same values; a plain YAML
 file reads the same either way and is read directly, for errors with line numbers.
 Validation happens entirely here, before any caller acts, in one pass: every problem found is
-one `Error:` line naming the host and the field (all but the last printed to stderr, the last
-raised as a UserError, InventoryErrors where there were several); a name within a typo of one
-the project reads is a `Warning:` line.
+one `Error:` line naming the host and the field (raised together: InventoryErrors where there
+were several, whose lines() the CLIs print); a name within a typo of one the project reads is a
+`Warning:` line.
 """
 
 from __future__ import annotations
@@ -493,13 +493,15 @@ def _yaml(text: str, where: str):
 
 
 class InventoryErrors(UserError):
-    """Several problems found in one pass. Its own message is the last one's; load() has
-    printed the others, one `Error: ...` line each, before raising it (the CLIs print one
-    UserError as one line), so every problem reaches the user in order."""
+    """Several problems found in one pass. Its own message is the last one's; `lines()` gives
+    every one of them, in order, which is what the CLIs print (one `Error: ...` line each)."""
 
     def __init__(self, errors: list[UserError]):
         super().__init__(str(errors[-1]), hint=errors[-1].hint)
         self.errors = errors
+
+    def lines(self) -> list[str]:
+        return [error.line() for error in self.errors]
 
 
 class _Problems:
@@ -555,8 +557,6 @@ class _Problems:
             return
         if len(self.errors) == 1:
             raise self.errors[0]
-        for error in self.errors[:-1]:
-            print(printable(error.line()), file=sys.stderr)
         raise InventoryErrors(self.errors)
 
 
