@@ -124,3 +124,15 @@ def test_an_inventory_without_nodes_fails_instead_of_doing_nothing(tmp_path):
         "(try listing the nodes as in inventory.example.yml)"
     ), run.describe()
     assert "PLAY [Provision every node" not in run.output, run.describe()
+
+
+def test_the_validate_play_names_every_problem_not_only_the_last(tmp_path):
+    path = write(tmp_path, VALID.replace("gpus: 2", "gpus: -1").replace("gpus: 0", "gpus: -2"))
+    lines = run_cli("cluster", "check", "-i", str(path)).stderr.strip().splitlines()
+    assert len(lines) == 2, lines  # one line per host
+    run = ansible_playbook(path, "--tags", "validate")
+    assert run.returncode == 2, run.describe()
+    expected = "; ".join(line.removeprefix("Error: ") for line in lines)
+    assert any(f"Action failed: {expected}" in line for line in run.errors), (
+        f"expected: {expected}\n{run.describe()}"
+    )
