@@ -65,11 +65,12 @@ def _without_files_elsewhere(argv: list[str]) -> list[str]:
     return kept
 
 
-def importable_here(module: str) -> None:
+def importable_here(module: str, directory: Path | None = None) -> None:
     """A local job's module must exist before any process starts: otherwise every rank prints
-    'No module named' and torchrun adds its own traceback. Finds it the way `python -m` in this
-    directory would, importing its parent packages only."""
-    sys.path.insert(0, os.getcwd())
+    'No module named' and torchrun adds its own traceback. Finds it the way `python -m` in
+    `directory` (the job's project root; default: this directory) would, importing its parent
+    packages only."""
+    sys.path.insert(0, str(directory) if directory is not None else os.getcwd())
     try:
         found = importlib.util.find_spec(module)
     except (ImportError, ValueError):

@@ -30,7 +30,7 @@ from cluster.inventory import GROUP_HELP, parse_gpu_list
 from launch import checks, slurm
 from launch.commands import run_dir
 from launch.ending import record_exit_code, summary
-from launch.local import run_local
+from launch.local import project_directory, run_local
 from launch.nodes import legacy_flag, nproc_for, rank_order_warning
 from launch.restarts import run_job
 from launch.spec import (
@@ -227,10 +227,10 @@ def run(args: argparse.Namespace) -> int:
                 "wait for",
                 hint="INVENTORY=path.yml",
             )
-        if args.workdir is not None or args.env:
+        if args.env:
             raise UserError(
-                "WORKDIR and ENV are for jobs on an inventory's nodes; a local job runs here, in "
-                "this environment",
+                "ENV is for jobs on an inventory's nodes; a local job runs here, in this "
+                "environment",
                 hint="INVENTORY=path.yml",
             )
         if args.nnodes not in (None, ""):
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
                 hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
             )
         if spec.script is None:
-            checks.importable_here(spec.module)
+            checks.importable_here(spec.module, project_directory(spec))
         return run_local(spec, _emit)
 
     # The job's nodes, once: everything below takes the narrowed inventory whole.

@@ -9,7 +9,6 @@ from dataclasses import replace
 from cluster import staging
 from cluster.containers import NCCL_CONF_GUARD, container_command, training_container_options
 from cluster.inventory import Host
-from cluster.jobenv import RUN_DIR_VARIABLE
 from cluster.staging import REMOTE_RUN_ROOT, Project
 from launch.nodes import entry_point, job_environment, nproc_for
 from launch.spec import (
@@ -73,10 +72,12 @@ def remote_command(
     directory = run_dir(spec)
     workdir = project.workdir if project is not None else directory
     entry = entry_point(spec, project if project is not None else directory)
-    variables = {**job_environment(host, spec), **env, **dict(spec.extra_env)}
-    if project is not None:
-        variables.update(PYTHONPATH=project.python_path)
-        variables[RUN_DIR_VARIABLE] = directory
+    own = (
+        job_environment(host, spec, directory, project.python_path)
+        if project is not None
+        else job_environment(host, spec)
+    )
+    variables = {**own, **env, **dict(spec.extra_env)}
     secrets = staging.load_secrets(spec.run_id) + " && " if spec.secret_env else ""
     if mode == "container":
         inside = replace(host, python=CONTAINER_PYTHON)

@@ -210,20 +210,25 @@ class Launcher:
 
     def _setup(self, announce: bool = True) -> dict[str, dict[str, str]]:
         """What needs no node: each node's process count checked (a GPU the node lacks stops
-        us before any SSH), the job's backend said, the log directory made; each node's
-        environment (interface settings and the backend)."""
+        us before any SSH), the job's backend said; each node's environment (interface settings
+        and the backend). The log directory is made only when the job starts (`_log_dir`): a
+        job refused before that leaves no empty .runs/JOB-ID behind."""
         envs = interface_env(self.inventory, self.spec.env_file)
         for host in self.hosts:
             nproc_for(host, self.spec)
         note = job_backend(self.hosts)[1]
         if note and announce:
             self.emit(f"[launcher] {note}")
+        return {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
+
+    def _log_dir(self) -> None:
+        """The job's log directory (.runs/JOB-ID), once the job is about to start."""
         if self.spec.log_dir:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-        return {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
 
     def _runners(self, commands: dict[str, str]) -> list[threading.Thread]:
         """One runner per node, streaming its command's output (not started yet)."""
+        self._log_dir()
         return [
             threading.Thread(target=self._run_node, args=(h, commands[h.name]), daemon=True)
             for h in self.hosts

@@ -1,23 +1,31 @@
 """A job with no inventory: on this machine alone (torchrun standalone, through
-training.local_launch), one process per GPU or two on the CPU. It ends as a job on the nodes
-does: the workers' output live, then one summary naming what failed with the failed rank's own
-last lines, never torchrun's ChildFailedError traceback."""
+training.local_launch), one process per GPU or two on the CPU. It runs as a job on the nodes
+does: in its project's root (the directory that would travel: staging.project_root) with the
+project on the import path, the same variables a node's ranks get (job_environment: TMN_RUN_DIR
+is the job's own .runs/JOB-ID, TMN_BACKEND...), and it ends the same way: the workers' output
+live, then one summary naming what failed with the failed rank's own last lines, never
+torchrun's ChildFailedError traceback."""
 
 from __future__ import annotations
 
 import collections
+import ipaddress
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from cluster import staging, sync
 from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
+from cluster.inventory import Host
 from launch import checks
 from launch.ending import cause_and_knock_ons, cause_lines, exceptions, failure_excerpt
-from launch.nodes import debug_environment, process_count
+from launch.nodes import job_backend, job_environment, process_count
 from launch.spec import STOP_GRACE, TAIL_LINES, Emit, JobSpec
 
 _BREAKS = re.compile(rb"\r\n|\n|\r")
@@ -25,12 +33,19 @@ _BREAKS = re.compile(rb"\r\n|\n|\r")
 
 def command(spec: JobSpec, nproc: int) -> list[str]:
     """The local torchrun: torch's own launcher, quiet about a failed worker (local_launch)."""
+    # The script by its absolute path: the job runs in its project's root, not where `train` was
+    # typed.
     if spec.script is None:
         entry = ["-m", spec.module]
     elif spec.local_rank_flag:
-        entry = ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", str(spec.script)]
+        entry = [
+            "-m",
+            "training.legacy",
+            f"--flag={spec.local_rank_flag}",
+            str(spec.script.resolve()),
+        ]
     else:
-        entry = [str(spec.script)]
+        entry = [str(spec.script.resolve())]
     return [
         sys.executable,
         "-m",
@@ -42,10 +57,26 @@ def command(spec: JobSpec, nproc: int) -> list[str]:
     ]
 
 
+def this_machine(gpus: int) -> Host:
+    """This machine as the job's one node, for job_environment (its name and GPU count)."""
+    loopback = ipaddress.IPv4Address("127.0.0.1")
+    return Host(socket.gethostname(), str(loopback), 22, None, None, loopback, "lo", gpus)
+
+
+def project_directory(spec: JobSpec) -> Path:
+    """Where the job runs: its project's root, as a job on the nodes runs in the copy of it
+    (WORKDIR, else the git work tree holding SCRIPT, else SCRIPT's directory), or, for a module
+    without WORKDIR, this project's own root."""
+    return staging.project_root(spec.script, spec.workdir) or sync.TOOL_ROOT
+
+
+def run_directory(spec: JobSpec) -> Path:
+    """The job's run directory here: its log directory, .runs/JOB-ID unless --log-dir says."""
+    return (spec.log_dir or Path(".runs") / spec.run_id).resolve()
+
+
 def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
     """The job's environment and process count on this machine."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMN_RUN_ID": spec.run_id}
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its 4-line warning
     if spec.gpus is not None:
         shown = ",".join(map(str, spec.gpus))
         if gpus_here == 0:
@@ -59,13 +90,17 @@ def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
                 f"GPUS={shown} asks for GPU {missing[0]}, but this machine has {gpus_here} "
                 f"GPU(s) (0-{gpus_here - 1})"
             )
-        env["CUDA_VISIBLE_DEVICES"] = shown
         nproc = process_count(spec, len(spec.gpus), f"GPUS={shown} gives it {len(spec.gpus)}")
     else:
         nproc = process_count(spec, gpus_here, f"this machine has {gpus_here}", cpu_default=2)
-    if gpus_here:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # GPUS= indices as nvidia-smi shows them
-    env.update(debug_environment(spec.debug))
+    root = project_directory(spec)
+    python_path = ":".join(dict.fromkeys((str(root), str(sync.TOOL_ROOT))))
+    here = this_machine(gpus_here)
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its 4-line warning
+    env.update(
+        job_environment(here, spec, str(run_directory(spec)), python_path, job_backend((here,))[0])
+    )
     return env, nproc
 
 
@@ -104,13 +139,15 @@ def summary(run_id: str, code: int, seconds: float, tail: list[str]) -> list[str
     return lines
 
 
-def relay(stream, out, tail: collections.deque) -> None:
+def relay(stream, out, tail: collections.deque, log=None) -> None:
     """Everything the job writes, to `out` as it comes (a progress bar's carriage returns
-    included: the terminal redraws it), and its non-blank lines into `tail`."""
+    included: the terminal redraws it) and to `log`, and its non-blank lines into `tail`."""
     pending = b""
     while chunk := os.read(stream.fileno(), 65536):
         out.write(chunk)
         out.flush()
+        if log is not None:
+            log.write(chunk)
         *lines, pending = _BREAKS.split(pending + chunk)
         tail.extend(text for line in lines if (text := line.decode(errors="replace")).strip())
     if pending.strip():
@@ -122,19 +159,27 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
     an interruption."""
     env, nproc = environment(spec, _local_gpu_count())
     argv = command(spec, nproc)
+    root, run_dir = project_directory(spec), run_directory(spec)
     # the workload's batch against this machine's processes, before any starts
     fitted = None if spec.script else checks.workload_arguments(spec.module, list(spec.args), nproc)
     emit(
-        f"[launcher] local job {spec.run_id}: {shlex.join(argv)}"
+        f"[launcher] local job {spec.run_id} in {root}: {shlex.join(argv)}"
         + (f"; {fitted}" if fitted else "")
     )
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a job refused before start leaves none
     started = time.monotonic()
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     process = subprocess.Popen(
-        argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        argv,
+        cwd=root,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
+    log = (run_dir / f"{socket.gethostname()}.log").open("ab")  # NODE.log, as on the nodes
     try:
-        relay(process.stdout, out or sys.stdout.buffer, tail)
+        relay(process.stdout, out or sys.stdout.buffer, tail, log)
         code = process.wait()
     except KeyboardInterrupt as signalled:
         terminated = isinstance(signalled, Terminated)
@@ -148,8 +193,12 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
         return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
     finally:
         process.stdout.close()
+        log.close()
     for line in summary(spec.run_id, code, time.monotonic() - started, list(tail)):
         emit(line)
+    emit(f"Run directory: {run_dir} (its log: {socket.gethostname()}.log)")
+    if (run_dir / "tensorboard").is_dir():
+        emit(f"TensorBoard: make tensorboard RUN={run_dir.name}")
     return 0 if code == 0 else 1
 
 

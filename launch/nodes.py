@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cluster.errors import UserError, printable
 from cluster.inventory import Host, Inventory
+from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE, RUN_DIR_VARIABLE
 from cluster.staging import Project
 from launch.spec import DEBUG_ENV, DEBUG_LEVELS, GPUS_PER_PROCESS, JobSpec
 
@@ -129,9 +130,23 @@ def legacy_flag(script: Path) -> str | None:
     return "--local-rank" if "--local-rank" in found else "--local_rank"
 
 
-def job_environment(host: Host, spec: JobSpec) -> dict[str, str]:
-    """What the job's processes get on top of the interface settings."""
-    variables = {"TMN_RUN_ID": spec.run_id, "PYTHONUNBUFFERED": "1", "TMN_NODE_NAME": host.name}
+def job_environment(
+    host: Host,
+    spec: JobSpec,
+    run_dir: str | None = None,
+    python_path: str | None = None,
+    backend: str | None = None,
+) -> dict[str, str]:
+    """What the job's processes get on top of the interface settings, on a node and on this
+    machine alike: its run directory (TMN_RUN_DIR), the project on the import path, the job's
+    process group backend (TMN_BACKEND) where the caller decided them."""
+    variables = {"TMN_RUN_ID": spec.run_id, "PYTHONUNBUFFERED": "1", NODE_NAME_VARIABLE: host.name}
+    if run_dir is not None:
+        variables[RUN_DIR_VARIABLE] = run_dir
+    if python_path is not None:
+        variables["PYTHONPATH"] = python_path
+    if backend is not None:
+        variables[BACKEND_VARIABLE] = backend
     if host.gpus > 0:
         # GPU indices as nvidia-smi numbers them (CUDA's default puts the fastest first), so
         # GPUS=0,2 names the cards the user saw in nvidia-smi.

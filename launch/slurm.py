@@ -267,6 +267,7 @@ class SlurmAttempt(Launcher):
         script = batch_script(self.inventory, self.spec, commands, requeue=self.restarts_left > 0)
         saved = ""
         if self.spec.log_dir:
+            self._log_dir()
             (self.spec.log_dir / SCRIPT_NAME).write_text(script)
             saved = f" (its script: {self.spec.log_dir / SCRIPT_NAME})"
         directory = shlex.quote(run_dir(self.spec))

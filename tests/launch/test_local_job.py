@@ -5,10 +5,11 @@ never torchrun's ChildFailedError traceback."""
 from __future__ import annotations
 
 import re
+import shutil
 
 from launch import local
 from launch.spec import JobSpec
-from tests.conftest import run_cli
+from tests.conftest import REPO_ROOT, run_cli
 
 TAIL = [
     "[launcher] ignored",
@@ -69,11 +70,14 @@ def test_a_local_job_that_fails_ends_with_the_summary_not_torchruns_traceback():
     assert done.returncode == 1, output
     assert "Traceback" not in output and "ChildFailedError" not in output, output
     summary = output[output.index("Job tmn-") :].splitlines()
+    run_id = summary[0].split()[1]
+    shutil.rmtree(REPO_ROOT / ".runs" / run_id, ignore_errors=True)
     assert re.fullmatch(
         r"Job tmn-\w+ FAILED on this machine after [\d.]+ s \(rank [01], exit 2\)\.", summary[0]
     ), output
     assert (
-        summary[1:]
+        summary[1:-1]
         == ["Last lines:"]
         + ["  | Error: --sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA"] * 2
     ), output
+    assert summary[-1].startswith(f"Run directory: {REPO_ROOT / '.runs' / run_id} "), output
