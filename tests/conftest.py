@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# torch._dynamo (which torchvision imports) registers sys.intern as it finds it, and ansible-core's
+# inventory loader replaces sys.intern on Python 3.11 with a callable object that dynamo refuses
+# ("substitute_in_graph expects a function"). The project never imports both in one process;
+# pytest does, collecting every module: dynamo first.
+import torch._dynamo  # noqa: F401
 import yaml
 
 from cluster import sim
