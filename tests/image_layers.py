@@ -4,48 +4,15 @@ the checkout, which other tests read at the same time), and which layers a build
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.measure import edit_line, scratch_checkout
 from cluster import images
-from cluster.sim import REPO_ROOT, docker
+from cluster.sim import docker
 
 # How the install step appears in `docker history` (its command holds the pip install).
 INSTALL_STEP = "pip install --no-cache-dir --no-index"
-
-
-def copy_of_the_repository(destination: Path) -> Path:
-    """The repository's files (tracked, and untracked ones git does not ignore) copied as they
-    are now, so that edits others make to the checkout meanwhile never reach the copy; the
-    3 GB of wheels hard-linked (they never change, and cost nothing to "copy")."""
-    destination.mkdir()
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\0")
-    for name in filter(None, listed):
-        source = REPO_ROOT / name
-        if source.is_file() and not source.is_symlink():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, destination / name)
-    if images.WHEELS_DIR.is_dir():
-        wheels = destination / images.WHEELS_DIR.relative_to(REPO_ROOT)
-        subprocess.run(["cp", "-al", str(images.WHEELS_DIR), str(wheels)], check=True)
-    return destination
-
-
-def edit(path: Path, line: str = "# a one-line change") -> None:
-    """Append one line to `path`, a new file in its place (never through a hard link), keeping
-    its mode: the entrypoint must stay executable."""
-    text, mode = path.read_text(), path.stat().st_mode
-    path.unlink()
-    path.write_text(f"{text}\n{line}\n")
-    path.chmod(mode)
 
 
 @dataclass(frozen=True)
@@ -83,6 +50,6 @@ def install_step(tag: str) -> tuple[Step, list[Step]]:
 def build_with_an_edited_entrypoint(root: Path, tag: str) -> images.BuiltImage:
     """The CPU twin built by the project's own build function from a copy of the repository
     whose docker/entrypoint.sh has one more line, under `tag`."""
-    copy = copy_of_the_repository(root)
-    edit(copy / "docker" / "entrypoint.sh", f"# rebuilt as {tag}")
+    copy = scratch_checkout(root)
+    edit_line(copy / "docker" / "entrypoint.sh", f"# rebuilt as {tag}")
     return images.build("cpu", tag, progress=lambda _: None, context=copy)

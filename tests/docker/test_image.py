@@ -14,11 +14,12 @@ import uuid
 import pytest
 
 import cluster
+from bench.measure import edit_line, scratch_checkout
 from cluster import images
 from cluster.errors import UserError
 from cluster.sim import REPO_ROOT, docker
 from cluster.versions import TORCH_LABEL
-from tests.image_layers import build_with_an_edited_entrypoint, copy_of_the_repository, install_step
+from tests.image_layers import build_with_an_edited_entrypoint, install_step
 
 
 def test_image_pins_follow_the_project_pins():
@@ -231,24 +232,18 @@ def test_build_context_holds_only_the_environment(training_image, tmp_path):
     ]
 
 
-def _edit(path):
-    text = path.read_text()
-    path.unlink()  # break the hard link before writing
-    path.write_text(text + "\n# a one-line change\n")
-
-
 @pytest.mark.sim
 def test_editing_the_code_leaves_the_image_as_it_is(training_image, tmp_path):
     # What the image is made from is unchanged by an edit to the code, and changed by an edit
     # to what the build reads; the kind and the base count too.
-    copy = copy_of_the_repository(tmp_path / "copy")
+    copy = scratch_checkout(tmp_path / "copy")
     made_from = images.recipe("cpu")
     assert images.recipe("cpu", root=copy) == made_from
-    _edit(copy / "training" / "config.py")
+    edit_line(copy / "training" / "config.py", "# a one-line change")
     assert images.recipe("cpu", root=copy) == made_from
     assert images.recipe("cuda", root=copy) != made_from
     assert images.recipe("cpu", "nvcr.io/nvidia/pytorch:26.10-py3", root=copy) != made_from
-    _edit(copy / "docker" / "entrypoint.sh")
+    edit_line(copy / "docker" / "entrypoint.sh", "# a one-line change")
     assert images.recipe("cpu", root=copy) != made_from
 
     # The image the fixture built records that recipe, and building it again builds nothing:
