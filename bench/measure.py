@@ -251,7 +251,7 @@ def train(inventory: Path, nnodes: int, module: str, args: list[str], timeout: f
 
 def measure_scaling(inventory: Path, workload: list[str], reps: int, progress: Progress) -> dict:
     """samples/s of 2 nodes over twice that of 1 node, per lever, same per-rank batch."""
-    common = [*workload, "--reps", str(reps)]
+    common = [*workload, "--reps", str(reps), "--bench"]
     progress("scaling: 1 node (the baseline)...")
     single = bench_rows(
         train(inventory, 1, "training.bench_scaling", [*common, "--levers", "none"], 1800)
@@ -604,7 +604,7 @@ FSDP_MODEL = [
 
 def fsdp_row(inventory: Path, strategy: str, steps: int) -> dict:
     """training.fsdp on 2 nodes with --strategy `strategy`: rank 0's BENCH row."""
-    args = [*FSDP_MODEL, "--steps", str(steps), "--strategy", strategy]
+    args = [*FSDP_MODEL, "--steps", str(steps), "--strategy", strategy, "--bench"]
     done = run(
         train_command(inventory, args, "MODULE=training.fsdp"),
         timeout=1200,

@@ -120,6 +120,10 @@ class GPTRunConfig:
     steps: int = doc("optimizer steps to train for", default=60)
     seed: int = doc("seed for weights and data; same on every rank", default=0)
     log_every: int = doc("steps between progress lines", default=10)
+    bench: bool = doc(
+        "rank 0 also prints the summary as one `BENCH {json}` line (what make bench reads)",
+        default=False,
+    )
     peak_tflops: float | None = doc(
         "GPUs: the GPU's peak TFLOP/s at this run's precision, for model FLOPs utilisation; "
         "default: from a table of known GPUs (training/gpt.py)"

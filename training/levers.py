@@ -165,11 +165,13 @@ def measure(
     steps: int = PROBE_STEPS,
     warmup: int = PROBE_WARMUP,
     no_sync: bool = True,
+    each: bool = False,
 ) -> dict[str, float]:
     """Seconds per optimizer step of each candidate hook, the slowest rank's, the same on every
     rank. Every candidate gets its own DDP wrapper (a DDP takes one hook) around `module`
     (unwrapped) with `config`'s other DDP options; nothing is stepped, so the parameters stay
-    as they are, and the buffers (BatchNorm statistics) are put back as they were."""
+    as they are, and the buffers (BatchNorm statistics) are put back as they were. With `each`,
+    rank 0 says its own time of every candidate as it is measured (progress on a slow node)."""
     buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     own = []
     try:
@@ -186,6 +188,8 @@ def measure(
                 no_sync=no_sync,
             )
             own.append(seconds)
+            if each:
+                console.say(env, f"auto: timed {hook}, {seconds:.3g} s/optimizer-step on rank 0")
     finally:
         with torch.no_grad():
             for name, buffer in module.named_buffers():
@@ -289,6 +293,7 @@ def choose(
     warmup: int = PROBE_WARMUP,
     no_sync: bool = True,
     cache: Cache | None = None,
+    each: bool = False,
 ) -> Choice:
     """The fastest candidate hook for this model, batch and link; every rank calls it and gets
     the same choice. Ties go to the earlier candidate (none first: no compression error).
@@ -317,6 +322,7 @@ def choose(
             steps=steps,
             warmup=warmup,
             no_sync=no_sync,
+            each=each,
         )
         measured_at, note = time.time(), ""
         if cache is not None and env.is_main:

@@ -156,6 +156,31 @@ def test_bench_lines_are_read_through_the_launchers_node_prefix():
     ]
 
 
+def test_the_workloads_are_asked_for_their_bench_lines(tmp_path, monkeypatch):
+    """bench_scaling and fsdp print BENCH lines only with --bench (readable lines otherwise)."""
+    asked = []
+    row = {"lever": "none", "rep": 1, "samples_per_second": 10.0, "seconds_per_step": 1.0}
+
+    def train(inventory, nnodes, module, args, timeout):
+        asked.append((module, args))
+        return "BENCH " + json.dumps(row) + "\n"
+
+    monkeypatch.setattr(measure, "train", train)
+    measure.measure_scaling(tmp_path / "inventory.yml", ["--batch", "4"], 1, lambda _: None)
+    assert [module for module, _ in asked] == ["training.bench_scaling"] * 2
+    assert all("--bench" in args for _, args in asked), asked
+
+    fsdp_row = {"workload": "fsdp", "tokens_per_second": 1.0, "bytes_ratio": 0.5}
+
+    def run(command, timeout, what):
+        asked.append(("fsdp", command))
+        return type("Done", (), {"stdout": "[node1] BENCH " + json.dumps(fsdp_row) + "\n"})()
+
+    monkeypatch.setattr(measure, "run", run)
+    assert measure.fsdp_row(tmp_path / "inventory.yml", "fsdp", 3) == fsdp_row
+    assert "--bench" in " ".join(asked[-1][1])
+
+
 def test_the_edit_loop_reads_what_the_projects_sync_sent_each_node(tmp_path):
     script = measure.edit_loop_project(tmp_path / "project")
     files = [path for path in script.parent.rglob("*") if path.is_file()]

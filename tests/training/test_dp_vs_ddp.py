@@ -13,7 +13,7 @@ def test_without_two_gpus_it_says_so_and_exits_69(python_module):
     assert (run.returncode, run.stdout) == (69, "")
     assert run.stderr == (
         "Error: dp_vs_ddp needs two or more GPUs on this machine, found 0 "
-        "(try a multi-GPU node, or --cpu 2 to check the code path)\n"
+        "(try a multi-GPU node, or --cpu 2 to check the code path in about 30 s)\n"
     )
 
 
@@ -42,6 +42,15 @@ def test_the_comparison_runs_on_cpu_processes(python_module):
         lines[0]
         == "tiny, batch 4 per process x 2 = 8, 16px, 2 timed steps after 1, on 2 CPU processes"
     )
+    # Progress: each phase as it starts (more lines, timed, on a slow machine), then the table.
+    said = [line for line in lines if line.startswith(("DataParallel: ", "DDP: "))]
+    for line in (
+        "DataParallel: 3 steps in this process",
+        "DDP: starting 2 processes on 127.0.0.1",
+        "DDP: 2 processes joined, 3 steps each",
+    ):
+        assert line in said, run.stdout
+    lines = [lines[0], *(line for line in lines[1:] if line not in said)]
     assert lines[1].split() == ["DataParallel", "DDP"]
     assert lines[2].startswith("time per step") and lines[2].count(" ms") == 2
     assert lines[4].split() == ["peak", "memory", "n/a", "(CPU)", "n/a", "(CPU)"]

@@ -57,7 +57,12 @@ def straight(tmp_path_factory):
     """20 uninterrupted steps on 2 ranks, checkpoints every 5 in one directory, exported."""
     directory = tmp_path_factory.mktemp("straight")
     run = launch(
-        directory, "--checkpoint-dir", "checkpoints", "--export", str(directory / "model.pt")
+        directory,
+        "--checkpoint-dir",
+        "checkpoints",
+        "--export",
+        str(directory / "model.pt"),
+        "--bench",
     )
     assert run.returncode == 0, run.explain()
     return directory, run
@@ -256,7 +261,7 @@ def test_node_local_checkpoints_resume_at_their_world_size_and_refuse_to_reshard
 def test_ddp_strategy_trains_the_same_model_with_whole_replicas(plain, tmp_path):
     model, _ = plain
     out = tmp_path / "model.pt"
-    run = launch(tmp_path, "--strategy", "ddp", "--export", str(out))
+    run = launch(tmp_path, "--strategy", "ddp", "--export", str(out), "--bench")
     assert run.returncode == 0, run.explain()
     assert run.lines("model    ")[0].endswith("DDP (a whole replica per rank)")
     assert max_difference(load_state(out), model.state_dict()) < TOLERANCE

@@ -46,7 +46,7 @@ def _master_lines(stdout: str) -> str:
 @pytest.fixture(scope="module")
 def straight(provisioned):
     """20 uninterrupted steps on 2 nodes, exported into the run directory (which comes back)."""
-    run = _train(provisioned, _args("--export", "model.pt"))
+    run = _train(provisioned, _args("--export", "model.pt", "--bench"))
     assert run.returncode == 0, run.stdout + run.stderr
     return run
 

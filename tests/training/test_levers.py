@@ -246,6 +246,7 @@ def test_bench_scaling_emits_a_row_per_lever_on_two_ranks(torchrun):
         "1",
         "--measure",
         "1",
+        "--bench",
     )
     assert run.returncode == 0, run.explain()
     found = rows(run.stdout, "BENCH ")
@@ -276,6 +277,7 @@ def test_bench_scaling_on_one_rank_is_a_baseline_without_ddp(torchrun):
         "2",
         "--measure",
         "1",
+        "--bench",
         nproc=1,
     )
     assert run.returncode == 0, run.explain()
