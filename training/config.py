@@ -157,7 +157,7 @@ class RunConfig:
     steps: int = doc("optimizer steps to train for", default=60)
     epochs: int | None = doc("train for this many passes over the train split instead of --steps")
     seed: int = doc("seed for weights, data order and synthetic data; same on every rank", 0)
-    log_every: int = doc("steps between progress lines", default=10)
+    log_every: int = doc("steps between progress lines", default=5)
     run_dir: str | None = doc(
         "where TensorBoard scalars and profiler traces go; default .runs/<workload>-<run id>"
     )

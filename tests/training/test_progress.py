@@ -85,15 +85,24 @@ def test_fsdp_prints_its_bench_row_only_with_bench(tmp_path):
     assert len([line for _, line in bench.lines if line.startswith("BENCH {")]) == 1, bench.stamped
 
 
+def help_text(module: str) -> str:
+    return " ".join(
+        subprocess.run(
+            [sys.executable, "-m", module, "--help"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=run_environment(None),
+        ).stdout.split()
+    )
+
+
 def test_help_texts_promise_no_duration_the_default_runs_break():
-    """The measured defaults (training.fsdp: 24 s of training on two CPU processes of a 2-core
-    machine, not the 'under 10 s' it said; bench_scaling: about 90 s on a busy one)."""
-    fsdp = subprocess.run(
-        [sys.executable, "-m", "training.fsdp", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=run_environment(None),
-    ).stdout
-    assert "under 10 s" not in fsdp
-    assert "about 30 s (24 s of them training" in " ".join(fsdp.split())
+    """The measured defaults on two CPU processes of a 2-core machine: training.fsdp 24 s of
+    training, not the 'under 10 s' it said; training.ddp 2 minutes in all on a busy one (80 s
+    of training), not 'under 30 s'; bench_scaling 90 s."""
+    fsdp = help_text("training.fsdp")
+    assert "under 10 s" not in fsdp and "about 30 s (24 s of them training" in fsdp
+    ddp = help_text("training.ddp")
+    assert "under 30 s" not in ddp and "took 2 minutes in all (80 s of training" in ddp
+    assert "took 90 s on two CPU processes" in help_text("training.bench_scaling")
