@@ -362,7 +362,8 @@ def train(config, env, model, optimizer, source, numerics, store, start_step, in
             progress.measured_steps += 1
             progress.window_steps += 1
         optimizer.zero_grad(set_to_none=True)
-        if done % run.log_every == 0 or done == total:
+        # The first step's line comes at once: on CPUs that step alone can take seconds.
+        if done % run.log_every == 0 or done == total or step == start_step:
             clock.stop()
             report_progress(env, progress, clock.total, (done, total), lr, norm, tokens_per_step)
             clock.start()
