@@ -39,6 +39,7 @@ _OCTETS = itertools.count(int(os.environ.get("SIM_TEST_OCTET", "80")) + 30 * _WO
 _GROUPS = {
     "tests/docker/": "image",  # the training image, built once
     "tests/test_end_to_end.py": "image",  # and the cluster provisioned with it, once
+    "tests/test_readme_commands.py": "image",
     "tests/test_projects_in_containers.py": "image",
     "tests/test_image_shipping.py": "image",  # layers through the registry, on that cluster
     "tests/launch/test_slurm_jobs.py": "image",  # Slurm on that provisioned cluster
