@@ -1011,27 +1011,58 @@ def edit_line(path: Path, line: str) -> None:
     path.chmod(mode)
 
 
-def make_provision_in(checkout: Path, inventory: Path) -> tuple[float, str]:
+# The Makefile's provision recipe, step by step: make echoes each command as it starts it.
+PROVISION_PHASES = (
+    ("image", re.compile(r"/cluster image ")),
+    ("playbook", re.compile(r"ansible-playbook ")),
+    ("ship", re.compile(r"/cluster ship ")),
+)
+
+
+def provision_phases(lines: list[tuple[float, str]], end: float) -> dict[str, float]:
+    """Seconds per step of `make provision` from its output, each line with the second it was
+    read (from the start): 'checks' (cluster check and cluster ready) until make echoes
+    `cluster image`, 'image' until `ansible-playbook`, 'playbook' until `cluster ship`, 'ship'
+    until `end`. A step whose line never came is left out."""
+    starts = {"checks": 0.0}
+    for name, pattern in PROVISION_PHASES:
+        found = next((at for at, text in lines if pattern.search(text)), None)
+        if found is not None:
+            starts[name] = found
+    ordered = sorted(starts.items(), key=lambda item: item[1])
+    ends = [at for _, at in ordered[1:]] + [end]
+    return {name: stop - at for (name, at), stop in zip(ordered, ends, strict=True)}
+
+
+def make_provision_in(checkout: Path, inventory: Path) -> tuple[float, str, dict[str, float]]:
     """`make provision INVENTORY=...` typed in `checkout` (its code runs: PYTHONPATH puts it
     before this checkout's editable install, as a user's own clone would be): wall seconds,
-    and its output."""
+    its output, and the seconds of each of its steps (provision_phases)."""
     import os
 
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         ["make", "--no-print-directory", "provision", f"INVENTORY={inventory}"],
         cwd=checkout,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=REBUILD_TIMEOUT,
-        check=False,
+        errors="replace",
         env={**os.environ, "PYTHONPATH": str(checkout)},
     )
+    timer = threading.Timer(REBUILD_TIMEOUT, proc.kill)
+    timer.start()
+    try:
+        lines = [(time.monotonic() - started, line) for line in proc.stdout]
+        returncode = proc.wait()
+    finally:
+        timer.cancel()
     seconds = time.monotonic() - started
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-        raise UserError(f"make provision failed (exit {proc.returncode}):\n  " + "\n  ".join(tail))
-    return seconds, proc.stdout
+    output = "".join(text for _, text in lines)
+    if returncode != 0:
+        tail = output.strip().splitlines()[-15:]
+        raise UserError(f"make provision failed (exit {returncode}):\n  " + "\n  ".join(tail))
+    return seconds, output, provision_phases(lines, seconds)
 
 
 def install_layer(image: str) -> str:
@@ -1061,21 +1092,23 @@ def measure_rebuild(config: sim.SimConfig, link: str, reps: int, progress: Progr
         with tempfile.TemporaryDirectory(prefix="bench-checkout-") as scratch:
             checkout = scratch_checkout(Path(scratch) / "checkout")
             progress("rebuild: make provision on 2 fresh nodes, jobs in containers...")
-            first, _ = make_provision_in(checkout, inventory)
+            first, _, first_phases = make_provision_in(checkout, inventory)
             installed = install_layer(REBUILD_TAG)
-            progress(f"rebuild: first make provision {first:.0f} s")
-            seconds, received, kept = [], [], []
+            progress(f"rebuild: first make provision {first:.0f} s ({shown(first_phases)})")
+            seconds, received, kept, phases = [], [], [], []
             for rep in range(reps):
                 edit_line(checkout / REBUILD_FILE, f"# bench rebuild {rep + 1}")
                 before = node_rx(containers)
-                again, _ = make_provision_in(checkout, inventory)
+                again, _, again_phases = make_provision_in(checkout, inventory)
                 after = node_rx(containers)
                 seconds.append(again)
+                phases.append(again_phases)
                 received.append({node: after[node] - before[node] for node in containers})
                 kept.append(install_layer(REBUILD_TAG) == installed)
                 progress(
                     f"rebuild: rep {rep + 1}/{reps}: make provision after a one-line change to "
-                    f"{REBUILD_FILE} {again:.0f} s ({again / first:.2f} of the first); "
+                    f"{REBUILD_FILE} {again:.0f} s ({again / first:.2f} of the first: "
+                    f"{shown(again_phases)}); "
                     + ", ".join(f"{n} {v:,} bytes received" for n, v in received[-1].items())
                 )
             whole = images.image_size(REBUILD_TAG)
@@ -1090,4 +1123,11 @@ def measure_rebuild(config: sim.SimConfig, link: str, reps: int, progress: Progr
         "ratio": Series([value / first for value in seconds]).as_dict(),
         "install_layer_kept": kept,
         "rx_bytes": received,
+        "first_phases": first_phases,
+        "second_phases": phases,
     }
+
+
+def shown(phases: dict[str, float]) -> str:
+    """'checks 4 s, image 60 s, ...'"""
+    return ", ".join(f"{name} {value:.0f} s" for name, value in phases.items())

@@ -310,7 +310,25 @@ def rebuild_lines(rebuild: dict) -> list[str]:
     ]
     for rep, received in enumerate(rebuild["rx_bytes"]):
         lines.append(f"- rep {rep + 1}: bytes received, network counters: {_per_node(received)}")
+    if rebuild.get("first_phases"):
+        lines += [
+            "",
+            "Where the time goes, per step of `make provision` (checks: `cluster check` and "
+            "`cluster ready`; image: `cluster image`; playbook: `ansible-playbook site.yml`; "
+            "ship: `cluster ship`), in seconds:",
+            "",
+            "| run | " + " | ".join(rebuild["first_phases"]) + " | total |",
+            "| --- |" + " ---: |" * (len(rebuild["first_phases"]) + 1),
+            _phase_row("first", rebuild["first_phases"], rebuild["first_phases"]),
+        ]
+        for rep, phases in enumerate(rebuild.get("second_phases", [])):
+            lines.append(_phase_row(f"rep {rep + 1}", phases, rebuild["first_phases"]))
     return lines
+
+
+def _phase_row(name: str, phases: dict[str, float], columns: dict[str, float]) -> str:
+    cells = [f"{phases[column]:.0f}" if column in phases else "-" for column in columns]
+    return f"| {name} | " + " | ".join(cells) + f" | {sum(phases.values()):.0f} |"
 
 
 def _per_node(values: dict[str, int]) -> str:
