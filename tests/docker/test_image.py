@@ -83,6 +83,11 @@ def test_the_dockerfile_strips_gpu_libraries_only_for_the_cpu_twin():
     assert "--trusted-host tmn-wheels" in dockerfile
     for later in ("ARG PROJECT_VERSION", "LABEL ", "COPY docker/entrypoint.sh", "COPY cluster/"):
         assert dockerfile.index(later) > install, later
+    # The check that imports torch (tens of seconds) runs below what changes most: an edited
+    # entrypoint or a new project version rebuilds only a label, an ENV and a COPY.
+    check = dockerfile.index('RUN python3 -c "import torch')
+    for later in ("ARG PROJECT_VERSION", "LABEL ", "COPY docker/entrypoint.sh"):
+        assert dockerfile.index(later) > check, later
 
 
 def test_the_base_brings_compilers_python_headers_and_rdma_libraries():
