@@ -163,6 +163,6 @@ def test_a_yaml_host_defined_twice_with_different_values_is_refused_naming_both_
     )
 
 
-def test_ansible_connection_variables_cover_ansibles_own():
+def test_ansibles_own_connection_variables_are_known_fields():
     theirs = {name for names in ansible.constants.MAGIC_VARIABLE_MAPPING.values() for name in names}
-    assert theirs <= inventory.ANSIBLE_CONNECTION_VARIABLES
+    assert theirs <= inventory._known_fields()
