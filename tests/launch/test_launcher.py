@@ -459,10 +459,13 @@ def test_a_failing_rank_stops_every_node_and_is_named(sim2):
     assert proc.returncode == 1
     summary = proc.stdout[proc.stdout.index("\nJob ") + 1 :].splitlines()
     assert summary[0].startswith(f"Job {run_id_in(proc.stdout)} FAILED on node2 after ")
-    assert summary[1].split()[0] == "node1"  # stopped by us, or failed on its own first
-    assert summary[2].split()[:2] == ["node2", "exit"] and summary[2].split()[2] != "0"
-    assert summary[3] == "Last lines from node2:"
-    assert any("failing on purpose at step 5" in line for line in summary[4:])
+    # A rank's own exception ("Cause:") and its peers' knock-on errors ("Consequence ...") may
+    # come first; then a line per node.
+    nodes = [line for line in summary[1:] if not line.startswith(("Cause:", "Consequence"))]
+    assert nodes[0].split()[0] == "node1"  # stopped by us, or failed on its own first
+    assert nodes[1].split()[:2] == ["node2", "exit"] and nodes[1].split()[2] != "0"
+    assert nodes[2] == "Last lines from node2:"
+    assert any("failing on purpose at step 5" in line for line in nodes[3:])
     assert leftovers(sim2.inventory, run_id_in(proc.stdout)) == {"node1": "", "node2": ""}
 
 
