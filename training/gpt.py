@@ -206,13 +206,15 @@ def rank_slice(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 # Dense peak TFLOP/s per GPU by the name CUDA reports, at (bf16 with fp32 accumulation, fp32).
 # bf16 is the tensor cores' rate; fp32 is the CUDA cores' (PyTorch keeps TF32 off for matmuls
 # by default). From NVIDIA's whitepapers and datasheets, without sparsity: GA102 (RTX 3090),
-# AD102 (RTX 4090), A100, H100 SXM and PCIe.
+# AD102 (RTX 4090), A100, H100 SXM and PCIe, H200 (the H100 SXM's compute, more memory; CUDA
+# names it "NVIDIA H200", as read on one in this project's GPU check).
 PEAK_TFLOPS = (
     ("RTX 3090", 71.0, 35.6),
     ("RTX 4090", 165.2, 82.6),
     ("A100", 312.0, 19.5),
     ("H100 PCIe", 756.0, 51.2),
     ("H100", 989.4, 66.9),  # SXM5
+    ("H200", 989.4, 66.9),
 )
 
 

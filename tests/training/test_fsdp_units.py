@@ -85,6 +85,7 @@ def test_mfu_is_the_models_flops_per_second_over_the_peak():
     assert gpt.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
     assert gpt.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0  # not the SXM's
     assert gpt.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert gpt.peak_tflops("NVIDIA H200", "bf16") == 989.4
     assert gpt.peak_tflops("Tesla T4", "bf16") is None
 
 
