@@ -544,15 +544,18 @@ def build(
     # Whatever the kind, the torch is the one the image itself reports: checked against the
     # minimum, then recorded in the label the launcher reads on every node.
     try:
-        reported = versions(tag).get("torch", "none")
+        said = versions(tag)
     except UserError:
         docker("rmi", tag, check=False)  # nothing half-made left under the name
         raise
+    reported = said.get("torch", "none")
     refusal = torch_refusal(reported, base_image)
     if refusal is not None:
         docker("rmi", tag, check=False)
         raise refusal
     image_id = label(_image_id(tag), tag, reported, made_from, platform, base_image)
+    # Labels change nothing --version reads: the labelled image says what the built one said.
+    _VERSIONS[image_id, False] = dict(said)
     return BuiltImage(tag, kind, image_id, time.monotonic() - started, reported)
 
 
@@ -824,9 +827,21 @@ def watch(
     return watched
 
 
+# What `--version` said, per image ID and `gpus`, in this process: an image ID names its layers
+# and configuration, so the answer cannot differ, and `cluster image` asks again right after
+# the build asked (a torch import in a container: 10 to 30 s on a busy 2-core machine).
+_VERSIONS: dict[tuple[str, bool], dict[str, str]] = {}
+
+
 def versions(tag: str, gpus: bool = False) -> dict[str, str]:
     """What the image says it holds (its default command). No GPU is needed; with `gpus` (on a
     machine with NVIDIA's container toolkit) a CUDA image also counts this machine's GPUs."""
+    identity = docker("image", "inspect", "--format", "{{.Id}}", tag, check=False).stdout.strip()
+    if identity and (identity, gpus) in _VERSIONS:
+        return dict(_VERSIONS[identity, gpus])
     with_gpus = ["--gpus", "all"] if gpus else []
     proc = docker("run", "--rm", *with_gpus, tag, "--version", timeout=120)
-    return dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    found = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    if identity:
+        _VERSIONS[identity, gpus] = dict(found)
+    return found
