@@ -139,10 +139,20 @@ def _bring_back(provisioned, index: int) -> None:
         if on_node(
             provisioned.cluster, index, "docker info >/dev/null 2>&1 && echo up", False
         ).strip():
-            return
+            break
         subprocess.run(["sleep", "1"], check=True)
-    log = on_node(provisioned.cluster, index, "tail -n 20 /var/log/dockerd.log", False)
-    raise AssertionError(f"node{index}'s Docker engine did not come back:\n{log}")
+    else:
+        log = on_node(provisioned.cluster, index, "tail -n 20 /var/log/dockerd.log", False)
+        raise AssertionError(f"node{index}'s Docker engine did not come back:\n{log}")
+    # As a rebooted host does, the node kept what provisioning gave it: its name, the other
+    # nodes' names in /etc/hosts, its firewall (later tests of this cluster rely on them).
+    booted = on_node(
+        provisioned.cluster,
+        index,
+        "hostname; getent hosts node1 node2 | wc -l; ufw status | head -n 1",
+        False,
+    )
+    assert booted.split("\n")[:3] == [f"node{index}", "2", "Status: active"], booted
 
 
 def _no_containers_left(provisioned) -> None:

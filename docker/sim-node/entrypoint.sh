@@ -8,6 +8,24 @@ if [ -n "${SIM_AUTHORIZED_KEY:-}" ] && ! grep -qxF "$SIM_AUTHORIZED_KEY" /root/.
 fi
 chmod 600 /root/.ssh/authorized_keys 2>/dev/null || true
 
+# A real host keeps /etc/hosts and /etc/hostname across a reboot, and its init sets the host
+# name from /etc/hostname. Docker bind-mounts fresh copies of both at every start, so a node
+# restarted after `docker kill` lost the names provisioning gave it (netcheck: "node2 cannot
+# resolve node1"; slurmd would not start). On its first boot the node takes Docker's copies as
+# its own files, in its root filesystem; from then on it keeps them, as a disk would.
+for name in hosts hostname; do
+    grep -q " /etc/$name " /proc/self/mountinfo || continue
+    if [ ! -e "/var/lib/sim-node/own-$name" ]; then
+        docker_copy=$(cat "/etc/$name")
+        umount "/etc/$name"
+        printf '%s\n' "$docker_copy" > "/etc/$name"
+        mkdir -p /var/lib/sim-node && touch "/var/lib/sim-node/own-$name"
+    else
+        umount "/etc/$name"
+    fi
+done
+hostname "$(cat /etc/hostname)"
+
 # FRESH=1: the node as a fresh Debian install leaves it. The installer's user, in the sudo
 # group (sudo asks for the password, which the simulator sets through chpasswd's standard
 # input), SSH password login on (Debian's default), and no key anywhere.
@@ -33,6 +51,11 @@ if [ -d /sys/fs/cgroup/cpuset ] && ! mkdir /sys/fs/cgroup/cpuset/.rw-probe 2>/de
     done < /run/sim-cgroups
 else
     rmdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null || true
+fi
+
+# ufw's unit loads the firewall's rules at boot on a real host, once provisioning enabled it.
+if [ -x /lib/ufw/ufw-init ] && grep -qs '^ENABLED=yes' /etc/ufw/ufw.conf; then
+    /lib/ufw/ufw-init start >/dev/null 2>&1 || echo "sim-node: ufw's rules did not load" >&2
 fi
 
 # A host with Docker installed starts it at boot; provisioning installs it. A real boot starts
