@@ -38,8 +38,10 @@ fi
 # Docker mounts the container's cgroup hierarchies read-only; a Docker engine inside the node
 # must create cgroups for its containers, as it can on a real host. Mount the node's own
 # (private cgroup namespace) hierarchies again, read-write, with the same controllers.
+# The named systemd hierarchy too (Docker calls its device "systemd"): a real host has it, and
+# without it runc makes /sys/fs/cgroup/systemd a plain directory on the tmpfs.
 if [ -d /sys/fs/cgroup/cpuset ] && ! mkdir /sys/fs/cgroup/cpuset/.rw-probe 2>/dev/null; then
-    grep '^cgroup /sys/fs/cgroup/' /proc/self/mounts | while read -r _ path _ options _; do
+    grep -E '^(cgroup|systemd) /sys/fs/cgroup/' /proc/self/mounts | while read -r _ path _ options _; do
         controllers=$(echo "$options" | tr ',' '\n' \
             | grep -vxE 'ro|rw|nosuid|nodev|noexec|relatime' | paste -sd, -)
         case "$controllers" in name=*) controllers="none,$controllers" ;; esac

@@ -78,6 +78,14 @@ def slurm_inventory(provisioned, tmp_path_factory):
     document["all"]["vars"]["scheduler"] = "slurm"
     path = tmp_path_factory.mktemp("slurm") / "inventory.yml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
+    # Slurm comes to nodes that already ran containers, as on a cluster in use: a container
+    # runtime's cgroups there once hid from the role that slurmd's hierarchy was missing.
+    for index in (1, 2):
+        on_node(
+            provisioned.cluster,
+            index,
+            f"docker run --rm {document['all']['vars']['training_image']} true",
+        )
     try:
         run = ansible_playbook(path, "--tags", "slurm", "-e", f"slurm_cluster_name={name}")
         assert run.returncode == 0, run.describe()
