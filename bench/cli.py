@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from bench import measure, report
-from cluster import sim
+from cluster import engine, sim
 from cluster.errors import ArgumentParser, UserError, at_the_edge
 from cluster.inventory import load
 
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         )
     if not 1 <= args.subnet_octet <= 254:
         raise UserError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
-    sim.require_engine()
+    engine.require_engine()
     octet = args.subnet_octet
     config = sim.SimConfig(
         NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME), f"172.30.{octet}.0/24"

@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from cluster import engine, sim
 from cluster import inventory as inventory_module
-from cluster import sim
 from cluster.errors import ArgumentParser, UserError, at_the_edge, shown
 from cluster.inventory import DEFAULT_TRAINING_IMAGE, GROUP_HELP, NODES_GROUP, is_word
 
@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             tag = inventory.training_image
             if kind == "auto":
                 kind = "cuda" if any(h.gpus > 0 for h in inventory.hosts) else "cpu"
-            sim.require_engine()  # the build's first need, checked before the nodes are asked
+            engine.require_engine()  # the build's first need, checked before the nodes are asked
             platform = _nodes_platform(inventory)
         else:
             platform = None  # this machine's own, as its engine builds by default

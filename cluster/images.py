@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster import __version__
+from cluster.engine import debian_base, docker, image_exists, require_engine
 from cluster.errors import UserError, shown
 from cluster.inventory import DEFAULT_TRAINING_IMAGE, Host
-from cluster.sim import REPO_ROOT, debian_base, docker, image_exists, require_engine
+from cluster.sync import TOOL_ROOT
 from cluster.versions import TORCH_LABEL, minimum_shown, release, torch_meets_minimum
 
 if TYPE_CHECKING:
@@ -69,8 +70,8 @@ TORCHVISION_VERSION = "0.29.1"
 # What the workloads import beside torch, as pyproject.toml requires it (a test checks).
 TENSORBOARD_REQUIREMENT = "tensorboard>=2.17"
 PYYAML_REQUIREMENT = "pyyaml>=6.0"
-DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
-WHEELS_DIR = REPO_ROOT / "docker" / "wheels"
+DOCKERFILE = TOOL_ROOT / "docker" / "Dockerfile"
+WHEELS_DIR = TOOL_ROOT / "docker" / "wheels"
 # What an image was built from (the recipe's digest): a build whose recipe is unchanged is
 # skipped, so `make provision` ships nothing new when nothing that makes the image changed.
 RECIPE_LABEL = "io.torch-multinode.recipe"
@@ -110,7 +111,7 @@ def build_args(
     kind: str,
     base_image: str | None = None,
     wheels_address: str = "127.0.0.1",
-    context: Path = REPO_ROOT,
+    context: Path = TOOL_ROOT,
 ) -> list[str]:
     """The `docker build` arguments for one kind, with `context` (the repository root) as the
     build's context. With `base_image` (one that brings its own torch, such as NVIDIA's), no
@@ -123,7 +124,7 @@ def build_args(
         raise UserError(f"image kind {kind!r} is not one of {', '.join(KINDS)}")
     common = [
         "-f",
-        str(context / DOCKERFILE.relative_to(REPO_ROOT)),
+        str(context / DOCKERFILE.relative_to(TOOL_ROOT)),
         "--build-arg",
         f"PROJECT_VERSION={__version__}",
         "--build-arg",
@@ -190,7 +191,7 @@ def serve_wheels(directory: Path = WHEELS_DIR) -> Iterator[str]:
         thread.join()
 
 
-def recipe(kind: str, base_image: str | None = None, root: Path = REPO_ROOT) -> str:
+def recipe(kind: str, base_image: str | None = None, root: Path = TOOL_ROOT) -> str:
     """The digest of everything an image is made from: its kind, the base image's id, the
     pinned versions, the files the build reads and the wheels (by name and size). The
     project's code is not part of it: editing the code never rebuilds the image."""
@@ -202,7 +203,7 @@ def recipe(kind: str, base_image: str | None = None, root: Path = REPO_ROOT) -> 
     for name in RECIPE_FILES:
         digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
     if base_image is None:
-        wheels = root / WHEELS_DIR.relative_to(REPO_ROOT)
+        wheels = root / WHEELS_DIR.relative_to(TOOL_ROOT)
         for wheel in sorted(wheels.glob("*.whl")):
             digest.update(f"{wheel.name}\0{wheel.stat().st_size}\0".encode())
     return digest.hexdigest()[:32]
@@ -495,7 +496,7 @@ def build(
     progress: Progress = print,
     base_image: str | None = None,
     platform: str | None = None,
-    context: Path = REPO_ROOT,
+    context: Path = TOOL_ROOT,
 ) -> BuiltImage:
     """Build the training image `tag` of `kind` (see the module's docstring). With `platform`
     ("linux/arm64", the nodes' one: nodes_platform), the build is pinned to it (`docker build
@@ -514,7 +515,7 @@ def build(
         base_refusal = _base_refusal(base_image, platform)
         if base_refusal is not None:
             raise base_refusal
-    wheels = context / WHEELS_DIR.relative_to(REPO_ROOT)
+    wheels = context / WHEELS_DIR.relative_to(TOOL_ROOT)
     if base_image is None:
         fetch_wheels(progress, wheels)
     made_from = recipe(kind, base_image, context)
@@ -569,7 +570,7 @@ def _docker_build(
     progress: Progress,
     base: str | None,
     platform: str | None,
-    context: Path = REPO_ROOT,
+    context: Path = TOOL_ROOT,
 ) -> None:
     """`docker build` of `tag`, its progress shown live (see BuildWatch); on failure the
     output's last lines, then a UserError naming the step and what the builder said."""

@@ -27,7 +27,7 @@ import pytest
 import torch._dynamo  # noqa: F401
 import yaml
 
-from cluster import sim
+from cluster import engine, sim
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config, items):
             if path.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
     # In CI nothing is skipped: the sim_factory fixture fails the run instead.
-    ok, why = sim.engine_available()
+    ok, why = engine.engine_available()
     if ok or os.environ.get("CI"):
         return
     skip = pytest.mark.skip(reason=f"simulated cluster unavailable: {why}")
@@ -131,7 +131,7 @@ class SimFactory:
 
 @pytest.fixture(scope="session")
 def sim_factory(tmp_path_factory):
-    ok, why = sim.engine_available()
+    ok, why = engine.engine_available()
     if not ok:
         if os.environ.get("CI"):
             pytest.fail(f"CI requires the simulated cluster, but {why}", pytrace=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.measure import edit_line, scratch_checkout
 from cluster import images
-from cluster.sim import docker
+from cluster.engine import docker
 
 # How the install step appears in `docker history` (its command holds the pip install).
 INSTALL_STEP = "pip install --no-cache-dir --no-index"

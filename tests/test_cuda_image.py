@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster import images
-from cluster.sim import debian_base, docker, image_exists
+from cluster.engine import debian_base, docker, image_exists
 from cluster.versions import gpu_runs, oldest_capability
 
 # A name of this run's own: another test run on the same engine builds its own beside it.

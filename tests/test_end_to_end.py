@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from cluster import images
-from cluster.sim import docker
+from cluster.engine import docker
 from tests.conftest import REPO_ROOT, make
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"

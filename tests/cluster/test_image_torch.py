@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from cluster import sim, staging
+from cluster import engine, sim, staging
 from cluster.versions import TORCH_LABEL
 from tests import helpers
 
@@ -57,7 +57,7 @@ def _answer(tag: str) -> str:
     ],
 )
 def test_the_node_check_reads_the_images_torch_and_refuses_an_old_one(label, problem):
-    sim.require_engine()
+    engine.require_engine()
     tag = _labelled(label)
     try:
         inventory = helpers.inventory(

@@ -11,7 +11,7 @@ import pytest
 
 import cluster.cli
 import cluster.execution
-from cluster import images, sim
+from cluster import engine, images, sim
 from cluster.errors import UserError
 from cluster.remote import Result
 from tests import helpers
@@ -213,7 +213,7 @@ def test_cluster_image_for_an_inventory_builds_for_its_nodes(monkeypatch, tmp_pa
 
 def test_an_image_s_architecture_is_read_from_this_engine():
     """On an image made here (docker import: nothing pulled), and a missing one refused."""
-    sim.require_engine()
+    engine.require_engine()
     tag = f"tmn-arch:{uuid.uuid4().hex[:8]}"
     subprocess.run(
         f"tar cf - --files-from /dev/null | docker import - {tag}",
@@ -222,8 +222,8 @@ def test_an_image_s_architecture_is_read_from_this_engine():
         capture_output=True,
     )
     try:
-        engine = sim.docker("info", "--format", "{{.Architecture}}").stdout.strip()
-        assert images.platform_of(images.image_architecture(tag)) == images.platform_of(engine)
+        here = sim.docker("info", "--format", "{{.Architecture}}").stdout.strip()
+        assert images.platform_of(images.image_architecture(tag)) == images.platform_of(here)
     finally:
         sim.docker("rmi", tag, check=False)
     with pytest.raises(UserError, match=f"no image {tag} on this machine's engine"):

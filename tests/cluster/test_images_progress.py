@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from cluster import images, sim
+from cluster import engine, images, sim
 from cluster.errors import UserError
 
 NOTICE = [
@@ -388,7 +388,7 @@ def test_a_failed_build_shows_its_last_lines_then_one_error_line(monkeypatch):
     assert lines[2] == "  The build's last 20 lines:" and len(lines) == 23
     [command] = FakeBuild.commands
     assert command[:6] == ["docker", "build", "--progress", "plain", "--platform", "linux/amd64"]
-    assert command[-3:] == ["-t", "t:1", str(images.REPO_ROOT)]
+    assert command[-3:] == ["-t", "t:1", str(images.TOOL_ROOT)]
 
 
 def test_a_legacy_build_gets_no_progress_option_and_no_platform_unless_asked(monkeypatch):
@@ -404,7 +404,7 @@ def test_a_legacy_build_gets_no_progress_option_and_no_platform_unless_asked(mon
 def test_this_engines_own_output_is_read_as_canned_here():
     """The canned legacy output above matches what this machine's engine prints (a tiny build
     on an image made here, nothing pulled)."""
-    sim.require_engine()
+    engine.require_engine()
     mark = f"tmn-progress={uuid.uuid4().hex[:8]}"
     base = f"tmn-progress-base:{mark[-8:]}"
     subprocess.run(

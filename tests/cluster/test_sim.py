@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cluster import sim
+from cluster import engine, sim
 from cluster.errors import UserError
 from cluster.inventory import load
 from cluster.remote import Remote, on_all
@@ -211,15 +211,15 @@ def test_mirror_comes_from_the_machines_apt_sources(tmp_path):
         "Components: main\n\nTypes: deb\nURIs: http://mirror.invalid/debian-security\n"
         "Suites: bookworm-security\n"
     )
-    assert sim.debian_mirror(tmp_path) == ("http://mirror.invalid/debian", "bookworm")
+    assert engine.debian_mirror(tmp_path) == ("http://mirror.invalid/debian", "bookworm")
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "sources.list").write_text(
         "deb [arch=amd64] http://old.invalid/debian bullseye main\n"
     )
-    assert sim.debian_mirror(legacy) == ("http://old.invalid/debian", "bullseye")
+    assert engine.debian_mirror(legacy) == ("http://old.invalid/debian", "bullseye")
     with pytest.raises(UserError, match="no Debian mirror found"):
-        sim.debian_mirror(tmp_path / "nothing")
+        engine.debian_mirror(tmp_path / "nothing")
 
 
 def test_inventory_written_for_the_sim_is_valid(tmp_path):

@@ -16,8 +16,9 @@ import pytest
 import cluster
 from bench.measure import edit_line, scratch_checkout
 from cluster import images
+from cluster.engine import docker
 from cluster.errors import UserError
-from cluster.sim import REPO_ROOT, docker
+from cluster.sim import REPO_ROOT
 from cluster.versions import TORCH_LABEL
 from tests.image_layers import build_with_an_edited_entrypoint, install_step
 
