@@ -41,7 +41,6 @@ from cluster.inventory import Host, Inventory
 from cluster.remote import Remote, on_all
 
 DEFAULT_KEY = Path("~/.ssh/id_ed25519")
-DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 SUDOERS_DROP_IN = "/etc/sudoers.d/torch-multinode"
 # sshd takes the first value it reads for each keyword, and reads sshd_config.d/*.conf in name
 # order before the main file: "00-" comes before the "50-cloud-init.conf" that turns it back on.
@@ -554,7 +553,7 @@ def not_ready(inventory: Inventory, sudo_without_password: bool = True) -> dict[
     left out): its host key in the inventory's known_hosts, key login with the inventory's key
     and user, passwordless sudo (unless not `sudo_without_password`: the playbook is given
     sudo's password). `make bootstrap` gives a fresh node all three."""
-    known_hosts = Path(os.path.expanduser(inventory.known_hosts or DEFAULT_KNOWN_HOSTS))
+    known_hosts = inventory.known_hosts_file
 
     def missing(host: Host) -> str | None:
         user = user_of(host)
@@ -590,7 +589,7 @@ def bootstrap(
     say(
         f"Controller key: {key} ({'made now' if key_made else 'already there'}; public part {key}.pub)"
     )
-    known_hosts = Path(os.path.expanduser(inventory.known_hosts or DEFAULT_KNOWN_HOSTS))
+    known_hosts = inventory.known_hosts_file
     reports = [NodeReport(host) for host in inventory.hosts]
 
     # 1. Host keys, one node at a time (a question each).

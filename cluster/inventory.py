@@ -154,6 +154,12 @@ class Inventory:
     sends only the layers above it."""
 
     @property
+    def known_hosts_file(self) -> Path:
+        """The file every SSH client of ours checks the nodes' host keys against (paramiko,
+        OpenSSH for rsync, bootstrap): ssh_known_hosts_file, else ~/.ssh/known_hosts."""
+        return known_hosts_file(self.known_hosts)
+
+    @property
     def master(self) -> Host:
         """Rank 0's node: the first host, where the rendezvous store runs."""
         return self.hosts[0]
@@ -164,6 +170,11 @@ class Inventory:
         if nnodes is None or nnodes == "":
             return self
         return replace(self, hosts=self.hosts[: check_nnodes(nnodes, len(self.hosts), self.path)])
+
+
+def known_hosts_file(named: Path | None) -> Path:
+    """The known_hosts file named, else ~/.ssh/known_hosts (OpenSSH's default), expanded."""
+    return Path(os.path.expanduser(named or Path("~/.ssh/known_hosts")))
 
 
 def check_nnodes(nnodes: object, available: int, path: Path | str) -> int:

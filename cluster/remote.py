@@ -19,7 +19,7 @@ import paramiko
 from fabric import Connection
 
 from cluster.errors import UserError
-from cluster.inventory import Host, Inventory
+from cluster.inventory import Host, Inventory, known_hosts_file
 
 T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -58,13 +58,13 @@ class Remote:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ):
         self.host = host
-        self.known_hosts = known_hosts or Path.home() / ".ssh" / "known_hosts"
+        self.known_hosts = known_hosts_file(known_hosts)
         self.connect_timeout = connect_timeout
         self._connection: Connection | None = None
 
     @classmethod
     def for_inventory(cls, inventory: Inventory, host: Host, **kwargs) -> Remote:
-        return cls(host, known_hosts=inventory.known_hosts, **kwargs)
+        return cls(host, known_hosts=inventory.known_hosts_file, **kwargs)
 
     @property
     def connection(self) -> Connection:

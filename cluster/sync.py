@@ -319,7 +319,7 @@ def tool_destination(inventory: Inventory) -> str:
 def ssh_command(inventory: Inventory, host: Host) -> list[str]:
     """The OpenSSH client as cluster.remote connects: the inventory's key and known_hosts, host
     keys checked, never a password."""
-    known_hosts = inventory.known_hosts or Path.home() / ".ssh" / "known_hosts"
+    known_hosts = inventory.known_hosts_file
     command = [
         "ssh",
         "-p",
