@@ -38,6 +38,27 @@ def file_name(step: int, rank: int) -> str:
     return f"step-{step:08d}-rank-{rank:05d}.pt"
 
 
+def write_synced(path: Path, payload: Any) -> None:
+    """torch.save `payload` (bytes as they are) to `path`, flushed to the disk before return.
+    The one durable write of both checkpoint formats: this one's files and DCP's manifests."""
+    with path.open("wb") as file:
+        if isinstance(payload, bytes):
+            file.write(payload)
+        else:
+            torch.save(payload, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def sync_directory(path: Path) -> None:
+    """A rename into `path` (or a file made there) is only durable once its entry is."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def write_atomically(
     path: Path, payload: Any, before_rename: Callable[[Path], None] | None = None
 ) -> None:
@@ -47,23 +68,16 @@ def write_atomically(
     descriptor, temporary = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
     )
+    os.close(descriptor)
     try:
-        with os.fdopen(descriptor, "wb") as file:
-            torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
+        write_synced(Path(temporary), payload)
         if before_rename is not None:
             before_rename(Path(temporary))
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    # The rename is only durable once the directory entry is.
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    sync_directory(path.parent)
 
 
 class CheckpointStore:

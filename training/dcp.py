@@ -106,25 +106,6 @@ def sharded_paths(rest: Any, path: tuple = ()) -> set[str]:
     return set().union(*(sharded_paths(value, (*path, key)) for key, value in items))
 
 
-def _synced(path: Path, payload: Any) -> None:
-    """torch.save (bytes as they are) to `path`, on disk before the directory is renamed."""
-    with path.open("wb") as file:
-        if isinstance(payload, bytes):
-            file.write(payload)
-        else:
-            torch.save(payload, file)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _sync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def agree(env: parallel.DistEnv, error: UserError | None) -> None:
     """Raise on every rank the lowest rank's error, if any rank had one: a rank that raised
     alone would leave the others waiting in their next collective."""
@@ -243,7 +224,7 @@ class Checkpoints:
             temporary.mkdir(parents=True, exist_ok=True)
             if sharded:
                 dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temporary))
-            _synced(temporary / rank_file(env.rank), {"rest": rest, "own": own})
+            checkpoint.write_synced(temporary / rank_file(env.rank), {"rest": rest, "own": own})
         except FAILURES as raised:
             error = UserError(
                 f"cannot write checkpoint step {step} to {self.directory}: {_reason(raised)}",
@@ -255,7 +236,9 @@ class Checkpoints:
         index = parallel.all_gather(index, env)[0]
         if layout.owner:
             if index is not None and not (temporary / METADATA).exists():
-                _synced(temporary / METADATA, index)  # a node-local disk: a copy of the index
+                checkpoint.write_synced(
+                    temporary / METADATA, index
+                )  # a node-local disk: a copy of the index
             files = [METADATA] if index is not None else []
             if index is not None:
                 stored = pickle.loads(index).storage_data.values()
@@ -269,12 +252,12 @@ class Checkpoints:
                 "files": files,
                 "info": info,
             }
-            _synced(temporary / MANIFEST, manifest)
-            _sync_directory(temporary)
+            checkpoint.write_synced(temporary / MANIFEST, manifest)
+            checkpoint.sync_directory(temporary)
             if final.exists():  # this step written before, by a run that went on from it
                 shutil.rmtree(final)
             os.replace(temporary, final)
-            _sync_directory(self.directory)
+            checkpoint.sync_directory(self.directory)
         parallel.barrier(env)  # complete everywhere before anything older goes
         if layout.owner:
             for old in self.steps()[: -self.keep]:
