@@ -12,6 +12,7 @@ from pathlib import Path
 from cluster import staging
 from cluster.inventory import Host, Inventory
 from launch.commands import run_dir
+from launch.signatures import known_problems
 from launch.spec import EXCERPT_LINES, Emit, JobResult, JobSpec
 
 
@@ -63,7 +64,12 @@ def _why(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
                 for r in cause_and_knock_ons(exceptions(list(result.outcomes[host.name].tail)))[1]
             ]
     labelled = [(f"{name} rank {r.rank}" if r.rank else name, r) for name, r in marked]
-    return cause_lines(cause, labelled, where=failed)
+    # What the table of known failures recognises, the failed node's lines first.
+    tails = [result.outcomes[failed].tail] + [
+        result.outcomes[host.name].tail for host in hosts if host.name != failed
+    ]
+    known = known_problems((line for tail in tails for line in tail), cause is not None)
+    return cause_lines(cause, labelled, where=failed) + [s.line() for s in known]
 
 
 def bring_back(

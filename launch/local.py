@@ -26,6 +26,7 @@ from cluster.inventory import Host
 from launch import checks
 from launch.ending import cause_and_knock_ons, cause_lines, exceptions, failure_excerpt
 from launch.nodes import job_backend, job_environment, process_count
+from launch.signatures import known_problems
 from launch.spec import STOP_GRACE, TAIL_LINES, Emit, JobSpec
 
 _BREAKS = re.compile(rb"\r\n|\n|\r")
@@ -132,6 +133,7 @@ def summary(run_id: str, code: int, seconds: float, tail: list[str]) -> list[str
         )
     lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s ({how})."]
     lines += cause_lines(cause, [(f"rank {r.rank}" if r.rank else "a rank", r) for r in knock_ons])
+    lines += [signature.line() for signature in known_problems(workers, cause is not None)]
     excerpt = failure_excerpt(workers)
     if excerpt:
         lines.append("Last lines:")

@@ -1,0 +1,119 @@
+"""The table of known failure signatures: each error string users meet, as torch, NCCL and gloo
+print it, is named with its cause and remedy, in a failed job's summary on every backend."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from launch import local
+from launch.ending import summary
+from launch.signatures import SIGNATURES, known_problems
+from launch.spec import JobResult, NodeOutcome
+from tests.helpers import inventory, node
+
+# Lines as torch 2.x, NCCL and gloo print them (a rank's prefix kept where torchrun adds one).
+PRINTED = {
+    "cuda-out-of-memory": "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to "
+    "allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free.",
+    "no-kernel-image": "[rank0]: RuntimeError: CUDA error: no kernel image is available for "
+    "execution on the device",
+    "shared-memory": "ERROR: Unexpected bus error encountered in worker. This might be caused "
+    "by insufficient shared memory (shm).",
+    "address-in-use": "torch.distributed.DistNetworkError: The server socket has failed to "
+    "listen on any local network address. port: 29500, useIpv6: false, code: -98, name: "
+    "EADDRINUSE, message: address already in use",
+    "rendezvous-unreachable": "torch.distributed.DistNetworkError: The client socket has failed "
+    "to connect to [node1]:29500 (errno: 111 - Connection refused).",
+    "nccl-system-error": "[rank1]: torch.distributed.DistBackendError: NCCL error in: "
+    "/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled system error "
+    "(run with NCCL_DEBUG=INFO for details), NCCL version 2.27.5",
+    "collective-mismatch": "[rank0]: RuntimeError: Detected mismatch between collectives on "
+    "ranks. Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=12, "
+    "OpType=ALLREDUCE)",
+    "collective-timeout": "[rank0]:[E1126 01:02:03.000000000 ProcessGroupNCCL.cpp:632] [Rank 0] "
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, "
+    "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600001 milliseconds before timing out.",
+    "peer-reset": "[rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
+    "pair.cc:561] Connection closed by peer [10.0.0.2]:30129",
+}
+
+
+def test_every_signature_has_a_printed_example_here():
+    assert [s.name for s in SIGNATURES] == list(PRINTED)
+
+
+@pytest.mark.parametrize("name", list(PRINTED))
+def test_each_error_string_is_named_by_its_own_signature_alone(name):
+    found = known_problems(["rank 0 ready", PRINTED[name], "step 3/60"])
+    assert [s.name for s in found] == [name]
+    line = found[0].line()
+    assert line.startswith("Known problem: ") and " (try " in line and line.endswith(")")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[rank1]: ValueError: bad batch shape (3, 5)",
+        "step 5/60  loss 2.1844  acc  22.5%",
+        "Saved checkpoint to /var/lib/torch-multinode/checkpoints/exp1",
+    ],
+)
+def test_an_ordinary_error_or_progress_line_matches_none(line):
+    assert known_problems([line]) == []
+
+
+def test_gloo_timing_out_is_a_collective_timeout():
+    gloo = (
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+        "waiting 1800000ms for recv operation to complete"
+    )
+    assert [s.name for s in known_problems([gloo])] == ["collective-timeout"]
+
+
+def test_a_signature_is_said_once_however_often_it_appears():
+    found = known_problems([PRINTED["peer-reset"]] * 3 + [PRINTED["cuda-out-of-memory"]])
+    # In the table's order: the cause before what follows from it.
+    assert [s.name for s in found] == ["cuda-out-of-memory", "peer-reset"]
+
+
+def test_a_failed_nodes_summary_says_the_known_problem_after_the_cause():
+    hosts = inventory({"node1": node(1), "node2": node(2)}).hosts
+    tails = {
+        "node1": ["[rank0]: Traceback (most recent call last):", PRINTED["peer-reset"]],
+        "node2": [
+            "[rank1]: Traceback (most recent call last):",
+            '[rank1]:   File "/home/t/p/train.py", line 42, in <module>',
+            PRINTED["cuda-out-of-memory"].replace("[rank0]", "[rank1]"),
+        ],
+    }
+    outcomes = {
+        name: NodeOutcome(host=name, exit_code=1, tail=collections.deque(tail))
+        for name, tail in tails.items()
+    }
+    result = JobResult("tmn-3", outcomes, "node2", interrupted=False, seconds=4.0)
+    lines = summary(result, hosts)
+    assert lines[1].startswith("Cause: node2 rank 1 raised torch.OutOfMemoryError: CUDA out")
+    known = [line for line in lines if line.startswith("Known problem: ")]
+    # node1's "Connection closed by peer" is the cause's consequence, said as such already.
+    assert known == [next(s for s in SIGNATURES if s.name == "cuda-out-of-memory").line()]
+    assert lines.index(known[0]) < lines.index("  node1        exit 1")
+
+
+def test_a_peer_reset_with_no_rank_exception_found_is_said_to_be_a_knock_on():
+    assert [s.name for s in known_problems([PRINTED["peer-reset"]], cause_found=False)] == [
+        "peer-reset"
+    ]
+    assert known_problems([PRINTED["peer-reset"]], cause_found=True) == []
+
+
+def test_a_local_jobs_summary_says_the_known_problem_too():
+    tail = [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/work/p/train.py", line 9, in <module>',
+        PRINTED["no-kernel-image"],
+    ]
+    lines = local.summary("tmn-4", 1, 2.0, tail)
+    assert lines[0].startswith("Job tmn-4 FAILED on this machine after 2.0 s")
+    assert next(s for s in SIGNATURES if s.name == "no-kernel-image").line() in lines
