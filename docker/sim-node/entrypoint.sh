@@ -11,20 +11,20 @@ chmod 600 /root/.ssh/authorized_keys 2>/dev/null || true
 # A real host keeps /etc/hosts and /etc/hostname across a reboot, and its init sets the host
 # name from /etc/hostname. Docker bind-mounts fresh copies of both at every start, so a node
 # restarted after `docker kill` lost the names provisioning gave it (netcheck: "node2 cannot
-# resolve node1"; slurmd would not start). On its first boot the node takes Docker's copies as
-# its own files, in its root filesystem; from then on it keeps them, as a disk would.
+# resolve node1"). On its first boot the node takes Docker's copies as its own files, in its
+# root filesystem; from then on it keeps them, as a disk would.
 for name in hosts hostname; do
     grep -q " /etc/$name " /proc/self/mountinfo || continue
+    docker_copy=$(cat "/etc/$name")
+    umount "/etc/$name" || { echo "sim-node: /etc/$name stays Docker's" >&2; continue; }
     if [ ! -e "/var/lib/sim-node/own-$name" ]; then
-        docker_copy=$(cat "/etc/$name")
-        umount "/etc/$name"
         printf '%s\n' "$docker_copy" > "/etc/$name"
         mkdir -p /var/lib/sim-node && touch "/var/lib/sim-node/own-$name"
-    else
-        umount "/etc/$name"
     fi
 done
-hostname "$(cat /etc/hostname)"
+if [ -s /etc/hostname ]; then
+    hostname "$(cat /etc/hostname)"
+fi
 
 # FRESH=1: the node as a fresh Debian install leaves it. The installer's user, in the sudo
 # group (sudo asks for the password, which the simulator sets through chpasswd's standard
