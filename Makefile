@@ -22,6 +22,10 @@ GPUS      ?=
 # Processes per node (torchrun's --nproc-per-node); empty: one per GPU, 1 on a CPU node, 2 locally.
 NPROC     ?=
 RESTARTS  ?=
+# Seconds without progress that make a job a hang (0: never; empty: from its step times), and
+# what a hang does after its report: stop (the default) or wait for a person.
+STALL     ?=
+ON_HANG   ?=
 # make exits 2 whenever train fails, whatever the launcher's code: train and selftest write that
 # code (0 success, 1 job failed, 2 bad input, 130 Ctrl-C, 143 SIGTERM) to this file instead.
 EXIT_CODE ?= .runs/exit-code
@@ -47,7 +51,7 @@ STAMP := $(VENV)/.installed
 help:
 	@echo "Usage: make TARGET [INVENTORY=path.yml] [GROUP=nodes] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
 	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2] [NPROC=2]"
-	@echo "                   [DEBUG=1] [RESTARTS=1] [EXIT_CODE=.runs/exit-code] [IMAGE=torch-multinode/train:latest]"
+	@echo "                   [DEBUG=1] [RESTARTS=1] [STALL=300] [ON_HANG=wait] [EXIT_CODE=.runs/exit-code] [IMAGE=torch-multinode/train:latest]"
 	@echo "                   [SRC=dataset-dir] [RUN=job-id] [JOB=slurm-id]"
 	@echo
 	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
@@ -94,7 +98,7 @@ netcheck: $(STAMP)
 train: $(STAMP)
 	@rm -f "$(EXIT_CODE)"
 	@TMN_EXIT_CODE_FILE="$(abspath $(EXIT_CODE))" $(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
-		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
+		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(strip $(STALL)),--stall $(STALL)) $(if $(strip $(ON_HANG)),--on-hang $(ON_HANG)) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
 		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(ENV)),--env '$(ENV)') \
 		$(if $(strip $(ARGS)),-- $(ARGS))
@@ -115,6 +119,14 @@ tensorboard: $(STAMP)
 	@test -n "$(RUN)" || { echo "Error: RUN is not set (try make tensorboard RUN=<job id from the summary>; ls .runs)"; exit 2; }
 	@test -d ".runs/$(RUN)" || { echo "Error: .runs/$(RUN) does not exist (try ls .runs)"; exit 2; }
 	$(BIN)/tensorboard --logdir ".runs/$(RUN)"
+
+.PHONY: hang-report  ## print again the report of a job that hung (RUN=job id), saved in .runs/RUN
+hang-report:
+	@test -n "$(RUN)" || { echo "Error: RUN is not set (try make hang-report RUN=<job id from the summary>; ls .runs)"; exit 2; }
+	@test -d ".runs/$(RUN)" || { echo "Error: .runs/$(RUN) does not exist (try ls .runs)"; exit 2; }
+	@test -f ".runs/$(RUN)/hang-report.txt" || { echo "Error: job $(RUN) has no hang report: it did not hang (its logs: .runs/$(RUN)/)"; exit 1; }
+	@cat ".runs/$(RUN)/hang-report.txt"
+	@echo "Every rank's stacks: .runs/$(RUN)/hang-stacks-NODE.txt"
 
 .PHONY: bench  ## benchmarks on fresh simulated nodes: bench-results/bench.md, .json, plots (docs/benchmarks.md: how long)
 bench: $(STAMP)

@@ -70,6 +70,9 @@ TORCHVISION_VERSION = "0.29.1"
 # What the workloads import beside torch, as pyproject.toml requires it (a test checks).
 TENSORBOARD_REQUIREMENT = "tensorboard>=2.17"
 PYYAML_REQUIREMENT = "pyyaml>=6.0"
+# py-spy reads a hung job's Python stacks from outside its ranks (launch/hang.py); pinned here
+# and in pyproject.toml alike (a test keeps the two in step).
+PY_SPY_VERSION = "0.4.3"
 DOCKERFILE = TOOL_ROOT / "docker" / "Dockerfile"
 WHEELS_DIR = TOOL_ROOT / "docker" / "wheels"
 # What an image was built from (the recipe's digest): a build whose recipe is unchanged is
@@ -305,10 +308,15 @@ def label(
 
 
 def fetch_wheels(progress: Progress, directory: Path = WHEELS_DIR) -> None:
-    """torch, torchvision, TensorBoard and PyYAML wheels (with their dependencies) into
+    """torch, torchvision, TensorBoard, PyYAML and py-spy wheels (with their dependencies) into
     `directory` (the build context's docker/wheels): pip inside the image cannot reach the
     package index, so it installs from these with --no-index."""
-    wanted = (f"torch-{TORCH_VERSION}-", f"torchvision-{TORCHVISION_VERSION}-", "tensorboard-")
+    wanted = (
+        f"torch-{TORCH_VERSION}-",
+        f"torchvision-{TORCHVISION_VERSION}-",
+        "tensorboard-",
+        f"py_spy-{PY_SPY_VERSION}-",
+    )
     present = [p.name for p in directory.glob("*.whl")] if directory.exists() else []
     if all(any(name.startswith(w) for name in present) for w in wanted):
         return
@@ -336,6 +344,7 @@ def fetch_wheels(progress: Progress, directory: Path = WHEELS_DIR) -> None:
             f"torchvision=={TORCHVISION_VERSION}",
             TENSORBOARD_REQUIREMENT,
             PYYAML_REQUIREMENT,
+            f"py-spy=={PY_SPY_VERSION}",
         ],
         capture_output=True,
         text=True,

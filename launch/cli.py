@@ -38,8 +38,19 @@ from launch.spec import (
     DEFAULT_MODULE,
     DEFAULT_NETWORK_TIMEOUT,
     DEFAULT_RESTART_WAIT,
+    ON_HANG,
     JobSpec,
 )
+
+
+def _stall_seconds(text: str) -> float:
+    """--stall: 0 (never), or a number of seconds above 0."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass  # positive_number says what is wrong with it
+    return positive_number("number of seconds")(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,6 +131,22 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_NETWORK_TIMEOUT,
         help="seconds a node may be unable to reach the master over the compute network before "
         "it is declared lost and the job stopped (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--stall",
+        type=_stall_seconds,
+        default=None,
+        help="seconds without progress (step lines, '[tmn] heartbeat' lines, or any output for a "
+        "script that prints neither) after which the job is a hang: every rank's stacks are "
+        "read and the rank that holds the others up is named; 0: never (default: the larger of "
+        "120 s and 5 times the median time between step lines, once one was seen)",
+    )
+    parser.add_argument(
+        "--on-hang",
+        choices=ON_HANG,
+        default="stop",
+        help="after a hang's report: stop the job, or wait, leaving it running for a person to "
+        "look (Ctrl-C stops it) (default: %(default)s)",
     )
     parser.add_argument(
         "--restarts",
@@ -213,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         args=tuple(extra),
         nproc_per_node=args.nproc_per_node,
         network_timeout=args.network_timeout,
+        stall=args.stall,
+        on_hang=args.on_hang,
         rendezvous_timeout=args.rendezvous_timeout,
         max_restarts=args.max_restarts,
         workdir=args.workdir,

@@ -113,7 +113,9 @@ def docker_run_command(
     when it ends. Every node directory the job reads or writes is mounted at the same path; the
     node's RDMA devices are passed where it has them (cluster.containers.container_command)."""
     options = training_container_options(host, memlock, f"{RUN_LABEL}={spec.run_id}")
-    options += ["--name", f"{spec.run_id}-{host.name}"]
+    # py-spy reads the ranks' stacks when the job hangs (launch/hang.py): ptrace within the
+    # container's own PID namespace, where Yama (Ubuntu's default) asks for the capability.
+    options += ["--cap-add", "SYS_PTRACE", "--name", container_name(spec.run_id, host.name)]
     seen: set[str] = set()
     for path, read_only in mounts or []:
         if path not in seen:
@@ -123,6 +125,11 @@ def docker_run_command(
     for key, value in env.items():
         options += ["-e", f"{key}={value}"]
     return container_command(options, image, command)
+
+
+def container_name(run_id: str, node: str) -> str:
+    """The job's container on `node`."""
+    return f"{run_id}-{node}"
 
 
 def lock_command(run_id: str, port: int) -> str:

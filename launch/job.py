@@ -6,6 +6,10 @@ process the job starts carries TMN_RUN_ID in its environment, so stopping a node
 exactly the processes with that marker, even ones torchrun started in new sessions. The job is
 stopped everywhere as soon as one node fails, stops answering, or the user presses Ctrl-C.
 
+A job whose ranks stop making progress without failing is a hang (--stall, launch.progress):
+every rank's stacks are read with py-spy and the rank holding the others up is named
+(launch.hang) before the job is stopped.
+
 A network partition leaves every node answering over SSH while the ranks wait on each other:
 every other node pings the master's compute IP every few seconds, and a node that cannot reach
 it for --network-timeout seconds is declared lost and the job stopped. When the job fails for
@@ -30,6 +34,7 @@ from launch import blame, stop, watch
 from launch.commands import lock_command, remote_command, run_dir, unlock_command
 from launch.node_output import NodeOutput
 from launch.nodes import gpu_problem, interface_env, job_backend, nproc_for
+from launch.progress import Progress
 from launch.spec import (
     BLAME_GRACE,
     GPU_PROBE,
@@ -67,6 +72,7 @@ class Launcher:
         self.silent: set[str] = set()  # lost nodes that did not answer when the job was stopped
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
         self.backend = job_backend(self.hosts)[0]  # one for the whole job
+        self.progress = Progress(spec.stall)  # started again when the job's processes start
 
     def remote_for(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""
@@ -179,7 +185,7 @@ class Launcher:
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
         log = self.spec.log_dir / f"{host.name}.log" if self.spec.log_dir else None
-        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log)
+        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log, observe=self.progress.note)
         self._writers.append(writer)
         try:
             exited = self._remotes[host.name].stream(command, writer)
@@ -233,6 +239,13 @@ class Launcher:
             threading.Thread(target=self._run_node, args=(h, commands[h.name]), daemon=True)
             for h in self.hosts
         ]
+
+    def _stall_watcher(self) -> list[threading.Thread]:
+        """The hang watcher (not started), its clock started now: none with --stall 0."""
+        self.progress = Progress(self.spec.stall)
+        if self.spec.stall == 0:
+            return []
+        return [threading.Thread(target=watch.stall, args=(self,), daemon=True)]
 
     def _follow(self, runners: list[threading.Thread]) -> None:
         """Until the job is done (a failure, or every node's exit), or every runner ended."""
@@ -310,6 +323,7 @@ class Launcher:
             threading.Thread(target=watch.link, args=(self, h, master), daemon=True)
             for h in self.hosts[1:]
         ]
+        watchers += self._stall_watcher()
         try:
             for thread in runners + watchers:
                 thread.start()

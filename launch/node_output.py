@@ -50,8 +50,10 @@ class NodeOutput:
         log: Path | None = None,
         progress_every: float = PROGRESS_EVERY,
         clock: Callable[[], float] = time.monotonic,
+        observe: Callable[[str], bool] | None = None,
     ):
         self.prefix, self.emit, self.outcome = prefix, emit, outcome
+        self.observe = observe  # sees every line first; False: the line is not shown
         self.progress_every, self.clock = progress_every, clock
         self.log = log.open("a", encoding="utf-8") if log else None
         # fabric's reader thread writes while the launcher's main loop ticks.
@@ -159,6 +161,8 @@ class NodeOutput:
         self.shown, self.progress_shown_at = state, self.clock()
 
     def _emit(self, line: str) -> None:
+        if self.observe is not None and not self.observe(line):
+            return
         self.outcome.tail.append(line)
         self.emit(f"{self.prefix} {line}")
         if self.log and not self.log.closed:

@@ -227,8 +227,8 @@ def queue_position(squeue: str, job_id: str) -> tuple[int, str] | None:
 
 class SlurmAttempt(Launcher):
     """One run of the job through Slurm: the first submits it, each restart requeues it. The
-    SSH launcher's node runners, outcomes, blame and stop, with Slurm in place of the port lock,
-    the liveness watchers and the restart loop."""
+    SSH launcher's node runners, outcomes, blame, hang watcher and stop, with Slurm in place of
+    the port lock, the liveness watchers and the restart loop."""
 
     def __init__(
         self,
@@ -407,9 +407,9 @@ class SlurmAttempt(Launcher):
                     for h in self.hosts
                 }
             )
-            for runner in runners:
-                runner.start()
-            threading.Thread(target=self._watch_state, daemon=True).start()
+            watchers = [threading.Thread(target=self._watch_state, daemon=True)]
+            for thread in runners + watchers + self._stall_watcher():
+                thread.start()
             self._follow(runners)
         except KeyboardInterrupt as signalled:
             interrupted = True

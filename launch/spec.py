@@ -41,6 +41,8 @@ INTERRUPTED_RUNNER_GRACE = 1.0
 GPUS_PER_PROCESS = {"training.model_parallel": 2}
 # A node's GPUs, as its driver lists them: no answer, no NCCL job there.
 GPU_PROBE = "nvidia-smi --query-gpu=index --format=csv,noheader 2>&1"
+STALL_POLL = 1.0  # seconds between two looks at the job's progress
+ON_HANG = ("stop", "wait")
 BLAME_GRACE = 3.0  # after a first failure, how long the others may take to report their own
 # What a rank says when a *peer* died: evidence against that peer, not against this node.
 _COLLATERAL = re.compile(
@@ -80,6 +82,11 @@ class JobSpec:
     """--env variables: reach the job through a file read once, never a command line."""
     env_file: Path | None = None
     """netcheck's environment file (--env-file); None: where netcheck writes it by default."""
+    stall: float | None = None
+    """Seconds without progress that make the job a hang (--stall; 0: never); None: from the
+    step times seen (launch.progress)."""
+    on_hang: str = "stop"
+    """What a hang does once its report is out: 'stop' the job, or 'wait' for a person."""
 
 
 @dataclass

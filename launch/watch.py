@@ -1,17 +1,27 @@
 """The watchers of a running job, each in a thread of its own: a node that stops answering over
-SSH, and a node that cannot reach the master over the compute network, fail the job."""
+SSH, and a node that cannot reach the master over the compute network, fail the job; a job
+that stops making progress is a hang, reported (every rank's stacks) before it is stopped."""
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.errors import UserError
 from cluster.inventory import Host
+from launch import hang
 from launch.blame import cut_off
-from launch.commands import link_probe_command
-from launch.spec import LINK_PROBE_INTERVAL, LINK_PROBE_WAIT, LIVENESS_FAILURES, LIVENESS_INTERVAL
+from launch.commands import container_name, link_probe_command
+from launch.spec import (
+    LINK_PROBE_INTERVAL,
+    LINK_PROBE_WAIT,
+    LIVENESS_FAILURES,
+    LIVENESS_INTERVAL,
+    STALL_POLL,
+)
 
 if TYPE_CHECKING:
     from launch.job import Launcher
@@ -89,3 +99,85 @@ def link(job: Launcher, host: Host, master: Host) -> None:
             remote.close()
         except Exception:  # closing a session to a dead node may raise anything
             pass
+
+
+def stall(job: Launcher) -> None:
+    """No progress for the job's stall time (launch.progress): a hang. Every rank's stacks are
+    read and judged (launch.hang), the report printed and saved in the run's log directory;
+    then the job fails, naming the rank that holds the others up, or (--on-hang wait) is left
+    running for a person to look."""
+    while not job.done.wait(STALL_POLL):
+        if job.progress.stalled() is None:
+            continue
+        job.emit(
+            f"[launcher] {job.progress.describe()}: the job hangs; reading every rank's stacks..."
+        )
+        verdict = report(job)
+        if job.done.is_set():
+            return  # it ended while the stacks were read: not a hang after all
+        if job.spec.on_hang == "wait":
+            job.emit(
+                "[launcher] --on-hang wait: the job is left running for you to look "
+                "(py-spy dump --pid PID on a node); Ctrl-C stops it"
+            )
+            return
+        node = verdict.culprits[0].node if verdict.culprits else job.hosts[0].name
+        outcome = job.outcomes[node]
+        if outcome.error is None:
+            outcome.error = f"hung: {verdict.cause}"
+        job.fail(node)
+        return
+
+
+def report(job: Launcher) -> hang.Verdict:
+    """Every node's ranks' stacks, read at once (each node within hang.STACKS_TIMEOUT), judged,
+    printed, and saved as hang-report.txt (and each node's stacks as hang-stacks-NODE.txt)."""
+    container = job.inventory.launch_mode == "container"
+    texts: dict[str, str] = {}
+    silent: dict[str, str] = {}
+
+    def read(host: Host) -> None:
+        py_spy = str(Path(host.python).parent / "py-spy") if "/" in host.python else "py-spy"
+        command = hang.stacks_command(
+            job.spec.run_id,
+            "py-spy" if container else py_spy,
+            container_name(job.spec.run_id, host.name) if container else None,
+            native=host.gpus > 0,  # a rank waiting for its GPU is in libcuda
+        )
+        try:
+            with job.remote_for(host) as remote:
+                remote.connect()
+                answer = remote.run(command, timeout=hang.STACKS_TIMEOUT)
+            texts[host.name] = answer.stdout + answer.stderr
+        except UserError as exc:
+            silent[host.name] = str(exc).splitlines()[0] if str(exc) else "did not answer"
+
+    threads = [threading.Thread(target=read, args=(h,), daemon=True) for h in job.hosts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(hang.STACKS_TIMEOUT + 15)
+    for host in job.hosts:
+        if host.name not in texts and host.name not in silent:
+            silent[host.name] = f"no answer within {hang.STACKS_TIMEOUT} s"
+    ranks: list[hang.RankStacks] = []
+    for name, text in texts.items():
+        found, problem = hang.parse(name, text)
+        ranks += found
+        if problem is not None:
+            silent[name] = problem
+    workdir = job.project.workdir if job.project is not None else None
+    verdict = hang.judge(ranks, silent, workdir)
+    header = f"Hang report, job {job.spec.run_id}: {job.progress.describe()}"
+    for line in verdict.lines:
+        job.emit(f"[launcher]   {line}")
+    job.emit(f"[launcher] hang: {verdict.cause}")
+    if job.spec.log_dir is not None:
+        job.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            (job.spec.log_dir / f"hang-stacks-{name}.txt").write_text(text)
+        saved = job.spec.log_dir / "hang-report.txt"
+        body = [header, *(f"  {line}" for line in verdict.lines), f"Cause: {verdict.cause}"]
+        saved.write_text("\n".join(body) + "\n")
+        job.emit(f"[launcher] hang report: {saved}; every rank's stacks: hang-stacks-NODE.txt")
+    return verdict

@@ -45,6 +45,7 @@ _GROUPS = {
     "tests/launch/test_slurm_jobs.py": "image",  # Slurm on that provisioned cluster
     "tests/training/test_fsdp_cluster.py": "image",
     "tests/test_bootstrap.py": "image",  # fresh nodes provisioned with that image
+    "tests/test_hangs.py": "image",  # hung jobs on the provisioned cluster
     "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
 }

@@ -388,6 +388,7 @@ def _container_options(words: list[str]) -> list[str]:
         "-v",
         "-w",
         "-e",
+        "--cap-add",
     }
     while index < len(words) and words[index].startswith("-"):
         options.append(words[index])
@@ -398,8 +399,15 @@ def _container_options(words: list[str]) -> list[str]:
     return options
 
 
-def assert_unprivileged(words: list[str], run_dir: str | None = None) -> None:
+def assert_unprivileged(words: list[str], run_dir: str | None = None, ptrace: bool = False) -> None:
+    """No privilege but, where `ptrace`, SYS_PTRACE (py-spy reads a hung job's stacks with it,
+    within the container's own PID namespace), once."""
     options = _container_options(words)
+    pairs = list(zip(options, options[1:], strict=False))
+    assert pairs.count(("--cap-add", "SYS_PTRACE")) == (1 if ptrace else 0), options
+    if ptrace:
+        at = pairs.index(("--cap-add", "SYS_PTRACE"))
+        options = options[:at] + options[at + 2 :]
     assert [o for o in options if PRIVILEGED.search(o)] == [], options
     pairs = list(zip(options, options[1:], strict=False))
     # Host networking and IPC (NCCL, DataLoader shared memory), nothing else of the host's.
@@ -442,7 +450,7 @@ def test_the_job_container_the_launcher_runs_is_unprivileged():
     words = shlex.split(command)
     docker = words[words.index("exec") + 1 :]
     assert docker[:2] == ["docker", "run"]
-    assert_unprivileged(docker, run_dir)
+    assert_unprivileged(docker, run_dir, ptrace=True)
 
 
 def test_netchecks_probe_container_is_the_job_container():

@@ -32,6 +32,8 @@ def test_image_pins_follow_the_project_pins():
     for requirement in (images.TENSORBOARD_REQUIREMENT, images.PYYAML_REQUIREMENT):
         assert requirement in project["dependencies"]
         assert f'"{requirement}"' in dockerfile
+    assert f"py-spy=={images.PY_SPY_VERSION}" in project["dependencies"]
+    assert f"ARG PY_SPY_VERSION={images.PY_SPY_VERSION}\n" in dockerfile
 
 
 def test_build_arguments_choose_the_base():

@@ -2,7 +2,7 @@
 provisioned cluster gets Slurm (the slurm role alone), and jobs go through sbatch. The default
 job and a project of several files end with the same parameters as through the SSH launcher;
 a second job waits in the queue, then runs; Ctrl-C cancels the job and leaves nothing; a
-failing node is named with its last lines. Slurm is stopped on the nodes afterwards."""
+failing node is named with its last lines; a hung job's report names the rank and its line. Slurm is stopped on the nodes afterwards."""
 
 from __future__ import annotations
 
@@ -222,6 +222,25 @@ def test_a_failing_node_is_named_with_its_last_lines(slurm_inventory, provisione
     assert "FAILED on node2" in out, out
     excerpt = out.split("Last lines from node2:", 1)[1]
     assert "Error: rank 1 was told to fail" in excerpt, out
+    _nothing_left(provisioned, slurm_inventory, run_id_in(out))
+
+
+def test_a_hang_under_slurm_names_the_rank_and_its_line(slurm_inventory, provisioned, tmp_path):
+    """tests/test_hangs.py's sleeping rank, through sbatch: the same report, then scancel."""
+    from tests.test_hangs import SCRIPT, line_of
+
+    (tmp_path / "project").mkdir()
+    script = tmp_path / "project" / "hang.py"
+    script.write_text(SCRIPT)
+    result = _train(slurm_inventory, f"SCRIPT={script}", "STALL=15", "ARGS=sleep")
+    out = result.stdout
+    assert result.returncode != 0, out
+    where = dict(re.findall(r"rank (\d) runs on (node\d)", out))
+    assert sorted(where) == ["0", "1"], out[-3000:]
+    assert (
+        f"rank 1 on {where['1']}: not in a collective, at hang.py:{line_of('sleep')} in load_batch"
+    ) in out, out[-3000:]
+    assert f"rank 0 on {where['0']}: waits in all_reduce" in out, out[-3000:]
     _nothing_left(provisioned, slurm_inventory, run_id_in(out))
 
 

@@ -1,0 +1,88 @@
+"""Whether a running job still makes progress: the clock the stall watcher reads.
+
+Progress is, in order of preference: the workloads' step lines ("step 12/100 ..."), a line a
+user's script prints to say it is alive (HEARTBEAT, hidden from the output), and, for a script
+that prints neither, any line at all. Once a step line or a heartbeat has been seen, only those
+count: a rank waiting in a collective may go on printing warnings.
+
+The job is stalled after STALL seconds without progress. Given (--stall), that applies from the
+job's start. Left to the launcher, it applies once progress has been seen (before that, the
+rendezvous and the first collective have timeouts of their own) and is the larger of
+STALL_FLOOR and STALL_STEPS times the median interval between two progress events.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+HEARTBEAT = "[tmn] heartbeat"
+"""A line a user's script prints (and flushes) to say it makes progress: the launcher counts it
+and does not show it."""
+STALL_FLOOR = 120.0
+STALL_STEPS = 5
+_STEP = re.compile(r"\bstep\s+\d+\s*/\s*\d+\b", re.IGNORECASE)
+_INTERVALS_KEPT = 64
+
+
+class Progress:
+    """Fed every line the job prints (from every node's reader thread); read by the stall
+    watcher. `stall`: seconds given by the user (0: never stalled), or None (the default)."""
+
+    def __init__(self, stall: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.stall, self.clock = stall, clock
+        self.started = clock()
+        self._lock = threading.Lock()
+        self._last: float | None = None  # the last progress event
+        self._last_line: float | None = None  # the last line of any kind
+        self._marked = False  # a step line or a heartbeat has been seen
+        self._intervals: list[float] = []
+
+    def note(self, line: str) -> bool:
+        """Count `line`; False when it is a heartbeat, which is not shown."""
+        now = self.clock()
+        heartbeat = line.strip() == HEARTBEAT
+        marked = heartbeat or bool(_STEP.search(line))
+        with self._lock:
+            if marked and not self._marked:
+                self._marked, self._last, self._intervals = True, None, []
+            if marked or not self._marked:
+                if self._last is not None:
+                    self._intervals = [*self._intervals[-_INTERVALS_KEPT + 1 :], now - self._last]
+                self._last = now
+            self._last_line = now
+        return not heartbeat
+
+    def threshold(self) -> float | None:
+        """Seconds without progress that make a stall (None: none can be declared yet)."""
+        if self.stall is not None:
+            return self.stall or None
+        with self._lock:
+            if self._last is None:
+                return None
+            typical = statistics.median(self._intervals) if self._intervals else 0.0
+        return max(STALL_FLOOR, STALL_STEPS * typical)
+
+    def quiet_for(self) -> float:
+        """Seconds since the last progress (since the start when there was none)."""
+        with self._lock:
+            last = self._last
+        return self.clock() - (last if last is not None else self.started)
+
+    def stalled(self) -> float | None:
+        """Seconds without progress when that makes a stall, else None."""
+        limit = self.threshold()
+        if limit is None:
+            return None
+        quiet = self.quiet_for()
+        return quiet if quiet >= limit else None
+
+    def describe(self) -> str:
+        """What counted as progress, for the report's first line."""
+        with self._lock:
+            marked = self._marked
+        what = "step lines or heartbeats" if marked else "output"
+        return f"no {what} for {self.quiet_for():.0f} s (stall after {self.threshold():g} s)"

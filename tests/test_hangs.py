@@ -1,0 +1,165 @@
+"""Hangs on the simulated cluster, jobs in the training image (launch_mode: container): a job
+that stops making progress without failing is noticed (STALL=), every rank's stacks are read
+with py-spy inside the job's containers, and the report names the rank, its node and its line:
+
+- a rank asleep in its data loading at step 5: named with the line of the sleep, the other
+  rank said to wait in all_reduce; the job stopped, nothing of it left on any node, the
+  report in `.runs/<id>/`;
+- a rank that skipped one all_reduce: both ranks' collectives named (all_reduce / barrier);
+- a rank busy in a Python loop: named with its line;
+- ON_HANG=wait: the report, then the job left running until Ctrl-C;
+- `make hang-report RUN=<id>` prints a saved report again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from cluster.inventory import load
+from launch.spec import RUN_LABEL
+from tests.conftest import REPO_ROOT, make
+from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
+
+pytestmark = [pytest.mark.sim, pytest.mark.timeout(1200)]
+
+STALL = "15"
+
+# Prints its rank's node, then a step line per step (rank 0); rank 1 misbehaves as FAULT says.
+SCRIPT = """\
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+FAULT = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"rank {rank} runs on {os.environ['TMN_NODE_NAME']}", flush=True)
+
+
+def load_batch(step):
+    if FAULT == "sleep" and rank == 1 and step == 5:
+        time.sleep(3600)  # HANG-LINE sleep
+    return torch.ones(1)
+
+
+def spin():
+    while True:  # HANG-LINE spin
+        pass
+
+
+for step in range(1, 11):
+    batch = load_batch(step)
+    if FAULT == "spin" and rank == 1 and step == 5:
+        spin()
+    if not (FAULT == "skip" and rank == 1 and step == 3):
+        dist.all_reduce(batch)
+    if rank == 0:
+        print(f"step {step}/10", flush=True)
+    time.sleep(0.3)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def line_of(marker: str) -> int:
+    return next(i for i, line in enumerate(SCRIPT.splitlines(), 1) if f"HANG-LINE {marker}" in line)
+
+
+def _project(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "hang.py").write_text(SCRIPT)
+    return root / "hang.py"
+
+
+def _hung(provisioned, tmp_path, fault: str) -> tuple[str, str, dict[int, str]]:
+    """The job with `fault`, run to its end: its output, run ID and where each rank ran."""
+    script = _project(tmp_path / "proj")
+    run = make(
+        "train", f"INVENTORY={provisioned.inventory}", "NNODES=2", f"SCRIPT={script}",
+        f"WORKDIR={script.parent}", f"STALL={STALL}", f"ARGS={fault}", timeout=600,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output[-3000:]
+    nodes = {int(r): n for r, n in re.findall(r"rank (\d) runs on (node\d)", output)}
+    assert sorted(nodes) == [0, 1], output[-3000:]
+    return output, run_id_in(output), nodes
+
+
+def _left(provisioned, run_id: str) -> dict[str, str]:
+    """Per node: the job's processes, rendezvous listener and containers still there."""
+    found = leftovers(load(provisioned.inventory).first("2"), run_id)
+    for index in (1, 2):
+        containers = on_node(
+            provisioned.cluster, index, f"docker ps -q --filter label={RUN_LABEL}={run_id}"
+        )
+        found[f"node{index}"] = (found.get(f"node{index}", "") + containers).strip()
+    return found
+
+
+def _nothing_left(provisioned, run_id: str) -> None:
+    found = _left(provisioned, run_id)
+    assert not any(found.values()), found
+
+
+def test_a_rank_asleep_in_its_data_loading_is_named_with_its_line(provisioned, tmp_path):
+    output, run_id, nodes = _hung(provisioned, tmp_path, "sleep")
+    assert "the job hangs; reading every rank's stacks" in output, output[-3000:]
+    sleeper = (
+        f"rank 1 on {nodes[1]}: not in a collective, at hang.py:{line_of('sleep')} in load_batch"
+    )
+    assert sleeper in output, output[-3000:]
+    assert f"rank 0 on {nodes[0]}: waits in all_reduce, called at hang.py:" in output
+    assert f"FAILED on {nodes[1]}" in output, output[-3000:]
+    report = REPO_ROOT / ".runs" / run_id / "hang-report.txt"
+    assert sleeper in report.read_text()
+    assert (report.parent / f"hang-stacks-{nodes[1]}.txt").is_file()
+    again = make("hang-report", f"RUN={run_id}")
+    assert again.returncode == 0 and sleeper in again.stdout, again.stdout + again.stderr
+    _nothing_left(provisioned, run_id)
+
+
+def test_a_rank_that_skipped_an_all_reduce_is_named_with_both_collectives(provisioned, tmp_path):
+    output, run_id, nodes = _hung(provisioned, tmp_path, "skip")
+    assert f"rank 0 on {nodes[0]}: waits in all_reduce" in output, output[-3000:]
+    assert f"rank 1 on {nodes[1]}: waits in barrier" in output, output[-3000:]
+    assert (
+        f"ranks wait in different collectives: rank 0 ({nodes[0]}) in all_reduce; "
+        f"rank 1 ({nodes[1]}) in barrier"
+    ) in output
+    _nothing_left(provisioned, run_id)
+
+
+def test_a_rank_busy_in_a_python_loop_is_named_with_its_line(provisioned, tmp_path):
+    output, run_id, nodes = _hung(provisioned, tmp_path, "spin")
+    assert (
+        f"rank 1 on {nodes[1]}: not in a collective, at hang.py:{line_of('spin')} in spin"
+    ) in output, output[-3000:]
+    _nothing_left(provisioned, run_id)
+
+
+def test_on_hang_wait_leaves_the_job_running_until_ctrl_c(provisioned, tmp_path):
+    script = _project(tmp_path / "proj")
+    process = start_train(
+        provisioned.inventory, f"SCRIPT={script}", f"WORKDIR={script.parent}",
+        f"STALL={STALL}", "ON_HANG=wait", "ARGS=sleep",
+    )  # fmt: skip
+    try:
+        seen = read_until(process, "--on-hang wait: the job is left running", limit=2000)
+        assert "not in a collective, at hang.py:" in seen, seen[-3000:]
+        run_id = run_id_in(seen)
+        assert any(_left(provisioned, run_id).values()), "the job was stopped, not left running"
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it: make and train
+        rest, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0 and "Ctrl-C" in rest, rest[-2000:]
+    _nothing_left(provisioned, run_id)
