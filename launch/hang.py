@@ -13,9 +13,15 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from cluster.images import PY_SPY_VERSION
+
 STACKS_TIMEOUT = 45  # seconds one node's collection may take, all its ranks
 PY_SPY_TIMEOUT = 10  # seconds one rank's dump may take
 MARK = "=== tmn"
+NO_PY_SPY = (
+    "py-spy is not installed beside the job's Python there (the training image has it; on the "
+    f"host: pip install py-spy=={PY_SPY_VERSION} into the environment the jobs run in)"
+)
 
 # Every rank (a process carrying the run's marker and RANK, whose parent does not carry RANK:
 # DataLoader workers do) and its stacks. Arguments: py-spy's path, the run's ID, and "native"
@@ -23,7 +29,7 @@ MARK = "=== tmn"
 STACKS_SCRIPT = f"""\
 spy=$1 run=$2 native=
 [ "$3" = native ] && native=--native
-[ -x "$spy" ] || spy=$(command -v py-spy) || {{ echo "{MARK} no py-spy"; exit 0; }}
+[ -x "$spy" ] || spy=$(command -v py-spy) || {{ echo "{MARK} {NO_PY_SPY}"; exit 0; }}
 found=
 for d in /proc/[0-9]*; do
     pid=${{d#/proc/}}

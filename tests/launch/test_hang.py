@@ -103,8 +103,9 @@ def test_a_node_whose_stacks_cannot_be_read_is_said_and_blamed_when_the_others_w
 
 
 def test_what_the_collection_says_instead_of_stacks_is_kept():
-    ranks, problem = hang.parse("node1", f"{hang.MARK} no py-spy\n")
-    assert (ranks, problem) == ([], "no py-spy")
+    ranks, problem = hang.parse("node1", f"{hang.MARK} {hang.NO_PY_SPY}\n")
+    assert (ranks, problem) == ([], hang.NO_PY_SPY)
+    assert "pip install py-spy==" in problem
     failed = f"{hang.MARK} rank 0 pid 9\nError: Operation not permitted (os error 1)\n"
     failed += f"{hang.MARK} py-spy failed: exit 1\n"
     ranks, problem = hang.parse("node1", failed)
