@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import measure, report
+from bench import hang, measure, report
 from cluster import engine, sim
 from cluster.errors import ArgumentParser, UserError, at_the_edge
 from cluster.inventory import load
@@ -27,6 +27,7 @@ SECTIONS = (
     "fsdp",
     "image",
     "rebuild",
+    "hang",
 )
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
 SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     config = sim.SimConfig(
         NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME), f"172.30.{octet}.0/24"
     )
-    nnodes = 4 if "netcheck" in only else 2
+    nnodes = 4 if {"netcheck", "hang"} & set(only) else 2
     started = time.monotonic()
     data: dict = {
         "command": "make bench" + (" (--quick)" if args.quick else ""),
@@ -191,6 +192,9 @@ def _on_the_bench_cluster(
         if "image" in only:
             image = load(containers).training_image
             data["image"] = measure.measure_image(containers, image, args.image_reps, progress)
+        if "hang" in only:
+            four = measure.provision_containers(inventory, args.training_image, progress, nodes=4)
+            data["hang"] = hang.measure_hang(four, args.reps, progress)
     finally:
         sim.down(config)
 

@@ -468,9 +468,9 @@ def _train_in_containers(inventory: Path, script: Path) -> tuple[float, dict[str
     return seconds, sent
 
 
-def containers_inventory(inventory_path: Path, image: str | None = None) -> Path:
-    """A copy of the bench's inventory for jobs in containers on its first 2 nodes, running
-    `image` (default: the inventory's training image)."""
+def containers_inventory(inventory_path: Path, image: str | None = None, nodes: int = 2) -> Path:
+    """A copy of the bench's inventory for jobs in containers on its first `nodes` nodes,
+    running `image` (default: the inventory's training image)."""
     import yaml
 
     document = yaml.safe_load(inventory_path.read_text())
@@ -478,18 +478,24 @@ def containers_inventory(inventory_path: Path, image: str | None = None) -> Path
     if image:
         document["all"]["vars"]["training_image"] = image
     hosts = document["all"]["children"]["nodes"]["hosts"]
-    document["all"]["children"]["nodes"]["hosts"] = dict(list(hosts.items())[:2])
-    inventory = inventory_path.with_name("inventory-containers.yml")
+    document["all"]["children"]["nodes"]["hosts"] = dict(list(hosts.items())[:nodes])
+    suffix = "" if nodes == 2 else f"-{nodes}"
+    inventory = inventory_path.with_name(f"inventory-containers{suffix}.yml")
     inventory.write_text(yaml.safe_dump(document, sort_keys=False))
     return inventory
 
 
-def provision_containers(inventory_path: Path, image: str | None, progress: Progress) -> Path:
-    """2 nodes provisioned by `make provision` for jobs in containers (it builds the training
-    image if needed and ships it); the inventory for them. The edit loop and the image figures
-    share it when both run."""
-    inventory = containers_inventory(inventory_path, image)
-    progress("provisioning 2 nodes for jobs in containers (builds and ships the training image)...")
+def provision_containers(
+    inventory_path: Path, image: str | None, progress: Progress, nodes: int = 2
+) -> Path:
+    """`nodes` nodes provisioned by `make provision` for jobs in containers (it builds the
+    training image if needed and ships it); the inventory for them. The edit loop and the image
+    figures share the 2 nodes' when both run; the hang section provisions 4."""
+    inventory = containers_inventory(inventory_path, image, nodes)
+    progress(
+        f"provisioning {nodes} nodes for jobs in containers (builds and ships the training "
+        "image)..."
+    )
     run(
         ["make", "--no-print-directory", "provision", f"INVENTORY={inventory}"],
         timeout=3600,

@@ -48,6 +48,12 @@ TARGETS = {
         "provision on fresh nodes, 2 nodes, jobs in containers",
         "<= 0.25",
     ),
+    "hang_2": (
+        "a hung job: seconds from its last step line to the launcher's verdict / (STALL + 15 s), "
+        "2 nodes, jobs in containers",
+        "<= 1.00",
+    ),
+    "hang_4": ("the same, 4 nodes", "<= 1.00"),
 }
 
 
@@ -95,6 +101,9 @@ def figures(data: dict) -> dict[str, float | None]:
         found["image_top_layer"] = max(image["top_layer"]["rx_over_image"].values())
     if data.get("rebuild"):
         found["image_rebuild"] = _median(data["rebuild"]["ratio"])
+    for nodes in (2, 4):
+        if data.get("hang", {}).get(f"nodes_{nodes}"):
+            found[f"hang_{nodes}"] = _median(data["hang"][f"nodes_{nodes}"]["ratio"])
     if data.get("edit_loop"):
         found["edit_kilobytes"] = _median(data["edit_loop"]["edit_bytes_per_node"]) / 1000
     return found
@@ -287,7 +296,28 @@ def markdown(data: dict) -> str:
         lines += image_lines(data["image"])
     if data.get("rebuild"):
         lines += rebuild_lines(data["rebuild"])
+    if data.get("hang"):
+        lines += hang_lines(data["hang"])
     return "\n".join(lines) + "\n"
+
+
+def hang_lines(hang: dict) -> list[str]:
+    """Section 12: from a hung job's last step line to the launcher's verdict."""
+    lines = [
+        "",
+        "## 12. A hang explained (jobs in containers)",
+        "",
+        f"The last rank sleeps in its data loading at step 5; `STALL={hang['stall']}`. From the "
+        "job's last step line to the verdict (`[launcher] hang: ...`): the stall, then every "
+        f"rank's stacks read with py-spy on every node and judged; budget {hang['budget']} s.",
+    ]
+    for key in sorted(k for k in hang if k.startswith("nodes_")):
+        found = hang[key]
+        lines.append(
+            f"- {key.split('_')[1]} nodes: {_spread(found['seconds'], '{:.1f}')} s, "
+            f"ratio {_spread(found['ratio'], '{:.2f}')}"
+        )
+    return lines
 
 
 def rebuild_lines(rebuild: dict) -> list[str]:

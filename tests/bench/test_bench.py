@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import cli, measure, report
+from bench import cli, hang, measure, report
 
 
 def spread(*values: float) -> dict:
@@ -445,3 +445,31 @@ def test_the_rebuild_edits_a_scratch_checkout_never_this_one(tmp_path):
     code = checkout / "cluster" / "images.py"
     assert code.stat().st_ino != (measure.REPO_ROOT / "cluster" / "images.py").stat().st_ino
     assert "rebuild" in cli.SECTIONS
+
+
+def test_the_hang_figure_is_the_time_from_the_last_step_to_the_verdict_over_the_budget(tmp_path):
+    lines = [
+        (10.0, "[node1] step 3/10\n"),
+        (10.3, "[node1] step 4/10\n"),
+        (26.0, "[launcher] no step lines or heartbeats for 16 s (stall after 15 s): ...\n"),
+        (28.8, "[launcher] hang: rank 1 (node2) not in a collective ...\n"),
+        (29.0, "[node1] step 5/10\n"),  # nothing after the verdict counts
+    ]
+    assert hang.stall_to_verdict(lines) == pytest.approx(18.5)
+    assert hang.stall_to_verdict(lines[:3]) is None  # no verdict
+    assert hang.stall_to_verdict(lines[2:4]) is None  # no step line before it
+    seconds = {"median": 18.5, "min": 18.0, "max": 19.0, "n": 2, "values": [18.0, 19.0]}
+    ratio = {
+        k: v / hang.HANG_BUDGET if k != "n" else v for k, v in seconds.items() if k != "values"
+    }
+    data = {
+        **bench_data(),
+        "hang": {"stall": 15, "budget": 30, "nodes_2": {"seconds": seconds, "ratio": ratio}},
+    }
+    found = report.figures(data)
+    assert found["hang_2"] == pytest.approx(18.5 / 30) and found["hang_4"] is None
+    assert report.meets("hang_2", found["hang_2"]) == "meets"
+    report.write(data, tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "## 12. A hang explained (jobs in containers)" in text
+    assert "- 2 nodes: 18.5 (18.0 to 19.0, n=2) s, ratio 0.62" in text
