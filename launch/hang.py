@@ -35,6 +35,7 @@ for d in /proc/[0-9]*; do
     pid=${{d#/proc/}}
     env=$(tr '\\0' '\\n' < "$d/environ" 2>/dev/null) || continue
     case "$env" in *"TMN_RUN_ID=$run"*) ;; *) continue ;; esac
+    printf '%s\n' "$env" | grep -qxF "TMN_RUN_ID=$run" || continue  # not a restart's -r1
     rank=$(printf '%s\\n' "$env" | sed -n 's/^RANK=//p')
     [ -n "$rank" ] || continue
     parent=$(sed -n 's/^PPid:[[:space:]]*//p' "$d/status" 2>/dev/null)

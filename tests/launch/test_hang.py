@@ -115,7 +115,7 @@ def test_what_the_collection_says_instead_of_stacks_is_kept():
 
 def test_the_collection_finds_the_ranks_of_this_run_only_and_not_their_workers(tmp_path):
     """STACKS_SCRIPT on this machine, with a stand-in for py-spy: a rank of this run, its
-    DataLoader-like child (RANK inherited), and a rank of another run."""
+    DataLoader-like child (RANK inherited), a rank of another run and one of a restart's."""
     spy = tmp_path / "py-spy"
     spy.write_text('#!/bin/sh\necho "dumped $4"\n')
     spy.chmod(0o755)
@@ -123,6 +123,7 @@ def test_the_collection_finds_the_ranks_of_this_run_only_and_not_their_workers(t
     script = (
         start.format(run="tmn-this", rank=3)
         + start.format(run="tmn-other", rank=5)
+        + start.format(run="tmn-this-r1", rank=6)
         + "sleep 0.5; "
         + shlex.join(["sh", "-c", hang.STACKS_SCRIPT, "x", str(spy), "tmn-this"])
         + "; kill $(jobs -p) 2>/dev/null; pkill -f 'sleep 37.123'; true"
