@@ -11,8 +11,10 @@ from bench.measure import edit_line, scratch_checkout
 from cluster import images
 from cluster.engine import docker
 
-# How the install step appears in `docker history` (its command holds the pip install).
+# How the install step appears in `docker history`: its command holds the pip install of torch
+# (py-spy's layer above it holds a pip install too).
 INSTALL_STEP = "pip install --no-cache-dir --no-index"
+INSTALL_WHAT = '"torch=='
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,11 @@ def history(tag: str) -> list[Step]:
 def install_step(tag: str) -> tuple[Step, list[Step]]:
     """The step that installed torch, and the steps above it (oldest first)."""
     steps = history(tag)
-    found = [index for index, step in enumerate(steps) if INSTALL_STEP in step.created_by]
+    found = [
+        index
+        for index, step in enumerate(steps)
+        if INSTALL_STEP in step.created_by and INSTALL_WHAT in step.created_by
+    ]
     assert len(found) == 1, [step.created_by[:80] for step in steps]
     return steps[found[0]], steps[found[0] + 1 :]
 

@@ -3,12 +3,16 @@ registry names, and the reasons the stream is chosen. No network, no engine."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import json
+import re
 import tarfile
 
+import jinja2
 import pytest
+import yaml
 
 from cluster import ship
 from cluster.inventory import parse
@@ -102,9 +106,18 @@ def test_the_registry_names_the_image_under_its_address():
     assert registry.reference("torch-multinode/train") == (
         "172.30.77.1:5000/torch-multinode/train:latest"
     )
-    # the instance name is the one ansible/roles/image_registry gives its files
-    role = (REPO_ROOT / "ansible/roles/image_registry/tasks/instance.yml").read_text()
-    assert "torch-multinode-registry-{{ image_registry_address | replace('.', '-') }}-{{" in role
+    # the instance name is the one ansible/roles/image_registry gives its files (its vars'
+    # expression rendered here, with stand-ins for ansible's regex_replace and zip filters)
+    expression = yaml.safe_load(
+        (REPO_ROOT / "ansible/roles/image_registry/vars/main.yml").read_text()
+    )["image_registry_instance_names"]
+    environment = jinja2.Environment()
+    environment.filters["regex_replace"] = lambda text, pattern, by: re.sub(pattern, by, text)
+    environment.filters["zip"] = lambda first, second: list(zip(first, second, strict=True))
+    names = environment.from_string(expression).render(
+        image_registry_addresses=["172.30.77.1"], image_registry_port_used=5000
+    )
+    assert ast.literal_eval(names) == {"172.30.77.1": registry.instance}
 
 
 def _inventory(tmp_path, **cluster_vars):
