@@ -137,9 +137,10 @@ def _parser() -> argparse.ArgumentParser:
         type=_stall_seconds,
         default=None,
         help="seconds without progress (step lines, '[tmn] heartbeat' lines, or any output for a "
-        "script that prints neither) after which the job is a hang: every rank's stacks are "
-        "read and the rank that holds the others up is named; 0: never (default: the larger of "
-        "120 s and 5 times the median time between step lines, once one was seen)",
+        "script that prints neither), counted from its first, after which the job is a hang: "
+        "every rank's stacks are read and the rank that holds the others up is named; 0: never "
+        "(default: the larger of 120 s and 5 times the median time between step lines or "
+        "heartbeats, once one was seen; none for a job that prints neither)",
     )
     parser.add_argument(
         "--on-hang",

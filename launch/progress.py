@@ -5,10 +5,13 @@ user's script prints to say it is alive (HEARTBEAT, hidden from the output), and
 that prints neither, any line at all. Once a step line or a heartbeat has been seen, only those
 count: a rank waiting in a collective may go on printing warnings.
 
-The job is stalled after STALL seconds without progress. Given (--stall), that applies from the
-job's start. Left to the launcher, it applies once progress has been seen (before that, the
-rendezvous and the first collective have timeouts of their own) and is the larger of
-STALL_FLOOR and STALL_STEPS times the median interval between two progress events.
+The job is stalled after STALL seconds without progress, counted once progress has been seen:
+before that, the ranks start (a container, torch's import, the rendezvous: slow on a loaded
+machine) and the rendezvous and the first collective have timeouts of their own. Given
+(--stall), STALL applies to any progress, output included. Left to the launcher, it applies
+once a step line or a heartbeat has been seen, and is the larger of STALL_FLOOR and
+STALL_STEPS times the median interval between two of them: a job that only prints now and then
+(the selftest, a user's script) is never called hung by default.
 """
 
 from __future__ import annotations
@@ -58,11 +61,13 @@ class Progress:
 
     def threshold(self) -> float | None:
         """Seconds without progress that make a stall (None: none can be declared yet)."""
-        if self.stall is not None:
-            return self.stall or None
         with self._lock:
             if self._last is None:
-                return None
+                return None  # nothing yet: the start and the rendezvous have their own limits
+            if self.stall is not None:
+                return self.stall or None
+            if not self._marked:
+                return None  # output alone sets no default
             typical = statistics.median(self._intervals) if self._intervals else 0.0
         return max(STALL_FLOOR, STALL_STEPS * typical)
 

@@ -218,29 +218,33 @@ def test_step_lines_set_the_default_stall_and_other_output_does_not_count_once_s
     assert progress.stalled() == pytest.approx(301.0)
 
 
-def test_the_floor_applies_to_fast_steps_and_any_output_counts_for_a_script_without_steps():
+def test_the_floor_applies_to_fast_steps_and_output_alone_sets_no_default():
     clock = Clock()
     progress = Progress(None, clock)
-    for _ in range(5):
+    for step in range(1, 6):
         clock.now += 1.0
-        progress.note("epoch going on")
+        progress.note(f"step {step}/10")
     assert progress.threshold() == STALL_FLOOR
     clock.now += STALL_FLOOR - 1
     assert progress.stalled() is None
-    progress.note("more output")
-    clock.now += STALL_FLOOR
+    clock.now += 1
     assert progress.stalled() == STALL_FLOOR
+    sparse = Progress(None, clock)  # the selftest: a header, then minutes of work, then a table
+    sparse.note("selftest: 2 rank(s) on 2 node(s), gloo, cpu")
+    clock.now += 10 * STALL_FLOOR
+    assert sparse.threshold() is None and sparse.stalled() is None
 
 
-def test_a_heartbeat_counts_and_is_hidden_and_a_given_stall_applies_from_the_start():
+def test_a_given_stall_counts_once_progress_was_seen_output_included_and_a_heartbeat_is_hidden():
     clock = Clock()
     progress = Progress(30.0, clock)
-    assert progress.note(HEARTBEAT) is False and progress.note("step 1/2") is True
-    clock.now = 29.0
+    clock.now = 100.0  # a slow start (a container, torch's import) is not a stall
+    assert progress.threshold() is None and progress.stalled() is None
+    assert progress.note("rank 1 runs on node2") is True
+    clock.now = 129.0
     assert progress.stalled() is None
-    clock.now = 31.0
+    clock.now = 131.0
     assert progress.stalled() == 31.0
+    assert progress.note(HEARTBEAT) is False and progress.note("step 1/2") is True
+    assert progress.stalled() is None
     assert Progress(0.0, clock).threshold() is None  # STALL=0: never
-    silent = Progress(10.0, clock)
-    clock.now += 11
-    assert silent.stalled() == 11  # no output at all since the start
