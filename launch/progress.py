@@ -40,7 +40,6 @@ class Progress:
         self.started = clock()
         self._lock = threading.Lock()
         self._last: float | None = None  # the last progress event
-        self._last_line: float | None = None  # the last line of any kind
         self._marked = False  # a step line or a heartbeat has been seen
         self._intervals: list[float] = []
 
@@ -56,7 +55,6 @@ class Progress:
                 if self._last is not None:
                     self._intervals = [*self._intervals[-_INTERVALS_KEPT + 1 :], now - self._last]
                 self._last = now
-            self._last_line = now
         return not heartbeat
 
     def threshold(self) -> float | None:
