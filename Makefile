@@ -138,7 +138,7 @@ image: $(STAMP)
 
 .PHONY: train-spawn  ## the default job on this machine started with mp.spawn, as the seeds do it
 train-spawn: $(STAMP)
-	$(BIN)/python -m training.spawn $(if $(strip $(ARGS)),-- $(ARGS))
+	$(BIN)/python -m torch_multinode.training.spawn $(if $(strip $(ARGS)),-- $(ARGS))
 
 .PHONY: hostfile  ## print INVENTORY as a DeepSpeed/Horovod/MPI hostfile (make -s hostfile INVENTORY=x > hostfile)
 hostfile: $(STAMP)

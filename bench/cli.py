@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import hang, measure, report
-from cluster import engine, sim
-from cluster.errors import ArgumentParser, UserError, at_the_edge
-from cluster.inventory import load
+from torch_multinode.bench import hang, measure, report
+from torch_multinode.cluster import engine, sim
+from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge
+from torch_multinode.cluster.inventory import load
 
 SECTIONS = (
     "provision",

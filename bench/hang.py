@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import REPO_ROOT, Progress, Series
+from torch_multinode.bench.measure import REPO_ROOT, Progress, Series
 
 HANG_STALL = 15
 HANG_BUDGET = HANG_STALL + 15

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import images, sim, sync
-from cluster.errors import UserError
-from cluster.inventory import Inventory, load
-from launch.commands import remote_command
-from launch.nodes import interface_env
-from launch.spec import JobSpec
+from torch_multinode.cluster import images, sim, sync
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Inventory, load
+from torch_multinode.launch.commands import remote_command
+from torch_multinode.launch.nodes import interface_env
+from torch_multinode.launch.spec import JobSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = REPO_ROOT / ".venv" / "bin"
@@ -446,7 +446,7 @@ def edit_loop_project(root: Path) -> Path:
     script = root / "train.py"
     script.write_text(
         "import runpy\n\nimport pkg.mod_0000  # noqa: F401\n\n"
-        "runpy.run_module('training.ddp', run_name='__main__')\n"
+        "runpy.run_module('torch_multinode.training.ddp', run_name='__main__')\n"
     )
     return script
 
@@ -739,8 +739,7 @@ def registry_files(storage: Path, repository: str) -> list[Path]:
 def registry_storage(registry) -> Path:
     """The storage of the registry instance `registry` (ship.Registry), from its config."""
     import yaml
-
-    from cluster import ship
+    from torch_multinode.cluster import ship
 
     config = yaml.safe_load((ship.REGISTRY_DIR / f"{registry.instance}.yml").read_text())
     return Path(config["storage"]["filesystem"]["rootdirectory"]) / "docker" / "registry" / "v2"
@@ -769,7 +768,7 @@ def wait_for_quiet_registries(mine: set[str], progress: Progress) -> float:
     REGISTRY_QUIET_SECONDS (Docker's registry client keeps none open between requests), so
     that forgetting the image does not pull it from under another cluster's shipment; the
     seconds waited."""
-    from cluster import ship
+    from torch_multinode.cluster import ship
 
     others = registry_endpoints([p.name for p in ship.REGISTRY_DIR.glob("*.yml")]) - mine
     started = quiet_since = time.monotonic()
@@ -808,7 +807,7 @@ def forget_in_registry(inventory: Inventory, image: str, progress: Progress) -> 
     them would break it): the push uploads them all the same, since the registry answers
     'unknown' for every blob this repository no longer links (its log: HEAD 404, then an
     upload, no mount)."""
-    from cluster import ship
+    from torch_multinode.cluster import ship
 
     registries, reason = ship.find_registries(inventory)
     if not registries:
@@ -826,7 +825,7 @@ def forget_in_registry(inventory: Inventory, image: str, progress: Progress) -> 
 def ship_from_nothing(inventory_path: Path, image: str, via: str, progress: Progress) -> dict:
     """`image` removed from both nodes (and, through the registry, from the registry), then
     shipped `via` 'registry' or 'stream': wall seconds, and what each node received."""
-    from cluster import ship
+    from torch_multinode.cluster import ship
 
     inventory = load(inventory_path)
     containers = node_containers(inventory_path)
@@ -879,7 +878,7 @@ def ship_top_layer_change(inventory_path: Path, image: str, progress: Progress) 
     layer, shipped as `cluster ship` chooses (via auto); bytes each node received, on its own
     network counters and as the shipment counted them, against the image's and the layer's
     size. The derived image is removed afterwards (nodes, this machine, its registry tag)."""
-    from cluster import ship
+    from torch_multinode.cluster import ship
 
     inventory = load(inventory_path)
     containers = node_containers(inventory_path)

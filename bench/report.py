@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.sync import human
-from netcheck.report import human_bytes
+from torch_multinode.cluster.sync import human
+from torch_multinode.netcheck.report import human_bytes
 
 FIXED_LEVERS = ("none", "fp16", "bf16", "powersgd", "no_sync")
 

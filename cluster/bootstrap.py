@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
-
-from cluster.errors import UserError, shown
-from cluster.inventory import Host, Inventory
-from cluster.remote import Remote, on_all
+from torch_multinode.cluster.errors import UserError, shown
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.remote import Remote, on_all
 
 DEFAULT_KEY = Path("~/.ssh/id_ed25519")
 SUDOERS_DROP_IN = "/etc/sudoers.d/torch-multinode"

@@ -10,10 +10,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster import engine, sim
-from cluster import inventory as inventory_module
-from cluster.errors import ArgumentParser, UserError, at_the_edge, shown
-from cluster.inventory import DEFAULT_TRAINING_IMAGE, GROUP_HELP, NODES_GROUP, is_word
+from torch_multinode.cluster import engine, sim
+from torch_multinode.cluster import inventory as inventory_module
+from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge, shown
+from torch_multinode.cluster.inventory import (
+    DEFAULT_TRAINING_IMAGE,
+    GROUP_HELP,
+    NODES_GROUP,
+    is_word,
+)
 
 INVENTORY_HELP = (
     "the Ansible inventory: a YAML or INI file (group_vars/ and host_vars/ beside it count) or "
@@ -247,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "image":
-        from cluster import images
+        from torch_multinode.cluster import images
 
         kind, tag = args.kind, args.tag
         if not is_word(tag):  # the inventory's training_image is held to the same rule
@@ -354,8 +359,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _nodes_platform(inventory) -> str:
     """The Docker platform the inventory's nodes share, asked over SSH (cluster.images)."""
-    from cluster import images
-    from cluster.execution import SshNodes
+    from torch_multinode.cluster import images
+    from torch_multinode.cluster.execution import SshNodes
 
     nodes = SshNodes(inventory)
     try:
@@ -386,8 +391,8 @@ def _new_password(user: str) -> str:
 
 
 def _slurm(args: argparse.Namespace) -> int:
-    from cluster import slurm
-    from cluster.execution import SshNodes
+    from torch_multinode.cluster import slurm
+    from torch_multinode.cluster.execution import SshNodes
 
     if args.command == "cancel" and not args.job:
         raise UserError("no job given", hint="make cancel JOB=<an ID from make queue>")
@@ -405,7 +410,7 @@ def _slurm(args: argparse.Namespace) -> int:
 
 
 def _ready(args: argparse.Namespace) -> int:
-    from cluster import bootstrap
+    from torch_multinode.cluster import bootstrap
 
     inventory = inventory_module.load(args.inventory, args.group)
     missing = bootstrap.not_ready(inventory, sudo_without_password=not args.ask_become_pass)
@@ -425,7 +430,7 @@ def _ready(args: argparse.Namespace) -> int:
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from cluster import bootstrap
+    from torch_multinode.cluster import bootstrap
 
     inventory = inventory_module.load(args.inventory, args.group)
     fingerprints = Path(args.fingerprints) if args.fingerprints else None
@@ -467,7 +472,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 
 def _ship(args: argparse.Namespace) -> int:
-    from cluster import ship
+    from torch_multinode.cluster import ship
 
     inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
     if inventory.launch_mode != "container" and args.image is None:
@@ -481,7 +486,7 @@ def _ship(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from cluster import sync
+    from torch_multinode.cluster import sync
 
     if not args.source:
         raise UserError("no dataset directory given", hint="make data SRC=path/to/dataset")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 
-from cluster.inventory import Host
+from torch_multinode.cluster.inventory import Host
 
 # NCCL's own configuration, written by provisioning (role nccl_config) and mounted read-only
 # into every training container: a launcher typed by hand in one (torchrun, deepspeed,

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.errors import UserError
+from torch_multinode.cluster.errors import UserError
 
 Progress = Callable[[str], None]
 

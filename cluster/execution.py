@@ -23,9 +23,13 @@ import socket
 import threading
 from typing import Protocol
 
-from cluster.containers import NCCL_CONF_GUARD, container_command, training_container_options
-from cluster.inventory import Host, Inventory
-from cluster.remote import Remote, Result
+from torch_multinode.cluster.containers import (
+    NCCL_CONF_GUARD,
+    container_command,
+    training_container_options,
+)
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.remote import Remote, Result
 
 SSH_CONNECT_TIMEOUT = 5.0
 
@@ -121,7 +125,7 @@ class SshNodes:
         """netcheck's collective workers import netcheck, and the training image holds no project
         code: send it with rsync. A node that cannot take it is reported by the checks: ssh
         when it does not answer, else the software check (netcheck not importable there)."""
-        from cluster import sync
+        from torch_multinode.cluster import sync
 
         tree = sync.tool_tree()
         destination = sync.tool_destination(self.inventory)
@@ -182,7 +186,7 @@ class HostContext:
 
     def wrap(self, host: Host, command: str, token: str) -> str:
         if self.code_dir:
-            return f"export PYTHONPATH={shlex.quote(self.code_dir)}; {command}"
+            return f"export PYTHONPATH={shlex.quote(_import_path(self.code_dir))}; {command}"
         return command
 
     def cleanup(self, token: str) -> str | None:
@@ -217,7 +221,7 @@ class ContainerContext:
                 "-v",
                 f"{self.code_dir}:{self.code_dir}:ro",
                 "-e",
-                f"PYTHONPATH={self.code_dir}",
+                f"PYTHONPATH={_import_path(self.code_dir)}",
             ]
         return f"{NCCL_CONF_GUARD} && " + container_command(
             options, self.image, ["sh", "-c", command]
@@ -226,6 +230,12 @@ class ContainerContext:
     def cleanup(self, token: str) -> str | None:
         label = shlex.quote(f"label={NETCHECK_LABEL}={token}")
         return f"docker ps -q --filter {label} | xargs -r docker rm -f >/dev/null 2>&1; true"
+
+
+def _import_path(code_dir: str) -> str:
+    from torch_multinode.cluster import sync
+
+    return sync.tool_import_path(code_dir)
 
 
 def context_for(inventory: Inventory, code_dir: str | None = None) -> Context:

@@ -29,15 +29,20 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster import __version__
-from cluster.engine import debian_base, docker, image_exists, require_engine
-from cluster.errors import UserError, shown
-from cluster.inventory import DEFAULT_TRAINING_IMAGE, Host
-from cluster.sync import TOOL_ROOT
-from cluster.versions import TORCH_LABEL, minimum_shown, release, torch_meets_minimum
+from torch_multinode.cluster import __version__
+from torch_multinode.cluster.engine import debian_base, docker, image_exists, require_engine
+from torch_multinode.cluster.errors import UserError, shown
+from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE, Host
+from torch_multinode.cluster.sync import TOOL_ROOT
+from torch_multinode.cluster.versions import (
+    TORCH_LABEL,
+    minimum_shown,
+    release,
+    torch_meets_minimum,
+)
 
 if TYPE_CHECKING:
-    from cluster.execution import Nodes
+    from torch_multinode.cluster.execution import Nodes
 
 KINDS = ("auto", "cpu", "cuda")
 # The base of both kinds: Debian's own packages, no registry account. Beside Python: a C and C++
@@ -466,7 +471,9 @@ def nodes_platform(hosts: Sequence[Host], nodes: Nodes) -> str:
         except UserError as exc:
             return UserError(f"host '{host.name}': {exc}", exit_code=1)
 
-    from cluster.remote import on_all  # fabric and paramiko, only when nodes are asked
+    from torch_multinode.cluster.remote import (
+        on_all,  # fabric and paramiko, only when nodes are asked
+    )
 
     answers = on_all(list(hosts), ask)
     for answer in answers.values():

@@ -43,8 +43,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import yaml
-
-from cluster.errors import UserError, printable, shown
+from torch_multinode.cluster.errors import UserError, printable, shown
 
 NODES_GROUP = "nodes"
 DEFAULT_RENDEZVOUS_PORT = 29500

@@ -17,9 +17,8 @@ from typing import TypeVar
 
 import paramiko
 from fabric import Connection
-
-from cluster.errors import UserError
-from cluster.inventory import Host, Inventory, known_hosts_file
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host, Inventory, known_hosts_file
 
 T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 5.0

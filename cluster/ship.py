@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import images
-from cluster.errors import UserError
-from cluster.inventory import Host, Inventory
-from cluster.remote import on_all
-from cluster.sync import PROGRESS_EVERY, human, ssh_command
+from torch_multinode.cluster import images
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.remote import on_all
+from torch_multinode.cluster.sync import PROGRESS_EVERY, human, ssh_command
 
 Emit = Callable[[str], None]
 REGISTRY_DIR = Path("/etc/torch-multinode/registry")

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-
-from cluster.engine import Progress, debian_base, docker, require_engine
-from cluster.errors import UserError
-from cluster.inventory import Inventory, load
-from cluster.remote import Remote
-from cluster.sync import TOOL_ROOT
+from torch_multinode.cluster.engine import Progress, debian_base, docker, require_engine
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Inventory, load
+from torch_multinode.cluster.remote import Remote
+from torch_multinode.cluster.sync import TOOL_ROOT
 
 REPO_ROOT = TOOL_ROOT
 SIM_NODE_CONTEXT = REPO_ROOT / "docker" / "sim-node"
@@ -59,7 +58,7 @@ BASE_PACKAGES = (
     "mount",
     "rsync",
 )
-PACKAGE_DIRS = ("cluster", "training", "netcheck")
+PACKAGE_DIRS = ("torch_multinode", "cluster", "training", "netcheck")
 SSH_HANDSHAKE_TIMEOUT = 15.0
 _LINK_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 
@@ -495,7 +494,7 @@ def _wait_for_ssh(remote: Remote, container: str, deadline: float) -> None:
 
 def _wait_for_sshd(host, container: str, deadline: float) -> None:
     """Until the node's sshd completes a key exchange (nothing can log in yet: FRESH=1)."""
-    from cluster.bootstrap import NodeFailed, fetch_host_key
+    from torch_multinode.cluster.bootstrap import NodeFailed, fetch_host_key
 
     def probe() -> None:
         try:

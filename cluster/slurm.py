@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import shlex
 
-from cluster.errors import UserError
-from cluster.execution import Nodes
-from cluster.inventory import Inventory
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import Nodes
+from torch_multinode.cluster.inventory import Inventory
 
 QUEUE_TIMEOUT = 30.0
 # One line per job: id|name|user|state|elapsed|nodes|where it runs, or why it waits.

@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster import sync
-from cluster.errors import UserError, printable, shown
-from cluster.inventory import Host, Inventory
-from cluster.versions import TORCH_LABEL, minimum_shown, torch_meets_minimum
+from torch_multinode.cluster import sync
+from torch_multinode.cluster.errors import UserError, printable, shown
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.versions import TORCH_LABEL, minimum_shown, torch_meets_minimum
 
 REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
 REMOTE_SECRETS_ROOT = "/tmp/torch-multinode/secrets"
@@ -49,7 +49,12 @@ class Project:
 
     @property
     def python_path(self) -> str:
-        return ":".join(remote for _, remote in self.trees)
+        """The job's import path: its project first, then the parent of our packages'
+        torch_multinode/ directory (nothing of ours under a generic name)."""
+        return ":".join(
+            sync.tool_import_path(remote) if remote.endswith("/" + sync.TOOL_PACKAGE) else remote
+            for _, remote in self.trees
+        )
 
 
 def project_root(script: Path | None, workdir: Path | None) -> Path | None:
@@ -83,7 +88,9 @@ def plan(
     tool = sync.tool_tree()
     tool_remote = sync.tool_destination(inventory)
     if root is None:
-        return Project(((tool, tool_remote),), tool_remote, None)
+        # It runs in the parent of the torch_multinode/ directory: `python -m` puts the working
+        # directory on the import path, and there it adds no generic name.
+        return Project(((tool, tool_remote),), sync.tool_import_path(tool_remote), None)
     tree = sync.project_tree(root)
     sync.check_size(tree, limit)
     remote = sync.remote_dir(inventory.workdir_root, root)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 import shlex
 import shutil
@@ -26,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.errors import UserError
-from cluster.inventory import Host, Inventory
-from cluster.remote import Remote, on_all
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.remote import Remote, on_all
 
 Emit = Callable[[str], None]
 
@@ -54,9 +55,11 @@ DEFAULT_WORKDIR_LIMIT = 200_000_000  # bytes (200 MB): code and configs, not dat
 PROGRESS_EVERY = 3.0  # seconds between a node's progress lines during a transfer
 RSYNC_TIMEOUT = 30  # rsync's own I/O timeout: a node that stops answering ends the transfer
 SSH_CONNECT_TIMEOUT = 10
-# The package directories of this project: what a job needs of it on the node.
+# The package directories of this project: what a job needs of it on the node, where they sit
+# in a directory named TOOL_PACKAGE (the one name our code is imported by, in jobs too).
 TOOL_ROOT = Path(__file__).resolve().parents[1]
 TOOL_PACKAGES = ("cluster", "netcheck", "training")
+TOOL_PACKAGE = "torch_multinode"
 
 # Run on the node with the file list on stdin (NUL-separated): the same digest as `digest()`.
 _NODE_DIGEST = """
@@ -312,8 +315,16 @@ def remote_dir(root_on_node: str, local: Path, name: str | None = None) -> str:
 
 
 def tool_destination(inventory: Inventory) -> str:
-    """Where this project's own packages live on every node (the launcher and netcheck)."""
-    return remote_dir(inventory.workdir_root, TOOL_ROOT, "torch-multinode")
+    """Where this project's own packages live on every node (the launcher and netcheck): a
+    torch_multinode/ directory alone in its parent, which goes on the import path
+    (`tool_import_path`), so `torch_multinode.training` is importable there and no generic
+    name (`training`, `cluster`) is."""
+    return f"{remote_dir(inventory.workdir_root, TOOL_ROOT, 'torch-multinode')}/{TOOL_PACKAGE}"
+
+
+def tool_import_path(destination: str) -> str:
+    """The import path entry that makes the packages sent to `destination` importable."""
+    return posixpath.dirname(destination.rstrip("/"))
 
 
 def ssh_command(inventory: Inventory, host: Host) -> list[str]:

@@ -1,7 +1,7 @@
 """What a node or an image runs: Python, torch, torchvision, CUDA, cuDNN (and whether its engine
 libraries are there), NCCL, triton, TensorBoard, the project.
 
-`python3 -m cluster.versions` prints one `name: version` line each; `--json` prints a mapping.
+`python3 -m torch_multinode.cluster.versions` prints one `name: version` line each; `--json` prints a mapping.
 Anything absent says so ("none") instead of failing: a CPU node has no NCCL to speak of.
 
 The training image carries this file alone, as a script, without the project's code (which
@@ -68,7 +68,7 @@ def minimum_shown() -> str:
 def project_version() -> str:
     """The project's own version where its code is importable, else what the image recorded."""
     try:
-        import cluster
+        from torch_multinode import cluster
     except ImportError:
         cluster = None
     version = getattr(cluster, "__version__", None)

@@ -4,9 +4,9 @@ sign of a peer's death."""
 
 from __future__ import annotations
 
-from cluster.inventory import Host
-from launch.ending import cause_and_knock_ons, exceptions
-from launch.spec import _COLLATERAL
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.launch.ending import cause_and_knock_ons, exceptions
+from torch_multinode.launch.spec import _COLLATERAL
 
 
 def blame(failures: list[str], outcomes: dict, hosts: tuple[Host, ...]) -> str | None:

@@ -8,12 +8,18 @@ import os
 import sys
 from pathlib import Path
 
-from cluster.errors import UserError
-from launch.spec import DEFAULT_MODULE
-from training import arguments
+from torch_multinode.cluster import sync
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.launch.spec import DEFAULT_MODULE, runnable_module
+from torch_multinode.training import arguments
 
 
-def workload_arguments(module: str, argv: list[str], world_size: int | None = None) -> str | None:
+def workload_arguments(
+    module: str,
+    argv: list[str],
+    world_size: int | None = None,
+    workdir: Path | None = None,
+) -> str | None:
     """A workload of this project checks its own arguments here, before any process starts
     anywhere: bad input is one error line and exit 2, not the same error from every rank
     followed by torchrun's report. (Its --help is printed here too.) The checks are the
@@ -22,7 +28,11 @@ def workload_arguments(module: str, argv: list[str], world_size: int | None = No
 
     With the job's `world_size` (every node's processes together), its batch is checked
     against it too: what the job's header says where a default batch was rounded to it, or
-    None."""
+    None. A project (`workdir`) with its own module of that name checks its own."""
+    if not runnable_module(module, workdir.resolve() if workdir else None).startswith(
+        f"{sync.TOOL_PACKAGE}."
+    ):
+        return None
     return arguments.check(module, _without_files_elsewhere(argv), world_size)
 
 
@@ -65,7 +75,9 @@ def _without_files_elsewhere(argv: list[str]) -> list[str]:
     return kept
 
 
-def importable_here(module: str, directory: Path | None = None) -> None:
+def importable_here(
+    module: str, directory: Path | None = None, shown_as: str | None = None
+) -> None:
     """A local job's module must exist before any process starts: otherwise every rank prints
     'No module named' and torchrun adds its own traceback. Finds it the way `python -m` in
     `directory` (the job's project root; default: this directory) would, importing its parent
@@ -79,7 +91,7 @@ def importable_here(module: str, directory: Path | None = None) -> None:
         sys.path.pop(0)
     if found is None:
         raise UserError(
-            f"--module {module}: no module of that name here",
+            f"--module {shown_as or module}: no module of that name here",
             hint=f"MODULE={DEFAULT_MODULE}, one of the workloads listed in "
             "training/__init__.py, or SCRIPT=path/to/train.py",
         )

@@ -15,9 +15,9 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from cluster import inventory as inventory_module
-from cluster import staging, sync
-from cluster.errors import (
+from torch_multinode.cluster import inventory as inventory_module
+from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster.errors import (
     ArgumentParser,
     UserError,
     at_the_edge,
@@ -26,20 +26,21 @@ from cluster.errors import (
     stop_on_sigterm,
     whole_number,
 )
-from cluster.inventory import GROUP_HELP, parse_gpu_list
-from launch import checks, slurm
-from launch.commands import run_dir
-from launch.ending import record_exit_code, summary
-from launch.local import project_directory, run_local
-from launch.nodes import legacy_flag, nproc_for, rank_order_warning
-from launch.restarts import run_job
-from launch.spec import (
+from torch_multinode.cluster.inventory import GROUP_HELP, parse_gpu_list
+from torch_multinode.launch import checks, slurm
+from torch_multinode.launch.commands import run_dir
+from torch_multinode.launch.ending import record_exit_code, summary
+from torch_multinode.launch.local import project_directory, run_local
+from torch_multinode.launch.nodes import legacy_flag, nproc_for, rank_order_warning
+from torch_multinode.launch.restarts import run_job
+from torch_multinode.launch.spec import (
     DEBUG_LEVELS,
     DEFAULT_MODULE,
     DEFAULT_NETWORK_TIMEOUT,
     DEFAULT_RESTART_WAIT,
     ON_HANG,
     JobSpec,
+    job_module,
 )
 
 
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if args.script is not None and args.local_rank_arg != "none":
         flag = legacy_flag(args.script) if args.local_rank_arg == "auto" else args.local_rank_arg
     if args.script is None:
-        checks.workload_arguments(args.module, extra)
+        checks.workload_arguments(args.module, extra, workdir=args.workdir)
     run_id = JobSpec().run_id
     spec = JobSpec(
         run_id=run_id,
@@ -272,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                 hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
             )
         if spec.script is None:
-            checks.importable_here(spec.module, project_directory(spec))
+            checks.importable_here(job_module(spec), project_directory(spec), spec.module)
         return run_local(spec, _emit)
 
     # The job's nodes, once: everything below takes the narrowed inventory whole.
@@ -282,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     fitted = None  # the workload's batch against the world size: every node's processes
     if args.script is None:
         world = sum(nproc_for(host, spec) for host in inventory.hosts)
-        fitted = checks.workload_arguments(spec.module, extra, world)
+        fitted = checks.workload_arguments(spec.module, extra, world, spec.workdir)
     project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
     resolved, notes = staging.resolve_paths(spec.args, inventory, project, run_dir(spec))
     spec = replace(spec, args=resolved)

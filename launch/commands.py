@@ -6,12 +6,16 @@ from __future__ import annotations
 import shlex
 from dataclasses import replace
 
-from cluster import staging
-from cluster.containers import NCCL_CONF_GUARD, container_command, training_container_options
-from cluster.inventory import Host
-from cluster.staging import REMOTE_RUN_ROOT, Project
-from launch.nodes import entry_point, job_environment, nproc_for
-from launch.spec import (
+from torch_multinode.cluster import staging
+from torch_multinode.cluster.containers import (
+    NCCL_CONF_GUARD,
+    container_command,
+    training_container_options,
+)
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.staging import REMOTE_RUN_ROOT, Project
+from torch_multinode.launch.nodes import entry_point, job_environment, nproc_for
+from torch_multinode.launch.spec import (
     CONTAINER_PYTHON,
     LINK_PROBE_WAIT,
     LOCK_BUSY_EXIT,

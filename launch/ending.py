@@ -9,11 +9,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster import staging
-from cluster.inventory import Host, Inventory
-from launch.commands import run_dir
-from launch.signatures import known_problems
-from launch.spec import EXCERPT_LINES, Emit, JobResult, JobSpec
+from torch_multinode.cluster import staging
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.launch.commands import run_dir
+from torch_multinode.launch.signatures import known_problems
+from torch_multinode.launch.spec import EXCERPT_LINES, Emit, JobResult, JobSpec
 
 
 def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:

@@ -23,19 +23,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from cluster import staging, sync
-from cluster.errors import Terminated, UserError
-from cluster.execution import Nodes, Session, SshNodes
-from cluster.inventory import Host, Inventory
-from cluster.jobenv import BACKEND_VARIABLE
-from cluster.remote import on_all
-from cluster.staging import Project
-from launch import blame, stop, watch
-from launch.commands import lock_command, remote_command, run_dir, unlock_command
-from launch.node_output import NodeOutput
-from launch.nodes import gpu_problem, interface_env, job_backend, nproc_for
-from launch.progress import Progress
-from launch.spec import (
+from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster.errors import Terminated, UserError
+from torch_multinode.cluster.execution import Nodes, Session, SshNodes
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.jobenv import BACKEND_VARIABLE
+from torch_multinode.cluster.remote import on_all
+from torch_multinode.cluster.staging import Project
+from torch_multinode.launch import blame, stop, watch
+from torch_multinode.launch.commands import lock_command, remote_command, run_dir, unlock_command
+from torch_multinode.launch.node_output import NodeOutput
+from torch_multinode.launch.nodes import gpu_problem, interface_env, job_backend, nproc_for
+from torch_multinode.launch.progress import Progress
+from torch_multinode.launch.spec import (
     BLAME_GRACE,
     GPU_PROBE,
     INTERRUPTED_RUNNER_GRACE,

@@ -20,14 +20,26 @@ import sys
 import time
 from pathlib import Path
 
-from cluster import staging, sync
-from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
-from cluster.inventory import Host
-from launch import checks
-from launch.ending import cause_and_knock_ons, cause_lines, exceptions, failure_excerpt
-from launch.nodes import job_backend, job_environment, process_count
-from launch.signatures import known_problems
-from launch.spec import STOP_GRACE, TAIL_LINES, Emit, JobSpec
+from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.launch import checks
+from torch_multinode.launch.ending import (
+    cause_and_knock_ons,
+    cause_lines,
+    exceptions,
+    failure_excerpt,
+)
+from torch_multinode.launch.nodes import job_backend, job_environment, process_count
+from torch_multinode.launch.signatures import known_problems
+from torch_multinode.launch.spec import (
+    LEGACY_SHIM,
+    STOP_GRACE,
+    TAIL_LINES,
+    Emit,
+    JobSpec,
+    job_module,
+)
 
 _BREAKS = re.compile(rb"\r\n|\n|\r")
 
@@ -37,11 +49,11 @@ def command(spec: JobSpec, nproc: int) -> list[str]:
     # The script by its absolute path: the job runs in its project's root, not where `train` was
     # typed.
     if spec.script is None:
-        entry = ["-m", spec.module]
+        entry = ["-m", job_module(spec)]
     elif spec.local_rank_flag:
         entry = [
             "-m",
-            "training.legacy",
+            LEGACY_SHIM,
             f"--flag={spec.local_rank_flag}",
             str(spec.script.resolve()),
         ]
@@ -50,7 +62,7 @@ def command(spec: JobSpec, nproc: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "training.local_launch",
+        f"{sync.TOOL_PACKAGE}.training.local_launch",
         "--standalone",
         f"--nproc-per-node={nproc}",
         *entry,
@@ -94,8 +106,9 @@ def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
         nproc = process_count(spec, len(spec.gpus), f"GPUS={shown} gives it {len(spec.gpus)}")
     else:
         nproc = process_count(spec, gpus_here, f"this machine has {gpus_here}", cpu_default=2)
-    root = project_directory(spec)
-    python_path = ":".join(dict.fromkeys((str(root), str(sync.TOOL_ROOT))))
+    # The project alone: torch_multinode comes from this environment's install (see
+    # torch_multinode/__init__.py), and this project's root would add generic names.
+    python_path = str(project_directory(spec))
     here = this_machine(gpus_here)
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its 4-line warning
@@ -163,7 +176,11 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
     argv = command(spec, nproc)
     root, run_dir = project_directory(spec), run_directory(spec)
     # the workload's batch against this machine's processes, before any starts
-    fitted = None if spec.script else checks.workload_arguments(spec.module, list(spec.args), nproc)
+    fitted = (
+        None
+        if spec.script
+        else checks.workload_arguments(spec.module, list(spec.args), nproc, spec.workdir)
+    )
     emit(
         f"[launcher] local job {spec.run_id} in {root}: {shlex.join(argv)}"
         + (f"; {fitted}" if fitted else "")

@@ -6,11 +6,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cluster.errors import UserError, printable
-from cluster.inventory import Host, Inventory
-from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE, RUN_DIR_VARIABLE
-from cluster.staging import Project
-from launch.spec import DEBUG_ENV, DEBUG_LEVELS, GPUS_PER_PROCESS, JobSpec
+from torch_multinode.cluster.errors import UserError, printable
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE, RUN_DIR_VARIABLE
+from torch_multinode.cluster.staging import Project
+from torch_multinode.launch.spec import (
+    DEBUG_ENV,
+    DEBUG_LEVELS,
+    GPUS_PER_PROCESS,
+    LEGACY_SHIM,
+    JobSpec,
+    job_module,
+)
 
 
 def debug_environment(level: str | None) -> dict[str, str]:
@@ -162,10 +169,10 @@ def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
     """What torchrun runs: the module, or the script where it is on the node (in its project,
     or, without one, in directory `where`)."""
     if spec.script is None:
-        return ["-m", spec.module]
+        return ["-m", job_module(spec)]
     script = where.script if isinstance(where, Project) else f"{where}/{spec.script.name}"
     if spec.local_rank_flag:
-        return ["-m", "training.legacy", f"--flag={spec.local_rank_flag}", script]
+        return ["-m", LEGACY_SHIM, f"--flag={spec.local_rank_flag}", script]
     return [script]
 
 
@@ -173,7 +180,7 @@ def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[st
     """Per node of the (narrowed) inventory, the socket interface settings: netcheck's findings
     if it wrote them (`env_file`, or where netcheck writes by default), else the inventory's
     compute_interface. Exact-match form for NCCL so 'eth1' never also means 'eth10'."""
-    from netcheck import envfile
+    from torch_multinode.netcheck import envfile
 
     found: dict[str, dict[str, str]] = {}
     path = env_file or envfile.default_path(inventory.path)

@@ -6,16 +6,16 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from cluster import staging
-from cluster.errors import UserError
-from cluster.execution import Nodes, SshNodes
-from cluster.inventory import Host, Inventory
-from cluster.remote import on_all
-from cluster.staging import Project
-from launch import stop
-from launch.ending import bring_back, summary
-from launch.job import Launcher
-from launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
+from torch_multinode.cluster import staging
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import Nodes, SshNodes
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.remote import on_all
+from torch_multinode.cluster.staging import Project
+from torch_multinode.launch import stop
+from torch_multinode.launch.ending import bring_back, summary
+from torch_multinode.launch.job import Launcher
+from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
 
 
 def wait_for_nodes(

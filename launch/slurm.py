@@ -25,16 +25,16 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster.errors import Terminated, UserError
-from cluster.execution import Nodes, SshNodes
-from cluster.inventory import Inventory
-from cluster.staging import Project
-from launch import stop
-from launch.commands import run_dir
-from launch.ending import bring_back, summary
-from launch.job import Launcher
-from launch.nodes import visible_gpus
-from launch.spec import (
+from torch_multinode.cluster.errors import Terminated, UserError
+from torch_multinode.cluster.execution import Nodes, SshNodes
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.staging import Project
+from torch_multinode.launch import stop
+from torch_multinode.launch.commands import run_dir
+from torch_multinode.launch.ending import bring_back, summary
+from torch_multinode.launch.job import Launcher
+from torch_multinode.launch.nodes import visible_gpus
+from torch_multinode.launch.spec import (
     BLAME_GRACE,
     Emit,
     JobResult,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import sync
-from cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
+from torch_multinode.cluster import sync
+from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
 
 DEFAULT_MODULE = "training.ddp"
 RUN_LABEL = "torch-multinode.run"
@@ -51,6 +51,29 @@ _COLLATERAL = re.compile(
 )
 
 Emit = Callable[[str], None]
+
+
+def runnable_module(module: str, project_root: Path | None = None) -> str:
+    """The name `python -m` runs for MODULE=: our workloads are `training.<name>` to the user
+    and `torch_multinode.training.<name>` to Python (nothing of ours has a generic name in a
+    job); a project's own module of that name (its file under `project_root`) stays its own."""
+    if not module.startswith("training."):
+        return module
+    if project_root is not None:
+        path = project_root.joinpath(*module.split("."))
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return module
+    return f"{sync.TOOL_PACKAGE}.{module}"
+
+
+def job_module(spec: JobSpec) -> str:
+    """The module the job's processes run (see runnable_module)."""
+    return runnable_module(spec.module, spec.workdir.resolve() if spec.workdir else None)
+
+
+# What a job started as a torch.distributed.launch-era script runs: our shim that hands the
+# script its --local_rank flag.
+LEGACY_SHIM = f"{sync.TOOL_PACKAGE}.training.legacy"
 
 
 @dataclass(frozen=True)

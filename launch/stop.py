@@ -6,13 +6,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from cluster.errors import UserError
-from cluster.inventory import Host
-from launch.commands import stop_command, unlock_command
-from launch.spec import LOST_NODE_PROBE, STOP_TIMEOUT
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.launch.commands import stop_command, unlock_command
+from torch_multinode.launch.spec import LOST_NODE_PROBE, STOP_TIMEOUT
 
 if TYPE_CHECKING:
-    from launch.job import Launcher
+    from torch_multinode.launch.job import Launcher
 
 
 def everywhere(job: Launcher, master: Host | None = None) -> dict[str, float | str]:

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.errors import UserError
-from cluster.inventory import Host
-from launch import hang
-from launch.blame import cut_off
-from launch.commands import container_name, link_probe_command
-from launch.spec import (
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.launch import hang
+from torch_multinode.launch.blame import cut_off
+from torch_multinode.launch.commands import container_name, link_probe_command
+from torch_multinode.launch.spec import (
     LINK_PROBE_INTERVAL,
     LINK_PROBE_WAIT,
     LIVENESS_FAILURES,
@@ -24,7 +24,7 @@ from launch.spec import (
 )
 
 if TYPE_CHECKING:
-    from launch.job import Launcher
+    from torch_multinode.launch.job import Launcher
 
 
 def liveness(job: Launcher) -> None:

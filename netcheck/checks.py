@@ -13,10 +13,10 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from cluster.execution import Context, HostContext
-from cluster.inventory import Host
-from cluster.nccl_transport import transport_finding
-from cluster.versions import (
+from torch_multinode.cluster.execution import Context, HostContext
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.nccl_transport import transport_finding
+from torch_multinode.cluster.versions import (
     driver_needed,
     gpu_runs,
     minimum_shown,
@@ -24,9 +24,9 @@ from cluster.versions import (
     release,
     torch_meets_minimum,
 )
-from netcheck import bandwidth
-from netcheck.facts import FQDN, OWN, NodeFacts
-from netcheck.report import TRANSPORT, Finding, Link, Measurement, Status
+from torch_multinode.netcheck import bandwidth
+from torch_multinode.netcheck.facts import FQDN, OWN, NodeFacts
+from torch_multinode.netcheck.report import TRANSPORT, Finding, Link, Measurement, Status
 
 RTT_WARN_MS = 2.0
 LOSS_FAIL_PERCENT = 20.0

@@ -11,12 +11,17 @@ import argparse
 import json
 import sys
 
-from cluster import inventory as inventory_module
-from cluster.errors import ArgumentParser, at_the_edge, positive_number
-from cluster.execution import SshNodes
-from netcheck import envfile
-from netcheck.preflight import DEFAULT_SWEEP_TIMEOUT, DEFAULT_TIMEOUT, Options, preflight
-from netcheck.report import render
+from torch_multinode.cluster import inventory as inventory_module
+from torch_multinode.cluster.errors import ArgumentParser, at_the_edge, positive_number
+from torch_multinode.cluster.execution import SshNodes
+from torch_multinode.netcheck import envfile
+from torch_multinode.netcheck.preflight import (
+    DEFAULT_SWEEP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    Options,
+    preflight,
+)
+from torch_multinode.netcheck.report import render
 
 DESCRIPTION = """\
 Check that the nodes of an inventory can train together, before a job finds out the hard way:

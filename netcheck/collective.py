@@ -1,6 +1,6 @@
 """Node side of the collective check: one rank of a real all_reduce, all_gather and broadcast.
 
-Run on every node as `PYTHON -m netcheck.collective --rank R --world-size N ...` with the
+Run on every node as `PYTHON -m torch_multinode.netcheck.collective --rank R --world-size N ...` with the
 socket interface variables set. It first reports the software probe's facts (so a node imports
 torch once per netcheck run), agrees with its peers over gloo whether every rank can use NCCL,
 then runs each op at each size on NCCL (GPU) or gloo (CPU). Every result is checked exactly
@@ -22,14 +22,14 @@ import threading
 import time
 from datetime import timedelta
 
-from cluster.nccl_transport import (
+from torch_multinode.cluster.nccl_transport import (
     NCCL_TRANSPORT_ENV,
     rdma_devices,
     transport_used,
     verbs_usable,
 )
-from netcheck import bandwidth
-from netcheck.softprobe import probe
+from torch_multinode.netcheck import bandwidth
+from torch_multinode.netcheck.softprobe import probe
 
 RESULT_PREFIX = "NETCHECK "
 WATCHDOG_EXIT = 3
@@ -184,7 +184,7 @@ def choose_backend(stacks: list[dict], allow_nccl: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m netcheck.collective")
+    parser = argparse.ArgumentParser(prog="python -m torch_multinode.netcheck.collective")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--master-addr", required=True)

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from cluster.errors import UserError
+from torch_multinode.cluster.errors import UserError
 
 FILENAME = "netcheck-env.json"
 

@@ -12,7 +12,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from cluster.inventory import Host
+from torch_multinode.cluster.inventory import Host
 
 PING_COUNT = 5
 PING_DEADLINE = 3  # seconds: ping stops then, answered or not

@@ -23,12 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.execution import Context, Nodes, context_for, python_command
-from cluster.inventory import Host, Inventory
-from cluster.remote import Result, on_all
-from netcheck import bandwidth, checks, facts, slurm
-from netcheck.collective import IMPORT_TIMEOUT, RESULT_PREFIX
-from netcheck.report import BANDWIDTH, CHECKS, Finding, Link, Report, Status
+from torch_multinode.cluster import sync
+from torch_multinode.cluster.execution import Context, Nodes, context_for, python_command
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.remote import Result, on_all
+from torch_multinode.netcheck import bandwidth, checks, facts, slurm
+from torch_multinode.netcheck.collective import IMPORT_TIMEOUT, RESULT_PREFIX
+from torch_multinode.netcheck.report import BANDWIDTH, CHECKS, Finding, Link, Report, Status
 
 HERE = Path(__file__).resolve().parent
 SOCKPROBE = (HERE / "sockprobe.py").read_text()
@@ -454,7 +455,7 @@ def worker_command(
     args = [
         python,
         "-m",
-        "netcheck.collective",
+        "torch_multinode.netcheck.collective",
         "--rank",
         str(rank),
         "--world-size",
@@ -530,7 +531,8 @@ def _collective(
     outer = IMPORT_TIMEOUT + 3 * stage
     pidfile = f"/tmp/{token}-collective.pid"
     # The worker imports netcheck from where the CLI sent it (the image holds no project code).
-    code = {"PYTHONPATH": context.code_dir} if getattr(context, "code_dir", None) else {}
+    code_dir = getattr(context, "code_dir", None)
+    code = {"PYTHONPATH": sync.tool_import_path(code_dir)} if code_dir else {}
     commands = {
         h.name: worker_command(
             h,

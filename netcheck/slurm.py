@@ -9,8 +9,8 @@ output; preflight runs the commands.
 
 from __future__ import annotations
 
-from cluster.inventory import Host, Inventory
-from netcheck.report import SLURM, Finding, Status
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.netcheck.report import SLURM, Finding, Status
 
 CHECK = SLURM
 # One line per node: name|state|reason. States may carry a flag suffix: '*' not responding,

@@ -38,7 +38,7 @@ def probe() -> dict:
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         found["torch_error"] = f"{type(exc).__name__}: {exc}"
     try:
-        import netcheck  # noqa: F401 - the collective workers run as `python -m netcheck...`
+        import torch_multinode.netcheck  # noqa: F401 - the collective workers run as `python -m torch_multinode.netcheck...`
 
         found["netcheck"] = True
     except Exception:  # noqa: BLE001

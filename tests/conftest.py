@@ -26,8 +26,7 @@ import pytest
 # pytest does, collecting every module: dynamo first.
 import torch._dynamo  # noqa: F401
 import yaml
-
-from cluster import engine, sim
+from torch_multinode.cluster import engine, sim
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -152,7 +151,7 @@ def sim2(sim_factory):
 def training_image(sim_factory):
     """The CPU twin of the training image, built once per run (about 6 minutes the first time,
     seconds when the layers are cached)."""
-    from cluster import images
+    from torch_multinode.cluster import images
 
     return images.build("cpu", TEST_IMAGE, progress=lambda _: None)
 

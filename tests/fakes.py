@@ -13,9 +13,9 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.errors import UserError
-from cluster.inventory import Host
-from cluster.remote import Result
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.remote import Result
 
 
 @dataclass

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import paramiko
 import yaml
-
-from cluster import sim
-from cluster.inventory import Inventory, parse
-from cluster.remote import Remote, on_all
+from torch_multinode.cluster import sim
+from torch_multinode.cluster.inventory import Inventory, parse
+from torch_multinode.cluster.remote import Remote, on_all
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "training" / "launcher_scripts"
@@ -135,3 +134,68 @@ def password_login(host, known_hosts: Path, password: str, user: str = "trainer"
         return "refused"
     finally:
         client.close()
+
+
+# A user's project whose packages are named like ours (training, cluster, launch): issue 29.
+_NAMESAKE_BODY = """
+import torch
+import torch.distributed as dist
+from cluster.topology import WHO as CLUSTER
+from launch.settings import WHO as LAUNCH
+from training.model import WHO as TRAINING
+
+dist.init_process_group("gloo")
+total = torch.ones(1)
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()}: {KIND} sees {TRAINING} {CLUSTER} {LAUNCH}, sum {int(total.item())}"
+      + EXTRA, flush=True)
+dist.destroy_process_group()
+"""
+NAMESAKE_SCRIPT = '"""A plain script."""\nKIND, EXTRA = "script", ""\n' + _NAMESAKE_BODY
+NAMESAKE_LEGACY = (
+    '"""A torch.distributed.launch-era script: it takes --local_rank."""\n'
+    "import argparse\n\n"
+    "parser = argparse.ArgumentParser()\n"
+    'parser.add_argument("--local_rank", type=int, required=True)\n'
+    'KIND, EXTRA = "legacy", f", local_rank {parser.parse_args().local_rank}"\n' + _NAMESAKE_BODY
+)
+NAMESAKE_MODULE = (
+    '"""The project\'s own training.main."""\nKIND, EXTRA = "module", ""\n' + _NAMESAKE_BODY
+)
+
+
+def namesake_project(root: Path) -> Path:
+    """A project with its own `training/`, `cluster/` and `launch/` packages and three entry
+    points: train.py, legacy.py (parses --local_rank) and the module training.main."""
+    for package, module in (("training", "model"), ("cluster", "topology"), ("launch", "settings")):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+        (root / package / f"{module}.py").write_text(f'WHO = "own-{package}"\n')
+    (root / "training" / "main.py").write_text(NAMESAKE_MODULE)
+    (root / "train.py").write_text(NAMESAKE_SCRIPT)
+    (root / "legacy.py").write_text(NAMESAKE_LEGACY)
+    return root
+
+
+def check_namesake_project_runs(train, root: Path) -> None:
+    """`train(*make_variables)` (make train on 2 nodes of one process each) runs the namesake
+    project's three entry points unchanged, each rank seeing the project's own packages, and
+    MODULE=training.ddp with that project as WORKDIR still runs our workload."""
+    seen = "sees own-training own-cluster own-launch, sum 2"
+    jobs = {
+        "script": [f"SCRIPT={root / 'train.py'}"],
+        "legacy": [f"SCRIPT={root / 'legacy.py'}"],
+        "module": ["MODULE=training.main", f"WORKDIR={root}"],
+    }
+    for kind, variables in jobs.items():
+        done = train(*variables)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"{kind}:\n{output[-3000:]}"
+        for rank in (0, 1):
+            extra = ", local_rank 0" if kind == "legacy" else ""
+            assert f"rank {rank}: {kind} {seen}{extra}" in output, f"{kind}:\n{output[-3000:]}"
+    done = train(
+        "MODULE=training.ddp", f"WORKDIR={root}", "ARGS=--model tiny --steps 2 --no-tensorboard"
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "[rank 0] parameters sha256" in output, output[-3000:]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.measure import edit_line, scratch_checkout
-from cluster import images
-from cluster.engine import docker
+from torch_multinode.bench.measure import edit_line, scratch_checkout
+from torch_multinode.cluster import images
+from torch_multinode.cluster.engine import docker
 
 # How the install step appears in `docker history`: its command holds the pip install of torch
 # (py-spy's layer above it holds a pip install too).

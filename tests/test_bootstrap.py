@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from torch_multinode.cluster import bootstrap, sim
+from torch_multinode.cluster.inventory import load
 
-from cluster import bootstrap, sim
-from cluster.inventory import load
 from tests.conftest import REPO_ROOT, TEST_IMAGE, VENV_BIN, make
 from tests.helpers import password_login
 from tests.terminal import Terminal

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from torch_multinode.cluster import images
+from torch_multinode.cluster.engine import docker
 
-from cluster import images
-from cluster.engine import docker
 from tests.conftest import REPO_ROOT, make
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"

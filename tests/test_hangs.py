@@ -19,9 +19,9 @@ import signal
 from pathlib import Path
 
 import pytest
+from torch_multinode.cluster.inventory import load
+from torch_multinode.launch.spec import RUN_LABEL
 
-from cluster.inventory import load
-from launch.spec import RUN_LABEL
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
 

@@ -22,8 +22,8 @@ import subprocess
 import uuid
 
 import pytest
+from torch_multinode.cluster import ship
 
-from cluster import ship
 from tests.conftest import TEST_IMAGE, VENV_BIN
 from tests.helpers import on_node
 from tests.image_layers import build_with_an_edited_entrypoint, install_step

@@ -33,11 +33,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from torch_multinode.cluster import sim
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
+from torch_multinode.training.checkpoint import file_name
 
-from cluster import sim
-from cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
 from tests.conftest import REPO_ROOT, VENV_BIN, make
-from tests.helpers import interrupt, leftovers, on_node, read_until, run_id_in, start_train
+from tests.helpers import (
+    check_namesake_project_runs,
+    interrupt,
+    leftovers,
+    namesake_project,
+    on_node,
+    read_until,
+    run_id_in,
+    start_train,
+)
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -46,7 +56,6 @@ from tests.training.conftest import (
     max_difference,
     reference_run,
 )
-from training.checkpoint import file_name
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(2400)]
 
@@ -608,14 +617,25 @@ dist.destroy_process_group()
 """
 
 
+def test_a_project_with_packages_named_like_ours_runs_unchanged_in_the_containers(
+    provisioned, tmp_path
+):
+    """Its own training/, cluster/ and launch/ packages hide nothing of ours, and ours hide
+    nothing of its: a plain script, a --local_rank script, its module training.main with
+    WORKDIR=, and our training.ddp with that WORKDIR."""
+    root = namesake_project(tmp_path / "namesake")
+    check_namesake_project_runs(lambda *variables: _train(provisioned, *variables), root)
+    _no_containers_left(provisioned)
+
+
 def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configuration(provisioned):
     """No launcher: on each node a training container started with the project's options and a
     plain torchrun typed into it. NCCL reads /etc/nccl.conf in every process (NCCL's
     documentation); the file provisioning wrote is there, read-only, naming the compute
     interface. (gloo, the only backend without GPUs, does not read it: it is given its
     interface here as a user would.) NCCL itself cannot run here: no GPU."""
-    from cluster.containers import NCCL_CONF_GUARD, training_container_options
-    from cluster.inventory import load
+    from torch_multinode.cluster.containers import NCCL_CONF_GUARD, training_container_options
+    from torch_multinode.cluster.inventory import load
 
     inventory = load(provisioned.inventory)
     master = inventory.hosts[0]

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from torch_multinode.cluster import sim
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 
-from cluster import sim
-from cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 from tests.conftest import REPO_ROOT, make
 
 README = REPO_ROOT / "README.md"

@@ -26,21 +26,19 @@ from pathlib import Path
 import paramiko
 import pytest
 import yaml
+from torch_multinode.cluster import inventory, remote, sim
+from torch_multinode.cluster.containers import training_container_options
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import ContainerContext
+from torch_multinode.cluster.staging import REMOTE_RUN_ROOT
+from torch_multinode.launch import restarts
+from torch_multinode.launch.commands import remote_command
+from torch_multinode.launch.spec import JobSpec
 
-import cluster.cli
-import launch.cli
-import netcheck.cli
-from cluster import inventory, remote, sim
-from cluster.containers import training_container_options
-from cluster.errors import UserError
-from cluster.execution import ContainerContext
-from cluster.staging import REMOTE_RUN_ROOT
-from launch import restarts
-from launch.commands import remote_command
-from launch.spec import JobSpec
 from tests.fuzz.guard import Reached, call
 from tests.netcheck.netcheck_fakes import INVENTORY as FAKE_INVENTORY
 from tests.netcheck.netcheck_fakes import FakeCluster
+from torch_multinode import cluster, launch, netcheck
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [
@@ -165,7 +163,7 @@ def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
     template = (REPO / "ansible/roles/ssh_mesh/templates/ssh_config.j2").read_text()
     assert re.search(r"^\s*StrictHostKeyChecking yes$", template, re.MULTILINE)
     # the image stream's ssh (cluster ship, when no registry runs) is the one rsync uses
-    from cluster import ship, sync
+    from torch_multinode.cluster import ship, sync
 
     assert ship.ssh_command is sync.ssh_command
     hosts = inventory.parse(

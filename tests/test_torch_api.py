@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cluster.versions import TORCH_MINIMUM, release, torch_meets_minimum
+from torch_multinode.cluster.versions import TORCH_MINIMUM, release, torch_meets_minimum
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("training", "launch", "netcheck", "cluster")

@@ -19,11 +19,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from cluster.errors import UserError
-from training import config as config_module
-from training import fsdp_config
-from training.config import STOP_EXIT_CODE, ManualDPConfig, TrainConfig
-from training.console import ArgumentParser, require_positive
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import config as config_module
+from torch_multinode.training import fsdp_config
+from torch_multinode.training.config import STOP_EXIT_CODE, ManualDPConfig, TrainConfig
+from torch_multinode.training.console import ArgumentParser, require_positive
 
 DDP_EPILOG = f"""\
 precedence: flags > --config YAML file (sections as above, e.g. `optim: {{lr: 0.1}}`) > defaults
@@ -54,8 +54,9 @@ COMM_OPERATIONS = (
 def docstring(module: str) -> str | None:
     """`module.__doc__`, read from its source without running it (imports its parent packages
     only)."""
-    spec = importlib.util.find_spec(module)
-    source = spec.loader.get_source(module)
+    name = f"torch_multinode.{module}"  # our workloads' names in Python (see launch.spec)
+    spec = importlib.util.find_spec(name)
+    source = spec.loader.get_source(name)
     return ast.get_docstring(ast.parse(source), clean=False)
 
 

@@ -40,10 +40,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from cluster.errors import UserError
-from training import console, levers, models, parallel
-from training.config import MODELS, DDPConfig
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import console, levers, models, parallel
+from torch_multinode.training.config import MODELS, DDPConfig
 
 LEVERS = ("none", "fp16", "bf16", "powersgd", "no_sync", "auto")
 BASELINE = "baseline"

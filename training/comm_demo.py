@@ -15,9 +15,8 @@ import socket
 
 import torch
 import torch.distributed as dist
-
-from cluster.errors import UserError
-from training import arguments, console, parallel
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import arguments, console, parallel
 
 
 def _show(value: list[float] | None) -> str:

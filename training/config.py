@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-
-from cluster.errors import UserError, printable, shown
-from training.console import ArgumentParser
+from torch_multinode.cluster.errors import UserError, printable, shown
+from torch_multinode.training.console import ArgumentParser
 
 T = TypeVar("T")
 

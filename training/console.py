@@ -10,10 +10,10 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cluster.errors import UserError
+from torch_multinode.cluster.errors import UserError
 
 if TYPE_CHECKING:
-    from training import parallel
+    from torch_multinode.training import parallel
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -56,7 +56,9 @@ def call(main: Callable[[list[str] | None], int | None], argv: list[str] | None 
     """Call `main` and leave the process group either way (a rank that exits with gloo still up
     can abort at exit, "terminate called without an active exception"); a UserError becomes
     one `Error: ...` line and its exit code."""
-    from training import parallel  # imports torch, which the workload calling this has done
+    from torch_multinode.training import (
+        parallel,  # imports torch, which the workload calling this has done
+    )
 
     try:
         code = main(argv)

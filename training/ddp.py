@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from cluster.jobenv import RUN_DIR_VARIABLE
-from training import arguments, console, data, levers, models, parallel
-from training import config as config_module
-from training.checkpoint import write_atomically
-from training.trainer import Trainer, TrainResult, resolve_numerics
+from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
+from torch_multinode.training import arguments, console, data, levers, models, parallel
+from torch_multinode.training import config as config_module
+from torch_multinode.training.checkpoint import write_atomically
+from torch_multinode.training.trainer import Trainer, TrainResult, resolve_numerics
 
 
 def default_run_dir(workload: str) -> str:

@@ -27,11 +27,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-
-from cluster.errors import UserError
-from training import console, parallel
-from training.config import MODELS
-from training.models import build_model
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import console, parallel
+from torch_multinode.training.config import MODELS
+from torch_multinode.training.models import build_model
 
 EXIT_NEEDS_GPUS = 69
 PROGRESS_SECONDS = 5.0  # at most this long between progress lines while training

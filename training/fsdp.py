@@ -32,15 +32,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-
-from cluster.errors import UserError
-from cluster.jobenv import RUN_DIR_VARIABLE
-from training import arguments, checkpoint, console, gpt, models, parallel
-from training.bench_scaling import PREFIX
-from training.config import STOP_EXIT_CODE, DDPConfig
-from training.dcp import Checkpoints, agree
-from training.ddp import save_model
-from training.trainer import learning_rate, resolve_numerics
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
+from torch_multinode.training import arguments, checkpoint, console, gpt, models, parallel
+from torch_multinode.training.bench_scaling import PREFIX
+from torch_multinode.training.config import STOP_EXIT_CODE, DDPConfig
+from torch_multinode.training.dcp import Checkpoints, agree
+from torch_multinode.training.ddp import save_model
+from torch_multinode.training.trainer import learning_rate, resolve_numerics
 
 BETAS = (0.9, 0.95)
 BYTE_PARTS = ("parameters", "gradients", "optimizer state")

@@ -10,8 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from cluster.errors import UserError, shown
-from training.config import SCHEDULES, STOP_EXIT_CODE, doc
+from torch_multinode.cluster.errors import UserError, shown
+from torch_multinode.training.config import SCHEDULES, STOP_EXIT_CODE, doc
 
 STRATEGIES = ("fsdp", "ddp")
 PRECISIONS = ("auto", "fp32", "bf16")

@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from cluster.errors import UserError
-from training.data import _generator
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training.data import _generator
 
 INIT_STD = 0.02  # GPT-2's
 MLP_RATIO = 4

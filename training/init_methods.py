@@ -21,9 +21,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-from cluster.errors import UserError
-from training import parallel
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import parallel
 
 METHODS = ("env", "tcp", "file")
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
-
-from training import arguments, console, ddp, parallel
-from training.trainer import Trainer
+from torch_multinode.training import arguments, console, ddp, parallel
+from torch_multinode.training.trainer import Trainer
 
 
 def broadcast_state(model: nn.Module, env: parallel.DistEnv) -> None:

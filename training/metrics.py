@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 
 import torch
-
-from training import parallel
-from training.console import say
+from torch_multinode.training import parallel
+from torch_multinode.training.console import say
 
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 1, 3
 

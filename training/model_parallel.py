@@ -26,10 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from cluster.errors import UserError
-from training import arguments, console, parallel
-from training.data import SyntheticImages
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import arguments, console, parallel
+from torch_multinode.training.data import SyntheticImages
 
 
 def stage_devices(env: parallel.DistEnv) -> tuple[torch.device, torch.device]:

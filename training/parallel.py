@@ -21,10 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from cluster.errors import UserError
-from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
-from training.config import batch_fits
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
+from torch_multinode.training.config import batch_fits
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("nccl", "gloo")

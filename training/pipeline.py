@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from cluster.errors import UserError
-from training import arguments, console, parallel
-from training.checkpoint import write_atomically
-from training.data import SyntheticImages
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import arguments, console, parallel
+from torch_multinode.training.checkpoint import write_atomically
+from torch_multinode.training.data import SyntheticImages
 
 
 def build_model(num_classes: int, width: int, seed: int) -> nn.Sequential:

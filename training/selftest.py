@@ -29,10 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from cluster import nccl_transport
-from cluster.errors import UserError
-from training import arguments, checkpoint, console, parallel
+from torch_multinode.cluster import nccl_transport
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import arguments, checkpoint, console, parallel
 
 PASS, WARN, SKIPPED, FAIL, STOPPED = "PASS", "WARN", "SKIPPED", "FAIL", "STOPPED"
 # A peer's failure stopped this rank's check: the peer's row says why.
@@ -483,8 +482,7 @@ def check_fsdp2_dcp(job: Job) -> str:
 
 def check_compile(job: Job) -> str:
     from torch._inductor import config as inductor_config
-
-    from training.fsdp import compile_problem
+    from torch_multinode.training.fsdp import compile_problem
 
     problem = compile_problem(job.device)
     if problem is not None:  # its hint's way out, "leave out --compile", is training.fsdp's

@@ -23,11 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-from cluster.errors import UserError
-from training import checkpoint, data, metrics, parallel
-from training.config import STOP_EXIT_CODE
-from training.console import say, say_every_rank
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import checkpoint, data, metrics, parallel
+from torch_multinode.training.config import STOP_EXIT_CODE
+from torch_multinode.training.console import say, say_every_rank
 
 CHECKPOINT_PAUSE_SECONDS = 120.0  # --checkpoint-pause-step: long enough to kill or interrupt
 # A rank is only called slow when it also loses this much per step: on small steps, scheduling

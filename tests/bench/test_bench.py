@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench import cli, hang, measure, report
+from torch_multinode.bench import cli, hang, measure, report
 
 
 def spread(*values: float) -> dict:

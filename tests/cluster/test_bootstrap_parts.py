@@ -9,10 +9,10 @@ from pathlib import Path
 import paramiko
 import pytest
 import yaml
+from torch_multinode.cluster import bootstrap, sim
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import load
 
-from cluster import bootstrap, sim
-from cluster.errors import UserError
-from cluster.inventory import load
 from tests.conftest import VENV_BIN, run_cli
 
 ED25519_SHA256 = "SHA256:" + "A" * 43

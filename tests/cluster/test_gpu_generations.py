@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
+from torch_multinode.cluster.versions import cuda_archs, gpu_runs, oldest_capability
 
-from cluster.versions import cuda_archs, gpu_runs, oldest_capability
 from tests.conftest import REPO_ROOT
 
 # torch 2.14.1's CUDA 13.0 wheel, as its build constant says (torch.cuda.get_arch_list()).

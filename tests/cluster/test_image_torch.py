@@ -7,9 +7,9 @@ import subprocess
 import uuid
 
 import pytest
+from torch_multinode.cluster import engine, sim, staging
+from torch_multinode.cluster.versions import TORCH_LABEL
 
-from cluster import engine, sim, staging
-from cluster.versions import TORCH_LABEL
 from tests import helpers
 
 

@@ -8,14 +8,13 @@ import subprocess
 import uuid
 
 import pytest
+from torch_multinode.cluster import engine, images, sim
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.remote import Result
 
-import cluster.cli
-import cluster.execution
-from cluster import engine, images, sim
-from cluster.errors import UserError
-from cluster.remote import Result
 from tests import helpers
 from tests.fakes import FakeNodes
+from torch_multinode import cluster
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,8 @@ import threading
 import uuid
 
 import pytest
-
-from cluster import engine, images, sim
-from cluster.errors import UserError
+from torch_multinode.cluster import engine, images, sim
+from torch_multinode.cluster.errors import UserError
 
 NOTICE = [
     "DEPRECATED: The legacy builder is deprecated and will be removed in a future release.",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from torch_multinode.cluster import inventory
+from torch_multinode.cluster.errors import UserError
 
-from cluster import inventory
-from cluster.errors import UserError
 from tests.conftest import REPO_ROOT, run_cli
 
 VALID = """\
@@ -541,7 +541,7 @@ def test_an_ini_inventory_with_group_and_host_vars_ranges_and_nested_groups(tmp_
 def test_an_inventory_directory_reads_as_ansible_reads_it(tmp_path):
     """INVENTORY=dir/, as ansible-playbook -i dir/ takes it: the files in it and its
     group_vars/ and host_vars/; netcheck's environment file goes inside it."""
-    from netcheck import envfile
+    from torch_multinode.netcheck import envfile
 
     in_file = inventory.load(_ini_cluster(tmp_path))
     in_directory = inventory.load(tmp_path)

@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import ansible.constants
+from torch_multinode.cluster import inventory
 
-from cluster import inventory
 from tests.conftest import run_cli
 
 VALID = """\

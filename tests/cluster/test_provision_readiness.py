@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 import yaml
+from torch_multinode.cluster import bootstrap, sim
 
-from cluster import bootstrap, sim
 from tests.conftest import make, run_cli
 
 

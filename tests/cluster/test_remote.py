@@ -13,10 +13,9 @@ from pathlib import Path
 
 import paramiko
 import pytest
-
-from cluster.errors import UserError
-from cluster.inventory import Host
-from cluster.remote import Remote
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.remote import Remote
 
 
 class _Server(paramiko.ServerInterface):
@@ -154,9 +153,9 @@ def test_a_failed_connection_leaves_nothing_open(ssh_server, behaviour, message)
 _NO_BANNER = """
 import ipaddress, socket, sys
 from pathlib import Path
-from cluster.errors import UserError
-from cluster.inventory import Host
-from cluster.remote import Remote
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.remote import Remote
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))
 listener.listen(4)

@@ -13,9 +13,9 @@ import tarfile
 import jinja2
 import pytest
 import yaml
+from torch_multinode.cluster import ship
+from torch_multinode.cluster.inventory import parse
 
-from cluster import ship
-from cluster.inventory import parse
 from tests.helpers import REPO_ROOT, inventory_text, node
 
 

@@ -6,11 +6,11 @@ import subprocess
 import time
 
 import pytest
+from torch_multinode.cluster import engine, sim
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.remote import Remote, on_all
 
-from cluster import engine, sim
-from cluster.errors import UserError
-from cluster.inventory import load
-from cluster.remote import Remote, on_all
 from tests.conftest import run_cli
 
 

@@ -8,10 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import parse
 
-from cluster import staging, sync
-from cluster.errors import UserError
-from cluster.inventory import parse
 from tests.helpers import inventory_text, node
 
 
@@ -260,13 +260,13 @@ class _Node:
     """A stand-in for cluster.remote.Remote that runs the node's commands here."""
 
     def __init__(self, root: Path):
-        from cluster.inventory import parse as parse_inventory
+        from torch_multinode.cluster.inventory import parse as parse_inventory
 
         self.host = parse_inventory(INVENTORY).hosts[0]
         self.root = root
 
     def run(self, command: str, timeout: float = 60, check: bool = False, stdin: str = ""):
-        from cluster.remote import Result
+        from torch_multinode.cluster.remote import Result
 
         done = subprocess.run(
             ["sh", "-c", command], input=stdin, capture_output=True, text=True, check=False

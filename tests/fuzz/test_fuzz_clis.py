@@ -18,18 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch  # noqa: F401 - imported on first use inside train: here, where nothing is watched
+import torch_multinode.cluster.cli
+import torch_multinode.launch.cli
+import torch_multinode.netcheck.cli
+import torch_multinode.netcheck.envfile  # noqa: F401 - the same, for netcheck
 from hypothesis import event, given
 from hypothesis import strategies as st
+from torch_multinode.cluster import bootstrap, images, ship, sim, sync
+from torch_multinode.cluster.inventory import Inventory, is_word
+from torch_multinode.launch import restarts
+from torch_multinode.launch.spec import JobSpec
+from torch_multinode.netcheck.preflight import Options
 
-import cluster.cli
-import launch.cli
-import netcheck.cli
-import netcheck.envfile  # noqa: F401 - the same, for netcheck
-from cluster import bootstrap, images, ship, sim, sync
-from cluster.inventory import Inventory, is_word
-from launch import restarts
-from launch.spec import JobSpec
-from netcheck.preflight import Options
 from tests.fakes import FakeNodes
 from tests.fuzz.guard import Reached, assert_clean, call
 from tests.fuzz.strategies import (
@@ -40,6 +40,7 @@ from tests.fuzz.strategies import (
     inventory_texts,
     near_valid_inventories,
 )
+from torch_multinode import cluster, launch, netcheck
 
 # --- the seams: where real work would start --------------------------------------------------
 
@@ -500,7 +501,7 @@ def test_valid_input_reaches_each_seam_and_nothing_else(seams):
     assert checked.code == 0 and checked.out.startswith(f"inventory {path}: valid, 2 host(s)")
     local = run(launch.cli.main, ["--nproc-per-node", "1"], seams)
     assert [a.event for a in local.stopped] == ["subprocess.Popen"]
-    assert "'training.local_launch', '--standalone'" in local.stopped[0].detail
+    assert "'torch_multinode.training.local_launch', '--standalone'" in local.stopped[0].detail
     assert sys.executable in local.stopped[0].detail
 
 

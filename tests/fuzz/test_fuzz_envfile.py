@@ -8,9 +8,9 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.netcheck import envfile
 
-from cluster.errors import UserError
-from netcheck import envfile
 from tests.fuzz.strategies import FUZZ, any_text, pathological_texts, text_edits
 
 VALID = {

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
+from torch_multinode.cluster import inventory
+from torch_multinode.cluster.errors import UserError
 
-from cluster import inventory
-from cluster.errors import UserError
 from tests.fuzz.strategies import (
     FIELD_VALUES,
     FUZZ,

@@ -5,10 +5,10 @@ selftest` therefore write that code (0, 1, 2, 130, 143) to EXIT_CODE (default
 from __future__ import annotations
 
 import pytest
+from torch_multinode.cluster.errors import Terminated
+from torch_multinode.launch import cli
+from torch_multinode.launch.ending import EXIT_CODE_VARIABLE
 
-from cluster.errors import Terminated
-from launch import cli
-from launch.ending import EXIT_CODE_VARIABLE
 from tests.conftest import make
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import collections
 import re
 
-from launch import local
-from launch.blame import blame
-from launch.ending import exceptions, summary
-from launch.spec import JobResult, NodeOutcome
+from torch_multinode.launch import local
+from torch_multinode.launch.blame import blame
+from torch_multinode.launch.ending import exceptions, summary
+from torch_multinode.launch.spec import JobResult, NodeOutcome
+
 from tests.conftest import run_cli
 from tests.helpers import SCRIPTS, inventory, node
 

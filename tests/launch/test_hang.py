@@ -8,9 +8,8 @@ import shlex
 import subprocess
 
 import pytest
-
-from launch import hang
-from launch.progress import HEARTBEAT, STALL_FLOOR, Progress
+from torch_multinode.launch import hang
+from torch_multinode.launch.progress import HEARTBEAT, STALL_FLOOR, Progress
 
 SITE = "/opt/venv/lib/python3.11/site-packages"
 WORKDIR = "/tmp/torch-multinode/projects/proj"

@@ -7,11 +7,17 @@ import shlex
 from dataclasses import replace
 
 import pytest
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.launch.commands import remote_command
+from torch_multinode.launch.nodes import (
+    entry_point,
+    gpu_problem,
+    job_backend,
+    legacy_flag,
+    nproc_for,
+)
+from torch_multinode.launch.spec import JobSpec
 
-from cluster.errors import UserError
-from launch.commands import remote_command
-from launch.nodes import entry_point, gpu_problem, job_backend, legacy_flag, nproc_for
-from launch.spec import JobSpec
 from tests.conftest import make, run_cli
 from tests.helpers import SCRIPTS, inventory, node
 
@@ -100,7 +106,7 @@ def test_legacy_scripts_are_detected_by_the_flag_they_declare(tmp_path):
     spec = JobSpec(script=both, local_rank_flag="--local-rank", run_id="tmn-l")
     assert entry_point(spec, "/run") == [
         "-m",
-        "training.legacy",
+        "torch_multinode.training.legacy",
         "--flag=--local-rank",
         "/run/both.py",
     ]
@@ -306,7 +312,7 @@ def test_a_local_module_that_does_not_exist_is_refused_before_anything_starts(mo
 
 
 def test_a_local_module_of_the_users_own_directory_is_found_and_not_run(tmp_path, monkeypatch):
-    from launch import checks
+    from torch_multinode.launch import checks
 
     (tmp_path / "mine.py").write_text("raise SystemExit('imported: find_spec must not run it')\n")
     monkeypatch.chdir(tmp_path)
@@ -345,8 +351,8 @@ WORKLOAD_ARGUMENTS = {
 }
 CONTROLLER_CHECK = """\
 import contextlib, io, json, sys
-from cluster.errors import UserError
-from launch import checks
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.launch import checks
 
 outcomes = []
 for module, argv in json.loads(sys.argv[1]):
@@ -373,8 +379,9 @@ def test_the_controller_checks_a_workloads_arguments_without_importing_torch():
     import subprocess
     import sys
 
+    from torch_multinode.training.arguments import CHECKS
+
     from tests.conftest import REPO_ROOT
-    from training.arguments import CHECKS
 
     assert set(WORKLOAD_ARGUMENTS) == set(CHECKS)  # a workload added there gets its cases here
     calls, expected = [], []

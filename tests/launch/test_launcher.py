@@ -15,24 +15,24 @@ import time
 from pathlib import Path
 
 import pytest
-
-from cluster import sim
-from cluster.containers import NCCL_CONF_GUARD, rdma_options
-from cluster.errors import UserError
-from cluster.inventory import load, parse
-from cluster.staging import Project
-from launch import stop
-from launch.commands import remote_command, stop_command, torchrun_command
-from launch.job import Launcher
-from launch.nodes import interface_env, rank_order_warning
-from launch.restarts import run_job, wait_for_nodes
-from launch.spec import (
+from torch_multinode.cluster import sim
+from torch_multinode.cluster.containers import NCCL_CONF_GUARD, rdma_options
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import load, parse
+from torch_multinode.cluster.staging import Project
+from torch_multinode.launch import stop
+from torch_multinode.launch.commands import remote_command, stop_command, torchrun_command
+from torch_multinode.launch.job import Launcher
+from torch_multinode.launch.nodes import interface_env, rank_order_warning
+from torch_multinode.launch.restarts import run_job, wait_for_nodes
+from torch_multinode.launch.spec import (
     LOST_NODE_PROBE,
     REMOTE_LOCK_ROOT,
     STOP_TIMEOUT,
     JobSpec,
 )
-from netcheck import envfile
+from torch_multinode.netcheck import envfile
+
 from tests.conftest import VENV_BIN, run_cli
 from tests.fakes import FakeNodes
 from tests.helpers import SCRIPTS, inventory_text, leftovers, node, run_id_in
@@ -156,7 +156,7 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     ]
     after = words[words.index("img:1") + 1 :]
     assert after[:3] == ["python3", "-m", "torch.distributed.run"]
-    assert "--local-addr=10.7.0.9" in after and after[-2:] == ["-m", "training.ddp"]
+    assert "--local-addr=10.7.0.9" in after and after[-2:] == ["-m", "torch_multinode.training.ddp"]
     # A CPU node gets no --gpus; stopping the job removes the container as well.
     cpu = shlex.split(remote_command(n2, n1, 2, spec, 29400, envs["n2"], "container", "img:1"))
     assert "--gpus" not in cpu and "--ipc" in cpu

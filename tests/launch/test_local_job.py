@@ -7,8 +7,9 @@ from __future__ import annotations
 import re
 import shutil
 
-from launch import local
-from launch.spec import JobSpec
+from torch_multinode.launch import local
+from torch_multinode.launch.spec import JobSpec
+
 from tests.conftest import REPO_ROOT, run_cli
 
 TAIL = [
@@ -46,11 +47,11 @@ def test_the_local_command_is_torchrun_standalone_through_the_quiet_wrapper():
     argv = local.command(spec, 2)
     assert argv[1:] == [
         "-m",
-        "training.local_launch",
+        "torch_multinode.training.local_launch",
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        "training.comm_demo",
+        "torch_multinode.training.comm_demo",
         "--x",
         "1",
     ]

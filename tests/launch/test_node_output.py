@@ -9,8 +9,7 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
-
-from launch.node_output import PROGRESS_EVERY, NodeOutput
+from torch_multinode.launch.node_output import PROGRESS_EVERY, NodeOutput
 
 
 class Clock:
@@ -180,8 +179,8 @@ def test_the_log_and_the_tail_hold_what_the_console_shows(tmp_path):
 
 
 def test_the_failure_excerpt_keeps_the_workers_error_line_ahead_of_a_long_abort_stack():
-    from launch.ending import failure_excerpt
-    from launch.spec import EXCERPT_LINES
+    from torch_multinode.launch.ending import failure_excerpt
+    from torch_multinode.launch.spec import EXCERPT_LINES
 
     error = "Error: cannot write checkpoint step 8 to /var/tmp/c: No space left on device"
     stack = [f"frame #{n}: gloo::transport::tcp::Pair::{n}" for n in range(30)]

@@ -16,13 +16,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import parse
+from torch_multinode.cluster.remote import Result
+from torch_multinode.cluster.staging import Project
+from torch_multinode.launch.job import Launcher
+from torch_multinode.launch.spec import LOCK_BUSY_EXIT, JobSpec
 
-from cluster.errors import UserError
-from cluster.inventory import parse
-from cluster.remote import Result
-from cluster.staging import Project
-from launch.job import Launcher
-from launch.spec import LOCK_BUSY_EXIT, JobSpec
 from tests.conftest import REPO_ROOT, make, run_cli
 from tests.fakes import FakeNodes
 from tests.helpers import inventory_text, node, run_id_in

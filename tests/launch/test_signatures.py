@@ -6,11 +6,11 @@ from __future__ import annotations
 import collections
 
 import pytest
+from torch_multinode.launch import local
+from torch_multinode.launch.ending import summary
+from torch_multinode.launch.signatures import SIGNATURES, known_problems
+from torch_multinode.launch.spec import JobResult, NodeOutcome
 
-from launch import local
-from launch.ending import summary
-from launch.signatures import SIGNATURES, known_problems
-from launch.spec import JobResult, NodeOutcome
 from tests.helpers import inventory, node
 
 # Lines as torch 2.x, NCCL and gloo print them (a rank's prefix kept where torchrun adds one).

@@ -16,11 +16,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from torch_multinode.cluster.inventory import load
 
-from cluster.inventory import load
 from tests.ansible.conftest import ansible_playbook
 from tests.conftest import REPO_ROOT, make
-from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
+from tests.helpers import (
+    check_namesake_project_runs,
+    leftovers,
+    namesake_project,
+    on_node,
+    read_until,
+    run_id_in,
+    start_train,
+)
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 
@@ -175,6 +183,15 @@ def test_the_default_job_and_a_project_end_through_slurm_as_through_ssh(
     assert digests[0] == digests[1]
     script = REPO_ROOT / ".runs" / run_id_in(results[1].stdout) / "job.sbatch"
     assert secret not in script.read_text()
+
+
+def test_a_project_with_packages_named_like_ours_runs_unchanged_under_slurm(
+    slurm_inventory, provisioned, tmp_path
+):
+    """As in containers over SSH (test_projects_in_containers): the project's own training/,
+    cluster/ and launch/ packages and ours stay apart."""
+    root = namesake_project(tmp_path / "namesake")
+    check_namesake_project_runs(lambda *variables: _train(slurm_inventory, *variables), root)
 
 
 def test_a_second_job_waits_in_the_queue_then_runs(slurm_inventory, provisioned):

@@ -11,10 +11,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.containers import NCCL_CONF_GUARD
-from cluster.inventory import Host, parse
-from cluster.remote import Result
-from netcheck import preflight, slurm
+from torch_multinode.cluster.containers import NCCL_CONF_GUARD
+from torch_multinode.cluster.inventory import Host, parse
+from torch_multinode.cluster.remote import Result
+from torch_multinode.netcheck import preflight, slurm
+
 from tests import helpers
 from tests.fakes import FakeNodes
 from tests.helpers import node

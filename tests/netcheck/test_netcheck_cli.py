@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from torch_multinode.cluster.containers import rdma_options
+from torch_multinode.cluster.execution import ContainerContext, HostContext, context_for
+from torch_multinode.netcheck import cli, preflight
+from torch_multinode.netcheck.report import CHECKS, Status
 
-from cluster.containers import rdma_options
-from cluster.execution import ContainerContext, HostContext, context_for
-from netcheck import cli, preflight
-from netcheck.report import CHECKS, Status
 from tests.netcheck.netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
 
 
@@ -66,7 +66,7 @@ def test_missing_inventory_and_bad_nnodes(tmp_path, capsys):
 
 def test_help_names_every_option():
     proc = subprocess.run(
-        [sys.executable, "-m", "netcheck.cli", "--help"],
+        [sys.executable, "-m", "torch_multinode.netcheck.cli", "--help"],
         capture_output=True,
         text=True,
         check=False,

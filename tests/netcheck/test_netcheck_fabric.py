@@ -4,9 +4,9 @@ fake /sys and /proc, and the software check's FAIL naming the node and the remed
 from __future__ import annotations
 
 import pytest
+from torch_multinode.netcheck import checks, softprobe
+from torch_multinode.netcheck.report import Status
 
-from netcheck import checks, softprobe
-from netcheck.report import Status
 from tests.netcheck.netcheck_fakes import inventory
 
 INV = inventory()

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import pytest
 import yaml
+from torch_multinode.netcheck import envfile
 
-from netcheck import envfile
 from tests.netcheck.netcheck_fakes import run_netcheck
 
 pytestmark = pytest.mark.sim

@@ -11,8 +11,7 @@ import time
 import uuid
 
 import pytest
-
-from netcheck import preflight
+from torch_multinode.netcheck import preflight
 
 
 def probe(*args: str) -> dict:

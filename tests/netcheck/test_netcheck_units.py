@@ -6,12 +6,20 @@ import json
 import os
 
 import pytest
+from torch_multinode.cluster import nccl_transport
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import ContainerContext
+from torch_multinode.netcheck import bandwidth, checks, collective, envfile, facts, preflight
+from torch_multinode.netcheck.report import (
+    Finding,
+    Link,
+    Measurement,
+    Report,
+    Status,
+    human_bytes,
+    render,
+)
 
-from cluster import nccl_transport
-from cluster.errors import UserError
-from cluster.execution import ContainerContext
-from netcheck import bandwidth, checks, collective, envfile, facts, preflight
-from netcheck.report import Finding, Link, Measurement, Report, Status, human_bytes, render
 from tests.netcheck.netcheck_fakes import (
     FakeCluster,
     facts_text,
@@ -690,7 +698,7 @@ def test_ubuntu_style_loopback_hostname_fails_once_and_warns_about_the_name():
 
 
 def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
-    from netcheck import preflight
+    from torch_multinode.netcheck import preflight
 
     env = checks.socket_env("eth1", [])
     command = preflight.worker_command(
@@ -714,7 +722,7 @@ def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
 
 
 def test_slurm_findings_when_the_controller_does_not_answer_and_sinfo_parsing():
-    from netcheck import slurm
+    from torch_multinode.netcheck import slurm
 
     inv = inventory()
     hosts = list(inv.hosts[:2])

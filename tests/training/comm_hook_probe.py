@@ -13,12 +13,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch_multinode.training import parallel
+from torch_multinode.training.config import DDPConfig
+from torch_multinode.training.models import build_model
+from torch_multinode.training.parallel import DistEnv, wrap_ddp
 
 from tests.training.conftest import free_port
-from training import parallel
-from training.config import DDPConfig
-from training.models import build_model
-from training.parallel import DistEnv, wrap_ddp
 
 
 def relative_error(hook: str) -> float:

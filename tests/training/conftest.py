@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cluster import sim
+from torch_multinode.cluster import sim
+from torch_multinode.launch.spec import runnable_module
 
 LOOPBACK = "127.0.0.1"
 # Small enough for two cores, and the same everywhere so runs can be compared.
@@ -208,7 +208,7 @@ def torchrun_command(
         "--max-restarts=0",
         "--monitor-interval=0.5",
         "-m",
-        module,
+        runnable_module(module),  # training.ddp is torch_multinode.training.ddp to Python
         *args,
     ]
 
@@ -300,7 +300,7 @@ def reference_run(directory: Path) -> ReferenceRun:
 
 def run_main(main, argv: list[str], capsys) -> tuple[int, str, str]:
     """A workload's CLI entry, in this process: (exit code, stdout, stderr)."""
-    from training import console
+    from torch_multinode.training import console
 
     with pytest.raises(SystemExit) as exited:
         console.run(main, argv)

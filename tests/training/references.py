@@ -9,13 +9,12 @@ import re
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, default_collate
-
-from training import arguments, gpt, pipeline
-from training.config import TrainConfig
-from training.data import SyntheticImages, build_splits
-from training.fsdp import build_optimizer
-from training.models import build_model
-from training.trainer import learning_rate
+from torch_multinode.training import arguments, gpt, pipeline
+from torch_multinode.training.config import TrainConfig
+from torch_multinode.training.data import SyntheticImages, build_splits
+from torch_multinode.training.fsdp import build_optimizer
+from torch_multinode.training.models import build_model
+from torch_multinode.training.trainer import learning_rate
 
 WORLD_SIZE = 2
 """The DDP reference's ranks."""

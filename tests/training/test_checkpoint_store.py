@@ -9,10 +9,14 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from cluster.errors import UserError
-from training import checkpoint
-from training.checkpoint import CheckpointStore, file_name, newest_common_step, plan_resume
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import checkpoint
+from torch_multinode.training.checkpoint import (
+    CheckpointStore,
+    file_name,
+    newest_common_step,
+    plan_resume,
+)
 
 
 class Unpicklable:

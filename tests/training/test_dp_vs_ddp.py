@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training.dp_vs_ddp import EXIT_NEEDS_GPUS
+from torch_multinode.training.dp_vs_ddp import EXIT_NEEDS_GPUS
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # the same outcome on a machine that has GPUs
 

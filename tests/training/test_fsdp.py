@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch_multinode.training import gpt
+from torch_multinode.training.config import STOP_EXIT_CODE
 
 from tests.training.conftest import (
     LOOPBACK,
@@ -27,8 +29,6 @@ from tests.training.conftest import (
     torchrun_command,
 )
 from tests.training.references import SMALL, STEPS, bench_row, digest, progress, reference
-from training import gpt
-from training.config import STOP_EXIT_CODE
 
 # One worker runs these (make test's --dist loadgroup): most of them start from the `straight`
 # run, which would otherwise be repeated in every worker that gets one of them.
@@ -41,7 +41,7 @@ def launch(directory: Path, *args: str, nproc: int = 2, env=None):
     if nproc:
         command = torchrun_command("training.fsdp", *SMALL, *args, nproc=nproc)
     else:
-        command = [sys.executable, "-m", "training.fsdp", *SMALL, *args]
+        command = [sys.executable, "-m", "torch_multinode.training.fsdp", *SMALL, *args]
     return run_command(command, directory, env, 180)
 
 
@@ -204,7 +204,7 @@ def two_nodes(directory: Path, *args: str) -> list:
             "--max-restarts=0",
             "--monitor-interval=0.5",
             "-m",
-            "training.fsdp",
+            "torch_multinode.training.fsdp",
             *SMALL,
             "--checkpoint-dir",
             str(directory / f"disk-{index}"),

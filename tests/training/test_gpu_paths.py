@@ -11,14 +11,22 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
+from torch_multinode.training import (
+    checkpoint,
+    ddp,
+    fsdp,
+    init_methods,
+    model_parallel,
+    parallel,
+    spawn,
+)
+from torch_multinode.training.config import TrainConfig
+from torch_multinode.training.config import parse as parse_config
+from torch_multinode.training.trainer import resolve_numerics
 
-from cluster.errors import UserError
-from cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 from tests.training.conftest import run_main
-from training import checkpoint, ddp, fsdp, init_methods, model_parallel, parallel, spawn
-from training.config import TrainConfig
-from training.config import parse as parse_config
-from training.trainer import resolve_numerics
 
 AMPERE, TURING = (8, 0), (7, 5)  # A100 (native bf16); T4 (bf16 only emulated), as V100 (7, 0)
 TORCHRUN = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

@@ -16,22 +16,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CONTROLLER_ONLY = ("fabric", "paramiko", "invoke", "ansible", "ansible_collections")
-# What runs on a node: the workloads (python -m training.<name>) and netcheck's node-side probes.
+# What runs on a node: the workloads (MODULE=training.<name>) and netcheck's node-side probes.
 NODE_MODULES = (
-    "training.ddp",
-    "training.fsdp",
-    "training.spawn",
-    "training.model_parallel",
-    "training.pipeline",
-    "training.manual_dp",
-    "training.dp_vs_ddp",
-    "training.comm_demo",
-    "training.init_methods",
-    "training.bench_scaling",
-    "training.legacy",
-    "netcheck.collective",
-    "netcheck.sockprobe",
-    "netcheck.softprobe",
+    "torch_multinode.training.ddp",
+    "torch_multinode.training.fsdp",
+    "torch_multinode.training.spawn",
+    "torch_multinode.training.model_parallel",
+    "torch_multinode.training.pipeline",
+    "torch_multinode.training.manual_dp",
+    "torch_multinode.training.dp_vs_ddp",
+    "torch_multinode.training.comm_demo",
+    "torch_multinode.training.init_methods",
+    "torch_multinode.training.bench_scaling",
+    "torch_multinode.training.legacy",
+    "torch_multinode.netcheck.collective",
+    "torch_multinode.netcheck.sockprobe",
+    "torch_multinode.netcheck.softprobe",
 )
 
 BLOCKER = """
@@ -57,6 +57,6 @@ def test_node_module_imports_without_controller_packages(module):
 
 
 def test_the_blocker_refuses_what_it_should():
-    code = BLOCKER.format(blocked=set(CONTROLLER_ONLY), module="cluster.remote")
+    code = BLOCKER.format(blocked=set(CONTROLLER_ONLY), module="torch_multinode.cluster.remote")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0 and "paramiko" in result.stderr

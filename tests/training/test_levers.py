@@ -11,12 +11,12 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import bench_scaling, levers, parallel
+from torch_multinode.training.config import DDPConfig
+from torch_multinode.training.models import build_model
 
-from cluster.errors import UserError
 from tests.training.conftest import TINY, run_command, run_main, torchrun_command
-from training import bench_scaling, levers, parallel
-from training.config import DDPConfig
-from training.models import build_model
 
 NUMBER = r"(\d[\d.e+-]*)"
 AUTO_LINE = re.compile(
@@ -35,9 +35,9 @@ PROBE = textwrap.dedent(
     import torch.nn.functional as F
     from torch import nn
 
-    from training import levers, parallel
-    from training.config import DDPConfig
-    from training.console import emit  # one write per line: the ranks share the stream
+    from torch_multinode.training import levers, parallel
+    from torch_multinode.training.config import DDPConfig
+    from torch_multinode.training.console import emit  # one write per line: the ranks share the stream
 
     ACCUMULATE = 2
 

@@ -11,8 +11,10 @@ import time
 import uuid
 
 import pytest
+from torch_multinode.cluster import sim
+from torch_multinode.training import config as config_module
+from torch_multinode.training.config import TrainConfig
 
-from cluster import sim
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import (
     REFERENCE_STEPS,
@@ -22,8 +24,6 @@ from tests.training.conftest import (
     max_difference,
 )
 from tests.training.references import BATCH, STEPS, ddp_in_one_process, pipeline_in_one_process
-from training import config as config_module
-from training.config import TrainConfig
 
 pytestmark = pytest.mark.sim
 CHECKPOINTING = ("--checkpoint-every", "4", "--keep", "2")

@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
+from torch_multinode.training import arguments, bench_scaling, dp_vs_ddp
 
 from tests.training.conftest import TimedOutput, run_environment, torchrun_command
 from tests.training.references import SMALL
-from training import arguments, bench_scaling, dp_vs_ddp
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -39,7 +39,9 @@ def test_dp_vs_ddp_on_cpus_with_its_defaults_says_what_it_does_and_ends(tmp_path
     """What the refusal on a machine without GPUs suggests (--cpu 2, the defaults otherwise)
     printed nothing for minutes (ResNet-50 at 224 px); now a small CNN, phase by phase."""
     output = timed_run(
-        [sys.executable, "-m", "training.dp_vs_ddp", "--cpu", "2"], tmp_path, NO_GPUS
+        [sys.executable, "-m", "torch_multinode.training.dp_vs_ddp", "--cpu", "2"],
+        tmp_path,
+        NO_GPUS,
     )
     assert output.text.startswith(
         "tiny, batch 8 per process x 2 = 16, 32px, 10 timed steps after 2, on 2 CPU processes"
@@ -66,7 +68,16 @@ def test_bench_scaling_prints_readable_lines_and_bench_rows_only_when_asked(tmp_
 
 
 def test_fsdp_prints_its_bench_row_only_with_bench(tmp_path):
-    plain = [sys.executable, "-m", "training.fsdp", *SMALL, "--steps", "4", "--log-every", "2"]
+    plain = [
+        sys.executable,
+        "-m",
+        "torch_multinode.training.fsdp",
+        *SMALL,
+        "--steps",
+        "4",
+        "--log-every",
+        "2",
+    ]
     without = timed_run(plain, tmp_path)
     assert "BENCH " not in without.text, without.stamped
     assert "parameters     sha256 " in without.text

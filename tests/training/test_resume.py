@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from torch_multinode.training.checkpoint import file_name
+from torch_multinode.training.config import STOP_EXIT_CODE
 
 from tests.training.conftest import (
     REFERENCE_STEPS,
@@ -15,8 +17,6 @@ from tests.training.conftest import (
     run_command,
     torchrun_command,
 )
-from training.checkpoint import file_name
-from training.config import STOP_EXIT_CODE
 
 CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4", "--keep", "2")
 

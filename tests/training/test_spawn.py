@@ -13,7 +13,7 @@ def test_spawn_and_torchrun_end_with_equal_parameters(reference_ddp, tmp_path):
     command = [
         sys.executable,
         "-m",
-        "training.spawn",
+        "torch_multinode.training.spawn",
         "--nprocs",
         "2",
         "--",
@@ -30,7 +30,9 @@ def test_spawn_and_torchrun_end_with_equal_parameters(reference_ddp, tmp_path):
 
 
 def test_spawn_refuses_to_nest_under_torchrun(tmp_path):
-    run = run_command([sys.executable, "-m", "training.spawn"], tmp_path, {"WORLD_SIZE": "2"}, 60)
+    run = run_command(
+        [sys.executable, "-m", "torch_multinode.training.spawn"], tmp_path, {"WORLD_SIZE": "2"}, 60
+    )
     assert run.returncode == 2
     assert run.stderr == "Error: already under torchrun: run python -m training.ddp instead\n"
 
@@ -38,9 +40,8 @@ def test_spawn_refuses_to_nest_under_torchrun(tmp_path):
 def test_the_image_sharing_strategy_is_applied_and_checked():
     import pytest
     import torch.multiprocessing
-
-    from cluster.errors import UserError
-    from training.data import apply_sharing_strategy
+    from torch_multinode.cluster.errors import UserError
+    from torch_multinode.training.data import apply_sharing_strategy
 
     before = torch.multiprocessing.get_sharing_strategy()
     try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import ddp
+from torch_multinode.training.config import TrainConfig, parse
 
-from cluster.errors import UserError
 from tests.training.conftest import run_main
-from training import ddp
-from training.config import TrainConfig, parse
 
 TORCHRUN_OF_4 = {
     "RANK": "0",

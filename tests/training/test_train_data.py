@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-from cluster.errors import UserError
-from training.config import DataConfig
-from training.data import (
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training.config import DataConfig
+from torch_multinode.training.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     CIFAR10_TRAIN_FILES,
