@@ -38,7 +38,9 @@ from torch_multinode.launch.spec import JobSpec
 from tests.fuzz.guard import Reached, call
 from tests.netcheck.netcheck_fakes import INVENTORY as FAKE_INVENTORY
 from tests.netcheck.netcheck_fakes import FakeCluster
-from torch_multinode import cluster, launch, netcheck
+from torch_multinode.cluster import cli as cluster_cli
+from torch_multinode.launch import cli as launch_cli
+from torch_multinode.netcheck import cli as netcheck_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [
@@ -503,7 +505,7 @@ def test_the_watch_sees_a_read_of_the_key(keyed_inventory, tmp_path):
 
 def test_cluster_check_never_reads_or_prints_the_key(keyed_inventory, tmp_path):
     path, key = keyed_inventory
-    outcome = call(cluster.cli.main, ["check", "-i", str(path)], tmp_path)
+    outcome = call(cluster_cli.main, ["check", "-i", str(path)], tmp_path)
     assert outcome.code == 0 and outcome.stopped == [], str(outcome)
     assert str(path) in outcome.opened and str(key) not in outcome.opened
     assert_no_key_in(outcome.out, outcome.err)
@@ -522,11 +524,11 @@ def test_netcheck_never_reads_prints_or_sends_the_key(keyed_inventory, tmp_path,
 
     fakes: list[FakeCluster] = []
     monkeypatch.setattr(
-        netcheck.cli, "SshNodes", lambda inv: fakes.append(Recording(list(inv.hosts))) or fakes[-1]
+        netcheck_cli, "SshNodes", lambda inv: fakes.append(Recording(list(inv.hosts))) or fakes[-1]
     )
     monkeypatch.chdir(tmp_path)
     for flags in ([], ["--json"]):
-        outcome = call(netcheck.cli.main, ["-i", str(path), *flags], tmp_path)
+        outcome = call(netcheck_cli.main, ["-i", str(path), *flags], tmp_path)
         assert outcome.code == 0 and outcome.stopped == [], str(outcome)
         assert str(key) not in outcome.opened
         assert_no_key_in(
@@ -547,7 +549,7 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
 
     monkeypatch.setattr(restarts, "Launcher", launched)
     monkeypatch.chdir(tmp_path)
-    outcome = call(launch.cli.main, ["-i", str(path), "--debug"], tmp_path)
+    outcome = call(launch_cli.main, ["-i", str(path), "--debug"], tmp_path)
     assert outcome.reached == "launcher" and outcome.stopped == [], str(outcome)
     assert str(key) not in outcome.opened
     assert_no_key_in(outcome.out, outcome.err)

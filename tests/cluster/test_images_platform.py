@@ -14,7 +14,8 @@ from torch_multinode.cluster.remote import Result
 
 from tests import helpers
 from tests.fakes import FakeNodes
-from torch_multinode import cluster
+from torch_multinode.cluster import cli as cluster_cli
+from torch_multinode.cluster import execution
 
 
 @pytest.mark.parametrize(
@@ -174,10 +175,10 @@ def test_cluster_image_for_an_inventory_of_mixed_nodes_is_one_error_line(
         )
     )
     nodes = answering({"n1": "x86_64\n", "n2": "aarch64\n"})
-    monkeypatch.setattr(cluster.execution, "SshNodes", lambda inventory: nodes)
+    monkeypatch.setattr(execution, "SshNodes", lambda inventory: nodes)
     monkeypatch.setattr(sim, "require_engine", lambda: None)
     monkeypatch.setattr(images, "build", lambda *a, **k: pytest.fail("nothing is built"))
-    assert cluster.cli.main(["image", "-i", str(path)]) == 2
+    assert cluster_cli.main(["image", "-i", str(path)]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err == (
@@ -191,7 +192,7 @@ def test_cluster_image_for_an_inventory_builds_for_its_nodes(monkeypatch, tmp_pa
     path = tmp_path / "inventory.yml"
     path.write_text(helpers.inventory_text({"n1": helpers.node(1)}, launch_mode="container"))
     monkeypatch.setattr(
-        cluster.execution, "SshNodes", lambda inventory: answering({"n1": "aarch64\n"})
+        execution, "SshNodes", lambda inventory: answering({"n1": "aarch64\n"})
     )
     monkeypatch.setattr(sim, "require_engine", lambda: None)
     asked = {}
@@ -201,7 +202,7 @@ def test_cluster_image_for_an_inventory_builds_for_its_nodes(monkeypatch, tmp_pa
         raise UserError("stop here", exit_code=1)
 
     monkeypatch.setattr(images, "build", build)
-    assert cluster.cli.main(["image", "-i", str(path)]) == 1
+    assert cluster_cli.main(["image", "-i", str(path)]) == 1
     assert asked == {
         "kind": "cpu",
         "tag": "torch-multinode/train:latest",
@@ -247,6 +248,6 @@ def test_the_built_images_report_counts_this_machines_gpus_when_it_has_some(
         return {"torch": "2.14.1", "gpus": "2" if gpus else "0"}
 
     monkeypatch.setattr(images, "versions", versions)
-    assert cluster.cli.main(["image", "--kind", "cuda", "--tag", "tmn-report:1"]) == 0
+    assert cluster_cli.main(["image", "--kind", "cuda", "--tag", "tmn-report:1"]) == 0
     assert asked == {"tag": "tmn-report:1", "gpus": gpus}
     assert f"  gpus: {2 if gpus else 0}\n" in capsys.readouterr().out

@@ -228,11 +228,13 @@ def test_the_shipped_code_is_on_the_import_path_of_the_probe_and_the_workers():
     """The image holds no project code: netcheck's own, sent to the nodes, is mounted (read-only)
     and on PYTHONPATH in the container, and on PYTHONPATH on the host."""
     host = fake_inventory().hosts[0]
-    wrapped = ContainerContext("train:1", code_dir="/w/tmn-1").wrap(host, "true", "t")
+    # The code arrives in a torch_multinode/ directory; its parent goes on the import path.
+    code = "/w/tmn-1/torch_multinode"
+    wrapped = ContainerContext("train:1", code_dir=code).wrap(host, "true", "t")
     inside = shlex.split(wrapped.replace(rdma_options(), ""))
     image = inside.index("train:1")
-    assert inside[image - 4 : image] == ["-v", "/w/tmn-1:/w/tmn-1:ro", "-e", "PYTHONPATH=/w/tmn-1"]
-    assert HostContext("/w/tmn 1").wrap(host, "python3 x", "t") == (
+    assert inside[image - 4 : image] == ["-v", f"{code}:{code}:ro", "-e", "PYTHONPATH=/w/tmn-1"]
+    assert HostContext("/w/tmn 1/torch_multinode").wrap(host, "python3 x", "t") == (
         "export PYTHONPATH='/w/tmn 1'; python3 x"
     )
     assert HostContext().wrap(host, "python3 x", "t") == "python3 x"

@@ -706,7 +706,7 @@ def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
     )
     assert command == (
         "env GLOO_SOCKET_IFNAME=eth1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME==eth1 "
-        "/opt/venv/bin/python -m netcheck.collective --rank 1 --world-size 2 --master-addr "
+        "/opt/venv/bin/python -m torch_multinode.netcheck.collective --rank 1 --world-size 2 --master-addr "
         "10.9.0.11 --master-port 45555 --sizes 1024 --timeout 30 --token netcheck-abc"
     )
     gpus = [h.__class__(**{**h.__dict__, "gpus": 1}) for h in (N1, N2)]

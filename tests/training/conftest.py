@@ -228,7 +228,7 @@ def python_module(tmp_path):
     """python_module(module, *args) -> Finished: `python -m module` without torchrun."""
 
     def launch(module: str, *args: str, env=None, timeout: float = 120):
-        return run_command([sys.executable, "-m", module, *args], tmp_path, env, timeout)
+        return run_command([sys.executable, "-m", runnable_module(module), *args], tmp_path, env, timeout)
 
     return launch
 
