@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from torch_multinode.bench import hang, measure, report
+from torch_multinode.bench import hang, jobs, measure, network, rebuild, report, shipping
 from torch_multinode.cluster import engine, sim
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge
 from torch_multinode.cluster.inventory import load
@@ -121,14 +121,14 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     if "rebuild" in only:
         # Fresh nodes of its own, after the others are gone: its first run ships the whole image.
         near = octet + 1 if octet < 254 else octet - 1
-        rebuild = sim.SimConfig(
+        rebuild_config = sim.SimConfig(
             REBUILD_NAME,
             f"172.29.{near}.0/24",
             sim.default_state_dir(REBUILD_NAME),
             f"172.30.{near}.0/24",
         )
         progress(f"bench: fresh 2-node simulated cluster '{REBUILD_NAME}' for the rebuild...")
-        data["rebuild"] = measure.measure_rebuild(rebuild, args.link, args.reps, progress)
+        data["rebuild"] = rebuild.measure_rebuild(rebuild_config, args.link, args.reps, progress)
     data["minutes"] = (time.monotonic() - started) / 60
     written = report.write(data, args.out)
     progress("")
@@ -160,38 +160,38 @@ def _on_the_bench_cluster(
         )
         if {"provision", "netcheck", "bandwidth"} & set(only):
             # netcheck passes only on provisioned nodes (names, firewall); timed anyway.
-            data["provision"] = measure.measure_provision(inventory, args.reps, progress)
+            data["provision"] = network.measure_provision(inventory, args.reps, progress)
             if "provision" not in only:
                 data.pop("provision")
         if "netcheck" in only:
-            data["netcheck"] = measure.measure_netcheck(inventory, config, args.reps, progress)
+            data["netcheck"] = network.measure_netcheck(inventory, config, args.reps, progress)
         if "bandwidth" in only:
-            data["bandwidth"] = measure.measure_bandwidth(
+            data["bandwidth"] = network.measure_bandwidth(
                 inventory, config, args.link, args.reps, progress
             )
         if "scaling" in only:
             workload = SCALING_QUICK if args.quick else SCALING
-            data["scaling"] = measure.measure_scaling(inventory, workload, args.reps, progress)
+            data["scaling"] = jobs.measure_scaling(inventory, workload, args.reps, progress)
         if "accuracy" in only:
             accuracy = ACCURACY_QUICK if args.quick else ACCURACY
-            data["powersgd_accuracy"] = measure.measure_powersgd_accuracy(
+            data["powersgd_accuracy"] = jobs.measure_powersgd_accuracy(
                 inventory, accuracy, progress
             )
         if "launcher" in only:
-            data["launcher"] = measure.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
+            data["launcher"] = jobs.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
         containers = None  # 2 nodes provisioned for jobs in containers, once for both
         if {"editloop", "image"} & set(only):
             containers = measure.provision_containers(inventory, args.training_image, progress)
         if "editloop" in only:
-            data["edit_loop"] = measure.measure_edit_loop(containers, args.reps, progress)
+            data["edit_loop"] = jobs.measure_edit_loop(containers, args.reps, progress)
         if "slurm" in only:
-            data["slurm"] = measure.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
+            data["slurm"] = jobs.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
         if "fsdp" in only:
             steps = FSDP_STEPS_QUICK if args.quick else FSDP_STEPS
-            data["fsdp"] = measure.measure_fsdp(inventory, steps, args.reps, progress)
+            data["fsdp"] = jobs.measure_fsdp(inventory, steps, args.reps, progress)
         if "image" in only:
             image = load(containers).training_image
-            data["image"] = measure.measure_image(containers, image, args.image_reps, progress)
+            data["image"] = shipping.measure_image(containers, image, args.image_reps, progress)
         if "hang" in only:
             four = measure.provision_containers(inventory, args.training_image, progress, nodes=4)
             data["hang"] = hang.measure_hang(four, args.reps, progress)

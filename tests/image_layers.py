@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_multinode.bench.measure import edit_line, scratch_checkout
+from torch_multinode.bench.rebuild import edit_line, scratch_checkout
 from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import docker
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from torch_multinode.bench import cli, hang, measure, report
+from torch_multinode.bench import cli, hang, jobs, measure, rebuild, report, shipping
 
 
 def spread(*values: float) -> dict:
@@ -164,8 +164,8 @@ def test_the_workloads_are_asked_for_their_bench_lines(tmp_path, monkeypatch):
         asked.append((module, args))
         return "BENCH " + json.dumps(row) + "\n"
 
-    monkeypatch.setattr(measure, "train", train)
-    measure.measure_scaling(tmp_path / "inventory.yml", ["--batch", "4"], 1, lambda _: None)
+    monkeypatch.setattr(jobs, "train", train)
+    jobs.measure_scaling(tmp_path / "inventory.yml", ["--batch", "4"], 1, lambda _: None)
     assert [module for module, _ in asked] == ["training.bench_scaling"] * 2
     assert all("--bench" in args for _, args in asked), asked
 
@@ -175,20 +175,20 @@ def test_the_workloads_are_asked_for_their_bench_lines(tmp_path, monkeypatch):
         asked.append(("fsdp", command))
         return type("Done", (), {"stdout": "[node1] BENCH " + json.dumps(fsdp_row) + "\n"})()
 
-    monkeypatch.setattr(measure, "run", run)
-    assert measure.fsdp_row(tmp_path / "inventory.yml", "fsdp", 3) == fsdp_row
+    monkeypatch.setattr(jobs, "run", run)
+    assert jobs.fsdp_row(tmp_path / "inventory.yml", "fsdp", 3) == fsdp_row
     assert "--bench" in " ".join(asked[-1][1])
 
 
 def test_the_edit_loop_reads_what_the_projects_sync_sent_each_node(tmp_path):
-    script = measure.edit_loop_project(tmp_path / "project")
+    script = jobs.edit_loop_project(tmp_path / "project")
     files = [path for path in script.parent.rglob("*") if path.is_file()]
-    assert len(files) == measure.EDIT_LOOP_FILES
+    assert len(files) == jobs.EDIT_LOOP_FILES
     line = (
         "[launcher] /p/project (1000 files, 60.1 KB) -> /var/lib/x: node1 1 changed file(s), "
         "41,234 bytes sent in 0.4 s, node2 1 changed file(s), 40,998 bytes sent in 0.5 s"
     )
-    assert measure.SENT.findall(line) == [("node1", "1", "41,234"), ("node2", "1", "40,998")]
+    assert jobs.SENT.findall(line) == [("node1", "1", "41,234"), ("node2", "1", "40,998")]
     found = report.figures(bench_data())
     assert found["edit_loop"] == pytest.approx(1.02)
     assert found["edit_kilobytes"] == pytest.approx(41.0)
@@ -317,11 +317,11 @@ def test_a_nodes_received_bytes_leave_loopback_out():
 
 
 def test_the_top_layer_change_is_a_tag_of_the_same_repository():
-    assert measure.repository_of("torch-multinode/train:test") == "torch-multinode/train"
-    assert measure.repository_of("train") == "train"
-    assert measure.repository_of("127.0.0.1:5000/a/b") == "127.0.0.1:5000/a/b"
-    assert measure.derived_tag("torch-multinode/train:test") == (
-        f"torch-multinode/train:{measure.TOP_LAYER_TAG}"
+    assert shipping.repository_of("torch-multinode/train:test") == "torch-multinode/train"
+    assert shipping.repository_of("train") == "train"
+    assert shipping.repository_of("127.0.0.1:5000/a/b") == "127.0.0.1:5000/a/b"
+    assert shipping.derived_tag("torch-multinode/train:test") == (
+        f"torch-multinode/train:{shipping.TOP_LAYER_TAG}"
     )
 
 
@@ -343,13 +343,13 @@ def test_the_registry_forgets_a_repository_and_only_the_blobs_no_other_one_links
     _repository(storage, "torch-multinode/train", ["aa11", "bb22", "cc33"], ["dd44", "ff66"])
     _repository(storage, "other/small", ["bb22"], ["ee55"])
     blobs = storage / "blobs" / "sha256"
-    assert measure.registry_files(storage, "torch-multinode/train") == [
+    assert shipping.registry_files(storage, "torch-multinode/train") == [
         storage / "repositories" / "torch-multinode" / "train",
         blobs / "aa" / "aa11",
         blobs / "cc" / "cc33",
         blobs / "dd" / "dd44",  # ff66 is linked but was never stored: nothing to delete
     ]
-    assert measure.registry_files(storage, "never/pushed") == []
+    assert shipping.registry_files(storage, "never/pushed") == []
 
 
 def test_the_bench_waits_only_for_other_clusters_registries():
@@ -358,15 +358,15 @@ def test_the_bench_waits_only_for_other_clusters_registries():
         "torch-multinode-registry-172-30-200-1-5001.yml",
         "ca.yml",
     ]
-    assert measure.registry_endpoints(names) == {"172.30.150.1:5000", "172.30.200.1:5001"}
+    assert shipping.registry_endpoints(names) == {"172.30.150.1:5000", "172.30.200.1:5001"}
     ss = (
         "0 0 172.30.150.1:5000 172.30.150.11:44978\n"
         "0 0 172.30.200.1:39000 172.30.200.1:5001\n"
         "0 0 10.0.0.2:22 10.0.0.9:50000\n"
     )
-    assert measure.connections_to(ss, {"172.30.150.1:5000"}) == 1
-    assert measure.connections_to(ss, {"172.30.150.1:5000", "172.30.200.1:5001"}) == 2
-    assert measure.connections_to(ss, {"172.30.1.1:5000"}) == 0
+    assert shipping.connections_to(ss, {"172.30.150.1:5000"}) == 1
+    assert shipping.connections_to(ss, {"172.30.150.1:5000", "172.30.200.1:5001"}) == 2
+    assert shipping.connections_to(ss, {"172.30.1.1:5000"}) == 0
 
 
 def test_the_image_figures_set_the_first_shipment_and_a_top_layer_change_side_by_side(tmp_path):
@@ -430,13 +430,13 @@ def test_the_rebuild_figure_is_the_second_make_provision_over_the_first(tmp_path
 
 
 def test_the_rebuild_edits_a_scratch_checkout_never_this_one(tmp_path):
-    checkout = measure.scratch_checkout(tmp_path / "checkout")
-    original = (measure.REPO_ROOT / measure.REBUILD_FILE).read_text()
-    measure.edit_line(checkout / measure.REBUILD_FILE, "# bench rebuild 1")
-    assert (checkout / measure.REBUILD_FILE).read_text() == f"{original}\n# bench rebuild 1\n"
-    assert (measure.REPO_ROOT / measure.REBUILD_FILE).read_text() == original
-    assert (checkout / measure.REBUILD_FILE).stat().st_mode == (
-        measure.REPO_ROOT / measure.REBUILD_FILE
+    checkout = rebuild.scratch_checkout(tmp_path / "checkout")
+    original = (measure.REPO_ROOT / rebuild.REBUILD_FILE).read_text()
+    rebuild.edit_line(checkout / rebuild.REBUILD_FILE, "# bench rebuild 1")
+    assert (checkout / rebuild.REBUILD_FILE).read_text() == f"{original}\n# bench rebuild 1\n"
+    assert (measure.REPO_ROOT / rebuild.REBUILD_FILE).read_text() == original
+    assert (checkout / rebuild.REBUILD_FILE).stat().st_mode == (
+        measure.REPO_ROOT / rebuild.REBUILD_FILE
     ).stat().st_mode  # still executable
     assert (checkout / ".venv").resolve() == (measure.REPO_ROOT / ".venv").resolve()
     assert (checkout / "Makefile").is_file() and (checkout / "cluster" / "images.py").is_file()

@@ -12,7 +12,7 @@ import urllib.request
 import uuid
 
 import pytest
-from torch_multinode.bench.measure import edit_line, scratch_checkout
+from torch_multinode.bench.rebuild import edit_line, scratch_checkout
 from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import docker
 from torch_multinode.cluster.errors import UserError
