@@ -28,6 +28,7 @@ from torch_multinode.cluster.execution import Context, Nodes, context_for, pytho
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Result, on_all
 from torch_multinode.netcheck import bandwidth, checks, facts, slurm
+from torch_multinode.netcheck.checks import addressing, reach, software, traffic
 from torch_multinode.netcheck.collective import IMPORT_TIMEOUT, RESULT_PREFIX
 from torch_multinode.netcheck.report import BANDWIDTH, CHECKS, Finding, Link, Report, Status
 
@@ -146,7 +147,7 @@ def preflight(
     ssh = _parallel(hosts, lambda h: attempt(nodes, h, "true", SSH_TIMEOUT))
     for host in hosts:
         a = ssh[host.name]
-        add([checks.ssh_finding(host, None if a.ok else a.why(), a.seconds)])
+        add([reach.ssh_finding(host, None if a.ok else a.why(), a.seconds)])
     up = [h for h in hosts if ssh[h.name].ok]
     down = [h.name for h in hosts if not ssh[h.name].ok]
 
@@ -172,9 +173,9 @@ def preflight(
                         )
                     ]
                 )
-    interfaces = checks.interface_findings(hosts, node_facts, master)
-    add(checks.ping_findings(hosts, node_facts, interfaces.broken, subnet, set(down)))
-    add(checks.name_findings(hosts, node_facts, rendezvous, master))
+    interfaces = addressing.interface_findings(hosts, node_facts, master)
+    add(reach.ping_findings(hosts, node_facts, interfaces.broken, subnet, set(down)))
+    add(addressing.name_findings(hosts, node_facts, rendezvous, master))
     add(interfaces.findings)
     report.env = interfaces.env
     report.nic_speed_mbps = interfaces.speeds
@@ -222,10 +223,10 @@ def preflight(
     for name, stack in stacks.items():
         if isinstance(stack, dict):
             stack["infiniband"] = node_facts[name].infiniband if name in node_facts else []
-    add(checks.software_findings(hosts, {h.name: stacks[h.name] for h in up}, master, context))
+    add(software.software_findings(hosts, {h.name: stacks[h.name] for h in up}, master, context))
     if measure_tcp and not blocked:
         add(
-            checks.bandwidth_findings(
+            traffic.bandwidth_findings(
                 hosts,
                 master,
                 report.measurements,
@@ -296,13 +297,13 @@ def _ports(
             PORTS_TIMEOUT,
         ),
     )
-    listeners: dict[str, checks.Listening] = {}
+    listeners: dict[str, reach.Listening] = {}
     for name, a in serving.items():
         data = a.json()
         if data is None:
-            listeners[name] = checks.Listening(name, [], a.why())
+            listeners[name] = reach.Listening(name, [], a.why())
         else:
-            listeners[name] = checks.Listening(name, data.get("ports", []))
+            listeners[name] = reach.Listening(name, data.get("ports", []))
     try:
 
         def connect(host: Host) -> Attempt:
@@ -342,7 +343,7 @@ def _ports(
     for name, a in connected.items():
         data = a.json()
         connects[name] = data["results"] if data is not None else a.why()
-    return checks.port_findings(hosts, master, rendezvous_port, listeners, connects, broken, subnet)
+    return reach.port_findings(hosts, master, rendezvous_port, listeners, connects, broken, subnet)
 
 
 def _tcp(
@@ -581,14 +582,14 @@ def _collective(
     rank0 = results.get(master.name)
     report.backend = rank0.get("backend", "gloo") if isinstance(rank0, dict) else "gloo"
     report.findings.extend(
-        checks.collective_findings(hosts, results, report.backend, commands, stacks)
+        traffic.collective_findings(hosts, results, report.backend, commands, stacks)
     )
     report.transport = {
         name: r["transport"]
         for name, r in results.items()
         if isinstance(r, dict) and isinstance(r.get("transport"), dict)
     }
-    report.findings.extend(checks.transport_findings(hosts, results, report.backend))
+    report.findings.extend(traffic.transport_findings(hosts, results, report.backend))
     if isinstance(rank0, dict) and rank0.get("results"):
-        report.measurements = checks.measurements(rank0["results"], len(hosts))
+        report.measurements = traffic.measurements(rank0["results"], len(hosts))
     return stacks

@@ -4,7 +4,8 @@ fake /sys and /proc, and the software check's FAIL naming the node and the remed
 from __future__ import annotations
 
 import pytest
-from torch_multinode.netcheck import checks, softprobe
+from torch_multinode.netcheck import softprobe
+from torch_multinode.netcheck.checks import software
 from torch_multinode.netcheck.report import Status
 
 from tests.netcheck.netcheck_fakes import inventory
@@ -42,9 +43,9 @@ def probe(**change):
     return base
 
 
-def software(*probes):
+def software_check(*probes):
     hosts = [N1, N2][: len(probes)]
-    return checks.software_findings(
+    return software.software_findings(
         hosts, {h.name: p for h, p in zip(hosts, probes, strict=True)}, N1
     )
 
@@ -136,7 +137,7 @@ def test_a_node_without_nvswitches_asks_nothing_more(tmp_path, monkeypatch):
 
 
 def test_an_nvswitch_node_without_its_fabric_manager_fails_naming_node_and_remedy():
-    found = software(
+    found = software_check(
         probe(nvswitches=4, fabricmanager=False),
         probe(nvswitches=4, fabricmanager=True, fabric_states=[["Completed", "Success"]] * 2),
     )
@@ -155,7 +156,7 @@ def test_an_nvswitch_node_without_its_fabric_manager_fails_naming_node_and_remed
 def test_in_a_container_the_gpus_fabric_registration_names_the_missing_fabric_manager():
     # The probe in the training image sees neither the host's processes nor its systemd.
     states = [["Completed", "Success"], ["Not Started", "N/A"], ["In Progress", "N/A"]]
-    (fail,) = on(software(probe(nvswitches=4, fabric_states=states)), "node1")
+    (fail,) = on(software_check(probe(nvswitches=4, fabric_states=states)), "node1")
     assert fail.detail.startswith(
         "node1 has 4 NVSwitch(es) but the GPUs' fabric registration is not complete "
         "(GPU 1 Not Started, GPU 2 In Progress)"
@@ -165,7 +166,7 @@ def test_in_a_container_the_gpus_fabric_registration_names_the_missing_fabric_ma
 
 def test_gpus_torch_cannot_see_behind_nvswitches_point_at_the_fabric_manager():
     # A100 boards report no fabric state; torch sees no GPU (error 802) while nvidia-smi lists 8.
-    found = software(probe(nvswitches=6, nvidia_smi_gpus=8, gpus=0, fabric_states=None))
+    found = software_check(probe(nvswitches=6, nvidia_smi_gpus=8, gpus=0, fabric_states=None))
     details = [f.detail for f in on(found, "node1")]
     assert (
         "node1 has 6 NVSwitch(es) but torch sees none of the 8 GPU(s) nvidia-smi lists (is "
@@ -185,12 +186,12 @@ def test_gpus_torch_cannot_see_behind_nvswitches_point_at_the_fabric_manager():
     ids=["no-nvswitch", "running", "registered", "old-probe"],
 )
 def test_no_fabric_manager_finding_where_none_is_needed_or_it_runs(change):
-    found = software(probe(**change) if change else {**probe(), "nvswitches": None})
+    found = software_check(probe(**change) if change else {**probe(), "nvswitches": None})
     assert [f.status for f in on(found, "node1")] == [Status.PASS]
 
 
 def test_without_a_driver_version_the_remedy_names_the_package_without_a_branch():
-    (fail,) = on(software(probe(nvswitches=2, fabricmanager=False, driver=None)), "node1")
+    (fail,) = on(software_check(probe(nvswitches=2, fabricmanager=False, driver=None)), "node1")
     assert "or install nvidia-fabricmanager of the driver's exact version and start it" in (
         fail.remedy
     )

@@ -9,7 +9,8 @@ import pytest
 from torch_multinode.cluster import nccl_transport
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import ContainerContext
-from torch_multinode.netcheck import bandwidth, checks, collective, envfile, facts, preflight
+from torch_multinode.netcheck import bandwidth, collective, envfile, facts, preflight
+from torch_multinode.netcheck.checks import addressing, reach, software, traffic
 from torch_multinode.netcheck.report import (
     Finding,
     Link,
@@ -103,7 +104,7 @@ def test_sizes_elements_and_iterations():
 
 def test_measurements_apply_the_formulas():
     rows = [{"op": "all_reduce", "bytes": 1 << 20, "seconds": 0.01, "mismatches": 0}]
-    (m,) = checks.measurements(rows, 2)
+    (m,) = traffic.measurements(rows, 2)
     assert m.algbw == pytest.approx(0.1048576) and m.busbw == pytest.approx(0.1048576)
 
 
@@ -163,7 +164,7 @@ def test_facts_script_asks_for_everything_with_quoting():
 
 
 def test_names_healthy_pass():
-    found = checks.name_findings(
+    found = addressing.name_findings(
         [N1, N2], {"node1": healthy_facts(N1), "node2": healthy_facts(N2)}, "10.9.0.11", N1
     )
     assert [f.status for f in found] == [Status.PASS, Status.PASS]
@@ -174,7 +175,7 @@ def test_own_name_on_loopback_fails_on_that_node_with_the_fix():
         N2,
         resolved={"node2": ["127.0.1.1", "10.9.0.12"], "own hostname": ["127.0.1.1", "10.9.0.12"]},
     )
-    found = checks.name_findings(
+    found = addressing.name_findings(
         [N1, N2], {"node1": healthy_facts(N1), "node2": bad}, "10.9.0.11", N1
     )
     (fail,) = only(found, "node2", status=Status.FAIL)
@@ -188,7 +189,7 @@ def test_own_name_on_loopback_fails_on_that_node_with_the_fix():
 
 def test_unresolvable_peer_and_wrong_first_address():
     f = healthy_facts(N1, resolved={"node2": [], "node1": ["10.8.0.11", "10.9.0.11"]})
-    found = checks.name_findings([N1, N2], {"node1": f}, "10.9.0.11", N1)
+    found = addressing.name_findings([N1, N2], {"node1": f}, "10.9.0.11", N1)
     details = sorted(x.detail for x in found)
     assert details == [
         "node1 cannot resolve node2",
@@ -202,7 +203,7 @@ def test_unresolvable_peer_and_wrong_first_address():
 
 def test_rendezvous_address_must_resolve_to_the_masters_ip():
     f = healthy_facts(N2, resolved={"master": ["10.9.0.99"]})
-    found = checks.name_findings([N1, N2], {"node2": f}, "master", N1)
+    found = addressing.name_findings([N1, N2], {"node2": f}, "master", N1)
     (fail,) = found
     assert fail.detail == (
         "node2 resolves the rendezvous address master to 10.9.0.99, not "
@@ -211,7 +212,7 @@ def test_rendezvous_address_must_resolve_to_the_masters_ip():
 
 
 def test_hostname_unlike_inventory_name_warns():
-    found = checks.name_findings(
+    found = addressing.name_findings(
         [N1], {"node1": healthy_facts(N1, hosts=(N1,), hostname="pc7")}, "10.9.0.11", N1
     )
     (warn,) = found
@@ -222,7 +223,7 @@ def test_hostname_unlike_inventory_name_warns():
 
 
 def test_interfaces_healthy_give_exact_socket_env():
-    verdict = checks.interface_findings(
+    verdict = addressing.interface_findings(
         [N1, N2], {"node1": healthy_facts(N1), "node2": healthy_facts(N2)}, N1
     )
     assert [f.status for f in verdict.findings] == [Status.PASS, Status.PASS]
@@ -235,7 +236,7 @@ def test_interfaces_healthy_give_exact_socket_env():
 
 
 def test_infiniband_present_leaves_ib_enabled():
-    assert checks.socket_env("ib0", ["mlx5_0"]) == {
+    assert addressing.socket_env("ib0", ["mlx5_0"]) == {
         "NCCL_SOCKET_IFNAME": "=ib0",
         "GLOO_SOCKET_IFNAME": "ib0",
     }
@@ -247,7 +248,9 @@ def test_interface_down_fails_once_with_the_command():
         links=[link("eth1", "10.9.0.12", flags=("BROADCAST",))],
         routes={"10.9.0.11": {"dev": "eth0"}},
     )
-    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": down}, N1)
+    verdict = addressing.interface_findings(
+        [N1, N2], {"node1": healthy_facts(N1), "node2": down}, N1
+    )
     (fail,) = only(verdict.findings, "node2")
     assert fail.detail == "node2's eth1 is down"
     assert fail.remedy == "on node2: ip link set eth1 up (and make it persistent in netplan)"
@@ -256,7 +259,7 @@ def test_interface_down_fails_once_with_the_command():
 
 def test_route_through_the_wrong_interface_fails():
     f = healthy_facts(N2, routes={"10.9.0.11": {"dev": "eth0", "prefsrc": "10.8.0.12"}})
-    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": f}, N1)
+    verdict = addressing.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": f}, N1)
     (fail,) = only(verdict.findings, "node2")
     assert fail.detail == "node2's route to node1 (10.9.0.11) leaves through eth0, not eth1"
     assert fail.remedy.startswith("on node2: remove the route that sends 10.9.0.11 through eth0")
@@ -264,7 +267,7 @@ def test_route_through_the_wrong_interface_fails():
 
 def test_missing_interface_points_at_the_one_holding_the_ip():
     f = healthy_facts(N2, links=[link("enp3s0", "10.9.0.12")])
-    verdict = checks.interface_findings([N2], {"node2": f}, N1)
+    verdict = addressing.interface_findings([N2], {"node2": f}, N1)
     (fail,) = verdict.findings
     assert fail.detail == "node2 has no interface eth1 (it has enp3s0)"
     assert (
@@ -281,7 +284,7 @@ def test_mtu_mismatch_blames_the_minority_and_the_master_breaks_ties():
         "node2": odd,
         "node3": healthy_facts(N3, hosts=(N1, N2, N3)),
     }
-    verdict = checks.interface_findings([N1, N2, N3], trio, N1)
+    verdict = addressing.interface_findings([N1, N2, N3], trio, N1)
     (fail,) = only(verdict.findings, "node2", status=Status.FAIL)
     assert fail.detail == "node2's eth1 MTU is 1400, not 1500 as on node1, node3"
     assert fail.remedy.startswith("on node2: ip link set eth1 mtu 1500")
@@ -289,13 +292,13 @@ def test_mtu_mismatch_blames_the_minority_and_the_master_breaks_ties():
         "node1": healthy_facts(N1),
         "node2": healthy_facts(N2, links=[link("eth1", "10.9.0.12", 9000)]),
     }
-    verdict = checks.interface_findings([N1, N2], pair, N1)
+    verdict = addressing.interface_findings([N1, N2], pair, N1)
     assert [f.node for f in verdict.findings if f.status is Status.FAIL] == ["node2"]
 
 
 def test_interface_names_and_speeds_compared_across_nodes():
     f2 = healthy_facts(N2, links=[link("eth1", "10.9.0.12")], speed="1000")
-    verdict = checks.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": f2}, N1)
+    verdict = addressing.interface_findings([N1, N2], {"node1": healthy_facts(N1), "node2": f2}, N1)
     (warn,) = only(verdict.findings, "node2", status=Status.WARN)
     assert warn.detail == "node2's eth1 runs at 1000 Mb/s, others at 10000 Mb/s"
 
@@ -306,7 +309,7 @@ def test_interface_names_and_speeds_compared_across_nodes():
 def test_lost_pings_are_reported_on_the_node_at_fault():
     f1 = healthy_facts(N1, pings={"node2": ping_lost("10.9.0.12")})
     f2 = healthy_facts(N2, pings={"node1": ping_lost("10.9.0.11")})
-    found = checks.ping_findings([N1, N2], {"node1": f1, "node2": f2}, {"node2"}, SUBNET)
+    found = reach.ping_findings([N1, N2], {"node1": f1, "node2": f2}, {"node2"}, SUBNET)
     assert only(found, "node1")[0].status is Status.PASS
     fails = only(found, "node2", status=Status.FAIL)
     assert len(fails) == 2
@@ -315,7 +318,7 @@ def test_lost_pings_are_reported_on_the_node_at_fault():
 
 def test_a_node_ssh_cannot_reach_is_named_in_its_ping_failure():
     f1 = healthy_facts(N1, pings={"node2": ping_lost("10.9.0.12")})
-    found = checks.ping_findings([N1, N2], {"node1": f1}, set(), SUBNET, {"node2"})
+    found = reach.ping_findings([N1, N2], {"node1": f1}, set(), SUBNET, {"node2"})
     (fail,) = only(found, "node2")
     assert (
         fail.detail
@@ -329,7 +332,7 @@ def test_partial_loss_and_high_rtt():
         "5 packets transmitted, 4 received, 20% packet loss, time 1ms\n"
         "rtt min/avg/max/mdev = 0.1/0.2/0.3/0.1 ms"
     )
-    found = checks.ping_findings(
+    found = reach.ping_findings(
         [N1, N2],
         {
             "node1": healthy_facts(N1, pings={"node2": text}),
@@ -348,7 +351,7 @@ def test_partial_loss_and_high_rtt():
 
 
 def listening(node, *ports):
-    return checks.Listening(node, [{"requested": p, "ok": True, "port": p or 41000} for p in ports])
+    return reach.Listening(node, [{"requested": p, "ok": True, "port": p or 41000} for p in ports])
 
 
 def test_firewalled_high_port_fails_on_the_target():
@@ -363,7 +366,7 @@ def test_firewalled_high_port_fails_on_the_target():
             {"name": "node1", "port": 41000, "ok": True},
         ],
     }
-    found = checks.port_findings([N1, N2], N1, 29500, listeners, connects, set(), SUBNET)
+    found = reach.port_findings([N1, N2], N1, 29500, listeners, connects, set(), SUBNET)
     (fail,) = only(found, "node2")
     assert fail.status is Status.FAIL
     assert fail.detail == "node1 cannot connect to node2:41000 (random high port, timed out)"
@@ -383,10 +386,10 @@ def test_rendezvous_port_in_use_on_the_master_names_the_process():
         "holders": [{"pid": 77, "name": "python3", "command": "python3 train.py"}],
     }
     listeners = {
-        "node1": checks.Listening("node1", [held, {"requested": 0, "ok": True, "port": 41000}]),
+        "node1": reach.Listening("node1", [held, {"requested": 0, "ok": True, "port": 41000}]),
         "node2": listening("node2", 29500, 0),
     }
-    found = checks.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
+    found = reach.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
     (fail,) = only(found, "node1")
     assert fail.detail == (
         "rendezvous port 29500 on the master node1 is in use: used by python3 "
@@ -396,8 +399,8 @@ def test_rendezvous_port_in_use_on_the_master_names_the_process():
         "on node1: stop it (kill 77), or set rendezvous_port to a free port in the inventory"
     )
     # On a worker the same is only a warning: just the master listens there.
-    listeners = {"node1": listening("node1", 29500, 0), "node2": checks.Listening("node2", [held])}
-    found = checks.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
+    listeners = {"node1": listening("node1", 29500, 0), "node2": reach.Listening("node2", [held])}
+    found = reach.port_findings([N1, N2], N1, 29500, listeners, {}, set(), SUBNET)
     assert only(found, "node2")[0].status is Status.WARN
 
 
@@ -423,7 +426,7 @@ def probe(**change):
 
 
 def test_version_mismatch_fails_on_the_odd_node():
-    found = checks.software_findings(
+    found = software.software_findings(
         [N1, N2, N3], {"node1": probe(), "node2": probe(torch="2.15.0"), "node3": probe()}, N1
     )
     (fail,) = only(found, "node2")
@@ -437,7 +440,7 @@ def test_version_mismatch_fails_on_the_odd_node():
 def test_a_torch_older_than_the_minimum_fails_on_every_node_that_has_it():
     # NVIDIA's pytorch:25.12 image carries 2.10.0a0: the same on every node is no excuse.
     old = "2.10.0a0+b558c986e8.nv25.12"
-    found = checks.software_findings(
+    found = software.software_findings(
         [N1, N2],
         {"node1": probe(torch=old), "node2": probe(torch=old)},
         N1,
@@ -456,7 +459,7 @@ def test_a_torch_older_than_the_minimum_fails_on_every_node_that_has_it():
 
 def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
     gpu = {"cuda_available": True, "gpus": 0}  # the GPU count is not what this test is about
-    found = checks.software_findings(
+    found = software.software_findings(
         [N1, N2],
         {"node1": probe(driver="570.172.08", **gpu), "node2": probe(driver="580.95.05", **gpu)},
         N1,
@@ -473,14 +476,14 @@ def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
     (ok,) = only(found, "node2")
     assert ok.status is Status.PASS and "driver 580.95.05" in ok.detail
     # A CUDA 12 build runs on 570.
-    found = checks.software_findings([N1], {"node1": probe(driver="570.1", cuda="12.8")}, N1)
+    found = software.software_findings([N1], {"node1": probe(driver="570.1", cuda="12.8")}, N1)
     assert only(found, "node1")[0].status is Status.PASS
 
 
 def test_a_gpu_older_than_the_torch_build_is_named_with_its_compute_capability():
     archs = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
     gpu = {"cuda_available": True, "gpus": 0, "cuda_archs": archs}
-    found = checks.software_findings(
+    found = software.software_findings(
         [N1, N2],
         {
             "node1": probe(gpu_capabilities=[["Tesla V100-SXM2-16GB", "7.0"]], **gpu),
@@ -502,14 +505,14 @@ def test_a_gpu_older_than_the_torch_build_is_named_with_its_compute_capability()
     )
     assert only(found, "node2")[0].status is Status.PASS
     # A CPU build has no architectures to hold a GPU against: nothing said.
-    found = checks.software_findings(
+    found = software.software_findings(
         [N1], {"node1": probe(gpu_capabilities=[["Tesla V100", "7.0"]], cuda_archs=None)}, N1
     )
     assert only(found, "node1")[0].status is Status.PASS
 
 
 def test_gpu_count_shm_and_missing_torch():
-    found = checks.software_findings(
+    found = software.software_findings(
         [N1, N2],
         {
             "node1": probe(gpus=1, shm_bytes=32 << 20),
@@ -560,7 +563,7 @@ def test_collective_mismatch_and_timeouts_name_the_failing_node():
     }
     rerun = {n: f"rerun-{n}" for n in results}
     stacks = {"node1": probe(), "node2": results["node2"], "node3": probe()}
-    found = checks.collective_findings([N1, N2, N3], results, "gloo", rerun, stacks)
+    found = traffic.collective_findings([N1, N2, N3], results, "gloo", rerun, stacks)
     by_node = {f.node: f for f in found}
     assert by_node["node1"].detail.endswith("(waiting for node2, node3, which failed)")
     assert by_node["node1"].remedy == "on node2: fix the failure reported there"
@@ -570,7 +573,7 @@ def test_collective_mismatch_and_timeouts_name_the_failing_node():
     )
     assert by_node["node3"].detail == "broadcast of 1024 bytes gave 3 wrong value(s) on node3"
     # A worker that cannot import torch points at the software check.
-    found = checks.collective_findings(
+    found = traffic.collective_findings(
         [N1],
         {"node1": {"rank": 0, "ok": False, "error": "ImportError: libcudnn.so.9"}},
         "gloo",
@@ -594,7 +597,7 @@ def test_busbw_far_below_raw_tcp_warns_and_slow_sender_is_named():
         Link("node2", "node3", 1 << 26, 0.1),
         Link("node3", "node2", 1 << 26, 1.0),
     ]
-    found = checks.bandwidth_findings([N1, N2, N3], N1, measured, ring, pairwise, {})
+    found = traffic.bandwidth_findings([N1, N2, N3], N1, measured, ring, pairwise, {})
     (ratio,) = only(found, "node1", status=Status.WARN)
     assert ratio.detail == "all_reduce busbw 0.050 GB/s at 64 MiB is 37% of raw TCP 0.134 GB/s"
     slow = only(found, "node3", status=Status.WARN)
@@ -689,7 +692,7 @@ def test_ubuntu_style_loopback_hostname_fails_once_and_warns_about_the_name():
         hostname="pc7",
         resolved={"own hostname": ["127.0.1.1"], "own FQDN": ["127.0.1.1"]},
     )
-    found = checks.name_findings([N1], {"node1": f}, "10.9.0.11", N1)
+    found = addressing.name_findings([N1], {"node1": f}, "10.9.0.11", N1)
     assert [(x.status, x.detail) for x in found] == [
         (Status.FAIL, "node1's own hostname 'pc7' resolves to 127.0.1.1"),
         (Status.WARN, "node1's hostname is 'pc7', the inventory calls it node1"),
@@ -700,7 +703,7 @@ def test_ubuntu_style_loopback_hostname_fails_once_and_warns_about_the_name():
 def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
     from torch_multinode.netcheck import preflight
 
-    env = checks.socket_env("eth1", [])
+    env = addressing.socket_env("eth1", [])
     command = preflight.worker_command(
         N2, 1, [N1, N2], 45555, (1024,), 30.0, env, N2.python, "netcheck-abc"
     )
@@ -786,7 +789,7 @@ def test_sockets_on_a_node_with_infiniband_warn_and_name_what_is_missing():
         "node2": {"ok": True, "transport": fake_transport("Socket", ("mlx5_0",), verbs=False)},
         "node3": "exit 1: boom",
     }
-    found = checks.transport_findings(hosts, results, "nccl")
+    found = traffic.transport_findings(hosts, results, "nccl")
     assert [(f.check, f.node, f.status) for f in found] == [
         ("transport", "node1", Status.PASS),
         ("transport", "node2", Status.WARN),
@@ -804,13 +807,13 @@ def test_sockets_on_a_node_with_infiniband_warn_and_name_what_is_missing():
     # Sockets without RDMA hardware are right; the device there but sockets used anyway: the
     # image (libibverbs) or NCCL_IB_DISABLE.
     plain = {"node1": {"ok": True, "transport": fake_transport("Socket")}}
-    (only_one,) = checks.transport_findings(hosts[:1], plain, "nccl")
+    (only_one,) = traffic.transport_findings(hosts[:1], plain, "nccl")
     assert only_one.status is Status.PASS and "no RDMA device" in only_one.detail
     opened = {"node1": {"ok": True, "transport": fake_transport("Socket", ("mlx5_0",), True)}}
-    (warned,) = checks.transport_findings(hosts[:1], opened, "nccl")
+    (warned,) = traffic.transport_findings(hosts[:1], opened, "nccl")
     assert warned.status is Status.WARN and "libibverbs in the image" in warned.remedy
     # gloo on CPU nodes: nothing to judge, no column.
-    assert checks.transport_findings(hosts, results, "gloo") == []
+    assert traffic.transport_findings(hosts, results, "gloo") == []
 
 
 def test_a_nccl_run_reports_its_transport_column_line_and_json():
