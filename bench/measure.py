@@ -19,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch_multinode.cluster import images, sim, sync
+from torch_multinode.cluster import images, sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
 from torch_multinode.launch.commands import remote_command
 from torch_multinode.launch.nodes import interface_env
 from torch_multinode.launch.spec import JobSpec
+from torch_multinode.sim import nodes as sim
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = REPO_ROOT / ".venv" / "bin"

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from torch_multinode.cluster import bootstrap, sim
+from torch_multinode.cluster import bootstrap
 from torch_multinode.cluster.inventory import load
+from torch_multinode.sim import nodes as sim
 
 from tests.conftest import REPO_ROOT, TEST_IMAGE, VENV_BIN, make
 from tests.helpers import password_login

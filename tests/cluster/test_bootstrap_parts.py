@@ -9,9 +9,10 @@ from pathlib import Path
 import paramiko
 import pytest
 import yaml
-from torch_multinode.cluster import bootstrap, sim
+from torch_multinode.cluster import bootstrap
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load
+from torch_multinode.sim import nodes as sim
 
 from tests.conftest import VENV_BIN, run_cli
 

@@ -8,9 +8,10 @@ import subprocess
 import uuid
 
 import pytest
-from torch_multinode.cluster import engine, images, sim
+from torch_multinode.cluster import engine, images
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.remote import Result
+from torch_multinode.sim import nodes as sim
 
 from tests import helpers
 from tests.fakes import FakeNodes

@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 import yaml
-from torch_multinode.cluster import bootstrap, sim
+from torch_multinode.cluster import bootstrap
+from torch_multinode.sim import nodes as sim
 
 from tests.conftest import make, run_cli
 

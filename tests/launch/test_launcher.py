@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from torch_multinode.cluster import sim
 from torch_multinode.cluster.containers import NCCL_CONF_GUARD, rdma_options
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load, parse
@@ -32,6 +31,7 @@ from torch_multinode.launch.spec import (
     JobSpec,
 )
 from torch_multinode.netcheck import envfile
+from torch_multinode.sim import nodes as sim
 
 from tests.conftest import VENV_BIN, run_cli
 from tests.fakes import FakeNodes

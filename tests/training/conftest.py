@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_multinode.cluster import sim
 from torch_multinode.launch.spec import runnable_module
+from torch_multinode.sim import nodes as sim
 
 LOOPBACK = "127.0.0.1"
 # Small enough for two cores, and the same everywhere so runs can be compared.

@@ -17,9 +17,9 @@ import time
 import uuid
 
 import pytest
-from torch_multinode.cluster import sim
 from torch_multinode.launch.commands import link_probe_command
 from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
+from torch_multinode.sim import nodes as sim
 from torch_multinode.training import trainer
 from torch_multinode.training.checkpoint import file_name
 

@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from torch_multinode.cluster import sim
+from torch_multinode.sim import nodes as sim
 from torch_multinode.training import config as config_module
 from torch_multinode.training.config import TrainConfig
 

@@ -341,7 +341,7 @@ def write_inventory(config: SimConfig, count: int, fresh: bool = False) -> Path:
         }
     }
     header = (
-        f"# Simulated cluster '{config.name}', written by 'cluster sim up'. Regenerated on every\n"
+        f"# Simulated cluster '{config.name}', written by 'make sim-up'. Regenerated on every\n"
         "# sim-up: edit a copy, not this file.\n"
     )
     if fresh:
