@@ -158,11 +158,11 @@ check-inventory: $(STAMP)
 
 .PHONY: sim-up  ## start NNODES (1-4) simulated nodes and write .sim/inventory.yml; LINK=1gbit shapes, FRESH=1 as fresh installs
 sim-up: $(STAMP)
-	$(BIN)/cluster sim up --nodes $(or $(strip $(NNODES)),2) $(if $(strip $(LINK)),--link $(LINK)) $(if $(filter 1 yes true,$(FRESH)),--fresh)
+	$(BIN)/python -m torch_multinode.sim.cli up --nodes $(or $(strip $(NNODES)),2) $(if $(strip $(LINK)),--link $(LINK)) $(if $(filter 1 yes true,$(FRESH)),--fresh)
 
 .PHONY: sim-down  ## remove every container, network and volume of the simulated cluster
 sim-down: $(STAMP)
-	$(BIN)/cluster sim down
+	$(BIN)/python -m torch_multinode.sim.cli down
 
 .PHONY: format  ## put the Python code in the formatter's layout and fix what ruff can
 format: $(STAMP)

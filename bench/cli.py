@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 from torch_multinode.bench import hang, jobs, measure, network, rebuild, report, shipping
-from torch_multinode.cluster import engine, sim
+from torch_multinode.cluster import engine
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge
 from torch_multinode.cluster.inventory import load
+from torch_multinode.sim import nodes as sim
 
 SECTIONS = (
     "provision",

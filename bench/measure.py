@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch_multinode.cluster import sim
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.sim import nodes as sim
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = REPO_ROOT / ".venv" / "bin"

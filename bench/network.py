@@ -20,8 +20,8 @@ from torch_multinode.bench.measure import (
     run,
     shape,
 )
-from torch_multinode.cluster import sim
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.sim import nodes as sim
 
 # -- 6. provisioning -------------------------------------------------------------------------
 

@@ -17,9 +17,10 @@ from torch_multinode.bench.measure import (
     ratio_series,
     side_by_side,
 )
-from torch_multinode.cluster import images, sim
+from torch_multinode.cluster import images
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
+from torch_multinode.sim import nodes as sim
 
 # -- 10. shipping the training image ---------------------------------------------------------
 
@@ -87,6 +88,7 @@ def registry_files(storage: Path, repository: str) -> list[Path]:
 def registry_storage(registry) -> Path:
     """The storage of the registry instance `registry` (ship.Registry), from its config."""
     import yaml
+
     from torch_multinode.cluster import ship
 
     config = yaml.safe_load((ship.REGISTRY_DIR / f"{registry.instance}.yml").read_text())

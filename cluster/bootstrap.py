@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
+
 from torch_multinode.cluster.errors import UserError, shown
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Remote, on_all

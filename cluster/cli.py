@@ -1,6 +1,6 @@
-"""`cluster`: check an inventory, and start or stop the simulated cluster.
+"""`cluster`: check an inventory, and build, ship and bootstrap what its nodes need.
 
-A thin edge: parse arguments, call the plain functions in cluster.inventory and cluster.sim,
+A thin edge: parse arguments, call the plain functions in cluster.inventory and its neighbours,
 print, and turn a UserError into one `Error: ...` line with a non-zero exit.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torch_multinode.cluster import engine, sim
+from torch_multinode.cluster import engine
 from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge, shown
 from torch_multinode.cluster.inventory import (
@@ -29,7 +29,7 @@ INVENTORY_HELP = (
 def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="cluster",
-        description="Inventory checks and the local simulated cluster.",
+        description="Inventory checks, the training image, data, bootstrap and Slurm's queue.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -186,47 +186,6 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     cancel.add_argument("job", nargs="?", help="the job's ID, as make queue shows it")
 
-    simulated = commands.add_parser(
-        "sim", help="the simulated cluster (node containers reached over SSH)"
-    )
-    sim_commands = simulated.add_subparsers(dest="sim_command", required=True, metavar="ACTION")
-    for name, text in (
-        ("up", "start N nodes (or reuse them) and write their inventory"),
-        ("down", "remove every container, network and volume the simulator made"),
-        ("status", "list the nodes and whether they run"),
-    ):
-        sub = sim_commands.add_parser(name, help=text, description=text)
-        sub.add_argument(
-            "--name", default=sim.DEFAULT_NAME, help="cluster name (default: %(default)s)"
-        )
-        sub.add_argument(
-            "--subnet", default=sim.DEFAULT_SUBNET, help="compute subnet (default: %(default)s)"
-        )
-        sub.add_argument(
-            "--mgmt-subnet",
-            default=sim.DEFAULT_MGMT_SUBNET,
-            help="management (SSH) subnet (default: %(default)s)",
-        )
-        sub.add_argument(
-            "--state-dir",
-            default=None,
-            help="where the inventory, SSH key and known_hosts go (default: .sim for the "
-            "default cluster, .sim/NAME for others)",
-        )
-        if name == "up":
-            sub.add_argument("-n", "--nodes", type=int, default=2, help="1 to 4 (default: 2)")
-            sub.add_argument(
-                "--link",
-                default=None,
-                help="shape every node's link, e.g. 1gbit (default: unshaped)",
-            )
-            sub.add_argument(
-                "--fresh",
-                action="store_true",
-                help=f"nodes as a fresh install leaves them: user {sim.FRESH_USER} with a "
-                "password (asked now, or the first line of standard input), sudo asking for it, "
-                "SSH password login, no key; then make bootstrap",
-            )
     return parser
 
 
@@ -301,60 +260,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{host.name} slots={slots(host)}")
         return 0
 
-    state_dir = Path(args.state_dir) if args.state_dir else sim.default_state_dir(args.name)
-    config = sim.SimConfig(args.name, args.subnet, state_dir, args.mgmt_subnet)
-    if args.sim_command == "up":
-        # Nodes already running keep the password they have: asked only for new ones.
-        ask = args.fresh and not sim.status(config)
-        password = _new_password(sim.FRESH_USER) if ask else None
-        cluster = sim.up(
-            args.nodes,
-            args.link,
-            config,
-            progress=_progress,
-            fresh=args.fresh,
-            fresh_password=password,
-        )
-        inventory = cluster.config.inventory_path
-        shaped = f", every link shaped to {cluster.link}" if cluster.link else ""
-        print(
-            f"Simulated cluster '{config.name}': {len(cluster.nodes)} node(s) up over SSH in "
-            f"{cluster.seconds:.1f} s{shaped}."
-        )
-        for index, name in enumerate(cluster.nodes, start=1):
-            print(
-                f"  {name}  ssh {config.mgmt_ip(index)}  compute {config.node_ip(index)} "
-                f"({sim.COMPUTE_INTERFACE})  container {config.container(index)}"
-            )
-        print(f"Inventory: {inventory}")
-        print("Use it:")
-        if args.fresh:
-            print(
-                f"  make bootstrap INVENTORY={inventory}   (first: {sim.FRESH_USER}'s password, "
-                "each node's host key)"
-            )
-        print(f"  make provision INVENTORY={inventory}")
-        print(f"  make netcheck  INVENTORY={inventory}")
-        print(f"  make train     INVENTORY={inventory} NNODES={len(cluster.nodes)}")
-        user = sim.FRESH_USER if args.fresh else "root"
-        print(
-            f"  ssh -i {config.key_path} -o UserKnownHostsFile={config.known_hosts_path} "
-            f"{user}@{config.mgmt_ip(1)}"
-        )
-        return 0
-    if args.sim_command == "down":
-        removed = sim.down(config, progress=_progress)
-        print(
-            f"Simulated cluster '{config.name}' removed: {removed.containers} container(s), "
-            f"{removed.networks} network(s), {removed.volumes} volume(s)."
-        )
-        return 0
-    nodes = sim.status(config)
-    if not nodes:
-        print(f"Simulated cluster '{config.name}' is not running (start it with 'make sim-up').")
-    for container, ip, running in nodes:
-        print(f"{container}  ssh {ip}  {'running' if running else 'stopped'}")
-    return 0
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse allows no other
 
 
 def _nodes_platform(inventory) -> str:
@@ -376,18 +282,6 @@ def slots(host) -> int:
     if host.visible_gpus is not None:
         return len(host.visible_gpus)
     return host.gpus or 1
-
-
-def _new_password(user: str) -> str:
-    """The fresh nodes' password: typed twice at a terminal, or the first line of stdin."""
-    import getpass
-
-    if not sys.stdin.isatty():
-        return sys.stdin.readline().rstrip("\n")
-    first = getpass.getpass(f"Password for {user} on the fresh nodes (as the installer asks): ")
-    if getpass.getpass("The same password again: ") != first:
-        raise UserError("the two passwords differ", hint="make sim-up FRESH=1 again")
-    return first
 
 
 def _slurm(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import yaml
+
 from torch_multinode.cluster.errors import UserError, printable, shown
 
 NODES_GROUP = "nodes"

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import paramiko
 from fabric import Connection
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory, known_hosts_file
 

@@ -26,7 +26,9 @@ import pytest
 # pytest does, collecting every module: dynamo first.
 import torch._dynamo  # noqa: F401
 import yaml
-from torch_multinode.cluster import engine, sim
+
+from torch_multinode.cluster import engine
+from torch_multinode.sim import nodes as sim
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

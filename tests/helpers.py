@@ -11,9 +11,10 @@ from pathlib import Path
 
 import paramiko
 import yaml
-from torch_multinode.cluster import sim
+
 from torch_multinode.cluster.inventory import Inventory, parse
 from torch_multinode.cluster.remote import Remote, on_all
+from torch_multinode.sim import nodes as sim
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "training" / "launcher_scripts"

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import debian_base, docker, image_exists
 from torch_multinode.cluster.versions import gpu_runs, oldest_capability

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from torch_multinode.cluster import images
-from torch_multinode.cluster.engine import docker
 
 from tests.conftest import REPO_ROOT, make
+from torch_multinode.cluster import images
+from torch_multinode.cluster.engine import docker
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"
 ENDLESS = SCRIPT.with_name("endless_allreduce.py")

@@ -19,11 +19,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from torch_multinode.cluster.inventory import load
-from torch_multinode.launch.spec import RUN_LABEL
 
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
+from torch_multinode.cluster.inventory import load
+from torch_multinode.launch.spec import RUN_LABEL
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1200)]
 

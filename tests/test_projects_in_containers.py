@@ -33,9 +33,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from torch_multinode.cluster import sim
-from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
-from torch_multinode.training.checkpoint import file_name
 
 from tests.conftest import REPO_ROOT, VENV_BIN, make
 from tests.helpers import (
@@ -56,6 +53,9 @@ from tests.training.conftest import (
     max_difference,
     reference_run,
 )
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
+from torch_multinode.sim import nodes as sim
+from torch_multinode.training.checkpoint import file_name
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(2400)]
 

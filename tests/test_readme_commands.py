@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from torch_multinode.cluster import sim
-from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 
 from tests.conftest import REPO_ROOT, make
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from torch_multinode.sim import nodes as sim
 
 README = REPO_ROOT / "README.md"
 
@@ -444,11 +444,11 @@ def check_plans_lint_then_test(run: Run, command: str) -> None:
 
 def sim_up_plans_the_simulated_cluster(run: Run, command: str) -> None:
     """`make sim-up` starts this checkout's own cluster (.sim/, the default names), which may be
-    a developer's; the suite's clusters come from the same cluster.sim.up under names of their
+    a developer's; the suite's clusters come from the same sim.nodes.up under names of their
     own. `make -n` shows what it would run."""
     argv, _ = run.stand.substitute(command)
     out = run.make(f"make -n {' '.join(argv)}").stdout
-    assert re.search(r"^\S*/cluster sim up --nodes 2 *$", out, re.M), out
+    assert re.search(r"^\S*/python -m torch_multinode.sim.cli up --nodes 2 *$", out, re.M), out
 
 
 def selftest_here_plans_a_local_run(run: Run, command: str) -> None:

@@ -26,25 +26,27 @@ from pathlib import Path
 import paramiko
 import pytest
 import yaml
-from torch_multinode.cluster import inventory, remote, sim
-from torch_multinode.cluster.containers import training_container_options
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.execution import ContainerContext
-from torch_multinode.cluster.staging import REMOTE_RUN_ROOT
-from torch_multinode.launch import restarts
-from torch_multinode.launch.commands import remote_command
-from torch_multinode.launch.spec import JobSpec
 
 from tests.fuzz.guard import Reached, call
 from tests.netcheck.netcheck_fakes import INVENTORY as FAKE_INVENTORY
 from tests.netcheck.netcheck_fakes import FakeCluster
 from torch_multinode.cluster import cli as cluster_cli
+from torch_multinode.cluster import inventory, remote
+from torch_multinode.cluster.containers import training_container_options
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import ContainerContext
+from torch_multinode.cluster.staging import REMOTE_RUN_ROOT
 from torch_multinode.launch import cli as launch_cli
+from torch_multinode.launch import restarts
+from torch_multinode.launch.commands import remote_command
+from torch_multinode.launch.spec import JobSpec
 from torch_multinode.netcheck import cli as netcheck_cli
+from torch_multinode.sim import nodes as sim
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [
     "cluster",
+    "sim",
     "launch",
     "netcheck",
     "training",
@@ -84,6 +86,7 @@ def test_the_scan_covers_the_code_the_roles_the_makefile_and_the_images():
         "cluster/remote.py",
         "launch/commands.py",
         "cluster/execution.py",
+        "sim/nodes.py",
         "ansible/ansible.cfg",
         "ansible/roles/ssh_mesh/tasks/main.yml",
         "ansible/roles/ssh_mesh/templates/ssh_config.j2",

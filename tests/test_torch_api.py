@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from torch_multinode.cluster.versions import TORCH_MINIMUM, release, torch_meets_minimum
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -40,6 +40,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import console, levers, models, parallel
 from torch_multinode.training.config import MODELS, DDPConfig

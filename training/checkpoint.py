@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from torch_multinode.cluster.errors import UserError
 
 _NAME = re.compile(r"^step-(\d{8})-rank-(\d{5})\.pt$")

@@ -15,6 +15,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import arguments, console, parallel
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
 from torch_multinode.cluster.errors import UserError, printable, shown
 from torch_multinode.training.console import ArgumentParser
 

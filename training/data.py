@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
 from torch_multinode.cluster.errors import UserError
 
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{number}" for number in range(1, 6))

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import checkpoint, parallel
 from torch_multinode.training.console import say

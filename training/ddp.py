@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
 from torch_multinode.training import arguments, console, data, levers, models, parallel
 from torch_multinode.training import config as config_module

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import console, parallel
 from torch_multinode.training.config import MODELS

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
 from torch_multinode.training import arguments, checkpoint, console, gpt, models, parallel

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training.data import _generator
 

@@ -21,6 +21,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import parallel
 

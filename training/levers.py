@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from torch_multinode.training import console, parallel
 
 CANDIDATES = parallel.COMM_HOOKS  # none first: on a tie, no compression error

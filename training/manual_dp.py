@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+
 from torch_multinode.training import arguments, console, ddp, parallel
 from torch_multinode.training.trainer import Trainer
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from torch_multinode.training import parallel
 from torch_multinode.training.console import say
 

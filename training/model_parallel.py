@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import arguments, console, parallel
 from torch_multinode.training.data import SyntheticImages

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import arguments, console, parallel
 from torch_multinode.training.checkpoint import write_atomically

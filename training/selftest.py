@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from torch_multinode.cluster import nccl_transport
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import arguments, checkpoint, console, parallel
@@ -482,6 +483,7 @@ def check_fsdp2_dcp(job: Job) -> str:
 
 def check_compile(job: Job) -> str:
     from torch._inductor import config as inductor_config
+
     from torch_multinode.training.fsdp import compile_problem
 
     problem = compile_problem(job.device)

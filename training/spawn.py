@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from torch_multinode.training import console, ddp, parallel
 
 LOOPBACK = "127.0.0.1"

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import checkpoint, data, metrics, parallel
 from torch_multinode.training.config import STOP_EXIT_CODE

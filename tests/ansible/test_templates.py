@@ -227,6 +227,7 @@ def test_the_toolkit_pin_is_a_floor_so_a_newer_toolkit_is_never_downgraded(
 def test_the_default_driver_branch_runs_the_cuda_of_the_pinned_torch():
     # torch 2.14.1's wheels are CUDA 13 builds: NVIDIA's compatibility table asks for 580+.
     import torch
+
     from torch_multinode.cluster.versions import driver_needed
 
     defaults = yaml.safe_load(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from torch_multinode.bench import cli, hang, jobs, measure, rebuild, report, shipping
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import paramiko
 import pytest
 import yaml
-from torch_multinode.cluster import bootstrap, sim
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import load
 
 from tests.conftest import VENV_BIN, run_cli
+from torch_multinode.cluster import bootstrap
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import load
+from torch_multinode.sim import nodes as sim
 
 ED25519_SHA256 = "SHA256:" + "A" * 43
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
-from torch_multinode.cluster.versions import cuda_archs, gpu_runs, oldest_capability
 
 from tests.conftest import REPO_ROOT
+from torch_multinode.cluster.versions import cuda_archs, gpu_runs, oldest_capability
 
 # torch 2.14.1's CUDA 13.0 wheel, as its build constant says (torch.cuda.get_arch_list()).
 CU130 = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"

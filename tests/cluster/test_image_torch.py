@@ -7,10 +7,11 @@ import subprocess
 import uuid
 
 import pytest
-from torch_multinode.cluster import engine, sim, staging
-from torch_multinode.cluster.versions import TORCH_LABEL
 
 from tests import helpers
+from torch_multinode.cluster import engine, staging
+from torch_multinode.cluster.versions import TORCH_LABEL
+from torch_multinode.sim import nodes as sim
 
 
 def _labelled(label: str | None) -> str:

@@ -8,14 +8,14 @@ import subprocess
 import uuid
 
 import pytest
-from torch_multinode.cluster import engine, images, sim
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.remote import Result
 
 from tests import helpers
 from tests.fakes import FakeNodes
 from torch_multinode.cluster import cli as cluster_cli
-from torch_multinode.cluster import execution
+from torch_multinode.cluster import engine, execution, images
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.remote import Result
+from torch_multinode.sim import nodes as sim
 
 
 @pytest.mark.parametrize(
@@ -191,9 +191,7 @@ def test_cluster_image_for_an_inventory_of_mixed_nodes_is_one_error_line(
 def test_cluster_image_for_an_inventory_builds_for_its_nodes(monkeypatch, tmp_path, capsys):
     path = tmp_path / "inventory.yml"
     path.write_text(helpers.inventory_text({"n1": helpers.node(1)}, launch_mode="container"))
-    monkeypatch.setattr(
-        execution, "SshNodes", lambda inventory: answering({"n1": "aarch64\n"})
-    )
+    monkeypatch.setattr(execution, "SshNodes", lambda inventory: answering({"n1": "aarch64\n"}))
     monkeypatch.setattr(sim, "require_engine", lambda: None)
     asked = {}
 

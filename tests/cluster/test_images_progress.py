@@ -10,8 +10,10 @@ import threading
 import uuid
 
 import pytest
-from torch_multinode.cluster import engine, images, sim
+
+from torch_multinode.cluster import engine, images
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.sim import nodes as sim
 
 NOTICE = [
     "DEPRECATED: The legacy builder is deprecated and will be removed in a future release.",

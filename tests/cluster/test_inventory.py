@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from torch_multinode.cluster import inventory
-from torch_multinode.cluster.errors import UserError
 
 from tests.conftest import REPO_ROOT, run_cli
+from torch_multinode.cluster import inventory
+from torch_multinode.cluster.errors import UserError
 
 VALID = """\
 all:

@@ -8,9 +8,9 @@ import textwrap
 from pathlib import Path
 
 import ansible.constants
-from torch_multinode.cluster import inventory
 
 from tests.conftest import run_cli
+from torch_multinode.cluster import inventory
 
 VALID = """\
 all:

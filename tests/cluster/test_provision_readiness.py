@@ -11,9 +11,10 @@ import subprocess
 
 import pytest
 import yaml
-from torch_multinode.cluster import bootstrap, sim
 
 from tests.conftest import make, run_cli
+from torch_multinode.cluster import bootstrap
+from torch_multinode.sim import nodes as sim
 
 
 @pytest.fixture(scope="module")

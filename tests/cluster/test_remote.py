@@ -13,6 +13,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.cluster.remote import Remote

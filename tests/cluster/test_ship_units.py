@@ -13,10 +13,10 @@ import tarfile
 import jinja2
 import pytest
 import yaml
-from torch_multinode.cluster import ship
-from torch_multinode.cluster.inventory import parse
 
 from tests.helpers import REPO_ROOT, inventory_text, node
+from torch_multinode.cluster import ship
+from torch_multinode.cluster.inventory import parse
 
 
 class Clock:

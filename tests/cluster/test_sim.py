@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
-from torch_multinode.cluster import engine, sim
+
+from tests.conftest import run_cli
+from torch_multinode.cluster import engine
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.remote import Remote, on_all
+from torch_multinode.sim import nodes as sim
 
-from tests.conftest import run_cli
+SIM_CLI = ("python", "-m", "torch_multinode.sim.cli")  # as make sim-up runs it
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_production_rooms_never_import_the_simulator():
+    """sim/ is test and benchmark infrastructure: only tests and bench/ may import it."""
+    found = []
+    for room in ("cluster", "launch", "netcheck", "training"):
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                else:
+                    continue
+                if any(name.split(".")[:2] == ["torch_multinode", "sim"] for name in names):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
 
 
 def _docker_ids(kind: str, name: str) -> list[str]:
@@ -157,7 +180,7 @@ def test_three_nodes_up_and_down_leave_nothing_behind(sim_factory, tmp_path):
         "--state-dir",
         str(tmp_path),
     ]
-    proc = run_cli("cluster", "sim", "up", "--nodes", "3", *common)
+    proc = run_cli(*SIM_CLI, "up", "--nodes", "3", *common)
     try:
         assert proc.returncode == 0, proc.stderr
         assert f"Simulated cluster '{config.name}': 3 node(s) up over SSH" in proc.stdout
@@ -168,14 +191,14 @@ def test_three_nodes_up_and_down_leave_nothing_behind(sim_factory, tmp_path):
         inventory = load(tmp_path / "inventory.yml")
         assert [h.name for h in inventory.hosts] == ["node1", "node2", "node3"]
 
-        refused = run_cli("cluster", "sim", "up", "--nodes", "2", *common)
+        refused = run_cli(*SIM_CLI, "up", "--nodes", "2", *common)
         assert refused.returncode == 2
         assert refused.stderr == (
             f"Error: simulated cluster '{config.name}' already has 3 node(s) "
             "(try 'make sim-down' first, or NNODES=3)\n"
         )
     finally:
-        down = run_cli("cluster", "sim", "down", *common)
+        down = run_cli(*SIM_CLI, "down", *common)
     assert down.returncode == 0, down.stderr
     assert down.stdout == (
         f"Simulated cluster '{config.name}' removed: 3 container(s), 2 network(s), 4 volume(s).\n"
@@ -198,9 +221,7 @@ def test_three_nodes_up_and_down_leave_nothing_behind(sim_factory, tmp_path):
     ],
 )
 def test_bad_sim_arguments_are_one_line_errors(tmp_path, args, message):
-    proc = run_cli(
-        "cluster", "sim", "up", "--name", "neverstarted", "--state-dir", str(tmp_path), *args
-    )
+    proc = run_cli(*SIM_CLI, "up", "--name", "neverstarted", "--state-dir", str(tmp_path), *args)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", message + "\n")
 
 

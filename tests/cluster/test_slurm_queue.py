@@ -4,12 +4,12 @@ does not answer, a job ID that is not one, and an inventory without Slurm."""
 from __future__ import annotations
 
 import pytest
-from torch_multinode.cluster import slurm
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.remote import Result
 
 from tests.fakes import FakeNodes
 from tests.helpers import inventory, node
+from torch_multinode.cluster import slurm
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.remote import Result
 
 HOSTS = {"n1": node(1), "n2": node(2)}
 

@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import inventory_text, node
 from torch_multinode.cluster import staging, sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import parse
-
-from tests.helpers import inventory_text, node
 
 
 def _inventory_text(**cluster_vars) -> str:

@@ -12,15 +12,15 @@ import urllib.request
 import uuid
 
 import pytest
+
+from tests.image_layers import build_with_an_edited_entrypoint, install_step
+from torch_multinode import cluster
 from torch_multinode.bench.rebuild import edit_line, scratch_checkout
 from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import docker
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.sim import REPO_ROOT
 from torch_multinode.cluster.versions import TORCH_LABEL
-
-from tests.image_layers import build_with_an_edited_entrypoint, install_step
-from torch_multinode import cluster
+from torch_multinode.sim.nodes import REPO_ROOT
 
 
 def test_image_pins_follow_the_project_pins():

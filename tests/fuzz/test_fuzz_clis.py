@@ -1,6 +1,7 @@
-"""The three CLIs, fuzzed in this process: any command line, with inventory and script files
-of any content, ends in exit 0, or exit 2 with one `Error:` line and nothing else, or reaches
-real work with input the seam finds valid. See guard.assert_clean for the contract.
+"""The CLIs (cluster, netcheck, train, the simulator's), fuzzed in this process: any command
+line, with inventory and script files of any content, ends in exit 0, or exit 2 with one
+`Error:` line and nothing else, or reaches real work with input the seam finds valid. See
+guard.assert_clean for the contract.
 
 Nothing leaves the machine or changes it: the seams (netcheck's pre-flight, the launcher, the
 docker engine, image builds) raise Reached instead of working, and under them guard.py stops
@@ -18,18 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch  # noqa: F401 - imported on first use inside train: here, where nothing is watched
+from hypothesis import event, given
+from hypothesis import strategies as st
+
 import torch_multinode.cluster.cli
 import torch_multinode.launch.cli
 import torch_multinode.netcheck.cli
 import torch_multinode.netcheck.envfile  # noqa: F401 - the same, for netcheck
-from hypothesis import event, given
-from hypothesis import strategies as st
-from torch_multinode.cluster import bootstrap, images, ship, sim, sync
-from torch_multinode.cluster.inventory import Inventory, is_word
-from torch_multinode.launch import restarts
-from torch_multinode.launch.spec import JobSpec
-from torch_multinode.netcheck.preflight import Options
-
 from tests.fakes import FakeNodes
 from tests.fuzz.guard import Reached, assert_clean, call
 from tests.fuzz.strategies import (
@@ -41,6 +37,13 @@ from tests.fuzz.strategies import (
     near_valid_inventories,
 )
 from torch_multinode import cluster, launch, netcheck
+from torch_multinode.cluster import bootstrap, engine, images, ship, sync
+from torch_multinode.cluster.inventory import Inventory, is_word
+from torch_multinode.launch import restarts
+from torch_multinode.launch.spec import JobSpec
+from torch_multinode.netcheck.preflight import Options
+from torch_multinode.sim import cli as sim_cli
+from torch_multinode.sim import nodes as sim
 
 # --- the seams: where real work would start --------------------------------------------------
 
@@ -99,6 +102,7 @@ def seams(monkeypatch, tmp_path) -> Path:
     monkeypatch.setattr(images, "build", fake_build)
     monkeypatch.setattr(bootstrap, "bootstrap", fake_bootstrap)
     monkeypatch.setattr(sim, "require_engine", no_engine)
+    monkeypatch.setattr(engine, "require_engine", no_engine)  # cluster image -i asks it first
     # A project is listed as a plain directory, not by asking git (a process of its own).
     monkeypatch.setattr(sync, "_git", lambda root, *args: None)
     monkeypatch.setattr(ship, "ship", fake_ship)
@@ -267,17 +271,6 @@ CLUSTER = st.one_of(
             inventory_option,
         ],
     ),
-    command_line(
-        words("sim", "up"),
-        [
-            *SIM_OPTIONS,
-            option("-n", numbers),
-            option("--nodes", numbers),
-            option("--link", st.sampled_from(["1gbit", "100mbit", "fast", ""])),
-        ],
-    ),
-    command_line(words("sim", "down"), SIM_OPTIONS),
-    command_line(words("sim", "status"), SIM_OPTIONS),
     command_line(inventory_option.map(lambda found: ["hostfile", *found]), [option("-n", numbers)]),
     command_line(
         inventory_option.map(lambda found: ["ship", *found]),
@@ -292,10 +285,22 @@ CLUSTER = st.one_of(
         [option("--fingerprints", paths), words("--disable-password-login")],
     ),
 )
+SIM = st.one_of(
+    command_line(
+        words("up"),
+        [
+            *SIM_OPTIONS,
+            option("-n", numbers),
+            option("--nodes", numbers),
+            option("--link", st.sampled_from(["1gbit", "100mbit", "fast", ""])),
+        ],
+    ),
+    command_line(words("down"), SIM_OPTIONS),
+    command_line(words("status"), SIM_OPTIONS),
+)
 KNOWN_WORDS = [
     "check",
     "image",
-    "sim",
     "up",
     "down",
     "status",
@@ -334,6 +339,14 @@ def test_train(seams, invocation):
 @given(invocations(st.one_of(CLUSTER, CLUSTER, CLUSTER, ANY_ARGV)))
 def test_cluster(seams, invocation):
     outcome = call(cluster.cli.main, invocation.materialise(seams), seams)
+    event(outcome.kind())
+    assert_clean(outcome)
+
+
+@FUZZ
+@given(invocations(st.one_of(SIM, SIM, SIM, ANY_ARGV)))
+def test_sim(seams, invocation):
+    outcome = call(sim_cli.main, invocation.materialise(seams), seams)
     event(outcome.kind())
     assert_clean(outcome)
 
@@ -382,14 +395,16 @@ def run(main, argv: list[str], root: Path):
     [
         # argparse printed its usage and a second line; now one line like every other error.
         (
-            cluster.cli.main,
-            ["sim", "up", "--nodes", "x"],
-            "Error: argument -n/--nodes: invalid int value: 'x' (try cluster sim up --help)",
+            sim_cli.main,
+            ["up", "--nodes", "x"],
+            "Error: argument -n/--nodes: invalid int value: 'x' "
+            "(try python -m torch_multinode.sim.cli up --help)",
         ),
         (
-            cluster.cli.main,
-            ["sim"],
-            "Error: the following arguments are required: ACTION (try cluster sim --help)",
+            sim_cli.main,
+            [],
+            "Error: the following arguments are required: ACTION "
+            "(try python -m torch_multinode.sim.cli --help)",
         ),
         (
             netcheck.cli.main,
@@ -496,7 +511,7 @@ def test_valid_input_reaches_each_seam_and_nothing_else(seams):
     )
     assert run(launch.cli.main, ["-i", str(path)], seams).reached == "launcher"
     assert run(cluster.cli.main, ["image", "--kind", "cpu"], seams).reached == "docker build"
-    assert run(cluster.cli.main, ["sim", "status"], seams).reached == "docker engine"
+    assert run(sim_cli.main, ["status"], seams).reached == "docker engine"
     checked = run(cluster.cli.main, ["check", "-i", str(path)], seams)
     assert checked.code == 0 and checked.out.startswith(f"inventory {path}: valid, 2 host(s)")
     local = run(launch.cli.main, ["--nproc-per-node", "1"], seams)

@@ -9,9 +9,6 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import config as config_module
-from torch_multinode.training.config import TrainConfig, _field_type, _flag, _leaves, _sections
 
 from tests.fuzz.strategies import (
     FUZZ,
@@ -22,6 +19,9 @@ from tests.fuzz.strategies import (
     text_edits,
     yaml_values,
 )
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import config as config_module
+from torch_multinode.training.config import TrainConfig, _field_type, _flag, _leaves, _sections
 
 
 def fields() -> list[tuple[str, dataclasses.Field, type, bool]]:

@@ -8,10 +8,10 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.netcheck import envfile
 
 from tests.fuzz.strategies import FUZZ, any_text, pathological_texts, text_edits
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.netcheck import envfile
 
 VALID = {
     "nodes": {

@@ -11,8 +11,6 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-from torch_multinode.cluster import inventory
-from torch_multinode.cluster.errors import UserError
 
 from tests.fuzz.strategies import (
     FIELD_VALUES,
@@ -25,6 +23,8 @@ from tests.fuzz.strategies import (
     near_valid_inventories,
     yaml_values,
 )
+from torch_multinode.cluster import inventory
+from torch_multinode.cluster.errors import UserError
 
 
 def parse_or_error(text: str) -> inventory.Inventory | None:

@@ -5,11 +5,11 @@ selftest` therefore write that code (0, 1, 2, 130, 143) to EXIT_CODE (default
 from __future__ import annotations
 
 import pytest
+
+from tests.conftest import make
 from torch_multinode.cluster.errors import Terminated
 from torch_multinode.launch import cli
 from torch_multinode.launch.ending import EXIT_CODE_VARIABLE
-
-from tests.conftest import make
 
 
 def test_make_train_leaves_the_launchers_own_code_where_the_doc_says(tmp_path):

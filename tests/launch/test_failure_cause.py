@@ -8,13 +8,12 @@ from __future__ import annotations
 import collections
 import re
 
+from tests.conftest import run_cli
+from tests.helpers import SCRIPTS, inventory, node
 from torch_multinode.launch import local
 from torch_multinode.launch.blame import blame
 from torch_multinode.launch.ending import exceptions, summary
 from torch_multinode.launch.spec import JobResult, NodeOutcome
-
-from tests.conftest import run_cli
-from tests.helpers import SCRIPTS, inventory, node
 
 GLOO = (
     "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] "

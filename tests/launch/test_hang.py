@@ -8,6 +8,7 @@ import shlex
 import subprocess
 
 import pytest
+
 from torch_multinode.launch import hang
 from torch_multinode.launch.progress import HEARTBEAT, STALL_FLOOR, Progress
 

@@ -5,11 +5,11 @@ against the job's world size (a default one rounded to it, one the user chose re
 from __future__ import annotations
 
 import pytest
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import arguments
 
 from tests.conftest import run_cli
 from tests.helpers import inventory_text, node
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import arguments
 
 NOT_DIVISIBLE = (
     "Error: global batch 64 is not divisible by world size 3 (try --global-batch-size 63)"

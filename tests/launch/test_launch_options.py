@@ -7,6 +7,9 @@ import shlex
 from dataclasses import replace
 
 import pytest
+
+from tests.conftest import make, run_cli
+from tests.helpers import SCRIPTS, inventory, node
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.launch.commands import remote_command
 from torch_multinode.launch.nodes import (
@@ -17,9 +20,6 @@ from torch_multinode.launch.nodes import (
     nproc_for,
 )
 from torch_multinode.launch.spec import JobSpec
-
-from tests.conftest import make, run_cli
-from tests.helpers import SCRIPTS, inventory, node
 
 
 def _gpu_inventory(big_gpus: int = 4):
@@ -379,9 +379,8 @@ def test_the_controller_checks_a_workloads_arguments_without_importing_torch():
     import subprocess
     import sys
 
-    from torch_multinode.training.arguments import CHECKS
-
     from tests.conftest import REPO_ROOT
+    from torch_multinode.training.arguments import CHECKS
 
     assert set(WORKLOAD_ARGUMENTS) == set(CHECKS)  # a workload added there gets its cases here
     calls, expected = [], []

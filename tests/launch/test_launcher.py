@@ -15,7 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from torch_multinode.cluster import sim
+
+from tests.conftest import VENV_BIN, run_cli
+from tests.fakes import FakeNodes
+from tests.helpers import SCRIPTS, inventory_text, leftovers, node, run_id_in
+from tests.training.conftest import kill_node
 from torch_multinode.cluster.containers import NCCL_CONF_GUARD, rdma_options
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load, parse
@@ -32,11 +36,7 @@ from torch_multinode.launch.spec import (
     JobSpec,
 )
 from torch_multinode.netcheck import envfile
-
-from tests.conftest import VENV_BIN, run_cli
-from tests.fakes import FakeNodes
-from tests.helpers import SCRIPTS, inventory_text, leftovers, node, run_id_in
-from tests.training.conftest import kill_node
+from torch_multinode.sim import nodes as sim
 
 
 def _inventory_text(**cluster_vars) -> str:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import re
 import shutil
 
+from tests.conftest import REPO_ROOT, run_cli
 from torch_multinode.launch import local
 from torch_multinode.launch.spec import JobSpec
-
-from tests.conftest import REPO_ROOT, run_cli
 
 TAIL = [
     "[launcher] ignored",

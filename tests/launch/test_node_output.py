@@ -9,6 +9,7 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
+
 from torch_multinode.launch.node_output import PROGRESS_EVERY, NodeOutput
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import collections
 
 import pytest
+
+from tests.helpers import inventory, node
 from torch_multinode.launch import local
 from torch_multinode.launch.ending import summary
 from torch_multinode.launch.signatures import SIGNATURES, known_problems
 from torch_multinode.launch.spec import JobResult, NodeOutcome
-
-from tests.helpers import inventory, node
 
 # Lines as torch 2.x, NCCL and gloo print them (a rank's prefix kept where torchrun adds one).
 PRINTED = {

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from torch_multinode.cluster.inventory import load
 
 from tests.ansible.conftest import ansible_playbook
 from tests.conftest import REPO_ROOT, make
@@ -29,6 +28,7 @@ from tests.helpers import (
     run_id_in,
     start_train,
 )
+from torch_multinode.cluster.inventory import load
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 

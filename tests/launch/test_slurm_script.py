@@ -8,10 +8,9 @@ import sys
 import threading
 import time
 
+from tests.helpers import inventory, node
 from torch_multinode.launch import slurm
 from torch_multinode.launch.spec import JobSpec
-
-from tests.helpers import inventory, node
 
 SPEC = JobSpec(run_id="tmn-0123456789", args=("--steps", "3"))
 

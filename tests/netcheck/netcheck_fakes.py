@@ -11,14 +11,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests import helpers
+from tests.fakes import FakeNodes
+from tests.helpers import node
 from torch_multinode.cluster.containers import NCCL_CONF_GUARD
 from torch_multinode.cluster.inventory import Host, parse
 from torch_multinode.cluster.remote import Result
 from torch_multinode.netcheck import preflight, slurm
-
-from tests import helpers
-from tests.fakes import FakeNodes
-from tests.helpers import node
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NETCHECK = Path(sys.executable).parent / "netcheck"

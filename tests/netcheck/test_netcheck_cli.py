@@ -8,12 +8,12 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.netcheck.netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
 from torch_multinode.cluster.containers import rdma_options
 from torch_multinode.cluster.execution import ContainerContext, HostContext, context_for
 from torch_multinode.netcheck import cli, preflight
 from torch_multinode.netcheck.report import CHECKS, Status
-
-from tests.netcheck.netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
 
 
 def run(fake, **options):

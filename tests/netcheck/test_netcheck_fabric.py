@@ -4,11 +4,11 @@ fake /sys and /proc, and the software check's FAIL naming the node and the remed
 from __future__ import annotations
 
 import pytest
+
+from tests.netcheck.netcheck_fakes import inventory
 from torch_multinode.netcheck import softprobe
 from torch_multinode.netcheck.checks import software
 from torch_multinode.netcheck.report import Status
-
-from tests.netcheck.netcheck_fakes import inventory
 
 INV = inventory()
 N1, N2, _ = INV.hosts

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 
 import pytest
 import yaml
-from torch_multinode.netcheck import envfile
 
 from tests.netcheck.netcheck_fakes import run_netcheck
+from torch_multinode.netcheck import envfile
 
 pytestmark = pytest.mark.sim
 

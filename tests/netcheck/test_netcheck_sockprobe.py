@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+
 from torch_multinode.netcheck import preflight
 
 

@@ -6,6 +6,17 @@ import json
 import os
 
 import pytest
+
+from tests.netcheck.netcheck_fakes import (
+    FakeCluster,
+    facts_text,
+    fake_transport,
+    inventory,
+    link,
+    nccl_log,
+    ping_lost,
+    ping_ok,
+)
 from torch_multinode.cluster import nccl_transport
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import ContainerContext
@@ -19,17 +30,6 @@ from torch_multinode.netcheck.report import (
     Status,
     human_bytes,
     render,
-)
-
-from tests.netcheck.netcheck_fakes import (
-    FakeCluster,
-    facts_text,
-    fake_transport,
-    inventory,
-    link,
-    nccl_log,
-    ping_lost,
-    ping_ok,
 )
 
 INV = inventory()

@@ -13,12 +13,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from tests.training.conftest import free_port
 from torch_multinode.training import parallel
 from torch_multinode.training.config import DDPConfig
 from torch_multinode.training.models import build_model
 from torch_multinode.training.parallel import DistEnv, wrap_ddp
-
-from tests.training.conftest import free_port
 
 
 def relative_error(hook: str) -> float:

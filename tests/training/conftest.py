@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_multinode.cluster import sim
+
 from torch_multinode.launch.spec import runnable_module
+from torch_multinode.sim import nodes as sim
 
 LOOPBACK = "127.0.0.1"
 # Small enough for two cores, and the same everywhere so runs can be compared.
@@ -228,7 +229,9 @@ def python_module(tmp_path):
     """python_module(module, *args) -> Finished: `python -m module` without torchrun."""
 
     def launch(module: str, *args: str, env=None, timeout: float = 120):
-        return run_command([sys.executable, "-m", runnable_module(module), *args], tmp_path, env, timeout)
+        return run_command(
+            [sys.executable, "-m", runnable_module(module), *args], tmp_path, env, timeout
+        )
 
     return launch
 

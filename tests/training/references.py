@@ -9,6 +9,7 @@ import re
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, default_collate
+
 from torch_multinode.training import arguments, gpt, pipeline
 from torch_multinode.training.config import TrainConfig
 from torch_multinode.training.data import SyntheticImages, build_splits

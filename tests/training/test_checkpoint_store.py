@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import checkpoint
 from torch_multinode.training.checkpoint import (

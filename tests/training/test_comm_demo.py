@@ -3,9 +3,8 @@ wrong value caught on every rank."""
 
 from __future__ import annotations
 
-from torch_multinode.training import comm_demo
-
 from tests.training.conftest import run_main, two_node_launch
+from torch_multinode.training import comm_demo
 
 EXPECTED_2 = [
     "send_recv       pairs: ping 10*r+1, pong +1        r0=[2]  r1=[1]",

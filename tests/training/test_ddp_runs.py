@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
-from torch_multinode.training.parallel import DistEnv
 
 from tests.helpers import REPO_ROOT
 from tests.training.conftest import REFERENCE_STEPS, TINY, run_environment
+from torch_multinode.training.parallel import DistEnv
 
 HANG_GUARD_SECONDS = 900  # against a hang only; the run's speed is a benchmark's business
 

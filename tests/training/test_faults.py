@@ -17,11 +17,6 @@ import time
 import uuid
 
 import pytest
-from torch_multinode.cluster import sim
-from torch_multinode.launch.commands import link_probe_command
-from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
-from torch_multinode.training import trainer
-from torch_multinode.training.checkpoint import file_name
 
 from tests.conftest import VENV_BIN, run_cli
 from tests.helpers import SCRIPTS, interrupt, leftovers, run_id_in
@@ -32,6 +27,11 @@ from tests.training.conftest import (
     load_state,
     max_difference,
 )
+from torch_multinode.launch.commands import link_probe_command
+from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
+from torch_multinode.sim import nodes as sim
+from torch_multinode.training import trainer
+from torch_multinode.training.checkpoint import file_name
 
 NO_LEFTOVERS = {"node1": "", "node2": ""}
 CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4")

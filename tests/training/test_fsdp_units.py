@@ -8,9 +8,9 @@ import sysconfig
 
 import pytest
 import torch
-from torch_multinode.training import fsdp, gpt
 
 from tests.training.conftest import run_main
+from torch_multinode.training import fsdp, gpt
 
 GPT2_SMALL = gpt.Shape(layers=12, width=768, heads=12, seq_len=1024, vocab_size=50257)
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.training.conftest import run_main
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 from torch_multinode.training import (
@@ -25,8 +27,6 @@ from torch_multinode.training import (
 from torch_multinode.training.config import TrainConfig
 from torch_multinode.training.config import parse as parse_config
 from torch_multinode.training.trainer import resolve_numerics
-
-from tests.training.conftest import run_main
 
 AMPERE, TURING = (8, 0), (7, 5)  # A100 (native bf16); T4 (bf16 only emulated), as V100 (7, 0)
 TORCHRUN = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

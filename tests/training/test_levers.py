@@ -11,12 +11,12 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.training.conftest import TINY, run_command, run_main, torchrun_command
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import bench_scaling, levers, parallel
 from torch_multinode.training.config import DDPConfig
 from torch_multinode.training.models import build_model
-
-from tests.training.conftest import TINY, run_command, run_main, torchrun_command
 
 NUMBER = r"(\d[\d.e+-]*)"
 AUTO_LINE = re.compile(

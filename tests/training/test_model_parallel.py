@@ -7,14 +7,14 @@ import copy
 
 import pytest
 import torch
+from torchvision.models import resnet50
+
+from tests.training.conftest import run_main
 from torch_multinode.training import model_parallel
 from torch_multinode.training.model_parallel import (
     ModelParallelResNet50,
     PipelinedModelParallelResNet50,
 )
-from torchvision.models import resnet50
-
-from tests.training.conftest import run_main
 
 CPU2 = ("cpu", "cpu")
 

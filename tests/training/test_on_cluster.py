@@ -11,9 +11,6 @@ import time
 import uuid
 
 import pytest
-from torch_multinode.cluster import sim
-from torch_multinode.training import config as config_module
-from torch_multinode.training.config import TrainConfig
 
 from tests.conftest import VENV_BIN, run_cli
 from tests.training.conftest import (
@@ -24,6 +21,9 @@ from tests.training.conftest import (
     max_difference,
 )
 from tests.training.references import BATCH, STEPS, ddp_in_one_process, pipeline_in_one_process
+from torch_multinode.sim import nodes as sim
+from torch_multinode.training import config as config_module
+from torch_multinode.training.config import TrainConfig
 
 pytestmark = pytest.mark.sim
 CHECKPOINTING = ("--checkpoint-every", "4", "--keep", "2")

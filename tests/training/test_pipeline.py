@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch_multinode.training import pipeline
 
 from tests.training.conftest import load_state, run_main
 from tests.training.references import (
@@ -12,6 +11,7 @@ from tests.training.references import (
     STEPS,
     pipeline_in_one_process,
 )
+from torch_multinode.training import pipeline
 
 
 @pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 2)])

@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-from torch_multinode.training import arguments, bench_scaling, dp_vs_ddp
 
 from tests.training.conftest import TimedOutput, run_environment, torchrun_command
 from tests.training.references import SMALL
+from torch_multinode.training import arguments, bench_scaling, dp_vs_ddp
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from torch_multinode.training.checkpoint import file_name
-from torch_multinode.training.config import STOP_EXIT_CODE
 
 from tests.training.conftest import (
     REFERENCE_STEPS,
@@ -17,6 +15,8 @@ from tests.training.conftest import (
     run_command,
     torchrun_command,
 )
+from torch_multinode.training.checkpoint import file_name
+from torch_multinode.training.config import STOP_EXIT_CODE
 
 CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4", "--keep", "2")
 

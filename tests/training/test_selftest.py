@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import arguments, parallel, selftest
 
 from tests.conftest import make
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.training import arguments, parallel, selftest
 
 GPU_ONLY = ("amp-fp16", "data-parallel", "model-parallel", "nccl-transport")
 

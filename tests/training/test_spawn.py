@@ -40,6 +40,7 @@ def test_spawn_refuses_to_nest_under_torchrun(tmp_path):
 def test_the_image_sharing_strategy_is_applied_and_checked():
     import pytest
     import torch.multiprocessing
+
     from torch_multinode.cluster.errors import UserError
     from torch_multinode.training.data import apply_sharing_strategy
 

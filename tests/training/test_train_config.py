@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+
+from tests.training.conftest import run_main
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import ddp
 from torch_multinode.training.config import TrainConfig, parse
-
-from tests.training.conftest import run_main
 
 TORCHRUN_OF_4 = {
     "RANK": "0",

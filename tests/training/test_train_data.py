@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training.config import DataConfig
 from torch_multinode.training.data import (

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
 from torch_multinode.cluster.engine import Progress, debian_base, docker, require_engine
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
@@ -341,7 +342,7 @@ def write_inventory(config: SimConfig, count: int, fresh: bool = False) -> Path:
         }
     }
     header = (
-        f"# Simulated cluster '{config.name}', written by 'cluster sim up'. Regenerated on every\n"
+        f"# Simulated cluster '{config.name}', written by 'make sim-up'. Regenerated on every\n"
         "# sim-up: edit a copy, not this file.\n"
     )
     if fresh:
