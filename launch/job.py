@@ -18,7 +18,6 @@ any reason while a node's compute link is down, that node is the one named (laun
 
 from __future__ import annotations
 
-import shlex
 import threading
 import time
 from collections.abc import Callable
@@ -31,15 +30,14 @@ from torch_multinode.cluster.jobenv import BACKEND_VARIABLE
 from torch_multinode.cluster.remote import on_all
 from torch_multinode.cluster.staging import Project
 from torch_multinode.launch import blame, stop, watch
-from torch_multinode.launch.commands import lock_command, remote_command, run_dir, unlock_command
+from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.node_output import NodeOutput
-from torch_multinode.launch.nodes import gpu_problem, interface_env, job_backend, nproc_for
+from torch_multinode.launch.nodes import interface_env, job_backend, nproc_for
+from torch_multinode.launch.prepare import claim_port, prepare_node, release_port
 from torch_multinode.launch.progress import Progress
 from torch_multinode.launch.spec import (
     BLAME_GRACE,
-    GPU_PROBE,
     INTERRUPTED_RUNNER_GRACE,
-    LOCK_BUSY_EXIT,
     RUNNER_GRACE,
     Emit,
     JobResult,
@@ -90,42 +88,6 @@ class Launcher:
         self._remotes[host.name] = remote
         remote.connect()
 
-    def _prepare(self, host: Host, image_id: str | None) -> None:
-        """After the project's trees were sent: check this node's copy and image, make the
-        directories the job writes to, hand over its secrets."""
-        remote, inventory = self._remotes[host.name], self.inventory
-        if self.backend == "nccl":
-            answer = remote.run(GPU_PROBE, timeout=30)
-            problem = gpu_problem(host, self.spec, answer.stdout + answer.stderr, answer.ok)
-            if problem is not None:
-                message, _, hint = problem.rpartition(" (try ")
-                raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
-        for tree, destination in self.project.trees:
-            sync.verify(remote, tree, destination)
-        directories = [run_dir(self.spec), inventory.checkpoint_root, inventory.data_root]
-        made = remote.run(f"mkdir -p {shlex.join(directories)}", timeout=15)
-        if not made.ok:
-            said = (made.stderr or made.stdout).strip().splitlines()[-1:] or ["no reason given"]
-            raise UserError(
-                f"on {host.name}: cannot make {', '.join(directories[1:])}: {said[0]}",
-                hint=f"make provision INVENTORY={inventory.path} (it makes them for "
-                f"{host.ssh_user or 'the SSH user'})",
-                exit_code=1,
-            )
-        if image_id is not None:
-            answer = remote.run(staging.image_check_command(inventory.training_image), timeout=60)
-            problem = staging.image_mismatch(host, inventory, image_id, answer.stdout)
-            if problem is not None:
-                message, _, hint = problem.rpartition(" (try ")
-                raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
-        if self.spec.secret_env:
-            remote.run(
-                staging.write_secrets_command(self.spec.run_id),
-                timeout=15,
-                check=True,
-                stdin=staging.secrets_text(self.spec.secret_env),
-            )
-
     def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
         inventory = self.inventory
         return remote_command(
@@ -160,16 +122,23 @@ class Launcher:
         """Everything before the first process starts: SSH to every node, the master's port,
         the project on every node, checked, and each node's image and directories."""
         self._parallel(self._connect)
-        self._claim_port(master)  # before the sync: a running job's code is never changed
+        # before the sync: a running job's code is never changed
+        claim_port(
+            self._remotes[master.name],
+            master,
+            self.spec.run_id,
+            self.inventory.rendezvous_port,
+            self.emit,
+        )
         try:
             self._send_project()
         except BaseException:  # a refusal, or Ctrl-C while the project is sent: the port is free
-            self._release_port(master)
+            release_port(self.remote_for, master, self.spec.run_id, self.inventory.rendezvous_port)
             raise
 
     def _send_project(self) -> None:
         """The project onto every node (only what changed), then each node's copy, image and
-        directories checked (`_prepare`). Only once no other job of ours runs on the nodes."""
+        directories checked (`prepare_node`). Only once no other job of ours runs on the nodes."""
         if self.project is None:
             self.project = staging.plan(
                 self.inventory, self.spec.script, self.spec.workdir, self.spec.workdir_limit
@@ -180,7 +149,17 @@ class Launcher:
         image_id = None
         if self.inventory.launch_mode == "container":
             image_id = staging.local_image_id(self.inventory.training_image)
-        self._parallel(lambda host: self._prepare(host, image_id))
+        self._parallel(
+            lambda host: prepare_node(
+                self._remotes[host.name],
+                host,
+                self.inventory,
+                self.spec,
+                self.project,
+                self.backend,
+                image_id,
+            )
+        )
 
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
@@ -307,6 +286,7 @@ class Launcher:
     def run(self) -> JobResult:
         started = time.monotonic()
         master, nnodes = self.inventory.master, len(self.hosts)
+        port = self.inventory.rendezvous_port
         envs = self._setup()
         try:
             self._stage(master)
@@ -338,44 +318,13 @@ class Launcher:
                 self._settle_blame(runners, lambda: None)
             if interrupted or self.first_failure is not None:
                 stopped = self._stop_everywhere(master)
+                # a silent master: the next launch finds its lock stale
                 if not isinstance(stopped[master.name], float) and master.name not in self.silent:
-                    self._release_port(master)  # a silent master: the next launch finds it stale
+                    release_port(self.remote_for, master, self.spec.run_id, port)
             else:
-                self._release_port(master)
+                release_port(self.remote_for, master, self.spec.run_id, port)
             result = self._wind_down(runners, started, interrupted, terminated)
         return result
-
-    def _claim_port(self, master: Host) -> None:
-        port = self.inventory.rendezvous_port
-        result = self._remotes[master.name].run(lock_command(self.spec.run_id, port), timeout=15)
-        words = result.stdout.split()
-        if result.exit_code == LOCK_BUSY_EXIT:
-            other = words[1] if len(words) > 1 else "another job"
-            raise UserError(
-                f"job {other} is already running on {master.name} (rendezvous port {port})",
-                hint="waiting for it to end, or Ctrl-C where it was started",
-                exit_code=1,
-            )
-        if not result.ok:
-            raise UserError(
-                f"host '{master.name}': could not claim rendezvous port {port}: "
-                f"{(result.stderr or result.stdout).strip()}",
-                exit_code=1,
-            )
-        if words[:1] == ["stale"]:
-            self.emit(
-                f"[launcher] took over the lock of job {words[1] if len(words) > 1 else '?'}"
-                f" on {master.name}: none of its processes is left"
-            )
-
-    def _release_port(self, master: Host) -> None:
-        try:
-            with self.remote_for(master) as remote:
-                remote.run(
-                    unlock_command(self.spec.run_id, self.inventory.rendezvous_port), timeout=10
-                )
-        except UserError:
-            pass  # the master is gone; the next launch finds the lock stale
 
     def _close(self) -> None:
         for remote in self._remotes.values():

@@ -1,0 +1,100 @@
+"""A job's preparations on the nodes, as plain functions of a node's SSH session: the master's
+rendezvous port claimed before anything is sent (and released once the job is over), and each
+node readied once the project is there (its GPUs, its copy of the project, the directories the
+job writes to, its image, its secrets). The commands themselves are launch.commands'."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+
+from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import Session
+from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.cluster.staging import Project
+from torch_multinode.launch.commands import lock_command, run_dir, unlock_command
+from torch_multinode.launch.nodes import gpu_problem
+from torch_multinode.launch.spec import GPU_PROBE, LOCK_BUSY_EXIT, Emit, JobSpec
+
+
+def prepare_node(
+    remote: Session,
+    host: Host,
+    inventory: Inventory,
+    spec: JobSpec,
+    project: Project,
+    backend: str,
+    image_id: str | None,
+) -> None:
+    """After the project's trees were sent: check this node's copy and image, make the
+    directories the job writes to, hand over its secrets."""
+    if backend == "nccl":
+        answer = remote.run(GPU_PROBE, timeout=30)
+        problem = gpu_problem(host, spec, answer.stdout + answer.stderr, answer.ok)
+        if problem is not None:
+            message, _, hint = problem.rpartition(" (try ")
+            raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
+    for tree, destination in project.trees:
+        sync.verify(remote, tree, destination)
+    directories = [run_dir(spec), inventory.checkpoint_root, inventory.data_root]
+    made = remote.run(f"mkdir -p {shlex.join(directories)}", timeout=15)
+    if not made.ok:
+        said = (made.stderr or made.stdout).strip().splitlines()[-1:] or ["no reason given"]
+        raise UserError(
+            f"on {host.name}: cannot make {', '.join(directories[1:])}: {said[0]}",
+            hint=f"make provision INVENTORY={inventory.path} (it makes them for "
+            f"{host.ssh_user or 'the SSH user'})",
+            exit_code=1,
+        )
+    if image_id is not None:
+        answer = remote.run(staging.image_check_command(inventory.training_image), timeout=60)
+        problem = staging.image_mismatch(host, inventory, image_id, answer.stdout)
+        if problem is not None:
+            message, _, hint = problem.rpartition(" (try ")
+            raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
+    if spec.secret_env:
+        remote.run(
+            staging.write_secrets_command(spec.run_id),
+            timeout=15,
+            check=True,
+            stdin=staging.secrets_text(spec.secret_env),
+        )
+
+
+def claim_port(remote: Session, master: Host, run_id: str, port: int, emit: Emit) -> None:
+    """The master's rendezvous port for job `run_id`, over the master's session `remote`:
+    refused while another job of ours holds it; a stale lock (none of its processes left) is
+    taken over, and said."""
+    result = remote.run(lock_command(run_id, port), timeout=15)
+    words = result.stdout.split()
+    if result.exit_code == LOCK_BUSY_EXIT:
+        other = words[1] if len(words) > 1 else "another job"
+        raise UserError(
+            f"job {other} is already running on {master.name} (rendezvous port {port})",
+            hint="waiting for it to end, or Ctrl-C where it was started",
+            exit_code=1,
+        )
+    if not result.ok:
+        raise UserError(
+            f"host '{master.name}': could not claim rendezvous port {port}: "
+            f"{(result.stderr or result.stdout).strip()}",
+            exit_code=1,
+        )
+    if words[:1] == ["stale"]:
+        emit(
+            f"[launcher] took over the lock of job {words[1] if len(words) > 1 else '?'}"
+            f" on {master.name}: none of its processes is left"
+        )
+
+
+def release_port(
+    remote_for: Callable[[Host], Session], master: Host, run_id: str, port: int
+) -> None:
+    """The port freed, over a session of its own (`remote_for(master)`); a master that no
+    longer answers is left alone: the next launch finds its lock stale."""
+    try:
+        with remote_for(master) as remote:
+            remote.run(unlock_command(run_id, port), timeout=10)
+    except UserError:
+        pass  # the master is gone; the next launch finds the lock stale
