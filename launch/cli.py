@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from torch_multinode.cluster import inventory as inventory_module
-from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import (
     ArgumentParser,
     UserError,
@@ -27,7 +27,7 @@ from torch_multinode.cluster.errors import (
     whole_number,
 )
 from torch_multinode.cluster.inventory import GROUP_HELP, parse_gpu_list
-from torch_multinode.launch import checks, slurm
+from torch_multinode.launch import checks, slurm, staging
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code, summary
 from torch_multinode.launch.local import project_directory, run_local

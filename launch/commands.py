@@ -6,14 +6,13 @@ from __future__ import annotations
 import shlex
 from dataclasses import replace
 
-from torch_multinode.cluster import staging
 from torch_multinode.cluster.containers import (
     NCCL_CONF_GUARD,
     container_command,
     training_container_options,
 )
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.cluster.staging import REMOTE_RUN_ROOT, Project
+from torch_multinode.launch import staging
 from torch_multinode.launch.nodes import entry_point, job_environment, nproc_for
 from torch_multinode.launch.spec import (
     CONTAINER_PYTHON,
@@ -25,6 +24,7 @@ from torch_multinode.launch.spec import (
     STOP_GRACE,
     JobSpec,
 )
+from torch_multinode.launch.staging import REMOTE_RUN_ROOT, Project
 
 
 def torchrun_command(

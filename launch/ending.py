@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_multinode.cluster import staging
 from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.launch import staging
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.signatures import known_problems
 from torch_multinode.launch.spec import EXCERPT_LINES, Emit, JobResult, JobSpec

@@ -22,14 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.cluster.staging import Project
-from torch_multinode.launch import blame, stop, watch
+from torch_multinode.launch import blame, staging, stop, watch
 from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.node_output import NodeOutput
 from torch_multinode.launch.nodes import interface_env, job_backend, nproc_for
@@ -44,6 +43,7 @@ from torch_multinode.launch.spec import (
     JobSpec,
     NodeOutcome,
 )
+from torch_multinode.launch.staging import Project
 
 
 class Launcher:

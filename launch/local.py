@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import checks
+from torch_multinode.launch import checks, staging
 from torch_multinode.launch.ending import (
     cause_and_knock_ons,
     cause_lines,

@@ -9,7 +9,6 @@ from pathlib import Path
 from torch_multinode.cluster.errors import UserError, printable
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE, RUN_DIR_VARIABLE
-from torch_multinode.cluster.staging import Project
 from torch_multinode.launch.spec import (
     DEBUG_ENV,
     DEBUG_LEVELS,
@@ -18,6 +17,7 @@ from torch_multinode.launch.spec import (
     JobSpec,
     job_module,
 )
+from torch_multinode.launch.staging import Project
 
 
 def debug_environment(level: str | None) -> dict[str, str]:

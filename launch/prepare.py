@@ -8,14 +8,15 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 
-from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Session
 from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.cluster.staging import Project
+from torch_multinode.launch import staging
 from torch_multinode.launch.commands import lock_command, run_dir, unlock_command
 from torch_multinode.launch.nodes import gpu_problem
 from torch_multinode.launch.spec import GPU_PROBE, LOCK_BUSY_EXIT, Emit, JobSpec
+from torch_multinode.launch.staging import Project
 
 
 def prepare_node(

@@ -6,16 +6,15 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from torch_multinode.cluster import staging
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Nodes, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.cluster.staging import Project
-from torch_multinode.launch import stop
+from torch_multinode.launch import staging, stop
 from torch_multinode.launch.ending import bring_back, summary
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
+from torch_multinode.launch.staging import Project
 
 
 def wait_for_nodes(

@@ -30,7 +30,6 @@ import time
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, SshNodes
 from torch_multinode.cluster.inventory import Inventory
-from torch_multinode.cluster.staging import Project
 from torch_multinode.launch import stop
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import bring_back, summary
@@ -50,6 +49,7 @@ from torch_multinode.launch.spec import (
     JobResult,
     JobSpec,
 )
+from torch_multinode.launch.staging import Project
 
 POLL = 1.0  # seconds between two looks at the state of a running job
 START_POLL = 0.25  # the same while it waits to start: it may start a moment after submission

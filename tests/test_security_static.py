@@ -35,11 +35,11 @@ from torch_multinode.cluster import inventory, remote
 from torch_multinode.cluster.containers import training_container_options
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import ContainerContext
-from torch_multinode.cluster.staging import REMOTE_RUN_ROOT
 from torch_multinode.launch import cli as launch_cli
 from torch_multinode.launch import restarts
 from torch_multinode.launch.commands import remote_command
 from torch_multinode.launch.spec import JobSpec
+from torch_multinode.launch.staging import REMOTE_RUN_ROOT
 from torch_multinode.netcheck import cli as netcheck_cli
 from torch_multinode.sim import nodes as sim
 

@@ -1,4 +1,4 @@
-"""What travels to the nodes (cluster.sync) and how a job is staged there (cluster.staging):
+"""What travels to the nodes (cluster.sync) and how a job is staged there (launch.staging):
 pure parts, and rsync between two local directories. No network."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import inventory_text, node
-from torch_multinode.cluster import staging, sync
+from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import parse
+from torch_multinode.launch import staging
 
 
 def _inventory_text(**cluster_vars) -> str:

@@ -23,7 +23,6 @@ from tests.training.conftest import kill_node
 from torch_multinode.cluster.containers import NCCL_CONF_GUARD, rdma_options
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load, parse
-from torch_multinode.cluster.staging import Project
 from torch_multinode.launch import stop
 from torch_multinode.launch.commands import remote_command, stop_command, torchrun_command
 from torch_multinode.launch.job import Launcher
@@ -35,6 +34,7 @@ from torch_multinode.launch.spec import (
     STOP_TIMEOUT,
     JobSpec,
 )
+from torch_multinode.launch.staging import Project
 from torch_multinode.netcheck import envfile
 from torch_multinode.sim import nodes as sim
 

@@ -23,9 +23,9 @@ from tests.helpers import inventory_text, node, run_id_in
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import parse
 from torch_multinode.cluster.remote import Result
-from torch_multinode.cluster.staging import Project
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.spec import LOCK_BUSY_EXIT, JobSpec
+from torch_multinode.launch.staging import Project
 
 # What rank 0 of the project's script found, written into its run directory: the same here and
 # on the cluster.
