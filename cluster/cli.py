@@ -13,12 +13,8 @@ from pathlib import Path
 from torch_multinode.cluster import engine
 from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge, shown
-from torch_multinode.cluster.inventory import (
-    DEFAULT_TRAINING_IMAGE,
-    GROUP_HELP,
-    NODES_GROUP,
-    is_word,
-)
+from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE, GROUP_HELP
+from torch_multinode.cluster.inventory_checks import NODES_GROUP, is_word
 
 INVENTORY_HELP = (
     "the Ansible inventory: a YAML or INI file (group_vars/ and host_vars/ beside it count) or "

@@ -14,6 +14,7 @@ import sys
 from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster.errors import ArgumentParser, at_the_edge, positive_number
 from torch_multinode.cluster.execution import SshNodes
+from torch_multinode.cluster.inventory_checks import NODES_GROUP
 from torch_multinode.netcheck import envfile
 from torch_multinode.netcheck.preflight import (
     DEFAULT_SWEEP_TIMEOUT,
@@ -59,9 +60,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="INVENTORY",
         help="the cluster's Ansible inventory, YAML or INI, or a directory (required)",
     )
-    p.add_argument(
-        "--group", default=inventory_module.NODES_GROUP, help=inventory_module.GROUP_HELP
-    )
+    p.add_argument("--group", default=NODES_GROUP, help=inventory_module.GROUP_HELP)
     p.add_argument(
         "-n",
         "--nnodes",

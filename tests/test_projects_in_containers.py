@@ -53,7 +53,8 @@ from tests.training.conftest import (
     max_difference,
     reference_run,
 )
-from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
+from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.checkpoint import file_name
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, run_cli
-from torch_multinode.cluster import inventory
+from torch_multinode.cluster import inventory, inventory_checks, inventory_read
 from torch_multinode.cluster.errors import UserError
 
 VALID = """\
@@ -80,10 +80,14 @@ def with_cluster_vars(*lines: str) -> str:
 
 def test_storage_roots_default_to_var_lib_and_no_mounts(tmp_path):
     loaded = inventory.load(write(tmp_path, VALID))
-    assert loaded.checkpoint_root == inventory.DEFAULT_CHECKPOINT_ROOT
+    assert loaded.checkpoint_root == inventory_checks.DEFAULT_CHECKPOINT_ROOT
     assert loaded.checkpoint_root == "/var/lib/torch-multinode/checkpoints"
-    assert loaded.data_root == inventory.DEFAULT_DATA_ROOT == "/var/lib/torch-multinode/data"
-    assert loaded.workdir_root == inventory.DEFAULT_WORKDIR_ROOT == "/var/lib/torch-multinode/work"
+    assert loaded.data_root == inventory_checks.DEFAULT_DATA_ROOT == "/var/lib/torch-multinode/data"
+    assert (
+        loaded.workdir_root
+        == inventory_checks.DEFAULT_WORKDIR_ROOT
+        == "/var/lib/torch-multinode/work"
+    )
     assert loaded.container_mounts == ()
 
 
@@ -101,8 +105,8 @@ def test_storage_fields_are_read_and_nodes_vars_win_over_all_vars(tmp_path):
         "/srv/work",
     )
     assert loaded.container_mounts == (
-        inventory.Mount("/mnt/datasets", read_only=True),
-        inventory.Mount("/scratch", read_only=False),
+        inventory_checks.Mount("/mnt/datasets", read_only=True),
+        inventory_checks.Mount("/scratch", read_only=False),
     )
 
 
@@ -120,22 +124,22 @@ def test_job_storage_role_defaults_to_the_inventory_defaults():
         (REPO_ROOT / "ansible/roles/job_storage/defaults/main.yml").read_text()
     )
     found = {}
-    for field in inventory.STORAGE_ROOTS:
+    for field in inventory_checks.STORAGE_ROOTS:
         template = defaults[f"job_storage_{field}"]
         match = re.fullmatch(r"\{\{ (\w+) \| default\('([^']*)'\) \}\}", template)
         assert match, template
         found[match.group(1)] = match.group(2)
     assert found == {
-        "checkpoint_root": inventory.DEFAULT_CHECKPOINT_ROOT,
-        "data_root": inventory.DEFAULT_DATA_ROOT,
-        "workdir_root": inventory.DEFAULT_WORKDIR_ROOT,
+        "checkpoint_root": inventory_checks.DEFAULT_CHECKPOINT_ROOT,
+        "data_root": inventory_checks.DEFAULT_DATA_ROOT,
+        "workdir_root": inventory_checks.DEFAULT_WORKDIR_ROOT,
     }
 
 
 def test_example_inventory_documents_the_storage_defaults():
     text = (REPO_ROOT / "inventory.example.yml").read_text()
     documented = dict(re.findall(r"^ +# (\w+_root|container_mounts): (\S+)$", text, re.M))
-    assert documented == {**inventory.STORAGE_ROOTS, "container_mounts": "[]"}
+    assert documented == {**inventory_checks.STORAGE_ROOTS, "container_mounts": "[]"}
 
 
 REJECTIONS = [
@@ -568,7 +572,7 @@ def test_a_value_only_in_group_vars_beside_a_yaml_inventory_is_seen(tmp_path):
 def test_the_plain_layout_reads_the_same_through_ansible(tmp_path, example):
     path = REPO_ROOT / example if example != "VALID" else write(tmp_path, VALID)
     direct = inventory.load(path)
-    through_ansible = inventory._validate(inventory.resolve_with_ansible(path), path)
+    through_ansible = inventory._validate(inventory_read.resolve_with_ansible(path), path)
     assert through_ansible == direct
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import ansible.constants
 
 from tests.conftest import run_cli
-from torch_multinode.cluster import inventory
+from torch_multinode.cluster import inventory, inventory_checks
 
 VALID = """\
 all:
@@ -124,7 +124,7 @@ def test_the_raised_error_carries_every_problem(tmp_path):
     text = VALID.replace("          gpus: 1\n", "          gpus: x\n")
     try:
         inventory.load(write(tmp_path, text))
-    except inventory.InventoryErrors as caught:
+    except inventory_checks.InventoryErrors as caught:
         assert [str(error).rsplit(": ", 2)[-2] for error in caught.errors] == ["field 'gpus'"] * 2
     else:
         raise AssertionError("accepted")
@@ -165,4 +165,4 @@ def test_a_yaml_host_defined_twice_with_different_values_is_refused_naming_both_
 
 def test_ansibles_own_connection_variables_are_known_fields():
     theirs = {name for names in ansible.constants.MAGIC_VARIABLE_MAPPING.values() for name in names}
-    assert theirs <= inventory._known_fields()
+    assert theirs <= inventory_checks._known_fields()

@@ -38,7 +38,8 @@ from tests.fuzz.strategies import (
 )
 from torch_multinode import cluster, launch, netcheck
 from torch_multinode.cluster import bootstrap, engine, images, ship, sync
-from torch_multinode.cluster.inventory import Inventory, is_word
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.inventory_checks import is_word
 from torch_multinode.launch import restarts
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.netcheck.preflight import Options

@@ -23,7 +23,7 @@ from tests.fuzz.strategies import (
     near_valid_inventories,
     yaml_values,
 )
-from torch_multinode.cluster import inventory
+from torch_multinode.cluster import inventory, inventory_checks
 from torch_multinode.cluster.errors import UserError
 
 
@@ -60,13 +60,13 @@ def assert_usable(loaded: inventory.Inventory) -> None:
         assert _usable(host.compute_interface) and "/" not in host.compute_interface
         assert ":" not in host.compute_interface
         assert len(host.compute_interface.encode()) <= 15
-        assert 0 <= host.gpus <= inventory.MAX_GPUS
+        assert 0 <= host.gpus <= inventory_checks.MAX_GPUS
         assert _usable(host.ssh_address) and 1 <= host.ssh_port <= 65535
         assert host.ssh_user is None or _usable(host.ssh_user)
         assert _usable(host.python)
         assert host.ssh_key is None or str(host.ssh_key).isprintable()
         if host.visible_gpus is not None:
-            assert all(0 <= index < inventory.MAX_GPUS for index in host.visible_gpus)
+            assert all(0 <= index < inventory_checks.MAX_GPUS for index in host.visible_gpus)
             assert len(set(host.visible_gpus)) == len(host.visible_gpus)
     assert loaded.known_hosts is None or str(loaded.known_hosts).isprintable()
     # Node directories reach `docker run -v PATH:PATH[:ro]` and `mkdir -p` as they are.
@@ -112,7 +112,7 @@ def test_near_valid_inventories(document):
         assert_usable(loaded)
 
 
-STORAGE_FIELDS = (*inventory.STORAGE_ROOTS, "container_mounts")
+STORAGE_FIELDS = (*inventory_checks.STORAGE_ROOTS, "container_mounts")
 
 
 @FUZZ
@@ -300,11 +300,11 @@ def test_a_nul_in_the_inventory_path_is_an_error_line():
 
 
 def test_a_gpu_list_on_the_command_line_takes_ascii_digits_only():
-    assert inventory.parse_gpu_list("0, 2") == (0, 2)
-    assert inventory.parse_gpu_list("007") == (7,)
+    assert inventory_checks.parse_gpu_list("0, 2") == (0, 2)
+    assert inventory_checks.parse_gpu_list("007") == (7,)
     for bad in ("²", "٣", "0,1x"):
         with pytest.raises(UserError) as caught:
-            inventory.parse_gpu_list(bad)
+            inventory_checks.parse_gpu_list(bad)
         assert caught.value.line() == (
             f"Error: GPUS: {bad!r} is not a list of GPU indices (try a form like 0,2)"
         )

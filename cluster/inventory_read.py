@@ -1,0 +1,339 @@
+"""Reading an inventory into the document the checks run on: its YAML (duplicate keys refused,
+errors with line numbers), whether only Ansible resolves it (INI, group_vars/ and host_vars/,
+host ranges, nested groups), the values ansible-core's inventory loader and variable manager
+give its hosts, and a host defined twice with values that disagree (YAML groups, INI lines,
+files of a directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+from pathlib import Path
+
+import yaml
+
+from torch_multinode.cluster.errors import UserError, printable, shown
+from torch_multinode.cluster.inventory_checks import (
+    _ANSIBLE_MAGIC,
+    CLUSTER_FIELDS,
+    NODES_GROUP,
+    _known_fields,
+    _Problems,
+    _text,
+)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys; a duplicated host name must be an error."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # let SafeLoader report an unhashable key itself
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first_line, line):
+        super().__init__(key)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+def _needs_ansible(data, group: str = NODES_GROUP) -> bool:
+    """Whether a YAML inventory has what only Ansible resolves: a host range in the group of
+    the nodes, or groups nested in it; or, for a group other than the default, the group not
+    directly under all.children (Ansible finds it wherever it is)."""
+    top = data.get("all") if isinstance(data, dict) else None
+    children = top.get("children") if isinstance(top, dict) else None
+    found = children.get(group) if isinstance(children, dict) else None
+    if not isinstance(found, dict):
+        return group != NODES_GROUP and isinstance(top, dict)
+    hosts = found.get("hosts") if isinstance(found.get("hosts"), dict) else {}
+    return "children" in found or any(_HOST_RANGE.search(str(name)) for name in hosts)
+
+
+# Ansible's host range: node[01:04], node[a:c], node[0:10:2].
+_HOST_RANGE = re.compile(r"\[[0-9A-Za-z]+:[0-9A-Za-z]+(:[0-9]+)?\]")
+
+
+def _plain(value):
+    """A value as plain Python types (Ansible tags its strings and numbers)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def resolve_with_ansible(
+    path: Path, group: str = NODES_GROUP, problems: _Problems | None = None
+) -> dict:
+    """The inventory as ansible-playbook sees it (ansible-core's inventory loader and variable
+    manager: YAML or INI, group_vars/ and host_vars/, ranges, nested groups), as a document in
+    the plain layout: the hosts of `group` in order, each with every variable it resolves to,
+    and the cluster-wide fields once (refused where two hosts disagree). Errors go into
+    `problems` where given (raised with the others), else are raised here."""
+    where = f"inventory {path}"
+    own_problems = problems is None
+    problems = _Problems() if problems is None else problems
+    saved = {key: os.environ.get(key) for key in _ANSIBLE_SETTINGS}
+    os.environ.update(_ANSIBLE_SETTINGS)
+    try:
+        from ansible.errors import AnsibleError
+        from ansible.inventory.manager import InventoryManager
+        from ansible.parsing.dataloader import DataLoader
+        from ansible.vars.manager import VariableManager
+
+        loader = DataLoader()
+        said = io.StringIO()  # Ansible's own warnings: the reason goes into our one line
+        try:
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                manager = InventoryManager(loader=loader, sources=[str(path)])
+            variables = VariableManager(loader=loader, inventory=manager)
+            nodes = manager.groups.get(group)
+            hosts = nodes.get_hosts() if nodes is not None else []
+            resolved = {
+                host.name: {
+                    key: _plain(value)
+                    for key, value in variables.get_vars(host=host, include_hostvars=False).items()
+                    if key not in _ANSIBLE_MAGIC
+                }
+                for host in hosts
+            }
+        except AnsibleError:
+            reasons = re.findall(
+                r"Failed to parse inventory with '\w+' plugin: (?:Failed to parse inventory: )?(.+)",
+                said.getvalue(),
+            )
+            problems.fatal(
+                UserError(
+                    f"{where}: Ansible cannot read it as YAML or INI"
+                    + (f": {reasons[-1]}" if reasons else ""),
+                    hint=f"the layout of inventory.example.yml, or an INI inventory with a "
+                    f"[{group}] group",
+                )
+            )
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if not resolved:
+        problems.fatal(
+            UserError(
+                f"{where}: no hosts in group '{group}' as Ansible reads it",
+                hint=f"listing the nodes in a group named {group} (inventory.example.yml)",
+            )
+        )
+    cluster: dict = {}
+    first_name = next(iter(resolved))
+    for field in CLUSTER_FIELDS:
+        values = {name: own[field] for name, own in resolved.items() if field in own}
+        if not values:
+            continue
+        distinct = {repr(value) for value in values.values()}
+        if len(distinct) > 1 or len(values) != len(resolved):
+            other = next(n for n in resolved if repr(values.get(n)) != repr(values.get(first_name)))
+            here, there = (
+                shown(values[name]) if name in values else "unset" for name in (other, first_name)
+            )
+            problems.add(
+                UserError(
+                    f"{where}: host '{printable(other)}': field '{field}' is cluster-wide: "
+                    f"the same on every node ({here} here, {there} on '{printable(first_name)}')",
+                    hint="setting it once, for all (group_vars/all.yml or all.vars)",
+                )
+            )
+            continue
+        cluster[field] = values[first_name]
+    # A variable the project does not read, the same on every host (set for a group, or in
+    # group_vars/all.yml), is one cluster-wide value: a typo in it is reported once, not per host.
+    for key, value in next(iter(resolved.values())).items():
+        if (
+            key not in CLUSTER_FIELDS
+            and isinstance(key, str)
+            and key not in _known_fields()
+            and all(key in own and repr(own[key]) == repr(value) for own in resolved.values())
+        ):
+            cluster[key] = value
+    hosts_doc = {
+        name: {key: value for key, value in own.items() if key not in CLUSTER_FIELDS}
+        for name, own in resolved.items()
+    }
+    hosts_doc = {
+        name: {key: value for key, value in own.items() if key not in cluster}
+        for name, own in hosts_doc.items()
+    }
+    if own_problems:
+        problems.raise_if_any()
+    return {"all": {"vars": cluster, "children": {group: {"hosts": hosts_doc}}}}
+
+
+# Read by ansible-core when it is first imported: only the inventory formats a user writes by
+# hand (no executable inventory script runs), and a file it cannot parse is an error.
+_ANSIBLE_SETTINGS = {
+    "ANSIBLE_INVENTORY_ENABLED": "yaml,ini",
+    "ANSIBLE_INVENTORY_UNPARSED_FAILED": "True",
+    "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "True",
+    "ANSIBLE_LOCALHOST_WARNING": "False",
+}
+
+
+def _yaml(text: str, where: str):
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except _DuplicateKey as dup:
+        raise UserError(
+            f"{where}: line {dup.line}: duplicate key {shown(dup.key)} (first on line "
+            f"{dup.first_line})",
+            hint="giving each host a unique name",
+        ) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"{where} is not valid YAML{at}: {problem}") from None
+    except RecursionError:
+        # PyYAML composes nested collections recursively: a few hundred '[' exhaust the stack.
+        raise UserError(f"{where} is nested too deeply to be an inventory") from None
+    except ValueError as exc:
+        # What SafeLoader's constructors let through: a date like 2024-02-30, or an integer of
+        # more digits than Python converts (its message goes on to suggest a Python setting).
+        reason = str(exc).split(";")[0]
+        raise UserError(f"{where} holds a value YAML cannot read: {reason}") from None
+
+
+def _sources(path: Path) -> list[tuple[Path, object]]:
+    """The inventory files Ansible reads for `path` (the file, or each file of a directory but
+    group_vars/ and host_vars/), each with its YAML document, or None where it is not YAML
+    (then INI)."""
+    files = (
+        [path]
+        if not path.is_dir()
+        else sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+    )
+    found = []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            document = yaml.safe_load(text)
+        except (yaml.YAMLError, ValueError, RecursionError):
+            document = None
+        found.append((file, document if isinstance(document, dict) else text))
+    return found
+
+
+def _check_defined_once(sources, where: str, problems: _Problems) -> None:
+    """A host given values in two places (two groups, two lines of an INI file, two files)
+    where they disagree: Ansible keeps one of them without a word, so it is refused, naming
+    both places."""
+    seen: dict[str, list[tuple[str, dict]]] = {}
+    several = len(sources) > 1
+    for file, document in sources:
+        definitions = (
+            _yaml_definitions(document)
+            if isinstance(document, dict)
+            else _ini_definitions(document)
+            if isinstance(document, str)
+            else ()
+        )
+        for name, place, values in definitions:
+            place = f"{file.name} {place}" if several else place
+            for other_place, other in seen.get(name, []):
+                for field, value in values.items():
+                    if field in other and repr(other[field]) != repr(value):
+                        problems.add(
+                            UserError(
+                                f"{where}: host '{printable(name)}': field "
+                                f"'{printable(str(field))}': defined twice, "
+                                f"{shown(other[field])} {other_place} and {shown(value)} {place}",
+                                hint="giving the host's values once, and its name alone in its "
+                                "other groups",
+                            )
+                        )
+            seen.setdefault(name, []).append((place, values))
+
+
+def _yaml_definitions(document: dict):
+    """(host, "group 'G'", values) for each host given values in a YAML inventory."""
+
+    def walk(group, body, depth=0):
+        if not isinstance(body, dict) or depth > 50:
+            return
+        hosts = body.get("hosts")
+        if isinstance(hosts, dict):
+            for name, values in hosts.items():
+                if isinstance(values, dict) and values:
+                    yield _text(name), f"in group '{printable(_text(group))}'", values
+        children = body.get("children")
+        if isinstance(children, dict):
+            for child, child_body in children.items():
+                yield from walk(child, child_body, depth + 1)
+
+    for group, body in document.items():
+        yield from walk(group, body)
+
+
+_INI_SECTION = re.compile(r"\[([^:\]\s]+)(?::(\w+))?\]\s*(?:[#;].*)?")
+
+
+def _ini_definitions(text: str):
+    """(host, "line N (group 'G')", values) for each INI host line that gives values, its
+    range expanded as Ansible expands it."""
+    group, kind = "ungrouped", "hosts"
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        section = _INI_SECTION.fullmatch(line)
+        if section:
+            group, kind = section.group(1), section.group(2) or "hosts"
+            continue
+        if kind != "hosts":
+            continue
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        if len(tokens) < 2 or not all("=" in token for token in tokens[1:]):
+            continue
+        values = dict(token.split("=", 1) for token in tokens[1:])
+        for name in _expanded(tokens[0]):
+            yield name, f"on line {number} (group '{printable(group)}')", values
+
+
+def _expanded(pattern: str) -> list[str]:
+    if pattern.count(":") == 1 and not _HOST_RANGE.search(pattern):
+        pattern = pattern.split(":")[0]  # host:port
+    if not _HOST_RANGE.search(pattern):
+        return [pattern]
+    try:
+        from ansible.plugins.inventory import expand_hostname_range
+
+        return list(expand_hostname_range(pattern))
+    except Exception:  # noqa: BLE001 - Ansible reports a bad range itself
+        return [pattern]
