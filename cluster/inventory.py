@@ -49,7 +49,7 @@ from torch_multinode.cluster.errors import UserError, printable, shown
 NODES_GROUP = "nodes"
 DEFAULT_RENDEZVOUS_PORT = 29500
 DEFAULT_TRAINING_IMAGE = "torch-multinode/train:latest"
-# The controller's image registry (ansible/roles/image_registry, cluster/ship.py).
+# The controller's image registry (ansible/roles/image_registry, provision/ship.py).
 DEFAULT_IMAGE_REGISTRY_PORT = 5000
 # Node-local directories a job keeps, the same on every node and mounted at the same path in
 # its container (ansible/roles/job_storage makes them; a test keeps its defaults equal).
