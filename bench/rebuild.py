@@ -19,8 +19,8 @@ from torch_multinode.bench.measure import (
     node_containers,
     node_rx,
 )
-from torch_multinode.cluster import images
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.provision import images
 from torch_multinode.sim import nodes as sim
 
 # -- 11. rebuilding the image after a one-line change ----------------------------------------

@@ -17,9 +17,9 @@ from torch_multinode.bench.measure import (
     ratio_series,
     side_by_side,
 )
-from torch_multinode.cluster import images
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
+from torch_multinode.provision import images
 from torch_multinode.sim import nodes as sim
 
 # -- 10. shipping the training image ---------------------------------------------------------
@@ -89,7 +89,7 @@ def registry_storage(registry) -> Path:
     """The storage of the registry instance `registry` (ship.Registry), from its config."""
     import yaml
 
-    from torch_multinode.cluster import ship
+    from torch_multinode.provision import ship
 
     config = yaml.safe_load((ship.REGISTRY_DIR / f"{registry.instance}.yml").read_text())
     return Path(config["storage"]["filesystem"]["rootdirectory"]) / "docker" / "registry" / "v2"
@@ -118,7 +118,7 @@ def wait_for_quiet_registries(mine: set[str], progress: Progress) -> float:
     REGISTRY_QUIET_SECONDS (Docker's registry client keeps none open between requests), so
     that forgetting the image does not pull it from under another cluster's shipment; the
     seconds waited."""
-    from torch_multinode.cluster import ship
+    from torch_multinode.provision import ship
 
     others = registry_endpoints([p.name for p in ship.REGISTRY_DIR.glob("*.yml")]) - mine
     started = quiet_since = time.monotonic()
@@ -157,7 +157,7 @@ def forget_in_registry(inventory: Inventory, image: str, progress: Progress) -> 
     them would break it): the push uploads them all the same, since the registry answers
     'unknown' for every blob this repository no longer links (its log: HEAD 404, then an
     upload, no mount)."""
-    from torch_multinode.cluster import ship
+    from torch_multinode.provision import ship
 
     registries, reason = ship.find_registries(inventory)
     if not registries:
@@ -175,7 +175,7 @@ def forget_in_registry(inventory: Inventory, image: str, progress: Progress) -> 
 def ship_from_nothing(inventory_path: Path, image: str, via: str, progress: Progress) -> dict:
     """`image` removed from both nodes (and, through the registry, from the registry), then
     shipped `via` 'registry' or 'stream': wall seconds, and what each node received."""
-    from torch_multinode.cluster import ship
+    from torch_multinode.provision import ship
 
     inventory = load(inventory_path)
     containers = node_containers(inventory_path)
@@ -228,7 +228,7 @@ def ship_top_layer_change(inventory_path: Path, image: str, progress: Progress) 
     layer, shipped as `cluster ship` chooses (via auto); bytes each node received, on its own
     network counters and as the shipment counted them, against the image's and the layer's
     size. The derived image is removed afterwards (nodes, this machine, its registry tag)."""
-    from torch_multinode.cluster import ship
+    from torch_multinode.provision import ship
 
     inventory = load(inventory_path)
     containers = node_containers(inventory_path)

@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "image":
-        from torch_multinode.cluster import images
+        from torch_multinode.provision import images
 
         kind, tag = args.kind, args.tag
         if not is_word(tag):  # the inventory's training_image is held to the same rule
@@ -260,13 +260,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _nodes_platform(inventory) -> str:
-    """The Docker platform the inventory's nodes share, asked over SSH (cluster.images)."""
-    from torch_multinode.cluster import images
+    """The Docker platform the inventory's nodes share, asked over SSH (provision.platforms)."""
     from torch_multinode.cluster.execution import SshNodes
+    from torch_multinode.provision import platforms
 
     nodes = SshNodes(inventory)
     try:
-        platform = images.nodes_platform(inventory.hosts, nodes)
+        platform = platforms.nodes_platform(inventory.hosts, nodes)
     finally:
         nodes.close()
     _progress(f"The {len(inventory.hosts)} node(s) run {platform}: the image is built for it.")
@@ -300,7 +300,7 @@ def _slurm(args: argparse.Namespace) -> int:
 
 
 def _ready(args: argparse.Namespace) -> int:
-    from torch_multinode.cluster import bootstrap
+    from torch_multinode.provision import bootstrap
 
     inventory = inventory_module.load(args.inventory, args.group)
     missing = bootstrap.not_ready(inventory, sudo_without_password=not args.ask_become_pass)
@@ -320,11 +320,11 @@ def _ready(args: argparse.Namespace) -> int:
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from torch_multinode.cluster import bootstrap
+    from torch_multinode.provision import bootstrap, keys
 
     inventory = inventory_module.load(args.inventory, args.group)
     fingerprints = Path(args.fingerprints) if args.fingerprints else None
-    prompter = bootstrap.Prompter(password_stdin=args.password_stdin)
+    prompter = keys.Prompter(password_stdin=args.password_stdin)
     print(f"Bootstrap of {len(inventory.hosts)} node(s) of {inventory.path}:", flush=True)
     outcome = bootstrap.bootstrap(
         inventory,
@@ -362,7 +362,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 
 def _ship(args: argparse.Namespace) -> int:
-    from torch_multinode.cluster import ship
+    from torch_multinode.provision import ship, ship_progress
 
     inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
     if inventory.launch_mode != "container" and args.image is None:
@@ -371,7 +371,7 @@ def _ship(args: argparse.Namespace) -> int:
     if args.image is not None and not is_word(args.image):
         raise UserError(f"--image {shown(args.image)} is not an image name")
     shipment = ship.ship(inventory, args.image, args.via, lambda line: print(line, flush=True))
-    print(ship.summary(shipment))
+    print(ship_progress.summary(shipment))
     return 0
 
 

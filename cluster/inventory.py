@@ -75,7 +75,7 @@ from torch_multinode.cluster.inventory_read import (
 
 DEFAULT_RENDEZVOUS_PORT = 29500
 DEFAULT_TRAINING_IMAGE = "torch-multinode/train:latest"
-# The controller's image registry (ansible/roles/image_registry, cluster/ship.py).
+# The controller's image registry (ansible/roles/image_registry, provision/ship.py).
 DEFAULT_IMAGE_REGISTRY_PORT = 5000
 LAUNCH_MODES = ("container", "host")
 # How jobs reach the nodes: the launcher over SSH, or Slurm from the distribution's packages.

@@ -495,7 +495,7 @@ def _wait_for_ssh(remote: Remote, container: str, deadline: float) -> None:
 
 def _wait_for_sshd(host, container: str, deadline: float) -> None:
     """Until the node's sshd completes a key exchange (nothing can log in yet: FRESH=1)."""
-    from torch_multinode.cluster.bootstrap import NodeFailed, fetch_host_key
+    from torch_multinode.provision.keys import NodeFailed, fetch_host_key
 
     def probe() -> None:
         try:

@@ -153,7 +153,7 @@ def sim2(sim_factory):
 def training_image(sim_factory):
     """The CPU twin of the training image, built once per run (about 6 minutes the first time,
     seconds when the layers are cached)."""
-    from torch_multinode.cluster import images
+    from torch_multinode.provision import images
 
     return images.build("cpu", TEST_IMAGE, progress=lambda _: None)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch_multinode.bench.rebuild import edit_line, scratch_checkout
-from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import docker
+from torch_multinode.provision import images
 
 # How the install step appears in `docker history`: its command holds the pip install of torch
 # (py-spy's layer above it holds a pip install too).

@@ -25,8 +25,8 @@ import yaml
 from tests.conftest import REPO_ROOT, TEST_IMAGE, VENV_BIN, make
 from tests.helpers import password_login
 from tests.terminal import Terminal
-from torch_multinode.cluster import bootstrap
 from torch_multinode.cluster.inventory import load
+from torch_multinode.provision import bootstrap
 from torch_multinode.sim import nodes as sim
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"

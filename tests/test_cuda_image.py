@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import debian_base, docker, image_exists
 from torch_multinode.cluster.versions import gpu_runs, oldest_capability
+from torch_multinode.provision import images
 
 # A name of this run's own: another test run on the same engine builds its own beside it.
 TAG = f"torch-multinode/train:cuda-test-{uuid.uuid4().hex[:8]}"

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, make
-from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import docker
+from torch_multinode.provision import platforms
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"
 ENDLESS = SCRIPT.with_name("endless_allreduce.py")
@@ -51,7 +51,7 @@ def _provision_builds_and_ships_the_image(cluster, provision, training_image) ->
     assert provision.returncode == 0, provision.stdout[-4000:] + provision.stderr[-2000:]
     # The fixture built the image; provisioning finds it made from the same recipe and ships it.
     # Built for the nodes' platform, asked over SSH (the simulated nodes are this machine's).
-    pinned = images.platform_of(platform.machine())
+    pinned = platforms.platform_of(platform.machine())
     assert f"The 2 node(s) run {pinned}: the image is built for it." in provision.stderr
     assert (
         f"{training_image.tag} (cpu, {pinned}, {training_image.image_id[:19]}). Up to date:"

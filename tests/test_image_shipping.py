@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import TEST_IMAGE, VENV_BIN
 from tests.helpers import on_node
 from tests.image_layers import build_with_an_edited_entrypoint, install_step
-from torch_multinode.cluster import ship
+from torch_multinode.provision import ship
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 

@@ -46,6 +46,7 @@ from torch_multinode.sim import nodes as sim
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [
     "cluster",
+    "provision",
     "sim",
     "launch",
     "netcheck",
@@ -156,8 +157,8 @@ def test_every_missing_host_key_policy_set_in_the_code_is_reject():
             ):
                 calls.append((file.relative_to(REPO), ast.unparse(node.args[0])))
     assert calls == [
-        (Path("cluster/bootstrap.py"), "paramiko.RejectPolicy()"),  # its one password login
         (Path("cluster/remote.py"), "paramiko.RejectPolicy()"),
+        (Path("provision/bootstrap.py"), "paramiko.RejectPolicy()"),  # its one password login
     ]
 
 
@@ -168,7 +169,8 @@ def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
     template = (REPO / "ansible/roles/ssh_mesh/templates/ssh_config.j2").read_text()
     assert re.search(r"^\s*StrictHostKeyChecking yes$", template, re.MULTILINE)
     # the image stream's ssh (cluster ship, when no registry runs) is the one rsync uses
-    from torch_multinode.cluster import ship, sync
+    from torch_multinode.cluster import sync
+    from torch_multinode.provision import ship
 
     assert ship.ssh_command is sync.ssh_command
     hosts = inventory.parse(

@@ -25,7 +25,7 @@ import torch
 from torch_multinode.cluster.versions import TORCH_MINIMUM, release, torch_meets_minimum
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("training", "launch", "netcheck", "cluster")
+PACKAGES = ("training", "launch", "netcheck", "cluster", "provision")
 
 
 def torch_aliases(tree: ast.Module) -> dict[str, str]:

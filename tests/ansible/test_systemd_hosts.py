@@ -32,8 +32,8 @@ import yaml
 from tests.ansible.conftest import PLAYBOOKS, ansible_playbook, node_sh
 from tests.conftest import REPO_ROOT, VENV_BIN
 from tests.helpers import password_login
-from torch_multinode.cluster import bootstrap
 from torch_multinode.cluster.inventory import load
+from torch_multinode.provision import bootstrap
 from torch_multinode.sim import nodes as sim
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]

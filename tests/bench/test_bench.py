@@ -440,10 +440,10 @@ def test_the_rebuild_edits_a_scratch_checkout_never_this_one(tmp_path):
         measure.REPO_ROOT / rebuild.REBUILD_FILE
     ).stat().st_mode  # still executable
     assert (checkout / ".venv").resolve() == (measure.REPO_ROOT / ".venv").resolve()
-    assert (checkout / "Makefile").is_file() and (checkout / "cluster" / "images.py").is_file()
+    assert (checkout / "Makefile").is_file() and (checkout / "provision" / "images.py").is_file()
     # the code is copied, not linked: edits made meanwhile in this checkout never reach it
-    code = checkout / "cluster" / "images.py"
-    assert code.stat().st_ino != (measure.REPO_ROOT / "cluster" / "images.py").stat().st_ino
+    code = checkout / "provision" / "images.py"
+    assert code.stat().st_ino != (measure.REPO_ROOT / "provision" / "images.py").stat().st_ino
     assert "rebuild" in cli.SECTIONS
 
 

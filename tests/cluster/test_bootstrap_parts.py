@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from tests.conftest import VENV_BIN, run_cli
-from torch_multinode.cluster import bootstrap
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load
+from torch_multinode.provision import bootstrap, keys
 from torch_multinode.sim import nodes as sim
 
 ED25519_SHA256 = "SHA256:" + "A" * 43
@@ -21,33 +21,33 @@ ED25519_SHA256 = "SHA256:" + "A" * 43
 
 def test_a_missing_key_pair_is_made_once_private_0600(tmp_path):
     key = tmp_path / "keys" / "id_ed25519"
-    public, made = bootstrap.ensure_key(key)
+    public, made = keys.ensure_key(key)
     assert made and public.startswith("ssh-ed25519 ")
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     assert oct(key.parent.stat().st_mode & 0o777) == "0o700"
-    assert bootstrap.ensure_key(key) == (public, False)
+    assert keys.ensure_key(key) == (public, False)
     Path(f"{key}.pub").unlink()  # the public half is made again from the private one
-    assert bootstrap.ensure_key(key) == (public, False)
+    assert keys.ensure_key(key) == (public, False)
 
 
 def test_a_private_key_others_can_read_is_refused(tmp_path):
     key = tmp_path / "id_ed25519"
-    bootstrap.ensure_key(key)
+    keys.ensure_key(key)
     key.chmod(0o644)
     with pytest.raises(UserError, match="can be read by other users") as raised:
-        bootstrap.ensure_key(key)
+        keys.ensure_key(key)
     assert raised.value.hint == f"chmod 600 {key}"
 
 
 def test_the_fingerprint_is_the_one_ssh_keygen_prints_on_the_node(tmp_path):
     key = tmp_path / "host_key"
-    bootstrap.ensure_key(key)
+    keys.ensure_key(key)
     printed = subprocess.run(
         ["ssh-keygen", "-lf", f"{key}.pub"], capture_output=True, text=True, check=True
     ).stdout.split()[1]
     loaded = paramiko.Ed25519Key.from_private_key_file(str(key))
-    assert bootstrap.fingerprint(loaded) == printed
-    assert bootstrap.console_command(loaded) == "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub"
+    assert keys.fingerprint(loaded) == printed
+    assert keys.console_command(loaded) == "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub"
 
 
 def test_fingerprints_file_reads_names_and_addresses_and_comments(tmp_path):
@@ -55,7 +55,7 @@ def test_fingerprints_file_reads_names_and_addresses_and_comments(tmp_path):
     path.write_text(
         f"# from each node's console\npc1 {ED25519_SHA256}  # desk\n\n10.0.0.2 {ED25519_SHA256}\n"
     )
-    assert bootstrap.read_fingerprints(path) == {"pc1": ED25519_SHA256, "10.0.0.2": ED25519_SHA256}
+    assert keys.read_fingerprints(path) == {"pc1": ED25519_SHA256, "10.0.0.2": ED25519_SHA256}
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_a_bad_fingerprints_line_is_named(tmp_path, text, message):
     path = tmp_path / "fingerprints"
     path.write_text(text)
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        bootstrap.read_fingerprints(path)
+        keys.read_fingerprints(path)
 
 
 def _inventory(tmp_path: Path, hosts: dict, **cluster_vars) -> Path:
@@ -99,7 +99,7 @@ def _host(number: int, **extra) -> dict:
 
 def test_one_key_for_every_node_defaulting_to_the_users_own(tmp_path):
     default = load(_inventory(tmp_path, {"a": _host(1)}))
-    assert bootstrap.key_path(default) == Path("~/.ssh/id_ed25519").expanduser()
+    assert keys.key_path(default) == Path("~/.ssh/id_ed25519").expanduser()
     two = load(
         _inventory(
             tmp_path,
@@ -110,7 +110,7 @@ def test_one_key_for_every_node_defaulting_to_the_users_own(tmp_path):
         )
     )
     with pytest.raises(UserError, match="different ansible_ssh_private_key_file"):
-        bootstrap.key_path(two)
+        keys.key_path(two)
 
 
 def test_a_user_name_sudoers_could_misread_is_refused(tmp_path):

@@ -12,9 +12,10 @@ import pytest
 from tests import helpers
 from tests.fakes import FakeNodes
 from torch_multinode.cluster import cli as cluster_cli
-from torch_multinode.cluster import engine, execution, images
+from torch_multinode.cluster import engine, execution
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.remote import Result
+from torch_multinode.provision import images, platforms
 from torch_multinode.sim import nodes as sim
 
 
@@ -30,12 +31,12 @@ from torch_multinode.sim import nodes as sim
     ],
 )
 def test_a_machine_s_architecture_is_docker_s_platform(architecture, platform):
-    assert images.platform_of(architecture) == platform
+    assert platforms.platform_of(architecture) == platform
 
 
 def test_an_architecture_docker_builds_nothing_for_is_refused():
     with pytest.raises(UserError) as refused:
-        images.platform_of("sparc64")
+        platforms.platform_of("sparc64")
     assert refused.value.line().startswith(
         "Error: architecture 'sparc64' is not one Docker builds images for (amd64, arm, arm64"
     )
@@ -53,16 +54,16 @@ def answering(machines: dict[str, str | Result]) -> FakeNodes:
 
 def test_nodes_of_one_architecture_give_their_platform_each_asked_once():
     nodes = answering({"n1": "x86_64\n", "n2": "x86_64\n"})
-    assert images.nodes_platform(hosts("n1", "n2"), nodes) == "linux/amd64"
+    assert platforms.nodes_platform(hosts("n1", "n2"), nodes) == "linux/amd64"
     assert sorted(nodes.commands) == [("n1", "uname -m"), ("n2", "uname -m")]
     arm = answering({"n1": "aarch64\n"})
-    assert images.nodes_platform(hosts("n1"), arm) == "linux/arm64"
+    assert platforms.nodes_platform(hosts("n1"), arm) == "linux/arm64"
 
 
 def test_nodes_that_differ_in_architecture_are_refused_naming_them():
     nodes = answering({"n1": "x86_64\n", "n2": "aarch64\n", "n3": "x86_64\n"})
     with pytest.raises(UserError) as refused:
-        images.nodes_platform(hosts("n1", "n2", "n3"), nodes)
+        platforms.nodes_platform(hosts("n1", "n2", "n3"), nodes)
     assert refused.value.line() == (
         "Error: the nodes differ in architecture (n1, n3 are linux/amd64; n2 is linux/arm64), "
         "and one training image serves one (try an inventory or --group of nodes of one "
@@ -75,7 +76,7 @@ def test_a_node_that_cannot_say_its_architecture_is_named():
     nodes = answering({"n1": "x86_64\n", "n2": "x86_64\n"})
     nodes.down = {"n2"}
     with pytest.raises(UserError) as refused:
-        images.nodes_platform(hosts("n1", "n2"), nodes)
+        platforms.nodes_platform(hosts("n1", "n2"), nodes)
     assert refused.value.line() == (
         "Error: cannot learn the nodes' architecture, which the image is built for: host 'n2': "
         "cannot SSH to 10.1.0.2:22: timed out (try bringing the node back; make image without "
@@ -86,15 +87,15 @@ def test_a_node_that_cannot_say_its_architecture_is_named():
         {"n1": Result("n1", "uname -m", 127, "", "sh: 1: uname: not found"), "n2": "x86_64"}
     )
     with pytest.raises(UserError, match="host 'n1': uname -m exited 127: sh: 1: uname: not found"):
-        images.nodes_platform(hosts("n1", "n2"), failing)
+        platforms.nodes_platform(hosts("n1", "n2"), failing)
     odd = answering({"n1": "mips\n"})
     with pytest.raises(UserError, match="host 'n1': architecture 'mips' is not one Docker"):
-        images.nodes_platform(hosts("n1"), odd)
+        platforms.nodes_platform(hosts("n1"), odd)
 
 
 def test_an_image_of_another_architecture_is_refused_and_its_own_is_not():
-    assert images.architecture_refusal("t:1", "amd64", "linux/amd64") is None
-    refusal = images.architecture_refusal("t:1", "amd64", "linux/arm64")
+    assert platforms.architecture_refusal("t:1", "amd64", "linux/amd64") is None
+    refusal = platforms.architecture_refusal("t:1", "amd64", "linux/arm64")
     assert refusal.line() == (
         "Error: the image t:1 was built for linux/amd64, not the nodes' linux/arm64: the build "
         "did not follow --platform linux/arm64 (try building on a machine of the nodes' "
@@ -113,7 +114,7 @@ def no_build(monkeypatch):
     monkeypatch.setattr(images, "fetch_wheels", lambda progress, directory=None: None)
     monkeypatch.setattr(images, "recipe", lambda kind, base_image=None, root=None: "f00d")
     monkeypatch.setattr(images, "image_exists", lambda tag: False)
-    monkeypatch.setattr(images, "image_architecture", lambda tag: "amd64")
+    monkeypatch.setattr(platforms, "image_architecture", lambda tag: "amd64")
 
     def docker_build(arguments, tag, progress, base, platform, context=None):
         built.append({"tag": tag, "platform": platform})
@@ -148,11 +149,11 @@ def test_an_up_to_date_image_of_another_architecture_is_built_again(no_build, mo
     monkeypatch.setattr(images, "image_label", lambda tag, name: "f00d")
     monkeypatch.setattr(images, "_image_id", lambda tag: "sha256:abc")
     monkeypatch.setattr(
-        images, "image_architecture", lambda tag: "arm64" if tag == "t:1" else "amd64"
+        platforms, "image_architecture", lambda tag: "arm64" if tag == "t:1" else "amd64"
     )
     with pytest.raises(UserError, match="the build was reached"):
         images.build("cpu", "t:1", lambda _: None, platform="linux/amd64")
-    monkeypatch.setattr(images, "image_architecture", lambda tag: "amd64")
+    monkeypatch.setattr(platforms, "image_architecture", lambda tag: "amd64")
     lines: list[str] = []
     assert images.build("cpu", "t:1", lines.append, platform="linux/amd64").up_to_date
     assert lines == ["t:1 is up to date: built from the same Dockerfile, base and wheels."]
@@ -221,11 +222,13 @@ def test_an_image_s_architecture_is_read_from_this_engine():
     )
     try:
         here = sim.docker("info", "--format", "{{.Architecture}}").stdout.strip()
-        assert images.platform_of(images.image_architecture(tag)) == images.platform_of(here)
+        assert platforms.platform_of(platforms.image_architecture(tag)) == platforms.platform_of(
+            here
+        )
     finally:
         sim.docker("rmi", tag, check=False)
     with pytest.raises(UserError, match=f"no image {tag} on this machine's engine"):
-        images.image_architecture(tag)
+        platforms.image_architecture(tag)
 
 
 @pytest.mark.parametrize("gpus", [True, False])

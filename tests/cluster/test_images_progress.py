@@ -1,5 +1,5 @@
 """The training image's build shown live, for both builders: the legacy builder's output and
-BuildKit's with --progress=plain, canned, fed to cluster.images' watch with a fake clock."""
+BuildKit's with --progress=plain, canned, fed to provision.images' watch with a fake clock."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import uuid
 
 import pytest
 
-from torch_multinode.cluster import engine, images
+from torch_multinode.cluster import engine
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.provision import build_watch, images
 from torch_multinode.sim import nodes as sim
 
 NOTICE = [
@@ -27,7 +28,7 @@ PIP = [f"Processing /wheels/package_{n}-1.0-py3-none-any.whl" for n in range(300
 def shown(events, every=10.0):
     """What a user sees of `events` ((seconds, line or None)): the progress lines."""
     lines: list[str] = []
-    watched = images.watch(events, lines.append, every)
+    watched = build_watch.watch(events, lines.append, every)
     return lines, watched
 
 
@@ -336,7 +337,7 @@ def test_build_events_yield_each_line_as_it_comes_and_the_time_between():
 
     clock = itertools.count(100.0)
     seen = []
-    for now, line in images.build_events(output(), clock=lambda: next(clock), poll=0.01):
+    for now, line in build_watch.build_events(output(), clock=lambda: next(clock), poll=0.01):
         seen.append((now, line))
         if line is None:
             gate.set()

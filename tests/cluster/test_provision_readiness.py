@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.conftest import make, run_cli
-from torch_multinode.cluster import bootstrap
+from torch_multinode.provision import keys
 from torch_multinode.sim import nodes as sim
 
 
@@ -59,7 +59,7 @@ def test_provision_on_nodes_not_bootstrapped_names_what_each_lacks(fresh_nodes):
     assert "PLAY RECAP" not in done.stdout and "ansible-playbook" not in done.stdout
 
     # 2. Host keys known, but no key of ours is authorized there.
-    public_key, _ = bootstrap.ensure_key(key)
+    public_key, _ = keys.ensure_key(key)
     entries = subprocess.run(
         ["ssh-keyscan", "-t", "ed25519", config.mgmt_ip(1), config.mgmt_ip(2)],
         capture_output=True,

@@ -1,4 +1,4 @@
-"""cluster.ship's pure parts: the engine's progress folded per node, the progress line, the
+"""provision.ship's pure parts: the engine's progress folded per node, the progress line, the
 registry names, and the reasons the stream is chosen. No network, no engine."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from tests.helpers import REPO_ROOT, inventory_text, node
-from torch_multinode.cluster import ship
 from torch_multinode.cluster.inventory import parse
+from torch_multinode.provision import platforms, ship, ship_progress
 
 
 class Clock:
@@ -28,7 +28,7 @@ class Clock:
 
 
 def test_a_pulls_layers_fold_into_bytes_fetched_and_bytes_to_fetch():
-    progress = ship.LayerProgress()
+    progress = ship_progress.LayerProgress()
     messages = [
         {"status": "Pulling from torch-multinode/train", "id": "test"},
         {"status": "Already exists", "id": "aaa"},
@@ -54,7 +54,7 @@ def test_a_pulls_layers_fold_into_bytes_fetched_and_bytes_to_fetch():
 
 
 def test_a_push_counts_only_the_layers_the_registry_lacked():
-    progress = ship.LayerProgress()
+    progress = ship_progress.LayerProgress()
     for message in (
         {"status": "Layer already exists", "id": "aaa"},
         {"status": "Pushing", "progressDetail": {"current": 512, "total": 2048}, "id": "bbb"},
@@ -65,7 +65,7 @@ def test_a_push_counts_only_the_layers_the_registry_lacked():
 
 
 def test_an_engine_error_is_kept_word_for_word():
-    progress = ship.LayerProgress()
+    progress = ship_progress.LayerProgress()
     phase = progress.feed(
         {"errorDetail": {"message": "x"}, "error": "received unexpected HTTP status: 500 "}
     )
@@ -75,12 +75,12 @@ def test_an_engine_error_is_kept_word_for_word():
 
 def test_engine_lines_skip_what_is_not_json():
     lines = ['{"status": "a"}\n', "\n", "Warning: something\n", "{broken\n", '{"id": "b"}']
-    assert list(ship.engine_lines(lines)) == [{"status": "a"}, {"id": "b"}]
+    assert list(ship_progress.engine_lines(lines)) == [{"status": "a"}, {"id": "b"}]
 
 
 def test_a_nodes_progress_line_every_few_seconds_with_rate_and_time_left():
     clock, lines = Clock(), []
-    meter = ship.Meter("node1", lines.append, every=3.0, clock=clock)
+    meter = ship_progress.Meter("node1", lines.append, every=3.0, clock=clock)
     clock.now += 1
     meter.update(10_000_000, 100_000_000)
     assert lines == []  # not yet: one line per node every few seconds
@@ -270,7 +270,7 @@ def test_a_node_of_another_architecture_is_refused_before_anything_moves(monkeyp
     monkeypatch.setattr(
         ship, "node_images", lambda inv, image: {"n1": ("", "x86_64"), "n2": ("", "aarch64")}
     )
-    monkeypatch.setattr(ship.images, "image_architecture", lambda image: "amd64")
+    monkeypatch.setattr(platforms, "image_architecture", lambda image: "amd64")
     moved = []
     monkeypatch.setattr(ship, "find_registries", lambda inv: moved.append("asked") or ({}, ""))
     with pytest.raises(ship.UserError) as refused:
@@ -291,7 +291,10 @@ def test_nodes_that_hold_the_image_are_left_alone(monkeypatch, tmp_path):
     )
     shipment = ship.ship(inventory, "t:1", emit=pytest.fail)
     assert (shipment.via, shipment.already) == ("", ["n1", "n2"])
-    assert ship.summary(shipment) == "Every node already holds t:1 (aaaaaaaaaaaa): nothing sent."
+    assert (
+        ship_progress.summary(shipment)
+        == "Every node already holds t:1 (aaaaaaaaaaaa): nothing sent."
+    )
 
 
 def test_a_node_the_registry_fails_gets_the_stream_and_is_told_why(monkeypatch, tmp_path):
@@ -302,7 +305,7 @@ def test_a_node_the_registry_fails_gets_the_stream_and_is_told_why(monkeypatch, 
     monkeypatch.setattr(
         ship, "node_images", lambda inv, image: {n: (i, "x86_64") for n, i in held.items()}
     )
-    monkeypatch.setattr(ship.images, "image_architecture", lambda image: "amd64")
+    monkeypatch.setattr(platforms, "image_architecture", lambda image: "amd64")
     registry = ship.Registry("10.1.0.254", 5000)
     monkeypatch.setattr(ship, "find_registries", lambda inv: ({"n1": registry, "n2": registry}, ""))
     monkeypatch.setattr(ship, "push", lambda image, reg, emit: 100)
@@ -353,7 +356,7 @@ def test_an_engine_request_is_followed_to_its_bytes_or_its_reason():
         json.dumps({"status": "Pull complete", "id": "a"}) + "\n",
     ]
     clock, shown = Clock(), []
-    meter = ship.Meter("n1", shown.append, every=0.0, clock=clock)
+    meter = ship_progress.Meter("n1", shown.append, every=0.0, clock=clock)
     assert ship._follow(_Request(lines), meter) == (9, "")
     assert shown[0].startswith("[image] n1: 7 B of 9 B")
     failed = _Request(lines[:1], "ssh: connect to host 10.1.0.1 port 22: timed out\n", code=255)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_production_rooms_never_import_the_simulator():
     """sim/ is test and benchmark infrastructure: only tests and bench/ may import it."""
     found = []
-    for room in ("cluster", "launch", "netcheck", "training"):
+    for room in ("cluster", "provision", "launch", "netcheck", "training"):
         for path in sorted((ROOT / room).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Import):

@@ -16,10 +16,10 @@ import pytest
 from tests.image_layers import build_with_an_edited_entrypoint, install_step
 from torch_multinode import cluster
 from torch_multinode.bench.rebuild import edit_line, scratch_checkout
-from torch_multinode.cluster import images
 from torch_multinode.cluster.engine import docker
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.versions import TORCH_LABEL
+from torch_multinode.provision import images
 from torch_multinode.sim.nodes import REPO_ROOT
 
 

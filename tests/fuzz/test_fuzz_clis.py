@@ -37,12 +37,13 @@ from tests.fuzz.strategies import (
     near_valid_inventories,
 )
 from torch_multinode import cluster, launch, netcheck
-from torch_multinode.cluster import bootstrap, engine, images, ship, sync
+from torch_multinode.cluster import engine, sync
 from torch_multinode.cluster.inventory import Inventory
 from torch_multinode.cluster.inventory_checks import is_word
 from torch_multinode.launch import restarts
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.netcheck.preflight import Options
+from torch_multinode.provision import bootstrap, images, ship
 from torch_multinode.sim import cli as sim_cli
 from torch_multinode.sim import nodes as sim
 

@@ -24,17 +24,23 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from torch_multinode.cluster import images
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.cluster.sync import PROGRESS_EVERY, human, ssh_command
+from torch_multinode.cluster.sync import ssh_command
+from torch_multinode.provision import images, platforms
+from torch_multinode.provision.ship_progress import (
+    Emit,
+    LayerProgress,
+    Meter,
+    Shipment,
+    engine_lines,
+)
 
-Emit = Callable[[str], None]
 REGISTRY_DIR = Path("/etc/torch-multinode/registry")
 CERTS_D = Path("/etc/docker/certs.d")
 CHUNK = 1 << 20
@@ -79,106 +85,6 @@ class Registry:
     def reference(self, image: str) -> str:
         """The image's name in this registry: the same repository and tag under its address."""
         return f"{self.endpoint}/{image if ':' in image.rsplit('/', 1)[-1] else image + ':latest'}"
-
-
-@dataclass
-class Meter:
-    """How far an image has come to one node: a line every few seconds while it moves."""
-
-    node: str
-    emit: Emit
-    total: int = 0
-    done: int = 0
-    every: float = PROGRESS_EVERY
-    clock: Callable[[], float] = time.monotonic
-    started: float = field(default=0.0)
-    shown: float = field(default=0.0)
-
-    def __post_init__(self) -> None:
-        self.started = self.shown = self.clock()
-
-    def update(self, done: int, total: int | None = None, phase: str = "") -> None:
-        self.done = done
-        if total is not None:
-            self.total = total
-        now = self.clock()
-        if now - self.shown >= self.every:
-            self.shown = now
-            self.emit(self.line(phase))
-
-    def line(self, phase: str = "") -> str:
-        seconds = max(self.clock() - self.started, 1e-9)
-        rate = self.done / seconds
-        of = f" of {human(self.total)}" if self.total else ""
-        left = ""
-        if self.total and rate > 0 and self.done < self.total:
-            left = f", about {images.duration((self.total - self.done) / rate)} left"
-        elif phase:
-            left = f", {phase}"
-        return f"[image] {self.node}: {human(self.done)}{of}, {human(rate)}/s{left}"
-
-
-@dataclass
-class Shipment:
-    """What `ship` did, for its summary and for benchmarks."""
-
-    image: str
-    image_id: str
-    via: str  # "registry", "stream" or "" (nothing to send)
-    reason: str = ""  # why the stream was chosen
-    received: dict[str, int] = field(default_factory=dict)  # bytes each node fetched
-    already: list[str] = field(default_factory=list)  # nodes that held the image
-    seconds: float = 0.0
-
-
-def engine_lines(lines: Iterable[str]) -> Iterable[dict]:
-    """The engine's JSON progress lines, skipping what is not one."""
-    for line in lines:
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
-
-
-class LayerProgress:
-    """A pull's or push's per-layer progress folded into bytes moved and bytes to move."""
-
-    MOVING = {"Downloading", "Pushing"}
-    MOVED = {"Download complete", "Pushed", "Verifying Checksum", "Extracting", "Pull complete"}
-
-    def __init__(self) -> None:
-        self.layers: dict[str, list[int]] = {}  # id -> [current, total]
-        self.error = ""
-
-    def feed(self, message: dict) -> str:
-        """Take one message; the phase it tells of ('' for most)."""
-        if message.get("error"):
-            self.error = str(message.get("error")).strip()
-            return "failed"
-        status = str(message.get("status", ""))
-        layer = str(message.get("id", ""))
-        detail = message.get("progressDetail") or {}
-        if status in self.MOVING and layer:
-            total = int(detail.get("total") or 0)
-            current = int(detail.get("current") or 0)
-            seen = self.layers.setdefault(layer, [0, total])
-            seen[0] = max(seen[0], current)
-            seen[1] = max(seen[1], total)
-        elif status in self.MOVED and layer in self.layers:
-            self.layers[layer][0] = self.layers[layer][1]
-            if status == "Extracting":
-                return "unpacking"
-        return ""
-
-    @property
-    def done(self) -> int:
-        return sum(current for current, _ in self.layers.values())
-
-    @property
-    def total(self) -> int:
-        return sum(total for _, total in self.layers.values())
 
 
 def image_id(image: str) -> str:
@@ -517,17 +423,17 @@ def ship(
     shipment = Shipment(image, wanted, "", already=[n for n, i in held.items() if i == wanted])
     if not lacking:
         return shipment
-    platform = images.platform_of(images.image_architecture(image))
+    platform = platforms.platform_of(platforms.image_architecture(image))
     for host in lacking:
         architecture = found[host.name][1]
         if not architecture:
             raise UserError(
                 f"{host.name} did not answer over SSH", hint="make netcheck", exit_code=1
             )
-        if images.platform_of(architecture) != platform:
+        if platforms.platform_of(architecture) != platform:
             raise UserError(
                 f"{image} is built for {platform}, but {host.name} is "
-                f"{images.platform_of(architecture)}",
+                f"{platforms.platform_of(architecture)}",
                 hint=f"make provision INVENTORY={inventory.path} (it builds for the nodes' platform)",
             )
     if inventory.image_base_from_nodes:
@@ -619,17 +525,3 @@ def _through_registries(
     pulled = on_all([host for host in hosts if host.name not in failed], one)
     failed.update({name: result for name, result in pulled.items() if isinstance(result, str)})
     return {name: got for name, got in pulled.items() if isinstance(got, int)}, failed
-
-
-def summary(shipment: Shipment) -> str:
-    if not shipment.via:
-        return (
-            f"Every node already holds {shipment.image} ({shipment.image_id[7:19]}): nothing sent."
-        )
-    each = ", ".join(f"{name} {human(size)}" for name, size in shipment.received.items())
-    held = f"; {', '.join(shipment.already)} already held it" if shipment.already else ""
-    how = "through the registry" if shipment.via == "registry" else "by stream"
-    return (
-        f"Done: {shipment.image} ({shipment.image_id[7:19]}) on every node, {how} in "
-        f"{images.duration(shipment.seconds)} ({each}{held})."
-    )

@@ -6,33 +6,31 @@ image` builds is decided by what this machine has (a working `nvidia-smi`) unles
 Another base (NVIDIA's PyTorch image, BASE_IMAGE=) is built without wheels and accepted only
 when the torch it reports meets the project's minimum. Every image records its torch in a
 label (cluster.versions.TORCH_LABEL), which the launcher checks on every node.
+The build's live output is provision.build_watch's; the nodes' platform, which the build is
+pinned to, provision.platforms'.
 """
 
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import hashlib
-import queue
 import random
-import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from torch_multinode.cluster import __version__
 from torch_multinode.cluster.engine import debian_base, docker, image_exists, require_engine
-from torch_multinode.cluster.errors import UserError, shown
-from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE, Host
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE
 from torch_multinode.cluster.sync import TOOL_ROOT
 from torch_multinode.cluster.versions import (
     TORCH_LABEL,
@@ -40,9 +38,7 @@ from torch_multinode.cluster.versions import (
     release,
     torch_meets_minimum,
 )
-
-if TYPE_CHECKING:
-    from torch_multinode.cluster.execution import Nodes
+from torch_multinode.provision import build_watch, platforms
 
 KINDS = ("auto", "cpu", "cuda")
 # The base of both kinds: Debian's own packages, no registry account. Beside Python: a C and C++
@@ -256,7 +252,7 @@ def torch_refusal(reported: str, base_image: str | None) -> UserError | None:
 
 
 # The OCI annotation of the image a build started from: set when that is a registry's image
-# (BASE_IMAGE=), which nodes may pull themselves (inventory image_base_from_nodes, cluster.ship).
+# (BASE_IMAGE=), which nodes may pull themselves (inventory image_base_from_nodes, provision.ship).
 BASE_LABEL = "org.opencontainers.image.base.name"
 
 
@@ -360,67 +356,6 @@ def fetch_wheels(progress: Progress, directory: Path = WHEELS_DIR) -> None:
         raise UserError(f"downloading the wheels failed: {tail[0]}", exit_code=1)
 
 
-# --- the image's platform: the nodes' one -------------------------------------------------
-
-# A machine's architecture as `uname -m` or Docker (`docker info`, an image's .Architecture)
-# names it -> the architecture part of a Docker platform.
-ARCHITECTURES = {
-    "x86_64": "amd64",
-    "amd64": "amd64",
-    "aarch64": "arm64",
-    "arm64": "arm64",
-    "armv7l": "arm",
-    "arm": "arm",
-    "ppc64le": "ppc64le",
-    "s390x": "s390x",
-    "riscv64": "riscv64",
-}
-ARCHITECTURE_COMMAND = "uname -m"  # on a node: needs nothing installed (no Docker yet)
-PROBE_TIMEOUT = 30.0
-
-
-def platform_of(architecture: str) -> str:
-    """The Docker platform ("linux/amd64", "linux/arm64") of a machine or an image, from its
-    architecture as `uname -m` prints it (x86_64, aarch64), as `docker info --format
-    '{{.Architecture}}'` prints it (x86_64, aarch64) or as an image records it (amd64,
-    arm64). For the shipping code: a node runs image TAG when platform_of(the node's `uname
-    -m`) == platform_of(image_architecture(TAG)). A UserError for an architecture Docker
-    builds no image for."""
-    name = architecture.strip()
-    if name not in ARCHITECTURES:
-        raise UserError(
-            f"architecture {shown(name)} is not one Docker builds images for "
-            f"({', '.join(sorted(set(ARCHITECTURES.values())))})",
-            exit_code=1,
-        )
-    return f"linux/{ARCHITECTURES[name]}"
-
-
-def image_architecture(tag: str) -> str:
-    """The architecture image `tag` is built for, as Docker records it (`docker image inspect
-    --format '{{.Architecture}}'`: amd64, arm64; platform_of turns it into the platform). A
-    UserError when this machine's engine has no such image."""
-    proc = docker("image", "inspect", "--format", "{{.Architecture}}", tag, check=False)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        raise UserError(
-            f"no image {tag} on this machine's engine", hint=f"make image TAG={tag}", exit_code=1
-        )
-    return proc.stdout.strip()
-
-
-def architecture_refusal(tag: str, architecture: str, platform: str) -> UserError | None:
-    """Why image `tag`, whose recorded architecture is `architecture`, is refused for nodes of
-    `platform`, or None when it is theirs."""
-    if platform_of(architecture) == platform:
-        return None
-    return UserError(
-        f"the image {tag} was built for {platform_of(architecture)}, not the nodes' {platform}: "
-        f"the build did not follow --platform {platform}",
-        hint="building on a machine of the nodes' architecture",
-        exit_code=1,
-    )
-
-
 def _base_refusal(base_image: str | None, platform: str) -> UserError | None:
     """Why the build's base cannot make an image for `platform`, or None. Docker 20.10's
     legacy builder takes --platform, yet builds on a local base of another architecture as it
@@ -430,7 +365,7 @@ def _base_refusal(base_image: str | None, platform: str) -> UserError | None:
     base = base_image or CPU_BASE_IMAGE
     if base_image is not None and not image_exists(base):
         return None
-    architecture = platform_of(image_architecture(base))
+    architecture = platforms.platform_of(platforms.image_architecture(base))
     if architecture == platform:
         return None
     if base_image is None:
@@ -447,65 +382,6 @@ def _base_refusal(base_image: str | None, platform: str) -> UserError | None:
     )
 
 
-def nodes_platform(hosts: Sequence[Host], nodes: Nodes) -> str:
-    """The one Docker platform all `hosts` run on, asked over SSH (`uname -m`, all nodes at
-    once, through `nodes`: cluster.execution's SshNodes, or a fake). A UserError naming the
-    nodes when they differ in architecture (one image serves one), when one cannot be reached
-    or answers with an architecture Docker has no platform for."""
-    if not hosts:
-        raise UserError("no nodes to build the image for", exit_code=2)
-
-    def ask(host: Host) -> str | UserError:
-        try:
-            answer = nodes.run(host, ARCHITECTURE_COMMAND, PROBE_TIMEOUT)
-        except UserError as exc:
-            return exc
-        if not answer.ok:
-            return UserError(
-                f"host '{host.name}': {ARCHITECTURE_COMMAND} exited {answer.exit_code}: "
-                f"{answer.last_line}",
-                exit_code=1,
-            )
-        try:
-            return platform_of(answer.stdout.strip().splitlines()[-1] if answer.stdout else "")
-        except UserError as exc:
-            return UserError(f"host '{host.name}': {exc}", exit_code=1)
-
-    from torch_multinode.cluster.remote import (
-        on_all,  # fabric and paramiko, only when nodes are asked
-    )
-
-    answers = on_all(list(hosts), ask)
-    for answer in answers.values():
-        if isinstance(answer, UserError):
-            raise UserError(
-                f"cannot learn the nodes' architecture, which the image is built for: {answer}",
-                hint="bringing the node back; make image without INVENTORY builds for this "
-                "machine's platform",
-                exit_code=1,
-            )
-    return one_platform(answers)
-
-
-def one_platform(platforms: dict[str, str]) -> str:
-    """The platform every node (name -> its platform) shares; a UserError naming the nodes
-    of each when they differ."""
-    by_platform: dict[str, list[str]] = {}
-    for name, platform in platforms.items():
-        by_platform.setdefault(platform, []).append(name)
-    if len(by_platform) == 1:
-        return next(iter(by_platform))
-    groups = "; ".join(
-        f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {platform}"
-        for platform, names in by_platform.items()
-    )
-    raise UserError(
-        f"the nodes differ in architecture ({groups}), and one training image serves one",
-        hint="an inventory or --group of nodes of one architecture",
-        exit_code=2,
-    )
-
-
 def build(
     kind: str = "auto",
     tag: str = DEFAULT_TRAINING_IMAGE,
@@ -515,7 +391,7 @@ def build(
     context: Path = TOOL_ROOT,
 ) -> BuiltImage:
     """Build the training image `tag` of `kind` (see the module's docstring). With `platform`
-    ("linux/arm64", the nodes' one: nodes_platform), the build is pinned to it (`docker build
+    ("linux/arm64", the nodes' one: platforms.nodes_platform), the build is pinned to it (`docker build
     --platform`) and the image's architecture checked against it afterwards; a base of
     another architecture is refused before anything is built. Without it, the image is this
     machine's engine's own platform. `context` is the repository the build reads (its docker/
@@ -539,7 +415,9 @@ def build(
         image_exists(tag)
         and image_label(tag, RECIPE_LABEL) == made_from
         and torch_label(tag)
-        and (platform is None or platform_of(image_architecture(tag)) == platform)
+        and (
+            platform is None or platforms.platform_of(platforms.image_architecture(tag)) == platform
+        )
     ):
         progress(f"{tag} is up to date: built from the same Dockerfile, base and wheels.")
         seconds = time.monotonic() - started
@@ -554,7 +432,7 @@ def build(
     else:
         _docker_build(arguments, tag, progress, base_image, platform, context)
     if platform is not None:
-        refusal = architecture_refusal(tag, image_architecture(tag), platform)
+        refusal = platforms.architecture_refusal(tag, platforms.image_architecture(tag), platform)
         if refusal is not None:
             docker("rmi", tag, check=False)  # an image the nodes cannot run is not left there
             raise refusal
@@ -588,7 +466,7 @@ def _docker_build(
     platform: str | None,
     context: Path = TOOL_ROOT,
 ) -> None:
-    """`docker build` of `tag`, its progress shown live (see BuildWatch); on failure the
+    """`docker build` of `tag`, its progress shown live (see build_watch.BuildWatch); on failure the
     output's last lines, then a UserError naming the step and what the builder said."""
     pinned = ["--platform", platform] if platform else []
     command = ["docker", "build", *plain_progress(_build_help()), *pinned, *arguments, "-t", tag]
@@ -600,7 +478,7 @@ def _docker_build(
         errors="replace",
     )
     try:
-        watched = watch(build_events(process.stdout), progress)
+        watched = build_watch.watch(build_watch.build_events(process.stdout), progress)
     except BaseException:  # Ctrl-C: the build stops with us
         process.terminate()
         process.wait()
@@ -613,29 +491,6 @@ def _docker_build(
             hint=f"'docker pull {base}' first" if base else "the lines above",
             exit_code=1,
         )
-
-
-# --- the build's output, shown live -------------------------------------------------------
-# Both builders' output is read line by line: the legacy builder's ("Step 3/12 : RUN ...",
-# then the step's own output) and BuildKit's with --progress=plain ("#5 [2/6] RUN ...",
-# "#5 12.3 Collecting ...", "#5 DONE 40.1s"). A user sees each step's line, a short line every
-# TICK_EVERY seconds while one step runs long (a base pulled, pip installing, a big layer
-# written), and on failure the output's last lines: never the hundreds of lines pip prints.
-
-TICK_EVERY = 10.0  # seconds between "still running" lines in a step's first minute (then 3x)
-TAIL_LINES = 20  # the output's last lines shown when a build fails
-SHOWN_CHARS = 100  # of one output line in a progress line
-
-_LEGACY_STEP = re.compile(r"^Step (\d+/\d+) : (.*)$")
-_BUILDKIT_LINE = re.compile(r"^#(\d+) (.*)$")
-_BUILDKIT_STEP = re.compile(r"^\[(?:(\S+) )?(\d+/\d+)\] (.*)$")
-_BUILDKIT_OUTPUT = re.compile(r"^\d+\.\d+ (.*)$")  # "12.3 Collecting ...": seconds, output
-_BUILDKIT_END = re.compile(r"^(DONE \d+(\.\d+)?s|CACHED|CANCELED|ERROR\b.*)$")
-# What the legacy builder says about its own work, not the step's output.
-_LEGACY_OWN = (" ---> ", "Removing intermediate container", "Sending build context")
-# The docker client's notice before a legacy build (3 lines), not part of the build.
-_LEGACY_NOTICE = "DEPRECATED: The legacy builder is deprecated"
-_FAILURES = re.compile(r"^(ERROR|Error|error|The command '|failed to |unable to )")
 
 
 def plain_progress(help_text: str) -> list[str]:
@@ -651,197 +506,6 @@ def _build_help() -> str:
         ["docker", "build", "--help"], capture_output=True, text=True, check=False, timeout=30
     )
     return proc.stdout + proc.stderr
-
-
-def duration(seconds: float) -> str:
-    """A time as progress lines and summaries say it: "42 s", "2 min 05 s"."""
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    return f"{seconds // 60} min {seconds % 60:02d} s"
-
-
-def _clean(text: str, limit: int = SHOWN_CHARS) -> str:
-    """One output line as a progress line shows it: what a carriage return left visible,
-    control characters as spaces, cut to `limit` characters."""
-    text = text.rstrip("\r\n").rsplit("\r", 1)[-1]
-    text = "".join(c if c.isprintable() else " " for c in text).strip()
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _said(line: str) -> str:
-    """A line of output without BuildKit's vertex number and seconds ("#5 12.3 ")."""
-    vertex = _BUILDKIT_LINE.match(line)
-    if vertex is None:
-        return line.strip()
-    output = _BUILDKIT_OUTPUT.match(vertex[2])
-    return (output[1] if output else vertex[2]).strip()
-
-
-@dataclass
-class _Phase:
-    """What the build is doing: a step ("step 5/12") or BuildKit's other work ("exporting to
-    image"), since when, and its latest output line."""
-
-    name: str
-    started: float
-    latest: str = ""
-    latest_at: float = 0.0
-    next_tick: float = 0.0
-
-
-class BuildWatch:
-    """What a `docker build`'s output shows a user, fed one (time, line) at a time; a line of
-    None says only that time passed. The legacy builder's and BuildKit's plain output are both
-    read, told apart by their lines, so nothing needs to know beforehand which builder runs.
-
-    `feed` returns the lines to show: each step's line ("  Step 5/12 : RUN ..."), and while a
-    step runs long, one line after `every` seconds and again every `every` seconds for its first
-    minute, then every 3 x `every` ("  ... step 5/12 still running (40 s): <its latest output
-    line>"). On failure `failure_lines` is the output's last lines and `reason` the line that
-    says why."""
-
-    def __init__(self, every: float = TICK_EVERY):
-        self.every = every
-        self.builder: str | None = None  # "legacy" or "buildkit", once a line tells
-        self.phase: _Phase | None = None
-        self.last_step = ""  # the step the build reached ("5/12"), for the error line
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self._open: dict[str, _Phase] = {}  # BuildKit: the vertices under way, by number
-        self._notice = False  # inside the client's notice about the legacy builder
-
-    def feed(self, now: float, text: str | None) -> list[str]:
-        shown = [] if text is None else self._line(now, text.rstrip("\r\n"))
-        return shown + self._tick(now)
-
-    def _line(self, now: float, text: str) -> list[str]:
-        if text.startswith(_LEGACY_NOTICE):
-            self._notice = True
-        elif self._notice and not text[:1].isspace():
-            self._notice = False
-        if self._notice or not text.strip():
-            return []
-        self.tail.append(text)
-        step = _LEGACY_STEP.match(text) if self.builder != "buildkit" else None
-        if step:
-            self.builder = "legacy"
-            return self._begin(now, step[1], step[2])
-        vertex = _BUILDKIT_LINE.match(text) if self.builder != "legacy" else None
-        if vertex and (self.builder == "buildkit" or vertex[2].startswith("[")):
-            self.builder = "buildkit"
-            return self._buildkit(now, vertex[1], vertex[2])
-        if text.startswith("Successfully built "):
-            self.phase = None  # the legacy build is done; only the tag is left
-        elif self.builder == "legacy" and self.phase and not text.startswith(_LEGACY_OWN):
-            self._output(now, self.phase, text)
-        return []
-
-    def _begin(self, now: float, step: str, what: str, stage: str = "") -> list[str]:
-        self.last_step = step
-        name = f"step {step}" + (f" of {stage}" if stage else "")
-        self.phase = _Phase(name, now, next_tick=now + self.every)
-        return [f"  Step {step}{f' ({stage})' if stage else ''} : {_clean(what)}"]
-
-    def _buildkit(self, now: float, number: str, rest: str) -> list[str]:
-        if number not in self._open:
-            if _BUILDKIT_END.match(rest):
-                return []  # the end of a vertex whose start went by
-            step = _BUILDKIT_STEP.match(rest)
-            if step:
-                shown = self._begin(now, step[2], step[3], step[1] or "")
-            else:
-                what = rest.removeprefix("[internal] ")
-                self.phase, shown = _Phase(_clean(what), now, next_tick=now + self.every), []
-            self._open[number] = self.phase
-            return shown
-        phase = self._open[number]
-        if _BUILDKIT_END.match(rest):
-            del self._open[number]
-            if phase is self.phase:  # the newest vertex still under way, if any, is shown next
-                self.phase = next(reversed(self._open.values()), None)
-            return []
-        output = _BUILDKIT_OUTPUT.match(rest)
-        self._output(now, phase, output[1] if output else rest)
-        return []
-
-    def _output(self, now: float, phase: _Phase, text: str) -> None:
-        if _clean(text):
-            phase.latest, phase.latest_at = _clean(text), now
-
-    def _tick(self, now: float) -> list[str]:
-        phase = self.phase
-        if phase is None or now < phase.next_tick:
-            return []
-        running = now - phase.started
-        while phase.next_tick <= now:  # on the schedule, not drifting with the events' times
-            since = phase.next_tick - phase.started
-            phase.next_tick += self.every if since < 6 * self.every else 3 * self.every
-        line = f"  ... {phase.name} still running ({duration(running)})"
-        if not phase.latest:
-            return [f"{line}, no output yet"]
-        if now - phase.latest_at >= self.every:
-            quiet = duration(now - phase.latest_at)
-            return [f"{line}, no output for {quiet}; last: {phase.latest}"]
-        return [f"{line}: {phase.latest}"]
-
-    def where(self) -> str:
-        """' at step 5/12' once a step began, for the error line ('' before)."""
-        return f" at step {self.last_step}" if self.last_step else ""
-
-    def reason(self) -> str:
-        """The output's line that says why the build failed: the builder's own error line, else
-        the last line ('no output' when there was none)."""
-        lines = [_said(line) for line in self.tail]
-        said = [line for line in lines if _FAILURES.match(line)]
-        why = (said or lines or ["no output"])[-1]
-        return _clean(why.removeprefix("ERROR: "), 2 * SHOWN_CHARS)
-
-    def failure_lines(self) -> list[str]:
-        """The output's last lines (up to TAIL_LINES), indented, under one line that says so."""
-        if not self.tail:
-            return []
-        return [f"  The build's last {len(self.tail)} lines:"] + [
-            f"    {line}" for line in self.tail
-        ]
-
-
-def build_events(
-    stream: Iterable[str], clock: Callable[[], float] = time.monotonic, poll: float = 1.0
-) -> Iterator[tuple[float, str | None]]:
-    """A build's output as BuildWatch reads it: (time, line) for each line as it comes, and
-    (time, None) after `poll` seconds without one, so that a step silent for minutes is still
-    reported. A thread reads `stream`; the events end when it does."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        try:
-            for line in stream:
-                lines.put(line)
-        finally:
-            lines.put(None)
-
-    threading.Thread(target=read, name="docker-build-output", daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=poll)
-        except queue.Empty:
-            yield clock(), None
-            continue
-        if line is None:
-            return
-        yield clock(), line
-
-
-def watch(
-    events: Iterable[tuple[float, str | None]], progress: Progress, every: float = TICK_EVERY
-) -> BuildWatch:
-    """Every event through a BuildWatch, what it shows given to `progress` as it comes; the
-    watch, for the lines a failure shows."""
-    watched = BuildWatch(every)
-    for now, text in events:
-        for line in watched.feed(now, text):
-            progress(line)
-    return watched
 
 
 # What `--version` said, per image ID and `gpus`, in this process: an image ID names its layers

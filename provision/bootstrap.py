@@ -13,6 +13,8 @@ other, node by node:
 4. key login and passwordless sudo proven with the key alone;
 5. only then, if asked, SSH password login turned off (validated by `sshd -t`).
 
+Steps 1 and 2 (the key pair, the host keys) and the terminal's questions are provision.keys'.
+
 The password lives in this process's memory only: it goes to the node inside the SSH
 connection (authentication) and on sudo's standard input, never on a command line, in a file
 or in any output.
@@ -20,17 +22,11 @@ or in any output.
 
 from __future__ import annotations
 
-import base64
 import getpass
-import hashlib
-import os
 import re
 import shlex
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,70 +35,25 @@ import paramiko
 from torch_multinode.cluster.errors import UserError, shown
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Remote, on_all
+from torch_multinode.provision.keys import (
+    CONNECT_TIMEOUT,
+    NodeFailed,
+    Prompter,
+    Say,
+    check_host_key,
+    ensure_key,
+    key_path,
+    read_fingerprints,
+)
 
-DEFAULT_KEY = Path("~/.ssh/id_ed25519")
 SUDOERS_DROP_IN = "/etc/sudoers.d/torch-multinode"
 # sshd takes the first value it reads for each keyword, and reads sshd_config.d/*.conf in name
 # order before the main file: "00-" comes before the "50-cloud-init.conf" that turns it back on.
 SSHD_DROP_IN = "/etc/ssh/sshd_config.d/00-torch-multinode.conf"
-CONNECT_TIMEOUT = 15.0
 COMMAND_TIMEOUT = 60.0
 RELOAD_TIMEOUT = 20.0
-# In the order a node's host key is asked for: the fingerprint shown is of the first type the
-# node has (every OpenSSH since 6.5 makes an ed25519 key).
-HOST_KEY_TYPES = {
-    "ssh-ed25519": "ed25519",
-    "ecdsa-sha2-nistp256": "ecdsa",
-    "rsa-sha2-512": "rsa",
-    "rsa-sha2-256": "rsa",
-}
-_FINGERPRINT = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}$")
 # What sudoers and useradd accept as a user name, and nothing that could change a sudoers line.
 _USER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
-
-Say = Callable[[str], None]
-
-
-class NodeFailed(Exception):
-    """This node cannot be bootstrapped; the message is the one line that says why."""
-
-
-class Prompter:
-    """The questions bootstrap asks, on the terminal; tests answer them through a pty."""
-
-    def __init__(self, interactive: bool | None = None, password_stdin: bool = False):
-        self.interactive = sys.stdin.isatty() if interactive is None else interactive
-        self.password_stdin = password_stdin
-        self._stdin_password: str | None = None
-
-    def confirm(self, question: str) -> bool:
-        if not self.interactive:
-            raise UserError(
-                "a host key needs confirming and there is no terminal to ask on",
-                hint="running make bootstrap in a terminal, or FINGERPRINTS=file with one 'NODE "
-                "SHA256:...' line per node",
-            )
-        print(question, end="", file=sys.stderr, flush=True)
-        answer = sys.stdin.readline()
-        if not answer:
-            raise UserError("no answer (end of input)", exit_code=1)
-        return answer.strip().lower() in ("yes", "y")
-
-    def password(self, question: str, retry: bool = False) -> str | None:
-        """The password typed at `question` (never echoed); None when it cannot be asked."""
-        if self.password_stdin:
-            if retry:
-                return None  # one password from stdin; a node that refuses it fails
-            if self._stdin_password is None:
-                self._stdin_password = sys.stdin.readline().rstrip("\n")
-            return self._stdin_password
-        if not self.interactive:
-            raise UserError(
-                "a node needs its login password and there is no terminal to ask on",
-                hint="running make bootstrap in a terminal, or --password-stdin with the "
-                "password on standard input",
-            )
-        return getpass.getpass(question, stream=sys.stderr)
 
 
 @dataclass
@@ -127,201 +78,6 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return all(node.ok for node in self.nodes)
-
-
-# ---------------------------------------------------------------------------------------------
-# The controller's key pair
-
-
-def key_path(inventory: Inventory) -> Path:
-    """The private key the inventory logs in with (the first host's), or ~/.ssh/id_ed25519."""
-    keys = {host.ssh_key for host in inventory.hosts}
-    if len(keys) > 1:
-        raise UserError(
-            f"inventory {inventory.path}: the hosts name different ansible_ssh_private_key_file "
-            "values; bootstrap installs one key on every node",
-            hint="one ansible_ssh_private_key_file in all.vars",
-        )
-    chosen = keys.pop() or DEFAULT_KEY
-    return Path(os.path.expanduser(chosen))
-
-
-def ensure_key(path: Path) -> tuple[str, bool]:
-    """The public key line of the pair at `path`, made (ed25519, no passphrase, 0600) if there
-    is none; and whether it was made now."""
-    public = Path(f"{path}.pub")
-    made = False
-    if not path.exists():
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        comment = f"torch-multinode@{socket.gethostname()}"
-        _ssh_keygen("-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
-        made = True
-    elif not public.exists():
-        public.write_text(_ssh_keygen("-y", "-f", str(path)))
-    if path.stat().st_mode & 0o077:
-        raise UserError(
-            f"the private key {path} can be read by other users; ssh refuses to use it",
-            hint=f"chmod 600 {path}",
-        )
-    parts = public.read_text().split()
-    if len(parts) < 2:
-        raise UserError(f"{public} holds no public key", hint=f"ssh-keygen -y -f {path} > {public}")
-    return f"{parts[0]} {parts[1]}", made
-
-
-def _ssh_keygen(*args: str) -> str:
-    try:
-        done = subprocess.run(
-            ["ssh-keygen", *args],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-            stdin=subprocess.DEVNULL,
-        )
-    except FileNotFoundError:
-        raise UserError(
-            "ssh-keygen is not installed", hint="apt-get install openssh-client"
-        ) from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise UserError(f"ssh-keygen {' '.join(args[:2])} failed: {last}", exit_code=1)
-    return done.stdout
-
-
-# ---------------------------------------------------------------------------------------------
-# Host keys
-
-
-def fingerprint(key: paramiko.PKey) -> str:
-    """As `ssh-keygen -lf` prints it: SHA256 of the key blob, base64 without padding."""
-    digest = hashlib.sha256(key.asbytes()).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
-def known_hosts_entry(host: Host) -> str:
-    """How known_hosts names the node: the address, or [address]:port off port 22."""
-    if host.ssh_port == 22:
-        return host.ssh_address
-    return f"[{host.ssh_address}]:{host.ssh_port}"
-
-
-def console_command(key: paramiko.PKey) -> str:
-    """What prints the same fingerprint on the node's own console."""
-    kind = HOST_KEY_TYPES.get(key.get_name(), "ed25519")
-    return f"ssh-keygen -lf /etc/ssh/ssh_host_{kind}_key.pub"
-
-
-def fetch_host_key(host: Host, prefer: tuple[str, ...] = (), timeout: float = CONNECT_TIMEOUT):
-    """The host key the node's sshd presents (the key exchange only, nothing is trusted yet)."""
-    try:
-        sock = socket.create_connection((host.ssh_address, host.ssh_port), timeout=timeout)
-    except OSError as exc:
-        raise NodeFailed(
-            f"cannot reach {host.ssh_address}:{host.ssh_port}: {exc.strerror or exc}"
-        ) from None
-    transport = paramiko.Transport(sock)
-    try:
-        wanted = list(prefer) + [name for name in HOST_KEY_TYPES if name not in prefer]
-        transport.get_security_options().key_types = wanted
-        transport.start_client(timeout=timeout)
-        return transport.get_remote_server_key()
-    except (paramiko.SSHException, EOFError, OSError) as exc:
-        raise NodeFailed(
-            f"no SSH host key from {host.ssh_address}:{host.ssh_port}: {exc or type(exc).__name__}"
-        ) from None
-    finally:
-        transport.close()
-
-
-def read_fingerprints(path: Path) -> dict[str, str]:
-    """A file of expected fingerprints: one 'NODE SHA256:...' per line, NODE being the
-    inventory's host name or its address; '#' starts a comment."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"fingerprints file {path} cannot be read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"fingerprints file {path} is not text") from None
-    expected: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        if len(words) != 2 or not _FINGERPRINT.match(words[1]):
-            raise UserError(
-                f"fingerprints file {path}, line {number}: {shown(line.strip())} is not "
-                "'NODE SHA256:...'",
-                hint="the SHA256 fingerprint that 'ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub' "
-                "prints on the node",
-            )
-        if words[0] in expected and expected[words[0]] != words[1]:
-            raise UserError(
-                f"fingerprints file {path}, line {number}: a second fingerprint for {words[0]}"
-            )
-        expected[words[0]] = words[1]
-    return expected
-
-
-def check_host_key(
-    host: Host,
-    known_hosts: Path,
-    expected: dict[str, str] | None,
-    prompter: Prompter,
-    say: Say,
-) -> bool:
-    """Make the node's host key known: True when it was added now, False when it already was.
-    Raises NodeFailed when the key is not the expected one or not confirmed."""
-    entry = known_hosts_entry(host)
-    known = paramiko.HostKeys()
-    if known_hosts.exists():
-        try:
-            known.load(str(known_hosts))
-        except (OSError, paramiko.SSHException) as exc:
-            raise UserError(f"{known_hosts} cannot be read: {exc}") from None
-    recorded = known.lookup(entry) or {}
-    key = fetch_host_key(host, prefer=tuple(recorded.keys()))
-    fingerprint_now = fingerprint(key)
-    if key.get_name() in recorded:
-        if recorded[key.get_name()] == key:
-            return False
-        raise NodeFailed(
-            f"its host key ({fingerprint_now}) is not the one recorded for {entry} in "
-            f"{known_hosts}: the node was reinstalled, or this is not the node; if it was "
-            f"reinstalled, ssh-keygen -f {known_hosts} -R '{entry}' and run bootstrap again"
-        )
-    if expected is not None:
-        wanted = expected.get(host.name) or expected.get(host.ssh_address)
-        if wanted is None:
-            raise NodeFailed("no fingerprint for it in the fingerprints file")
-        if wanted != fingerprint_now:
-            raise NodeFailed(
-                f"its host key is {fingerprint_now}, not {wanted} as the fingerprints file says: "
-                "refused (not the node, or it was reinstalled)"
-            )
-        say(f"{host.name}: host key {fingerprint_now} matches the fingerprints file")
-    else:
-        kind = key.get_name().removeprefix("ssh-").split("-")[0].upper()
-        question = (
-            f"\n{host.name} ({host.ssh_address}) presents the {kind} host key\n"
-            f"    {fingerprint_now}\n"
-            f"  On {host.name}'s own console, '{console_command(key)}' prints its fingerprint.\n"
-            f"  Is it the same? Type yes to trust it, anything else to refuse: "
-        )
-        if not prompter.confirm(question):
-            raise NodeFailed(f"its host key {fingerprint_now} was not confirmed: refused")
-    _append_known_host(known_hosts, entry, key)
-    return True
-
-
-def _append_known_host(known_hosts: Path, entry: str, key: paramiko.PKey) -> None:
-    known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    existing = known_hosts.read_bytes() if known_hosts.exists() else b""
-    line = f"{entry} {key.get_name()} {key.get_base64()}\n"
-    with known_hosts.open("a", encoding="utf-8") as out:
-        if existing and not existing.endswith(b"\n"):
-            out.write("\n")
-        out.write(line)
 
 
 # ---------------------------------------------------------------------------------------------
