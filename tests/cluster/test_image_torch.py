@@ -9,8 +9,9 @@ import uuid
 import pytest
 
 from tests import helpers
-from torch_multinode.cluster import engine, staging
+from torch_multinode.cluster import engine
 from torch_multinode.cluster.versions import TORCH_LABEL
+from torch_multinode.launch import staging
 from torch_multinode.sim import nodes as sim
 
 
