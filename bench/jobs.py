@@ -26,7 +26,7 @@ from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
 from torch_multinode.launch.commands import remote_command
-from torch_multinode.launch.nodes import interface_env
+from torch_multinode.launch.environment import interface_env
 from torch_multinode.launch.spec import JobSpec
 
 # -- 2 and 3. scaling efficiency per lever, auto -------------------------------------------

@@ -31,6 +31,7 @@ from torch_multinode.cluster.inventory_checks import NODES_GROUP, parse_gpu_list
 from torch_multinode.launch import checks, slurm, staging
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code, summary
+from torch_multinode.launch.environment import parse_env
 from torch_multinode.launch.local import project_directory, run_local
 from torch_multinode.launch.nodes import legacy_flag, nproc_for, rank_order_warning
 from torch_multinode.launch.restarts import run_job
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         workdir=args.workdir,
         workdir_limit=int(args.workdir_limit * 1e6),
-        secret_env=staging.parse_env(args.env, os.environ),
+        secret_env=parse_env(args.env, os.environ),
         env_file=Path(args.env_file) if args.env_file else None,
     )
     if not args.inventory:

@@ -13,7 +13,8 @@ from torch_multinode.cluster.containers import (
 )
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import staging
-from torch_multinode.launch.nodes import entry_point, job_environment, nproc_for
+from torch_multinode.launch.environment import node_environment
+from torch_multinode.launch.nodes import entry_point, nproc_for
 from torch_multinode.launch.spec import (
     CONTAINER_PYTHON,
     LINK_PROBE_WAIT,
@@ -76,12 +77,11 @@ def remote_command(
     directory = run_dir(spec)
     workdir = project.workdir if project is not None else directory
     entry = entry_point(spec, project if project is not None else directory)
-    own = (
-        job_environment(host, spec, directory, project.python_path)
+    variables = (
+        node_environment(host, spec, env, directory, project.python_path)
         if project is not None
-        else job_environment(host, spec)
+        else node_environment(host, spec, env)
     )
-    variables = {**own, **env, **dict(spec.extra_env)}
     secrets = staging.load_secrets(spec.run_id) + " && " if spec.secret_env else ""
     if mode == "container":
         inside = replace(host, python=CONTAINER_PYTHON)

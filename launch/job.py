@@ -26,12 +26,12 @@ from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.cluster.jobenv import BACKEND_VARIABLE
 from torch_multinode.cluster.remote import on_all
 from torch_multinode.launch import blame, staging, stop, watch
 from torch_multinode.launch.commands import remote_command, run_dir
+from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.node_output import NodeOutput
-from torch_multinode.launch.nodes import interface_env, job_backend, nproc_for
+from torch_multinode.launch.nodes import job_backend, nproc_for
 from torch_multinode.launch.prepare import claim_port, prepare_node, release_port
 from torch_multinode.launch.progress import Progress
 from torch_multinode.launch.spec import (
@@ -198,13 +198,13 @@ class Launcher:
         us before any SSH), the job's backend said; each node's environment (interface settings
         and the backend). The log directory is made only when the job starts (`_log_dir`): a
         job refused before that leaves no empty .runs/JOB-ID behind."""
-        envs = interface_env(self.inventory, self.spec.env_file)
+        envs = node_settings(self.inventory, self.spec.env_file, self.backend)
         for host in self.hosts:
             nproc_for(host, self.spec)
         note = job_backend(self.hosts)[1]
         if note and announce:
             self.emit(f"[launcher] {note}")
-        return {name: {**found, BACKEND_VARIABLE: self.backend} for name, found in envs.items()}
+        return envs
 
     def _log_dir(self) -> None:
         """The job's log directory (.runs/JOB-ID), once the job is about to start."""

@@ -1,7 +1,7 @@
 """A job with no inventory: on this machine alone (torchrun standalone, through
 training.local_launch), one process per GPU or two on the CPU. It runs as a job on the nodes
 does: in its project's root (the directory that would travel: staging.project_root) with the
-project on the import path, the same variables a node's ranks get (job_environment: TMN_RUN_DIR
+project on the import path, the same variables a node's ranks get (environment.local_environment: TMN_RUN_DIR
 is the job's own .runs/JOB-ID, TMN_BACKEND...), and it ends the same way: the workers' output
 live, then one summary naming what failed with the failed rank's own last lines, never
 torchrun's ChildFailedError traceback."""
@@ -30,7 +30,8 @@ from torch_multinode.launch.ending import (
     exceptions,
     failure_excerpt,
 )
-from torch_multinode.launch.nodes import job_backend, job_environment, process_count
+from torch_multinode.launch.environment import local_environment
+from torch_multinode.launch.nodes import job_backend, process_count
 from torch_multinode.launch.signatures import known_problems
 from torch_multinode.launch.spec import (
     LEGACY_SHIM,
@@ -71,7 +72,7 @@ def command(spec: JobSpec, nproc: int) -> list[str]:
 
 
 def this_machine(gpus: int) -> Host:
-    """This machine as the job's one node, for job_environment (its name and GPU count)."""
+    """This machine as the job's one node, for local_environment (its name and GPU count)."""
     loopback = ipaddress.IPv4Address("127.0.0.1")
     return Host(socket.gethostname(), str(loopback), 22, None, None, loopback, "lo", gpus)
 
@@ -110,11 +111,8 @@ def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
     # torch_multinode/__init__.py), and this project's root would add generic names.
     python_path = str(project_directory(spec))
     here = this_machine(gpus_here)
-    env = {**os.environ}
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its 4-line warning
-    env.update(
-        job_environment(here, spec, str(run_directory(spec)), python_path, job_backend((here,))[0])
-    )
+    backend = job_backend((here,))[0]
+    env = local_environment(here, spec, str(run_directory(spec)), python_path, backend)
     return env, nproc
 
 

@@ -1,5 +1,6 @@
 """Per-node decisions, made before anything starts: which GPUs and how many processes, which
-backend for the whole job, the environment each node's ranks get."""
+backend for the whole job, what torchrun runs. The environment each node's ranks get is
+launch/environment.py's."""
 
 from __future__ import annotations
 
@@ -7,26 +8,14 @@ import re
 from pathlib import Path
 
 from torch_multinode.cluster.errors import UserError, printable
-from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE, RUN_DIR_VARIABLE
+from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch.spec import (
-    DEBUG_ENV,
-    DEBUG_LEVELS,
     GPUS_PER_PROCESS,
     LEGACY_SHIM,
     JobSpec,
     job_module,
 )
 from torch_multinode.launch.staging import Project
-
-
-def debug_environment(level: str | None) -> dict[str, str]:
-    if level is None:
-        return {}
-    if level not in DEBUG_LEVELS:
-        raise UserError(f"DEBUG={level!r} is not one of 1, detail", hint="DEBUG=1")
-    return {**DEBUG_ENV, "TORCH_DISTRIBUTED_DEBUG": level.upper()}
-
 
 _LOCAL_RANK_FLAG = re.compile(r"""["'](--local[-_]rank)["']""")
 
@@ -137,34 +126,6 @@ def legacy_flag(script: Path) -> str | None:
     return "--local-rank" if "--local-rank" in found else "--local_rank"
 
 
-def job_environment(
-    host: Host,
-    spec: JobSpec,
-    run_dir: str | None = None,
-    python_path: str | None = None,
-    backend: str | None = None,
-) -> dict[str, str]:
-    """What the job's processes get on top of the interface settings, on a node and on this
-    machine alike: its run directory (TMN_RUN_DIR), the project on the import path, the job's
-    process group backend (TMN_BACKEND) where the caller decided them."""
-    variables = {"TMN_RUN_ID": spec.run_id, "PYTHONUNBUFFERED": "1", NODE_NAME_VARIABLE: host.name}
-    if run_dir is not None:
-        variables[RUN_DIR_VARIABLE] = run_dir
-    if python_path is not None:
-        variables["PYTHONPATH"] = python_path
-    if backend is not None:
-        variables[BACKEND_VARIABLE] = backend
-    if host.gpus > 0:
-        # GPU indices as nvidia-smi numbers them (CUDA's default puts the fastest first), so
-        # GPUS=0,2 names the cards the user saw in nvidia-smi.
-        variables["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    selected = visible_gpus(host, spec)
-    if selected is not None:
-        variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, selected))
-    variables.update(debug_environment(spec.debug))
-    return variables
-
-
 def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
     """What torchrun runs: the module, or the script where it is on the node (in its project,
     or, without one, in directory `where`)."""
@@ -174,30 +135,6 @@ def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
     if spec.local_rank_flag:
         return ["-m", LEGACY_SHIM, f"--flag={spec.local_rank_flag}", script]
     return [script]
-
-
-def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[str, dict[str, str]]:
-    """Per node of the (narrowed) inventory, the socket interface settings: netcheck's findings
-    if it wrote them (`env_file`, or where netcheck writes by default), else the inventory's
-    compute_interface. Exact-match form for NCCL so 'eth1' never also means 'eth10'."""
-    from torch_multinode.netcheck import envfile
-
-    found: dict[str, dict[str, str]] = {}
-    path = env_file or envfile.default_path(inventory.path)
-    if env_file is not None and not env_file.is_file():
-        raise UserError(
-            f"--env-file {env_file} does not exist",
-            hint=f"make netcheck INVENTORY={inventory.path}, which writes it, or no --env-file",
-        )
-    if path.exists():
-        found = envfile.load(path)
-    settings = {}
-    for host in inventory.hosts:
-        settings[host.name] = found.get(host.name) or {
-            "GLOO_SOCKET_IFNAME": host.compute_interface,
-            "NCCL_SOCKET_IFNAME": f"={host.compute_interface}",
-        }
-    return settings
 
 
 def rank_order_warning(hosts: tuple[Host, ...]) -> str | None:

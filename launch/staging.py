@@ -10,7 +10,8 @@
   directory outside every mount is refused before anything starts.
 - Settings and secrets (--env) reach the job through a file only its user can read, handed
   over on SSH's standard input and deleted once read: never on a command line, in `docker
-  inspect`, in the launcher's output or in the saved logs.
+  inspect`, in the launcher's output or in the saved logs. Which names --env may set, and how
+  they rank against the launcher's own variables, is launch/environment.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import posixpath
 import re
 import shlex
 import subprocess
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +31,6 @@ from torch_multinode.cluster.versions import TORCH_LABEL, minimum_shown, torch_m
 REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
 REMOTE_SECRETS_ROOT = "/tmp/torch-multinode/secrets"
 SECRETS_FILE = "env"
-# The launcher's own variables: a job's --env may not change them.
-RESERVED_PREFIXES = ("TMN_",)
-RESERVED_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Flags of our workloads (and of many scripts) that name node-local directories.
 ROOTED_FLAGS = {"--checkpoint-dir": "checkpoint_root", "--data-dir": "data_root"}
 
@@ -169,32 +165,6 @@ def resolve_paths(
             )
         result[target] = path if equals == "" else f"{flag}={path}"
     return tuple(result), notes
-
-
-def parse_env(items: list[str], environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """--env NAME=VALUE or NAME (this machine's value), each item possibly several separated by
-    spaces (make's ENV="A B=c"). Checked here, so a node never sees a half-made file."""
-    found: dict[str, str] = {}
-    for item in items:
-        for word in item.split():
-            name, equals, value = word.partition("=")
-            if not _NAME.fullmatch(name):
-                raise UserError(
-                    f"ENV: {shown(name)} is not a variable name", hint="ENV='NAME=value OTHER'"
-                )
-            if name.startswith(RESERVED_PREFIXES) or name in RESERVED_NAMES:
-                raise UserError(f"ENV: {name} is set by the launcher itself")
-            if not equals:
-                if name not in environ:
-                    raise UserError(
-                        f"ENV: {name} is not set on this machine, so there is no value to pass",
-                        hint=f"exporting {name} first, or ENV='{name}=value'",
-                    )
-                value = environ[name]
-            if "\n" in value or "\0" in value:
-                raise UserError(f"ENV: the value of {name} holds a newline or NUL")
-            found[name] = value
-    return tuple(found.items())
 
 
 def secrets_dir(run_id: str) -> str:

@@ -13,7 +13,7 @@ from tests.helpers import inventory_text, node
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import parse
-from torch_multinode.launch import staging
+from torch_multinode.launch import environment, staging
 
 
 def _inventory_text(**cluster_vars) -> str:
@@ -161,7 +161,7 @@ def test_a_second_transfer_with_nothing_changed_sends_no_file(tmp_path):
 
 def test_env_names_values_and_refusals():
     environ = {"HF_TOKEN": "abc def"}
-    assert staging.parse_env(["HF_TOKEN WANDB_MODE=offline", "X=1=2"], environ) == (
+    assert environment.parse_env(["HF_TOKEN WANDB_MODE=offline", "X=1=2"], environ) == (
         ("HF_TOKEN", "abc def"),
         ("WANDB_MODE", "offline"),
         ("X", "1=2"),
@@ -173,10 +173,10 @@ def test_env_names_values_and_refusals():
         (["1BAD=x"], "ENV: '1BAD' is not a variable name"),
     ]:
         with pytest.raises(UserError) as raised:
-            staging.parse_env(items, environ)
+            environment.parse_env(items, environ)
         assert str(raised.value) == message
     with pytest.raises(UserError, match="holds a newline"):
-        staging.parse_env(["A"], {"A": "x\ny"})
+        environment.parse_env(["A"], {"A": "x\ny"})
 
 
 def test_secrets_reach_the_shell_quoted_and_never_a_command_line():

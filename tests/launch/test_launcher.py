@@ -25,8 +25,9 @@ from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load, parse
 from torch_multinode.launch import stop
 from torch_multinode.launch.commands import remote_command, stop_command, torchrun_command
+from torch_multinode.launch.environment import interface_env
 from torch_multinode.launch.job import Launcher
-from torch_multinode.launch.nodes import interface_env, rank_order_warning
+from torch_multinode.launch.nodes import rank_order_warning
 from torch_multinode.launch.restarts import run_job, wait_for_nodes
 from torch_multinode.launch.spec import (
     LOST_NODE_PROBE,

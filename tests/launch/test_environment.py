@@ -1,0 +1,109 @@
+"""Which source wins each contested variable of a job's environment (launch/environment.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import inventory, node
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.launch import environment
+from torch_multinode.launch.commands import remote_command
+from torch_multinode.launch.spec import JobSpec
+from torch_multinode.netcheck import envfile
+
+
+def test_precedence_on_a_node(tmp_path):
+    """Job variables < debug variables < interface settings < TMN_BACKEND < extra_env."""
+    found = inventory({"n1": node(1, gpus=4), "n2": node(2)})
+    host = found.hosts[0]
+    env_file = envfile.write(
+        tmp_path / "netcheck-env.json",
+        {
+            "n1": {
+                "GLOO_SOCKET_IFNAME": "bond0",
+                "NCCL_SOCKET_IFNAME": "=bond0",
+                "NCCL_DEBUG": "WARN",  # over DEBUG=1's INFO
+                "CUDA_VISIBLE_DEVICES": "3",  # over GPUS=0,2
+                "TMN_BACKEND": "gloo",  # under the job's backend
+            }
+        },
+    )
+    spec = JobSpec(
+        run_id="tmn-prec",
+        gpus=(0, 2),
+        debug="detail",
+        extra_env=(("NCCL_SOCKET_IFNAME", "=eth9"),),
+    )
+    settings = environment.node_settings(found, env_file, "nccl")
+    # n2 is not in the file: the inventory's compute_interface, exact-match form for NCCL.
+    assert settings["n2"] == {
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "NCCL_SOCKET_IFNAME": "=eth1",
+        "TMN_BACKEND": "nccl",
+    }
+    env = environment.node_environment(host, spec, settings["n1"], "/run/dir", "/proj")
+    assert env["TMN_RUN_ID"] == "tmn-prec"
+    assert env["TMN_NODE_NAME"] == "n1"
+    assert env["TMN_RUN_DIR"] == "/run/dir"
+    assert env["PYTHONPATH"] == "/proj"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"  # the level over DEBUG_ENV's INFO
+    assert env["NCCL_DEBUG"] == "WARN"  # interface settings over debug variables
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"  # interface settings over job variables
+    assert env["TMN_BACKEND"] == "nccl"  # the job's backend over the interface settings
+    assert env["GLOO_SOCKET_IFNAME"] == "bond0"
+    assert env["NCCL_SOCKET_IFNAME"] == "=eth9"  # extra_env over everything
+    # Without the file's override, GPUS= gives CUDA_VISIBLE_DEVICES.
+    plain = environment.node_environment(host, spec, settings["n2"])
+    assert plain["CUDA_VISIBLE_DEVICES"] == "0,2" and "TMN_RUN_DIR" not in plain
+
+
+def test_secrets_against_the_launchers_variables():
+    """On the host `exec env NAME=...` comes after the secrets are sourced (the launcher wins);
+    in the container `docker run -e` comes before they are sourced inside (ENV= wins)."""
+    found = inventory({"n1": node(1, gpus=2)})
+    host = found.hosts[0]
+    spec = JobSpec(run_id="tmn-sec", gpus=(1,), secret_env=(("CUDA_VISIBLE_DEVICES", "0"),))
+    on_host = remote_command(host, host, 1, spec, 29500, {})
+    assert on_host.index(". /tmp/torch-multinode/secrets/") < on_host.index("exec env ")
+    assert "CUDA_VISIBLE_DEVICES=1 " in on_host
+    inside = remote_command(host, host, 1, spec, 29500, {}, mode="container", image="img")
+    assert inside.index("CUDA_VISIBLE_DEVICES=1") < inside.index(". /tmp/torch-multinode/secrets/")
+
+
+def test_precedence_on_this_machine(tmp_path):
+    """This process's environment < OMP_NUM_THREADS=1 default < the job's variables."""
+    here = inventory({"here": node(1, gpus=2)}).hosts[0]
+    spec = JobSpec(run_id="tmn-local", gpus=(1,), debug="info")
+    environ = {"TMN_RUN_DIR": "/stale", "CUDA_VISIBLE_DEVICES": "0", "NCCL_DEBUG": "WARN"}
+    env = environment.local_environment(here, spec, "/runs/x", "/proj", "nccl", environ)
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["TMN_RUN_DIR"] == "/runs/x"
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert env["TMN_BACKEND"] == "nccl"
+    kept = environment.local_environment(here, spec, "/r", "/p", "gloo", {"OMP_NUM_THREADS": "8"})
+    assert kept["OMP_NUM_THREADS"] == "8"
+
+
+def test_every_reserved_name_is_refused_in_env():
+    here = inventory({"n1": node(1, gpus=2)}).hosts[0]
+    own = environment.job_environment(here, JobSpec(), "/r", "/p", "nccl")
+    reserved = {name for name in own if environment.reserved(name)}
+    assert reserved == {
+        "TMN_RUN_ID",
+        "TMN_NODE_NAME",
+        "TMN_RUN_DIR",
+        "TMN_BACKEND",
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
+    }
+    for name in sorted(reserved | set(environment.RESERVED_NAMES) | {"TMN_ANYTHING"}):
+        with pytest.raises(UserError, match=f"ENV: {name} is set by the launcher itself"):
+            environment.parse_env([f"{name}=x"], {})
+    # Not reserved: the node's GPU selection and interface may be given (see the docstring).
+    assert environment.parse_env(["CUDA_VISIBLE_DEVICES=0 NCCL_DEBUG=WARN"], {}) == (
+        ("CUDA_VISIBLE_DEVICES", "0"),
+        ("NCCL_DEBUG", "WARN"),
+    )
