@@ -26,7 +26,6 @@ from torch_multinode.cluster.errors import (
     stop_on_sigterm,
     whole_number,
 )
-from torch_multinode.cluster.inventory import GROUP_HELP
 from torch_multinode.cluster.inventory_checks import NODES_GROUP, parse_gpu_list
 from torch_multinode.launch import checks, slurm, staging
 from torch_multinode.launch.commands import run_dir
@@ -72,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the Ansible inventory, YAML or INI, or a directory (default: run locally)",
     )
     parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
-    parser.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
+    parser.add_argument("--group", default=NODES_GROUP, help=inventory_module.GROUP_HELP)
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
         "--script",
