@@ -1,0 +1,115 @@
+"""The rooms' import rules (CONTRIBUTING.md, "Layout"): what each room may import, read from
+the source of every module, and no import circle among modules at import time."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "torch_multinode"
+ROOMS = ("cluster", "provision", "sim", "netcheck", "launch", "training", "bench")
+# Each room may import itself and these (bench, a tool over all of them, may import anything).
+MAY_IMPORT = {
+    "cluster": set(),
+    "provision": {"cluster"},
+    "sim": {"cluster", "provision"},
+    "netcheck": {"cluster"},
+    "launch": {"cluster", "netcheck", "training"},
+    "training": {"cluster"},
+    "bench": set(ROOMS),
+}
+# What travels to the nodes imports, of cluster/, only these stdlib-only modules.
+NODE_SIDE_CLUSTER = {"errors", "jobenv", "nccl_transport", "versions"}
+NODE_SIDE = [
+    ("training", None),
+    ("netcheck", "collective"),
+    ("netcheck", "sockprobe"),
+    ("netcheck", "softprobe"),
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for room in ROOMS:
+        for path in sorted((REPO / room).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: Path, module: str, top_level_only: bool) -> set[str]:
+    """The torch_multinode modules `module` imports (names without the package prefix)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    if top_level_only:  # also what a module-level `if`/`try` imports
+        nodes = [
+            n
+            for statement in tree.body
+            for n in ast.walk(statement)
+            if not isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        ]
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    prefix = PACKAGE + "."
+    return {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
+
+
+def test_each_room_imports_only_what_its_rule_allows():
+    modules = _modules()
+    broken = []
+    for module, path in modules.items():
+        room = module.split(".")[0]
+        for name in _imports(path, module, top_level_only=False):
+            target = name.split(".")[0]
+            if target != room and target not in MAY_IMPORT[room]:
+                broken.append(f"{module} imports {name}")
+    assert broken == []
+
+
+def test_what_runs_on_a_node_imports_only_the_node_side_of_cluster():
+    modules = _modules()
+    broken = []
+    for module, path in modules.items():
+        parts = module.split(".")
+        if not any(
+            parts[0] == room and (leaf is None or parts[-1] == leaf) for room, leaf in NODE_SIDE
+        ):
+            continue
+        for name in _imports(path, module, top_level_only=False):
+            pieces = name.split(".")
+            if pieces[0] == "cluster" and (len(pieces) < 2 or pieces[1] not in NODE_SIDE_CLUSTER):
+                broken.append(f"{module} imports {name}")
+            if pieces[0] not in ("cluster", "training", "netcheck"):
+                broken.append(f"{module} imports {name}")
+    assert broken == []
+
+
+def test_no_import_circle_at_import_time():
+    modules = _modules()
+    graph = {
+        module: {name for name in _imports(path, module, top_level_only=True) if name in modules}
+        for module, path in modules.items()
+    }
+    # a package imports its __init__ first: count `a.b` -> `a` as no edge of its own
+    state, circles = {}, []
+
+    def visit(node, trail):
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                circles.append(" -> ".join([*trail[trail.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert circles == []
