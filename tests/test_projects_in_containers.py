@@ -55,7 +55,7 @@ from tests.training.conftest import (
 )
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT, load
 from torch_multinode.sim import nodes as sim
-from torch_multinode.training.checkpoint import file_name
+from torch_multinode.training.checkpointing.checkpoint import file_name
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(2400)]
 
