@@ -58,10 +58,10 @@ def measure_scaling(inventory: Path, workload: list[str], reps: int, progress: P
     common = [*workload, "--reps", str(reps), "--bench"]
     progress("scaling: 1 node (the baseline)...")
     single = bench_rows(
-        train(inventory, 1, "training.bench_scaling", [*common, "--levers", "none"], 1800)
+        train(inventory, 1, "training.fixtures.bench_scaling", [*common, "--levers", "none"], 1800)
     )
     progress("scaling: 2 nodes, every lever...")
-    double = bench_rows(train(inventory, 2, "training.bench_scaling", common, 3600))
+    double = bench_rows(train(inventory, 2, "training.fixtures.bench_scaling", common, 3600))
     base = [r["samples_per_second"] for r in single if "samples_per_second" in r]
     if len(base) != reps:
         raise UserError(f"the 1-node run reported {len(base)} measurements, not {reps}")

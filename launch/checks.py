@@ -11,7 +11,7 @@ from pathlib import Path
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.launch.spec import DEFAULT_MODULE, runnable_module
-from torch_multinode.training import arguments
+from torch_multinode.training.settings import arguments
 
 
 def workload_arguments(
@@ -23,7 +23,7 @@ def workload_arguments(
     """A workload of this project checks its own arguments here, before any process starts
     anywhere: bad input is one error line and exit 2, not the same error from every rank
     followed by torchrun's report. (Its --help is printed here too.) The checks are the
-    workloads' own, from training.arguments, which imports no torch. A module it does not list
+    workloads' own, from training.settings.arguments, which imports no torch. A module it does not list
     (the user's, or one of training/ without checks there) checks its own on the nodes.
 
     With the job's `world_size` (every node's processes together), its batch is checked

@@ -56,7 +56,7 @@ from tests.training.conftest import (
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 from torch_multinode.sim import nodes as sim
-from torch_multinode.training.checkpoint import file_name
+from torch_multinode.training.checkpointing.checkpoint import file_name
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(2400)]
 

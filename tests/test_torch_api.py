@@ -135,7 +135,7 @@ def test_the_check_sees_the_calls_it_is_there_for():
 
 def test_the_check_reads_every_package_and_the_trainers_collective_timeout():
     assert {path.relative_to(ROOT).parts[0] for path in project_sources()} == set(PACKAGES)
-    trainer = torch_names_used((ROOT / "training" / "trainer.py").read_text())
+    trainer = torch_names_used((ROOT / "training" / "loop" / "trainer.py").read_text())
     assert "torch.distributed.set_timeout" in trainer
 
 

@@ -7,9 +7,17 @@
     pipeline        pipeline parallelism across processes (torch.distributed.pipelining)
     comm_demo       every point-to-point and collective operation, each checked
     dp_vs_ddp       DataParallel against DDP on one multi-GPU node
+    selftest        every GPU path on every node, a table (`make selftest`; its checks: selftesting)
+    spawn           DDP started with torch.multiprocessing.spawn instead of torchrun
 
-The pieces they share: config (typed settings, CLI over file over defaults), arguments (each
-workload's command line, checked without torch: `train` checks it on the controller too),
-data, models, parallel (process group, device, DDP wrapping), trainer (the loop), checkpoint,
-metrics.
+Not workloads: legacy and local_launch are launcher shims the launcher runs by name (legacy hands a
+torch.distributed.launch-era script its --local_rank flag; local_launch is torchrun for a job on
+this machine), and fixtures holds the jobs of the benchmarks and tests (bench_scaling,
+init_methods).
+
+The pieces the workloads share, one subpackage per concern: settings (config, fsdp_config,
+arguments, console: torch-free, `train` checks a job's arguments on the controller with them),
+distributed (parallel: process group, device, DDP wrapping; levers: comm hooks), loop (trainer,
+data, metrics), modeling (models, gpt), checkpointing (checkpoint, dcp, and the durable write both
+use).
 """

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import arguments, console, parallel
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.settings import arguments, console
 
 
 def _show(value: list[float] | None) -> str:

@@ -18,10 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
-from torch_multinode.training import arguments, console, data, levers, models, parallel
-from torch_multinode.training import config as config_module
-from torch_multinode.training.checkpoint import write_atomically
-from torch_multinode.training.trainer import Trainer, TrainResult, resolve_numerics
+from torch_multinode.training.checkpointing.durable import write_atomically
+from torch_multinode.training.distributed import levers, parallel
+from torch_multinode.training.loop import data
+from torch_multinode.training.loop.trainer import Trainer, TrainResult, resolve_numerics
+from torch_multinode.training.modeling import models
+from torch_multinode.training.settings import arguments, console
+from torch_multinode.training.settings import config as config_module
 
 
 def default_run_dir(workload: str) -> str:

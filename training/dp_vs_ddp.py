@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import console, parallel
-from torch_multinode.training.config import MODELS
-from torch_multinode.training.models import build_model
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.modeling.models import build_model
+from torch_multinode.training.settings import console
+from torch_multinode.training.settings.config import MODELS
 
 EXIT_NEEDS_GPUS = 69
 PROGRESS_SECONDS = 5.0  # at most this long between progress lines while training

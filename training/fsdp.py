@@ -35,12 +35,14 @@ from torch.distributed.tensor import DTensor
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
-from torch_multinode.training import arguments, checkpoint, console, gpt, models, parallel
-from torch_multinode.training.bench_scaling import PREFIX
-from torch_multinode.training.config import STOP_EXIT_CODE, DDPConfig
-from torch_multinode.training.dcp import Checkpoints, agree
+from torch_multinode.training.checkpointing import checkpoint
+from torch_multinode.training.checkpointing.dcp import Checkpoints, agree
 from torch_multinode.training.ddp import save_model
-from torch_multinode.training.trainer import learning_rate, resolve_numerics
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.loop.trainer import learning_rate, resolve_numerics
+from torch_multinode.training.modeling import gpt, models
+from torch_multinode.training.settings import arguments, console
+from torch_multinode.training.settings.config import STOP_EXIT_CODE, DDPConfig
 
 BETAS = (0.9, 0.95)
 BYTE_PARTS = ("parameters", "gradients", "optimizer state")
@@ -467,13 +469,13 @@ def finish(config, env, model, shape, source, result: Result, start_step, numeri
     lines += [f"parameters     sha256 {digest}", "-" * 60]
     console.say(env, *lines)
     if config.run.bench:
-        console.emit(PREFIX + json.dumps(row))
+        console.emit(console.BENCH_PREFIX + json.dumps(row))
     if export:
         save_model(export, plain)
         sidecar = {
             "shape": shape.as_dict(),
             "characters": getattr(source, "characters", None),
-            "loads_into": "training.gpt.GPT(training.gpt.Shape(**shape))",
+            "loads_into": "training.modeling.gpt.GPT(training.modeling.gpt.Shape(**shape))",
         }
         Path(f"{export}.json").write_text(json.dumps(sidecar, indent=1) + "\n", encoding="utf-8")
         console.say(env, f"model state_dict written to {export} (its shape in {export}.json)")

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from torch_multinode.training import arguments, console, ddp, parallel
-from torch_multinode.training.trainer import Trainer
+from torch_multinode.training import ddp
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.loop.trainer import Trainer
+from torch_multinode.training.settings import arguments, console
 
 
 def broadcast_state(model: nn.Module, env: parallel.DistEnv) -> None:

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import arguments, console, parallel
-from torch_multinode.training.data import SyntheticImages
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.loop.data import SyntheticImages
+from torch_multinode.training.settings import arguments, console
 
 
 def stage_devices(env: parallel.DistEnv) -> tuple[torch.device, torch.device]:

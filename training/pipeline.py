@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import arguments, console, parallel
-from torch_multinode.training.checkpoint import write_atomically
-from torch_multinode.training.data import SyntheticImages
+from torch_multinode.training.checkpointing.durable import write_atomically
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.loop.data import SyntheticImages
+from torch_multinode.training.settings import arguments, console
 
 
 def build_model(num_classes: int, width: int, seed: int) -> nn.Sequential:

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torch_multinode.training import console, ddp, parallel
+from torch_multinode.training import ddp
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.settings import console
 
 LOOPBACK = "127.0.0.1"
 

@@ -167,7 +167,7 @@ def test_the_workloads_are_asked_for_their_bench_lines(tmp_path, monkeypatch):
 
     monkeypatch.setattr(jobs, "train", train)
     jobs.measure_scaling(tmp_path / "inventory.yml", ["--batch", "4"], 1, lambda _: None)
-    assert [module for module, _ in asked] == ["training.bench_scaling"] * 2
+    assert [module for module, _ in asked] == ["training.fixtures.bench_scaling"] * 2
     assert all("--bench" in args for _, args in asked), asked
 
     fsdp_row = {"workload": "fsdp", "tokens_per_second": 1.0, "bytes_ratio": 0.5}

@@ -210,7 +210,7 @@ def test_build_context_holds_only_the_environment(training_image, tmp_path):
     for name in (
         "cluster/__init__.py",
         "cluster/versions.py",
-        "training/config.py",
+        "training/settings/config.py",
         "netcheck/cli.py",
         "pyproject.toml",
         ".venv/bin/python",
@@ -247,7 +247,7 @@ def test_editing_the_code_leaves_the_image_as_it_is(training_image, tmp_path):
     copy = scratch_checkout(tmp_path / "copy")
     made_from = images.recipe("cpu")
     assert images.recipe("cpu", root=copy) == made_from
-    edit_line(copy / "training" / "config.py", "# a one-line change")
+    edit_line(copy / "training" / "settings" / "config.py", "# a one-line change")
     assert images.recipe("cpu", root=copy) == made_from
     assert images.recipe("cuda", root=copy) != made_from
     assert images.recipe("cpu", "nvcr.io/nvidia/pytorch:26.10-py3", root=copy) != made_from

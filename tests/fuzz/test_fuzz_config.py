@@ -20,8 +20,14 @@ from tests.fuzz.strategies import (
     yaml_values,
 )
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import config as config_module
-from torch_multinode.training.config import TrainConfig, _field_type, _flag, _leaves, _sections
+from torch_multinode.training.settings import config as config_module
+from torch_multinode.training.settings.config import (
+    TrainConfig,
+    _field_type,
+    _flag,
+    _leaves,
+    _sections,
+)
 
 
 def fields() -> list[tuple[str, dataclasses.Field, type, bool]]:

@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import run_cli
 from tests.helpers import inventory_text, node
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import arguments
+from torch_multinode.training.settings import arguments
 
 NOT_DIVISIBLE = (
     "Error: global batch 64 is not divisible by world size 3 (try --global-batch-size 63)"
@@ -50,7 +50,7 @@ def test_nnodes_that_is_not_a_number_says_so_without_an_inventory():
     [("training.ddp", 64, 63), ("training.manual_dp", 64, 63), ("training.fsdp", 16, 15)],
 )
 def test_a_default_global_batch_is_rounded_to_a_world_of_three(module, default, fitted):
-    from torch_multinode.training import parallel
+    from torch_multinode.training.distributed import parallel
 
     parse = arguments.CHECKS[module]
     assert parse([]).optim.global_batch_size == default  # world unknown: as written
@@ -69,7 +69,7 @@ def test_a_default_global_batch_is_rounded_to_a_world_of_three(module, default, 
 
 @pytest.mark.parametrize("module", ["training.ddp", "training.manual_dp", "training.fsdp"])
 def test_a_global_batch_the_user_chose_is_refused_as_the_workload_would(module, tmp_path):
-    from torch_multinode.training import parallel
+    from torch_multinode.training.distributed import parallel
 
     with pytest.raises(UserError) as on_rank:
         parallel.per_rank_batch(64, parallel.DistEnv(world_size=3, launched=True))

@@ -172,7 +172,7 @@ def test_three_init_methods_each_form_a_two_node_group(sim2):
         "-i",
         str(sim2.config.inventory_path),
         "--module",
-        "training.init_methods",
+        "training.fixtures.init_methods",
         "--",
         "--shared-dir",
         "/shared",
@@ -319,7 +319,7 @@ def test_a_local_module_of_the_users_own_directory_is_found_and_not_run(tmp_path
     checks.importable_here("mine")  # no error, and no SystemExit from running it
 
 
-# Every workload training.arguments checks: arguments it takes, and bad ones with their error.
+# Every workload training.settings.arguments checks: arguments it takes, and bad ones with their error.
 WORKLOAD_ARGUMENTS = {
     "training.ddp": (["--steps", "3"], ["--steps", "-1"], "--steps must be positive, got -1"),
     "training.manual_dp": (["--lr", "0.1"], ["--lr", "-0.5"], "--lr must be 0 or more, got -0.5"),
@@ -380,7 +380,7 @@ def test_the_controller_checks_a_workloads_arguments_without_importing_torch():
     import sys
 
     from tests.conftest import REPO_ROOT
-    from torch_multinode.training.arguments import CHECKS
+    from torch_multinode.training.settings.arguments import CHECKS
 
     assert set(WORKLOAD_ARGUMENTS) == set(CHECKS)  # a workload added there gets its cases here
     calls, expected = [], []

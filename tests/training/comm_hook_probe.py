@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.training.conftest import free_port
-from torch_multinode.training import parallel
-from torch_multinode.training.config import DDPConfig
-from torch_multinode.training.models import build_model
-from torch_multinode.training.parallel import DistEnv, wrap_ddp
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.distributed.parallel import DistEnv, wrap_ddp
+from torch_multinode.training.modeling.models import build_model
+from torch_multinode.training.settings.config import DDPConfig
 
 
 def relative_error(hook: str) -> float:

@@ -303,7 +303,7 @@ def reference_run(directory: Path) -> ReferenceRun:
 
 def run_main(main, argv: list[str], capsys) -> tuple[int, str, str]:
     """A workload's CLI entry, in this process: (exit code, stdout, stderr)."""
-    from torch_multinode.training import console
+    from torch_multinode.training.settings import console
 
     with pytest.raises(SystemExit) as exited:
         console.run(main, argv)

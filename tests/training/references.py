@@ -10,12 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, default_collate
 
-from torch_multinode.training import arguments, gpt, pipeline
-from torch_multinode.training.config import TrainConfig
-from torch_multinode.training.data import SyntheticImages, build_splits
+from torch_multinode.training import pipeline
 from torch_multinode.training.fsdp import build_optimizer
-from torch_multinode.training.models import build_model
-from torch_multinode.training.trainer import learning_rate
+from torch_multinode.training.loop.data import SyntheticImages, build_splits
+from torch_multinode.training.loop.trainer import learning_rate
+from torch_multinode.training.modeling import gpt
+from torch_multinode.training.modeling.models import build_model
+from torch_multinode.training.settings import arguments
+from torch_multinode.training.settings.config import TrainConfig
 
 WORLD_SIZE = 2
 """The DDP reference's ranks."""

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import checkpoint
-from torch_multinode.training.checkpoint import (
+from torch_multinode.training.checkpointing import checkpoint, durable
+from torch_multinode.training.checkpointing.checkpoint import (
     CheckpointStore,
     file_name,
     newest_common_step,
@@ -27,9 +27,9 @@ class Unpicklable:
 
 def test_an_interrupted_write_leaves_neither_the_file_nor_a_temp_file(tmp_path):
     path = tmp_path / file_name(5, 0)
-    checkpoint.write_atomically(path, {"step": 4})
+    durable.write_atomically(path, {"step": 4})
     with pytest.raises(RuntimeError, match="disk full"):
-        checkpoint.write_atomically(path, {"step": 5, "bad": Unpicklable()})
+        durable.write_atomically(path, {"step": 5, "bad": Unpicklable()})
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     assert torch.load(path, weights_only=True) == {"step": 4}  # the old complete file survives
 
@@ -97,7 +97,7 @@ def test_resume_plans():
 def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     path = tmp_path / "rng.pt"
-    checkpoint.write_atomically(path, checkpoint.rng_states(torch.device("cpu")))
+    durable.write_atomically(path, checkpoint.rng_states(torch.device("cpu")))
     expected = (random.random(), np.random.rand(), torch.rand(()).item())
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     checkpoint.restore_rng_states(torch.load(path, weights_only=True), torch.device("cpu"))

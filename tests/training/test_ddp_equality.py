@@ -10,10 +10,10 @@ import torch
 
 from tests.training.conftest import REFERENCE_STEPS, TINY, max_difference
 from tests.training.references import ddp_in_one_process
-from torch_multinode.training import config as config_module
-from torch_multinode.training.config import TrainConfig
-from torch_multinode.training.models import build_model
-from torch_multinode.training.parallel import parameter_digest
+from torch_multinode.training.distributed.parallel import parameter_digest
+from torch_multinode.training.modeling.models import build_model
+from torch_multinode.training.settings import config as config_module
+from torch_multinode.training.settings.config import TrainConfig
 
 
 def test_two_ddp_ranks_equal_one_process_on_the_same_global_batches(reference_ddp):

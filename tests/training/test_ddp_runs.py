@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import REPO_ROOT
 from tests.training.conftest import REFERENCE_STEPS, TINY, run_environment
-from torch_multinode.training.parallel import DistEnv
+from torch_multinode.training.distributed.parallel import DistEnv
 
 HANG_GUARD_SECONDS = 900  # against a hang only; the run's speed is a benchmark's business
 
@@ -95,7 +95,7 @@ def test_each_comm_hook_is_registered_and_compresses(hook):
 
 
 def test_the_profiler_pauses_once_before_it_stops_and_writes_its_trace(tmp_path, monkeypatch):
-    from torch_multinode.training import metrics
+    from torch_multinode.training.loop import metrics
 
     pauses: list[int] = []
     steps_done: list[int] = []

@@ -30,8 +30,8 @@ from tests.training.conftest import (
 from torch_multinode.launch.commands import link_probe_command
 from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
 from torch_multinode.sim import nodes as sim
-from torch_multinode.training import trainer
-from torch_multinode.training.checkpoint import file_name
+from torch_multinode.training.checkpointing.checkpoint import file_name
+from torch_multinode.training.loop import trainer
 
 NO_LEFTOVERS = {"node1": "", "node2": ""}
 CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4")

@@ -27,8 +27,8 @@ from tests.training.conftest import (
     torchrun_command,
 )
 from tests.training.references import SMALL, STEPS, bench_row, digest, progress, reference
-from torch_multinode.training import gpt
-from torch_multinode.training.config import STOP_EXIT_CODE
+from torch_multinode.training.modeling import gpt
+from torch_multinode.training.settings.config import STOP_EXIT_CODE
 
 # One worker runs these (make test's --dist loadgroup): most of them start from the `straight`
 # run, which would otherwise be repeated in every worker that gets one of them.

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.training.conftest import run_main
-from torch_multinode.training import fsdp, gpt
+from torch_multinode.training import fsdp
+from torch_multinode.training.modeling import gpt
 
 GPT2_SMALL = gpt.Shape(layers=12, width=768, heads=12, seq_len=1024, vocab_size=50257)
 

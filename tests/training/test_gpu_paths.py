@@ -15,18 +15,13 @@ import torch.distributed as dist
 from tests.training.conftest import run_main
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
-from torch_multinode.training import (
-    checkpoint,
-    ddp,
-    fsdp,
-    init_methods,
-    model_parallel,
-    parallel,
-    spawn,
-)
-from torch_multinode.training.config import TrainConfig
-from torch_multinode.training.config import parse as parse_config
-from torch_multinode.training.trainer import resolve_numerics
+from torch_multinode.training import ddp, fsdp, model_parallel, spawn
+from torch_multinode.training.checkpointing import checkpoint
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.fixtures import init_methods
+from torch_multinode.training.loop.trainer import resolve_numerics
+from torch_multinode.training.settings.config import TrainConfig
+from torch_multinode.training.settings.config import parse as parse_config
 
 AMPERE, TURING = (8, 0), (7, 5)  # A100 (native bf16); T4 (bf16 only emulated), as V100 (7, 0)
 TORCHRUN = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

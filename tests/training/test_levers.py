@@ -1,5 +1,5 @@
-"""The all-reduce levers: `--comm-hook auto` (training.levers), accumulation with no_sync, and the
-scaling benchmark workload (training.bench_scaling). Correctness only: speed is the benchmark's
+"""The all-reduce levers: `--comm-hook auto` (training.distributed.levers), accumulation with no_sync, and the
+scaling benchmark workload (training.fixtures.bench_scaling). Correctness only: speed is the benchmark's
 business, so nothing here asserts a time."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from tests.training.conftest import TINY, run_command, run_main, torchrun_command
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import bench_scaling, levers, parallel
-from torch_multinode.training.config import DDPConfig
-from torch_multinode.training.models import build_model
+from torch_multinode.training.distributed import levers, parallel
+from torch_multinode.training.fixtures import bench_scaling
+from torch_multinode.training.modeling.models import build_model
+from torch_multinode.training.settings.config import DDPConfig
 
 NUMBER = r"(\d[\d.e+-]*)"
 AUTO_LINE = re.compile(
@@ -35,9 +36,9 @@ PROBE = textwrap.dedent(
     import torch.nn.functional as F
     from torch import nn
 
-    from torch_multinode.training import levers, parallel
-    from torch_multinode.training.config import DDPConfig
-    from torch_multinode.training.console import emit  # one write per line: the ranks share the stream
+    from torch_multinode.training.distributed import levers, parallel
+    from torch_multinode.training.settings.config import DDPConfig
+    from torch_multinode.training.settings.console import emit  # one write per line: the ranks share the stream
 
     ACCUMULATE = 2
 
@@ -237,7 +238,7 @@ BENCH_KEYS = {"lever", "rep", "seconds_per_step", "samples_per_second", "world_s
 
 def test_bench_scaling_emits_a_row_per_lever_on_two_ranks(torchrun):
     run = torchrun(
-        "training.bench_scaling",
+        "training.fixtures.bench_scaling",
         "--image-size",
         "16",
         "--batch",
@@ -268,7 +269,7 @@ def test_bench_scaling_emits_a_row_per_lever_on_two_ranks(torchrun):
 
 def test_bench_scaling_on_one_rank_is_a_baseline_without_ddp(torchrun):
     run = torchrun(
-        "training.bench_scaling",
+        "training.fixtures.bench_scaling",
         "--image-size",
         "16",
         "--batch",

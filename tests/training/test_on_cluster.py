@@ -22,8 +22,8 @@ from tests.training.conftest import (
 )
 from tests.training.references import BATCH, STEPS, ddp_in_one_process, pipeline_in_one_process
 from torch_multinode.sim import nodes as sim
-from torch_multinode.training import config as config_module
-from torch_multinode.training.config import TrainConfig
+from torch_multinode.training.settings import config as config_module
+from torch_multinode.training.settings.config import TrainConfig
 
 pytestmark = pytest.mark.sim
 CHECKPOINTING = ("--checkpoint-every", "4", "--keep", "2")

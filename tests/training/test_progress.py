@@ -14,7 +14,9 @@ import pytest
 
 from tests.training.conftest import TimedOutput, run_environment, torchrun_command
 from tests.training.references import SMALL
-from torch_multinode.training import arguments, bench_scaling, dp_vs_ddp
+from torch_multinode.training import dp_vs_ddp
+from torch_multinode.training.fixtures import bench_scaling
+from torch_multinode.training.settings import arguments
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -59,7 +61,9 @@ def test_dp_vs_ddp_on_cpus_with_its_defaults_says_what_it_does_and_ends(tmp_path
 
 def test_bench_scaling_prints_readable_lines_and_bench_rows_only_when_asked(tmp_path):
     small = ["--image-size", "16", "--batch", "4", "--reps", "2", "--measure", "1"]
-    output = timed_run(torchrun_command("training.bench_scaling", *small, nproc=1), tmp_path)
+    output = timed_run(
+        torchrun_command("training.fixtures.bench_scaling", *small, nproc=1), tmp_path
+    )
     assert "BENCH " not in output.text, output.stamped
     assert re.findall(r"^rep (\d)/2  baseline +[\d.]+ s/optimizer step", output.text, re.M) == [
         "1",

@@ -15,8 +15,8 @@ from tests.training.conftest import (
     run_command,
     torchrun_command,
 )
-from torch_multinode.training.checkpoint import file_name
-from torch_multinode.training.config import STOP_EXIT_CODE
+from torch_multinode.training.checkpointing.checkpoint import file_name
+from torch_multinode.training.settings.config import STOP_EXIT_CODE
 
 CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4", "--keep", "2")
 

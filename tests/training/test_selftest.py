@@ -14,7 +14,10 @@ import torch
 
 from tests.conftest import make
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import arguments, parallel, selftest
+from torch_multinode.training import selftest
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.selftesting import checks
+from torch_multinode.training.settings import arguments
 
 GPU_ONLY = ("amp-fp16", "data-parallel", "model-parallel", "nccl-transport")
 
@@ -87,7 +90,7 @@ def test_arguments_are_checked_on_the_controller():
     assert selftest.CHECK_NAMES == arguments.SELFTEST_CHECKS
 
 
-def _job(tmp_path: Path, device: str, nodes: list[str], rank: int = 0) -> selftest.Job:
+def _job(tmp_path: Path, device: str, nodes: list[str], rank: int = 0) -> checks.Job:
     env = parallel.DistEnv(
         rank=rank,
         world_size=len(nodes),
@@ -95,7 +98,7 @@ def _job(tmp_path: Path, device: str, nodes: list[str], rank: int = 0) -> selfte
         backend="nccl" if device.startswith("cuda") else "gloo",
         device=torch.device(device),
     )
-    job = selftest.Job(env, nodes[rank], tmp_path, None)
+    job = checks.Job(env, nodes[rank], tmp_path, None)
     job.nodes = nodes
     return job
 
@@ -107,15 +110,15 @@ def test_nccl_transport_is_read_from_the_ranks_own_debug_file(tmp_path, monkeypa
     assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl-rank0.log")
     assert os.environ["NCCL_DEBUG"] == "INFO"
     job.nccl_log.write_text("node1:1:1 [0] NCCL INFO Using network Socket\n")
-    monkeypatch.setattr(selftest.nccl_transport, "rdma_devices", lambda: [])
-    assert selftest.check_nccl_transport(job)[0] == "PASS"
-    monkeypatch.setattr(selftest.nccl_transport, "rdma_devices", lambda: ["mlx5_0"])
-    status, detail = selftest.check_nccl_transport(job)
+    monkeypatch.setattr(checks.nccl_transport, "rdma_devices", lambda: [])
+    assert checks.check_nccl_transport(job)[0] == "PASS"
+    monkeypatch.setattr(checks.nccl_transport, "rdma_devices", lambda: ["mlx5_0"])
+    status, detail = checks.check_nccl_transport(job)
     assert status == "WARN" and "mlx5_0" in detail
-    with pytest.raises(selftest.Skip, match="one node"):
-        selftest.check_nccl_transport(_job(tmp_path, "cuda:0", ["node1", "node1"]))
-    with pytest.raises(selftest.Skip, match="no NCCL on a CPU node"):
-        selftest.check_nccl_transport(_job(tmp_path, "cpu", ["node1", "node2"]))
+    with pytest.raises(checks.Skip, match="one node"):
+        checks.check_nccl_transport(_job(tmp_path, "cuda:0", ["node1", "node1"]))
+    with pytest.raises(checks.Skip, match="no NCCL on a CPU node"):
+        checks.check_nccl_transport(_job(tmp_path, "cpu", ["node1", "node2"]))
 
 
 def test_no_nccl_log_is_set_up_on_the_cpu(tmp_path, monkeypatch):
@@ -135,16 +138,16 @@ def test_no_nccl_log_is_set_up_on_the_cpu(tmp_path, monkeypatch):
 def test_the_two_gpu_checks_say_why_they_skip(tmp_path, monkeypatch, device, gpus, rank, reason):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     job = _job(tmp_path, device, ["n", "n"], rank=rank)
-    job = selftest.Job(
+    job = checks.Job(
         parallel.DistEnv(**{**job.env.__dict__, "local_rank": rank}), "n", tmp_path, None
     )
-    for check in (selftest.check_data_parallel, selftest.check_model_parallel):
-        with pytest.raises(selftest.Skip, match=reason):
+    for check in (checks.check_data_parallel, checks.check_model_parallel):
+        with pytest.raises(checks.Skip, match=reason):
             check(job)
 
 
 def test_the_fail_hook_reports_a_check_that_ran_as_failed_on_the_last_rank(tmp_path):
-    job = selftest.Job(parallel.DistEnv(), "node1", tmp_path, "amp-bf16")  # one plain process
+    job = checks.Job(parallel.DistEnv(), "node1", tmp_path, "amp-bf16")  # one plain process
     result = selftest.run_check(job, "amp-bf16")
     assert (result.check, result.node, result.status) == ("amp-bf16", "node1", "FAIL")
     assert result.detail == "failed on purpose (--fail, a test hook)"

@@ -42,7 +42,7 @@ def test_the_image_sharing_strategy_is_applied_and_checked():
     import torch.multiprocessing
 
     from torch_multinode.cluster.errors import UserError
-    from torch_multinode.training.data import apply_sharing_strategy
+    from torch_multinode.training.loop.data import apply_sharing_strategy
 
     before = torch.multiprocessing.get_sharing_strategy()
     try:

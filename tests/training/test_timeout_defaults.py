@@ -16,7 +16,12 @@ from torch.distributed import constants
 from tests.conftest import REPO_ROOT
 
 # Where the defaults are stated, each as "N min(utes) for/under NCCL, M (min) for/under gloo".
-STATING = ("docs/faults.md", "docker/Dockerfile", "training/config.py", "training/trainer.py")
+STATING = (
+    "docs/faults.md",
+    "docker/Dockerfile",
+    "training/settings/config.py",
+    "training/loop/trainer.py",
+)
 BOTH = re.compile(
     r"(\d+) min(?:ute)?s? (?:for|under) NCCL, (\d+)(?: min(?:ute)?s?)? (?:for|under) gloo"
 )

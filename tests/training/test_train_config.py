@@ -9,7 +9,7 @@ import pytest
 from tests.training.conftest import run_main
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import ddp
-from torch_multinode.training.config import TrainConfig, parse
+from torch_multinode.training.settings.config import TrainConfig, parse
 
 TORCHRUN_OF_4 = {
     "RANK": "0",

@@ -10,8 +10,7 @@ import torch
 from PIL import Image
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training.config import DataConfig
-from torch_multinode.training.data import (
+from torch_multinode.training.loop.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     CIFAR10_TRAIN_FILES,
@@ -20,6 +19,7 @@ from torch_multinode.training.data import (
     SyntheticImages,
     build_splits,
 )
+from torch_multinode.training.settings.config import DataConfig
 
 
 def write_cifar10(directory, per_batch: int = 20):

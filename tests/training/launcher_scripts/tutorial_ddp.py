@@ -34,13 +34,13 @@ def main():
     )
     # Every rank leaves together: gloo torn down under a peer still finishing its last
     # collective can abort that peer ("terminate called without an active exception", seen in
-    # CI once in several runs with torch 2.14.1), as training.parallel.stop says.
+    # CI once in several runs with torch 2.14.1), as training.distributed.parallel.stop says.
     dist.barrier()
     dist.destroy_process_group()
     # The DDP model's reducer sits in a reference cycle that keeps the gloo group and its
     # threads alive until the interpreter's final collection, where ending them can abort the
     # process all the same (pytorch/pytorch#179291; seen in CI once in ~20 runs even after the
-    # barrier): collect while the interpreter is whole, as training.parallel.stop does.
+    # barrier): collect while the interpreter is whole, as training.distributed.parallel.stop does.
     del model, optimizer
     gc.collect()
 

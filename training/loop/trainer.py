@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import checkpoint, data, metrics, parallel
-from torch_multinode.training.config import STOP_EXIT_CODE
-from torch_multinode.training.console import say, say_every_rank
+from torch_multinode.training.checkpointing import checkpoint
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.loop import data, metrics
+from torch_multinode.training.settings.config import STOP_EXIT_CODE
+from torch_multinode.training.settings.console import say, say_every_rank
 
 CHECKPOINT_PAUSE_SECONDS = 120.0  # --checkpoint-pause-step: long enough to kill or interrupt
 # A rank is only called slow when it also loses this much per step: on small steps, scheduling

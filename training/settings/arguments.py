@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import config as config_module
-from torch_multinode.training import fsdp_config
-from torch_multinode.training.config import STOP_EXIT_CODE, ManualDPConfig, TrainConfig
-from torch_multinode.training.console import ArgumentParser, require_positive
+from torch_multinode.training.settings import config as config_module
+from torch_multinode.training.settings import fsdp_config
+from torch_multinode.training.settings.config import STOP_EXIT_CODE, ManualDPConfig, TrainConfig
+from torch_multinode.training.settings.console import ArgumentParser, require_positive
 
 DDP_EPILOG = f"""\
 precedence: flags > --config YAML file (sections as above, e.g. `optim: {{lr: 0.1}}`) > defaults

@@ -16,7 +16,6 @@ checkpoints already there are left as they are.
 from __future__ import annotations
 
 import errno
-import os
 import pickle
 import random
 import re
@@ -30,54 +29,13 @@ import numpy as np
 import torch
 
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.training.checkpointing.durable import write_atomically
 
 _NAME = re.compile(r"^step-(\d{8})-rank-(\d{5})\.pt$")
 
 
 def file_name(step: int, rank: int) -> str:
     return f"step-{step:08d}-rank-{rank:05d}.pt"
-
-
-def write_synced(path: Path, payload: Any) -> None:
-    """torch.save `payload` (bytes as they are) to `path`, flushed to the disk before return.
-    The one durable write of both checkpoint formats: this one's files and DCP's manifests."""
-    with path.open("wb") as file:
-        if isinstance(payload, bytes):
-            file.write(payload)
-        else:
-            torch.save(payload, file)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def sync_directory(path: Path) -> None:
-    """A rename into `path` (or a file made there) is only durable once its entry is."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def write_atomically(
-    path: Path, payload: Any, before_rename: Callable[[Path], None] | None = None
-) -> None:
-    """torch.save `payload` to `path` so that `path` is either absent, old, or complete.
-    `before_rename` is called with the complete temp file just before it takes the name."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
-    )
-    os.close(descriptor)
-    try:
-        write_synced(Path(temporary), payload)
-        if before_rename is not None:
-            before_rename(Path(temporary))
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    sync_directory(path.parent)
 
 
 class CheckpointStore:

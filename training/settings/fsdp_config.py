@@ -1,6 +1,6 @@
 """training.fsdp's typed config: the GPT's shape, its data, AdamW, distributed checkpoints.
 
-Torch-free, like training.config, whose parser it uses (flags over a --config YAML file over
+Torch-free, like training.settings.config, whose parser it uses (flags over a --config YAML file over
 these defaults): `train` checks these settings on the controller.
 """
 
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from torch_multinode.cluster.errors import UserError, shown
-from torch_multinode.training.config import SCHEDULES, STOP_EXIT_CODE, doc
+from torch_multinode.training.settings.config import SCHEDULES, STOP_EXIT_CODE, doc
 
 STRATEGIES = ("fsdp", "ddp")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -19,7 +19,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 @dataclass
 class GPTConfig:
-    """The decoder-only transformer (GPT-style, defined in training/gpt.py) and how it runs."""
+    """The decoder-only transformer (GPT-style, defined in training/modeling/gpt.py) and how it runs."""
 
     layers: int = doc("transformer blocks", default=4)
     width: int = doc("model width (embedding size); a multiple of --heads", default=128)
@@ -126,7 +126,7 @@ class GPTRunConfig:
     )
     peak_tflops: float | None = doc(
         "GPUs: the GPU's peak TFLOP/s at this run's precision, for model FLOPs utilisation; "
-        "default: from a table of known GPUs (training/gpt.py)"
+        "default: from a table of known GPUs (training/modeling/gpt.py)"
     )
     collective_timeout: float = doc(
         "seconds a collective waits for the other ranks before the job fails, from the first "

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_multinode.training import console, parallel
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.settings import console
 
 CANDIDATES = parallel.COMM_HOOKS  # none first: on a tie, no compression error
 # The probe's PowerSGD compresses from this synced backward on (torch's minimum), so a short

@@ -24,7 +24,7 @@ from torch import nn
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
-from torch_multinode.training.config import batch_fits
+from torch_multinode.training.settings.config import batch_fits
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("nccl", "gloo")
@@ -210,7 +210,7 @@ COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # what register_comm_hook reg
 
 def _check_hook(name: str) -> None:
     if name not in COMM_HOOKS:
-        # "auto" is a choice made before wrapping (training.levers.choose), not a hook.
+        # "auto" is a choice made before wrapping (training.distributed.levers.choose), not a hook.
         raise ValueError(f"comm hook {name!r} is not one of {', '.join(COMM_HOOKS)}")
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training.data import _generator
+from torch_multinode.training.loop.data import _generator
 
 INIT_STD = 0.02  # GPT-2's
 MLP_RATIO = 4

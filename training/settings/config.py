@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import yaml
 
 from torch_multinode.cluster.errors import UserError, printable, shown
-from torch_multinode.training.console import ArgumentParser
+from torch_multinode.training.settings.console import ArgumentParser
 
 T = TypeVar("T")
 
@@ -28,7 +28,7 @@ DATASETS = ("synthetic", "cifar10", "imagefolder")
 MODELS = ("tiny", "resnet18", "resnet50")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-COMM_HOOK_CHOICES = (*COMM_HOOKS, "auto")  # auto: timed at start (training.levers)
+COMM_HOOK_CHOICES = (*COMM_HOOKS, "auto")  # auto: timed at start (training.distributed.levers)
 SCHEDULES = ("cosine", "constant")
 TEST_HOOK = "test hook:"  # a setting whose help starts so is for the tests: hidden from --help
 STOP_EXIT_CODE = 75  # --stop-after-step: EX_TEMPFAIL, "try again", which is what resume does

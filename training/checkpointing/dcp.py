@@ -44,8 +44,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training import checkpoint, parallel
-from torch_multinode.training.console import say
+from torch_multinode.training.checkpointing import checkpoint, durable
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.settings.console import say
 
 FORMAT = 1
 MANIFEST = "manifest.pt"
@@ -224,7 +225,7 @@ class Checkpoints:
             temporary.mkdir(parents=True, exist_ok=True)
             if sharded:
                 dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temporary))
-            checkpoint.write_synced(temporary / rank_file(env.rank), {"rest": rest, "own": own})
+            durable.write_synced(temporary / rank_file(env.rank), {"rest": rest, "own": own})
         except FAILURES as raised:
             error = UserError(
                 f"cannot write checkpoint step {step} to {self.directory}: {_reason(raised)}",
@@ -236,7 +237,7 @@ class Checkpoints:
         index = parallel.all_gather(index, env)[0]
         if layout.owner:
             if index is not None and not (temporary / METADATA).exists():
-                checkpoint.write_synced(
+                durable.write_synced(
                     temporary / METADATA, index
                 )  # a node-local disk: a copy of the index
             files = [METADATA] if index is not None else []
@@ -252,12 +253,12 @@ class Checkpoints:
                 "files": files,
                 "info": info,
             }
-            checkpoint.write_synced(temporary / MANIFEST, manifest)
-            checkpoint.sync_directory(temporary)
+            durable.write_synced(temporary / MANIFEST, manifest)
+            durable.sync_directory(temporary)
             if final.exists():  # this step written before, by a run that went on from it
                 shutil.rmtree(final)
             os.replace(temporary, final)
-            checkpoint.sync_directory(self.directory)
+            durable.sync_directory(self.directory)
         parallel.barrier(env)  # complete everywhere before anything older goes
         if layout.owner:
             for old in self.steps()[: -self.keep]:

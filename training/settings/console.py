@@ -1,6 +1,6 @@
 """The edge of every workload: printing on the right rank, and errors as one `Error:` line.
 
-Torch-free: the argument checks the launcher runs on the controller use it (training.arguments).
+Torch-free: the argument checks the launcher runs on the controller use it (training.settings.arguments).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 from torch_multinode.cluster.errors import UserError
 
 if TYPE_CHECKING:
-    from torch_multinode.training import parallel
+    from torch_multinode.training.distributed import parallel
+
+BENCH_PREFIX = "BENCH "  # a `--bench` row of fsdp and fixtures.bench_scaling: this, then JSON
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -56,9 +58,7 @@ def call(main: Callable[[list[str] | None], int | None], argv: list[str] | None 
     """Call `main` and leave the process group either way (a rank that exits with gloo still up
     can abort at exit, "terminate called without an active exception"); a UserError becomes
     one `Error: ...` line and its exit code."""
-    from torch_multinode.training import (
-        parallel,  # imports torch, which the workload calling this has done
-    )
+    from torch_multinode.training.distributed import parallel
 
     try:
         code = main(argv)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from torch_multinode.training import parallel
-from torch_multinode.training.console import say
+from torch_multinode.training.distributed import parallel
+from torch_multinode.training.settings.console import say
 
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 1, 3
 
