@@ -24,6 +24,10 @@ TORCH_MINIMUM = (2, 14)
 # The image label where `make image` records the torch the image reported; the launcher reads it
 # on every node (docker image inspect) and refuses an image below TORCH_MINIMUM.
 TORCH_LABEL = "io.torch-multinode.torch"
+# py-spy reads a hung job's Python stacks from outside its ranks (launch/hang.py): the training
+# image installs this version (provision/images.py), and pyproject.toml pins it too (a test
+# keeps them in step).
+PY_SPY_VERSION = "0.4.3"
 # The oldest NVIDIA driver branch each CUDA major runs on (NVIDIA's CUDA Compatibility guide,
 # "Minimum Required Driver Version" under minor version compatibility): torch's wheels carry
 # their CUDA runtime, so the node's driver is what must be new enough.

@@ -13,7 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from torch_multinode.provision.images import PY_SPY_VERSION
+from torch_multinode.cluster.versions import PY_SPY_VERSION
 
 STACKS_TIMEOUT = 45  # seconds one node's collection may take, all its ranks
 PY_SPY_TIMEOUT = 10  # seconds one rank's dump may take

@@ -33,6 +33,7 @@ from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE
 from torch_multinode.cluster.sync import TOOL_ROOT
 from torch_multinode.cluster.versions import (
+    PY_SPY_VERSION,
     TORCH_LABEL,
     minimum_shown,
     release,
@@ -71,9 +72,6 @@ TORCHVISION_VERSION = "0.29.1"
 # What the workloads import beside torch, as pyproject.toml requires it (a test checks).
 TENSORBOARD_REQUIREMENT = "tensorboard>=2.17"
 PYYAML_REQUIREMENT = "pyyaml>=6.0"
-# py-spy reads a hung job's Python stacks from outside its ranks (launch/hang.py); pinned here
-# and in pyproject.toml alike (a test keeps the two in step).
-PY_SPY_VERSION = "0.4.3"
 DOCKERFILE = TOOL_ROOT / "docker" / "Dockerfile"
 WHEELS_DIR = TOOL_ROOT / "docker" / "wheels"
 # What an image was built from (the recipe's digest): a build whose recipe is unchanged is
