@@ -103,8 +103,8 @@ def fresh(sim_factory, tmp_path_factory):
     planned = make("-n", "sim-up", "NNODES=2", "FRESH=1", timeout=60)
     assert planned.returncode == 0, planned.stdout + planned.stderr
     command = planned.stdout.strip().splitlines()[-1].split()
-    assert command[0].endswith("bin/cluster"), planned.stdout
-    assert command[1:] == "sim up --nodes 2 --fresh".split(), planned.stdout
+    assert command[0].endswith("bin/python"), planned.stdout
+    assert command[1:] == "-m torch_multinode.sim.cli up --nodes 2 --fresh".split(), planned.stdout
     placed = ["--name", config.name, "--subnet", config.subnet, "--mgmt-subnet"]
     placed += [config.mgmt_subnet, "--state-dir", str(config.state_dir)]
     up = subprocess.run(
