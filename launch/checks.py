@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.launch.spec import DEFAULT_MODULE, runnable_module
 from torch_multinode.training.settings import arguments
@@ -29,9 +28,7 @@ def workload_arguments(
     With the job's `world_size` (every node's processes together), its batch is checked
     against it too: what the job's header says where a default batch was rounded to it, or
     None. A project (`workdir`) with its own module of that name checks its own."""
-    if not runnable_module(module, workdir.resolve() if workdir else None).startswith(
-        f"{sync.TOOL_PACKAGE}."
-    ):
+    if runnable_module(module, workdir) == module:  # not one of ours
         return None
     return arguments.check(module, _without_files_elsewhere(argv), world_size)
 

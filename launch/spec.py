@@ -60,7 +60,7 @@ def runnable_module(module: str, project_root: Path | None = None) -> str:
     if not module.startswith("training."):
         return module
     if project_root is not None:
-        path = project_root.joinpath(*module.split("."))
+        path = project_root.resolve().joinpath(*module.split("."))
         if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
             return module
     return f"{sync.TOOL_PACKAGE}.{module}"
@@ -68,7 +68,7 @@ def runnable_module(module: str, project_root: Path | None = None) -> str:
 
 def job_module(spec: JobSpec) -> str:
     """The module the job's processes run (see runnable_module)."""
-    return runnable_module(spec.module, spec.workdir.resolve() if spec.workdir else None)
+    return runnable_module(spec.module, spec.workdir)
 
 
 # What a job started as a torch.distributed.launch-era script runs: our shim that hands the
