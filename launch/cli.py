@@ -9,6 +9,7 @@ train -i cluster.yml --script train.py --env WANDB_API_KEY --env HF_TOKEN=abc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -27,13 +28,14 @@ from torch_multinode.cluster.errors import (
     whole_number,
 )
 from torch_multinode.cluster.inventory_checks import NODES_GROUP, parse_gpu_list
-from torch_multinode.launch import checks, slurm, staging
+from torch_multinode.launch import checks, staging
+from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
-from torch_multinode.launch.ending import record_exit_code, summary
+from torch_multinode.launch.ending import record_exit_code
 from torch_multinode.launch.environment import parse_env
-from torch_multinode.launch.local import project_directory, run_local
+from torch_multinode.launch.local import project_directory
 from torch_multinode.launch.nodes import legacy_flag, nproc_for, rank_order_warning
-from torch_multinode.launch.restarts import run_job
+from torch_multinode.launch.restarts import run_with_restarts
 from torch_multinode.launch.spec import (
     DEBUG_LEVELS,
     DEFAULT_MODULE,
@@ -46,12 +48,10 @@ from torch_multinode.launch.spec import (
 
 
 def _stall_seconds(text: str) -> float:
-    """--stall: 0 (never), or a number of seconds above 0."""
-    try:
+    """--stall: 0 (never), or a number of seconds above 0 (positive_number says what is wrong)."""
+    with contextlib.suppress(ValueError):
         if float(text) == 0:
             return 0.0
-    except ValueError:
-        pass  # positive_number says what is wrong with it
     return positive_number("number of seconds")(text)
 
 
@@ -205,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-_print_lock = threading.Lock()
+_print_lock = threading.Lock()  # the node runners' lines, one at a time
 
 
 def _emit(line: str) -> None:
@@ -213,13 +213,15 @@ def _emit(line: str) -> None:
         print(line, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
+def _spec(args: argparse.Namespace) -> JobSpec:
+    """The job, checked as far as this machine can (the script compiles, our workload accepts
+    its arguments)."""
     extra = list(args.args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    if args.script is not None and not args.script.is_file():
-        raise UserError(f"script {args.script} does not exist", hint="a path to a .py file")
     if args.script is not None:
+        if not args.script.is_file():
+            raise UserError(f"script {args.script} does not exist", hint="a path to a .py file")
         checks.script_compiles(args.script)
     if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
         raise UserError(
@@ -231,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
         flag = legacy_flag(args.script) if args.local_rank_arg == "auto" else args.local_rank_arg
     if args.script is None:
         checks.workload_arguments(args.module, extra, workdir=args.workdir)
-    run_id = JobSpec().run_id
-    spec = JobSpec(
+    run_id = JobSpec().run_id  # a new one, the time it was made
+    return JobSpec(
         run_id=run_id,
         gpus=parse_gpu_list(args.gpus),
         debug=args.debug,
@@ -252,54 +254,56 @@ def run(args: argparse.Namespace) -> int:
         secret_env=parse_env(args.env, os.environ),
         env_file=Path(args.env_file) if args.env_file else None,
     )
-    if not args.inventory:
-        if args.restarts:
-            raise UserError(
-                f"--restarts={args.restarts} needs an inventory: a local job has no node to "
-                "wait for",
-                hint="INVENTORY=path.yml",
-            )
-        if args.env:
-            raise UserError(
-                "ENV is for jobs on an inventory's nodes; a local job runs here, in this "
-                "environment",
-                hint="INVENTORY=path.yml",
-            )
-        if args.nnodes not in (None, ""):
-            # a number first (as with an inventory), then whether it needs one
-            inventory_module.check_nnodes(args.nnodes, sys.maxsize, "")
-        if args.nnodes not in (None, "", "1"):
-            raise UserError(
-                f"NNODES={args.nnodes} needs an inventory",
-                hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
-            )
-        if spec.script is None:
-            checks.importable_here(job_module(spec), project_directory(spec), spec.module)
-        return run_local(spec, _emit)
 
-    # The job's nodes, once: everything below takes the narrowed inventory whole.
+
+def _here(args: argparse.Namespace, spec: JobSpec) -> None:
+    """A job without an inventory: refused if it asks for what only nodes have."""
+    if args.restarts:
+        raise UserError(
+            f"--restarts={args.restarts} needs an inventory: a local job has no node to wait for",
+            hint="INVENTORY=path.yml",
+        )
+    if args.env:
+        raise UserError(
+            "ENV is for jobs on an inventory's nodes; a local job runs here, in this environment",
+            hint="INVENTORY=path.yml",
+        )
+    if args.nnodes not in (None, ""):
+        # a number first (as with an inventory), then whether it needs one
+        inventory_module.check_nnodes(args.nnodes, sys.maxsize, "")
+    if args.nnodes not in (None, "", "1"):
+        raise UserError(
+            f"NNODES={args.nnodes} needs an inventory",
+            hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
+        )
+    if spec.script is None:
+        checks.importable_here(job_module(spec), project_directory(spec), spec.module)
+
+
+def _on_nodes(
+    args: argparse.Namespace, spec: JobSpec
+) -> tuple[inventory_module.Inventory, JobSpec, staging.Project]:
+    """The job's nodes (narrowed once), project and paths on the nodes, decided and said before
+    any node is touched."""
     inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
     master = inventory.master
-    # Everything decided here fails before any node is touched.
     fitted = None  # the workload's batch against the world size: every node's processes
     if args.script is None:
         world = sum(nproc_for(host, spec) for host in inventory.hosts)
-        fitted = checks.workload_arguments(spec.module, extra, world, spec.workdir)
+        fitted = checks.workload_arguments(spec.module, list(spec.args), world, spec.workdir)
     project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
     resolved, notes = staging.resolve_paths(spec.args, inventory, project, run_dir(spec))
     spec = replace(spec, args=resolved)
     _emit(
         f"[launcher] job {spec.run_id}: {len(inventory.hosts)} node(s), master {master.name} "
         f"{master.compute_ip}:{inventory.rendezvous_port}, "
-        + ("script " + str(args.script) if args.script else f"module {spec.module}")
+        + ("script " + str(spec.script) if spec.script else f"module {spec.module}")
         + (f", {fitted}" if fitted else "")
     )
-    warning = rank_order_warning(inventory.hosts)
-    if warning:
-        _emit(f"[launcher] {warning}")
-    if flag:
-        _emit(f"[launcher] {args.script.name} parses {flag}: passing it the local rank")
-    for note in notes:
+    said = [rank_order_warning(inventory.hosts)]  # None when the order is fine
+    if flag := spec.local_rank_flag:
+        said.append(f"{spec.script.name} parses {flag}: passing it the local rank")
+    for note in filter(None, said + notes):
         _emit(f"[launcher] {note}")
     if spec.secret_env:
         _emit(
@@ -308,27 +312,22 @@ def run(args: argparse.Namespace) -> int:
         )
     if spec.debug:
         _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
-    through_slurm = inventory.scheduler == "slurm"
-    if args.restarts:
-        _emit(
-            f"[launcher] up to {args.restarts} restart(s) after a failure, "
-            + (
-                "each a requeue of the job in Slurm"
-                if through_slurm
-                else f"each once every node answers again (--restart-wait {args.restart_wait:g} s)"
-            )
-        )
-    if through_slurm:
-        result = slurm.run_job(inventory, spec, _emit, args.restarts, project)
+    return inventory, spec, project
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    inventory = project = None
+    if not args.inventory:
+        _here(args, spec)
     else:
-        result = run_job(inventory, spec, _emit, args.restarts, args.restart_wait, project)
-    for line in summary(result, inventory.hosts):
+        inventory, spec, project = _on_nodes(args, spec)
+    backend = backend_for(inventory, spec, _emit, project, args.restart_wait)
+    if restarts := args.restarts:
+        _emit(f"[launcher] up to {restarts} restart(s) after a failure: {backend.restart_note}")
+    result = run_with_restarts(backend, spec, args.restarts, _emit)
+    for line in backend.summary(result) + backend.closing(result):
         _emit(line)
-    _emit(f"Logs: {spec.log_dir}/ (one file per node)")
-    if result.brought_back:
-        _emit(f"Run directory of {master.name}: {result.brought_back}")
-        if (spec.log_dir / "tensorboard").is_dir():
-            _emit(f"TensorBoard: make tensorboard RUN={spec.log_dir.name}")
     return result.exit_code
 
 

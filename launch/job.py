@@ -33,7 +33,7 @@ from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.node_output import NodeOutput
 from torch_multinode.launch.nodes import job_backend, nproc_for
 from torch_multinode.launch.prepare import claim_port, prepare_node, release_port
-from torch_multinode.launch.progress import Progress
+from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     BLAME_GRACE,
     INTERRUPTED_RUNNER_GRACE,
@@ -41,7 +41,6 @@ from torch_multinode.launch.spec import (
     Emit,
     JobResult,
     JobSpec,
-    NodeOutcome,
 )
 from torch_multinode.launch.staging import Project
 
@@ -60,28 +59,24 @@ class Launcher:
         self.hosts = inventory.hosts  # already narrowed to the job's nodes (Inventory.first)
         self.project = project
         self.nodes = nodes or SshNodes(inventory, connect_timeout)
-        self.outcomes = {h.name: NodeOutcome(h.name) for h in self.hosts}
-        self.done = threading.Event()
-        self.stopping = threading.Event()  # stop.everywhere has begun
-        self.first_failure: str | None = None
-        self.failures: list[str] = []
-        self._lock = threading.Lock()
+        # what the runners, watchers and the stop share (launch.running)
+        self.job = RunningJob(
+            spec,
+            self.hosts,
+            self.nodes,
+            emit,
+            inventory.rendezvous_port,
+            inventory.launch_mode == "container",
+            project.workdir if project is not None else None,
+        )
+        self.outcomes = self.job.outcomes
         self._remotes: dict[str, Session] = {}
-        self.silent: set[str] = set()  # lost nodes that did not answer when the job was stopped
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
         self.backend = job_backend(self.hosts)[0]  # one for the whole job
-        self.progress = Progress(spec.stall)  # started again when the job's processes start
 
     def remote_for(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""
         return self.nodes.session(host)
-
-    def fail(self, name: str) -> None:
-        with self._lock:
-            if self.first_failure is None:
-                self.first_failure = name
-            self.failures.append(name)
-        self.done.set()
 
     def _connect(self, host: Host) -> None:
         remote = self.remote_for(host)
@@ -143,6 +138,7 @@ class Launcher:
             self.project = staging.plan(
                 self.inventory, self.spec.script, self.spec.workdir, self.spec.workdir_limit
             )
+        self.job.workdir = self.project.workdir
         for tree, destination in self.project.trees:
             sent = sync.push(self.inventory, self.hosts, tree, destination, self.emit)
             self.emit("[launcher] " + sync.summary_line(tree, destination, sent))
@@ -164,12 +160,12 @@ class Launcher:
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
         log = self.spec.log_dir / f"{host.name}.log" if self.spec.log_dir else None
-        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log, observe=self.progress.note)
+        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log, observe=self._observe)
         self._writers.append(writer)
         try:
             exited = self._remotes[host.name].stream(command, writer)
             outcome.exit_code = exited
-            if exited == -1 and self.stopping.is_set():
+            if exited == -1 and self.job.stopping.is_set():
                 outcome.exit_code = None  # killed by our stop: the summary says "stopped"
             # An error already recorded (a watcher declared the node lost) says more.
             elif exited == -1:  # closed with no exit status
@@ -178,7 +174,7 @@ class Launcher:
                     outcome.error = "the SSH session ended without an exit status: node down?"
         except Exception as exc:  # a dropped connection surfaces as several invoke/paramiko types
             # Once the stop has begun, the launcher itself may close the session: "stopped".
-            if not self.stopping.is_set():
+            if not self.job.stopping.is_set():
                 outcome.session_lost = True
                 if outcome.error is None:
                     outcome.error = f"lost the SSH session: {type(exc).__name__}: {exc}".strip()
@@ -189,9 +185,9 @@ class Launcher:
                 writer.close()
             finally:
                 if not outcome.ok:
-                    self.fail(host.name)
+                    self.job.fail(host.name)
                 elif all(o.exit_code is not None for o in self.outcomes.values()):
-                    self.done.set()
+                    self.job.done.set()
 
     def _setup(self, announce: bool = True) -> dict[str, dict[str, str]]:
         """What needs no node: each node's process count checked (a GPU the node lacks stops
@@ -221,14 +217,17 @@ class Launcher:
 
     def _stall_watcher(self) -> list[threading.Thread]:
         """The hang watcher (not started), its clock started now: none with --stall 0."""
-        self.progress = Progress(self.spec.stall)
+        self.job.restart_clock()
         if self.spec.stall == 0:
             return []
-        return [threading.Thread(target=watch.stall, args=(self,), daemon=True)]
+        return [threading.Thread(target=watch.stall, args=(self.job,), daemon=True)]
+
+    def _observe(self, line: str) -> bool:
+        return self.job.progress.note(line)
 
     def _follow(self, runners: list[threading.Thread]) -> None:
         """Until the job is done (a failure, or every node's exit), or every runner ended."""
-        while not self.done.wait(0.2):
+        while not self.job.done.wait(0.2):
             for writer in list(self._writers):
                 writer.tick()  # a progress bar's latest state, every few seconds
             if not any(runner.is_alive() for runner in runners):
@@ -242,15 +241,15 @@ class Launcher:
         while (
             time.monotonic() < deadline
             and any(runner.is_alive() for runner in runners)
-            and not any(self.outcomes[name].lost for name in self.failures)
+            and not any(self.outcomes[name].lost for name in self.job.failures)
         ):
             time.sleep(0.1)
         named()
-        self.first_failure = blame.blame(self.failures, self.outcomes, self.hosts)
-        self.emit(f"[launcher] {self.first_failure} failed: stopping the job on every node...")
+        self.job.first_failure = blame.blame(self.job.failures, self.outcomes, self.hosts)
+        self.emit(f"[launcher] {self.job.first_failure} failed: stopping the job on every node...")
 
     def _stop_everywhere(self, master: Host) -> dict[str, float | str]:
-        stopped = stop.everywhere(self, master)
+        stopped = stop.everywhere(self.job, master)
         self.emit(
             "[launcher] stopped: "
             + ", ".join(
@@ -269,7 +268,7 @@ class Launcher:
     ) -> JobResult:
         """The runners given a moment to see their sessions end, the sessions closed: what
         became of the job."""
-        self.done.set()
+        self.job.done.set()
         deadline = time.monotonic() + (INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE)
         for runner in runners:
             runner.join(max(0.0, deadline - time.monotonic()))
@@ -277,7 +276,7 @@ class Launcher:
         return JobResult(
             self.spec.run_id,
             self.outcomes,
-            self.first_failure,
+            self.job.first_failure,
             interrupted,
             time.monotonic() - started,
             terminated=terminated,
@@ -298,9 +297,9 @@ class Launcher:
         runners = self._runners(
             {h.name: self._command(h, master, nnodes, envs[h.name]) for h in self.hosts}
         )
-        watchers = [threading.Thread(target=watch.liveness, args=(self,), daemon=True)]
+        watchers = [threading.Thread(target=watch.liveness, args=(self.job,), daemon=True)]
         watchers += [
-            threading.Thread(target=watch.link, args=(self, h, master), daemon=True)
+            threading.Thread(target=watch.link, args=(self.job, h, master), daemon=True)
             for h in self.hosts[1:]
         ]
         watchers += self._stall_watcher()
@@ -314,12 +313,13 @@ class Launcher:
             why = "SIGTERM" if terminated else "Ctrl-C"
             self.emit(f"[launcher] {why}: stopping the job on every node...")
         finally:
-            if self.first_failure is not None and not interrupted:
+            if self.job.first_failure is not None and not interrupted:
                 self._settle_blame(runners, lambda: None)
-            if interrupted or self.first_failure is not None:
+            if interrupted or self.job.first_failure is not None:
                 stopped = self._stop_everywhere(master)
                 # a silent master: the next launch finds its lock stale
-                if not isinstance(stopped[master.name], float) and master.name not in self.silent:
+                silent = self.job.silent
+                if not isinstance(stopped[master.name], float) and master.name not in silent:
                     release_port(self.remote_for, master, self.spec.run_id, port)
             else:
                 release_port(self.remote_for, master, self.spec.run_id, port)

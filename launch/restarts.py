@@ -1,20 +1,20 @@
-"""A job with restarts: after a failure, wait until every node answers over SSH again, stop what
-the failed run left, and start it again."""
+"""The restart policy, in one place: a failed run (exit 1) is run again, up to RESTARTS times,
+once its backend has the next run ready (launch.backends); over SSH that means every node
+answers again (wait_for_nodes)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Nodes, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.launch import staging, stop
-from torch_multinode.launch.ending import bring_back, summary
-from torch_multinode.launch.job import Launcher
-from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, Emit, JobResult, JobSpec
-from torch_multinode.launch.staging import Project
+from torch_multinode.launch.spec import RESTART_POLL, Emit, JobResult, JobSpec
+
+if TYPE_CHECKING:
+    from torch_multinode.launch.backends import Backend
 
 
 def wait_for_nodes(
@@ -71,41 +71,21 @@ def wait_for_nodes(
         time.sleep(poll)
 
 
-def run_job(
-    inventory: Inventory,
-    spec: JobSpec,
-    emit: Emit = print,
-    restarts: int = 0,
-    restart_wait: float = DEFAULT_RESTART_WAIT,
-    project: Project | None = None,
-    nodes: Nodes | None = None,
+def run_with_restarts(
+    backend: Backend, spec: JobSpec, restarts: int = 0, emit: Emit = print
 ) -> JobResult:
-    """The job, started again after a failure up to `restarts` times, each time once every node
-    answers again (for at most `restart_wait` seconds). Each run has its own run ID (the first
-    one's with -r1, -r2...) and rendezvous; the node logs go on in the same files. Before a
-    restart, whatever the failed run left (on a node that was cut off rather than down) is
-    stopped and its rendezvous port freed. Ctrl-C and refusals are never restarted."""
-    if project is None:
-        project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
-    nodes = nodes or SshNodes(inventory)
+    """The job on `backend`, run again after a failure up to `restarts` times, each time once
+    the backend has the next run ready (every node answers again, or Slurm requeued it). Each
+    run's result says which restart it was; the node logs go on in the same files. Ctrl-C,
+    SIGTERM and refusals are never restarted."""
     attempt = spec
     for restart in range(restarts + 1):
-        result = Launcher(inventory, attempt, emit, project=project, nodes=nodes).run()
+        result = backend.attempt(attempt, restarts - restart)
         result.restart, result.restarts = restart, restarts
-        bring_back(inventory, inventory.master, attempt, result, emit)
-        if result.exit_code != 1 or restart == restarts:
+        backend.ended(attempt, result)
+        if result.exit_code != 1 or restart == restarts or not backend.can_restart():
             return result
-        for line in summary(result, inventory.hosts):
+        for line in backend.summary(result):
             emit(line)
-        emit(
-            f"[launcher] restart {restart + 1} of {restarts}: waiting up to {restart_wait:g} s "
-            "for every node to answer..."
-        )
-        waited = wait_for_nodes(inventory, restart_wait, emit, nodes)
-        stop.everywhere(Launcher(inventory, attempt, emit, nodes=nodes), inventory.master)
-        attempt = replace(spec, run_id=f"{spec.run_id}-r{restart + 1}")
-        emit(
-            f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
-            f"restart {restart + 1} of {restarts}"
-        )
+        attempt = backend.before_restart(spec, attempt, restart + 1, restarts)
     raise AssertionError("unreachable")  # the loop returns on its last turn

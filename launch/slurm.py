@@ -17,8 +17,9 @@ summary and exit code are the SSH launcher's. Ctrl-C or SIGTERM cancels the job 
 stops whatever it left on any node (a container outlives its `docker run`). RESTARTS=N requeues
 the job in Slurm (scontrol requeue): the same job ID runs again, on the same nodes.
 
-Here: the attempt (SlurmAttempt) and the restarts (run_job). The batch script, its paths and
-the follower are launch.slurm_script's; reading Slurm's answers is launch.slurm_state's.
+Here: one run of it (SlurmAttempt); launch.backends' SlurmBackend runs it again. The batch
+script, its paths and the follower are launch.slurm_script's; reading Slurm's answers is
+launch.slurm_state's.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ import threading
 import time
 
 from torch_multinode.cluster.errors import Terminated, UserError
-from torch_multinode.cluster.execution import Nodes, SshNodes
+from torch_multinode.cluster.execution import Nodes
 from torch_multinode.cluster.inventory import Inventory
 from torch_multinode.launch import stop
 from torch_multinode.launch.commands import run_dir
-from torch_multinode.launch.ending import bring_back, summary
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.slurm_script import (
     SCRIPT_NAME,
@@ -156,26 +156,26 @@ class SlurmAttempt(Launcher):
     def _watch_state(self) -> None:
         """Until the job ends in Slurm's eyes. The nodes' followers then have a moment to
         report their exit; a node that did not ends as Slurm says the job did."""
-        while not self.done.is_set():
+        while not self.job.done.is_set():
             state = self._look()
             if state is not None and state.ended:
                 self.state = state
                 deadline = time.monotonic() + BLAME_GRACE
-                while time.monotonic() < deadline and not self.done.is_set():
+                while time.monotonic() < deadline and not self.job.done.is_set():
                     time.sleep(0.1)
-                if not self.done.is_set():
+                if not self.job.done.is_set():
                     self._ended_by_slurm(state)
                 return
-            self.done.wait(POLL)
+            self.job.done.wait(POLL)
 
     def _ended_by_slurm(self, state: JobState) -> None:
         silent = [name for name, outcome in self.outcomes.items() if outcome.exit_code is None]
         for name in silent:
             self.outcomes[name].error = f"Slurm ended the job: {state.state} ({state.reason})"
         self._name_down_nodes()
-        if silent and self.first_failure is None:
-            self.fail(silent[0])
-        self.done.set()
+        if silent and self.job.first_failure is None:
+            self.job.fail(silent[0])
+        self.job.done.set()
 
     def _name_down_nodes_after_node_fail(self) -> None:
         """A job Slurm ended for a node: that node is the one to name, not a peer whose rank
@@ -200,8 +200,8 @@ class SlurmAttempt(Launcher):
             if name in self.outcomes and node_state in ("down", "fail", "failing"):
                 self.outcomes[name].error = f"Slurm has {name} {node_state} ({reason})"
                 self.outcomes[name].unreachable = True
-                if name not in self.failures:
-                    self.fail(name)
+                if name not in self.job.failures:
+                    self.job.fail(name)
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -249,40 +249,13 @@ class SlurmAttempt(Launcher):
             self.emit(f"[launcher] {why}: cancelling Slurm job {self.job_id or '(not queued)'}...")
         except BaseException:
             self._cancel()
-            stop.everywhere(self, master)
+            stop.everywhere(self.job, master)
             self._close()
             raise
-        if self.first_failure is not None and not interrupted:
+        if self.job.first_failure is not None and not interrupted:
             self._settle_blame(runners, self._name_down_nodes_after_node_fail)
-        if interrupted or self.first_failure is not None:
+        if interrupted or self.job.first_failure is not None:
             if interrupted or not self.restarts_left:
                 self._cancel()  # a restart requeues the job instead
             self._stop_everywhere(master)  # a container outlives its `docker run`
         return self._wind_down(runners, started, interrupted, terminated)
-
-
-def run_job(
-    inventory: Inventory,
-    spec: JobSpec,
-    emit: Emit = print,
-    restarts: int = 0,
-    project: Project | None = None,
-    nodes: Nodes | None = None,
-) -> JobResult:
-    """The job through Slurm, requeued after a failure up to `restarts` times (Slurm runs it
-    again once its nodes are free and up); the master's run directory brought back after each
-    run, as the SSH launcher does."""
-    nodes = nodes or SshNodes(inventory)
-    job_id = None
-    for restart in range(restarts + 1):
-        attempt = SlurmAttempt(inventory, spec, emit, project, nodes, job_id, restarts - restart)
-        result = attempt.run()
-        job_id, project = attempt.job_id, attempt.project
-        result.restart, result.restarts = restart, restarts
-        bring_back(inventory, inventory.master, spec, result, emit)
-        if result.exit_code != 1 or restart == restarts or job_id is None:
-            return result
-        for line in summary(result, inventory.hosts):
-            emit(line)
-        emit(f"[launcher] restart {restart + 1} of {restarts}: requeueing Slurm job {job_id}...")
-    raise AssertionError("unreachable")  # the loop returns on its last turn

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch.commands import stop_command, unlock_command
+from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import LOST_NODE_PROBE, STOP_TIMEOUT
 
-if TYPE_CHECKING:
-    from torch_multinode.launch.job import Launcher
 
-
-def everywhere(job: Launcher, master: Host | None = None) -> dict[str, float | str]:
+def everywhere(job: RunningJob, master: Host | None = None) -> dict[str, float | str]:
     """Kill the run's processes on every node that still answers, in parallel, one SSH
     session each; on `master` the same session frees the rendezvous port. Per node: the
     seconds its stop took, or why it was not confirmed."""
@@ -23,7 +20,7 @@ def everywhere(job: Launcher, master: Host | None = None) -> dict[str, float | s
     stopped: dict[str, float | str] = {
         h.name: f"not confirmed within {STOP_TIMEOUT:g} s" for h in job.hosts
     }
-    unlock = unlock_command(job.spec.run_id, job.inventory.rendezvous_port)
+    unlock = unlock_command(job.spec.run_id, job.rendezvous_port)
     started = time.monotonic()
 
     def stop(host: Host) -> None:
@@ -33,7 +30,7 @@ def everywhere(job: Launcher, master: Host | None = None) -> dict[str, float | s
             job.silent.add(host.name)
             stopped[host.name] = "unreachable"
             return
-        with job.remote_for(host) as remote:
+        with job.session(host) as remote:
             try:
                 remote.connect()
             except UserError:

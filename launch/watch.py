@@ -8,13 +8,13 @@ import collections
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import hang
 from torch_multinode.launch.blame import cut_off
 from torch_multinode.launch.commands import container_name, link_probe_command
+from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     LINK_PROBE_INTERVAL,
     LINK_PROBE_WAIT,
@@ -23,11 +23,8 @@ from torch_multinode.launch.spec import (
     STALL_POLL,
 )
 
-if TYPE_CHECKING:
-    from torch_multinode.launch.job import Launcher
 
-
-def liveness(job: Launcher) -> None:
+def liveness(job: RunningJob) -> None:
     """A node that stops answering is failed within a few seconds, not at TCP's leisure."""
     misses = collections.Counter()
     while not job.done.wait(LIVENESS_INTERVAL):
@@ -39,21 +36,22 @@ def liveness(job: Launcher) -> None:
             else:
                 misses[host.name] += 1
                 if misses[host.name] >= LIVENESS_FAILURES:
-                    outcome = job.outcomes[host.name]
-                    outcome.error = f"stopped answering on {host.ssh_address}:{host.ssh_port}"
-                    outcome.unreachable = True
-                    job.fail(host.name)
+                    job.fail(
+                        host.name,
+                        f"stopped answering on {host.ssh_address}:{host.ssh_port}",
+                        unreachable=True,
+                    )
                     return
 
 
-def link(job: Launcher, host: Host, master: Host) -> None:
+def link(job: RunningJob, host: Host, master: Host) -> None:
     """Ping the master's compute IP from `host`, over an SSH session of its own; a link
     down for --network-timeout seconds fails `host`. Only a link seen up during this job
     can go down: where ICMP is blocked from the start, the check stays silent."""
     target = f"{master.name} ({master.compute_ip})"
     command = link_probe_command(str(master.compute_ip))
     outcome, down_since, seen_up = job.outcomes[host.name], None, False
-    remote = job.remote_for(host)
+    remote = job.session(host)
     try:
         while not job.done.wait(LINK_PROBE_INTERVAL):
             if outcome.exit_code is not None:
@@ -88,11 +86,11 @@ def link(job: Launcher, host: Host, master: Host) -> None:
                     if lost == host.name
                     else "no other node reaches it over the compute network"
                 )
-                job.outcomes[lost].error = (
+                job.fail(
+                    lost,
                     f"lost: {what} for {down_for:.0f} s ({reason}; "
-                    f"--network-timeout {job.spec.network_timeout:g})"
+                    f"--network-timeout {job.spec.network_timeout:g})",
                 )
-                job.fail(lost)
                 return
     finally:
         try:
@@ -101,7 +99,7 @@ def link(job: Launcher, host: Host, master: Host) -> None:
             pass
 
 
-def stall(job: Launcher) -> None:
+def stall(job: RunningJob) -> None:
     """No progress for the job's stall time (launch.progress): a hang. Every rank's stacks are
     read and judged (launch.hang), the report printed and saved in the run's log directory;
     then the job fails, naming the rank that holds the others up, or (--on-hang wait) is left
@@ -122,17 +120,15 @@ def stall(job: Launcher) -> None:
             )
             return
         node = verdict.culprits[0].node if verdict.culprits else job.hosts[0].name
-        outcome = job.outcomes[node]
-        if outcome.error is None:
-            outcome.error = f"hung: {verdict.cause}"
-        job.fail(node)
+        already = job.outcomes[node].error is not None  # says more than "hung"
+        job.fail(node, None if already else f"hung: {verdict.cause}")
         return
 
 
-def report(job: Launcher) -> hang.Verdict:
+def report(job: RunningJob) -> hang.Verdict:
     """Every node's ranks' stacks, read at once (each node within hang.STACKS_TIMEOUT), judged,
     printed, and saved as hang-report.txt (and each node's stacks as hang-stacks-NODE.txt)."""
-    container = job.inventory.launch_mode == "container"
+    container = job.container
     texts: dict[str, str] = {}
     silent: dict[str, str] = {}
 
@@ -145,7 +141,7 @@ def report(job: Launcher) -> hang.Verdict:
             native=host.gpus > 0,  # a rank waiting for its GPU is in libcuda
         )
         try:
-            with job.remote_for(host) as remote:
+            with job.session(host) as remote:
                 remote.connect()
                 answer = remote.run(command, timeout=hang.STACKS_TIMEOUT)
             texts[host.name] = answer.stdout + answer.stderr
@@ -166,8 +162,7 @@ def report(job: Launcher) -> hang.Verdict:
         ranks += found
         if problem is not None:
             silent[name] = problem
-    workdir = job.project.workdir if job.project is not None else None
-    verdict = hang.judge(ranks, silent, workdir)
+    verdict = hang.judge(ranks, silent, job.workdir)
     header = f"Hang report, job {job.spec.run_id}: {job.progress.describe()}"
     for line in verdict.lines:
         job.emit(f"[launcher]   {line}")

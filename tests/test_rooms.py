@@ -131,3 +131,25 @@ def test_no_import_circle_at_import_time():
         if module not in state:
             visit(module, [module])
     assert circles == []
+
+
+def test_the_watchers_and_the_stop_see_the_running_job_not_the_launcher():
+    # launch.running's RunningJob is all they share with a run (CONTRIBUTING.md, "Layout").
+    modules = _modules()
+    for module in ("launch.stop", "launch.watch"):
+        imported = _imports(modules[module], modules, at_import_time=False)
+        assert "launch.running" in imported
+        assert not imported & {"launch.job", "launch.slurm", "launch.backends"}, module
+
+
+def test_only_the_cli_and_the_backends_pick_a_way_to_run_a_job():
+    modules = _modules()
+    runs = {"launch.job", "launch.slurm", "launch.local"}  # one run of each backend
+    picking = sorted(
+        module
+        for module, path in modules.items()
+        if module.startswith("launch.")
+        and module not in runs
+        and _imports(path, modules, at_import_time=False) & {"launch.job", "launch.slurm"}
+    )
+    assert picking == ["launch.backends"]

@@ -35,8 +35,8 @@ from torch_multinode.cluster import inventory, remote
 from torch_multinode.cluster.containers import training_container_options
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import ContainerContext
+from torch_multinode.launch import backends
 from torch_multinode.launch import cli as launch_cli
-from torch_multinode.launch import restarts
 from torch_multinode.launch.commands import remote_command
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.launch.staging import REMOTE_RUN_ROOT
@@ -552,7 +552,7 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
         handed.append((inv, inv.hosts, spec))
         raise Reached("launcher")
 
-    monkeypatch.setattr(restarts, "Launcher", launched)
+    monkeypatch.setattr(backends, "Launcher", launched)
     monkeypatch.chdir(tmp_path)
     outcome = call(launch_cli.main, ["-i", str(path), "--debug"], tmp_path)
     assert outcome.reached == "launcher" and outcome.stopped == [], str(outcome)

@@ -40,7 +40,7 @@ from torch_multinode import cluster, launch, netcheck
 from torch_multinode.cluster import engine, sync
 from torch_multinode.cluster.inventory import Inventory
 from torch_multinode.cluster.inventory_checks import is_word
-from torch_multinode.launch import restarts
+from torch_multinode.launch import backends
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.netcheck.preflight import Options
 from torch_multinode.provision import bootstrap, images, ship
@@ -100,7 +100,7 @@ def seams(monkeypatch, tmp_path) -> Path:
     """Seams patched, the working directory inside tmp_path: relative paths stay there."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(netcheck.cli, "preflight", fake_preflight)
-    monkeypatch.setattr(restarts, "Launcher", FakeLauncher)
+    monkeypatch.setattr(backends, "Launcher", FakeLauncher)
     monkeypatch.setattr(images, "build", fake_build)
     monkeypatch.setattr(bootstrap, "bootstrap", fake_bootstrap)
     monkeypatch.setattr(sim, "require_engine", no_engine)

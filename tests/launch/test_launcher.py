@@ -24,11 +24,12 @@ from torch_multinode.cluster.containers import NCCL_CONF_GUARD, rdma_options
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import load, parse
 from torch_multinode.launch import stop
+from torch_multinode.launch.backends import SshBackend
 from torch_multinode.launch.commands import remote_command, stop_command, torchrun_command
 from torch_multinode.launch.environment import interface_env
-from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.nodes import rank_order_warning
-from torch_multinode.launch.restarts import run_job, wait_for_nodes
+from torch_multinode.launch.restarts import run_with_restarts, wait_for_nodes
+from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     LOST_NODE_PROBE,
     REMOTE_LOCK_ROOT,
@@ -318,7 +319,7 @@ def test_the_stop_tries_ssh_on_a_lost_node_only_if_it_accepts_a_connection(n2_an
     # load): a node already lost must first accept a TCP connection. Fakes only, no traffic.
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
     nodes = FakeNodes(list(inventory.hosts), down=set() if n2_answers else {"n2"})
-    job = Launcher(inventory, JobSpec(), emit=lambda _: None, nodes=nodes)
+    job = RunningJob(JobSpec(), inventory.hosts, nodes, lambda _: None, 29500, container=False)
     job.outcomes["n2"].session_lost = True  # n1 is merely failed: no probe before its stop
     stopped = stop.everywhere(job, inventory.hosts[0])
     assert nodes.probes == [("n2", LOST_NODE_PROBE)]
@@ -336,7 +337,7 @@ def test_the_stop_tells_a_node_it_could_not_reach_from_one_that_did_not_confirm(
     # Fakes only, no traffic: n1's SSH connection is refused; n2's stop command fails.
     inventory = parse(INVENTORY, "/nonexistent/inv.yml")
     nodes = FakeNodes(list(inventory.hosts), refused={"n1"}, failing_first={"n2": 1})
-    job = Launcher(inventory, JobSpec(), emit=lambda _: None, nodes=nodes)
+    job = RunningJob(JobSpec(), inventory.hosts, nodes, lambda _: None, 29500, container=False)
     stopped = stop.everywhere(job, inventory.hosts[0])
     assert stopped == {
         "n1": "unreachable",
@@ -587,7 +588,7 @@ def test_a_lock_left_by_a_dead_launcher_is_taken_over(sim2):
 
 
 def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id():
-    """run_job's whole loop, the real launcher on fake nodes (no traffic): the first run fails
+    """The one restart loop with the SSH backend, the real launcher on fake nodes (no traffic): the first run fails
     on n2, every node answers again, the failed run's leftovers are stopped on every node, and
     the second run, under a new run ID, succeeds. Host mode: in container mode the job checks
     the nodes' image against the controller's, which the simulated cluster's tests do."""
@@ -605,15 +606,10 @@ def test_a_restart_stops_what_the_failed_run_left_then_runs_again_under_a_new_id
 
     nodes = FakeNodes(list(inventory.hosts), streamer=job_on)
     said: list[str] = []
-    result = run_job(
-        inventory,
-        JobSpec(run_id="tmn-r"),
-        said.append,
-        1,
-        5,
-        project=Project(trees=(), workdir="/w", script=None),
-        nodes=nodes,
-    )
+    spec = JobSpec(run_id="tmn-r")
+    project = Project(trees=(), workdir="/w", script=None)
+    backend = SshBackend(inventory, spec, said.append, project, restart_wait=5, nodes=nodes)
+    result = run_with_restarts(backend, spec, 1, said.append)
     assert sorted(runs) == [
         ("tmn-r", "n1"),
         ("tmn-r", "n2"),

@@ -1,0 +1,225 @@
+"""The three ways `train` runs a job, behind one small interface (Backend): on this machine
+(LocalBackend), on the inventory's nodes over SSH (SshBackend), and through Slurm
+(SlurmBackend). The CLI picks one (backend_for) and hands it to the one restart loop
+(launch.restarts.run_with_restarts); each backend says only how one run goes, how the next one
+is made ready, and how the job ends."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
+from torch_multinode.cluster.execution import Nodes, SshNodes
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.launch import staging, stop
+from torch_multinode.launch.ending import bring_back, summary
+from torch_multinode.launch.job import Launcher
+from torch_multinode.launch.local import run_local
+from torch_multinode.launch.restarts import wait_for_nodes
+from torch_multinode.launch.running import RunningJob
+from torch_multinode.launch.slurm import SlurmAttempt
+from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, Emit, JobResult, JobSpec, NodeOutcome
+from torch_multinode.launch.staging import Project
+
+
+class Backend(Protocol):
+    restart_note: str
+    """How a restart happens, for the job's first lines."""
+
+    def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
+        """One run of the job, to its end (its own summary not yet said)."""
+
+    def ended(self, spec: JobSpec, result: JobResult) -> None:
+        """After each run: what it left to bring back (the master's run directory)."""
+
+    def can_restart(self) -> bool:
+        """Whether a failed run can be run again at all."""
+
+    def before_restart(
+        self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
+    ) -> JobSpec:
+        """Until the next run may start: the spec it runs with."""
+
+    def summary(self, result: JobResult) -> list[str]:
+        """Why a run ended as it did (after each failed run that is restarted, and at the end)."""
+
+    def closing(self, result: JobResult) -> list[str]:
+        """Where the job's logs and run directory are, once it is over."""
+
+
+def _closing(spec: JobSpec, inventory: Inventory, result: JobResult) -> list[str]:
+    lines = [f"Logs: {spec.log_dir}/ (one file per node)"]
+    if result.brought_back:
+        lines.append(f"Run directory of {inventory.master.name}: {result.brought_back}")
+        if spec.log_dir is not None and (spec.log_dir / "tensorboard").is_dir():
+            lines.append(f"TensorBoard: make tensorboard RUN={spec.log_dir.name}")
+    return lines
+
+
+@dataclass
+class SshBackend:
+    """One SSH session per node (launch.job); a restart waits for every node to answer again
+    and stops whatever the failed run left."""
+
+    inventory: Inventory
+    spec: JobSpec
+    emit: Emit = print
+    project: Project | None = None
+    restart_wait: float = DEFAULT_RESTART_WAIT
+    nodes: Nodes | None = None
+
+    def __post_init__(self) -> None:
+        self.nodes = self.nodes or SshNodes(self.inventory)
+        if self.project is None:
+            spec = self.spec
+            self.project = staging.plan(
+                self.inventory, spec.script, spec.workdir, spec.workdir_limit
+            )
+        self.restart_note = (
+            f"each once every node answers again (--restart-wait {self.restart_wait:g} s)"
+        )
+
+    def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
+        return Launcher(
+            self.inventory, spec, self.emit, project=self.project, nodes=self.nodes
+        ).run()
+
+    def ended(self, spec: JobSpec, result: JobResult) -> None:
+        bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
+
+    def can_restart(self) -> bool:
+        return True
+
+    def before_restart(
+        self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
+    ) -> JobSpec:
+        self.emit(
+            f"[launcher] restart {restart} of {restarts}: waiting up to {self.restart_wait:g} s "
+            "for every node to answer..."
+        )
+        waited = wait_for_nodes(self.inventory, self.restart_wait, self.emit, self.nodes)
+        inventory = self.inventory
+        left = RunningJob(
+            failed,
+            inventory.hosts,
+            self.nodes,
+            self.emit,
+            inventory.rendezvous_port,
+            inventory.launch_mode == "container",
+        )
+        stop.everywhere(left, inventory.master)  # what the failed run left on a node cut off
+        attempt = replace(first, run_id=f"{first.run_id}-r{restart}")
+        self.emit(
+            f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
+            f"restart {restart} of {restarts}"
+        )
+        return attempt
+
+    def summary(self, result: JobResult) -> list[str]:
+        return summary(result, self.inventory.hosts)
+
+    def closing(self, result: JobResult) -> list[str]:
+        return _closing(self.spec, self.inventory, result)
+
+
+@dataclass
+class SlurmBackend:
+    """One batch job (launch.slurm); a restart requeues it: the same Slurm job runs again."""
+
+    inventory: Inventory
+    spec: JobSpec
+    emit: Emit = print
+    project: Project | None = None
+    nodes: Nodes | None = None
+    job_id: str | None = None  # once submitted
+    restart_note = "each a requeue of the job in Slurm"
+
+    def __post_init__(self) -> None:
+        self.nodes = self.nodes or SshNodes(self.inventory)
+
+    def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
+        run = SlurmAttempt(
+            self.inventory, spec, self.emit, self.project, self.nodes, self.job_id, restarts_left
+        )
+        try:
+            return run.run()
+        finally:
+            self.job_id, self.project = run.job_id, run.project
+
+    def ended(self, spec: JobSpec, result: JobResult) -> None:
+        bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
+
+    def can_restart(self) -> bool:
+        return self.job_id is not None
+
+    def before_restart(
+        self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
+    ) -> JobSpec:
+        self.emit(
+            f"[launcher] restart {restart} of {restarts}: requeueing Slurm job {self.job_id}..."
+        )
+        return first  # the same job ID, the same run directory
+
+    def summary(self, result: JobResult) -> list[str]:
+        return summary(result, self.inventory.hosts)
+
+    def closing(self, result: JobResult) -> list[str]:
+        return _closing(self.spec, self.inventory, result)
+
+
+@dataclass
+class LocalBackend:
+    """torchrun on this machine (launch.local), which says its own summary; never restarted."""
+
+    emit: Emit = print
+    restart_note = "none: a local job is not restarted"
+
+    def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
+        started = time.monotonic()
+        code = run_local(spec, self.emit)
+        here = socket.gethostname()
+        interrupted = code in (INTERRUPTED_EXIT, TERMINATED_EXIT)
+        outcome = NodeOutcome(here, exit_code=None if interrupted else code)
+        return JobResult(
+            spec.run_id,
+            {here: outcome},
+            None if code == 0 else here,
+            interrupted,
+            time.monotonic() - started,
+            terminated=code == TERMINATED_EXIT,
+        )
+
+    def ended(self, spec: JobSpec, result: JobResult) -> None:
+        return None  # the run directory is here already
+
+    def can_restart(self) -> bool:
+        return False
+
+    def before_restart(
+        self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
+    ) -> JobSpec:
+        raise AssertionError("a local job is never restarted")
+
+    def summary(self, result: JobResult) -> list[str]:
+        return []  # launch.local said it as the job ended
+
+    def closing(self, result: JobResult) -> list[str]:
+        return []
+
+
+def backend_for(
+    inventory: Inventory | None,
+    spec: JobSpec,
+    emit: Emit,
+    project: Project | None = None,
+    restart_wait: float = DEFAULT_RESTART_WAIT,
+) -> Backend:
+    """The backend an inventory asks for: none (this machine), `scheduler: slurm`, or SSH."""
+    if inventory is None:
+        return LocalBackend(emit)
+    if inventory.scheduler == "slurm":
+        return SlurmBackend(inventory, spec, emit, project)
+    return SshBackend(inventory, spec, emit, project, restart_wait)

@@ -1,0 +1,118 @@
+"""The launcher's backends behind one interface (launch.backends) and the one restart loop
+(launch.restarts.run_with_restarts). Fakes only: no process, no traffic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from tests.helpers import inventory, node
+from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
+from torch_multinode.launch import backends
+from torch_multinode.launch.backends import (
+    Backend,
+    LocalBackend,
+    SlurmBackend,
+    SshBackend,
+    backend_for,
+)
+from torch_multinode.launch.restarts import run_with_restarts
+from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
+from torch_multinode.launch.staging import Project
+
+PROJECT = Project(trees=(), workdir="/w", script=None)
+
+
+@dataclass
+class Scripted:
+    """A backend whose runs end with the given exit codes, in order."""
+
+    codes: list[int]
+    restartable: bool = True
+    restart_note: str = "scripted"
+    runs: list[tuple[str, int]] = field(default_factory=list)
+    said: list[str] = field(default_factory=list)
+
+    def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
+        code = self.codes[len(self.runs)]
+        self.runs.append((spec.run_id, restarts_left))
+        interrupted = code in (INTERRUPTED_EXIT, TERMINATED_EXIT)
+        outcome = NodeOutcome("n1", exit_code=None if interrupted else code)
+        return JobResult(spec.run_id, {"n1": outcome}, None, interrupted, 0.0)
+
+    def ended(self, spec: JobSpec, result: JobResult) -> None:
+        self.said.append(f"ended {spec.run_id}")
+
+    def can_restart(self) -> bool:
+        return self.restartable
+
+    def before_restart(self, first: JobSpec, failed: JobSpec, restart: int, restarts: int):
+        self.said.append(f"ready {restart}/{restarts} after {failed.run_id}")
+        return replace(first, run_id=f"{first.run_id}-r{restart}")
+
+    def summary(self, result: JobResult) -> list[str]:
+        return [f"summary {result.run_id}"]
+
+    def closing(self, result: JobResult) -> list[str]:
+        return []
+
+
+@pytest.mark.parametrize(
+    ("codes", "restarts", "runs", "code"),
+    [
+        ([0], 2, 1, 0),  # a success is never run again
+        ([1, 1, 0], 2, 3, 0),  # failed twice, then succeeded on the last restart allowed
+        ([1, 1, 1], 2, 3, 1),  # every restart used up: the last failure is the job's
+        ([1, INTERRUPTED_EXIT], 3, 2, INTERRUPTED_EXIT),  # Ctrl-C during a restart: no more
+        ([1], 0, 1, 1),  # no restart asked
+    ],
+)
+def test_the_restart_loop_runs_a_failed_job_again_up_to_restarts_times(codes, restarts, runs, code):
+    backend = Scripted(codes)
+    said: list[str] = []
+    result = run_with_restarts(backend, JobSpec(run_id="j"), restarts, said.append)
+    assert result.exit_code == code
+    assert [run_id for run_id, _ in backend.runs] == ["j"] + [f"j-r{n}" for n in range(1, runs)]
+    assert [left for _, left in backend.runs] == [restarts - n for n in range(runs)]
+    assert (result.restart, result.restarts) == (runs - 1, restarts)
+    # after each run, what it left is brought back; a failed run restarted is summed up first
+    assert backend.said.count("ended j") == 1 and len(backend.said) == 2 * runs - 1
+    assert said == [f"summary {run_id}" for run_id, _ in backend.runs[:-1]]
+
+
+def test_a_backend_that_cannot_restart_ends_the_job_at_its_first_failure():
+    # Slurm before the job was queued (a refusal at sbatch): nothing to requeue
+    backend = Scripted([1, 0], restartable=False)
+    result = run_with_restarts(backend, JobSpec(run_id="j"), 3)
+    assert result.exit_code == 1 and backend.runs == [("j", 3)]
+
+
+def test_each_inventory_gets_its_backend_and_each_backend_has_the_whole_interface():
+    hosts = {"n1": node(1), "n2": node(2)}
+    ssh = inventory(hosts, launch_mode="host")
+    slurm = inventory(hosts, launch_mode="host", scheduler="slurm")
+    spec = JobSpec()
+    chosen = [
+        backend_for(None, spec, print),
+        backend_for(ssh, spec, print, PROJECT, 7),
+        backend_for(slurm, spec, print, PROJECT),
+    ]
+    assert [type(backend) for backend in chosen] == [LocalBackend, SshBackend, SlurmBackend]
+    assert "--restart-wait 7 s" in chosen[1].restart_note
+    wanted = {name for name in vars(Backend) if not name.startswith("_")} | {"restart_note"}
+    for backend in chosen:
+        assert all(hasattr(backend, name) for name in wanted), type(backend)
+    assert chosen[2].can_restart() is False  # nothing submitted yet: nothing to requeue
+
+
+@pytest.mark.parametrize(
+    ("code", "exit_code", "interrupted"),
+    [(0, 0, False), (1, 1, False), (INTERRUPTED_EXIT, INTERRUPTED_EXIT, True)]
+    + [(TERMINATED_EXIT, TERMINATED_EXIT, True)],
+)
+def test_a_local_job_ends_with_the_exit_code_of_its_run(monkeypatch, code, exit_code, interrupted):
+    monkeypatch.setattr(backends, "run_local", lambda spec, emit: code)
+    result = LocalBackend(print).attempt(JobSpec(run_id="j"), 0)
+    assert (result.exit_code, result.interrupted) == (exit_code, interrupted)
+    assert LocalBackend().can_restart() is False and LocalBackend().summary(result) == []
