@@ -82,12 +82,23 @@ def remote_command(
         if project is not None
         else node_environment(host, spec, env)
     )
-    secrets = staging.load_secrets(spec.run_id) + " && " if spec.secret_env else ""
+
+    # ENV= is sourced after the launcher's variables are set, in both modes, so ENV= wins for a
+    # name both set (launch.environment); the secrets file is read and deleted first thing.
+    def with_secrets(command: list[str]) -> list[str]:
+        if not spec.secret_env:
+            return command
+        return [
+            "sh",
+            "-c",
+            staging.load_secrets(spec.run_id) + ' && exec "$@"',
+            "tmn-job",
+            *command,
+        ]
+
     if mode == "container":
         inside = replace(host, python=CONTAINER_PYTHON)
-        torchrun = torchrun_command(inside, master, nnodes, spec, port, entry)
-        if spec.secret_env:
-            torchrun = ["sh", "-c", secrets + 'exec "$@"', "tmn-job", *torchrun]
+        torchrun = with_secrets(torchrun_command(inside, master, nnodes, spec, port, entry))
         mounted = [(directory, False), *mounts]
         if spec.secret_env:
             mounted.append((staging.secrets_dir(spec.run_id), False))
@@ -95,10 +106,10 @@ def remote_command(
             host, spec, image or "", variables, workdir, torchrun, memlock, mounted
         )
         return f"mkdir -p {shlex.quote(directory)} && {NCCL_CONF_GUARD} && exec {command}"
-    command = torchrun_command(host, master, nnodes, spec, port, entry)
+    command = with_secrets(torchrun_command(host, master, nnodes, spec, port, entry))
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
     return (
-        f"mkdir -p {shlex.quote(directory)} && cd {shlex.quote(workdir)} && {secrets}"
+        f"mkdir -p {shlex.quote(directory)} && cd {shlex.quote(workdir)} && "
         f"exec env {assignments} {shlex.join(command)}"
     )
 

@@ -25,14 +25,15 @@ NCCL_SOCKET_IFNAME,        else the inventory's                  variables (node
 NCCL_IB_DISABLE, ...       compute_interface
 TMN_BACKEND                node_settings (the job's backend)     over the interface settings
 spec.extra_env             JobSpec                               over all of the above
-ENV= (secret_env)          the secrets file (staging)            never a reserved name
+ENV= (secret_env)          the secrets file (staging)            over all; never reserved
 =========================  ====================================  ============================
 
-ENV= against the rest: on the host the secrets file is sourced before `exec env NAME=...`, so
-the launcher's variables win over a non-reserved name given in ENV= (CUDA_VISIBLE_DEVICES,
-NCCL_SOCKET_IFNAME, ...); in the container the variables come with `docker run -e` and the file
-is sourced inside, so there ENV= wins. Reserved names (RESERVED_PREFIXES, RESERVED_NAMES) are
-refused in ENV= before anything starts (parse_env).
+ENV= against the rest: ENV= wins, in both launch modes and under Slurm. The launcher's
+variables are set first (`exec env NAME=...` on the host, `docker run -e` for the container)
+and the secrets file is sourced after them, just before torchrun starts, so a non-reserved name
+the user gives explicitly (CUDA_VISIBLE_DEVICES, NCCL_SOCKET_IFNAME, ...) overrides what the
+launcher derived. Reserved names (RESERVED_PREFIXES, RESERVED_NAMES) are refused in ENV=
+before anything starts (parse_env).
 
 On this machine (a job without an inventory: local_environment), lowest first: this
 process's own environment; OMP_NUM_THREADS=1 only where that does not set it; then

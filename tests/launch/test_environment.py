@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from tests.helpers import inventory, node
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.launch import environment
-from torch_multinode.launch.commands import remote_command
+from torch_multinode.launch import environment, staging
+from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.netcheck import envfile
 
@@ -59,17 +65,48 @@ def test_precedence_on_a_node(tmp_path):
     assert plain["CUDA_VISIBLE_DEVICES"] == "0,2" and "TMN_RUN_DIR" not in plain
 
 
-def test_secrets_against_the_launchers_variables():
-    """On the host `exec env NAME=...` comes after the secrets are sourced (the launcher wins);
-    in the container `docker run -e` comes before they are sourced inside (ENV= wins)."""
+def test_env_wins_over_the_launchers_variables_in_both_modes():
+    """The secrets file is sourced after the launcher's variables are set (`exec env NAME=...`
+    on the host, `docker run -e` for the container), just before torchrun: ENV= wins."""
     found = inventory({"n1": node(1, gpus=2)})
     host = found.hosts[0]
     spec = JobSpec(run_id="tmn-sec", gpus=(1,), secret_env=(("CUDA_VISIBLE_DEVICES", "0"),))
     on_host = remote_command(host, host, 1, spec, 29500, {})
-    assert on_host.index(". /tmp/torch-multinode/secrets/") < on_host.index("exec env ")
     assert "CUDA_VISIBLE_DEVICES=1 " in on_host
     inside = remote_command(host, host, 1, spec, 29500, {}, mode="container", image="img")
-    assert inside.index("CUDA_VISIBLE_DEVICES=1") < inside.index(". /tmp/torch-multinode/secrets/")
+    for command, launchers in ((on_host, "exec env "), (inside, "CUDA_VISIBLE_DEVICES=1")):
+        sourced = command.index(". /tmp/torch-multinode/secrets/")
+        assert command.index(launchers) < sourced < command.index("torch.distributed.run")
+
+
+def test_env_wins_when_the_host_command_runs(tmp_path):
+    """The host command run for real by a shell, with a python that prints its environment:
+    the variable set both by the launcher (GPUS=1) and by ENV= (0) is ENV='s, the file gone."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexec env\n")
+    python.chmod(0o755)
+    found = inventory({"n1": node(1, gpus=2)})
+    host = replace(found.hosts[0], python=str(python))
+    spec = JobSpec(run_id="tmn-secrun", gpus=(1,), secret_env=(("CUDA_VISIBLE_DEVICES", "0"),))
+    secrets = Path(staging.secrets_dir(spec.run_id)) / staging.SECRETS_FILE
+    secrets.parent.mkdir(parents=True, exist_ok=True)
+    secrets.write_text(staging.secrets_text(spec.secret_env))
+    try:
+        command = remote_command(host, host, 1, spec, 29500, {}).replace(
+            f"cd {shlex.quote(run_dir(spec))}", f"cd {tmp_path}"
+        )
+        done = subprocess.run(
+            ["sh", "-c", command],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(secrets.parent, ignore_errors=True)
+        shutil.rmtree(run_dir(spec), ignore_errors=True)
+    assert "CUDA_VISIBLE_DEVICES=0" in done.stdout.splitlines(), done.stdout + done.stderr
+    assert not secrets.exists()
 
 
 def test_precedence_on_this_machine(tmp_path):
