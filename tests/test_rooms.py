@@ -131,3 +131,19 @@ def test_no_import_circle_at_import_time():
         if module not in state:
             visit(module, [module])
     assert circles == []
+
+
+# SSH trust has one owner (cluster/trust.py): the known_hosts default, the OpenSSH and Ansible
+# options, paramiko's host-key setup. Nothing else in the product spells them.
+TRUST_WORDS = ("StrictHostKeyChecking", "UserKnownHostsFile", "load_host_keys")
+
+
+def test_only_cluster_trust_spells_the_ssh_trust_options():
+    modules = _modules()
+    spelled = {
+        word: sorted(
+            str(path.relative_to(REPO)) for path in modules.values() if word in path.read_text()
+        )
+        for word in TRUST_WORDS
+    }
+    assert spelled == {word: ["cluster/trust.py"] for word in TRUST_WORDS}
