@@ -22,7 +22,7 @@ from torch_multinode.bench.measure import (
     train_command,
     until_first_step,
 )
-from torch_multinode.cluster import sync
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
 from torch_multinode.launch.commands import remote_command
@@ -121,7 +121,11 @@ def by_hand_to_first_step(inventory: Inventory, args: list[str]) -> float:
         command = remote_command(
             host, inventory.master, len(hosts), spec, inventory.rendezvous_port, env[host.name]
         )
-        ssh = [*sync.ssh_command(inventory, host), f"{host.ssh_user}@{host.ssh_address}", command]
+        ssh = [
+            *trust.openssh_command(inventory, host),
+            f"{host.ssh_user}@{host.ssh_address}",
+            command,
+        ]
         processes.append(
             subprocess.Popen(ssh, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )

@@ -40,6 +40,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError, printable, shown
 from torch_multinode.cluster.inventory_checks import (
     CLUSTER_ONLY_FIELDS,
@@ -144,7 +145,7 @@ class Inventory:
     def known_hosts_file(self) -> Path:
         """The file every SSH client of ours checks the nodes' host keys against (paramiko,
         OpenSSH for rsync, bootstrap): ssh_known_hosts_file, else ~/.ssh/known_hosts."""
-        return known_hosts_file(self.known_hosts)
+        return trust.known_hosts_file(self.known_hosts)
 
     @property
     def master(self) -> Host:
@@ -157,11 +158,6 @@ class Inventory:
         if nnodes is None or nnodes == "":
             return self
         return replace(self, hosts=self.hosts[: check_nnodes(nnodes, len(self.hosts), self.path)])
-
-
-def known_hosts_file(named: Path | None) -> Path:
-    """The known_hosts file named, else ~/.ssh/known_hosts (OpenSSH's default), expanded."""
-    return Path(os.path.expanduser(named or Path("~/.ssh/known_hosts")))
 
 
 def check_nnodes(nnodes: object, available: int, path: Path | str) -> int:

@@ -16,7 +16,6 @@ import functools
 import ipaddress
 import os
 import posixpath
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import NoReturn
 
 import yaml
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError, printable, shown
 
 # The group whose hosts are the nodes unless --group names another.
@@ -53,11 +53,6 @@ SSH_OPTION_FIELDS = (
     "ansible_ssh_args",
     "ansible_scp_extra_args",
     "ansible_sftp_extra_args",
-)
-_UNCHECKED_HOST_KEYS = re.compile(
-    r"StrictHostKeyChecking\s*=?\s*[\"']?(no|off|false|accept-new)\b"
-    r"|(UserKnownHostsFile|GlobalKnownHostsFile)\s*=?\s*[\"']?/dev/null",
-    re.IGNORECASE,
 )
 
 
@@ -328,12 +323,11 @@ def _check_host_keys_stay_checked(values: dict, where: str) -> None:
             hint="removing it, and each node's key in known_hosts",
         )
     for field in SSH_OPTION_FIELDS:
-        found = _UNCHECKED_HOST_KEYS.search(_text(values.get(field) or ""))
+        found = trust.host_keys_turned_off(_text(values.get(field) or ""))
         if found:
             raise UserError(
-                f"{where}: field '{field}': {shown(found.group(0))} turns off SSH host-key "
-                "checking",
-                hint="-o StrictHostKeyChecking=yes and each node's key in known_hosts",
+                f"{where}: field '{field}': {shown(found)} turns off SSH host-key checking",
+                hint=trust.CHECKED_HOST_KEYS_HINT,
             )
 
 

@@ -2,7 +2,7 @@
 
 Fabric's default accepts any unknown host key (AutoAddPolicy). We never do: the key must
 already be in the known_hosts file the inventory names (or ~/.ssh/known_hosts), otherwise the
-connection is refused with a message that says how to add it.
+connection is refused with a message that says how to add it (cluster.trust's policy).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import TypeVar
 import paramiko
 from fabric import Connection
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import Host, Inventory, known_hosts_file
+from torch_multinode.cluster.inventory import Host, Inventory
 
 T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -58,7 +59,7 @@ class Remote:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ):
         self.host = host
-        self.known_hosts = known_hosts_file(known_hosts)
+        self.known_hosts = trust.known_hosts_file(known_hosts)
         self.connect_timeout = connect_timeout
         self._connection: Connection | None = None
 
@@ -90,10 +91,7 @@ class Remote:
             connect_kwargs=connect_kwargs,
         )
         connection.connect_timeout = None  # not a ConnectTimeout from ~/.ssh/config either
-        client = connection.client
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        if self.known_hosts.exists():
-            client.load_host_keys(str(self.known_hosts))
+        client = trust.check_host_keys(connection.client, self.known_hosts)
         try:
             connection.open()
         except BaseException as exc:
@@ -109,29 +107,10 @@ class Remote:
         return connection
 
     def _open_failed(self, exc: BaseException) -> UserError | None:
-        if isinstance(exc, paramiko.BadHostKeyException):
-            entry = self.host.ssh_address
-            if self.host.ssh_port != 22:
-                entry = f"[{entry}]:{self.host.ssh_port}"
-            return UserError(
-                f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not the "
-                f"one in {self.known_hosts}: the node was reinstalled, or this is not the node",
-                hint=f"if the node was reinstalled: ssh-keygen -f {self.known_hosts} -R '{entry}', "
-                "then check the new key's fingerprint and add it",
-                exit_code=1,
-            )
-        if isinstance(exc, paramiko.SSHException):
-            if "not found in known_hosts" in str(exc):
-                port = f" -p {self.host.ssh_port}" if self.host.ssh_port != 22 else ""
-                return UserError(
-                    f"host '{self.host.name}': the SSH host key of {self.host.ssh_address} is not "
-                    f"in {self.known_hosts}",
-                    hint=f"ssh-keyscan -H{port} {self.host.ssh_address} >> {self.known_hosts} "
-                    "after checking the fingerprint",
-                    exit_code=1,
-                )
-            return self._unreachable(exc)
-        if isinstance(exc, (TimeoutError, OSError, EOFError)):
+        refused = trust.key_refused(exc, self.host, self.known_hosts)
+        if refused is not None:
+            return refused
+        if isinstance(exc, (paramiko.SSHException, TimeoutError, OSError, EOFError)):
             return self._unreachable(exc)
         return None
 

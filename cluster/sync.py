@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Remote, on_all
@@ -54,7 +55,6 @@ ALWAYS_EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 DEFAULT_WORKDIR_LIMIT = 200_000_000  # bytes (200 MB): code and configs, not datasets
 PROGRESS_EVERY = 3.0  # seconds between a node's progress lines during a transfer
 RSYNC_TIMEOUT = 30  # rsync's own I/O timeout: a node that stops answering ends the transfer
-SSH_CONNECT_TIMEOUT = 10
 # The package directories of this project: what a job needs of it on the node, where they sit
 # in a directory named TOOL_PACKAGE (the one name our code is imported by, in jobs too).
 TOOL_ROOT = Path(__file__).resolve().parents[1]
@@ -327,32 +327,6 @@ def tool_import_path(destination: str) -> str:
     return posixpath.dirname(destination.rstrip("/"))
 
 
-def ssh_command(inventory: Inventory, host: Host) -> list[str]:
-    """The OpenSSH client as cluster.remote connects: the inventory's key and known_hosts, host
-    keys checked, never a password."""
-    known_hosts = inventory.known_hosts_file
-    command = [
-        "ssh",
-        "-p",
-        str(host.ssh_port),
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        "StrictHostKeyChecking=yes",
-        "-o",
-        f"UserKnownHostsFile={known_hosts}",
-        "-o",
-        f"ConnectTimeout={SSH_CONNECT_TIMEOUT}",
-        "-o",
-        "ServerAliveInterval=5",
-        "-o",
-        "ServerAliveCountMax=3",
-    ]
-    if host.ssh_key is not None:
-        command += ["-i", str(host.ssh_key), "-o", "IdentitiesOnly=yes"]
-    return command
-
-
 def remote_target(host: Host, path: str) -> str:
     user = f"{host.ssh_user}@" if host.ssh_user else ""
     address = f"[{host.ssh_address}]" if ":" in host.ssh_address else host.ssh_address
@@ -376,7 +350,7 @@ def rsync_command(
         "--no-inc-recursive",
         f"--timeout={RSYNC_TIMEOUT}",
         "-e",
-        shlex.join(ssh_command(inventory, host)),
+        shlex.join(trust.openssh_command(inventory, host)),
         # rsync makes only the last component of the destination itself
         f"--rsync-path=mkdir -p {shlex.quote(destination)} && rsync",
     ]

@@ -23,7 +23,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_multinode.cluster import sync
+from torch_multinode.cluster import sync, trust
 from torch_multinode.cluster.errors import UserError, printable, shown
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.versions import TORCH_LABEL, minimum_shown, torch_meets_minimum
@@ -279,7 +279,7 @@ def fetch_run_dir(
         "--stats",
         f"--timeout={sync.RSYNC_TIMEOUT}",
         "-e",
-        shlex.join(sync.ssh_command(inventory, master)),
+        shlex.join(trust.openssh_command(inventory, master)),
         f"{sync.remote_target(master, run_dir)}/",
         f"{local}/",
     ]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import paramiko
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError, shown
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Remote, on_all
@@ -180,9 +181,7 @@ def _password_session(
     host: Host, user: str, known_hosts: Path, password: str
 ) -> paramiko.SSHClient:
     """An SSH session logged in with the password, the host key checked against known_hosts."""
-    client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    client.load_host_keys(str(known_hosts))
+    client = trust.checking_client(known_hosts)
     try:
         client.connect(
             host.ssh_address,
@@ -292,12 +291,12 @@ def probe(host: Host, known_hosts: Path, user: str) -> tuple[str | None, bool]:
 def _login_refused(host: Host, known_hosts: Path, user: str, error: UserError) -> str:
     """Why key login failed, in words for a line that names the node."""
     cause = error.__context__  # what Remote turned into this one-line error
-    if isinstance(cause, paramiko.BadHostKeyException):
+    if trust.is_changed_key(cause):
         return f"its SSH host key is not the one in {known_hosts} (reinstalled?)"
     if isinstance(cause, paramiko.AuthenticationException):
         key = host.ssh_key or "~/.ssh/id_*"
         return f"it refuses key login as {user} with {key}"
-    if isinstance(cause, paramiko.SSHException) and "not found in known_hosts" in str(cause):
+    if trust.is_unknown_key(cause):
         return f"its SSH host key is not in {known_hosts}"
     if isinstance(cause, FileNotFoundError):
         return f"the key {host.ssh_key or '~/.ssh/id_*'} does not exist on this machine"

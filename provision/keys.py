@@ -20,6 +20,7 @@ from pathlib import Path
 
 import paramiko
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError, shown
 from torch_multinode.cluster.inventory import Host, Inventory
 
@@ -150,13 +151,6 @@ def fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
-def known_hosts_entry(host: Host) -> str:
-    """How known_hosts names the node: the address, or [address]:port off port 22."""
-    if host.ssh_port == 22:
-        return host.ssh_address
-    return f"[{host.ssh_address}]:{host.ssh_port}"
-
-
 def console_command(key: paramiko.PKey) -> str:
     """What prints the same fingerprint on the node's own console."""
     kind = HOST_KEY_TYPES.get(key.get_name(), "ed25519")
@@ -223,14 +217,8 @@ def check_host_key(
 ) -> bool:
     """Make the node's host key known: True when it was added now, False when it already was.
     Raises NodeFailed when the key is not the expected one or not confirmed."""
-    entry = known_hosts_entry(host)
-    known = paramiko.HostKeys()
-    if known_hosts.exists():
-        try:
-            known.load(str(known_hosts))
-        except (OSError, paramiko.SSHException) as exc:
-            raise UserError(f"{known_hosts} cannot be read: {exc}") from None
-    recorded = known.lookup(entry) or {}
+    entry = trust.host_entry(host)
+    recorded = trust.recorded_keys(known_hosts, host)
     key = fetch_host_key(host, prefer=tuple(recorded.keys()))
     fingerprint_now = fingerprint(key)
     if key.get_name() in recorded:
@@ -239,7 +227,7 @@ def check_host_key(
         raise NodeFailed(
             f"its host key ({fingerprint_now}) is not the one recorded for {entry} in "
             f"{known_hosts}: the node was reinstalled, or this is not the node; if it was "
-            f"reinstalled, ssh-keygen -f {known_hosts} -R '{entry}' and run bootstrap again"
+            f"reinstalled, {trust.forget_command(known_hosts, host)} and run bootstrap again"
         )
     if expected is not None:
         wanted = expected.get(host.name) or expected.get(host.ssh_address)
@@ -261,15 +249,5 @@ def check_host_key(
         )
         if not prompter.confirm(question):
             raise NodeFailed(f"its host key {fingerprint_now} was not confirmed: refused")
-    _append_known_host(known_hosts, entry, key)
+    trust.add_known_host(known_hosts, entry, key)
     return True
-
-
-def _append_known_host(known_hosts: Path, entry: str, key: paramiko.PKey) -> None:
-    known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    existing = known_hosts.read_bytes() if known_hosts.exists() else b""
-    line = f"{entry} {key.get_name()} {key.get_base64()}\n"
-    with known_hosts.open("a", encoding="utf-8") as out:
-        if existing and not existing.endswith(b"\n"):
-            out.write("\n")
-        out.write(line)

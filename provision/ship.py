@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.cluster.sync import ssh_command
 from torch_multinode.provision import images, platforms
 from torch_multinode.provision.ship_progress import (
     Emit,
@@ -111,7 +111,7 @@ def _sudo(host: Host) -> str:
 def _on_node(inventory: Inventory, host: Host, command: str, **kwargs) -> subprocess.Popen:
     target = f"{host.ssh_user}@{host.ssh_address}" if host.ssh_user else host.ssh_address
     return subprocess.Popen(
-        [*ssh_command(inventory, host), target, command],
+        [*trust.openssh_command(inventory, host), target, command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=kwargs.pop("text", True),

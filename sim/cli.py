@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge
 from torch_multinode.sim import nodes as sim
 
@@ -101,10 +102,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  make netcheck  INVENTORY={inventory}")
         print(f"  make train     INVENTORY={inventory} NNODES={len(cluster.nodes)}")
         user = sim.FRESH_USER if args.fresh else "root"
-        print(
-            f"  ssh -i {config.key_path} -o UserKnownHostsFile={config.known_hosts_path} "
-            f"{user}@{config.mgmt_ip(1)}"
-        )
+        target = f"{user}@{config.mgmt_ip(1)}"
+        print(f"  {trust.login_line(config.known_hosts_path, config.key_path, target)}")
         return 0
     if args.sim_command == "down":
         removed = sim.down(config, progress=_progress)

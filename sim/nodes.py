@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.engine import Progress, debian_base, docker, require_engine
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
@@ -321,9 +322,8 @@ def write_inventory(config: SimConfig, count: int, fresh: bool = False) -> Path:
                 "ansible_user": FRESH_USER if fresh else "root",
                 "ansible_ssh_private_key_file": str(config.key_path.resolve()),
                 "ssh_known_hosts_file": str(config.known_hosts_path.resolve()),
-                "ansible_ssh_common_args": (
-                    f"-o UserKnownHostsFile={config.known_hosts_path.resolve()} "
-                    "-o StrictHostKeyChecking=yes"
+                "ansible_ssh_common_args": trust.ansible_ssh_args(
+                    config.known_hosts_path.resolve()
                 ),
                 "ansible_python_interpreter": "/usr/bin/python3",
                 # Jobs run with the controller's venv, mounted read-only at the same path on
@@ -453,13 +453,12 @@ def up(
 
     deadline = time.monotonic() + ssh_timeout
     known = [
-        f"{config.mgmt_ip(i)} {_host_key(config.container(i), deadline)}"
-        for i in range(1, nnodes + 1)
+        (config.mgmt_ip(i), _host_key(config.container(i), deadline)) for i in range(1, nnodes + 1)
     ]
     if not fresh:
-        config.known_hosts_path.write_text("\n".join(known) + "\n")
+        trust.write_known_hosts(config.known_hosts_path, known)
     elif not reused:
-        config.known_hosts_path.write_text("")  # bootstrap confirms and adds every key
+        trust.write_known_hosts(config.known_hosts_path, [])  # bootstrap confirms and adds each
     for index in range(1, nnodes + 1):
         shape_link(config.container(index), link)
     inventory = load(write_inventory(config, nnodes, fresh))

@@ -153,3 +153,19 @@ def test_only_the_cli_and_the_backends_pick_a_way_to_run_a_job():
         and _imports(path, modules, at_import_time=False) & {"launch.job", "launch.slurm"}
     )
     assert picking == ["launch.backends"]
+
+
+# SSH trust has one owner (cluster/trust.py): the known_hosts default, the OpenSSH and Ansible
+# options, paramiko's host-key setup. Nothing else in the product spells them.
+TRUST_WORDS = ("StrictHostKeyChecking", "UserKnownHostsFile", "load_host_keys")
+
+
+def test_only_cluster_trust_spells_the_ssh_trust_options():
+    modules = _modules()
+    spelled = {
+        word: sorted(
+            str(path.relative_to(REPO)) for path in modules.values() if word in path.read_text()
+        )
+        for word in TRUST_WORDS
+    }
+    assert spelled == {word: ["cluster/trust.py"] for word in TRUST_WORDS}

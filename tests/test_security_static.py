@@ -156,10 +156,8 @@ def test_every_missing_host_key_policy_set_in_the_code_is_reject():
                 "set_missing_host_key_policy"
             ):
                 calls.append((file.relative_to(REPO), ast.unparse(node.args[0])))
-    assert calls == [
-        (Path("cluster/remote.py"), "paramiko.RejectPolicy()"),
-        (Path("provision/bootstrap.py"), "paramiko.RejectPolicy()"),  # its one password login
-    ]
+    # cluster.trust sets it for every client: fabric's (cluster.remote), bootstrap's password login
+    assert calls == [(Path("cluster/trust.py"), "paramiko.RejectPolicy()")]
 
 
 def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
@@ -168,17 +166,15 @@ def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
     assert config.getboolean("defaults", "host_key_checking") is True
     template = (REPO / "ansible/roles/ssh_mesh/templates/ssh_config.j2").read_text()
     assert re.search(r"^\s*StrictHostKeyChecking yes$", template, re.MULTILINE)
-    # the image stream's ssh (cluster ship, when no registry runs) is the one rsync uses
-    from torch_multinode.cluster import sync
-    from torch_multinode.provision import ship
+    # every ssh the controller starts (rsync, the image stream of cluster ship) is cluster.trust's
+    from torch_multinode.cluster import trust
 
-    assert ship.ssh_command is sync.ssh_command
     hosts = inventory.parse(
         "all:\n  vars: {compute_subnet: 10.7.0.0/24}\n  children:\n    nodes:\n      hosts:\n"
         "        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.1, compute_interface: eth1, "
         "gpus: 0}\n"
     )
-    command = sync.ssh_command(hosts, hosts.hosts[0])
+    command = trust.openssh_command(hosts, hosts.hosts[0])
     assert "StrictHostKeyChecking=yes" in command and "BatchMode=yes" in command
 
 
