@@ -13,7 +13,7 @@ variable                   set by                                notes
 (the node's own)           the SSH login / the image             below everything
 TMN_RUN_ID                 job_environment                       reserved
 PYTHONUNBUFFERED=1         job_environment                       reserved
-TORCH_FR_BUFFER_SIZE=256   job_environment (the Flight Recorder)  ENV= may change it; 0: off
+TORCH_FR_BUFFER_SIZE=256   job_environment (Flight Recorder)     ENV= may change it; 0: off
 TMN_NODE_NAME              job_environment                       reserved
 TMN_RUN_DIR                job_environment (with a project)      reserved
 PYTHONPATH                 job_environment (with a project)      reserved
