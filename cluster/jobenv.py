@@ -10,3 +10,11 @@ RUN_DIR_VARIABLE = "TMN_RUN_DIR"  # where a workload writes its outputs; the lau
 BACKEND_VARIABLE = "TMN_BACKEND"
 # The node's name in the inventory, for messages that name it.
 NODE_NAME_VARIABLE = "TMN_NODE_NAME"
+# The Flight Recorder (torch's ring of each rank's last collectives): on by default, small. A
+# rank that runs training.distributed.flight.start() (every workload of ours does; a user's
+# script may) writes its trace to FLIGHT_DUMP in the run directory when the launcher creates
+# FLIGHT_REQUEST there (a hang). Both are file names in TMN_RUN_DIR.
+FLIGHT_BUFFER_VARIABLE = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_BUFFER_DEFAULT = "256"
+FLIGHT_REQUEST = "flight-request"
+FLIGHT_DUMP = "flight-rank-{rank}.json"

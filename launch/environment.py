@@ -13,6 +13,7 @@ variable                   set by                                notes
 (the node's own)           the SSH login / the image             below everything
 TMN_RUN_ID                 job_environment                       reserved
 PYTHONUNBUFFERED=1         job_environment                       reserved
+TORCH_FR_BUFFER_SIZE=256   job_environment (Flight Recorder)     ENV= may change it; 0: off
 TMN_NODE_NAME              job_environment                       reserved
 TMN_RUN_DIR                job_environment (with a project)      reserved
 PYTHONPATH                 job_environment (with a project)      reserved
@@ -50,7 +51,13 @@ from pathlib import Path
 
 from torch_multinode.cluster.errors import UserError, shown
 from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE, RUN_DIR_VARIABLE
+from torch_multinode.cluster.jobenv import (
+    BACKEND_VARIABLE,
+    FLIGHT_BUFFER_DEFAULT,
+    FLIGHT_BUFFER_VARIABLE,
+    NODE_NAME_VARIABLE,
+    RUN_DIR_VARIABLE,
+)
 from torch_multinode.launch.nodes import visible_gpus
 from torch_multinode.launch.spec import DEBUG_ENV, DEBUG_LEVELS, JobSpec
 
@@ -79,6 +86,7 @@ def job_environment(
     machine alike: its run directory (TMN_RUN_DIR), the project on the import path, the job's
     process group backend (TMN_BACKEND) where the caller decided them."""
     variables = {"TMN_RUN_ID": spec.run_id, "PYTHONUNBUFFERED": "1", NODE_NAME_VARIABLE: host.name}
+    variables[FLIGHT_BUFFER_VARIABLE] = FLIGHT_BUFFER_DEFAULT  # the hang report's trace
     if run_dir is not None:
         variables[RUN_DIR_VARIABLE] = run_dir
     if python_path is not None:

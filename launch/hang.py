@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from torch_multinode.cluster.versions import PY_SPY_VERSION
+from torch_multinode.launch import flight
 
 STACKS_TIMEOUT = 45  # seconds one node's collection may take, all its ranks
 PY_SPY_TIMEOUT = 10  # seconds one rank's dump may take
@@ -209,12 +210,23 @@ def _where(stacks: RankStacks, found: Place, workdir: str | None) -> str:
     return f"{who}: not in a collective, at {at.shown(workdir)}{deeper}"
 
 
-def judge(ranks: list[RankStacks], silent: dict[str, str], workdir: str | None = None) -> Verdict:
+def judge(
+    ranks: list[RankStacks],
+    silent: dict[str, str],
+    workdir: str | None = None,
+    flights: dict[int, flight.Collective] | None = None,
+) -> Verdict:
     """The report: each rank's place, then who is the likely cause. `silent`: nodes whose
-    stacks could not be read, and why."""
+    stacks could not be read, and why; `flights`: each rank's last collective, from the
+    Flight Recorder (launch.flight), where its trace was read."""
+    flights = flights or {}
     ordered = sorted(ranks, key=lambda r: r.rank)
     places = {id(r): place(r) for r in ordered}
-    lines = [_where(r, places[id(r)], workdir) for r in ordered]
+    lines = [
+        _where(r, places[id(r)], workdir)
+        + (f"; last collective {flights[r.rank].shown()}" if r.rank in flights else "")
+        for r in ordered
+    ]
     lines += [f"{node}: no stacks ({why})" for node, why in sorted(silent.items())]
     waiting = [r for r in ordered if places[id(r)].kind in ("collective", "gpu", "backward")]
     elsewhere = [r for r in ordered if places[id(r)].kind == "elsewhere"]
@@ -223,7 +235,11 @@ def judge(ranks: list[RankStacks], silent: dict[str, str], workdir: str | None =
     def named(group: list[RankStacks]) -> str:
         return ", ".join(f"rank {r.rank} ({r.node})" for r in group)
 
-    if waiting and elsewhere:
+    mismatched = flight.mismatch(flights, {r.rank: r.node for r in ordered})
+    if mismatched:
+        cause = mismatched  # the Flight Recorder's sequence numbers say it exactly
+        culprits = []
+    elif waiting and elsewhere:
         first = elsewhere[0]
         at = places[id(first)].line or places[id(first)].innermost
         cause = (

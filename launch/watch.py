@@ -11,9 +11,9 @@ from pathlib import Path
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import hang
+from torch_multinode.launch import flight, hang
 from torch_multinode.launch.blame import cut_off
-from torch_multinode.launch.commands import container_name, link_probe_command
+from torch_multinode.launch.commands import container_name, link_probe_command, run_dir
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     LINK_PROBE_INTERVAL,
@@ -129,16 +129,22 @@ def report(job: RunningJob) -> hang.Verdict:
     """Every node's ranks' stacks, read at once (each node within hang.STACKS_TIMEOUT), judged,
     printed, and saved as hang-report.txt (and each node's stacks as hang-stacks-NODE.txt)."""
     container = job.container
+    directory = run_dir(job.spec)  # the same path in the container
     texts: dict[str, str] = {}
     silent: dict[str, str] = {}
 
     def read(host: Host) -> None:
         py_spy = str(Path(host.python).parent / "py-spy") if "/" in host.python else "py-spy"
-        command = hang.stacks_command(
+        stacks = hang.stacks_command(
             job.spec.run_id,
             "py-spy" if container else py_spy,
             container_name(job.spec.run_id, host.name) if container else None,
             native=host.gpus > 0,  # a rank waiting for its GPU is in libcuda
+        )
+        # the ranks' Flight Recorder traces: asked for first, written while py-spy reads
+        command = (
+            f"{flight.request_command(directory)}; {stacks}; sleep {flight.WAIT:g}; "
+            f"{flight.collect_command(directory)}"
         )
         try:
             with job.session(host) as remote:
@@ -157,12 +163,15 @@ def report(job: RunningJob) -> hang.Verdict:
         if host.name not in texts and host.name not in silent:
             silent[host.name] = f"no answer within {hang.STACKS_TIMEOUT} s"
     ranks: list[hang.RankStacks] = []
+    flights: dict[int, flight.Collective] = {}
     for name, text in texts.items():
+        text, traced = flight.split(text)
+        flights.update(traced)
         found, problem = hang.parse(name, text)
         ranks += found
         if problem is not None:
             silent[name] = problem
-    verdict = hang.judge(ranks, silent, job.workdir)
+    verdict = hang.judge(ranks, silent, job.workdir, flights)
     header = f"Hang report, job {job.spec.run_id}: {job.progress.describe()}"
     for line in verdict.lines:
         job.emit(f"[launcher]   {line}")

@@ -5,7 +5,8 @@ with py-spy inside the job's containers, and the report names the rank, its node
 - a rank asleep in its data loading at step 5: named with the line of the sleep, the other
   rank said to wait in all_reduce; the job stopped, nothing of it left on any node, the
   report in `.runs/<id>/`;
-- a rank that skipped one all_reduce: both ranks' collectives named (all_reduce / barrier);
+- a rank that skipped one all_reduce: both ranks' collectives named with their sequence numbers
+  from the Flight Recorder (all_reduce #10 / barrier #10);
 - a rank busy in a Python loop: named with its line;
 - ON_HANG=wait: the report, then the job left running until Ctrl-C;
 - `make hang-report RUN=<id>` prints a saved report again.
@@ -38,8 +39,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch_multinode.training.distributed import flight
+
 FAULT = sys.argv[1]
 dist.init_process_group("gloo")
+flight.start()  # the Flight Recorder's trace for the hang report, as the README shows
 rank = dist.get_rank()
 print(f"rank {rank} runs on {os.environ['TMN_NODE_NAME']}", flush=True)
 
@@ -116,6 +120,9 @@ def test_a_rank_asleep_in_its_data_loading_is_named_with_its_line(provisioned, t
     )
     assert sleeper in output, output[-3000:]
     assert f"rank 0 on {nodes[0]}: waits in all_reduce, called at hang.py:" in output
+    # the Flight Recorder's view: rank 0 waits in collective #5, rank 1 did #4 last
+    assert "; last collective all_reduce #5 (sizes [[1]])" in output, output[-3000:]
+    assert f"{sleeper}; last collective all_reduce #4 (sizes [[1]])" in output
     assert f"FAILED on {nodes[1]}" in output, output[-3000:]
     report = REPO_ROOT / ".runs" / run_id / "hang-report.txt"
     assert sleeper in report.read_text()
@@ -129,10 +136,11 @@ def test_a_rank_that_skipped_an_all_reduce_is_named_with_both_collectives(provis
     output, run_id, nodes = _hung(provisioned, tmp_path, "skip")
     assert f"rank 0 on {nodes[0]}: waits in all_reduce" in output, output[-3000:]
     assert f"rank 1 on {nodes[1]}: waits in barrier" in output, output[-3000:]
+    # rank 1's 9 all_reduces and its barrier against rank 0's 10 all_reduces: #10 differs
     assert (
-        f"ranks wait in different collectives: rank 0 ({nodes[0]}) in all_reduce; "
-        f"rank 1 ({nodes[1]}) in barrier"
-    ) in output
+        f"mismatched collectives: rank 0 ({nodes[0]}) in all_reduce #10 (sizes [[1]]) while "
+        f"rank 1 ({nodes[1]}) in barrier #10"
+    ) in output, output[-3000:]
     _nothing_left(provisioned, run_id)
 
 

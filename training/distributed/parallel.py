@@ -24,6 +24,7 @@ from torch import nn
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
+from torch_multinode.training.distributed import flight
 from torch_multinode.training.settings.config import batch_fits
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -153,12 +154,14 @@ def bound_device(device: torch.device) -> dict[str, torch.device]:
 
 
 def start(env: DistEnv, timeout_seconds: float = 600) -> None:
-    """Join the process group (a no-op for a single unlaunched process)."""
+    """Join the process group (a no-op for a single unlaunched process), and serve the Flight
+    Recorder's trace to the launcher (training.distributed.flight)."""
     use_device(env)
     if env.launched and not dist.is_initialized():
         dist.init_process_group(
             env.backend, timeout=timedelta(seconds=timeout_seconds), **bound_device(env.device)
         )
+        flight.start()  # the trace, written when the launcher asks (a hang)
 
 
 def stop(synchronize: bool = False) -> None:

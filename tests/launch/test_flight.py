@@ -1,0 +1,163 @@
+"""The Flight Recorder in a hang report: the ranks write their traces when asked
+(training.distributed.flight), the launcher reads each rank's last collective and names a
+mismatch (launch.flight, launch.hang.judge). The real thing runs on this machine: two gloo ranks
+over loopback that call different collectives, asked for their traces while they wait."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.launch.test_hang import in_all_reduce
+from torch_multinode.cluster.jobenv import FLIGHT_DUMP, FLIGHT_REQUEST
+from torch_multinode.launch import flight, hang
+from torch_multinode.training.distributed import flight as node_flight
+
+REPO = Path(__file__).resolve().parents[2]
+
+# rank 0 broadcasts where rank 1 waits at a barrier: collective #3 does not match
+MISMATCHED = """\
+import datetime
+import torch
+import torch.distributed as dist
+from torch_multinode.training.distributed import flight
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+flight.start()
+rank = dist.get_rank()
+t = torch.ones(1000)
+dist.all_reduce(t)
+dist.all_reduce(t)
+print(f"rank {rank} ready", flush=True)
+if rank == 0:
+    dist.broadcast(t, 0)
+else:
+    dist.barrier()
+"""
+
+
+def entry(seq: int, name: str, sizes=((1000,),), p2p: bool = False) -> dict:
+    return {
+        "collective_seq_id": seq,
+        "profiling_name": name,
+        "input_sizes": [list(s) for s in sizes],
+        "is_p2p": p2p,
+        "process_group": ["0", "default_pg"],
+    }
+
+
+def trace(*entries: dict) -> str:
+    return json.dumps({"entries": list(entries)})
+
+
+def test_the_last_collective_of_each_rank_is_read_and_a_mismatch_named():
+    text = "\n".join(
+        [
+            "=== tmn rank 0 pid 10",
+            in_all_reduce(10),
+            f"{flight.MARK} /r/{FLIGHT_DUMP.format(rank=0)}",
+            trace(entry(1, "gloo:all_reduce"), entry(2, "gloo:all_reduce")),
+            f"{flight.MARK} /r/{FLIGHT_DUMP.format(rank=1)}",
+            trace(entry(1, "gloo:all_reduce"), entry(2, "gloo:barrier", sizes=())),
+            f"{flight.MARK} /r/{FLIGHT_DUMP.format(rank=2)}",
+            '{"entries": [',  # cut short: no collective for rank 2, nothing else lost
+        ]
+    )
+    rest, flights = flight.split(text)
+    assert flight.MARK not in rest and "=== tmn rank 0 pid 10" in rest
+    assert flights == {
+        0: flight.Collective(2, "all_reduce", "[[1000]]", "default_pg"),
+        1: flight.Collective(2, "barrier", "", "default_pg"),
+    }
+    said = flight.mismatch(flights, {0: "node1", 1: "node2"})
+    assert said == (
+        "mismatched collectives: rank 0 (node1) in all_reduce #2 (sizes [[1000]]) while "
+        "rank 1 (node2) in barrier #2"
+    )
+    # the same op and sizes at different sequence numbers is no mismatch (a rank behind)
+    behind = {0: flights[0], 1: flight.Collective(1, "all_reduce", "[[1000]]", "default_pg")}
+    assert flight.mismatch(behind, {}) is None
+
+
+def test_the_verdict_names_the_mismatch_and_each_ranks_last_collective():
+    ranks, _ = hang.parse("node1", "=== tmn rank 0 pid 10\n" + in_all_reduce(10))
+    more, _ = hang.parse("node2", "=== tmn rank 1 pid 20\n" + in_all_reduce(20))
+    flights = {
+        0: flight.Collective(812, "all_reduce", "[[4]]", "default_pg"),
+        1: flight.Collective(812, "broadcast", "[[4]]", "default_pg"),
+    }
+    verdict = hang.judge(ranks + more, {}, None, flights)
+    assert verdict.cause == (
+        "mismatched collectives: rank 0 (node1) in all_reduce #812 (sizes [[4]]) while "
+        "rank 1 (node2) in broadcast #812 (sizes [[4]])"
+    )
+    assert verdict.lines[0].endswith("; last collective all_reduce #812 (sizes [[4]])")
+    # without traces the verdict is the stacks' alone, as before
+    assert "mismatched" not in hang.judge(ranks + more, {}, None).cause
+
+
+def test_no_watcher_with_the_recorder_off_or_without_a_run_directory(tmp_path):
+    environ = {"TMN_RUN_DIR": str(tmp_path), "RANK": "0"}
+    assert node_flight.start({**environ, "TORCH_FR_BUFFER_SIZE": "0"}) is None
+    assert node_flight.start(environ) is None
+    assert node_flight.start({"RANK": "0", "TORCH_FR_BUFFER_SIZE": "8"}) is None
+
+
+def test_two_ranks_in_different_collectives_are_named_from_their_own_traces(tmp_path):
+    script = tmp_path / "mismatched.py"
+    script.write_text(MISMATCHED)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TMN_RUN_DIR": str(tmp_path),
+        "TORCH_FR_BUFFER_SIZE": "16",
+        "OMP_NUM_THREADS": "1",
+    }
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + [str(script)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        ready = 0
+        for line in job.stdout:
+            ready += " ready" in line
+            if ready == 2:
+                break
+        assert ready == 2, "the ranks never got to their collectives"
+        time.sleep(1)  # both wait in their collective now
+        assert not list(tmp_path.glob(FLIGHT_DUMP.format(rank="*")))  # nothing unasked
+        subprocess.run(["sh", "-c", flight.request_command(str(tmp_path))], check=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if len(list(tmp_path.glob(FLIGHT_DUMP.format(rank="*")))) == 2:
+                break
+            time.sleep(0.2)
+        printed = subprocess.run(
+            ["sh", "-c", flight.collect_command(str(tmp_path))],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert (tmp_path / FLIGHT_REQUEST).exists()
+    _, flights = flight.split(printed)
+    assert sorted(flights) == [0, 1], printed[:2000]
+    assert flights[0].op == "broadcast" and flights[1].op == "barrier", flights
+    assert flights[0].seq == flights[1].seq == 3
+    said = flight.mismatch(flights, {0: "here", 1: "here"})
+    assert said is not None and said.startswith(
+        "mismatched collectives: rank 0 (here) in broadcast #3"
+    )
