@@ -66,9 +66,14 @@ NODE_SIDE: dict[str, tuple[str, ...] | None] = {
     "netcheck": ("bandwidth", "collective", "softprobe"),
     "training": None,
 }
-# They sit in a directory named TOOL_PACKAGE (the one name our code is imported by, in jobs too).
+# They sit in a directory named TOOL_PACKAGE (the one name our code is imported by, in jobs too)
+# alone in a node directory of its own, TOOL_DIR_NAME's (`tool_destination`).
 TOOL_ROOT = Path(__file__).resolve().parents[1]
 TOOL_PACKAGE = "torch_multinode"
+# Not 'torch-multinode': nodes provisioned before the tree moved into TOOL_PACKAGE hold the
+# rooms directly in that directory, where `cluster/` and `training/` would now be on a job's
+# import path under their generic names.
+TOOL_DIR_NAME = "torch-multinode-tool"
 
 # Run on the node with the file list on stdin (NUL-separated): the same digest as `digest()`.
 _NODE_DIGEST = """
@@ -358,7 +363,7 @@ def tool_destination(inventory: Inventory) -> str:
     torch_multinode/ directory alone in its parent, which goes on the import path
     (`tool_import_path`), so `torch_multinode.training` is importable there and no generic
     name (`training`, `cluster`) is."""
-    return f"{remote_dir(inventory.workdir_root, TOOL_ROOT, 'torch-multinode')}/{TOOL_PACKAGE}"
+    return f"{remote_dir(inventory.workdir_root, TOOL_ROOT, TOOL_DIR_NAME)}/{TOOL_PACKAGE}"
 
 
 def tool_import_path(destination: str) -> str:
