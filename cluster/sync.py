@@ -294,7 +294,9 @@ def tool_files() -> list[str]:
 
 def _tool_excludes() -> list[str]:
     """rsync patterns that keep all but tool_files() of TOOL_ROOT behind: the other rooms and
-    files, and the modules of a listed room that run on the controller only."""
+    files, and the modules of a listed room that run on the controller only. Like every
+    excluded path, these are also kept where a node has them: a module taken off NODE_SIDE
+    stays in the node's copy, where nothing that runs there imports it."""
     excludes = [f"{name}/" for name in ALWAYS_EXCLUDED_DIRS]
     excludes += [f"*{suffix}" for suffix in ALWAYS_EXCLUDED_SUFFIXES]
     excludes += [
