@@ -55,11 +55,25 @@ ALWAYS_EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 DEFAULT_WORKDIR_LIMIT = 200_000_000  # bytes (200 MB): code and configs, not datasets
 PROGRESS_EVERY = 3.0  # seconds between a node's progress lines during a transfer
 RSYNC_TIMEOUT = 30  # rsync's own I/O timeout: a node that stops answering ends the transfer
-# The package directories of this project: what a job needs of it on the node, where they sit
-# in a directory named TOOL_PACKAGE (the one name our code is imported by, in jobs too).
+# What of this project runs on a node, and so travels there: per room, None for the whole room,
+# else the modules directly in it that a node runs or imports (with the room's __init__.py).
+# netcheck's collective workers run as `python -m torch_multinode.netcheck.collective` (its
+# software and socket probes are sent as source, `python -c`, and need none of this); the
+# workloads import cluster's stdlib-only node side. tests/test_rooms.py holds these modules to
+# their import rules and checks that everything they import travels with them.
+NODE_SIDE: dict[str, tuple[str, ...] | None] = {
+    "cluster": ("errors", "jobenv", "nccl_transport", "versions"),
+    "netcheck": ("bandwidth", "collective", "softprobe"),
+    "training": None,
+}
+# They sit in a directory named TOOL_PACKAGE (the one name our code is imported by, in jobs too)
+# alone in a node directory of its own, TOOL_DIR_NAME's (`tool_destination`).
 TOOL_ROOT = Path(__file__).resolve().parents[1]
-TOOL_PACKAGES = ("cluster", "netcheck", "training")
 TOOL_PACKAGE = "torch_multinode"
+# Not 'torch-multinode': nodes provisioned before the tree moved into TOOL_PACKAGE hold the
+# rooms directly in that directory, where `cluster/` and `training/` would now be on a job's
+# import path under their generic names.
+TOOL_DIR_NAME = "torch-multinode-tool"
 
 # Run on the node with the file list on stdin (NUL-separated): the same digest as `digest()`.
 _NODE_DIGEST = """
@@ -255,28 +269,60 @@ def data_tree(root: Path) -> Tree:
     return Tree(root, tuple(files), ("",) * len(files), tuple(sizes), ())
 
 
-def tool_tree() -> Tree:
-    """This project's own packages (the workloads, training.legacy, netcheck's workers), as a
-    job needs them: found by walking them, not asked of git, so an installed copy travels too."""
-    files, hashes, sizes = [], [], []
-    for package in TOOL_PACKAGES:
-        for name in sorted(_walked(TOOL_ROOT / package)):
-            if _always_excluded(name.rsplit("/", 1)[-1], False):
-                continue
-            path = TOOL_ROOT / package / name
-            files.append(f"{package}/{name}")
-            hashes.append(_file_hash(path))
-            sizes.append(path.lstat().st_size)
+def tool_files() -> list[str]:
+    """The files of this project that travel to the nodes (NODE_SIDE), relative to TOOL_ROOT:
+    found by walking the rooms, not asked of git, so an installed copy travels too."""
+    files = []
+    for room, modules in NODE_SIDE.items():
+        if modules is None:
+            names = _walked(TOOL_ROOT / room)
+        else:
+            names = ["__init__.py"]
+            for module in modules:
+                if (TOOL_ROOT / room / module).is_dir():
+                    names += [f"{module}/{name}" for name in _walked(TOOL_ROOT / room / module)]
+                else:
+                    names.append(f"{module}.py")
+        files += [
+            f"{room}/{name}"
+            for name in names
+            if not _always_excluded(name.rsplit("/", 1)[-1], False)
+            and os.path.lexists(TOOL_ROOT / room / name)
+        ]
+    return sorted(files)
+
+
+def _tool_excludes() -> list[str]:
+    """rsync patterns that keep all but tool_files() of TOOL_ROOT behind: the other rooms and
+    files, and the modules of a listed room that run on the controller only. Like every
+    excluded path, these are also kept where a node has them: a module taken off NODE_SIDE
+    stays in the node's copy, where nothing that runs there imports it."""
     excludes = [f"{name}/" for name in ALWAYS_EXCLUDED_DIRS]
     excludes += [f"*{suffix}" for suffix in ALWAYS_EXCLUDED_SUFFIXES]
     excludes += [
         "/" + _escape(entry.name) + ("/" if entry.is_dir() else "")
         for entry in sorted(TOOL_ROOT.iterdir())
-        if entry.name not in TOOL_PACKAGES
+        if entry.name not in NODE_SIDE
     ]
-    order = sorted(range(len(files)), key=files.__getitem__)
-    pick = lambda values: tuple(values[i] for i in order)  # noqa: E731
-    return Tree(TOOL_ROOT, pick(files), pick(hashes), pick(sizes), tuple(excludes))
+    for room, modules in NODE_SIDE.items():
+        if modules is None:
+            continue
+        # Those listed are taken, the rest of the room not ("+ " includes, "- " excludes).
+        excludes.append(f"+ /{room}/__init__.py")
+        for module in modules:
+            is_dir = (TOOL_ROOT / room / module).is_dir()
+            excludes.append(f"+ /{room}/{_escape(module)}" + ("/" if is_dir else ".py"))
+        excludes.append(f"- /{room}/*")
+    return excludes
+
+
+def tool_tree() -> Tree:
+    """What of this project runs on a node (NODE_SIDE: the workloads, training.legacy,
+    netcheck's workers), as a job needs it."""
+    files = tool_files()
+    hashes = tuple(_file_hash(TOOL_ROOT / name) for name in files)
+    sizes = tuple((TOOL_ROOT / name).lstat().st_size for name in files)
+    return Tree(TOOL_ROOT, tuple(files), hashes, sizes, tuple(_tool_excludes()))
 
 
 def human(size: float) -> str:
@@ -319,7 +365,7 @@ def tool_destination(inventory: Inventory) -> str:
     torch_multinode/ directory alone in its parent, which goes on the import path
     (`tool_import_path`), so `torch_multinode.training` is importable there and no generic
     name (`training`, `cluster`) is."""
-    return f"{remote_dir(inventory.workdir_root, TOOL_ROOT, 'torch-multinode')}/{TOOL_PACKAGE}"
+    return f"{remote_dir(inventory.workdir_root, TOOL_ROOT, TOOL_DIR_NAME)}/{TOOL_PACKAGE}"
 
 
 def tool_import_path(destination: str) -> str:

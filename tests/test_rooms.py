@@ -1,10 +1,13 @@
 """The rooms' import rules (CONTRIBUTING.md, "Layout"): what each room may import, read from
-the source of every module, and no import circle among modules at import time."""
+the source of every module, what runs on a node (cluster.sync.NODE_SIDE) and that it travels
+there whole, and no import circle among modules at import time."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+from torch_multinode.cluster import sync
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "torch_multinode"
@@ -21,14 +24,17 @@ MAY_IMPORT = {
     "training": {"cluster"},
     "bench": set(ROOMS),
 }
-# What travels to the nodes imports, of cluster/, only these stdlib-only modules.
-NODE_SIDE_CLUSTER = {"errors", "jobenv", "nccl_transport", "versions"}
-NODE_SIDE = [
-    ("training", None),
-    ("netcheck", "collective"),
-    ("netcheck", "sockprobe"),
-    ("netcheck", "softprobe"),
-]
+# Modules that run on the controller only: never sent to a node.
+CONTROLLER_ONLY = (
+    "cluster/inventory.py",
+    "cluster/remote.py",
+    "cluster/sync.py",
+    "cluster/execution.py",
+    "cluster/cli.py",
+    "netcheck/preflight.py",
+    "netcheck/cli.py",
+)
+CONTROLLER_ROOMS = ("launch", "provision", "sim", "bench", "tests", "torch_multinode")
 
 
 def _modules() -> dict[str, Path]:
@@ -92,21 +98,82 @@ def test_each_room_imports_only_what_its_rule_allows():
     assert broken == []
 
 
-def test_what_runs_on_a_node_imports_only_the_node_side_of_cluster():
+def _node_side(modules: dict[str, Path]) -> set[str]:
+    """The modules that run on a node, as cluster.sync.NODE_SIDE lists them (a room's package
+    itself travels with any of its modules)."""
+    found = set()
+    for module in modules:
+        room, *rest = module.split(".")
+        listed = sync.NODE_SIDE.get(room, ())
+        if listed is None or (not rest and room in sync.NODE_SIDE) or (rest and rest[0] in listed):
+            found.add(module)
+    return found
+
+
+def test_node_side_lists_modules_that_exist():
     modules = _modules()
-    broken = []
-    for module, path in modules.items():
-        parts = module.split(".")
-        if not any(
-            parts[0] == room and (leaf is None or parts[-1] == leaf) for room, leaf in NODE_SIDE
-        ):
+    listed = {f"{room}.{name}" for room, names in sync.NODE_SIDE.items() if names for name in names}
+    assert listed and listed <= set(modules)
+    assert {"training.ddp", "netcheck.collective", "cluster.errors"} <= _node_side(modules)
+
+
+def test_what_runs_on_a_node_imports_only_what_runs_on_a_node():
+    modules = _modules()
+    node_side = _node_side(modules)
+    broken = [
+        f"{module} imports {name}"
+        for module in sorted(node_side)
+        for name in sorted(_imports(modules[module], modules, at_import_time=False))
+        if name not in node_side
+    ]
+    assert broken == []
+
+
+def test_everything_a_node_imports_travels_and_nothing_of_the_controller_does():
+    """From the source: every torch_multinode module that the node-side modules import, at
+    any depth and wherever in them, and the packages holding each, is in the tool tree."""
+    modules = _modules()
+    needed, pending = set(), sorted(_node_side(modules))
+    while pending:
+        module = pending.pop()
+        if module in needed:
             continue
-        for name in _imports(path, modules, at_import_time=False):
-            pieces = name.split(".")
-            if pieces[0] == "cluster" and (len(pieces) < 2 or pieces[1] not in NODE_SIDE_CLUSTER):
-                broken.append(f"{module} imports {name}")
-            if pieces[0] not in ("cluster", "training", "netcheck"):
-                broken.append(f"{module} imports {name}")
+        needed.add(module)
+        parts = module.split(".")
+        pending += [".".join(parts[:i]) for i in range(1, len(parts))]  # their __init__.py
+        pending += sorted(_imports(modules[module], modules, at_import_time=False) & set(modules))
+    files = set(sync.tool_tree().files)
+    wanted = {modules[module].relative_to(REPO).as_posix() for module in needed}
+    assert {"netcheck/bandwidth.py", "cluster/__init__.py"} <= wanted  # it follows imports
+    assert sorted(wanted - files) == []
+    assert sorted(files & set(CONTROLLER_ONLY)) == []
+    assert sorted(f for f in files if f.split("/")[0] in CONTROLLER_ROOMS) == []
+    assert sorted(f for f in files if f.endswith(".py")) == sorted(wanted)
+
+
+def _sent_as_source() -> list[str]:
+    """The modules netcheck.preflight sends to a node as source, `python -c`, read from its
+    `HERE / "NAME.py"`: they run with no package around them."""
+    tree = ast.parse((REPO / "netcheck" / "preflight.py").read_text())
+    return sorted(
+        f"netcheck.{node.right.value.removesuffix('.py')}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Div)
+        and isinstance(node.right, ast.Constant)
+        and str(node.right.value).endswith(".py")
+    )
+
+
+def test_the_probes_sent_as_source_import_nothing_of_ours_when_they_start():
+    modules = _modules()
+    probes = _sent_as_source()
+    assert probes == ["netcheck.sockprobe", "netcheck.softprobe"]
+    broken = [
+        f"{probe} imports {name}"
+        for probe in probes
+        for name in sorted(_imports(modules[probe], modules, at_import_time=True))
+    ]
     assert broken == []
 
 

@@ -289,3 +289,41 @@ def test_a_copy_that_differs_from_the_controllers_is_refused_naming_node_and_fil
         "(mylib/model.py first); a file changed while it was being sent, or the node's disk is "
         "failing"
     )
+
+
+def _local_rsync(inventory, tree: sync.Tree, destination: str, scratch: Path) -> None:
+    """sync.rsync_command's transfer, between two local directories (no SSH)."""
+    excludes = scratch / "excludes"
+    excludes.write_text("".join(f"{pattern}\n" for pattern in tree.excludes))
+    command = sync.rsync_command(inventory, inventory.hosts[0], tree, destination, excludes)
+    at = command.index("-e")
+    del command[at : at + 2]
+    command = [part for part in command if not part.startswith("--rsync-path=")]
+    Path(destination).mkdir(parents=True, exist_ok=True)
+    subprocess.run([*command[:-1], destination + "/"], check=True, capture_output=True)
+
+
+def test_only_what_runs_on_a_node_arrives_alone_on_the_import_path(tmp_path):
+    work = tmp_path / "work"
+    inventory = parse(_inventory_text(workdir_root=str(work)), "/nonexistent/inv.yml")
+    # A node provisioned before the tree moved into torch_multinode/: the rooms directly in
+    # the tool's directory of that time, which must never be on a job's import path.
+    old = Path(sync.remote_dir(str(work), sync.TOOL_ROOT, "torch-multinode"))
+    for name in ("cluster/__init__.py", "training/__init__.py", "netcheck/__init__.py"):
+        (old / name).parent.mkdir(parents=True, exist_ok=True)
+        (old / name).write_text("")
+    tree = sync.tool_tree()
+    destination = sync.tool_destination(inventory)
+    _local_rsync(inventory, tree, destination, tmp_path)
+    import_path = Path(sync.tool_import_path(destination))
+    assert import_path != old and import_path.parent == work
+    assert [entry.name for entry in import_path.iterdir()] == ["torch_multinode"]
+    arrived = sorted(
+        path.relative_to(destination).as_posix()
+        for path in Path(destination).rglob("*")
+        if not path.is_dir()
+    )
+    assert arrived == list(tree.files)
+    assert {"cluster/errors.py", "netcheck/collective.py", "training/ddp.py"} <= set(arrived)
+    assert not {"cluster/inventory.py", "cluster/sync.py", "netcheck/preflight.py"} & set(arrived)
+    sync.verify(_Node(Path(destination)), tree, destination)
