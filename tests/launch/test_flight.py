@@ -161,3 +161,28 @@ def test_two_ranks_in_different_collectives_are_named_from_their_own_traces(tmp_
     assert said is not None and said.startswith(
         "mismatched collectives: rank 0 (here) in broadcast #3"
     )
+
+
+def test_an_nccl_trace_as_an_h200_wrote_it_gives_its_last_collective():
+    # _dump_nccl_trace_json(True, False) of one NCCL rank after three all_reduces, torch 2.11 on
+    # an H200 (the fields read here, as it wrote them; only_active=True had left no entry)
+    nccl = {
+        "comm_lib_version": "2.28.9",
+        "entries": [
+            {
+                "collective_seq_id": seq,
+                "profiling_name": "nccl:all_reduce",
+                "state": "completed",
+                "input_sizes": [[4096]],
+                "is_p2p": False,
+                "process_group": ["0", "default_pg"],
+            }
+            for seq in (1, 2, 3)
+        ],
+        "pg_status": {"0": {"last_completed_collective": "-1", "last_enqueued_collective": "3"}},
+        "version": "2.10",
+    }
+    assert flight.last_collective(nccl) == flight.Collective(
+        3, "all_reduce", "[[4096]]", "default_pg"
+    )
+    assert flight.last_collective({"version": "2.10", "pg_status": {}}) is None  # no entry

@@ -39,9 +39,12 @@ def trace_json(backend: str | None = None) -> bytes:
 
     if backend is None and dist.is_available() and dist.is_initialized():
         backend = str(dist.get_backend())
+    # (include collectives, only active ones): every entry the ring holds, completed ones too,
+    # so that a rank outside any collective still shows its last one. On an H200 with torch
+    # 2.11, NCCL's entries are in _dump_nccl_trace_json only, and only_active=True left none.
     if backend == "nccl":
-        return c10d._dump_nccl_trace_json(True, True)
-    return c10d._dump_fr_trace_json(True, True)
+        return c10d._dump_nccl_trace_json(True, False)
+    return c10d._dump_fr_trace_json(True, False)
 
 
 def write(out: Path, backend: str | None = None) -> None:
