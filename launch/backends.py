@@ -50,17 +50,32 @@ class Backend(Protocol):
         """Where the job's logs and run directory are, once it is over."""
 
 
-def _closing(spec: JobSpec, inventory: Inventory, result: JobResult) -> list[str]:
-    lines = [f"Logs: {spec.log_dir}/ (one file per node)"]
-    if result.brought_back:
-        lines.append(f"Run directory of {inventory.master.name}: {result.brought_back}")
-        if spec.log_dir is not None and (spec.log_dir / "tensorboard").is_dir():
-            lines.append(f"TensorBoard: make tensorboard RUN={spec.log_dir.name}")
-    return lines
+class _OnNodes:
+    """What the SSH and Slurm backends share: the master's run directory brought back after
+    each run, and the nodes' summary."""
+
+    inventory: Inventory
+    spec: JobSpec
+    emit: Emit
+
+    def ended(self, spec: JobSpec, result: JobResult) -> None:
+        bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
+
+    def summary(self, result: JobResult) -> list[str]:
+        return summary(result, self.inventory.hosts)
+
+    def closing(self, result: JobResult) -> list[str]:
+        log_dir = self.spec.log_dir
+        lines = [f"Logs: {log_dir}/ (one file per node)"]
+        if result.brought_back:
+            lines.append(f"Run directory of {self.inventory.master.name}: {result.brought_back}")
+            if log_dir is not None and (log_dir / "tensorboard").is_dir():
+                lines.append(f"TensorBoard: make tensorboard RUN={log_dir.name}")
+        return lines
 
 
 @dataclass
-class SshBackend:
+class SshBackend(_OnNodes):
     """One SSH session per node (launch.job); a restart waits for every node to answer again
     and stops whatever the failed run left."""
 
@@ -86,9 +101,6 @@ class SshBackend:
         return Launcher(
             self.inventory, spec, self.emit, project=self.project, nodes=self.nodes
         ).run()
-
-    def ended(self, spec: JobSpec, result: JobResult) -> None:
-        bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
 
     def can_restart(self) -> bool:
         return True
@@ -118,15 +130,9 @@ class SshBackend:
         )
         return attempt
 
-    def summary(self, result: JobResult) -> list[str]:
-        return summary(result, self.inventory.hosts)
-
-    def closing(self, result: JobResult) -> list[str]:
-        return _closing(self.spec, self.inventory, result)
-
 
 @dataclass
-class SlurmBackend:
+class SlurmBackend(_OnNodes):
     """One batch job (launch.slurm); a restart requeues it: the same Slurm job runs again."""
 
     inventory: Inventory
@@ -149,9 +155,6 @@ class SlurmBackend:
         finally:
             self.job_id, self.project = run.job_id, run.project
 
-    def ended(self, spec: JobSpec, result: JobResult) -> None:
-        bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
-
     def can_restart(self) -> bool:
         return self.job_id is not None
 
@@ -162,12 +165,6 @@ class SlurmBackend:
             f"[launcher] restart {restart} of {restarts}: requeueing Slurm job {self.job_id}..."
         )
         return first  # the same job ID, the same run directory
-
-    def summary(self, result: JobResult) -> list[str]:
-        return summary(result, self.inventory.hosts)
-
-    def closing(self, result: JobResult) -> list[str]:
-        return _closing(self.spec, self.inventory, result)
 
 
 @dataclass
