@@ -346,6 +346,8 @@ def flight_lines(flight: dict) -> list[str]:
         f"- on: {_spread(flight['step_seconds_on'], '{:.4f}')} s per step",
         f"- off: {_spread(flight['step_seconds_off'], '{:.4f}')} s per step",
         f"- on / off: {_spread(ratio)}; {verdict(ratio['median'], flight['target'])}",
+        "- the same for each run's fastest interval (the least disturbed by other load): "
+        f"{_spread(flight['fastest_step_ratio'])}",
         "",
         f"Worst case: {flight['collectives']:,} all_reduces of 1 element back to back, "
         f"{flight['rounds']} rounds per run, the fastest round counted:",
