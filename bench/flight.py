@@ -120,6 +120,12 @@ def verdict(ratio: float, target: float = FLIGHT_TARGET) -> str:
     return f"{said}: MISSES the target (under {(target - 1) * 100:.0f} %)"
 
 
+def too_noisy(ratio: dict, target: float = FLIGHT_TARGET) -> bool:
+    """The repetitions' ratios fall on both sides of 1 and spread wider than twice the target's
+    margin: the machine's load, not the Flight Recorder, decides the median."""
+    return ratio["min"] < 1 < ratio["max"] and ratio["max"] - ratio["min"] > 2 * (target - 1)
+
+
 def environment(setting: str, run_dir: Path) -> dict[str, str]:
     """A job's environment as the launcher gives it, but for the Flight Recorder's setting:
     the run directory (the trace's watcher runs when on), this checkout's code first."""

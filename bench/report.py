@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torch_multinode.bench.flight import verdict
+from torch_multinode.bench.flight import too_noisy, verdict
 from torch_multinode.cluster.sync import human
 from torch_multinode.netcheck.report import human_bytes
 
@@ -333,6 +333,15 @@ def flight_lines(flight: dict) -> list[str]:
     """Section 13: the Flight Recorder's cost on step time, and per collective at worst."""
     ratio = flight["step_ratio"]
     cost = flight["collective_cost_us"]
+    noisy = (
+        [
+            f"- too noisy to judge: the repetitions range from {ratio['min']:.3f} to "
+            f"{ratio['max']:.3f}, on both sides of 1 and wider than twice the target's margin "
+            "(other load on this machine); an idle machine or more --reps"
+        ]
+        if too_noisy(ratio, flight["target"])
+        else []
+    )
     return [
         "",
         "## 13. The Flight Recorder's cost (this machine, no cluster)",
@@ -348,6 +357,7 @@ def flight_lines(flight: dict) -> list[str]:
         f"- on / off: {_spread(ratio)}; {verdict(ratio['median'], flight['target'])}",
         "- the same for each run's fastest interval (the least disturbed by other load): "
         f"{_spread(flight['fastest_step_ratio'])}",
+        *noisy,
         "",
         f"Worst case: {flight['collectives']:,} all_reduces of 1 element back to back, "
         f"{flight['rounds']} rounds per run, the fastest round counted:",

@@ -152,6 +152,17 @@ def test_the_report_sets_the_step_ratio_against_the_2_percent_target(tmp_path):
     text = (tmp_path / "bench.md").read_text()
     assert "| 1.060 | <= 1.02 | MISSES |" in text
     assert "+6.0 % of step time: MISSES the target (under 2 %)" in text
+    assert "too noisy" not in text
+
+
+def test_a_spread_across_1_wider_than_the_margin_is_too_noisy_to_judge(tmp_path):
+    assert not flight.too_noisy(spread(1.0, 1.01, 1.02))
+    assert not flight.too_noisy(spread(1.05, 1.3, 1.6))  # slower every time: a real cost
+    assert flight.too_noisy(spread(0.9, 1.03, 1.6))
+    noisy = flight_section(step_on=(0.045, 0.0515, 0.080))
+    report.write(data(flight=noisy), tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "- too noisy to judge: the repetitions range from 0.900 to 1.600, on both sides" in text
 
 
 def test_only_flight_brings_up_no_cluster(tmp_path, monkeypatch):
