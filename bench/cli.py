@@ -1,6 +1,7 @@
 """`make bench`: what the link delivers and what training gets from it, on a simulated cluster
 of fresh nodes this run starts (and removes): two one-core nodes behind a 1 Gbit/s link, plus
-two more for netcheck's 4-node figure."""
+two more for netcheck's 4-node figure. The flight section needs no cluster: it runs torchrun on
+this machine, over loopback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from torch_multinode.bench import hang, jobs, measure, network, rebuild, report, shipping
+from torch_multinode.bench import flight, hang, jobs, measure, network, rebuild, report, shipping
 from torch_multinode.cluster import engine
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge
 from torch_multinode.cluster.inventory import load
@@ -29,7 +30,11 @@ SECTIONS = (
     "image",
     "rebuild",
     "hang",
+    "flight",
 )
+# Sections that start nodes of their own (rebuild) or need none (flight): the others share one
+# simulated cluster, brought up only when one of them runs.
+OWN_NODES = ("rebuild", "flight")
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
 SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
 SCALING_QUICK = ["--image-size", "16", "--batch", "4", "--accumulate", "2", "--measure", "1"]
@@ -104,7 +109,8 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         )
     if not 1 <= args.subnet_octet <= 254:
         raise UserError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
-    engine.require_engine()
+    if set(only) != {"flight"}:
+        engine.require_engine()
     octet = args.subnet_octet
     config = sim.SimConfig(
         NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME), f"172.30.{octet}.0/24"
@@ -117,8 +123,10 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         "reps": args.reps,
     }
     data["cluster"] = f"2 Debian containers on this machine's 2 cores, link {args.link}"
-    if set(only) != {"rebuild"}:
+    if set(only) - set(OWN_NODES):
         _on_the_bench_cluster(args, only, config, nnodes, data, progress)
+    elif "rebuild" not in only:
+        data["cluster"] = None  # the flight section alone: this machine, no containers
     if "rebuild" in only:
         # Fresh nodes of its own, after the others are gone: its first run ships the whole image.
         near = octet + 1 if octet < 254 else octet - 1
@@ -130,6 +138,10 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         )
         progress(f"bench: fresh 2-node simulated cluster '{REBUILD_NAME}' for the rebuild...")
         data["rebuild"] = rebuild.measure_rebuild(rebuild_config, args.link, args.reps, progress)
+    if "flight" in only:
+        # Last, when the bench's containers are gone: torchrun on this machine, loopback only.
+        progress("bench: the Flight Recorder's cost, torchrun on this machine (no cluster)...")
+        data["flight"] = flight.measure_flight(args.reps, progress, quick=args.quick)
     data["minutes"] = (time.monotonic() - started) / 60
     written = report.write(data, args.out)
     progress("")

@@ -9,7 +9,8 @@ This module owns what the sections share: Series and the ratios, BENCH rows, com
 from this checkout, the bench cluster's cores and link, `make train` to the first step,
 side-by-side repetitions, nodes provisioned for jobs in containers and their network
 counters. The sections are in bench.network (6, 5, 1), bench.jobs (2, 3, 4, 7, 8, 9),
-bench.shipping (10), bench.rebuild (11) and bench.hang (12); bench.cli runs them in order.
+bench.shipping (10), bench.rebuild (11), bench.hang (12) and bench.flight (13, on this machine,
+no cluster); bench.cli runs them in order.
 """
 
 from __future__ import annotations

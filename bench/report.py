@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from torch_multinode.bench.flight import too_noisy, verdict
 from torch_multinode.cluster.sync import human
 from torch_multinode.netcheck.report import human_bytes
 
 FIXED_LEVERS = ("none", "fp16", "bf16", "powersgd", "no_sync")
+THREE_DECIMALS = ("flight_step", "flight_collective")  # a target of 2 %: 1.024 is not 1.02
 
 # figure: (what it is, its target)
 TARGETS = {
@@ -54,6 +56,15 @@ TARGETS = {
         "<= 1.00",
     ),
     "hang_4": ("the same, 4 nodes", "<= 1.00"),
+    "flight_step": (
+        "DDP step time with the Flight Recorder on (TORCH_FR_BUFFER_SIZE=256) / off (=0), "
+        "2 ranks on this machine, gloo over loopback",
+        "<= 1.02",
+    ),
+    "flight_collective": (
+        "the same for 1-element all_reduces back to back (worst case), time per collective",
+        "(no target)",
+    ),
 }
 
 
@@ -104,6 +115,9 @@ def figures(data: dict) -> dict[str, float | None]:
     for nodes in (2, 4):
         if data.get("hang", {}).get(f"nodes_{nodes}"):
             found[f"hang_{nodes}"] = _median(data["hang"][f"nodes_{nodes}"]["ratio"])
+    if data.get("flight"):
+        found["flight_step"] = _median(data["flight"]["step_ratio"])
+        found["flight_collective"] = _median(data["flight"]["collective_ratio"])
     if data.get("edit_loop"):
         found["edit_kilobytes"] = _median(data["edit_loop"]["edit_bytes_per_node"]) / 1000
     return found
@@ -129,11 +143,15 @@ def _spread(item: dict, fmt: str = "{:.3f}") -> str:
 
 def markdown(data: dict) -> str:
     found = figures(data)
+    where = (
+        f"on the simulated cluster: {data['cluster']}"
+        if data.get("cluster")
+        else "on this machine, no simulated cluster"
+    )
     lines = [
         "# torch-multinode benchmark",
         "",
-        f"`{data['command']}`, {data['date']}, {data['minutes']:.1f} min, on the simulated "
-        f"cluster: {data['cluster']}.",
+        f"`{data['command']}`, {data['date']}, {data['minutes']:.1f} min, {where}.",
         "Every figure is a ratio of two things measured side by side in this run: median over "
         "the repetitions (paired rep by rep), range and count in parentheses.",
         "",
@@ -142,7 +160,15 @@ def markdown(data: dict) -> str:
     ]
     for key, (text, target) in TARGETS.items():
         value = found[key]
-        shown = "-" if value is None else f"{value:.2f}" if abs(value) >= 0.01 else f"{value:.5f}"
+        shown = (
+            "-"
+            if value is None
+            else f"{value:.3f}"
+            if key in THREE_DECIMALS
+            else f"{value:.2f}"
+            if abs(value) >= 0.01
+            else f"{value:.5f}"
+        )
         lines.append(f"| {text} | {shown} | {target} | {meets(key, value)} |")
     bandwidth = data.get("bandwidth")
     if bandwidth:
@@ -298,7 +324,48 @@ def markdown(data: dict) -> str:
         lines += rebuild_lines(data["rebuild"])
     if data.get("hang"):
         lines += hang_lines(data["hang"])
+    if data.get("flight"):
+        lines += flight_lines(data["flight"])
     return "\n".join(lines) + "\n"
+
+
+def flight_lines(flight: dict) -> list[str]:
+    """Section 13: the Flight Recorder's cost on step time, and per collective at worst."""
+    ratio = flight["step_ratio"]
+    cost = flight["collective_cost_us"]
+    noisy = (
+        [
+            f"- too noisy to judge: the repetitions range from {ratio['min']:.3f} to "
+            f"{ratio['max']:.3f}, on both sides of 1 and wider than twice the target's margin "
+            "(other load on this machine); an idle machine or more --reps"
+        ]
+        if too_noisy(ratio, flight["target"])
+        else []
+    )
+    return [
+        "",
+        "## 13. The Flight Recorder's cost (this machine, no cluster)",
+        "",
+        f"`torchrun --standalone --nproc-per-node=2 {' '.join(flight['workload'])}` with "
+        f"TORCH_FR_BUFFER_SIZE={flight['buffer']} (on, the trace's watcher running, as every job "
+        "of the launcher) and =0 (off), the order alternating from one repetition to the next; "
+        f"{flight['machine']}; load average {flight['load_before']:.1f} before, "
+        f"{flight['load_after']:.1f} after. Seconds per step: the median of the step lines' "
+        "intervals (the first, warm-up, left out).",
+        f"- on: {_spread(flight['step_seconds_on'], '{:.4f}')} s per step",
+        f"- off: {_spread(flight['step_seconds_off'], '{:.4f}')} s per step",
+        f"- on / off: {_spread(ratio)}; {verdict(ratio['median'], flight['target'])}",
+        "- the same for each run's fastest interval (the least disturbed by other load): "
+        f"{_spread(flight['fastest_step_ratio'])}",
+        *noisy,
+        "",
+        f"Worst case: {flight['collectives']:,} all_reduces of 1 element back to back, "
+        f"{flight['rounds']} rounds per run, the fastest round counted:",
+        f"- on: {_spread(flight['collective_us_on'], '{:.1f}')} us per collective",
+        f"- off: {_spread(flight['collective_us_off'], '{:.1f}')} us per collective",
+        f"- on / off: {_spread(flight['collective_ratio'])}; on - off: "
+        f"{_spread(cost, '{:+.1f}')} us per collective",
+    ]
 
 
 def hang_lines(hang: dict) -> list[str]:
