@@ -12,6 +12,9 @@ torchrun's part of them) lives in training/.
     job         one run on the nodes: prepare, start, conclude (Launcher)
     prepare     the nodes readied: the port lock, each node's GPUs, copy, image, secrets
     watch       the watchers of a running job: liveness, the compute link, the stall
+    progress    the stall clock: step lines, heartbeats, output
+    hang        a hang's report from every rank's stacks (py-spy)
+    flight      the Flight Recorder's part of it: each rank's last collective, a mismatch
     blame       which node caused a failure
     stop        stopping a job on every node
     slurm       one run of the job through Slurm (SlurmAttempt)
