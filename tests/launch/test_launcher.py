@@ -150,6 +150,8 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
         "-e",
         "TMN_NODE_NAME=n1",
         "-e",
+        "TORCH_FR_BUFFER_SIZE=256",
+        "-e",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
         "-e",
         "GLOO_SOCKET_IFNAME=eth1",
