@@ -18,3 +18,7 @@ FLIGHT_BUFFER_VARIABLE = "TORCH_FR_BUFFER_SIZE"
 FLIGHT_BUFFER_DEFAULT = "256"
 FLIGHT_REQUEST = "flight-request"
 FLIGHT_DUMP = "flight-rank-{rank}.json"
+# NCCL's watchdog ends a rank whose collective timed out before Python could write the trace:
+# torch writes it itself (a pickle), to this prefix followed by the rank (TORCH_FR_DUMP_TEMP_FILE,
+# with TORCH_NCCL_DUMP_ON_TIMEOUT=1; the launcher sets both).
+FLIGHT_TIMEOUT_DUMP = "flight-timeout-rank-"

@@ -30,7 +30,7 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
         + (f", restart {result.restart} of {result.restarts}." if result.restart else ".")
     ]
     if result.failed_node and not result.interrupted:
-        lines += _why(result, hosts)
+        lines += _why(result, hosts) + list(result.flights)
     for host in hosts:
         outcome = result.outcomes[host.name]
         state = (

@@ -16,6 +16,9 @@ PYTHONUNBUFFERED=1         job_environment                       reserved
 TORCH_FR_BUFFER_SIZE=256   job_environment (Flight Recorder)     ENV= may change it; 0: off
 TMN_NODE_NAME              job_environment                       reserved
 TMN_RUN_DIR                job_environment (with a project)      reserved
+TORCH_NCCL_DUMP_ON_TIMEOUT job_environment (with a project):     NCCL's trace of a timed-out
+TORCH_FR_DUMP_TEMP_FILE    1, and the run directory's            collective, for the failed
+                           jobenv.FLIGHT_TIMEOUT_DUMP            job's summary
 PYTHONPATH                 job_environment (with a project)      reserved
 CUDA_DEVICE_ORDER          job_environment (node with GPUs)      PCI_BUS_ID
 CUDA_VISIBLE_DEVICES       job_environment (the host's           Slurm's own is unset by the
@@ -55,6 +58,7 @@ from torch_multinode.cluster.jobenv import (
     BACKEND_VARIABLE,
     FLIGHT_BUFFER_DEFAULT,
     FLIGHT_BUFFER_VARIABLE,
+    FLIGHT_TIMEOUT_DUMP,
     NODE_NAME_VARIABLE,
     RUN_DIR_VARIABLE,
 )
@@ -89,6 +93,10 @@ def job_environment(
     variables[FLIGHT_BUFFER_VARIABLE] = FLIGHT_BUFFER_DEFAULT  # the hang report's trace
     if run_dir is not None:
         variables[RUN_DIR_VARIABLE] = run_dir
+        # NCCL's watchdog writes the trace itself when a collective times out (launch.flight
+        # reads it for the summary); gloo's ranks write theirs (training.distributed.flight).
+        variables["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        variables["TORCH_FR_DUMP_TEMP_FILE"] = f"{run_dir}/{FLIGHT_TIMEOUT_DUMP}"
     if python_path is not None:
         variables["PYTHONPATH"] = python_path
     if backend is not None:

@@ -5,11 +5,16 @@ not match named: "rank 0 (node1) in all_reduce #812 while rank 1 (node2) in broa
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
+import pickle
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
-from torch_multinode.cluster.jobenv import FLIGHT_DUMP, FLIGHT_REQUEST
+from torch_multinode.cluster.jobenv import FLIGHT_DUMP, FLIGHT_REQUEST, FLIGHT_TIMEOUT_DUMP
 
 MARK = "=== tmn flight"
 WAIT = 1.0  # seconds the ranks get to write their traces (they look twice a second)
@@ -32,16 +37,39 @@ def request_command(run_dir: str) -> str:
 
 
 def collect_command(run_dir: str) -> str:
-    """Prints each trace the node's ranks wrote, after a mark naming its file."""
-    pattern = f"{shlex.quote(run_dir)}/{FLIGHT_DUMP.format(rank='*')}"
-    return f'for f in {pattern}; do [ -f "$f" ] || continue; echo "{MARK} $f"; cat "$f"; echo; done'
+    """Prints each trace the node's ranks wrote, after a mark naming its file: the JSON ones as
+    they are, NCCL's pickles (written on a timeout) in base64, on one line."""
+    directory = shlex.quote(run_dir)
+    return (
+        f"for f in {directory}/{FLIGHT_DUMP.format(rank='*')}; do "
+        f'[ -f "$f" ] || continue; echo "{MARK} $f"; cat "$f"; echo; done; '
+        f"for f in {directory}/{FLIGHT_TIMEOUT_DUMP}*; do "
+        f'[ -f "$f" ] || continue; echo "{MARK} $f"; base64 -w0 "$f"; echo; done'
+    )
 
 
-def _rank_of(path: str) -> int | None:
+def _rank_of(path: str) -> tuple[int | None, bool]:
+    """The rank a trace file is of, and whether it is NCCL's pickle."""
     name = path.rsplit("/", 1)[-1]
+    if name.startswith(FLIGHT_TIMEOUT_DUMP):
+        number = name.removeprefix(FLIGHT_TIMEOUT_DUMP)
+        return (int(number) if number.isdigit() else None), True
     head, _, tail = FLIGHT_DUMP.partition("{rank}")
     number = name.removeprefix(head).removesuffix(tail)
-    return int(number) if number.isdigit() else None
+    return (int(number) if number.isdigit() else None), False
+
+
+class _PlainData(pickle.Unpickler):
+    """A trace holds dicts, lists, strings and numbers only: anything else is refused, so a
+    file on a node can never run code here."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"a trace names no class ({module}.{name})")
+
+
+def read_pickle(encoded: str) -> dict:
+    """NCCL's trace, as the collection prints it (base64 of the pickle torch wrote)."""
+    return _PlainData(io.BytesIO(base64.b64decode(encoded.strip(), validate=True))).load()
 
 
 def last_collective(trace: dict) -> Collective | None:
@@ -67,22 +95,24 @@ def split(text: str) -> tuple[str, dict[int, Collective]]:
     kept: list[str] = []
     found: dict[int, Collective] = {}
     rank: int | None = None
+    pickled = False
     body: list[str] = []
 
     def done() -> None:
         if rank is None:
             return
+        text = "\n".join(body)
         try:
-            collective = last_collective(json.loads("\n".join(body)))
-        except (ValueError, TypeError, KeyError):
+            collective = last_collective(read_pickle(text) if pickled else json.loads(text))
+        except (ValueError, TypeError, KeyError, EOFError, binascii.Error, pickle.PickleError):
             collective = None  # a trace cut short: the stacks still say where the rank is
-        if collective is not None:
+        if collective is not None and (rank not in found or found[rank].seq < collective.seq):
             found[rank] = collective
 
     for line in text.splitlines():
         if line.startswith(MARK):
             done()
-            rank, body = _rank_of(line.removeprefix(MARK).strip()), []
+            (rank, pickled), body = _rank_of(line.removeprefix(MARK).strip()), []
         elif rank is not None and line.startswith("=== tmn"):
             done()
             rank, body = None, []
@@ -112,3 +142,30 @@ def mismatch(flights: dict[int, Collective], nodes: dict[int, str]) -> str | Non
         ]
         return "mismatched collectives: " + " while ".join(parts)
     return None
+
+
+def from_directory(directory: Path) -> dict[int, Collective]:
+    """Each rank's last collective from the traces in a run directory on this machine (a
+    local job's), read as a node's collection is."""
+    parts: list[str] = []
+    for path in sorted(directory.glob(FLIGHT_DUMP.format(rank="*"))):
+        parts += [f"{MARK} {path}", path.read_text(errors="replace")]
+    for path in sorted(directory.glob(f"{FLIGHT_TIMEOUT_DUMP}*")):
+        parts += [f"{MARK} {path}", base64.b64encode(path.read_bytes()).decode()]
+    return split("\n".join(parts))[1]
+
+
+def failure_lines(flights: dict[int, Collective], nodes: dict[int, str]) -> list[str]:
+    """A failed job's summary lines from the traces its ranks left: each rank's last collective,
+    and the mismatch, if any, named."""
+    if not flights:
+        return []
+    lines = ["Last collectives (the Flight Recorder's traces, written as the ranks ended):"]
+    lines += [
+        f"  rank {rank} ({nodes.get(rank, '?')}): {collective.shown()}"
+        for rank, collective in sorted(flights.items())
+    ]
+    found = mismatch(flights, nodes)
+    if found is not None:
+        lines.append(f"  {found}")
+    return lines

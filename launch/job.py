@@ -272,6 +272,12 @@ class Launcher:
         deadline = time.monotonic() + (INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE)
         for runner in runners:
             runner.join(max(0.0, deadline - time.monotonic()))
+        hung = any((o.error or "").startswith("hung:") for o in self.outcomes.values())
+        flights = (
+            watch.traces_after_failure(self.job)
+            if self.job.first_failure is not None and not interrupted and not hung
+            else []
+        )
         self._close()
         return JobResult(
             self.spec.run_id,
@@ -280,6 +286,7 @@ class Launcher:
             interrupted,
             time.monotonic() - started,
             terminated=terminated,
+            flights=tuple(flights),
         )
 
     def run(self) -> JobResult:

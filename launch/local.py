@@ -23,7 +23,7 @@ from pathlib import Path
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import checks, staging
+from torch_multinode.launch import checks, flight, staging
 from torch_multinode.launch.ending import (
     cause_and_knock_ons,
     cause_lines,
@@ -121,9 +121,12 @@ _TORCHRUN_LOG = re.compile(r"^[DIWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
 _FIRST_FAILURE = re.compile(r"^\[torchrun\] (rank \d+) failed first \((.+)\)$")
 
 
-def summary(run_id: str, code: int, seconds: float, tail: list[str]) -> list[str]:
+def summary(
+    run_id: str, code: int, seconds: float, tail: list[str], flights: list[str] | None = None
+) -> list[str]:
     """The summary a job on the nodes ends with, for this machine: which rank failed and how,
-    then the workers' last lines (torchrun's own log lines left out)."""
+    each rank's last collective where the ranks left their traces (`flights`, launch.flight's
+    lines), then the workers' last lines (torchrun's own log lines left out)."""
     if code == 0:
         return [f"Job {run_id} succeeded after {seconds:.1f} s on this machine."]
     first = next((m for line in reversed(tail) if (m := _FIRST_FAILURE.match(line))), None)
@@ -145,6 +148,7 @@ def summary(run_id: str, code: int, seconds: float, tail: list[str]) -> list[str
     lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s ({how})."]
     lines += cause_lines(cause, [(f"rank {r.rank}" if r.rank else "a rank", r) for r in knock_ons])
     lines += [signature.line() for signature in known_problems(workers, cause is not None)]
+    lines += flights or []
     excerpt = failure_excerpt(workers)
     if excerpt:
         lines.append("Last lines:")
@@ -211,7 +215,9 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
     finally:
         process.stdout.close()
         log.close()
-    for line in summary(spec.run_id, code, time.monotonic() - started, list(tail)):
+    traced = flight.from_directory(run_dir) if code != 0 else {}
+    flights = flight.failure_lines(traced, dict.fromkeys(traced, "this machine"))
+    for line in summary(spec.run_id, code, time.monotonic() - started, list(tail), flights):
         emit(line)
     emit(f"Run directory: {run_dir} (its log: {socket.gethostname()}.log)")
     if (run_dir / "tensorboard").is_dir():

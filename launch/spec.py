@@ -144,6 +144,7 @@ class JobResult:
     restarts: int = 0  # how many were allowed
     terminated: bool = False  # interrupted by SIGTERM rather than Ctrl-C
     brought_back: str | None = None  # what became of the master's run directory
+    flights: tuple[str, ...] = ()  # a failed job's last collectives (launch.flight), as lines
 
     @property
     def exit_code(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch_multinode.cluster.errors import UserError
@@ -22,6 +23,8 @@ from torch_multinode.launch.spec import (
     LIVENESS_INTERVAL,
     STALL_POLL,
 )
+
+TRACES_TIMEOUT = 15  # seconds a node gets to print the traces its failed ranks left
 
 
 def liveness(job: RunningJob) -> None:
@@ -125,15 +128,45 @@ def stall(job: RunningJob) -> None:
         return
 
 
+def _on_every_node(
+    job: RunningJob,
+    command: Callable[[Host], str],
+    timeout: float,
+    hosts: tuple[Host, ...] | None = None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """`command(host)` on every node (of `hosts`, if given) at once, each within `timeout`: what
+    each printed, and the nodes that did not answer (why)."""
+    hosts = job.hosts if hosts is None else hosts
+    texts: dict[str, str] = {}
+    silent: dict[str, str] = {}
+
+    def read(host: Host) -> None:
+        try:
+            with job.session(host) as remote:
+                remote.connect()
+                answer = remote.run(command(host), timeout=timeout)
+            texts[host.name] = answer.stdout + answer.stderr
+        except UserError as exc:
+            silent[host.name] = str(exc).splitlines()[0] if str(exc) else "did not answer"
+
+    threads = [threading.Thread(target=read, args=(h,), daemon=True) for h in hosts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 15)
+    for host in hosts:
+        if host.name not in texts and host.name not in silent:
+            silent[host.name] = f"no answer within {timeout:g} s"
+    return texts, silent
+
+
 def report(job: RunningJob) -> hang.Verdict:
     """Every node's ranks' stacks, read at once (each node within hang.STACKS_TIMEOUT), judged,
     printed, and saved as hang-report.txt (and each node's stacks as hang-stacks-NODE.txt)."""
     container = job.container
     directory = run_dir(job.spec)  # the same path in the container
-    texts: dict[str, str] = {}
-    silent: dict[str, str] = {}
 
-    def read(host: Host) -> None:
+    def command(host: Host) -> str:
         py_spy = str(Path(host.python).parent / "py-spy") if "/" in host.python else "py-spy"
         stacks = hang.stacks_command(
             job.spec.run_id,
@@ -142,26 +175,12 @@ def report(job: RunningJob) -> hang.Verdict:
             native=host.gpus > 0,  # a rank waiting for its GPU is in libcuda
         )
         # the ranks' Flight Recorder traces: asked for first, written while py-spy reads
-        command = (
+        return (
             f"{flight.request_command(directory)}; {stacks}; sleep {flight.WAIT:g}; "
             f"{flight.collect_command(directory)}"
         )
-        try:
-            with job.session(host) as remote:
-                remote.connect()
-                answer = remote.run(command, timeout=hang.STACKS_TIMEOUT)
-            texts[host.name] = answer.stdout + answer.stderr
-        except UserError as exc:
-            silent[host.name] = str(exc).splitlines()[0] if str(exc) else "did not answer"
 
-    threads = [threading.Thread(target=read, args=(h,), daemon=True) for h in job.hosts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(hang.STACKS_TIMEOUT + 15)
-    for host in job.hosts:
-        if host.name not in texts and host.name not in silent:
-            silent[host.name] = f"no answer within {hang.STACKS_TIMEOUT} s"
+    texts, silent = _on_every_node(job, command, hang.STACKS_TIMEOUT)
     ranks: list[hang.RankStacks] = []
     flights: dict[int, flight.Collective] = {}
     for name, text in texts.items():
@@ -185,3 +204,21 @@ def report(job: RunningJob) -> hang.Verdict:
         saved.write_text("\n".join(body) + "\n")
         job.emit(f"[launcher] hang report: {saved}; every rank's stacks: hang-stacks-NODE.txt")
     return verdict
+
+
+def traces_after_failure(job: RunningJob) -> list[str]:
+    """For a job that failed (not hung: its report has them): the Flight Recorder's traces its
+    ranks left as they ended, read from every node at once, as the summary's lines (each
+    rank's last collective, a mismatch named). Nothing where no rank left one. A node that
+    stopped answering is not asked."""
+    directory = run_dir(job.spec)
+    answering = tuple(h for h in job.hosts if not job.outcomes[h.name].lost)
+    collect = flight.collect_command(directory)
+    texts, _ = _on_every_node(job, lambda _: collect, TRACES_TIMEOUT, answering)
+    flights: dict[int, flight.Collective] = {}
+    nodes: dict[int, str] = {}
+    for name, text in texts.items():
+        traced = flight.split(text)[1]
+        flights.update(traced)
+        nodes.update(dict.fromkeys(traced, name))
+    return flight.failure_lines(flights, nodes)

@@ -8,6 +8,9 @@ with py-spy inside the job's containers, and the report names the rank, its node
 - a rank that skipped one all_reduce: both ranks' collectives named with their sequence numbers
   from the Flight Recorder (all_reduce #10 / barrier #10);
 - a rank busy in a Python loop: named with its line;
+- a rank that skipped one all_reduce, with a short collective timeout: the job fails on the
+  timeout before any stall, and its summary names the mismatch from the traces the ranks wrote
+  as they died;
 - ON_HANG=wait: the report, then the job left running until Ctrl-C;
 - `make hang-report RUN=<id>` prints a saved report again.
 """
@@ -32,6 +35,7 @@ STALL = "15"
 
 # Prints its rank's node, then a step line per step (rank 0); rank 1 misbehaves as FAULT says.
 SCRIPT = """\
+import datetime
 import os
 import sys
 import time
@@ -42,7 +46,8 @@ import torch.distributed as dist
 from torch_multinode.training.distributed import flight
 
 FAULT = sys.argv[1]
-dist.init_process_group("gloo")
+TIMEOUT = datetime.timedelta(seconds=10 if FAULT == "timeout" else 1800)  # each collective's
+dist.init_process_group("gloo", timeout=TIMEOUT)
 flight.start()  # the Flight Recorder's trace for the hang report, as the README shows
 rank = dist.get_rank()
 print(f"rank {rank} runs on {os.environ['TMN_NODE_NAME']}", flush=True)
@@ -62,7 +67,7 @@ for step in range(1, 11):
     batch = load_batch(step)
     if FAULT == "spin" and rank == 1 and step == 5:
         spin()
-    if not (FAULT == "skip" and rank == 1 and step == 3):
+    if not (FAULT in ("skip", "timeout") and rank == 1 and step == 3):
         dist.all_reduce(batch)
     if rank == 0:
         print(f"step {step}/10", flush=True)
@@ -82,12 +87,12 @@ def _project(root: Path) -> Path:
     return root / "hang.py"
 
 
-def _hung(provisioned, tmp_path, fault: str) -> tuple[str, str, dict[int, str]]:
+def _hung(provisioned, tmp_path, fault: str, stall: str = STALL) -> tuple[str, str, dict[int, str]]:
     """The job with `fault`, run to its end: its output, run ID and where each rank ran."""
     script = _project(tmp_path / "proj")
     run = make(
         "train", f"INVENTORY={provisioned.inventory}", "NNODES=2", f"SCRIPT={script}",
-        f"WORKDIR={script.parent}", f"STALL={STALL}", f"ARGS={fault}", timeout=600,
+        f"WORKDIR={script.parent}", f"STALL={stall}", f"ARGS={fault}", timeout=600,
     )  # fmt: skip
     output = run.stdout + run.stderr
     assert run.returncode != 0, output[-3000:]
@@ -148,6 +153,22 @@ def test_a_rank_busy_in_a_python_loop_is_named_with_its_line(provisioned, tmp_pa
     output, run_id, nodes = _hung(provisioned, tmp_path, "spin")
     assert (
         f"rank 1 on {nodes[1]}: not in a collective, at hang.py:{line_of('spin')} in spin"
+    ) in output, output[-3000:]
+    _nothing_left(provisioned, run_id)
+
+
+def test_a_collective_that_timed_out_is_explained_by_the_ranks_last_collectives(
+    provisioned, tmp_path
+):
+    # a 10 s collective timeout, far inside the stall time: the job fails, it does not hang
+    output, run_id, nodes = _hung(provisioned, tmp_path, "timeout", stall="120")
+    assert "the job hangs" not in output, output[-3000:]
+    assert "Timed out waiting" in output, output[-3000:]
+    assert "Last collectives (the Flight Recorder's traces, written as the ranks ended):" in output
+    assert f"  rank 1 ({nodes[1]}): barrier #10" in output, output[-3000:]
+    assert (
+        f"mismatched collectives: rank 0 ({nodes[0]}) in all_reduce #10 (sizes [[1]]) while "
+        f"rank 1 ({nodes[1]}) in barrier #10"
     ) in output, output[-3000:]
     _nothing_left(provisioned, run_id)
 

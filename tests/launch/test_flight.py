@@ -5,16 +5,23 @@ over loopback that call different collectives, asked for their traces while they
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from tests.conftest import run_cli
 from tests.launch.test_hang import in_all_reduce
-from torch_multinode.cluster.jobenv import FLIGHT_DUMP, FLIGHT_REQUEST
+from torch_multinode.cluster.jobenv import FLIGHT_DUMP, FLIGHT_REQUEST, FLIGHT_TIMEOUT_DUMP
 from torch_multinode.launch import flight, hang
 from torch_multinode.training.distributed import flight as node_flight
 
@@ -186,3 +193,121 @@ def test_an_nccl_trace_as_an_h200_wrote_it_gives_its_last_collective():
         3, "all_reduce", "[[4096]]", "default_pg"
     )
     assert flight.last_collective({"version": "2.10", "pg_status": {}}) is None  # no entry
+
+
+# rank 1 skips an all_reduce: both ranks' next collective times out after 5 s and they die
+TIMED_OUT = """\
+import datetime
+import torch
+import torch.distributed as dist
+from torch_multinode.training.distributed import flight
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+flight.start()
+rank = dist.get_rank()
+t = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(t)
+if rank == 0:
+    dist.all_reduce(t)
+else:
+    dist.broadcast(t, 0)
+"""
+
+
+def test_ranks_that_die_of_a_collective_timeout_leave_their_traces_for_the_summary(tmp_path):
+    script = tmp_path / "timed_out.py"
+    script.write_text(TIMED_OUT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TMN_RUN_DIR": str(tmp_path),
+        "TORCH_FR_BUFFER_SIZE": "16",
+        "OMP_NUM_THREADS": "1",
+    }
+    job = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + [str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = job.stdout + job.stderr
+    assert job.returncode != 0 and "Timed out" in output, output[-3000:]
+    # each rank wrote its trace as it died, unasked (no request was made)
+    assert not (tmp_path / FLIGHT_REQUEST).exists()
+    flights = flight.from_directory(tmp_path)
+    assert sorted(flights) == [0, 1], output[-3000:]
+    lines = flight.failure_lines(flights, {0: "node1", 1: "node2"})
+    assert lines[1:] == [
+        "  rank 0 (node1): all_reduce #4 (sizes [[4]])",
+        "  rank 1 (node2): broadcast #4 (sizes [[4]])",
+        "  mismatched collectives: rank 0 (node1) in all_reduce #4 (sizes [[4]]) while "
+        "rank 1 (node2) in broadcast #4 (sizes [[4]])",
+    ]
+    # the exception itself is still reported as before
+    assert "RuntimeError" in output
+
+
+PICKLED = """\
+import os, pathlib, pickle, sys
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+t = torch.ones(8)
+dist.all_reduce(t)
+dist.broadcast(t, 0)
+# the pickle torch's watchdog writes on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT), the same
+# dump as the Flight Recorder's Python-side pickle
+pathlib.Path(sys.argv[1]).write_bytes(c10d._dump_fr_trace(True, True, False))
+"""
+
+
+def test_the_pickled_trace_torch_writes_on_a_timeout_is_read_and_nothing_else_unpickled(
+    tmp_path,
+):
+    dumped = tmp_path / f"{FLIGHT_TIMEOUT_DUMP}0"
+    subprocess.run(
+        [sys.executable, "-c", PICKLED, str(dumped)],
+        env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16", "OMP_NUM_THREADS": "1"},
+        check=True,
+        timeout=120,
+    )
+    assert flight.from_directory(tmp_path) == {
+        0: flight.Collective(2, "broadcast", "[[8]]", "default_pg")
+    }
+    # as a node's collection prints it: base64 on one line after the mark
+    printed = subprocess.run(
+        ["sh", "-c", flight.collect_command(str(tmp_path))], capture_output=True, text=True
+    ).stdout
+    assert flight.split(printed)[1][0].op == "broadcast"
+    # a file that names a class is refused: reading a trace never runs a node's code
+    dumped.write_bytes(pickle.dumps({"entries": [Path("/x")]}))
+    assert flight.from_directory(tmp_path) == {}
+    with pytest.raises(pickle.UnpicklingError, match="names no class"):
+        flight.read_pickle(base64.b64encode(dumped.read_bytes()).decode())
+
+
+def test_a_local_job_whose_collective_timed_out_names_the_mismatch_in_its_summary(tmp_path):
+    (tmp_path / "timed_out.py").write_text(TIMED_OUT)
+    done = run_cli(
+        "train", "--script", str(tmp_path / "timed_out.py"), "--workdir", str(tmp_path),
+        "--nproc-per-node", "2", timeout=300,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    run_dir = re.search(r"^Run directory: (\S+)", done.stdout, re.M)
+    if run_dir:
+        shutil.rmtree(run_dir.group(1), ignore_errors=True)
+    assert done.returncode == 1, output[-3000:]
+    summary = output[output.index("FAILED on this machine") :]
+    assert (
+        "Last collectives (the Flight Recorder's traces, written as the ranks ended):\n"
+        "  rank 0 (this machine): all_reduce #4 (sizes [[4]])\n"
+        "  rank 1 (this machine): broadcast #4 (sizes [[4]])\n"
+        "  mismatched collectives: rank 0 (this machine) in all_reduce #4 (sizes [[4]]) while "
+        "rank 1 (this machine) in broadcast #4 (sizes [[4]])\n"
+    ) in summary, summary

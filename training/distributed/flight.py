@@ -7,6 +7,12 @@ torch records the trace when TORCH_FR_BUFFER_SIZE is set (the launcher sets it f
 for gloo and NCCL alike, and reads it only from inside the process: a thread of the rank's own
 does, which runs while the main thread waits in a collective (the wait releases the GIL).
 
+The same trace is written when the rank dies of an exception it did not catch (a collective
+that timed out, gloo's "Timed out waiting ... for recv operation"), so that a failed job's
+summary can say which collective each rank was in. NCCL's watchdog ends the process without
+Python's help; it writes its own dump there instead (jobenv.FLIGHT_TIMEOUT_DUMP, which the
+launcher sets with TORCH_NCCL_DUMP_ON_TIMEOUT).
+
 Every workload of ours starts it (training.distributed.parallel.start). In a script of yours,
 after init_process_group:
 
@@ -17,6 +23,7 @@ after init_process_group:
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -71,9 +78,23 @@ def _serve(request: Path, out: Path, poll: float) -> None:
         time.sleep(poll)
 
 
+def _dump_on_uncaught(out: Path) -> None:
+    """The trace into `out` as the rank dies of an uncaught exception, then the usual report."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        try:
+            write(out)
+        except Exception:  # the exception itself matters more than its trace
+            pass
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
 def start(environ: dict[str, str] | None = None, poll: float = POLL) -> threading.Thread | None:
-    """The watcher, once per process; None where there is nothing to serve (no run directory,
-    no rank, or the Flight Recorder off)."""
+    """The watcher, once per process, and the trace written on an uncaught exception; None
+    where there is nothing to serve (no run directory, no rank, or the Flight Recorder off)."""
     global _started
     environ = os.environ if environ is None else environ
     run_dir, rank = environ.get(RUN_DIR_VARIABLE), environ.get("RANK")
@@ -87,4 +108,5 @@ def start(environ: dict[str, str] | None = None, poll: float = POLL) -> threadin
         target=_serve, args=(directory / FLIGHT_REQUEST, out, poll), name="tmn-flight", daemon=True
     )
     _started.start()
+    _dump_on_uncaught(out)
     return _started
