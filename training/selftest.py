@@ -70,6 +70,10 @@ CHECKS = (
     Check("ddp-checkpoint", "DDP checkpoint saved and resumed (CheckpointStore, RNG): same result"),
     Check("fsdp2-dcp", "FSDP2 mixed precision; DCP save, load and reshard to one process"),
     Check("compile", "torch.compile (inductor) builds and matches eager, forward and backward"),
+    Check(
+        "flight-recorder",
+        "this rank's Flight Recorder trace (a hang report's) holds its collective",
+    ),
     Check("data-parallel", "nn.DataParallel over the node's GPUs equals one GPU"),
     Check("model-parallel", "a model split over two GPUs equals it on one, gradients included"),
 )

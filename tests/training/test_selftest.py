@@ -41,6 +41,8 @@ def test_make_selftest_passes_locally_with_the_gpu_checks_skipped_with_reasons()
     assert re.match(r"SKIPPED +- +fp16 with GradScaler is the GPU path", _row(out, "amp-fp16"))
     assert re.match(r"SKIPPED +- +needs 2\+ GPUs on the node", _row(out, "model-parallel"))
     assert re.match(r"SKIPPED +- +no NCCL on a CPU node", _row(out, "nccl-transport")), out
+    # the hang report's trace, read back from gloo's recorder (NCCL's on a GPU node)
+    assert re.search(r"\(gloo:all_reduce #\d+\)$", _row(out, "flight-recorder")), out
     assert "selftest passed on 1 node(s)" in out
     assert "Error:" not in out and "Traceback" not in out, out
 

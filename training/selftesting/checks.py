@@ -4,6 +4,7 @@ with the reason it does not apply here, or Failed with the remedy. Stopped: a pe
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -16,7 +17,7 @@ from torch import nn
 
 from torch_multinode.cluster import nccl_transport
 from torch_multinode.training.checkpointing import checkpoint
-from torch_multinode.training.distributed import parallel
+from torch_multinode.training.distributed import flight, parallel
 
 PASS, WARN, SKIPPED, FAIL, STOPPED = "PASS", "WARN", "SKIPPED", "FAIL", "STOPPED"
 # A peer's failure stopped this rank's check: the peer's row says why.
@@ -465,6 +466,46 @@ def check_compile(job: Job) -> str:
     return f"inductor on {device.type}, within {worst:.1g} of eager"
 
 
+FLIGHT_MARK_SIZE = 7  # the check's all_reduce: a size no other check uses, to find it in the ring
+
+
+def check_flight_recorder(job: Job) -> str:
+    """The trace a hang report and a failed job's summary read (training.distributed.flight):
+    this rank's own, from NCCL's recorder on GPUs, holding the all_reduce just done."""
+    if not os.environ.get("TORCH_FR_BUFFER_SIZE", "").strip("0"):
+        raise Skip("the Flight Recorder is off (TORCH_FR_BUFFER_SIZE unset or 0)")
+    if not job.env.launched:
+        raise Skip("one process without a process group: no collective to record")
+    tensor = torch.ones(FLIGHT_MARK_SIZE, device=job.device)
+    dist.all_reduce(tensor)  # the job's own group: NCCL on GPUs
+    if job.cuda:
+        torch.cuda.synchronize(job.device)  # its entry completed, not only enqueued
+    backend = str(dist.get_backend())
+    ours: list[dict] = []
+    problem: BaseException | None = None
+    try:  # every rank meets below, whatever this one found
+        # as the watcher reads it for the launcher: the backend the group has
+        entries = json.loads(flight.trace_json()).get("entries", [])
+        ours = [
+            entry
+            for entry in entries
+            if str(entry.get("profiling_name", "")).endswith("all_reduce")
+            and entry.get("input_sizes") == [[FLIGHT_MARK_SIZE]]
+        ]
+        if not ours:
+            problem = Failed(
+                f"the {backend} Flight Recorder's trace holds no entry for the check's "
+                f"all_reduce ({len(entries)} entries)",
+                "TORCH_FR_BUFFER_SIZE=256 (the launcher's default) in the job's environment; "
+                + DEBUG_REMEDY,
+            )
+    except Exception as error:  # torch's private dump API changed, or the dump failed
+        problem = error
+    job.agree(problem)
+    newest = max(ours, key=lambda entry: entry.get("collective_seq_id", 0))
+    return f"{newest.get('profiling_name')} #{newest.get('collective_seq_id')}"
+
+
 def _two_gpus(job: Job) -> None:
     count = job.local_gpus()
     if count < 2:
@@ -547,6 +588,7 @@ RUNS: dict[str, Callable[[Job], object]] = {
     "ddp-checkpoint": check_ddp_checkpoint,
     "fsdp2-dcp": check_fsdp2_dcp,
     "compile": check_compile,
+    "flight-recorder": check_flight_recorder,
     "data-parallel": check_data_parallel,
     "model-parallel": check_model_parallel,
 }

@@ -234,6 +234,7 @@ SELFTEST_CHECKS = (
     "ddp-checkpoint",
     "fsdp2-dcp",
     "compile",
+    "flight-recorder",
     "data-parallel",
     "model-parallel",
 )
