@@ -80,6 +80,17 @@ SIGNATURES = (
         "make netcheck, then DEBUG=1 for NCCL's own lines (NCCL_DEBUG=INFO)",
     ),
     _signature(
+        "nodes-differ",
+        r"DDP expects same model across all ranks|[Mm]essage truncated ?: receiv\w* [\d,]+ "
+        r"bytes instead of",
+        "the ranks disagree on what they run: a model built differently (other code, or other "
+        "torch or torchvision versions on one node), or NCCL of another version or with other "
+        "settings on one node",
+        "jobs in the training image (launch_mode: container), which runs the same torch, "
+        "torchvision and NCCL everywhere; make netcheck lists each node's torch and NCCL "
+        "versions; the same NCCL_* variables on every node",
+    ),
+    _signature(
         "collective-mismatch",
         r"Detected mismatch between collectives|mismatch between collectives on ranks",
         "ranks called different collectives (or shapes) at the same point: one rank skipped "

@@ -29,6 +29,8 @@ PRINTED = {
     "nccl-system-error": "[rank1]: torch.distributed.DistBackendError: NCCL error in: "
     "/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled system error "
     "(run with NCCL_DEBUG=INFO for details), NCCL version 2.27.5",
+    "nodes-differ": "[rank1]: RuntimeError: DDP expects same model across all ranks, but "
+    "Rank 1 has 62 params, while rank 0 has inconsistent 61 params.",
     "collective-mismatch": "[rank0]: RuntimeError: Detected mismatch between collectives on "
     "ranks. Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=12, "
     "OpType=ALLREDUCE)",
@@ -62,6 +64,19 @@ def test_each_error_string_is_named_by_its_own_signature_alone(name):
 )
 def test_an_ordinary_error_or_progress_line_matches_none(line):
     assert known_problems([line]) == []
+
+
+def test_nccl_receiving_other_sizes_than_it_sent_means_the_nodes_differ():
+    # NCCL 2.27's socket transport, as libnccl.so.2 spells it
+    nccl = (
+        "node2:81:95 [0] NCCL WARN NET/Socket : peer 192.0.2.1<43210> message truncated : "
+        "receiving 524288 bytes instead of 65536. If you believe your socket network is in a "
+        "healthy state, there may be a mismatch in collective sizes or environment settings "
+        "(e.g. NCCL_PROTO, NCCL_ALGO) between ranks"
+    )
+    ib = "NCCL WARN Message truncated : received 1048576 bytes instead of 65536"
+    assert [s.name for s in known_problems([nccl])] == ["nodes-differ"]
+    assert [s.name for s in known_problems([ib])] == ["nodes-differ"]
 
 
 def test_gloo_timing_out_is_a_collective_timeout():
