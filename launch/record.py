@@ -67,7 +67,7 @@ def code(project: Path, log_dir: Path, run_id: str) -> dict[str, Any]:
     found = snapshot.take(project, run_id)
     if found is None:
         return {"project": str(project), "git": None, "snapshot": None}
-    if found["dirty"] and found["git"] and found["snapshot"]:
+    if found["dirty"] and found["git"]:
         diff = subprocess.run(
             ["git", "-C", found["repository"], "diff", found["git"], found["snapshot"]],
             capture_output=True,

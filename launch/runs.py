@@ -81,11 +81,6 @@ def rerun(run_id: str, root: Path) -> int:
     found = _one(run_id, root)
     code = found.get("code") or {}
     argv = list(found["command"][1:])
-    if code.get("why"):
-        raise UserError(
-            f"run {run_id}'s code was not kept: {code['why']}",
-            hint="make train again once they are; each run from then on can be run again",
-        )
     if not code.get("snapshot"):
         raise UserError(
             f"run {run_id}'s project {code.get('project')} is not in a git repository, so its "

@@ -16,7 +16,6 @@ from typing import Any
 from torch_multinode.cluster.errors import UserError, shown
 
 REF = "refs/torch-multinode/runs/{run_id}"
-UNTRACKED_LIMIT = 100_000_000  # bytes of untracked files a snapshot copies into the repository
 # commit-tree needs a name and address; these are the snapshot's, not the user's
 _IDENTITY = {
     "GIT_AUTHOR_NAME": "torch-multinode",
@@ -53,40 +52,15 @@ def work_tree(top: Path, head: str | None) -> str | None:
         return _git(top, "write-tree", env=index)
 
 
-def _untracked_bytes(top: Path) -> int:
-    """The size of the files git would add that it does not track yet (ignored ones left out)."""
-    listed = _git(top, "ls-files", "--others", "--exclude-standard", "-z") or ""
-    total = 0
-    for name in filter(None, listed.split("\0")):
-        try:
-            total += (top / name).stat().st_size
-        except OSError:
-            pass
-    return total
-
-
-def take(project: Path, run_id: str, limit: int = UNTRACKED_LIMIT) -> dict[str, Any] | None:
+def take(project: Path, run_id: str) -> dict[str, Any] | None:
     """The snapshot of the git work tree holding `project`: the repository, the project's
     place in it, HEAD's commit (None before the first), the snapshot's commit, and whether
-    the tree differed from HEAD. None outside git, or where git could not make it. Untracked
-    files over `limit` bytes in all (a dataset git does not ignore) are not copied into the
-    user's repository: no snapshot then, and the record says why."""
+    the tree differed from HEAD. None outside git, or where git could not make it."""
     top = _git(project, "rev-parse", "--show-toplevel")
     if top is None:
         return None
     head = _git(project, "rev-parse", "--verify", "--quiet", "HEAD")
     prefix = _git(project, "rev-parse", "--show-prefix") or ""
-    untracked = _untracked_bytes(Path(top))
-    if untracked > limit:
-        return {
-            "repository": top,
-            "prefix": prefix.rstrip("/"),
-            "git": head,
-            "snapshot": None,
-            "dirty": True,
-            "why": f"{untracked / 1e6:.0f} MB of untracked files (over {limit / 1e6:.0f} MB): "
-            "add them to .gitignore, or commit them",
-        }
     tree = work_tree(Path(top), head)
     if tree is None:
         return None

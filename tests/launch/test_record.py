@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import VENV_BIN, make, run_cli
 from tests.helpers import inventory, node, read_until
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.launch import record, runs, snapshot
+from torch_multinode.launch import record, snapshot
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
 
 SCRIPT = """\
@@ -175,23 +175,6 @@ def test_a_snapshot_keeps_the_whole_work_tree_and_touches_nothing_of_the_users(t
         "git": None,
         "snapshot": None,
     }
-
-
-def test_untracked_files_over_the_limit_are_not_copied_into_the_users_repository(tmp_path):
-    project, git = _git_project(tmp_path / "proj")
-    (project / "data.bin").write_bytes(b"x" * 2000)  # a dataset git does not ignore
-    found = snapshot.take(project, "tmn-s3", limit=1000)
-    assert found["snapshot"] is None and found["why"].startswith("0 MB of untracked files")
-    refs = subprocess.run([*git, "for-each-ref"], capture_output=True, text=True).stdout
-    assert "torch-multinode" not in refs
-    kept = tmp_path / "runs" / "tmn-s3"
-    kept.mkdir(parents=True)
-    remembered = {"id": "tmn-s3", "command": ["train"], "cwd": str(tmp_path), "code": found}
-    (kept / record.RECORD).write_text(json.dumps(remembered))
-    with pytest.raises(UserError, match="run tmn-s3's code was not kept: 0 MB of untracked"):
-        runs.rerun("tmn-s3", tmp_path / "runs")
-    (project / ".gitignore").write_text("data.bin\n")  # ignored: no longer counted
-    assert snapshot.take(project, "tmn-s4", limit=1000)["snapshot"] is not None
 
 
 def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(tmp_path):
