@@ -4,12 +4,9 @@
 The launcher writes it twice: when the job is about to start (result "running") and when it
 ends, whatever the end (succeeded, failed, interrupted; "error" for a run that broke off with
 an error after it had begun), each time whole or not at all. A job refused before anything of
-it ran leaves no run behind.
-
-What it holds: the command and the directory it was typed in, the backend and launch mode,
-the training image (name and ID), the inventory (path and digest) and each node's ranks, the
-project's code (its git commit and a snapshot of the work tree as it was, launch.snapshot;
-the diff beside the record when the tree had changes), the names (never the values) of the
+it ran leaves no run behind. What it holds: the command, the backend and launch mode, the
+training image (name and ID), the inventory (path and digest) and each node's ranks, the project's code (its git commit, and
+the diff beside the record when the tree has changes), the names (never the values) of the
 variables passed with ENV=, start, end, duration, exit code, the node blamed, the last step
 line the job printed, where its TensorBoard events and checkpoints are, and netcheck's
 findings file the job used (path and digest).
@@ -37,7 +34,7 @@ from torch_multinode.cluster.errors import (
     UserError,
 )
 from torch_multinode.cluster.inventory import Inventory
-from torch_multinode.launch import local, snapshot, staging
+from torch_multinode.launch import local, staging
 from torch_multinode.launch.nodes import nproc_for
 from torch_multinode.launch.spec import JobResult, JobSpec
 
@@ -60,24 +57,40 @@ def _digest(path: Path | None) -> str | None:
         return None
 
 
-def code(project: Path, log_dir: Path, run_id: str) -> dict[str, Any]:
-    """The project's code: its git commit and a snapshot of the whole work tree
-    (launch.snapshot, what `make rerun` runs); where the tree differs from the commit, the
-    difference as code.diff beside the record, to read."""
-    found = snapshot.take(project, run_id)
-    if found is None:
-        return {"project": str(project), "git": None, "snapshot": None}
-    if found["dirty"] and found["git"]:
-        diff = subprocess.run(
-            ["git", "-C", found["repository"], "diff", found["git"], found["snapshot"]],
+def _git(directory: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(directory), *args],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=30,
             check=False,
         )
-        _write_atomically(log_dir / DIFF, diff.stdout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def code(project: Path, log_dir: Path) -> dict[str, Any]:
+    """The project's code: its git commit, and whether the tree has changes (then their diff
+    against the commit, untracked files' names included, saved as code.diff beside the
+    record)."""
+    commit = _git(project, "rev-parse", "HEAD")
+    if commit is None:
+        return {"project": str(project), "git": None}
+    changed = _git(project, "status", "--porcelain", "--untracked-files=all") or ""
+    found: dict[str, Any] = {
+        "project": str(project),
+        "git": commit.strip(),
+        "dirty": bool(changed.strip()),
+    }
+    if changed.strip():
+        diff = _git(project, "diff", "HEAD") or ""
+        untracked = [line[3:] for line in changed.splitlines() if line.startswith("?? ")]
+        text = diff + "".join(f"untracked: {name}\n" for name in untracked)
+        _write_atomically(log_dir / DIFF, text)
         found["diff"] = DIFF
-    return {"project": str(project), **found}
+    return found
 
 
 def _nodes(inventory: Inventory | None, spec: JobSpec) -> list[dict[str, Any]]:
@@ -124,7 +137,7 @@ def begin(
     record: dict[str, Any] = {
         "format": FORMAT,
         "id": spec.run_id,
-        "command": [Path(sys.argv[0]).name, *redacted(argv)],
+        "command": [Path(sys.argv[0]).name, *argv],
         "workload": str(spec.script) if spec.script else spec.module,
         "args": list(spec.args),
         "backend": "local"
@@ -138,8 +151,7 @@ def begin(
         if inventory is None
         else {"path": str(inventory.path), "sha256": _digest(inventory.path)},
         "nodes": _nodes(inventory, spec),
-        "cwd": str(Path.cwd()),
-        "code": code(project, log_dir, spec.run_id),
+        "code": code(project, log_dir),
         "env_names": sorted(name for name, _ in spec.secret_env),
         "netcheck": None
         if env_file is None
@@ -157,21 +169,6 @@ def begin(
     }
     write(log_dir, record)
     return record
-
-
-def redacted(argv: list[str]) -> list[str]:
-    """The launcher's arguments with every --env value left out (NAME=VALUE becomes NAME: a
-    rerun passes that machine's value); what follows `--` is the job's own and kept."""
-    kept, options = [], True
-    for index, word in enumerate(argv):
-        if word == "--":
-            options = False
-        elif options and index > 0 and argv[index - 1] == "--env":
-            word = " ".join(item.partition("=")[0] for item in word.split())
-        elif options and word.startswith("--env="):
-            word = "--env=" + " ".join(item.partition("=")[0] for item in word[6:].split())
-        kept.append(word)
-    return kept
 
 
 def _argument(args: tuple[str, ...], flag: str) -> str | None:
