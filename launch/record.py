@@ -5,7 +5,7 @@ The launcher writes it twice: when the job is about to start (result "running") 
 ends, whatever the end (succeeded, failed, interrupted; "error" for a run that broke off with
 an error after it had begun), each time whole or not at all. A job refused before anything of
 it ran leaves no run behind. What it holds: the command, the backend and launch mode, the
-training image (name and ID), the inventory (path and digest) and each node's ranks, the project's code (its git commit, and
+inventory (path and digest) and each node's ranks, the project's code (its git commit, and
 the diff beside the record when the tree has changes), the names (never the values) of the
 variables passed with ENV=, start, end, duration, exit code, the node blamed, the last step
 line the job printed, where its TensorBoard events and checkpoints are, and netcheck's
@@ -34,7 +34,7 @@ from torch_multinode.cluster.errors import (
     UserError,
 )
 from torch_multinode.cluster.inventory import Inventory
-from torch_multinode.launch import local, staging
+from torch_multinode.launch import local
 from torch_multinode.launch.nodes import nproc_for
 from torch_multinode.launch.spec import JobResult, JobSpec
 
@@ -105,18 +105,6 @@ def _nodes(inventory: Inventory | None, spec: JobSpec) -> list[dict[str, Any]]:
     return nodes
 
 
-def _image(inventory: Inventory | None) -> dict[str, str | None] | None:
-    """The training image a job in containers runs: its name, and its ID in this machine's
-    engine (the nodes are checked against it before launch: launch.prepare)."""
-    if inventory is None or inventory.launch_mode != "container":
-        return None
-    try:
-        found = staging.local_image_id(inventory.training_image)
-    except UserError:
-        found = None  # not here: the launch says so
-    return {"name": inventory.training_image, "id": found}
-
-
 def _netcheck_file(spec: JobSpec, inventory: Inventory | None) -> Path | None:
     """netcheck's findings file the job's interface settings come from, if there is one."""
     if inventory is None:
@@ -146,7 +134,7 @@ def begin(
         if inventory.scheduler == "slurm"
         else "ssh",
         "launch_mode": None if inventory is None else inventory.launch_mode,
-        "image": _image(inventory),
+        "image": None if inventory is None else inventory.training_image,
         "inventory": None
         if inventory is None
         else {"path": str(inventory.path), "sha256": _digest(inventory.path)},
