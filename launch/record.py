@@ -2,9 +2,8 @@
 (`.runs/ID/run.json`), for local, SSH and Slurm jobs alike, and the table `make runs` prints.
 
 The launcher writes it twice: when the job is about to start (result "running") and when it
-ends, whatever the end (succeeded, failed, interrupted; "error" for a run that broke off with
-an error after it had begun), each time whole or not at all. A job refused before anything of
-it ran leaves no run behind. What it holds: the command, the backend and launch mode, the
+ends, whatever the end (succeeded, failed, interrupted, refused by a check on the way), each
+time whole or not at all. What it holds: the command, the backend and launch mode, the
 inventory (path and digest) and each node's ranks, the project's code (its git commit, and
 the diff beside the record when the tree has changes), the names (never the values) of the
 variables passed with ENV=, start, end, duration, exit code, the node blamed, the last step
@@ -19,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -217,9 +215,8 @@ def finish(
 def kept(
     spec: JobSpec, argv: list[str], inventory: Inventory | None, job: Callable[[], JobResult]
 ) -> JobResult:
-    """`job` run with its record: begun before, finished after, however it ends (Ctrl-C and
-    SIGTERM included). A job refused before anything of it ran (a check on the way, Ctrl-C
-    during its staging) leaves no run behind, record included. A local job's outputs are in its project's run
+    """`job` run with its record: begun before, finished after, however it ends (a refusal on
+    the way, Ctrl-C and SIGTERM included). A local job's outputs are in its project's run
     directory (launch.local), the record in this machine's .runs/ID either way."""
     remembered = begin(spec, argv, inventory, local.project_directory(spec))
     run_dir = local.run_directory(spec) if inventory is None else None
@@ -235,16 +232,14 @@ def kept(
         code = TERMINATED_EXIT if isinstance(signalled, Terminated) else INTERRUPTED_EXIT
         raise
     finally:
-        log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
-        if result is None and {p.name for p in log_dir.iterdir()} <= {RECORD, DIFF}:
-            shutil.rmtree(log_dir, ignore_errors=True)  # refused before it started: no run
-        else:
-            finish(remembered, spec, result, code, run_dir)
+        finish(remembered, spec, result, code, run_dir)
 
 
 def _result(result: JobResult | None, exit_code: int) -> str:
-    if result is None:  # broke off with an error or an interruption after it had begun
-        return "interrupted" if exit_code in (INTERRUPTED_EXIT, TERMINATED_EXIT) else "error"
+    if result is None:
+        if exit_code in (INTERRUPTED_EXIT, TERMINATED_EXIT):
+            return "interrupted"
+        return "refused" if exit_code == 2 else "error"
     if result.interrupted:
         return "interrupted"
     return "succeeded" if result.exit_code == 0 else "failed"

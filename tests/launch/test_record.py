@@ -12,11 +12,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import VENV_BIN, run_cli
 from tests.helpers import inventory, node, read_until
-from torch_multinode.cluster.errors import UserError
 from torch_multinode.launch import record
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
 
@@ -166,27 +163,3 @@ def test_the_record_names_the_env_variables_never_their_values_and_each_nodes_ra
     for path in (tmp_path / "tmn-r1").iterdir():  # nothing half-written left beside it
         assert not path.name.startswith(".")
         assert b"s3cr3t-value" not in path.read_bytes()
-
-
-def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_recorded(tmp_path):
-    spec = JobSpec(run_id="tmn-r2", log_dir=tmp_path / "tmn-r2")
-
-    def refused() -> JobResult:
-        raise UserError("job tmn-other is already running on n1", hint="waiting for it")
-
-    with pytest.raises(UserError):
-        record.kept(spec, ["--script", "x.py"], None, refused)
-    assert not (tmp_path / "tmn-r2").exists()
-
-    def broke_off() -> JobResult:
-        (tmp_path / "tmn-r2" / "node1.log").write_text("step 4/10 loss 1.2\n")
-        raise UserError("node2 did not answer within --restart-wait 300 s", exit_code=1)
-
-    with pytest.raises(UserError):
-        record.kept(spec, ["--script", "x.py"], None, broke_off)
-    kept = json.loads((tmp_path / "tmn-r2" / record.RECORD).read_text())
-    assert (kept["result"], kept["exit_code"], kept["last_step"]) == (
-        "error",
-        1,
-        "step 4/10 loss 1.2",
-    )
