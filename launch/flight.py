@@ -67,9 +67,25 @@ class _PlainData(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a trace names no class ({module}.{name})")
 
 
-def read_pickle(encoded: str) -> dict:
-    """NCCL's trace, as the collection prints it (base64 of the pickle torch wrote)."""
-    return _PlainData(io.BytesIO(base64.b64decode(encoded.strip(), validate=True))).load()
+def load_trace(content: bytes, pickled: bool) -> dict:
+    """One trace file's content: NCCL's pickle (read as plain data only) or JSON."""
+    return _PlainData(io.BytesIO(content)).load() if pickled else json.loads(content)
+
+
+def _last_of(content: bytes, pickled: bool) -> Collective | None:
+    """The last collective of one trace file's content; None for a trace cut short or
+    unreadable (the stacks still say where the rank is)."""
+    try:
+        return last_collective(load_trace(content, pickled))
+    except (ValueError, TypeError, KeyError, EOFError, pickle.PickleError):
+        return None
+
+
+def _keep(found: dict[int, Collective], rank: int, collective: Collective | None) -> None:
+    """`collective` as `rank`'s last, unless a trace of the same rank already shows a later one
+    (a rank may leave both its own trace and NCCL's)."""
+    if collective is not None and (rank not in found or found[rank].seq < collective.seq):
+        found[rank] = collective
 
 
 def last_collective(trace: dict) -> Collective | None:
@@ -102,12 +118,11 @@ def split(text: str) -> tuple[str, dict[int, Collective]]:
         if rank is None:
             return
         text = "\n".join(body)
-        try:
-            collective = last_collective(read_pickle(text) if pickled else json.loads(text))
-        except (ValueError, TypeError, KeyError, EOFError, binascii.Error, pickle.PickleError):
-            collective = None  # a trace cut short: the stacks still say where the rank is
-        if collective is not None and (rank not in found or found[rank].seq < collective.seq):
-            found[rank] = collective
+        try:  # NCCL's pickle travels in base64
+            content = base64.b64decode(text.strip(), validate=True) if pickled else text.encode()
+        except binascii.Error:
+            return  # cut short in transit
+        _keep(found, rank, _last_of(content, pickled))
 
     for line in text.splitlines():
         if line.startswith(MARK):
@@ -147,12 +162,21 @@ def mismatch(flights: dict[int, Collective], nodes: dict[int, str]) -> str | Non
 def from_directory(directory: Path) -> dict[int, Collective]:
     """Each rank's last collective from the traces in a run directory on this machine (a
     local job's), read as a node's collection is."""
-    parts: list[str] = []
-    for path in sorted(directory.glob(FLIGHT_DUMP.format(rank="*"))):
-        parts += [f"{MARK} {path}", path.read_text(errors="replace")]
-    for path in sorted(directory.glob(f"{FLIGHT_TIMEOUT_DUMP}*")):
-        parts += [f"{MARK} {path}", base64.b64encode(path.read_bytes()).decode()]
-    return split("\n".join(parts))[1]
+    found: dict[int, Collective] = {}
+    paths = [
+        *directory.glob(FLIGHT_DUMP.format(rank="*")),
+        *directory.glob(f"{FLIGHT_TIMEOUT_DUMP}*"),
+    ]
+    for path in sorted(paths):
+        rank, pickled = _rank_of(path.name)
+        if rank is None:
+            continue
+        try:
+            content = path.read_bytes()
+        except OSError:
+            continue
+        _keep(found, rank, _last_of(content, pickled))
+    return found
 
 
 def failure_lines(flights: dict[int, Collective], nodes: dict[int, str]) -> list[str]:

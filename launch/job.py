@@ -272,11 +272,10 @@ class Launcher:
         deadline = time.monotonic() + (INTERRUPTED_RUNNER_GRACE if interrupted else RUNNER_GRACE)
         for runner in runners:
             runner.join(max(0.0, deadline - time.monotonic()))
-        hung = any((o.error or "").startswith("hung:") for o in self.outcomes.values())
+        failed = self.job.first_failure is not None and not interrupted
+        # a hang's report has the traces already
         flights = (
-            watch.traces_after_failure(self.job)
-            if self.job.first_failure is not None and not interrupted and not hung
-            else []
+            watch.traces_after_failure(self.job) if failed and not self.job.hang_reported else []
         )
         self._close()
         return JobResult(

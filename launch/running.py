@@ -33,6 +33,7 @@ class RunningJob:
     failures: list[str] = field(default_factory=list)  # nodes that failed, in order
     first_failure: str | None = None
     silent: set[str] = field(default_factory=set)  # lost nodes that did not answer the stop
+    hang_reported: bool = False  # a hang report (stacks and traces) is out for this run
     progress: Progress = field(init=False)  # the stall clock, at the job's stall setting
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -114,6 +114,7 @@ def stall(job: RunningJob) -> None:
             f"[launcher] {job.progress.describe()}: the job hangs; reading every rank's stacks..."
         )
         verdict = report(job)
+        job.hang_reported = True
         if job.done.is_set():
             return  # it ended while the stacks were read: not a hang after all
         if job.spec.on_hang == "wait":

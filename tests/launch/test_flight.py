@@ -5,7 +5,6 @@ over loopback that call different collectives, asked for their traces while they
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import pickle
@@ -115,16 +114,22 @@ def test_no_watcher_with_the_recorder_off_or_without_a_run_directory(tmp_path):
     assert node_flight.start({"RANK": "0", "TORCH_FR_BUFFER_SIZE": "8"}) is None
 
 
-def test_two_ranks_in_different_collectives_are_named_from_their_own_traces(tmp_path):
-    script = tmp_path / "mismatched.py"
-    script.write_text(MISMATCHED)
-    env = {
+def _ranks_env(run_dir: Path) -> dict[str, str]:
+    """Two gloo ranks' environment as the launcher gives it: our code importable, the run
+    directory, the Flight Recorder on."""
+    return {
         **os.environ,
         "PYTHONPATH": str(REPO),
-        "TMN_RUN_DIR": str(tmp_path),
+        "TMN_RUN_DIR": str(run_dir),
         "TORCH_FR_BUFFER_SIZE": "16",
         "OMP_NUM_THREADS": "1",
     }
+
+
+def test_two_ranks_in_different_collectives_are_named_from_their_own_traces(tmp_path):
+    script = tmp_path / "mismatched.py"
+    script.write_text(MISMATCHED)
+    env = _ranks_env(tmp_path)
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         + [str(script)],
@@ -218,13 +223,7 @@ else:
 def test_ranks_that_die_of_a_collective_timeout_leave_their_traces_for_the_summary(tmp_path):
     script = tmp_path / "timed_out.py"
     script.write_text(TIMED_OUT)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "TMN_RUN_DIR": str(tmp_path),
-        "TORCH_FR_BUFFER_SIZE": "16",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = _ranks_env(tmp_path)
     job = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         + [str(script)],
@@ -289,7 +288,7 @@ def test_the_pickled_trace_torch_writes_on_a_timeout_is_read_and_nothing_else_un
     dumped.write_bytes(pickle.dumps({"entries": [Path("/x")]}))
     assert flight.from_directory(tmp_path) == {}
     with pytest.raises(pickle.UnpicklingError, match="names no class"):
-        flight.read_pickle(base64.b64encode(dumped.read_bytes()).decode())
+        flight.load_trace(dumped.read_bytes(), pickled=True)
 
 
 def test_a_local_job_whose_collective_timed_out_names_the_mismatch_in_its_summary(tmp_path):
