@@ -4,6 +4,7 @@ tests/fakes.py and the conftest files), never from each other."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -22,6 +23,13 @@ SCRIPTS = Path(__file__).parent / "training" / "launcher_scripts"
 
 MANAGEMENT_NET, COMPUTE_NET = "10.1.0", "10.7.0"
 """The addresses of built inventories: documentation only, nothing is ever sent to them."""
+
+
+ERROR_LINE = re.compile(r"^(?:\[[^\]\n]+\]:? )*(?:Error:|Traceback )", re.M)
+"""A line that reports an error: the launcher's `Error: ...`, a Python traceback, also behind a
+node's or rank's prefix. Not any text that contains "Error:": torch's C++ warnings quote
+`c10::Error::Error` frames, as when a node's torchrun finds the rendezvous host already gone at
+shutdown after a job that passed (docs/faults.md)."""
 
 
 def node(index: int, **fields) -> dict:
