@@ -75,9 +75,9 @@ def test_a_local_job_that_fails_ends_with_the_summary_not_torchruns_traceback():
     assert re.fullmatch(
         r"Job tmn-\w+ FAILED on this machine after [\d.]+ s \(rank [01], exit 2\)\.", summary[0]
     ), output
-    assert (
-        summary[1:-1]
-        == ["Last lines:"]
-        + ["  | Error: --sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA"] * 2
-    ), output
+    # Each rank refuses; torchrun stops the other as soon as the first one exits, so under load
+    # the second may be gone before it prints its line (seen once in CI).
+    assert summary[1] == "Last lines:", output
+    refusal = "  | Error: --sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA"
+    assert summary[2:-1] in ([refusal], [refusal] * 2), output
     assert summary[-1].startswith(f"Run directory: {REPO_ROOT / '.runs' / run_id} "), output
