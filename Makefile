@@ -120,6 +120,15 @@ tensorboard: $(STAMP)
 	@test -d ".runs/$(RUN)" || { echo "Error: .runs/$(RUN) does not exist (try ls .runs)"; exit 2; }
 	$(BIN)/tensorboard --logdir ".runs/$(RUN)"
 
+.PHONY: runs  ## the runs launched from here, newest first (RUN=id: one whole; JSON=1: as JSON)
+runs: $(STAMP)
+	@$(BIN)/python -m torch_multinode.launch.runs $(if $(RUN),--run "$(RUN)") $(if $(filter 1 yes true,$(JSON)),--json)
+
+.PHONY: rerun  ## run a recorded run again (RUN=id): its command, on the code as it was then
+rerun: $(STAMP)
+	@test -n "$(RUN)" || { echo "Error: RUN is not set (try make rerun RUN=<job id from make runs>)"; exit 2; }
+	@$(BIN)/python -m torch_multinode.launch.runs --rerun "$(RUN)"
+
 .PHONY: hang-report  ## print again the report of a job that hung (RUN=job id), saved in .runs/RUN
 hang-report:
 	@test -n "$(RUN)" || { echo "Error: RUN is not set (try make hang-report RUN=<job id from the summary>; ls .runs)"; exit 2; }

@@ -96,9 +96,10 @@ def whole_number(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_number(what: str = "number") -> Callable[[str], float]:
+def positive_number(what: str = "number", zero: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite number above 0 (float() alone takes 'nan' and 'inf', a
-    limit that never comes); `what` names it in the error ("number of seconds")."""
+    limit that never comes), or 0 itself with `zero` (an "off"); `what` names it in the error
+    ("number of seconds")."""
 
     def parse(text: str) -> float:
         try:
@@ -107,6 +108,8 @@ def positive_number(what: str = "number") -> Callable[[str], float]:
             value = math.nan
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{shown(text)} is not a {what}")
+        if value == 0 and zero:
+            return 0.0
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{shown(text)} must be above 0")
         return value

@@ -9,7 +9,6 @@ train -i cluster.yml --script train.py --env WANDB_API_KEY --env HF_TOKEN=abc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import threading
@@ -28,7 +27,7 @@ from torch_multinode.cluster.errors import (
     whole_number,
 )
 from torch_multinode.cluster.inventory_checks import NODES_GROUP, parse_gpu_list
-from torch_multinode.launch import checks, staging
+from torch_multinode.launch import checks, record, staging
 from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code
@@ -45,14 +44,6 @@ from torch_multinode.launch.spec import (
     JobSpec,
     job_module,
 )
-
-
-def _stall_seconds(text: str) -> float:
-    """--stall: 0 (never), or a number of seconds above 0 (positive_number says what is wrong)."""
-    with contextlib.suppress(ValueError):
-        if float(text) == 0:
-            return 0.0
-    return positive_number("number of seconds")(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -136,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--stall",
-        type=_stall_seconds,
+        type=positive_number("number of seconds", zero=True),
         default=None,
         help="seconds without progress (step lines, '[tmn] heartbeat' lines, or any output for a "
         "script that prints neither), counted from its first, after which the job is a hang: "
@@ -325,7 +316,8 @@ def run(args: argparse.Namespace) -> int:
     backend = backend_for(inventory, spec, _emit, project, args.restart_wait)
     if restarts := args.restarts:
         _emit(f"[launcher] up to {restarts} restart(s) after a failure: {backend.restart_note}")
-    result = run_with_restarts(backend, spec, args.restarts, _emit)
+    job = lambda: run_with_restarts(backend, spec, args.restarts, _emit)  # noqa: E731
+    result = record.kept(spec, args.argv, inventory, job)
     for line in backend.summary(result) + backend.closing(result):
         _emit(line)
     return result.exit_code
@@ -335,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 1  # an uncaught exception (a bug): Python's own exit code
     try:
         args = _parser().parse_args(argv)
+        args.argv = sys.argv[1:] if argv is None else list(argv)  # as typed, for its record
         stop_on_sigterm()  # a killed launcher stops the job on every node, as Ctrl-C does
         code = at_the_edge(run, args)
     except SystemExit as exiting:  # argparse: --help (0) or bad usage (2)

@@ -161,10 +161,11 @@ def relay(stream, out, tail: collections.deque, log=None) -> None:
     included: the terminal redraws it) and to `log`, and its non-blank lines into `tail`."""
     pending = b""
     while chunk := os.read(stream.fileno(), 65536):
+        if log is not None:  # first: a Ctrl-C right after a line was seen finds it in the log
+            log.write(chunk)
+            log.flush()
         out.write(chunk)
         out.flush()
-        if log is not None:
-            log.write(chunk)
         *lines, pending = _BREAKS.split(pending + chunk)
         tail.extend(text for line in lines if (text := line.decode(errors="replace")).strip())
     if pending.strip():

@@ -17,6 +17,7 @@ with py-spy inside the job's containers, and the report names the rank, its node
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -166,6 +167,11 @@ def test_a_collective_that_timed_out_is_explained_by_the_ranks_last_collectives(
     assert "Timed out waiting" in output, output[-3000:]
     assert "Last collectives (the Flight Recorder's traces, written as the ranks ended):" in output
     assert f"  rank 1 ({nodes[1]}): barrier #10" in output, output[-3000:]
+    remembered = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
+    assert (remembered["result"], remembered["exit_code"]) == ("failed", 1), remembered
+    assert remembered["failed_node"] in nodes.values() and remembered["workload"].endswith(
+        "hang.py"
+    )
     assert (
         f"mismatched collectives: rank 0 ({nodes[0]}) in all_reduce #10 (sizes [[1]]) while "
         f"rank 1 ({nodes[1]}) in barrier #10"

@@ -23,6 +23,7 @@ it found it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -222,8 +223,23 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
     assert re.search(rf"\[launcher\] {re.escape(str(script.parent))} \(4 files, ", output), output
     assert SECRET not in output
     runs = REPO_ROOT / ".runs" / run_id
-    for path in runs.rglob("*"):
+    for path in runs.rglob("*"):  # the run's record (run.json) among them
         assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+    remembered = json.loads((runs / "run.json").read_text())
+    assert remembered["env_names"] == ["PROJECT_MODE", "PROJECT_TOKEN"], remembered
+    assert (remembered["backend"], remembered["launch_mode"], remembered["result"]) == (
+        "ssh",
+        "container",
+        "succeeded",
+    ), remembered
+    assert remembered["nodes"] == [
+        {"name": "node1", "ranks": [0, 0]},
+        {"name": "node2", "ranks": [1, 1]},
+    ]
+    assert remembered["checkpoints"] == checkpoints and remembered["exit_code"] == 0
+    assert remembered["inventory"]["path"] == str(provisioned.inventory)
+    image = sim.docker("image", "inspect", "--format", "{{.Id}}", "torch-multinode/train:test")
+    assert remembered["image"] == {"name": "torch-multinode/train:test", "id": image.stdout.strip()}
     # The containers are gone; the checkpoints are on each node's disk.
     _no_containers_left(provisioned)
     for index, rank in ((1, 0), (2, 1)):
@@ -468,6 +484,8 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
         assert took < 10, f"the launcher took {took:.1f} s to end"
         run_id = run_id_in(seen)
         assert f"Job {run_id} interrupted" in rest
+        remembered = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
+        assert (remembered["result"], remembered["exit_code"]) == ("interrupted", 130)
         assert leftovers(load(provisioned.inventory), run_id) == {"node1": "", "node2": ""}
         _no_containers_left(provisioned)
         # Step 4 is complete on each node's disk; step 8 never got its name.

@@ -1,0 +1,314 @@
+"""Every run remembered: the record a job leaves in its directory on this machine
+(`.runs/ID/run.json`), for local, SSH and Slurm jobs alike, and the table `make runs` prints.
+
+The launcher writes it twice: when the job is about to start (result "running") and when it
+ends, whatever the end (succeeded, failed, interrupted; "error" for a run that broke off with
+an error after it had begun), each time whole or not at all. A job refused before anything of
+it ran leaves no run behind.
+
+What it holds: the command and the directory it was typed in, the backend and launch mode,
+the training image (name and ID), the inventory (path and digest) and each node's ranks, the
+project's code (its git commit and a snapshot of the work tree as it was, launch.snapshot;
+the diff beside the record when the tree had changes), the names (never the values) of the
+variables passed with ENV=, start, end, duration, exit code, the node blamed, the last step
+line the job printed, where its TensorBoard events and checkpoints are, and netcheck's
+findings file the job used (path and digest).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch_multinode.cluster.errors import (
+    INTERRUPTED_EXIT,
+    TERMINATED_EXIT,
+    Terminated,
+    UserError,
+)
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.launch import local, snapshot, staging
+from torch_multinode.launch.nodes import nproc_for
+from torch_multinode.launch.spec import JobResult, JobSpec
+
+RECORD = "run.json"
+DIFF = "code.diff"
+FORMAT = 1
+RUNS_ROOT = Path(".runs")
+_STEP = re.compile(r"\bstep \d+(?:/\d+)?\b")
+_TAIL_BYTES = 65536  # how much of each log's end is read for the last step line
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _digest(path: Path | None) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
+    except OSError:
+        return None
+
+
+def code(project: Path, log_dir: Path, run_id: str) -> dict[str, Any]:
+    """The project's code: its git commit and a snapshot of the whole work tree
+    (launch.snapshot, what `make rerun` runs); where the tree differs from the commit, the
+    difference as code.diff beside the record, to read."""
+    found = snapshot.take(project, run_id)
+    if found is None:
+        return {"project": str(project), "git": None, "snapshot": None}
+    if found["dirty"] and found["git"] and found["snapshot"]:
+        diff = subprocess.run(
+            ["git", "-C", found["repository"], "diff", found["git"], found["snapshot"]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        _write_atomically(log_dir / DIFF, diff.stdout)
+        found["diff"] = DIFF
+    return {"project": str(project), **found}
+
+
+def _nodes(inventory: Inventory | None, spec: JobSpec) -> list[dict[str, Any]]:
+    """Each node with its ranks (the master's first, in the inventory's order)."""
+    if inventory is None:
+        return [{"name": socket.gethostname(), "ranks": None}]  # this machine
+    nodes, first = [], 0
+    for host in inventory.hosts:
+        count = nproc_for(host, spec)
+        nodes.append({"name": host.name, "ranks": [first, first + count - 1]})
+        first += count
+    return nodes
+
+
+def _image(inventory: Inventory | None) -> dict[str, str | None] | None:
+    """The training image a job in containers runs: its name, and its ID in this machine's
+    engine (the nodes are checked against it before launch: launch.prepare)."""
+    if inventory is None or inventory.launch_mode != "container":
+        return None
+    try:
+        found = staging.local_image_id(inventory.training_image)
+    except UserError:
+        found = None  # not here: the launch says so
+    return {"name": inventory.training_image, "id": found}
+
+
+def _netcheck_file(spec: JobSpec, inventory: Inventory | None) -> Path | None:
+    """netcheck's findings file the job's interface settings come from, if there is one."""
+    if inventory is None:
+        return None
+    from torch_multinode.netcheck import envfile
+
+    path = spec.env_file or envfile.default_path(inventory.path)
+    return path if path.is_file() else None
+
+
+def begin(
+    spec: JobSpec, argv: list[str], inventory: Inventory | None, project: Path
+) -> dict[str, Any]:
+    """The record of a job about to start, written at once (result "running")."""
+    env_file = _netcheck_file(spec, inventory)
+    log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
+    log_dir.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "format": FORMAT,
+        "id": spec.run_id,
+        "command": [Path(sys.argv[0]).name, *redacted(argv)],
+        "workload": str(spec.script) if spec.script else spec.module,
+        "args": list(spec.args),
+        "backend": "local"
+        if inventory is None
+        else "slurm"
+        if inventory.scheduler == "slurm"
+        else "ssh",
+        "launch_mode": None if inventory is None else inventory.launch_mode,
+        "image": _image(inventory),
+        "inventory": None
+        if inventory is None
+        else {"path": str(inventory.path), "sha256": _digest(inventory.path)},
+        "nodes": _nodes(inventory, spec),
+        "cwd": str(Path.cwd()),
+        "code": code(project, log_dir, spec.run_id),
+        "env_names": sorted(name for name, _ in spec.secret_env),
+        "netcheck": None
+        if env_file is None
+        else {"path": str(env_file), "sha256": _digest(env_file)},
+        "started": _now(),
+        "ended": None,
+        "seconds": None,
+        "result": "running",
+        "exit_code": None,
+        "failed_node": None,
+        "restarts": 0,
+        "last_step": None,
+        "tensorboard": None,
+        "checkpoints": _argument(spec.args, "--checkpoint-dir"),
+    }
+    write(log_dir, record)
+    return record
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """The launcher's arguments with every --env value left out (NAME=VALUE becomes NAME: a
+    rerun passes that machine's value); what follows `--` is the job's own and kept."""
+    kept, options = [], True
+    for index, word in enumerate(argv):
+        if word == "--":
+            options = False
+        elif options and index > 0 and argv[index - 1] == "--env":
+            word = " ".join(item.partition("=")[0] for item in word.split())
+        elif options and word.startswith("--env="):
+            word = "--env=" + " ".join(item.partition("=")[0] for item in word[6:].split())
+        kept.append(word)
+    return kept
+
+
+def _argument(args: tuple[str, ...], flag: str) -> str | None:
+    for index, word in enumerate(args):
+        if word == flag and index + 1 < len(args):
+            return args[index + 1]
+        if word.startswith(f"{flag}="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def last_step(directories: list[Path]) -> str | None:
+    """The newest step line of the job's logs (NODE.log) in these directories."""
+    found: list[tuple[float, str]] = []
+    for directory in directories:
+        for log in directory.glob("*.log"):
+            try:
+                with log.open("rb") as stream:
+                    stream.seek(max(0, log.stat().st_size - _TAIL_BYTES))
+                    lines = stream.read().decode(errors="replace").splitlines()
+            except OSError:
+                continue
+            steps = [line.strip() for line in lines if _STEP.search(line)]
+            if steps:
+                found.append((log.stat().st_mtime, steps[-1][:300]))
+    return max(found)[1] if found else None
+
+
+def finish(
+    record: dict[str, Any],
+    spec: JobSpec,
+    result: JobResult | None,
+    exit_code: int,
+    run_dir: Path | None = None,
+) -> dict[str, Any]:
+    """The record of a job that ended (`result` None: refused or broken before it ran), written
+    whole over the first."""
+    log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
+    started = datetime.datetime.fromisoformat(record["started"])
+    ended = datetime.datetime.now(datetime.UTC)
+    directories = [log_dir] + ([run_dir] if run_dir is not None and run_dir != log_dir else [])
+    board = next((d / "tensorboard" for d in directories if (d / "tensorboard").is_dir()), None)
+    record.update(
+        ended=ended.isoformat(timespec="seconds"),
+        seconds=round((ended - started).total_seconds(), 1),
+        exit_code=exit_code,
+        result=_result(result, exit_code),
+        failed_node=None if result is None or result.interrupted else result.failed_node,
+        restarts=0 if result is None else result.restart,
+        last_step=last_step(directories),
+        tensorboard=None if board is None else str(board),
+        run_dir=str(run_dir) if run_dir is not None else str(log_dir),
+    )
+    write(log_dir, record)
+    return record
+
+
+def kept(
+    spec: JobSpec, argv: list[str], inventory: Inventory | None, job: Callable[[], JobResult]
+) -> JobResult:
+    """`job` run with its record: begun before, finished after, however it ends (Ctrl-C and
+    SIGTERM included). A job refused before anything of it ran (a check on the way, Ctrl-C
+    during its staging) leaves no run behind, record included. A local job's outputs are in its project's run
+    directory (launch.local), the record in this machine's .runs/ID either way."""
+    remembered = begin(spec, argv, inventory, local.project_directory(spec))
+    run_dir = local.run_directory(spec) if inventory is None else None
+    result, code = None, 1
+    try:
+        result = job()
+        code = result.exit_code
+        return result
+    except UserError as exc:
+        code = exc.exit_code
+        raise
+    except KeyboardInterrupt as signalled:
+        code = TERMINATED_EXIT if isinstance(signalled, Terminated) else INTERRUPTED_EXIT
+        raise
+    finally:
+        log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
+        if result is None and {p.name for p in log_dir.iterdir()} <= {RECORD, DIFF}:
+            shutil.rmtree(log_dir, ignore_errors=True)  # refused before it started: no run
+        else:
+            finish(remembered, spec, result, code, run_dir)
+
+
+def _result(result: JobResult | None, exit_code: int) -> str:
+    if result is None:  # broke off with an error or an interruption after it had begun
+        return "interrupted" if exit_code in (INTERRUPTED_EXIT, TERMINATED_EXIT) else "error"
+    if result.interrupted:
+        return "interrupted"
+    return "succeeded" if result.exit_code == 0 else "failed"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def write(log_dir: Path, record: dict[str, Any]) -> None:
+    _write_atomically(log_dir / RECORD, json.dumps(record, indent=2) + "\n")
+
+
+def load(run_id: str, root: Path = RUNS_ROOT) -> dict[str, Any] | None:
+    path = root / run_id / RECORD
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def every(root: Path = RUNS_ROOT) -> list[dict[str, Any]]:
+    """Every run's record under `root`, newest first."""
+    found = [r for d in root.glob(f"*/{RECORD}") if (r := load(d.parent.name, root)) is not None]
+    return sorted(found, key=lambda r: r.get("started") or "", reverse=True)
+
+
+def table(records: list[dict[str, Any]]) -> list[str]:
+    """One line per run: ID, when, workload, nodes, duration, result, last step line."""
+    rows = [("ID", "STARTED", "WORKLOAD", "NODES", "TIME", "RESULT", "LAST STEP")]
+    for r in records:
+        seconds = r.get("seconds")
+        rows.append(
+            (
+                r.get("id", "?"),
+                (r.get("started") or "")[:19].replace("T", " "),
+                Path(str(r.get("workload"))).name
+                if str(r.get("workload", "")).endswith(".py")
+                else str(r.get("workload")),
+                ",".join(n["name"] for n in r.get("nodes", [])),
+                "-" if seconds is None else f"{seconds:.0f}s",
+                str(r.get("result")),
+                (r.get("last_step") or "-")[:60],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return [
+        "  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)), row[-1]])
+        for row in rows
+    ]

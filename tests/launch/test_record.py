@@ -1,0 +1,288 @@
+"""Every run remembered (launch.record): a job launched from a directory leaves .runs/ID/run.json
+whatever its end, and `runs` lists them newest first, shows one whole, or prints JSON. Jobs on
+this machine here; the same record for jobs on the simulated cluster in containers is checked
+in test_projects_in_containers.py (succeeded, interrupted, ENV= names) and test_hangs.py
+(failed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import VENV_BIN, make, run_cli
+from tests.helpers import inventory, node, read_until
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.launch import record, runs, snapshot
+from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
+
+SCRIPT = """\
+import sys
+import time
+
+for step in range(1, 4):
+    print(f"step {step}/3 loss {1.0 / step:.3f}", flush=True)
+if sys.argv[1:] == ["fail"]:
+    raise ValueError("bad batch")
+if sys.argv[1:] == ["hold"]:
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def _train(where: Path, *args: str) -> subprocess.CompletedProcess:
+    return run_cli("train", "--script", "job.py", "--nproc-per-node", "1", *args, cwd=where)
+
+
+def _runs(where: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VENV_BIN / "python"), "-m", "torch_multinode.launch.runs", *args],
+        cwd=where,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )
+
+
+def test_three_local_jobs_are_listed_newest_first_with_their_results(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    done = _train(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    failed = _train(tmp_path, "--", "fail")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    held = subprocess.Popen(
+        [str(VENV_BIN / "train"), "--script", "job.py", "--nproc-per-node", "1", "--", "hold"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        read_until(held, "holding", limit=120)
+        os.killpg(held.pid, signal.SIGINT)  # Ctrl-C
+        held.communicate(timeout=60)
+    finally:
+        if held.poll() is None:
+            os.killpg(held.pid, signal.SIGKILL)
+    assert held.returncode == 130
+
+    listed = _runs(tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0].split() == [
+        "ID",
+        "STARTED",
+        "WORKLOAD",
+        "NODES",
+        "TIME",
+        "RESULT",
+        "LAST",
+        "STEP",
+    ]
+    assert [line.split()[6] for line in lines[1:]] == ["interrupted", "failed", "succeeded"]
+    assert all("job.py" in line and "step 3/3 loss 0.333" in line for line in lines[1:])
+
+    records = json.loads(_runs(tmp_path, "--json").stdout)
+    assert [r["result"] for r in records] == ["interrupted", "failed", "succeeded"]
+    assert [r["exit_code"] for r in records] == [130, 1, 0]
+    failed_record = records[1]
+    assert failed_record["args"] == ["fail"] and failed_record["backend"] == "local"
+    assert failed_record["command"][1:] == [
+        "--script",
+        "job.py",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "fail",
+    ]
+    assert failed_record["code"] == {"project": str(tmp_path), "git": None, "snapshot": None}
+    assert failed_record["seconds"] > 0 and failed_record["ended"] >= failed_record["started"]
+    one = _runs(tmp_path, "--run", failed_record["id"], "--json")
+    assert json.loads(one.stdout) == failed_record
+    shown = _runs(tmp_path, "--run", failed_record["id"]).stdout
+    assert "result       failed" in shown and "last_step    step 3/3 loss 0.333" in shown
+
+
+def test_an_unknown_run_is_one_error_line_and_no_runs_is_said(tmp_path):
+    unknown = _runs(tmp_path, "--run", "tmn-nope")
+    assert (unknown.returncode, unknown.stdout) == (2, "")
+    assert unknown.stderr == (
+        "Error: no run 'tmn-nope' is recorded in .runs/ (try make runs, which lists the "
+        "recorded runs)\n"
+    )
+    empty = _runs(tmp_path)
+    assert empty.returncode == 0 and empty.stdout.startswith("No run recorded in .runs/")
+    unnamed = make("rerun", "RUN=", timeout=60)
+    assert unnamed.returncode != 0
+    assert "Error: RUN is not set (try make rerun RUN=<job id from make runs>)" in unnamed.stdout
+
+
+def _git_project(root: Path) -> tuple[Path, list[str]]:
+    """A project in a git repository of its own, one commit: job.py prints its version file."""
+    root.mkdir()
+    (root / "job.py").write_text(
+        "import pathlib, sys\n"
+        "print('version', pathlib.Path(__file__).with_name('version.txt').read_text().strip(),"
+        " flush=True)\n"
+        "print('step 1/1', flush=True)\n"
+        "if sys.argv[1:] == ['fail']:\n"
+        "    raise ValueError('bad batch')\n"
+    )
+    (root / "version.txt").write_text("v1\n")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    return root, git
+
+
+def test_a_snapshot_keeps_the_whole_work_tree_and_touches_nothing_of_the_users(tmp_path):
+    project, git = _git_project(tmp_path / "proj")
+    (project / "version.txt").write_text("v2\n")
+    (project / "notes.txt").write_text("new\n")
+    status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    found = record.code(project, tmp_path, "tmn-s1")
+    assert found["git"] == head.strip() and found["dirty"] and found["diff"] == "code.diff"
+    diff = (tmp_path / "code.diff").read_text()
+    assert "-v1" in diff and "+v2" in diff and "+new" in diff  # the untracked file's content too
+    # the user's index, branch and files are as they were
+    after = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
+    assert after.stdout == status.stdout
+    assert (
+        subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout == head
+    )
+    refs = subprocess.run(
+        [*git, "for-each-ref", "--format=%(refname)"], capture_output=True, text=True
+    )
+    assert "refs/torch-multinode/runs/tmn-s1" in refs.stdout
+    restored = snapshot.restore(found, tmp_path / "restored")
+    assert (restored / "version.txt").read_text() == "v2\n"
+    assert (restored / "notes.txt").read_text() == "new\n"
+    assert snapshot.unchanged(found)
+    (project / "version.txt").write_text("v3\n")
+    assert not snapshot.unchanged(found)
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    assert record.code(outside, tmp_path, "tmn-s2") == {
+        "project": str(outside),
+        "git": None,
+        "snapshot": None,
+    }
+
+
+def test_untracked_files_over_the_limit_are_not_copied_into_the_users_repository(tmp_path):
+    project, git = _git_project(tmp_path / "proj")
+    (project / "data.bin").write_bytes(b"x" * 2000)  # a dataset git does not ignore
+    found = snapshot.take(project, "tmn-s3", limit=1000)
+    assert found["snapshot"] is None and found["why"].startswith("0 MB of untracked files")
+    refs = subprocess.run([*git, "for-each-ref"], capture_output=True, text=True).stdout
+    assert "torch-multinode" not in refs
+    kept = tmp_path / "runs" / "tmn-s3"
+    kept.mkdir(parents=True)
+    remembered = {"id": "tmn-s3", "command": ["train"], "cwd": str(tmp_path), "code": found}
+    (kept / record.RECORD).write_text(json.dumps(remembered))
+    with pytest.raises(UserError, match="run tmn-s3's code was not kept: 0 MB of untracked"):
+        runs.rerun("tmn-s3", tmp_path / "runs")
+    (project / ".gitignore").write_text("data.bin\n")  # ignored: no longer counted
+    assert snapshot.take(project, "tmn-s4", limit=1000)["snapshot"] is not None
+
+
+def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(tmp_path):
+    project, _ = _git_project(tmp_path / "proj")
+    (project / "version.txt").write_text("v2\n")  # uncommitted, as the run saw it
+    ran = run_cli("train", "--script", "proj/job.py", "--nproc-per-node", "1", cwd=tmp_path)
+    assert ran.returncode == 0 and "version v2" in ran.stdout, ran.stdout + ran.stderr
+    failed = run_cli(
+        "train", "--script", "proj/job.py", "--nproc-per-node", "1", "--", "fail", cwd=tmp_path
+    )
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    first, second = [r["id"] for r in json.loads(_runs(tmp_path, "--json").stdout)][::-1]
+    (project / "version.txt").write_text("v3 (an edit after the runs)\n")
+
+    again = _runs(tmp_path, "--rerun", first)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "version v2" in again.stdout and "v3" not in again.stdout, again.stdout
+    assert again.stdout.startswith(f"[rerun] {first}: its code snapshot ")
+    failing = _runs(tmp_path, "--rerun", second)
+    assert failing.returncode == 1, failing.stdout + failing.stderr
+    assert "ValueError: bad batch" in failing.stdout, failing.stdout
+    # each rerun is a run of its own, recorded; the project is as the user left it
+    assert len(json.loads(_runs(tmp_path, "--json").stdout)) == 4
+    assert (project / "version.txt").read_text() == "v3 (an edit after the runs)\n"
+
+
+def test_a_run_of_a_project_outside_git_cannot_be_run_again_and_says_why(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    assert _train(tmp_path).returncode == 0
+    (run,) = json.loads(_runs(tmp_path, "--json").stdout)
+    refused = _runs(tmp_path, "--rerun", run["id"])
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr == (
+        f"Error: run {run['id']}'s project {tmp_path} is not in a git repository, so its code "
+        "was not kept: it cannot be run again exactly (try git init in the project: each run "
+        "from then on can be run again)\n"
+    )
+
+
+def test_env_values_never_reach_the_recorded_command():
+    argv = ["-i", "c.yml", "--env", "HF_TOKEN=abc MODE", "--env=KEY=xyz", "--", "--env", "A=1"]
+    assert record.redacted(argv) == [
+        "-i", "c.yml", "--env", "HF_TOKEN MODE", "--env=KEY", "--", "--env", "A=1",
+    ]  # fmt: skip
+
+
+def test_the_record_names_the_env_variables_never_their_values_and_each_nodes_ranks(tmp_path):
+    hosts = inventory({"node1": node(1), "node2": node(2)})
+    spec = JobSpec(
+        run_id="tmn-r1",
+        log_dir=tmp_path / "tmn-r1",
+        secret_env=(("HF_TOKEN", "s3cr3t-value"), ("MODE", "fast")),
+        nproc_per_node=2,
+    )
+    started = record.begin(spec, ["-i", "x.yml"], hosts, tmp_path)
+    on_disk = json.loads((tmp_path / "tmn-r1" / record.RECORD).read_text())
+    assert on_disk["result"] == "running" and on_disk == started
+    assert on_disk["env_names"] == ["HF_TOKEN", "MODE"]
+    assert on_disk["nodes"] == [
+        {"name": "node1", "ranks": [0, 1]},
+        {"name": "node2", "ranks": [2, 3]},
+    ]
+    outcomes = {"node1": NodeOutcome("node1", exit_code=0), "node2": NodeOutcome("node2", 1)}
+    result = JobResult("tmn-r1", outcomes, "node2", interrupted=False, seconds=3.0)
+    record.finish(started, spec, result, result.exit_code)
+    ended = json.loads((tmp_path / "tmn-r1" / record.RECORD).read_text())
+    assert (ended["result"], ended["failed_node"], ended["exit_code"]) == ("failed", "node2", 1)
+    for path in (tmp_path / "tmn-r1").iterdir():  # nothing half-written left beside it
+        assert not path.name.startswith(".")
+        assert b"s3cr3t-value" not in path.read_bytes()
+
+
+def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_recorded(tmp_path):
+    spec = JobSpec(run_id="tmn-r2", log_dir=tmp_path / "tmn-r2")
+
+    def refused() -> JobResult:
+        raise UserError("job tmn-other is already running on n1", hint="waiting for it")
+
+    with pytest.raises(UserError):
+        record.kept(spec, ["--script", "x.py"], None, refused)
+    assert not (tmp_path / "tmn-r2").exists()
+
+    def broke_off() -> JobResult:
+        (tmp_path / "tmn-r2" / "node1.log").write_text("step 4/10 loss 1.2\n")
+        raise UserError("node2 did not answer within --restart-wait 300 s", exit_code=1)
+
+    with pytest.raises(UserError):
+        record.kept(spec, ["--script", "x.py"], None, broke_off)
+    kept = json.loads((tmp_path / "tmn-r2" / record.RECORD).read_text())
+    assert (kept["result"], kept["exit_code"], kept["last_step"]) == (
+        "error",
+        1,
+        "step 4/10 loss 1.2",
+    )
