@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -25,9 +26,15 @@ from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, Emit, JobResult, J
 from torch_multinode.launch.staging import Project
 
 
+def _nothing() -> None:
+    return None
+
+
 class Backend(Protocol):
     restart_note: str
     """How a restart happens, for the job's first lines."""
+    started: Callable[[], None]
+    """Called as each run has begun (the run's record takes the code then: launch.record)."""
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
         """One run of the job, to its end (its own summary not yet said)."""
@@ -85,6 +92,7 @@ class SshBackend(_OnNodes):
     project: Project | None = None
     restart_wait: float = DEFAULT_RESTART_WAIT
     nodes: Nodes | None = None
+    started: Callable[[], None] = _nothing
 
     def __post_init__(self) -> None:
         self.nodes = self.nodes or SshNodes(self.inventory)
@@ -98,9 +106,9 @@ class SshBackend(_OnNodes):
         )
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
-        return Launcher(
-            self.inventory, spec, self.emit, project=self.project, nodes=self.nodes
-        ).run()
+        launcher = Launcher(self.inventory, spec, self.emit, project=self.project, nodes=self.nodes)
+        self.started()
+        return launcher.run()
 
     def can_restart(self) -> bool:
         return True
@@ -141,6 +149,7 @@ class SlurmBackend(_OnNodes):
     project: Project | None = None
     nodes: Nodes | None = None
     job_id: str | None = None  # once submitted
+    started: Callable[[], None] = _nothing
     restart_note = "each a requeue of the job in Slurm"
 
     def __post_init__(self) -> None:
@@ -150,6 +159,7 @@ class SlurmBackend(_OnNodes):
         run = SlurmAttempt(
             self.inventory, spec, self.emit, self.project, self.nodes, self.job_id, restarts_left
         )
+        self.started()
         try:
             return run.run()
         finally:
@@ -172,11 +182,12 @@ class LocalBackend:
     """torchrun on this machine (launch.local), which says its own summary; never restarted."""
 
     emit: Emit = print
+    started: Callable[[], None] = _nothing
     restart_note = "none: a local job is not restarted"
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
-        started = time.monotonic()
-        code = run_local(spec, self.emit)
+        began = time.monotonic()
+        code = run_local(spec, self.emit, started=self.started)
         here = socket.gethostname()
         interrupted = code in (INTERRUPTED_EXIT, TERMINATED_EXIT)
         outcome = NodeOutcome(here, exit_code=None if interrupted else code)
@@ -185,7 +196,7 @@ class LocalBackend:
             {here: outcome},
             None if code == 0 else here,
             interrupted,
-            time.monotonic() - started,
+            time.monotonic() - began,
             terminated=code == TERMINATED_EXIT,
         )
 
@@ -213,10 +224,12 @@ def backend_for(
     emit: Emit,
     project: Project | None = None,
     restart_wait: float = DEFAULT_RESTART_WAIT,
+    started: Callable[[], None] = _nothing,
 ) -> Backend:
-    """The backend an inventory asks for: none (this machine), `scheduler: slurm`, or SSH."""
+    """The backend an inventory asks for: none (this machine), `scheduler: slurm`, or SSH;
+    `started` is called as each run has begun."""
     if inventory is None:
-        return LocalBackend(emit)
+        return LocalBackend(emit, started=started)
     if inventory.scheduler == "slurm":
-        return SlurmBackend(inventory, spec, emit, project)
-    return SshBackend(inventory, spec, emit, project, restart_wait)
+        return SlurmBackend(inventory, spec, emit, project, started=started)
+    return SshBackend(inventory, spec, emit, project, restart_wait, started=started)

@@ -313,11 +313,11 @@ def run(args: argparse.Namespace) -> int:
         _here(args, spec)
     else:
         inventory, spec, project = _on_nodes(args, spec)
-    backend = backend_for(inventory, spec, _emit, project, args.restart_wait)
+    recorder = record.Recorder(spec, args.argv, inventory)
+    backend = backend_for(inventory, spec, _emit, project, args.restart_wait, recorder.started)
     if restarts := args.restarts:
         _emit(f"[launcher] up to {restarts} restart(s) after a failure: {backend.restart_note}")
-    job = lambda: run_with_restarts(backend, spec, args.restarts, _emit)  # noqa: E731
-    result = record.kept(spec, args.argv, inventory, job)
+    result = recorder.kept(lambda: run_with_restarts(backend, spec, args.restarts, _emit))
     for line in backend.summary(result) + backend.closing(result):
         _emit(line)
     return result.exit_code

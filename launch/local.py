@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch_multinode.cluster import sync
@@ -172,9 +173,11 @@ def relay(stream, out, tail: collections.deque, log=None) -> None:
         tail.append(pending.decode(errors="replace"))
 
 
-def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
+def run_local(
+    spec: JobSpec, emit: Emit = print, out=None, started: Callable[[], None] | None = None
+) -> int:
     """Run the job here; its exit code is the launcher's: 0, 1 when it failed, or the code of
-    an interruption."""
+    an interruption. `started` is called once torchrun has started."""
     env, nproc = environment(spec, _local_gpu_count())
     argv = command(spec, nproc)
     root, run_dir = project_directory(spec), run_directory(spec)
@@ -189,7 +192,7 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
         + (f"; {fitted}" if fitted else "")
     )
     run_dir.mkdir(parents=True, exist_ok=True)  # only now: a job refused before start leaves none
-    started = time.monotonic()
+    began = time.monotonic()
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     process = subprocess.Popen(
         argv,
@@ -201,6 +204,8 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
     )
     log = (run_dir / f"{socket.gethostname()}.log").open("ab")  # NODE.log, as on the nodes
     try:
+        if started is not None:
+            started()
         relay(process.stdout, out or sys.stdout.buffer, tail, log)
         code = process.wait()
     except KeyboardInterrupt as signalled:
@@ -218,7 +223,7 @@ def run_local(spec: JobSpec, emit: Emit = print, out=None) -> int:
         log.close()
     traced = flight.from_directory(run_dir) if code != 0 else {}
     flights = flight.failure_lines(traced, dict.fromkeys(traced, "this machine"))
-    for line in summary(spec.run_id, code, time.monotonic() - started, list(tail), flights):
+    for line in summary(spec.run_id, code, time.monotonic() - began, list(tail), flights):
         emit(line)
     emit(f"Run directory: {run_dir} (its log: {socket.gethostname()}.log)")
     if (run_dir / "tensorboard").is_dir():

@@ -117,7 +117,9 @@ def _netcheck_file(spec: JobSpec, inventory: Inventory | None) -> Path | None:
 def begin(
     spec: JobSpec, argv: list[str], inventory: Inventory | None, project: Path
 ) -> dict[str, Any]:
-    """The record of a job about to start, written at once (result "running")."""
+    """The record of a job about to start, written at once (result "running"): what the
+    command line and the inventory say. Nothing is run for it: the code and the image are
+    added once the job has begun (`started`)."""
     env_file = _netcheck_file(spec, inventory)
     log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -133,13 +135,13 @@ def begin(
         if inventory.scheduler == "slurm"
         else "ssh",
         "launch_mode": None if inventory is None else inventory.launch_mode,
-        "image": _image(inventory),
+        "image": None,  # `started`
         "inventory": None
         if inventory is None
         else {"path": str(inventory.path), "sha256": _digest(inventory.path)},
         "nodes": _nodes(inventory, spec),
         "cwd": str(Path.cwd()),
-        "code": code(project, log_dir, spec.run_id),
+        "code": None,  # `started`
         "env_names": sorted(name for name, _ in spec.secret_env),
         "netcheck": None
         if env_file is None
@@ -229,32 +231,73 @@ def finish(
     return record
 
 
+def started(
+    record: dict[str, Any], spec: JobSpec, inventory: Inventory | None, project: Path
+) -> None:
+    """The begun record completed with the project's code (its snapshot: launch.snapshot) and
+    the training image's ID, rewritten. Called by the backend once the job has begun (the
+    launcher built, the local torchrun started), so that a job refused on the way runs no git
+    and no docker for its record."""
+    log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
+    record.update(code=code(project, log_dir, spec.run_id), image=_image(inventory))
+    write(log_dir, record)
+
+
+class Recorder:
+    """One run's record around its job: begun before it, completed once when it has begun
+    (`started`, the hook the backend calls), finished after it however it ends (Ctrl-C and
+    SIGTERM included). A job refused before anything of it ran (a check on the way, Ctrl-C
+    during its staging) leaves no run behind, record included. A local job's outputs are in
+    its project's run directory (launch.local), the record in this machine's .runs/ID either
+    way."""
+
+    def __init__(self, spec: JobSpec, argv: list[str], inventory: Inventory | None) -> None:
+        self.spec, self.argv, self.inventory = spec, argv, inventory
+        self.project = local.project_directory(spec)
+        self.record: dict[str, Any] | None = None
+        self.completed = False
+
+    def started(self) -> None:
+        """Once per job (a restart calls it again: the first run's code is the job's)."""
+        if self.record is not None and not self.completed:
+            self.completed = True
+            started(self.record, self.spec, self.inventory, self.project)
+
+    def kept(self, job: Callable[[], JobResult]) -> JobResult:
+        spec = self.spec
+        self.record = begin(spec, self.argv, self.inventory, self.project)
+        run_dir = local.run_directory(spec) if self.inventory is None else None
+        result, code = None, 1
+        try:
+            result = job()
+            code = result.exit_code
+            return result
+        except UserError as exc:
+            code = exc.exit_code
+            raise
+        except KeyboardInterrupt as signalled:
+            code = TERMINATED_EXIT if isinstance(signalled, Terminated) else INTERRUPTED_EXIT
+            raise
+        finally:
+            log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
+            if result is None and {p.name for p in log_dir.iterdir()} <= {RECORD, DIFF}:
+                shutil.rmtree(log_dir, ignore_errors=True)  # refused before it started: no run
+            else:
+                finish(self.record, spec, result, code, run_dir)
+
+
 def kept(
     spec: JobSpec, argv: list[str], inventory: Inventory | None, job: Callable[[], JobResult]
 ) -> JobResult:
-    """`job` run with its record: begun before, finished after, however it ends (Ctrl-C and
-    SIGTERM included). A job refused before anything of it ran (a check on the way, Ctrl-C
-    during its staging) leaves no run behind, record included. A local job's outputs are in its project's run
-    directory (launch.local), the record in this machine's .runs/ID either way."""
-    remembered = begin(spec, argv, inventory, local.project_directory(spec))
-    run_dir = local.run_directory(spec) if inventory is None else None
-    result, code = None, 1
-    try:
-        result = job()
-        code = result.exit_code
-        return result
-    except UserError as exc:
-        code = exc.exit_code
-        raise
-    except KeyboardInterrupt as signalled:
-        code = TERMINATED_EXIT if isinstance(signalled, Terminated) else INTERRUPTED_EXIT
-        raise
-    finally:
-        log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
-        if result is None and {p.name for p in log_dir.iterdir()} <= {RECORD, DIFF}:
-            shutil.rmtree(log_dir, ignore_errors=True)  # refused before it started: no run
-        else:
-            finish(remembered, spec, result, code, run_dir)
+    """`job` run with its record (Recorder), for a job whose backend has no started hook: its
+    record is completed as soon as it is begun."""
+    recorder = Recorder(spec, argv, inventory)
+
+    def begun() -> JobResult:
+        recorder.started()
+        return job()
+
+    return recorder.kept(begun)
 
 
 def _result(result: JobResult | None, exit_code: int) -> str:

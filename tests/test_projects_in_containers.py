@@ -236,7 +236,9 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
         {"name": "node1", "ranks": [0, 0]},
         {"name": "node2", "ranks": [1, 1]},
     ]
-    assert remembered["checkpoints"] == checkpoints and remembered["exit_code"] == 0
+    # where the checkpoints are on every node, as the launcher resolved it
+    assert remembered["checkpoints"] == f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}", remembered
+    assert remembered["exit_code"] == 0
     assert remembered["inventory"]["path"] == str(provisioned.inventory)
     image = sim.docker("image", "inspect", "--format", "{{.Id}}", "torch-multinode/train:test")
     assert remembered["image"] == {"name": "torch-multinode/train:test", "id": image.stdout.strip()}

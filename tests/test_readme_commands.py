@@ -476,6 +476,33 @@ def bench_plans_the_benchmarks(run: Run, command: str) -> None:
     assert helped.returncode == 0 and "usage:" in helped.stdout, helped.stdout + helped.stderr
 
 
+def runs_lists_the_job(run: Run, command: str) -> None:
+    """The table of runs holds the job that ran on the cluster, succeeded, on both nodes."""
+    assert run.stand.job_id, "no job has run yet for make runs to list"
+    out = run.make(command).stdout
+    row = next((line for line in out.splitlines() if line.startswith(run.stand.job_id)), None)
+    assert row is not None, out[-4000:]
+    assert "node1,node2" in row and " succeeded " in row, row
+
+
+def runs_shows_the_job(run: Run, command: str) -> None:
+    """One run's whole record: its ID, backend, inventory, result and exit code."""
+    out = run.make(command).stdout
+    fields = dict(line.split(None, 1) for line in out.splitlines() if len(line.split(None, 1)) == 2)
+    assert fields["id"] == run.stand.job_id, out
+    assert (fields["backend"], fields["result"], fields["exit_code"]) == ("ssh", "succeeded", "0")
+    assert str(run.stand.inventory) in fields["inventory"], out
+
+
+def rerun_plans_the_recorded_run(run: Run, command: str) -> None:
+    """`make rerun` runs a whole job again, minutes of the shared CPU: tests/launch/
+    test_record.py reruns recorded jobs for real (the snapshot, not the edit; a failed run fails
+    the same way). Here `make -n` shows it asks for that run's rerun."""
+    argv, _ = run.stand.substitute(command)
+    out = run.make(f"make -n {' '.join(argv)}").stdout
+    assert f'--rerun "{run.stand.job_id}"' in out, out
+
+
 def exit_code_of_a_failed_job(run: Run, command: str) -> None:
     """README's shell line, its `...` a job of the project on this machine whose script refuses
     its argument: make exits 2, .runs/exit-code holds the launcher's 1 (the job failed)."""
@@ -527,6 +554,9 @@ INLINE: dict[str, Check] = {
     "make tensorboard RUN=JOB-ID": tensorboard,
     "make bench": bench_plans_the_benchmarks,
     "make train ...; code=$(cat .runs/exit-code)": exit_code_of_a_failed_job,
+    "make runs": runs_lists_the_job,
+    "make runs RUN=JOB-ID": runs_shows_the_job,
+    "make rerun RUN=JOB-ID": rerun_plans_the_recorded_run,
 }
 # The one command of two lines, after `make data`.
 PROJECT = (
@@ -541,6 +571,7 @@ ANOTHER_WAY = (
     sim_up_plans_the_simulated_cluster,
     selftest_here_plans_a_local_run,
     bench_plans_the_benchmarks,
+    rerun_plans_the_recorded_run,
 )
 ORDER = (
     *list(FENCED)[:5],
@@ -554,6 +585,9 @@ ORDER = (
     PROJECT,
     *list(FENCED)[5:9],
     "make tensorboard RUN=JOB-ID",
+    "make runs",
+    "make runs RUN=JOB-ID",
+    "make rerun RUN=JOB-ID",
     "make selftest INVENTORY=my-cluster.yml",
 )
 

@@ -112,7 +112,14 @@ def test_each_inventory_gets_its_backend_and_each_backend_has_the_whole_interfac
     + [(TERMINATED_EXIT, TERMINATED_EXIT, True)],
 )
 def test_a_local_job_ends_with_the_exit_code_of_its_run(monkeypatch, code, exit_code, interrupted):
-    monkeypatch.setattr(backends, "run_local", lambda spec, emit: code)
-    result = LocalBackend(print).attempt(JobSpec(run_id="j"), 0)
+    begun = []
+
+    def run_local(spec, emit, started):
+        started()  # as torchrun has started
+        return code
+
+    monkeypatch.setattr(backends, "run_local", run_local)
+    result = LocalBackend(print, started=lambda: begun.append(1)).attempt(JobSpec(run_id="j"), 0)
     assert (result.exit_code, result.interrupted) == (exit_code, interrupted)
+    assert begun == [1]  # the run's record was told the job began
     assert LocalBackend().can_restart() is False and LocalBackend().summary(result) == []
