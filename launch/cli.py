@@ -143,6 +143,13 @@ def _parser() -> argparse.ArgumentParser:
         "look (Ctrl-C stops it) (default: %(default)s)",
     )
     parser.add_argument(
+        "--allow-drift",
+        action="store_true",
+        help="run even on nodes whose kernel, NVIDIA driver, Docker, training image or torch "
+        "changed since netcheck locked them (versions.lock.json next to the inventory); the "
+        "changes are said and kept in the run's record",
+    )
+    parser.add_argument(
         "--restarts",
         type=whole_number(0),
         default=0,
@@ -238,6 +245,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
         network_timeout=args.network_timeout,
         stall=args.stall,
         on_hang=args.on_hang,
+        allow_drift=args.allow_drift,
         rendezvous_timeout=args.rendezvous_timeout,
         max_restarts=args.max_restarts,
         workdir=args.workdir,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from torch_multinode.cluster import sync
+from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
@@ -73,6 +74,10 @@ class Launcher:
         self._remotes: dict[str, Session] = {}
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
         self.backend = job_backend(self.hosts)[0]  # one for the whole job
+        self.versions: dict[
+            str, dict[str, str]
+        ] = {}  # each node's, as prepared (cluster.version_lock)
+        self.drift: dict[str, list[str]] = {}  # what changed since the lock (allow_drift)
 
     def remote_for(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""
@@ -145,8 +150,10 @@ class Launcher:
         image_id = None
         if self.inventory.launch_mode == "container":
             image_id = staging.local_image_id(self.inventory.training_image)
-        self._parallel(
-            lambda host: prepare_node(
+        locked = lock.load(lock.default_path(self.inventory.path)) or {}
+
+        def prepare(host: Host) -> None:
+            self.versions[host.name], changes = prepare_node(
                 self._remotes[host.name],
                 host,
                 self.inventory,
@@ -154,8 +161,13 @@ class Launcher:
                 self.project,
                 self.backend,
                 image_id,
+                locked.get(host.name),
+                self.emit,
             )
-        )
+            if changes:
+                self.drift[host.name] = changes
+
+        self._parallel(prepare)
 
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
@@ -286,6 +298,8 @@ class Launcher:
             time.monotonic() - started,
             terminated=terminated,
             flights=tuple(flights),
+            versions=dict(self.versions),
+            drift=dict(self.drift),
         )
 
     def run(self) -> JobResult:

@@ -9,6 +9,7 @@ import shlex
 from collections.abc import Callable
 
 from torch_multinode.cluster import sync
+from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Session
 from torch_multinode.cluster.inventory import Host, Inventory
@@ -27,9 +28,22 @@ def prepare_node(
     project: Project,
     backend: str,
     image_id: str | None,
-) -> None:
-    """After the project's trees were sent: check this node's copy and image, make the
-    directories the job writes to, hand over its secrets."""
+    locked: dict[str, str] | None = None,
+    emit: Emit = print,
+) -> tuple[dict[str, str], list[str]]:
+    """After the project's trees were sent: check this node's versions against those netcheck
+    locked (`locked`, None: no lock), its copy and image, make the directories the job writes
+    to, hand over its secrets. The node's versions and what changed in them since the lock
+    (allowed by `spec.allow_drift`, or refused), for the run's record."""
+    versions = lock.parse(remote.run(lock.probe_command(host, inventory), timeout=60).stdout)
+    changes = lock.drift(locked, versions) if locked else []
+    if changes and not spec.allow_drift:
+        raise lock.refusal(host, inventory, changes)
+    if changes:
+        emit(
+            f"[launcher] {host.name} changed since netcheck passed: {'; '.join(changes)} "
+            "(ALLOW_DRIFT=1: running anyway)"
+        )
     if backend == "nccl":
         answer = remote.run(GPU_PROBE, timeout=30)
         problem = gpu_problem(host, spec, answer.stdout + answer.stderr, answer.ok)
@@ -61,6 +75,7 @@ def prepare_node(
             check=True,
             stdin=staging.secrets_text(spec.secret_env),
         )
+    return versions, changes
 
 
 def claim_port(remote: Session, master: Host, run_id: str, port: int, emit: Emit) -> None:

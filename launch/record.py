@@ -1,19 +1,21 @@
 """Every run remembered: the record a job leaves in its directory on this machine
 (`.runs/ID/run.json`), for local, SSH and Slurm jobs alike, and the table `make runs` prints.
 
-The launcher writes it twice: when the job is about to start (result "running") and when it
-ends, whatever the end (succeeded, failed, interrupted; "error" for a run that broke off with
-an error after it had begun), each time whole or not at all. A job refused before anything of
-it ran leaves no run behind.
+The launcher writes it when the job is about to start (result "running"), again once the job
+has begun (its code and image added: `started`), and when it ends, whatever the end
+(succeeded, failed, interrupted; "error" for a run that broke off with an error after it had
+begun), each time whole or not at all. A job refused before anything of it ran leaves no run
+behind.
 
 What it holds: the command and the directory it was typed in, the backend and launch mode,
 the training image (name and ID), the inventory (path and digest) and each node's ranks, the
 project's code (its git commit and a snapshot of the work tree as it was, launch.snapshot;
 the diff beside the record when the tree had changes), the names (never the values) of the
 variables passed with ENV=, start, end, duration, exit code, the node blamed, the last step
-line the job printed, where its TensorBoard events and checkpoints are, and netcheck's
-findings file the job used (path and digest).
-"""
+line the job printed, where its TensorBoard events and checkpoints are, netcheck's findings
+file the job used (path and digest), each node's versions as the job found them (kernel,
+driver, Docker, image or torch and NCCL: cluster.version_lock) and, for a job run with ALLOW_DRIFT,
+what had changed since netcheck locked them."""
 
 from __future__ import annotations
 
@@ -156,6 +158,9 @@ def begin(
         "last_step": None,
         "tensorboard": None,
         "checkpoints": _argument(spec.args, "--checkpoint-dir"),
+        "versions": None,  # each node's, as the job found them (cluster.version_lock); at its end
+        "drift": None,  # what changed since netcheck locked them, for a job run with ALLOW_DRIFT
+        "allow_drift": spec.allow_drift,
     }
     write(log_dir, record)
     return record
@@ -223,6 +228,8 @@ def finish(
         result=_result(result, exit_code),
         failed_node=None if result is None or result.interrupted else result.failed_node,
         restarts=0 if result is None else result.restart,
+        versions=None if result is None or not result.versions else result.versions,
+        drift=None if result is None or not result.drift else result.drift,
         last_step=last_step(directories),
         tensorboard=None if board is None else str(board),
         run_dir=str(run_dir) if run_dir is not None else str(log_dir),

@@ -110,6 +110,8 @@ class JobSpec:
     step times seen (launch.progress)."""
     on_hang: str = "stop"
     """What a hang does once its report is out: 'stop' the job, or 'wait' for a person."""
+    allow_drift: bool = False
+    """Run on nodes that changed since netcheck locked their versions (cluster.version_lock)."""
 
 
 @dataclass
@@ -145,6 +147,10 @@ class JobResult:
     terminated: bool = False  # interrupted by SIGTERM rather than Ctrl-C
     brought_back: str | None = None  # what became of the master's run directory
     flights: tuple[str, ...] = ()  # a failed job's last collectives (launch.flight), as lines
+    versions: dict[str, dict[str, str]] = field(
+        default_factory=dict
+    )  # each node's (cluster.version_lock)
+    drift: dict[str, list[str]] = field(default_factory=dict)  # what changed, run with allow_drift
 
     @property
     def exit_code(self) -> int:

@@ -12,9 +12,11 @@ import json
 import sys
 
 from torch_multinode.cluster import inventory as inventory_module
+from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import ArgumentParser, at_the_edge, positive_number
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory_checks import NODES_GROUP
+from torch_multinode.cluster.remote import on_all
 from torch_multinode.netcheck import envfile
 from torch_multinode.netcheck.preflight import (
     DEFAULT_SWEEP_TIMEOUT,
@@ -33,7 +35,10 @@ nodes (gloo on CPU, NCCL on GPU). Every check runs on all nodes in parallel; a n
 not answer is reported, not waited for.
 
 Writes the per-node NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME / NCCL_IB_DISABLE the launcher
-uses to --env-file (default: netcheck-env.json next to the inventory).
+uses to --env-file (default: netcheck-env.json next to the inventory). When nothing FAILs, also
+locks each checked node's versions (kernel, NVIDIA driver, Docker, the training image or the
+interpreter's torch and NCCL) in versions.lock.json next to the inventory: `make train` refuses
+a node that changed since, unless ALLOW_DRIFT=1.
 """
 
 EPILOG = """\
@@ -107,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     nodes = SshNodes(inventory)
     try:
         report = preflight(inventory, options, nodes)
+        if report.ok:
+            report.lock_file = str(lock_versions(inventory.first(nnodes), nodes))
     finally:
         nodes.close()
     if report.env:
@@ -117,6 +124,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(report))
     return report.exit_code
+
+
+def lock_versions(inventory, nodes: SshNodes):
+    """Each checked node's versions into the lock beside the inventory (cluster.version_lock)."""
+
+    def probe(host):
+        return lock.parse(nodes.run(host, lock.probe_command(host, inventory), 60).stdout)
+
+    return lock.write(lock.default_path(inventory.path), on_all(list(inventory.hosts), probe))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,6 +85,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     env_file: str | None = None
+    lock_file: str | None = None  # each node's versions, when nothing FAILed (cluster.version_lock)
     backend: str | None = None
     transport: dict[str, dict] = field(default_factory=dict)
     """Per node, what the collective's worker said of its network: `used` (NCCL's "IB",
@@ -164,6 +165,7 @@ class Report:
             "counts": self.counts(),
             "env": self.env,
             "env_file": self.env_file,
+            "lock_file": self.lock_file,
             "collective": {
                 "backend": self.backend,
                 "transport": self.transport,
@@ -277,6 +279,8 @@ def render(report: Report) -> str:
             lines.append(f"  {check} on {', '.join(nodes)}: {detail}")
     if report.env_file:
         lines += ["", f"Environment for the launcher written to {report.env_file}"]
+    if report.lock_file:
+        lines.append(f"Each node's versions locked in {report.lock_file} (make train checks them)")
     counts = report.counts()
     verdict = "ready" if report.ok else "NOT ready"
     lines += [

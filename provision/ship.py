@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_multinode.cluster import trust
+from torch_multinode.cluster import trust, version_lock
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
@@ -488,6 +488,13 @@ def ship(
                 exit_code=1,
             )
     shipment.seconds = time.monotonic() - started
+    if image == inventory.training_image:  # shipped on purpose: what the lock expects now
+        version_lock.image_shipped(
+            inventory.path,
+            [h.name for h in lacking],
+            wanted,
+            lambda: images.torch_label(image) or "unknown",
+        )
     return shipment
 
 

@@ -513,8 +513,8 @@ def test_cluster_check_never_reads_or_prints_the_key(keyed_inventory, tmp_path):
 
 
 def test_netcheck_never_reads_prints_or_sends_the_key(keyed_inventory, tmp_path, monkeypatch):
-    """The whole pre-flight against netcheck's fake healthy cluster: the report, the env file
-    and every command sent to the nodes are free of the key; the key file is never opened."""
+    """The whole pre-flight against netcheck's fake healthy cluster: the report, the env file,
+    the version lock and every command sent to the nodes are free of the key; the key file is never opened."""
     path, key = keyed_inventory
     sent: list[str] = []
 
@@ -533,7 +533,11 @@ def test_netcheck_never_reads_prints_or_sends_the_key(keyed_inventory, tmp_path,
         assert outcome.code == 0 and outcome.stopped == [], str(outcome)
         assert str(key) not in outcome.opened
         assert_no_key_in(
-            outcome.out, outcome.err, *sent, (tmp_path / "netcheck-env.json").read_text()
+            outcome.out,
+            outcome.err,
+            *sent,
+            (tmp_path / "netcheck-env.json").read_text(),
+            (tmp_path / "versions.lock.json").read_text(),
         )
     assert sent and fakes[-1].surprises == []
 

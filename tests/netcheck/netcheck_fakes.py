@@ -148,6 +148,8 @@ class FakeCluster(FakeNodes):
     def kind(command: str) -> str:
         if command == "true":
             return "true"
+        if command.startswith('echo "kernel='):
+            return "versions"
         if command.startswith("docker ps"):
             return "docker cleanup"
         if command.startswith("export LC_ALL=C"):
@@ -166,6 +168,10 @@ class FakeCluster(FakeNodes):
 
     def on_true(self, host, command):
         return ""
+
+    def on_versions(self, host, command):
+        """cluster.version_lock's probe: a CPU node in host mode."""
+        return "kernel=6.1.0-fake\ndriver=none\ndocker=27.3.1\ntorch=2.14.1+cpu\nnccl=none\n"
 
     def on_sinfo(self, host, command):
         return "".join(

@@ -112,6 +112,17 @@ def test_cli_writes_env_file_and_json(tmp_path, monkeypatch, capsys):
     assert cli.main(["-i", str(path), "-n", "2", "--env-file", str(other)]) == 0
     assert "ready: 0 FAIL, 0 WARN, 0 SKIP" in capsys.readouterr().out
     assert set(json.loads(other.read_text())["nodes"]) == {"node1", "node2"}
+    # Each node's versions locked beside the inventory, by every passing run (cluster.version_lock).
+    assert data["lock_file"] == str(tmp_path / "versions.lock.json")
+    locked = json.loads((tmp_path / "versions.lock.json").read_text())["nodes"]
+    assert set(locked) == {"node1", "node2", "node3"}  # -n 2 replaced two, kept the third
+    assert locked["node3"] == {
+        "kernel": "6.1.0-fake",
+        "driver": "none",
+        "docker": "27.3.1",
+        "torch": "2.14.1+cpu",
+        "nccl": "none",
+    }
     assert cluster.surprises == []
 
 

@@ -1,0 +1,172 @@
+"""The version lock (cluster.version_lock): its probe, run here for real in both launch modes; the
+file netcheck writes; what the launcher says of a node that changed (launch.prepare)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.helpers import inventory, node
+from torch_multinode.cluster import version_lock as lock
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.remote import Result
+from torch_multinode.launch.prepare import prepare_node
+from torch_multinode.launch.spec import JobSpec
+from torch_multinode.launch.staging import Project
+
+LOCKED = {"kernel": "6.1.0-18-amd64", "driver": "none", "docker": "27.3.1"}
+
+
+def _probe_here(command: str) -> dict[str, str]:
+    done = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return lock.parse(done.stdout)
+
+
+def test_the_probe_reads_this_machines_versions_without_importing_torch():
+    hosts = inventory({"node1": node(1, training_python=sys.executable)}, launch_mode="host")
+    found = _probe_here(lock.probe_command(hosts.hosts[0], hosts))
+    assert found["torch"] == torch.__version__  # read from torch's files, not imported
+    assert found["cuda"] == (torch.version.cuda or "none")
+    assert (
+        found["kernel"]
+        == subprocess.run(
+            ["uname", "-r"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
+    assert found["driver"] == "none"  # no NVIDIA driver here
+    try:  # the NCCL wheel a CUDA torch brings along, if this one did
+        nccl = importlib.metadata.version("nvidia-nccl-cu13")
+    except importlib.metadata.PackageNotFoundError:
+        nccl = "none"
+    assert found["nccl"] == nccl
+    assert found["docker"]  # a version, "unknown" (no engine answers) or "none"
+
+
+def test_in_container_mode_the_probe_reads_the_image_and_says_when_it_is_missing():
+    hosts = inventory(
+        {"node1": node(1)},
+        launch_mode="container",
+        training_image="torch-multinode/never-built:here",
+    )
+    found = _probe_here(lock.probe_command(hosts.hosts[0], hosts))
+    assert (found["image"], found["torch"]) == ("missing", "unknown"), found
+    assert "nccl" not in found  # the image's own: its ID stands for it
+
+
+def test_the_lock_keeps_nodes_not_checked_and_survives_no_file_or_a_bad_one(tmp_path):
+    path = tmp_path / lock.FILENAME
+    assert lock.load(path) is None
+    lock.write(path, {"node1": LOCKED, "node2": LOCKED})
+    lock.write(path, {"node2": {**LOCKED, "kernel": "6.1.0-21-amd64"}})
+    assert lock.load(path) == {"node1": LOCKED, "node2": {**LOCKED, "kernel": "6.1.0-21-amd64"}}
+    assert [p.name for p in tmp_path.iterdir()] == [lock.FILENAME]  # nothing half-written
+    path.write_text("{not json")
+    assert lock.load(path) is None
+    path.write_text(json.dumps({"nodes": {"node1": {"kernel": 6, "driver": "none"}}}))
+    assert lock.load(path) == {"node1": {"driver": "none"}}
+
+
+def test_a_shipped_image_is_what_the_lock_expects_on_the_nodes_it_holds(tmp_path):
+    inventory_path = tmp_path / "inv.yml"
+    lock.image_shipped(inventory_path, ["node1"], "sha256:" + "b" * 64, lambda: 1 / 0)
+    assert not (tmp_path / lock.FILENAME).exists()  # no lock: none made, no label asked
+    before = {**LOCKED, "image": "sha256:" + "a" * 64, "torch": "2.14.1+cpu"}
+    lock.write(tmp_path / lock.FILENAME, {"node1": before, "node2": before})
+    lock.image_shipped(
+        inventory_path, ["node1", "node3"], "sha256:" + "b" * 64, lambda: "2.15.0+cpu"
+    )
+    assert lock.load(tmp_path / lock.FILENAME) == {
+        "node1": {**before, "image": "sha256:" + "b" * 64, "torch": "2.15.0+cpu"},
+        "node2": before,  # not shipped to
+    }  # node3: not locked, not added
+
+
+def test_a_drift_names_what_changed_from_what_to_what():
+    assert lock.drift(LOCKED, dict(LOCKED)) == []
+    image_a, image_b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    assert lock.drift(
+        {**LOCKED, "image": image_a}, {**LOCKED, "image": image_b, "kernel": "6.1.0-21-amd64"}
+    ) == [
+        "kernel from 6.1.0-18-amd64 to 6.1.0-21-amd64",
+        "training image from aaaaaaaaaaaa to bbbbbbbbbbbb",
+    ]
+    # A field the lock does not hold (an older lock) is no drift; one the node no longer says is.
+    assert lock.drift({"driver": "550.54.15"}, {**LOCKED, "torch": "2.14.1"}) == [
+        "NVIDIA driver from 550.54.15 to none"
+    ]
+    assert lock.drift({"torch": "2.14.1"}, {}) == ["torch from 2.14.1 to unknown"]
+
+
+class _Session:
+    """A node's session that answers the lock's probe with `versions`, and anything else 0."""
+
+    def __init__(self, versions: dict[str, str]):
+        self.versions, self.commands = versions, []
+
+    def run(self, command, timeout=60, check=False, stdin=None):
+        self.commands.append(command)
+        text = "".join(f"{k}={v}\n" for k, v in self.versions.items())
+        stdout = text if command.startswith('echo "kernel=') else ""
+        return Result("node2", command, 0, stdout, "")
+
+
+@pytest.fixture
+def _prepared(tmp_path):
+    hosts = inventory({"node1": node(1), "node2": node(2)}, path=str(tmp_path / "inv.yml"))
+    project = Project(trees=(), workdir="/work", script=None)
+    spec = JobSpec(run_id="tmn-lock")
+
+    def prepare(versions, locked, allow=False, said=None):
+        remote = _Session(versions)
+        emit = said.append if said is not None else (lambda line: None)
+        return prepare_node(
+            remote,
+            hosts.hosts[1],
+            hosts,
+            replace(spec, allow_drift=allow),
+            project,
+            "gloo",
+            None,
+            locked,
+            emit,
+        ), remote
+
+    return hosts, prepare
+
+
+def test_the_launcher_refuses_a_node_that_drifted_naming_it_and_the_way_out(_prepared):
+    hosts, prepare = _prepared
+    newer = {**LOCKED, "driver": "560.35.03"}
+    with pytest.raises(UserError) as refused:
+        prepare(newer, {**LOCKED, "driver": "550.54.15"})
+    message = f"{refused.value}"
+    assert message.startswith(
+        "node2 changed since netcheck passed: NVIDIA driver from 550.54.15 to 560.35.03"
+    ), message
+    assert refused.value.exit_code == 1
+    assert "make netcheck INVENTORY=" in refused.value.hint
+    assert "ALLOW_DRIFT=1" in refused.value.hint
+
+
+def test_with_allow_drift_or_no_lock_the_node_is_prepared_and_its_versions_returned(_prepared):
+    hosts, prepare = _prepared
+    said: list[str] = []
+    newer = {**LOCKED, "kernel": "6.1.0-21-amd64"}
+    (versions, changes), remote = prepare(newer, LOCKED, allow=True, said=said)
+    assert versions == newer and changes == ["kernel from 6.1.0-18-amd64 to 6.1.0-21-amd64"]
+    assert said == [
+        "[launcher] node2 changed since netcheck passed: kernel from 6.1.0-18-amd64 to "
+        "6.1.0-21-amd64 (ALLOW_DRIFT=1: running anyway)"
+    ]
+    assert any(c.startswith("mkdir -p") for c in remote.commands)  # prepared on
+    (versions, changes), _ = prepare(newer, None)  # no lock: nothing to compare
+    assert versions == newer and changes == []
