@@ -1,6 +1,17 @@
-"""A fresh 2-node simulated cluster, provisioned twice: the second run changes nothing, and
-the nodes end up named, resolving, meshed, firewalled, with Docker, rsync, the job directories
-and the same image."""
+"""One fresh 3-node simulated cluster, provisioned once for every test here (provisioning is
+most of this module's time, so the scenario is one):
+
+1. node1's /etc/hosts gets the Debian installer's line for the machine's own name and an
+   entry of the site's, and each node's state is read (`before`);
+2. `site.yml --check` succeeds, predicts changes and changes nothing (read again);
+3. the first run provisions every node, and `cluster ship` streams the image to them;
+4. a second run changes nothing, and shipping again sends nothing;
+5. a rule added by hand on node3 is taken out by a `--tags firewall` run, which touches
+   nothing else.
+
+The nodes end up named, resolving, meshed, firewalled, with Docker, rsync, the job directories
+and the same image. Tests that change a node (extra firewall openings, a running job) put it
+back as they found it."""
 
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ from tests.ansible.conftest import (
     node_tcp_connects,
     node_tcp_probe,
     ship_image,
+    snapshot,
     tcp_connects,
     ufw_status_lines,
 )
@@ -30,15 +42,20 @@ from tests.helpers import SCRIPTS
 
 pytestmark = pytest.mark.sim
 LISTEN_PORT = 47123
+NODES = ["node1", "node2", "node3"]
 
 
 @dataclass
 class Provisioned:
     cluster: object
+    before: dict[str, str]
+    check: PlaybookRun
+    after_check: dict[str, str]
     first: PlaybookRun
-    second: PlaybookRun
     shipped: subprocess.CompletedProcess
+    second: PlaybookRun
     reshipped: subprocess.CompletedProcess
+    firewall: PlaybookRun
 
     @property
     def hosts(self):
@@ -47,38 +64,70 @@ class Provisioned:
     def container(self, host) -> str:
         return self.cluster.config.container(self.hosts.index(host) + 1)
 
+    @property
+    def containers(self) -> list[str]:
+        return [self.container(host) for host in self.hosts]
+
 
 @pytest.fixture(scope="module")
-def provisioned(sim_factory, tiny_image, tmp_path_factory):
-    cluster = sim_factory.up(2)
+def provisioned(sim_factory, tiny_image):
+    cluster = sim_factory.up(len(NODES))
     try:
-        # The Debian installer's line for the machine's own name, and an entry of the site's.
+        inventory = cluster.config.inventory_path
+        containers = [cluster.config.container(i) for i in range(1, len(NODES) + 1)]
+        # The Debian installer's line for the machine's own name, and an entry of the site's:
+        # written before the first look, so that --check is proven on them too.
         seeded = node_sh(
-            cluster.config.container(1),
+            containers[0],
             r"printf '127.0.1.1\tnode1.lan node1\n192.0.2.7\tprinter\n' >> /etc/hosts",
         )
         assert seeded.returncode == 0, seeded.stderr
-        inventory = cluster.config.inventory_path
+        before = snapshot(containers)
+        check = ansible_playbook(inventory, "--check")
+        after_check = snapshot(containers)
         first = ansible_playbook(inventory)
         shipped = ship_image(inventory, tiny_image)
         second = ansible_playbook(inventory) if first.returncode == 0 else first
         reshipped = ship_image(inventory, tiny_image)
-        yield Provisioned(cluster, first, second, shipped, reshipped)
+        # A rule someone added by hand: the firewall role must take it out again.
+        foreign = node_sh(containers[2], "ufw allow 8080/tcp")
+        assert foreign.returncode == 0, foreign.stderr
+        firewall = ansible_playbook(inventory, "--tags", "firewall")
+        yield Provisioned(
+            cluster, before, check, after_check, first, shipped, second, reshipped, firewall
+        )
     finally:
         sim_factory.down(cluster)
+
+
+def test_check_mode_on_fresh_nodes_succeeds_and_changes_nothing(provisioned):
+    run = provisioned.check
+    assert run.returncode == 0, run.describe()
+    assert all(run.changed()[node] > 0 for node in NODES), run.describe()  # it does predict
+    assert provisioned.after_check == provisioned.before
+    assert all("debian-" in state.splitlines()[0] for state in provisioned.before.values())
 
 
 def test_first_run_provisions_every_node(provisioned):
     run = provisioned.first
     assert run.returncode == 0, run.describe()
-    assert run.failed() == {"localhost": 0, "node1": 0, "node2": 0}, run.describe()
-    assert run.changed()["node1"] > 0 and run.changed()["node2"] > 0, run.describe()
+    assert run.failed() == {"localhost": 0, "node1": 0, "node2": 0, "node3": 0}, run.describe()
+    assert all(run.changed()[node] > 0 for node in NODES), run.describe()
 
 
 def test_second_run_changes_nothing(provisioned):
     run = provisioned.second
     assert run.returncode == 0, run.describe()
-    assert run.changed() == {"localhost": 0, "node1": 0, "node2": 0}, run.describe()
+    assert run.changed() == {"localhost": 0, "node1": 0, "node2": 0, "node3": 0}, run.describe()
+
+
+def test_provisioning_succeeds_and_a_rerun_changes_nothing(provisioned):
+    assert provisioned.first.returncode == 0, provisioned.first.describe()
+    assert all(provisioned.first.changed()[node] > 0 for node in NODES)
+    assert provisioned.second.returncode == 0, provisioned.second.describe()
+    assert provisioned.second.changed() == dict.fromkeys(["localhost", *NODES], 0), (
+        provisioned.second.describe()
+    )
 
 
 def test_every_hostname_is_the_inventory_name(provisioned):
@@ -97,7 +146,8 @@ def test_own_name_leaves_loopback_and_other_entries_stay(provisioned):
     node1 = provisioned.hosts[0]
     lines = node_sh(provisioned.container(node1), "cat /etc/hosts").stdout.splitlines()
     marker = "torch-multinode cluster nodes (managed by Ansible)"
-    assert lines[-4:] == [
+    block = len(provisioned.hosts) + 2
+    assert lines[-block:] == [
         f"# BEGIN {marker}",
         *(f"{host.compute_ip}\t{host.name}" for host in provisioned.hosts),
         f"# END {marker}",
@@ -105,8 +155,21 @@ def test_own_name_leaves_loopback_and_other_entries_stay(provisioned):
     assert "127.0.1.1\tnode1.lan" in lines  # the seeded line, without our name
     assert "192.0.2.7\tprinter" in lines
     assert lines[0] == "127.0.0.1\tlocalhost"
-    ours = [line for line in lines[:-4] if "node1" in line.split("#")[0].split()[1:]]
+    ours = [line for line in lines[:-block] if "node1" in line.split("#")[0].split()[1:]]
     assert ours == []
+
+
+def test_every_node_reaches_every_node_by_name(provisioned):
+    hosts = provisioned.hosts
+    for container, host in zip(provisioned.containers, hosts, strict=True):
+        assert node_sh(container, "hostname").stdout.strip() == host.name
+        for peer in hosts:
+            resolved = node_sh(container, f"getent hosts {peer.name}").stdout.split()
+            assert resolved == [str(peer.compute_ip), peer.name]
+            ssh = node_sh(
+                container, f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {peer.name} true"
+            )
+            assert ssh.returncode == 0, (host.name, peer.name, ssh.stderr)
 
 
 def test_ssh_between_every_pair_of_nodes_with_host_keys_checked(provisioned):
@@ -123,7 +186,7 @@ def test_ssh_between_every_pair_of_nodes_with_host_keys_checked(provisioned):
             )
     # An address whose key was never recorded (the peer's management side) is refused,
     # and no key was learned on first use along the way.
-    node1, node2 = provisioned.hosts
+    node1, node2 = provisioned.hosts[:2]
     proc = node_sh(
         provisioned.container(node1),
         f"ssh -o BatchMode=yes {node2.ssh_address} true; ls /root/.ssh",
@@ -139,6 +202,17 @@ def test_firewall_is_active_with_exactly_our_rules(provisioned):
         assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(subnet)
         verbose = node_sh(provisioned.container(host), "ufw status verbose").stdout
         assert "Default: deny (incoming), allow (outgoing), deny (routed)" in verbose.splitlines()
+
+
+def test_firewall_run_removes_a_foreign_rule_and_touches_nothing_else(provisioned):
+    run = provisioned.firewall
+    assert run.returncode == 0, run.describe()
+    assert run.changed() == {"localhost": 0, "node1": 0, "node2": 0, "node3": 1}, run.describe()
+    assert "ufw allow 8080/tcp" in run.output
+    subnet = str(provisioned.cluster.inventory.compute_subnet)
+    for container in provisioned.containers:
+        status = node_sh(container, "ufw status").stdout
+        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(subnet)
 
 
 def test_nccl_reads_the_compute_interface_from_its_own_configuration_file(provisioned):
@@ -168,7 +242,9 @@ def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
     ]
     try:
         added = ansible_playbook(inventory, "--tags", "firewall", "-e", extra)
-        assert added.failed() == {"localhost": 0, "node1": 0, "node2": 0}, added.describe()
+        assert added.failed() == {"localhost": 0, "node1": 0, "node2": 0, "node3": 0}, (
+            added.describe()
+        )
         for host in provisioned.hosts:
             shown = node_sh(provisioned.container(host), "ufw show added").stdout
             assert [line for line in shown.splitlines() if line.startswith("ufw ")] == base + wanted
@@ -180,7 +256,9 @@ def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
         assert bad.returncode != 0 and "take port numbers (1-65535)" in bad.output
     finally:
         removed = ansible_playbook(inventory, "--tags", "firewall")
-    assert removed.failed() == {"localhost": 0, "node1": 0, "node2": 0}, removed.describe()
+    assert removed.failed() == {"localhost": 0, "node1": 0, "node2": 0, "node3": 0}, (
+        removed.describe()
+    )
     subnet = str(provisioned.cluster.inventory.compute_subnet)
     for host in provisioned.hosts:
         status = node_sh(provisioned.container(host), "ufw status").stdout
@@ -188,7 +266,7 @@ def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
 
 
 def test_firewall_drops_traffic_from_outside_the_compute_subnet_only(provisioned):
-    node1, node2 = provisioned.hosts
+    node1, node2 = provisioned.hosts[:2]
     with Listener(provisioned.container(node1), LISTEN_PORT):
         # From the controller and from a peer's management side: both outside the subnet.
         assert not tcp_connects(node1.ssh_address, LISTEN_PORT)
@@ -209,7 +287,7 @@ def test_while_a_job_runs_every_port_but_ssh_is_closed_from_outside_the_compute_
     SSH answers, so the path works and the firewall is what stops the rest. The same peer on
     the compute subnet reaches the rendezvous port. (A source outside the subnet cannot be made
     to reach the compute address here: the Docker host rewrites it to its bridge address.)"""
-    node1, node2 = provisioned.hosts
+    node1, node2 = provisioned.hosts[:2]
     master, peer = provisioned.container(node1), provisioned.container(node2)
     rendezvous = provisioned.cluster.inventory.rendezvous_port
     job = subprocess.Popen(
@@ -260,8 +338,8 @@ def test_docker_runs_and_every_node_holds_the_controllers_image(provisioned, tin
     lines = shipped.stdout.splitlines()
     assert lines[0].startswith(f"Shipping {tiny_image} (")
     assert lines[0].endswith(
-        ") to node1, node2 by stream (docker save | ssh | docker load, each node sent only the "
-        "layers it lacks): no registry is set up for "
+        ") to node1, node2, node3 by stream (docker save | ssh | docker load, each node sent "
+        "only the layers it lacks): no registry is set up for "
         f"{provisioned.cluster.config.mgmt_gateway}:5000 (make provision sets it up)."
     )
     assert lines[-1].startswith(f"Done: {tiny_image} (") and "by stream" in lines[-1]
@@ -276,6 +354,14 @@ def test_docker_runs_and_every_node_holds_the_controllers_image(provisioned, tin
         engine = node_sh(container, "docker info --format '{{.ServerVersion}}'")
         assert engine.returncode == 0 and engine.stdout.strip(), engine.stderr
         assert image_id(tiny_image, container) == expected
+
+
+def test_every_node_holds_the_same_image_and_runs_docker(provisioned, tiny_image):
+    assert provisioned.shipped.returncode == 0, provisioned.shipped.stderr
+    ids = {image_id(tiny_image, container) for container in provisioned.containers}
+    assert ids == {image_id(tiny_image)}
+    for container in provisioned.containers:
+        assert node_sh(container, "docker info --format '{{.ServerVersion}}'").returncode == 0
 
 
 def test_rsync_is_installed_and_the_job_directories_belong_to_the_training_user(provisioned):
