@@ -9,6 +9,8 @@
 - a progress bar redrawn ten times a second shows as a few lines per node, its end included;
 - the default job's TensorBoard events and --out come back to `.runs/JOB-ID/`;
 - a node whose image differs from the controller's is refused before anything starts;
+- a node that changed since netcheck locked its versions is refused, naming what changed;
+  ALLOW_DRIFT=1 runs the job anyway and its record says so;
 - `make data` twice: the second run sends no file;
 - a node killed mid-run with RESTARTS=1: the job resumes from the checkpoints on the nodes'
   disks and ends with the parameters of an uninterrupted run;
@@ -54,8 +56,11 @@ from tests.training.conftest import (
     max_difference,
     reference_run,
 )
+from torch_multinode.cluster import version_lock
+from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from torch_multinode.netcheck import cli as netcheck_cli
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.checkpointing.checkpoint import file_name
 
@@ -320,6 +325,77 @@ def test_a_node_whose_image_differs_is_refused_before_anything_starts(provisione
         assert error.endswith(f"(try make ship INVENTORY={inventory})"), error
         assert "[node1]" not in proc.stdout  # nothing started
     finally:
+        for index in (1, 2):
+            on_node(provisioned.cluster, index, f"docker rmi {probe}", check=False)
+        sim.docker("rmi", probe, check=False)
+
+
+def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
+    provisioned, tmp_path
+):
+    """The version lock (issue 32): netcheck's lock of both nodes, then node2's training image
+    replaced by another under the same tag: refused before anything starts, naming the node and
+    both IDs. Then a drift the image check lets through (the lock says node1 ran another
+    kernel): refused, and run with ALLOW_DRIFT=1, which the run's record keeps."""
+    probe = f"tmn-lock:{uuid.uuid4().hex[:8]}"  # the training image under a name of this test's
+    image = sim.docker("image", "inspect", "--format", "{{.Id}}", "torch-multinode/train:test")
+    image = image.stdout.strip()
+    sim.docker("tag", "torch-multinode/train:test", probe)
+    for index in (1, 2):
+        on_node(provisioned.cluster, index, f"docker tag torch-multinode/train:test {probe}")
+    document = yaml.safe_load(provisioned.inventory.read_text())
+    document["all"]["vars"]["training_image"] = probe
+    path = tmp_path / "inventory.yml"  # its lock beside it, no other test's
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    script = tmp_path / "job.py"
+    script.write_text('import os\nprint("rank", os.environ["RANK"], "ran")\n')
+    train = ("train", f"INVENTORY={path}", "NNODES=2", f"SCRIPT={script}")
+    inventory = load(str(path))
+    nodes = SshNodes(inventory)
+    try:
+        locked = netcheck_cli.lock_versions(inventory, nodes)  # as netcheck does once it passes
+        assert locked == version_lock.default_path(path)
+        kernel = version_lock.load(locked)["node1"]["kernel"]
+        assert version_lock.load(locked)["node2"]["image"] == image
+        on_node(
+            provisioned.cluster, 2, f"tar cf - --files-from /dev/null | docker import - {probe}"
+        )
+        other = on_node(
+            provisioned.cluster, 2, f"docker image inspect --format '{{{{.Id}}}}' {probe}"
+        )
+        proc = make(*train, timeout=600)
+        assert _exit_code(proc.returncode, proc.stderr) == 1, proc.stdout[-3000:] + proc.stderr
+        error = proc.stderr.strip().splitlines()[0]
+        assert error.startswith(
+            f"Error: node2 changed since netcheck passed: training image from {image[7:19]} "
+            f"to {other.strip()[7:19]}"
+        ), error
+        assert "[node1]" not in proc.stdout and "[node2]" not in proc.stdout  # nothing started
+        assert f"make netcheck INVENTORY={path}" in proc.stderr and "ALLOW_DRIFT=1" in proc.stderr
+
+        on_node(provisioned.cluster, 2, f"docker tag torch-multinode/train:test {probe}")
+        on_node(provisioned.cluster, 2, f"docker rmi {other.strip()}", check=False)
+        nodes_locked = version_lock.load(locked)
+        version_lock.write(locked, {"node1": {**nodes_locked["node1"], "kernel": "5.10.0-old"}})
+        drift = f"node1 changed since netcheck passed: kernel from 5.10.0-old to {kernel}"
+        proc = make(*train, timeout=600)
+        assert _exit_code(proc.returncode, proc.stderr) == 1, proc.stdout[-3000:] + proc.stderr
+        assert proc.stderr.startswith(f"Error: {drift} "), proc.stderr
+        proc = make(*train, "ALLOW_DRIFT=1", timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        assert f"[launcher] {drift} (ALLOW_DRIFT=1: running anyway)" in proc.stdout
+        assert "[node2] rank 1 ran" in proc.stdout
+        remembered = json.loads(
+            (REPO_ROOT / ".runs" / run_id_in(proc.stdout) / "run.json").read_text()
+        )
+        assert remembered["allow_drift"] is True and remembered["result"] == "succeeded"
+        assert remembered["drift"] == {"node1": [f"kernel from 5.10.0-old to {kernel}"]}
+        assert {n: v["image"] for n, v in remembered["versions"].items()} == {
+            "node1": image,
+            "node2": image,
+        }
+    finally:
+        nodes.close()
         for index in (1, 2):
             on_node(provisioned.cluster, index, f"docker rmi {probe}", check=False)
         sim.docker("rmi", probe, check=False)

@@ -235,8 +235,12 @@ def check_inventory(run: Run, command: str) -> None:
 
 
 def netcheck(run: Run, command: str) -> None:
+    """Ready, and each node's versions locked beside the inventory: every job after it here
+    is checked against them (and none has drifted)."""
     out = run.make(command).stdout
     assert re.search(r"^ready: 0 FAIL, 0 WARN, \d+ SKIP in ", out, re.MULTILINE), out[-4000:]
+    lock = run.stand.inventory.resolve().parent / "versions.lock.json"
+    assert f"Each node's versions locked in {lock} (make train checks them)" in out, out[-4000:]
 
 
 def selftest(run: Run, command: str) -> None:
