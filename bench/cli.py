@@ -11,7 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-from torch_multinode.bench import flight, hang, jobs, measure, network, rebuild, report, shipping
+from torch_multinode.bench import (
+    flight,
+    hang,
+    jobs,
+    lock,
+    measure,
+    network,
+    rebuild,
+    report,
+    shipping,
+)
 from torch_multinode.cluster import engine
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge
 from torch_multinode.cluster.inventory import load
@@ -31,6 +41,7 @@ SECTIONS = (
     "rebuild",
     "hang",
     "flight",
+    "lock",
 )
 # Sections that start nodes of their own (rebuild) or need none (flight): the others share one
 # simulated cluster, brought up only when one of them runs.
@@ -115,7 +126,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     config = sim.SimConfig(
         NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME), f"172.30.{octet}.0/24"
     )
-    nnodes = 4 if {"netcheck", "hang"} & set(only) else 2
+    nnodes = 4 if {"netcheck", "hang", "lock"} & set(only) else 2
     started = time.monotonic()
     data: dict = {
         "command": "make bench" + (" (--quick)" if args.quick else ""),
@@ -205,9 +216,13 @@ def _on_the_bench_cluster(
         if "image" in only:
             image = load(containers).training_image
             data["image"] = shipping.measure_image(containers, image, args.image_reps, progress)
-        if "hang" in only:
+        four = None  # 4 nodes provisioned for jobs in containers, once for both
+        if {"hang", "lock"} & set(only):
             four = measure.provision_containers(inventory, args.training_image, progress, nodes=4)
+        if "hang" in only:
             data["hang"] = hang.measure_hang(four, args.reps, progress)
+        if "lock" in only:
+            data["lock"] = lock.measure_lock(four, args.reps, progress)
     finally:
         sim.down(config)
 

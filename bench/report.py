@@ -56,6 +56,11 @@ TARGETS = {
         "<= 1.00",
     ),
     "hang_4": ("the same, 4 nodes", "<= 1.00"),
+    "lock_4": (
+        "what make train adds to check every node against the version lock: seconds at 4 nodes "
+        "/ 1 s, jobs in containers",
+        "<= 1.00",
+    ),
     "flight_step": (
         "DDP step time with the Flight Recorder on (TORCH_FR_BUFFER_SIZE=256) / off (=0), "
         "2 ranks on this machine, gloo over loopback",
@@ -115,6 +120,8 @@ def figures(data: dict) -> dict[str, float | None]:
     for nodes in (2, 4):
         if data.get("hang", {}).get(f"nodes_{nodes}"):
             found[f"hang_{nodes}"] = _median(data["hang"][f"nodes_{nodes}"]["ratio"])
+    if data.get("lock"):
+        found["lock_4"] = _median(data["lock"]["ratio"])
     if data.get("flight"):
         found["flight_step"] = _median(data["flight"]["step_ratio"])
         found["flight_collective"] = _median(data["flight"]["collective_ratio"])
@@ -326,7 +333,24 @@ def markdown(data: dict) -> str:
         lines += hang_lines(data["hang"])
     if data.get("flight"):
         lines += flight_lines(data["flight"])
+    if data.get("lock"):
+        lines += lock_lines(data["lock"])
     return "\n".join(lines) + "\n"
+
+
+def lock_lines(found: dict) -> list[str]:
+    """Section 14: what checking the version lock adds to make train."""
+    return [
+        "",
+        f"## 14. The version lock's check ({found['nodes']} nodes, jobs in containers)",
+        "",
+        "Read the lock, run its probe on every node at once over open sessions, compare: what "
+        f"`make train` adds before a job starts; budget {found['budget']:g} s.",
+        f"- the check: {_spread(found['check_seconds'], '{:.2f}')} s",
+        f"- a bare round trip on the same sessions, beside it: "
+        f"{_spread(found['bare_seconds'], '{:.2f}')} s",
+        f"- check / budget: {_spread(found['ratio'], '{:.2f}')}",
+    ]
 
 
 def flight_lines(flight: dict) -> list[str]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from torch_multinode.bench import cli, hang, jobs, measure, rebuild, report, shipping
+from torch_multinode.bench import cli, hang, jobs, lock, measure, rebuild, report, shipping
 
 
 def spread(*values: float) -> dict:
@@ -473,3 +473,35 @@ def test_the_hang_figure_is_the_time_from_the_last_step_to_the_verdict_over_the_
     text = (tmp_path / "bench.md").read_text()
     assert "## 12. A hang explained (jobs in containers)" in text
     assert "- 2 nodes: 18.5 (18.0 to 19.0, n=2) s, ratio 0.62" in text
+
+
+def test_the_lock_figure_is_the_checks_seconds_at_four_nodes_over_its_budget(tmp_path):
+    def series(*values):
+        return {
+            "median": sorted(values)[len(values) // 2],
+            "min": min(values),
+            "max": max(values),
+            "n": len(values),
+            "values": list(values),
+        }
+
+    data = {
+        **bench_data(),
+        "lock": {
+            "nodes": 4,
+            "budget": lock.LOCK_BUDGET,
+            "check_seconds": series(0.21, 0.24, 0.3),
+            "bare_seconds": series(0.05, 0.06, 0.07),
+            "ratio": series(0.21, 0.24, 0.3),
+        },
+    }
+    found = report.figures(data)
+    assert found["lock_4"] == pytest.approx(0.24)
+    assert report.meets("lock_4", found["lock_4"]) == "meets"
+    assert report.meets("lock_4", 1.3) != "meets"
+    report.write(data, tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "## 14. The version lock's check (4 nodes, jobs in containers)" in text
+    assert "- the check: 0.24 (0.21 to 0.30, n=3) s" in text
+    assert "- a bare round trip on the same sessions, beside it: 0.06 (0.05 to 0.07, n=3) s" in text
+    assert "lock" in cli.SECTIONS
