@@ -1,7 +1,8 @@
 """The version lock: what each node ran when netcheck last passed (its kernel, NVIDIA driver,
 Docker engine, and the training image's ID and torch, or in host mode the torch, CUDA and NCCL
-of its training interpreter), kept beside the inventory, so that `make train` can refuse a node that
-changed since (an unattended upgrade, a hand-installed package, another image under the tag).
+of its training interpreter), kept beside the inventory, so that `make train` can refuse a node
+that changed since (an unattended upgrade, a hand-installed package, another image under the
+tag).
 
     {"nodes": {"node1": {"kernel": "6.1.0-18-amd64", "driver": "none", "docker": "27.3.1",
                          "image": "sha256:...", "torch": "2.14.1+cpu"}, ...},

@@ -74,10 +74,9 @@ class Launcher:
         self._remotes: dict[str, Session] = {}
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
         self.backend = job_backend(self.hosts)[0]  # one for the whole job
-        self.versions: dict[
-            str, dict[str, str]
-        ] = {}  # each node's, as prepared (cluster.version_lock)
-        self.drift: dict[str, list[str]] = {}  # what changed since the lock (allow_drift)
+        # each node's versions as prepared, and what changed since the lock (allow_drift)
+        self.versions: dict[str, dict[str, str]] = {}
+        self.drift: dict[str, list[str]] = {}
 
     def remote_for(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""

@@ -147,10 +147,10 @@ class JobResult:
     terminated: bool = False  # interrupted by SIGTERM rather than Ctrl-C
     brought_back: str | None = None  # what became of the master's run directory
     flights: tuple[str, ...] = ()  # a failed job's last collectives (launch.flight), as lines
-    versions: dict[str, dict[str, str]] = field(
-        default_factory=dict
-    )  # each node's (cluster.version_lock)
-    drift: dict[str, list[str]] = field(default_factory=dict)  # what changed, run with allow_drift
+    # each node's versions (cluster.version_lock), and what changed in them since the lock for
+    # a job run with allow_drift
+    versions: dict[str, dict[str, str]] = field(default_factory=dict)
+    drift: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster import version_lock as lock
@@ -37,7 +38,7 @@ not answer is reported, not waited for.
 Writes the per-node NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME / NCCL_IB_DISABLE the launcher
 uses to --env-file (default: netcheck-env.json next to the inventory). When nothing FAILs, also
 locks each checked node's versions (kernel, NVIDIA driver, Docker, the training image or the
-interpreter's torch and NCCL) in versions.lock.json next to the inventory: `make train` refuses
+interpreter's torch, CUDA and NCCL) in versions.lock.json next to the inventory: `make train` refuses
 a node that changed since, unless ALLOW_DRIFT=1.
 """
 
@@ -126,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def lock_versions(inventory, nodes: SshNodes):
-    """Each checked node's versions into the lock beside the inventory (cluster.version_lock)."""
+def lock_versions(inventory: inventory_module.Inventory, nodes: SshNodes) -> Path:
+    """Each checked node's versions into the lock beside the inventory (cluster.version_lock),
+    probed on all of them at once; the lock's path."""
 
     def probe(host):
         return lock.parse(nodes.run(host, lock.probe_command(host, inventory), 60).stdout)

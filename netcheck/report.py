@@ -85,7 +85,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     env_file: str | None = None
-    lock_file: str | None = None  # each node's versions, when nothing FAILed (cluster.version_lock)
+    lock_file: str | None = None  # each node's versions, when nothing FAILed (version_lock)
     backend: str | None = None
     transport: dict[str, dict] = field(default_factory=dict)
     """Per node, what the collective's worker said of its network: `used` (NCCL's "IB",
