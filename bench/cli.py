@@ -216,13 +216,11 @@ def _on_the_bench_cluster(
         if "image" in only:
             image = load(containers).training_image
             data["image"] = shipping.measure_image(containers, image, args.image_reps, progress)
-        four = None  # 4 nodes provisioned for jobs in containers, once for both
-        if {"hang", "lock"} & set(only):
-            four = measure.provision_containers(inventory, args.training_image, progress, nodes=4)
         if "hang" in only:
+            four = measure.provision_containers(inventory, args.training_image, progress, nodes=4)
             data["hang"] = hang.measure_hang(four, args.reps, progress)
-        if "lock" in only:
-            data["lock"] = lock.measure_lock(four, args.reps, progress)
+        if "lock" in only:  # on the 4 nodes as they are: the probe reads what it finds
+            data["lock"] = lock.measure_lock(inventory, args.reps, progress)
     finally:
         sim.down(config)
 

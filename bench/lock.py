@@ -1,5 +1,5 @@
 """14. The version lock's cost: what `make train` adds to check every node against the versions
-netcheck locked (cluster.version_lock), at 4 nodes in containers, against a budget of 1 s.
+netcheck locked (cluster.version_lock), at 4 nodes, against a budget of 1 s.
 
 The launcher runs the lock's probe on each node's open session, all nodes at once, and compares
 the answers with the lock it read: that is what is timed here, over sessions already open as
@@ -61,6 +61,7 @@ def measure_lock(inventory: Path, reps: int, progress: Progress) -> dict:
             path.write_bytes(kept)
     return {
         "nodes": len(hosts),
+        "launch_mode": cluster.launch_mode,
         "budget": LOCK_BUDGET,
         "check_seconds": Series(check).as_dict(),
         "bare_seconds": Series(bare).as_dict(),

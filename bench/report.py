@@ -58,7 +58,7 @@ TARGETS = {
     "hang_4": ("the same, 4 nodes", "<= 1.00"),
     "lock_4": (
         "what make train adds to check every node against the version lock: seconds at 4 nodes "
-        "/ 1 s, jobs in containers",
+        "/ 1 s",
         "<= 1.00",
     ),
     "flight_step": (
@@ -342,7 +342,8 @@ def lock_lines(found: dict) -> list[str]:
     """Section 14: what checking the version lock adds to make train."""
     return [
         "",
-        f"## 14. The version lock's check ({found['nodes']} nodes, jobs in containers)",
+        f"## 14. The version lock's check ({found['nodes']} nodes, launch_mode: "
+        f"{found['launch_mode']})",
         "",
         "Read the lock, run its probe on every node at once over open sessions, compare: what "
         f"`make train` adds before a job starts; budget {found['budget']:g} s.",

@@ -489,6 +489,7 @@ def test_the_lock_figure_is_the_checks_seconds_at_four_nodes_over_its_budget(tmp
         **bench_data(),
         "lock": {
             "nodes": 4,
+            "launch_mode": "host",
             "budget": lock.LOCK_BUDGET,
             "check_seconds": series(0.21, 0.24, 0.3),
             "bare_seconds": series(0.05, 0.06, 0.07),
@@ -501,7 +502,7 @@ def test_the_lock_figure_is_the_checks_seconds_at_four_nodes_over_its_budget(tmp
     assert report.meets("lock_4", 1.3) != "meets"
     report.write(data, tmp_path)
     text = (tmp_path / "bench.md").read_text()
-    assert "## 14. The version lock's check (4 nodes, jobs in containers)" in text
+    assert "## 14. The version lock's check (4 nodes, launch_mode: host)" in text
     assert "- the check: 0.24 (0.21 to 0.30, n=3) s" in text
     assert "- a bare round trip on the same sessions, beside it: 0.06 (0.05 to 0.07, n=3) s" in text
     assert "lock" in cli.SECTIONS
