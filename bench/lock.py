@@ -8,6 +8,7 @@ is timed beside it, alternating, so the figure can be read against the link's ow
 
 from __future__ import annotations
 
+import datetime
 import time
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def measure_lock(inventory: Path, reps: int, progress: Progress) -> dict:
         else:
             path.write_bytes(kept)
     return {
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "nodes": len(hosts),
         "launch_mode": cluster.launch_mode,
         "budget": LOCK_BUDGET,

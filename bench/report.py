@@ -346,7 +346,8 @@ def lock_lines(found: dict) -> list[str]:
         f"{found['launch_mode']})",
         "",
         "Read the lock, run its probe on every node at once over open sessions, compare: what "
-        f"`make train` adds before a job starts; budget {found['budget']:g} s.",
+        f"`make train` adds before a job starts; budget {found['budget']:g} s"
+        + (f" (measured {found['date']})." if found.get("date") else "."),
         f"- the check: {_spread(found['check_seconds'], '{:.2f}')} s",
         f"- a bare round trip on the same sessions, beside it: "
         f"{_spread(found['bare_seconds'], '{:.2f}')} s",
