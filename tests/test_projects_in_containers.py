@@ -514,6 +514,13 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
         assert output.end(timeout=120) < 15, output.stamped
         assert _exit_code(process.returncode, output.text) == 1, output.text[-3000:]
         assert " FAILED on node2" in output.text
+        remembered = json.loads((REPO_ROOT / ".runs" / run_id_in(seen) / "run.json").read_text())
+        assert (remembered["result"], remembered["failed_node"], remembered["exit_code"]) == (
+            "failed",
+            "node2",
+            1,
+        ), remembered
+        assert remembered["last_step"], remembered  # the step line the job printed last
         # node1, which lived on: no process of the job, no listener on the rendezvous port.
         inventory = load(provisioned.inventory)
         left = leftovers(inventory, run_id_in(seen), inventory.hosts[:1])
