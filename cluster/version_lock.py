@@ -15,14 +15,13 @@ other checks, to compare (launch.prepare).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shlex
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from torch_multinode.cluster import files
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.versions import TORCH_LABEL
@@ -109,26 +108,12 @@ def parse(text: str) -> dict[str, str]:
 def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
     """These nodes' versions into the lock, replacing theirs and keeping other nodes' (a check
     of NNODES=2 of 3 leaves the third as it was), atomically."""
-    path = Path(path)
-    document = {
-        "nodes": {**(load(path) or {}), **nodes},
-        "written_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".versions-lock.", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise UserError(
-            f"cannot write the version lock {path}: {exc.strerror or exc}",
-            hint="making the inventory's directory writable",
-            exit_code=1,
-        ) from None
-    return path
+    return files.write_nodes(
+        path,
+        {**(load(path) or {}), **nodes},
+        "version lock",
+        hint="making the inventory's directory writable",
+    )
 
 
 def load(path: str | os.PathLike) -> dict[str, dict[str, str]] | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
 import re
 import shutil
 import socket
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch_multinode.cluster import files
 from torch_multinode.cluster.errors import (
     INTERRUPTED_EXIT,
     TERMINATED_EXIT,
@@ -77,7 +77,7 @@ def code(project: Path, log_dir: Path, run_id: str) -> dict[str, Any]:
             timeout=120,
             check=False,
         )
-        _write_atomically(log_dir / DIFF, diff.stdout)
+        files.write_atomically(log_dir / DIFF, diff.stdout)
         found["diff"] = DIFF
     return {"project": str(project), **found}
 
@@ -315,14 +315,8 @@ def _result(result: JobResult | None, exit_code: int) -> str:
     return "succeeded" if result.exit_code == 0 else "failed"
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
 def write(log_dir: Path, record: dict[str, Any]) -> None:
-    _write_atomically(log_dir / RECORD, json.dumps(record, indent=2) + "\n")
+    files.write_atomically(log_dir / RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def load(run_id: str, root: Path = RUNS_ROOT) -> dict[str, Any] | None:

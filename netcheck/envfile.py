@@ -11,12 +11,11 @@ NCCL_IB_DISABLE is present only on nodes without InfiniBand devices.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import tempfile
 from pathlib import Path
 
+from torch_multinode.cluster import files
 from torch_multinode.cluster.errors import UserError
 
 FILENAME = "netcheck-env.json"
@@ -31,26 +30,9 @@ def default_path(inventory_path: str | os.PathLike) -> Path:
 
 def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
     """Replace the file atomically, so a launcher never reads half of it."""
-    path = Path(path)
-    document = {
-        "nodes": nodes,
-        "written_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".netcheck-env.", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise UserError(
-            f"cannot write the netcheck env file {path}: {exc.strerror or exc}",
-            hint="--env-file with a writable path",
-            exit_code=1,
-        ) from None
-    return path
+    return files.write_nodes(
+        path, nodes, "netcheck env file", hint="--env-file with a writable path"
+    )
 
 
 def _text(value: object, empty: bool = False) -> bool:

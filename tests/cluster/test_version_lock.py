@@ -170,3 +170,12 @@ def test_with_allow_drift_or_no_lock_the_node_is_prepared_and_its_versions_retur
     assert any(c.startswith("mkdir -p") for c in remote.commands)  # prepared on
     (versions, changes), _ = prepare(newer, None)  # no lock: nothing to compare
     assert versions == newer and changes == []
+
+
+def test_a_lock_that_cannot_be_written_is_one_error_naming_it(tmp_path):
+    (tmp_path / "inventory.yml").write_text("")  # a file where the lock's directory would be
+    path = tmp_path / "inventory.yml" / lock.FILENAME
+    with pytest.raises(UserError, match=f"cannot write the version lock {path}: ") as refused:
+        lock.write(path, {"node1": LOCKED})
+    assert refused.value.exit_code == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inventory.yml"]
