@@ -11,6 +11,8 @@
 - a node whose image differs from the controller's is refused before anything starts;
 - a node that changed since netcheck locked its versions is refused, naming what changed;
   ALLOW_DRIFT=1 runs the job anyway and its record says so;
+- `make rerun` of a failed run, its project edited since, runs the run's snapshot and fails
+  the same way;
 - `make data` twice: the second run sends no file;
 - a node killed mid-run with RESTARTS=1: the job resumes from the checkpoints on the nodes'
   disks and ends with the parameters of an uninterrupted run;
@@ -399,6 +401,42 @@ def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
         for index in (1, 2):
             on_node(provisioned.cluster, index, f"docker rmi {probe}", check=False)
         sim.docker("rmi", probe, check=False)
+
+
+def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_same_way(
+    provisioned, tmp_path
+):
+    """`make rerun RUN=ID` on the nodes, in containers (issue 32): the project (a git
+    repository of its own) fails at version v1; edited to v2 (not committed), the rerun of the
+    failed run still runs v1, on both nodes, and fails as it did."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "version.txt").write_text("v1\n")
+    (root / "job.py").write_text(
+        "import os, sys\n"
+        "version = open(os.path.join(os.path.dirname(__file__), 'version.txt')).read().strip()\n"
+        "print('rank', os.environ['RANK'], 'runs', version, flush=True)\n"
+        "sys.exit(3 if version == 'v1' else 0)\n"
+    )
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for step in (["init", "-q"], ["add", "."], ["commit", "-qm", "v1"]):
+        subprocess.run([*git, *step], check=True, capture_output=True)
+    first = _train(provisioned, f"SCRIPT={root / 'job.py'}")
+    assert _exit_code(first.returncode, first.stderr) == 1, first.stdout[-3000:] + first.stderr
+    run_id = run_id_in(first.stdout)
+    assert re.search(rf"^Job {run_id} FAILED on node\d", first.stdout, re.M), first.stdout
+    (root / "version.txt").write_text("v2\n")  # an edit since, not committed
+    rerun = make("rerun", f"RUN={run_id}", timeout=900)
+    out = rerun.stdout
+    assert rerun.returncode != 0, out[-3000:] + rerun.stderr
+    assert f"[rerun] {run_id}: its code snapshot " in out, out[-3000:]
+    assert "[node1] rank 0 runs v1" in out and "[node2] rank 1 runs v1" in out, out[-3000:]
+    assert "runs v2" not in out
+    again = run_id_in(out)
+    remembered = json.loads((REPO_ROOT / ".runs" / again / "run.json").read_text())
+    assert (remembered["result"], remembered["exit_code"]) == ("failed", 1), remembered
+    assert (root / "version.txt").read_text() == "v2\n"  # the edit is left as it was
+    _no_containers_left(provisioned)
 
 
 def test_make_data_sends_a_dataset_once(provisioned, tmp_path):
