@@ -1,5 +1,6 @@
 """Every run remembered: the record a job leaves in its directory on this machine
-(`.runs/ID/run.json`), for local, SSH and Slurm jobs alike, and the table `make runs` prints.
+(`.runs/ID/run.json`), for local, SSH and Slurm jobs alike; launch.runs reads them back
+(`make runs`).
 
 The launcher writes it when the job is about to start (result "running"), again once the job
 has begun (its code and image added: `started`), and when it ends, whatever the end
@@ -238,18 +239,6 @@ def finish(
     return record
 
 
-def started(
-    record: dict[str, Any], spec: JobSpec, inventory: Inventory | None, project: Path
-) -> None:
-    """The begun record completed with the project's code (its snapshot: launch.snapshot) and
-    the training image's ID, rewritten. Called by the backend once the job has begun (the
-    launcher built, the local torchrun started), so that a job refused on the way runs no git
-    and no docker for its record."""
-    log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
-    record.update(code=code(project, log_dir, spec.run_id), image=_image(inventory))
-    write(log_dir, record)
-
-
 class Recorder:
     """One run's record around its job: begun before it, completed once when it has begun
     (`started`, the hook the backend calls), finished after it however it ends (Ctrl-C and
@@ -265,10 +254,20 @@ class Recorder:
         self.completed = False
 
     def started(self) -> None:
-        """Once per job (a restart calls it again: the first run's code is the job's)."""
-        if self.record is not None and not self.completed:
-            self.completed = True
-            started(self.record, self.spec, self.inventory, self.project)
+        """The begun record completed with the project's code (its snapshot: launch.snapshot)
+        and the training image's ID, rewritten. Called by the backend once the job has begun
+        (the launcher built, the local torchrun started), so that a job refused on the way runs
+        no git and no docker for its record; once per job (a restart calls it again: the first
+        run's code is the job's)."""
+        if self.record is None or self.completed:
+            return
+        self.completed = True
+        spec = self.spec
+        log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
+        self.record.update(
+            code=code(self.project, log_dir, spec.run_id), image=_image(self.inventory)
+        )
+        write(log_dir, self.record)
 
     def kept(self, job: Callable[[], JobResult]) -> JobResult:
         spec = self.spec
@@ -293,20 +292,6 @@ class Recorder:
                 finish(self.record, spec, result, code, run_dir)
 
 
-def kept(
-    spec: JobSpec, argv: list[str], inventory: Inventory | None, job: Callable[[], JobResult]
-) -> JobResult:
-    """`job` run with its record (Recorder), for a job whose backend has no started hook: its
-    record is completed as soon as it is begun."""
-    recorder = Recorder(spec, argv, inventory)
-
-    def begun() -> JobResult:
-        recorder.started()
-        return job()
-
-    return recorder.kept(begun)
-
-
 def _result(result: JobResult | None, exit_code: int) -> str:
     if result is None:  # broke off with an error or an interruption after it had begun
         return "interrupted" if exit_code in (INTERRUPTED_EXIT, TERMINATED_EXIT) else "error"
@@ -317,42 +302,3 @@ def _result(result: JobResult | None, exit_code: int) -> str:
 
 def write(log_dir: Path, record: dict[str, Any]) -> None:
     files.write_atomically(log_dir / RECORD, json.dumps(record, indent=2) + "\n")
-
-
-def load(run_id: str, root: Path = RUNS_ROOT) -> dict[str, Any] | None:
-    path = root / run_id / RECORD
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def every(root: Path = RUNS_ROOT) -> list[dict[str, Any]]:
-    """Every run's record under `root`, newest first."""
-    found = [r for d in root.glob(f"*/{RECORD}") if (r := load(d.parent.name, root)) is not None]
-    return sorted(found, key=lambda r: r.get("started") or "", reverse=True)
-
-
-def table(records: list[dict[str, Any]]) -> list[str]:
-    """One line per run: ID, when, workload, nodes, duration, result, last step line."""
-    rows = [("ID", "STARTED", "WORKLOAD", "NODES", "TIME", "RESULT", "LAST STEP")]
-    for r in records:
-        seconds = r.get("seconds")
-        rows.append(
-            (
-                r.get("id", "?"),
-                (r.get("started") or "")[:19].replace("T", " "),
-                Path(str(r.get("workload"))).name
-                if str(r.get("workload", "")).endswith(".py")
-                else str(r.get("workload")),
-                ",".join(n["name"] for n in r.get("nodes", [])),
-                "-" if seconds is None else f"{seconds:.0f}s",
-                str(r.get("result")),
-                (r.get("last_step") or "-")[:60],
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return [
-        "  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)), row[-1]])
-        for row in rows
-    ]

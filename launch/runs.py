@@ -23,6 +23,47 @@ from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edg
 from torch_multinode.launch import record, snapshot
 
 
+def load(run_id: str, root: Path = record.RUNS_ROOT) -> dict[str, Any] | None:
+    path = root / run_id / record.RECORD
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def every(root: Path = record.RUNS_ROOT) -> list[dict[str, Any]]:
+    """Every run's record under `root`, newest first."""
+    found = [
+        r for d in root.glob(f"*/{record.RECORD}") if (r := load(d.parent.name, root)) is not None
+    ]
+    return sorted(found, key=lambda r: r.get("started") or "", reverse=True)
+
+
+def table(records: list[dict[str, Any]]) -> list[str]:
+    """One line per run: ID, when, workload, nodes, duration, result, last step line."""
+    rows = [("ID", "STARTED", "WORKLOAD", "NODES", "TIME", "RESULT", "LAST STEP")]
+    for r in records:
+        seconds = r.get("seconds")
+        rows.append(
+            (
+                r.get("id", "?"),
+                (r.get("started") or "")[:19].replace("T", " "),
+                Path(str(r.get("workload"))).name
+                if str(r.get("workload", "")).endswith(".py")
+                else str(r.get("workload")),
+                ",".join(n["name"] for n in r.get("nodes", [])),
+                "-" if seconds is None else f"{seconds:.0f}s",
+                str(r.get("result")),
+                (r.get("last_step") or "-")[:60],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return [
+        "  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)), row[-1]])
+        for row in rows
+    ]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="runs",
@@ -44,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _one(run_id: str, root: Path) -> dict:
-    found = record.load(run_id, root)
+    found = load(run_id, root)
     if found is None:
         raise UserError(
             f"no run {shown(run_id)} is recorded in {root}/",
@@ -129,13 +170,13 @@ def show(args: argparse.Namespace) -> int:
             for key, value in found.items():
                 print(f"{key:<12} {json.dumps(value) if isinstance(value, dict | list) else value}")
         return 0
-    records = record.every(args.root)
+    records = every(args.root)
     if args.json:
         print(json.dumps(records, indent=2))
     elif not records:
         print(f"No run recorded in {args.root}/ yet: make train records each one.")
     else:
-        print("\n".join(record.table(records)))
+        print("\n".join(table(records)))
     return 0
 
 

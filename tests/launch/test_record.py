@@ -271,7 +271,7 @@ def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_rec
         raise UserError("job tmn-other is already running on n1", hint="waiting for it")
 
     with pytest.raises(UserError):
-        record.kept(spec, ["--script", "x.py"], None, refused)
+        record.Recorder(spec, ["--script", "x.py"], None).kept(refused)
     assert not (tmp_path / "tmn-r2").exists()
 
     def broke_off() -> JobResult:
@@ -279,7 +279,7 @@ def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_rec
         raise UserError("node2 did not answer within --restart-wait 300 s", exit_code=1)
 
     with pytest.raises(UserError):
-        record.kept(spec, ["--script", "x.py"], None, broke_off)
+        record.Recorder(spec, ["--script", "x.py"], None).kept(broke_off)
     kept = json.loads((tmp_path / "tmn-r2" / record.RECORD).read_text())
     assert (kept["result"], kept["exit_code"], kept["last_step"]) == (
         "error",
