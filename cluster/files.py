@@ -12,6 +12,13 @@ from pathlib import Path
 from torch_multinode.cluster.errors import UserError
 
 
+def beside_inventory(inventory_path: str | os.PathLike, name: str) -> Path:
+    """The file `name` kept beside an inventory file (inside an inventory directory), where a
+    command given the same INVENTORY finds it again."""
+    inventory = Path(inventory_path).resolve()
+    return (inventory if inventory.is_dir() else inventory.parent) / name
+
+
 def write_atomically(path: str | os.PathLike, text: str) -> None:
     """`text` as the whole of `path` (readable by all), through a temporary file beside it
     that takes its name at once; nothing is left behind when writing fails."""

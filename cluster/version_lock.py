@@ -66,8 +66,7 @@ print("nccl=" + wheel("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"
 
 def default_path(inventory_path: str | os.PathLike) -> Path:
     """Beside the inventory file (inside an inventory directory), as netcheck's env file."""
-    inventory = Path(inventory_path).resolve()
-    return (inventory if inventory.is_dir() else inventory.parent) / FILENAME
+    return files.beside_inventory(inventory_path, FILENAME)
 
 
 def probe_command(host: Host, inventory: Inventory) -> str:

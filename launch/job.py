@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 
 from torch_multinode.cluster import sync
-from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
@@ -33,7 +32,7 @@ from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.node_output import NodeOutput
 from torch_multinode.launch.nodes import job_backend, nproc_for
-from torch_multinode.launch.prepare import claim_port, prepare_node, release_port
+from torch_multinode.launch.prepare import claim_port, prepare_nodes, release_port
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     BLAME_GRACE,
@@ -146,27 +145,15 @@ class Launcher:
         for tree, destination in self.project.trees:
             sent = sync.push(self.inventory, self.hosts, tree, destination, self.emit)
             self.emit("[launcher] " + sync.summary_line(tree, destination, sent))
-        image_id = None
-        if self.inventory.launch_mode == "container":
-            image_id = staging.local_image_id(self.inventory.training_image)
-        locked = lock.load(lock.default_path(self.inventory.path)) or {}
-
-        def prepare(host: Host) -> None:
-            self.versions[host.name], changes = prepare_node(
-                self._remotes[host.name],
-                host,
-                self.inventory,
-                self.spec,
-                self.project,
-                self.backend,
-                image_id,
-                locked.get(host.name),
-                self.emit,
-            )
-            if changes:
-                self.drift[host.name] = changes
-
-        self._parallel(prepare)
+        self.versions, self.drift = prepare_nodes(
+            self._remotes,
+            self.inventory,
+            self.spec,
+            self.project,
+            self.backend,
+            self.emit,
+            self._parallel,
+        )
 
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]

@@ -78,6 +78,44 @@ def prepare_node(
     return versions, changes
 
 
+def prepare_nodes(
+    remotes: dict[str, Session],
+    inventory: Inventory,
+    spec: JobSpec,
+    project: Project,
+    backend: str,
+    emit: Emit,
+    parallel: Callable[[Callable[[Host], None]], None],
+) -> tuple[dict[str, dict[str, str]], dict[str, list[str]]]:
+    """Every node of the job readied at once (`parallel`: the launcher's, which raises the
+    first refusal once all have ended), the controller's image ID and the version lock read
+    once for all: each node's versions, and what changed on those that drifted (allowed)."""
+    image_id = None
+    if inventory.launch_mode == "container":
+        image_id = staging.local_image_id(inventory.training_image)
+    locked = lock.load(lock.default_path(inventory.path)) or {}
+    versions: dict[str, dict[str, str]] = {}
+    drift: dict[str, list[str]] = {}
+
+    def one(host: Host) -> None:
+        versions[host.name], changes = prepare_node(
+            remotes[host.name],
+            host,
+            inventory,
+            spec,
+            project,
+            backend,
+            image_id,
+            locked.get(host.name),
+            emit,
+        )
+        if changes:
+            drift[host.name] = changes
+
+    parallel(one)
+    return versions, drift
+
+
 def claim_port(remote: Session, master: Host, run_id: str, port: int, emit: Emit) -> None:
     """The master's rendezvous port for job `run_id`, over the master's session `remote`:
     refused while another job of ours holds it; a stale lock (none of its processes left) is

@@ -24,8 +24,7 @@ FILENAME = "netcheck-env.json"
 def default_path(inventory_path: str | os.PathLike) -> Path:
     """Next to the inventory file (inside an inventory directory): the launcher finds it from
     the same INVENTORY."""
-    inventory = Path(inventory_path).resolve()
-    return (inventory if inventory.is_dir() else inventory.parent) / FILENAME
+    return files.beside_inventory(inventory_path, FILENAME)
 
 
 def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
