@@ -14,12 +14,14 @@ from typing import Protocol
 
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
 from torch_multinode.cluster.execution import Nodes, SshNodes
-from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.launch import staging, stop
 from torch_multinode.launch.ending import bring_back, summary
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.local import run_local
-from torch_multinode.launch.restarts import wait_for_nodes
+from torch_multinode.launch.nodes import nproc_for
+from torch_multinode.launch.record import last_step_number
+from torch_multinode.launch.restarts import survivors, wait_for_nodes
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.slurm import SlurmAttempt
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, Emit, JobResult, JobSpec, NodeOutcome
@@ -84,7 +86,9 @@ class _OnNodes:
 @dataclass
 class SshBackend(_OnNodes):
     """One SSH session per node (launch.job); a restart waits for every node to answer again
-    and stops whatever the failed run left."""
+    and stops whatever the failed run left. With `spares` (inventory hosts the job does not
+    use) or `min_nodes` below the job's node count, a node still silent after the wait is
+    replaced by a spare, or dropped while at least `min_nodes` remain (restarts.survivors)."""
 
     inventory: Inventory
     spec: JobSpec
@@ -93,6 +97,8 @@ class SshBackend(_OnNodes):
     restart_wait: float = DEFAULT_RESTART_WAIT
     nodes: Nodes | None = None
     started: Callable[[], None] = _nothing
+    spares: tuple[Host, ...] = ()
+    min_nodes: int | None = None  # None: every node of the job
 
     def __post_init__(self) -> None:
         self.nodes = self.nodes or SshNodes(self.inventory)
@@ -101,14 +107,28 @@ class SshBackend(_OnNodes):
             self.project = staging.plan(
                 self.inventory, spec.script, spec.workdir, spec.workdir_limit
             )
-        self.restart_note = (
-            f"each once every node answers again (--restart-wait {self.restart_wait:g} s)"
-        )
+        count = len(self.inventory.hosts)
+        self.min_nodes = count if self.min_nodes is None else self.min_nodes
+        self.planned_world = sum(nproc_for(host, self.spec) for host in self.inventory.hosts)
+        self.nodes_changed: list[str] = []
+        wait = f"--restart-wait {self.restart_wait:g} s"
+        if self.min_nodes < count or self.spares:
+            spare = f"a spare of {len(self.spares)} in a lost node's place" if self.spares else ""
+            fewer = f"at least {self.min_nodes} of {count} nodes" if self.min_nodes < count else ""
+            self.restart_note = (
+                f"each on the nodes that answer within {wait} ("
+                + "; ".join(filter(None, [spare, fewer]))
+                + ")"
+            )
+        else:
+            self.restart_note = f"each once every node answers again ({wait})"
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
         launcher = Launcher(self.inventory, spec, self.emit, project=self.project, nodes=self.nodes)
         self.started()
-        return launcher.run()
+        result = launcher.run()
+        result.nodes_changed = tuple(self.nodes_changed)
+        return result
 
     def can_restart(self) -> bool:
         return True
@@ -116,12 +136,32 @@ class SshBackend(_OnNodes):
     def before_restart(
         self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
     ) -> JobSpec:
+        inventory = self.inventory
+        flexible = self.min_nodes < len(inventory.hosts) or self.spares
         self.emit(
             f"[launcher] restart {restart} of {restarts}: waiting up to {self.restart_wait:g} s "
-            "for every node to answer..."
+            + ("for the nodes to answer..." if flexible else "for every node to answer...")
         )
-        waited = wait_for_nodes(self.inventory, self.restart_wait, self.emit, self.nodes)
-        inventory = self.inventory
+        if flexible:
+            step = last_step_number(failed.log_dir)
+            after = f" after step {step}" if step is not None else ""
+            found = survivors(
+                inventory,
+                list(self.spares),
+                self.min_nodes,
+                self.restart_wait,
+                self.emit,
+                self.nodes,
+                after=f" at restart {restart}{after}",
+            )
+            waited = found.waited
+            for change in found.changes:
+                self.emit(f"[launcher] {change}")
+            self.nodes_changed += found.changes
+            self.spares = tuple(found.spares)
+            inventory = replace(inventory, hosts=tuple(found.hosts))
+        else:
+            waited = wait_for_nodes(inventory, self.restart_wait, self.emit, self.nodes)
         left = RunningJob(
             failed,
             inventory.hosts,
@@ -131,10 +171,23 @@ class SshBackend(_OnNodes):
             inventory.launch_mode == "container",
         )
         stop.everywhere(left, inventory.master)  # what the failed run left on a node cut off
-        attempt = replace(first, run_id=f"{first.run_id}-r{restart}")
+        self.inventory = inventory
+        world = sum(nproc_for(host, first) for host in inventory.hosts)
+        attempt = replace(
+            first,
+            run_id=f"{first.run_id}-r{restart}",
+            planned_world=self.planned_world if world != self.planned_world else None,
+        )
+        answers = "every node answers" if not self.nodes_changed else "the nodes answer"
         self.emit(
-            f"[launcher] job {attempt.run_id}: every node answers (waited {waited:.0f} s); "
+            f"[launcher] job {attempt.run_id}: {answers} (waited {waited:.0f} s); "
             f"restart {restart} of {restarts}"
+            + (
+                f" on {len(inventory.hosts)} node(s), keeping the first run's world of "
+                f"{self.planned_world} process(es)"
+                if attempt.planned_world
+                else ""
+            )
         )
         return attempt
 
@@ -225,11 +278,22 @@ def backend_for(
     project: Project | None = None,
     restart_wait: float = DEFAULT_RESTART_WAIT,
     started: Callable[[], None] = _nothing,
+    spares: tuple[Host, ...] = (),
+    min_nodes: int | None = None,
 ) -> Backend:
     """The backend an inventory asks for: none (this machine), `scheduler: slurm`, or SSH;
-    `started` is called as each run has begun."""
+    `started` is called as each run has begun; `spares` and `min_nodes`: see SshBackend."""
     if inventory is None:
         return LocalBackend(emit, started=started)
     if inventory.scheduler == "slurm":
         return SlurmBackend(inventory, spec, emit, project, started=started)
-    return SshBackend(inventory, spec, emit, project, restart_wait, started=started)
+    return SshBackend(
+        inventory,
+        spec,
+        emit,
+        project,
+        restart_wait,
+        started=started,
+        spares=spares,
+        min_nodes=min_nodes,
+    )

@@ -164,6 +164,15 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a restart waits for every node to answer (default: %(default)g)",
     )
     parser.add_argument(
+        "--min-nodes",
+        type=whole_number(1),
+        default=None,
+        help="with --restarts: a node still silent after --restart-wait is replaced by a node "
+        "of the inventory the job does not use (NNODES below the inventory's count), or "
+        "dropped, and the job goes on on the others, as long as at least this many remain; "
+        "the workloads keep the first run's global batch (default: every node of the job)",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=whole_number(0),
         default=0,
@@ -262,6 +271,11 @@ def _here(args: argparse.Namespace, spec: JobSpec) -> None:
             f"--restarts={args.restarts} needs an inventory: a local job has no node to wait for",
             hint="INVENTORY=path.yml",
         )
+    if args.min_nodes is not None:
+        raise UserError(
+            f"--min-nodes={args.min_nodes} needs an inventory: a local job has no node to lose",
+            hint="INVENTORY=path.yml",
+        )
     if args.env:
         raise UserError(
             "ENV is for jobs on an inventory's nodes; a local job runs here, in this environment",
@@ -281,10 +295,15 @@ def _here(args: argparse.Namespace, spec: JobSpec) -> None:
 
 def _on_nodes(
     args: argparse.Namespace, spec: JobSpec
-) -> tuple[inventory_module.Inventory, JobSpec, staging.Project]:
-    """The job's nodes (narrowed once), project and paths on the nodes, decided and said before
-    any node is touched."""
-    inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
+) -> tuple[inventory_module.Inventory, JobSpec, staging.Project, tuple[inventory_module.Host, ...]]:
+    """The job's nodes (narrowed once), project and paths on the nodes, and the spares (with
+    --min-nodes), decided and said before any node is touched."""
+    whole = inventory_module.load(args.inventory, args.group)
+    inventory = whole.first(args.nnodes)
+    _check_min_nodes(args, inventory)
+    # The inventory's hosts the job does not use: a lost node's place (with --min-nodes)
+    flexible = args.min_nodes is not None and inventory.scheduler != "slurm"
+    spares = whole.hosts[len(inventory.hosts) :] if flexible else ()
     master = inventory.master
     fitted = None  # the workload's batch against the world size: every node's processes
     if args.script is None:
@@ -311,18 +330,51 @@ def _on_nodes(
         )
     if spec.debug:
         _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
-    return inventory, spec, project
+    return inventory, spec, project, spares
+
+
+def _check_min_nodes(args: argparse.Namespace, inventory: inventory_module.Inventory) -> None:
+    """--min-nodes against the job: it needs restarts, and no more nodes than the job has."""
+    if args.min_nodes is None:
+        return
+    count = len(inventory.hosts)
+    if args.min_nodes > count:
+        raise UserError(
+            f"--min-nodes={args.min_nodes} (MIN_NODES) but the job runs on {count} node(s)",
+            hint=f"MIN_NODES={count} or fewer",
+        )
+    if not args.restarts:
+        raise UserError(
+            f"--min-nodes={args.min_nodes} (MIN_NODES) acts on a restart, and --restarts is 0",
+            hint="RESTARTS=1 or more",
+        )
+    if inventory.scheduler == "slurm" and args.min_nodes < count:
+        raise UserError(
+            f"--min-nodes={args.min_nodes} (MIN_NODES) is for SSH jobs: under Slurm a restart "
+            "requeues the same allocation",
+            hint=f"MIN_NODES={count}, or an inventory without 'scheduler: slurm'",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     spec = _spec(args)
     inventory = project = None
+    spares: tuple[inventory_module.Host, ...] = ()
     if not args.inventory:
         _here(args, spec)
     else:
-        inventory, spec, project = _on_nodes(args, spec)
+        inventory, spec, project, spares = _on_nodes(args, spec)
     recorder = record.Recorder(spec, args.argv, inventory)
-    backend = backend_for(inventory, spec, _emit, project, args.restart_wait, recorder.started)
+    backend = backend_for(
+        inventory,
+        spec,
+        _emit,
+        project,
+        args.restart_wait,
+        recorder.started,
+        spares=spares,
+        min_nodes=args.min_nodes,
+    )
     if restarts := args.restarts:
         _emit(f"[launcher] up to {restarts} restart(s) after a failure: {backend.restart_note}")
     result = recorder.kept(lambda: run_with_restarts(backend, spec, args.restarts, _emit))

@@ -29,6 +29,7 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
         f"Job {result.run_id} {verdict} after {result.seconds:.1f} s on {len(hosts)} node(s)"
         + (f", restart {result.restart} of {result.restarts}." if result.restart else ".")
     ]
+    lines += [f"Nodes: {change}" for change in result.nodes_changed]
     if result.failed_node and not result.interrupted:
         lines += _why(result, hosts) + list(result.flights)
     for host in hosts:

@@ -16,6 +16,8 @@ PYTHONUNBUFFERED=1         job_environment                       reserved
 TORCH_FR_BUFFER_SIZE=256   job_environment (Flight Recorder)     ENV= may change it; 0: off
 TMN_NODE_NAME              job_environment                       reserved
 TMN_RUN_DIR                job_environment (with a project)      reserved
+TMN_PLANNED_WORLD_SIZE     job_environment (a restart on fewer   reserved; the workloads
+                           nodes: MIN_NODES)                     keep its global batch
 TORCH_NCCL_DUMP_ON_TIMEOUT job_environment (with a project):     NCCL's trace of a timed-out
 TORCH_FR_DUMP_TEMP_FILE    1, and the run directory's            collective, for the failed
                            jobenv.FLIGHT_TIMEOUT_DUMP            job's summary
@@ -60,6 +62,7 @@ from torch_multinode.cluster.jobenv import (
     FLIGHT_BUFFER_VARIABLE,
     FLIGHT_TIMEOUT_DUMP,
     NODE_NAME_VARIABLE,
+    PLANNED_WORLD_VARIABLE,
     RUN_DIR_VARIABLE,
 )
 from torch_multinode.launch.nodes import visible_gpus
@@ -108,6 +111,8 @@ def job_environment(
     selected = visible_gpus(host, spec)
     if selected is not None:
         variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, selected))
+    if spec.planned_world is not None:
+        variables[PLANNED_WORLD_VARIABLE] = str(spec.planned_world)
     variables.update(debug_environment(spec.debug))
     return variables
 

@@ -48,7 +48,7 @@ RECORD = "run.json"
 DIFF = "code.diff"
 FORMAT = 1
 RUNS_ROOT = Path(".runs")
-_STEP = re.compile(r"\bstep \d+(?:/\d+)?\b")
+_STEP = re.compile(r"\bstep +(\d+)(?:/\d+)?\b")  # "step  9/12": padded to the total
 _TAIL_BYTES = 65536  # how much of each log's end is read for the last step line
 
 
@@ -208,6 +208,13 @@ def last_step(directories: list[Path]) -> str | None:
     return max(found)[1] if found else None
 
 
+def last_step_number(log_dir: Path | None) -> int | None:
+    """The step of the newest step line in the job's logs (NODE.log in `log_dir`), if any."""
+    line = last_step([log_dir]) if log_dir is not None else None
+    found = _STEP.search(line) if line else None
+    return int(found.group(1)) if found else None
+
+
 def finish(
     record: dict[str, Any],
     spec: JobSpec,
@@ -229,6 +236,7 @@ def finish(
         result=_result(result, exit_code),
         failed_node=None if result is None or result.interrupted else result.failed_node,
         restarts=0 if result is None else result.restart,
+        nodes_changed=list(result.nodes_changed) if result is not None else [],
         versions=None if result is None or not result.versions else result.versions,
         drift=None if result is None or not result.drift else result.drift,
         last_step=last_step(directories),

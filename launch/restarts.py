@@ -1,10 +1,12 @@
 """The restart policy, in one place: a failed run (exit 1) is run again, up to RESTARTS times,
 once its backend has the next run ready (launch.backends); over SSH that means every node
-answers again (wait_for_nodes)."""
+answers again (wait_for_nodes), or, with spares or MIN_NODES below the job's node count, the
+nodes that answer within the wait, a spare in each lost node's place (survivors)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch_multinode.cluster.errors import UserError
@@ -17,19 +19,20 @@ if TYPE_CHECKING:
     from torch_multinode.launch.backends import Backend
 
 
-def wait_for_nodes(
+def answering(
     inventory: Inventory,
+    hosts: list[Host],
     wait: float,
     emit: Emit = print,
     nodes: Nodes | None = None,
     poll: float = RESTART_POLL,
-) -> float:
-    """Until every host of the (narrowed) inventory answers over SSH (a command run, not only a
-    port open): the seconds that took. A host that never answers within `wait` seconds is a
-    UserError naming it and why."""
+) -> tuple[list[Host], dict[str, str], float]:
+    """Until every one of `hosts` answers over SSH (a command run, not only a port open; in
+    container mode its Docker engine too), or `wait` seconds have passed (0: one look): those
+    that answer in their order, why each other one's last probe failed, and the seconds taken."""
     nodes = nodes or SshNodes(inventory)
     started = time.monotonic()
-    missing = {host.name: host for host in inventory.hosts}
+    missing = {host.name: host for host in hosts}
     silent: dict[str, str] = {}  # host name -> why its last probe failed
     # A node that booted again answers over SSH a moment before its Docker engine does.
     command = (
@@ -57,18 +60,91 @@ def wait_for_nodes(
                     del silent[name]
             else:
                 silent[name] = error
-        if not missing:
-            return time.monotonic() - started
-        if time.monotonic() - started >= wait:
-            name = next(iter(missing))
-            raise UserError(
-                f"{', '.join(missing)} did not answer within --restart-wait {wait:g} s: "
-                f"{silent[name]}",
-                hint="bringing the node back, then running the job again (it resumes from its "
-                "checkpoints)",
-                exit_code=1,
-            )
-        time.sleep(poll)
+        elapsed = time.monotonic() - started
+        if not missing or elapsed >= wait:
+            found = [host for host in hosts if host.name not in missing]
+            return found, {name: silent[name] for name in missing}, time.monotonic() - started
+        time.sleep(min(poll, wait - elapsed))
+
+
+def wait_for_nodes(
+    inventory: Inventory,
+    wait: float,
+    emit: Emit = print,
+    nodes: Nodes | None = None,
+    poll: float = RESTART_POLL,
+) -> float:
+    """Until every host of the (narrowed) inventory answers over SSH: the seconds that took. A
+    host that never answers within `wait` seconds is a UserError naming it and why."""
+    _, silent, waited = answering(inventory, list(inventory.hosts), wait, emit, nodes, poll)
+    if silent:
+        raise _not_enough(silent, wait)
+    return waited
+
+
+def _not_enough(silent: dict[str, str], wait: float, more: str = "") -> UserError:
+    name = next(iter(silent))
+    return UserError(
+        f"{', '.join(silent)} did not answer within --restart-wait {wait:g} s{more}: "
+        f"{silent[name]}",
+        hint="bringing the node back, then running the job again (it resumes from its checkpoints)",
+        exit_code=1,
+    )
+
+
+@dataclass(frozen=True)
+class Survivors:
+    """The nodes a restart runs on: each lost node replaced by a spare that answers, in its
+    place in the rank order, or dropped while at least `min_nodes` remain."""
+
+    hosts: list[Host]
+    spares: list[Host]  # the spares still unused
+    changes: list[str]  # what became of each lost node, said and kept in the job's summary
+    waited: float
+
+
+def survivors(
+    inventory: Inventory,
+    spares: list[Host],
+    min_nodes: int,
+    wait: float,
+    emit: Emit = print,
+    nodes: Nodes | None = None,
+    poll: float = RESTART_POLL,
+    after: str = "",
+) -> Survivors:
+    """The job's nodes for its next run (see Survivors): a node silent for `wait` seconds is
+    lost; spares get one look each. Fewer than `min_nodes` is a UserError naming the lost nodes.
+    `after` says where the failed run had got to, for the changes' lines."""
+    hosts = list(inventory.hosts)
+    found, silent, waited = answering(inventory, hosts, wait, emit, nodes, poll)
+    if not silent:
+        return Survivors(hosts, list(spares), [], waited)
+    ready: list[Host] = []
+    if spares:
+        ready, _, _ = answering(inventory, list(spares), 0, emit, nodes, poll)
+    changes, chosen = [], []
+    for host in hosts:
+        if host.name not in silent:
+            chosen.append(host)
+        elif ready:
+            spare = ready.pop(0)
+            chosen.append(spare)
+            changes.append(f"{host.name} lost{after}: replaced by spare {spare.name}")
+        else:
+            changes.append(f"{host.name} lost{after}: dropped")
+    if len(chosen) < min_nodes:
+        raise _not_enough(
+            silent, wait, f" and {len(chosen)} node(s) are fewer than --min-nodes {min_nodes}"
+        )
+    used = {host.name for host in chosen}
+    left = [spare for spare in spares if spare.name not in used]
+    if len(chosen) < len(hosts):
+        changes.append(
+            f"continuing on {', '.join(h.name for h in chosen)}: {len(chosen)} of "
+            f"{len(hosts)} nodes (--min-nodes {min_nodes})"
+        )
+    return Survivors(chosen, left, changes, waited)
 
 
 def run_with_restarts(

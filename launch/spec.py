@@ -112,6 +112,9 @@ class JobSpec:
     """What a hang does once its report is out: 'stop' the job, or 'wait' for a person."""
     allow_drift: bool = False
     """Run on nodes that changed since netcheck locked their versions (cluster.version_lock)."""
+    planned_world: int | None = None
+    """The job's first world size, when a restart runs it on fewer nodes (MIN_NODES): the
+    workloads keep its global batch (jobenv.PLANNED_WORLD_VARIABLE)."""
 
 
 @dataclass
@@ -151,6 +154,9 @@ class JobResult:
     # a job run with allow_drift
     versions: dict[str, dict[str, str]] = field(default_factory=dict)
     drift: dict[str, list[str]] = field(default_factory=dict)
+    # what became of the nodes lost on the way (a spare in one's place, or dropped), as lines
+    # (launch.restarts.survivors)
+    nodes_changed: tuple[str, ...] = ()
 
     @property
     def exit_code(self) -> int:

@@ -245,6 +245,7 @@ TRAIN = command_line(
         option("--max-restarts", numbers),
         option("--restarts", numbers),
         option("--restart-wait", numbers),
+        option("--min-nodes", numbers),
         option(
             "--gpus",
             st.one_of(st.sampled_from(["0", "0,1", "0,0", "²", "", "1024", "x"]), any_text),
@@ -461,6 +462,17 @@ def run(main, argv: list[str], root: Path):
             ["--restarts", "1"],
             "Error: --restarts=1 needs an inventory: a local "
             "job has no node to wait for (try INVENTORY=path.yml)",
+        ),
+        (
+            launch.cli.main,
+            ["--min-nodes", "0"],
+            "Error: argument --min-nodes: 0 is below 1 (try train --help)",
+        ),
+        (
+            launch.cli.main,
+            ["--min-nodes", "1"],
+            "Error: --min-nodes=1 needs an inventory: a local "
+            "job has no node to lose (try INVENTORY=path.yml)",
         ),
         (
             launch.cli.main,

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from tests.helpers import inventory, node
-from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
-from torch_multinode.launch import backends
+from tests.fakes import FakeNodes
+from tests.helpers import inventory, inventory_text, node
+from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, UserError
+from torch_multinode.launch import backends, cli
 from torch_multinode.launch.backends import (
     Backend,
     LocalBackend,
@@ -123,3 +124,77 @@ def test_a_local_job_ends_with_the_exit_code_of_its_run(monkeypatch, code, exit_
     assert (result.exit_code, result.interrupted) == (exit_code, interrupted)
     assert begun == [1]  # the run's record was told the job began
     assert LocalBackend().can_restart() is False and LocalBackend().summary(result) == []
+
+
+def test_a_restart_on_fewer_nodes_keeps_the_first_runs_world_and_says_what_became_of_the_lost():
+    hosts = {f"n{i}": node(i) for i in (1, 2, 3)}
+    job = inventory(hosts, launch_mode="host")
+    nodes = FakeNodes(list(job.hosts), down={"n3"})
+    said: list[str] = []
+    backend = backend_for(job, JobSpec(run_id="j"), said.append, PROJECT, 0.05, min_nodes=2)
+    backend.nodes = nodes
+    assert backend.restart_note == (
+        "each on the nodes that answer within --restart-wait 0.05 s (at least 2 of 3 nodes)"
+    )
+    attempt = backend.before_restart(JobSpec(run_id="j"), JobSpec(run_id="j"), 1, 2)
+    assert [host.name for host in backend.inventory.hosts] == ["n1", "n2"]
+    assert attempt.run_id == "j-r1" and attempt.planned_world == 3  # one process per CPU node
+    assert backend.nodes_changed == [
+        "n3 lost at restart 1: dropped",
+        "continuing on n1, n2: 2 of 3 nodes (--min-nodes 2)",
+    ]
+    assert said[-1] == (
+        "[launcher] job j-r1: the nodes answer (waited 0 s); restart 1 of 2 on 2 node(s), "
+        "keeping the first run's world of 3 process(es)"
+    )
+    # every node back at the next restart: no node comes back into the job, the world stays
+    nodes.down.clear()
+    again = backend.before_restart(JobSpec(run_id="j"), attempt, 2, 2)
+    assert again.planned_world == 3 and len(backend.inventory.hosts) == 2
+
+
+def test_without_min_nodes_or_spares_a_restart_waits_for_every_node_as_before():
+    hosts = {f"n{i}": node(i) for i in (1, 2)}
+    job = inventory(hosts, launch_mode="host")
+    backend = backend_for(job, JobSpec(run_id="j"), print, PROJECT, 0.05)
+    backend.nodes = FakeNodes(list(job.hosts), down={"n2"})
+    assert backend.restart_note == "each once every node answers again (--restart-wait 0.05 s)"
+    with pytest.raises(UserError) as caught:
+        backend.before_restart(JobSpec(run_id="j"), JobSpec(run_id="j"), 1, 1)
+    assert str(caught.value).startswith("n2 did not answer within --restart-wait 0.05 s: ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "slurm", "error"),
+    [
+        (
+            ["--restarts", "1", "--min-nodes", "3", "--nnodes", "2"],
+            False,
+            "Error: --min-nodes=3 (MIN_NODES) but the job runs on 2 node(s) (try MIN_NODES=2 "
+            "or fewer)",
+        ),
+        (
+            ["--min-nodes", "2"],
+            False,
+            "Error: --min-nodes=2 (MIN_NODES) acts on a restart, and --restarts is 0 (try "
+            "RESTARTS=1 or more)",
+        ),
+        (
+            ["--restarts", "1", "--min-nodes", "1", "--nnodes", "2"],
+            True,
+            "Error: --min-nodes=1 (MIN_NODES) is for SSH jobs: under Slurm a restart requeues "
+            "the same allocation (try MIN_NODES=2, or an inventory without 'scheduler: slurm')",
+        ),
+    ],
+    ids=["above-the-job", "no-restarts", "slurm"],
+)
+def test_min_nodes_the_job_cannot_honour_is_refused_before_any_node_is_touched(
+    tmp_path, capsys, extra, slurm, error
+):
+    hosts = {f"n{i}": node(i) for i in (1, 2, 3)}
+    path = tmp_path / "inv.yml"
+    path.write_text(
+        inventory_text(hosts, launch_mode="host", **({"scheduler": "slurm"} if slurm else {}))
+    )
+    assert cli.main(["-i", str(path), *extra]) == 2
+    assert capsys.readouterr().err.strip() == error

@@ -63,6 +63,10 @@ def test_precedence_on_a_node(tmp_path):
     # Without the file's override, GPUS= gives CUDA_VISIBLE_DEVICES.
     plain = environment.node_environment(host, spec, settings["n2"])
     assert plain["CUDA_VISIBLE_DEVICES"] == "0,2" and "TMN_RUN_DIR" not in plain
+    # A restart on fewer nodes (MIN_NODES) hands the workloads the first run's world size.
+    assert "TMN_PLANNED_WORLD_SIZE" not in plain
+    fewer = environment.node_environment(host, replace(spec, planned_world=3), settings["n2"])
+    assert fewer["TMN_PLANNED_WORLD_SIZE"] == "3"
 
 
 def test_env_wins_over_the_launchers_variables_in_both_modes():

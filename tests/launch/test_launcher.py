@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from torch_multinode.launch.backends import SshBackend
 from torch_multinode.launch.commands import remote_command, stop_command, torchrun_command
 from torch_multinode.launch.environment import interface_env
 from torch_multinode.launch.nodes import rank_order_warning
-from torch_multinode.launch.restarts import run_with_restarts, wait_for_nodes
+from torch_multinode.launch.restarts import run_with_restarts, survivors, wait_for_nodes
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     LOST_NODE_PROBE,
@@ -312,6 +313,90 @@ def test_a_restart_waits_until_every_node_answers_and_names_one_that_never_does(
     assert str(caught.value) == (
         "n2 did not answer within --restart-wait 0.05 s: "
         "host 'n2': cannot SSH to 10.1.0.2:22: timed out"
+    )
+
+
+def _four_hosts():
+    hosts = {f"n{i}": node(i, compute_ip=f"10.7.0.{i}") for i in (1, 2, 3, 4)}
+    return parse(inventory_text(hosts, rendezvous_port=29400), "/nonexistent/inv.yml").hosts
+
+
+@pytest.mark.parametrize(
+    ("down", "min_nodes", "spares", "expected", "changes"),
+    [
+        # every node answers: the same nodes, nothing said
+        (set(), 2, 0, ["n1", "n2", "n3"], []),
+        # a lost node with a spare that answers: the spare takes its place in the rank order
+        (
+            {"n2"},
+            3,
+            1,
+            ["n1", "n4", "n3"],
+            ["n2 lost after step 12: replaced by spare n4"],
+        ),
+        # no spare: dropped while --min-nodes remain
+        (
+            {"n3"},
+            2,
+            0,
+            ["n1", "n2"],
+            [
+                "n3 lost after step 12: dropped",
+                "continuing on n1, n2: 2 of 3 nodes (--min-nodes 2)",
+            ],
+        ),
+        # the master lost: the next node is rank 0's now
+        (
+            {"n1"},
+            2,
+            0,
+            ["n2", "n3"],
+            [
+                "n1 lost after step 12: dropped",
+                "continuing on n2, n3: 2 of 3 nodes (--min-nodes 2)",
+            ],
+        ),
+        # a spare that does not answer either: dropped
+        (
+            {"n3", "n4"},
+            2,
+            1,
+            ["n1", "n2"],
+            [
+                "n3 lost after step 12: dropped",
+                "continuing on n1, n2: 2 of 3 nodes (--min-nodes 2)",
+            ],
+        ),
+    ],
+    ids=["all-answer", "spare", "dropped", "master-lost", "spare-silent"],
+)
+def test_a_restart_replaces_a_lost_node_by_a_spare_or_goes_on_with_min_nodes(
+    down, min_nodes, spares, expected, changes
+):
+    n1, n2, n3, n4 = _four_hosts()
+    job = parse(INVENTORY, "/nonexistent/inv.yml")
+    job = replace(job, hosts=(n1, n2, n3))
+    nodes = FakeNodes([n1, n2, n3, n4], down=down)
+    found = survivors(
+        job, [n4][:spares], min_nodes, 0.05, lambda _: None, nodes, 0.01, " after step 12"
+    )
+    assert [host.name for host in found.hosts] == expected
+    assert found.changes == changes
+    assert [host.name for host in found.spares] == (
+        [] if "n4" in expected or not spares else ["n4"]
+    )
+
+
+def test_fewer_nodes_than_min_nodes_answering_is_one_error_naming_the_lost_ones():
+    n1, n2, n3, _ = _four_hosts()
+    job = replace(parse(INVENTORY, "/nonexistent/inv.yml"), hosts=(n1, n2, n3))
+    nodes = FakeNodes([n1, n2, n3], down={"n2", "n3"})
+    with pytest.raises(UserError) as caught:
+        survivors(job, [], 2, 0.05, lambda _: None, nodes, 0.01)
+    assert caught.value.exit_code == 1
+    assert str(caught.value).startswith(
+        "n2, n3 did not answer within --restart-wait 0.05 s and 1 node(s) are fewer than "
+        "--min-nodes 2: host 'n2': cannot SSH to "
     )
 
 

@@ -259,6 +259,15 @@ def test_the_record_names_the_env_variables_never_their_values_and_each_nodes_ra
     record.finish(started, spec, result, result.exit_code)
     ended = json.loads((tmp_path / "tmn-r1" / record.RECORD).read_text())
     assert (ended["result"], ended["failed_node"], ended["exit_code"]) == ("failed", "node2", 1)
+    assert ended["nodes_changed"] == []
+    # a restart that went on without a lost node (MIN_NODES) says so in the record
+    (tmp_path / "tmn-r1" / "node1.log").write_text("[node1] step  9/12  loss 1.0\nbye\n")
+    assert record.last_step_number(tmp_path / "tmn-r1") == 9
+    result.nodes_changed = ("node2 lost at restart 1 after step 9: dropped",)
+    record.finish(started, spec, result, result.exit_code)
+    ended = json.loads((tmp_path / "tmn-r1" / record.RECORD).read_text())
+    assert ended["nodes_changed"] == ["node2 lost at restart 1 after step 9: dropped"]
+    assert ended["last_step"] == "[node1] step  9/12  loss 1.0"
     for path in (tmp_path / "tmn-r1").iterdir():  # nothing half-written left beside it
         assert not path.name.startswith(".")
         assert b"s3cr3t-value" not in path.read_bytes()
