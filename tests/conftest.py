@@ -49,6 +49,7 @@ _GROUPS = {
     "tests/test_hangs.py": "image",  # hung jobs on the provisioned cluster
     "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
+    "tests/training/test_node_loss.py": "node_loss",  # one 3-node cluster, its nodes killed
 }
 
 
