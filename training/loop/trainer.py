@@ -334,8 +334,10 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": checkpoint.rng_states(self.env.device),
         }
-        for store in self.stores:
-            store.save(step, state, prune=False, before_rename=pause)
+        for store in self.stores:  # its own file first, which pauses alone
+            store.save(
+                step, state, prune=False, before_rename=pause if store is self.store else None
+            )
         # Older checkpoints go only once every rank holds this one: whichever rank dies while
         # writing, the others keep a step it holds too.
         self._collective(parallel.barrier, self.env)
