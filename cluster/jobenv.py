@@ -10,8 +10,9 @@ RUN_DIR_VARIABLE = "TMN_RUN_DIR"  # where a workload writes its outputs; the lau
 BACKEND_VARIABLE = "TMN_BACKEND"
 # The node's name in the inventory, for messages that name it.
 NODE_NAME_VARIABLE = "TMN_NODE_NAME"
-# The job's first world size, set when a restart runs it on fewer nodes (MIN_NODES): each rank
-# then plays the ranks that are gone too, so the global batch and the mathematics stay the same.
+# The world size a job was started with (nodes x processes per node), set when the launcher
+# continues it on fewer nodes (MIN_NODES): a data-parallel workload then plays the missing ranks
+# itself (training.loop.virtual_ranks), keeping the global batch and the steps' mathematics.
 PLANNED_WORLD_VARIABLE = "TMN_PLANNED_WORLD_SIZE"
 # The Flight Recorder (torch's ring of each rank's last collectives): on by default, small. A
 # rank that runs training.distributed.flight.start() (every workload of ours does; a user's

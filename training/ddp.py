@@ -36,10 +36,11 @@ def default_run_dir(workload: str) -> str:
     return str(Path(".runs") / f"{workload}-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
 
 
-def prepare(config, env: parallel.DistEnv, workload: str):
-    """The checks and choices that need no other process: bad input fails before rendezvous."""
+def prepare(config, env: parallel.DistEnv, workload: str, planned_world_size: int | None = None):
+    """The checks and choices that need no other process: bad input fails before rendezvous.
+    The batch is per planned rank where the job runs on fewer (TMN_PLANNED_WORLD_SIZE)."""
     config_module.check_on_rank(config)
-    batch = parallel.per_rank_batch(config.optim.global_batch_size, env)
+    batch = parallel.per_rank_batch(config.optim.global_batch_size, env, planned_world_size)
     parallel.use_device(env)  # --precision auto asks the current GPU: this rank's, not GPU 0
     numerics = resolve_numerics(config.model.precision, env.device)
     if config.run.run_dir is None:
@@ -112,11 +113,11 @@ def choose_comm_hook(
 
 
 def header(config, env, splits: data.Splits, model: nn.Module, trainer: Trainer) -> list[str]:
-    batch = trainer.batch
+    batch, ranks = trainer.batch, trainer.virtual.planned  # the planned world's ranks
     return [
         f"world    {env.describe()}",
         f"data     {splits.description}",
-        f"batch    {batch} per rank x {env.world_size} ranks = {batch * env.world_size} global",
+        f"batch    {batch} per rank x {ranks} ranks = {batch * ranks} global",
         f"steps    {trainer.total_steps}, {trainer.steps_per_epoch} per epoch",
         f"model    {config.model.model}, {models.count_parameters(model) / 1e6:.2f}M parameters, "
         f"{trainer.numerics.name}{', SyncBatchNorm' if config.model.sync_bn else ''}",
@@ -144,9 +145,10 @@ def save_model(path: str, model: nn.Module) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = arguments.ddp(argv, arguments.launched_world_size())
+    planned = arguments.planned_world_size()
+    config = arguments.ddp(argv, planned)
     env = parallel.read_env()
-    batch, numerics = prepare(config, env, "ddp")
+    batch, numerics = prepare(config, env, "ddp", planned)
     parallel.start(env)
     model, splits = build(config, env, numerics)
     ddp_settings = config.ddp
@@ -154,7 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         hook = choose_comm_hook(config, env, model, splits, batch, numerics)
         ddp_settings = dataclasses.replace(ddp_settings, comm_hook=hook)
     ddp_model = parallel.wrap_ddp(model, env, ddp_settings)
-    trainer = Trainer(config, env, ddp_model, splits, batch_per_rank=batch, numerics=numerics)
+    trainer = Trainer(
+        config,
+        env,
+        ddp_model,
+        splits,
+        batch_per_rank=batch,
+        numerics=numerics,
+        planned_world_size=planned,
+    )
     console.say(env, *header(config, env, splits, model, trainer))
     result = trainer.fit()
     finish(config, env, model, result)

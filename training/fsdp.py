@@ -229,7 +229,9 @@ def resolve_export(path: str | None) -> str | None:
     return path
 
 
-def header(config, env, source, model: gpt.GPT, batch: int, numerics) -> list[str]:
+def header(
+    config, env, source, model: gpt.GPT, batch: int, numerics, planned: int | None = None
+) -> list[str]:
     shape, parameters = model.shape, models.count_parameters(model)
     strategy = (
         "FSDP2 (fully_shard per block and root)"
@@ -247,11 +249,12 @@ def header(config, env, source, model: gpt.GPT, batch: int, numerics) -> list[st
     world = env.describe() if env.launched else f"1 process (a group of one), {env.device.type}"
     optim = config.optim
     clip = f"clip {optim.grad_clip:g}" if optim.grad_clip > 0 else "no clipping"
+    ranks = planned or env.world_size  # the planned world's, where the job continues on fewer
     return [
         f"world    {world}",
         f"data     {source.describe()}",
-        f"batch    {batch} sequences of {shape.seq_len} tokens per rank x {env.world_size} "
-        f"ranks = {batch * env.world_size * shape.seq_len:,} tokens per step",
+        f"batch    {batch} sequences of {shape.seq_len} tokens per rank x {ranks} "
+        f"ranks = {batch * ranks * shape.seq_len:,} tokens per step",
         f"steps    {config.run.steps}, AdamW lr {optim.lr:g} ({optim.warmup_steps} warmup, "
         f"{optim.schedule}), weight decay {optim.weight_decay:g}, {clip}",
         f"model    GPT {shape.layers} blocks, width {shape.width}, {shape.heads} heads, "
@@ -261,9 +264,10 @@ def header(config, env, source, model: gpt.GPT, batch: int, numerics) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = arguments.fsdp(argv, arguments.launched_world_size())
+    planned = arguments.planned_world_size()
+    config = arguments.fsdp(argv, planned)
     env = parallel.read_env()
-    batch = parallel.per_rank_batch(config.optim.global_batch_size, env)
+    batch = parallel.per_rank_batch(config.optim.global_batch_size, env, planned)
     parallel.use_device(env)
     numerics = resolve_numerics(config.model.precision, env.device)
     export = resolve_export(config.checkpoint.export)
@@ -294,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.manual_seed(config.run.seed)  # the same whole model on every rank, before sharding
     model = gpt.GPT(shape, activation_checkpointing=config.model.activation_checkpointing)
-    console.say(env, *header(config, env, source, model, batch, numerics))
+    console.say(env, *header(config, env, source, model, batch, numerics, planned))
+    if planned and planned != env.world_size:
+        console.say(env, continuing(config.optim.global_batch_size, env.world_size, planned))
     model = wrap(model, env, config, numerics)
     optimizer = build_optimizer(model, config.optim)
 
@@ -322,6 +328,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def continuing(global_batch: int, world_size: int, planned: int) -> str:
+    """The line of a job continued on fewer ranks than planned. Every sequence's loss is its
+    own, whichever rank computes it: the ranks split the planned global batch as evenly as it
+    goes (gpt.rank_slice) and weigh their mean losses by their share (train), which is the
+    planned world's step, with no micro-batches (ddp's virtual ranks are for its samplers and
+    BatchNorm)."""
+    fewest, most = global_batch // world_size, -(-global_batch // world_size)
+    each = f"{fewest}" if fewest == most else f"{fewest} or {most}"
+    return (
+        f"continuing on {world_size} of {planned} planned ranks: global batch {global_batch} "
+        f"kept, {each} sequences per rank"
+    )
+
+
 @dataclass
 class Result:
     held: dict[str, tuple[int, int]]  # part -> (this rank's bytes, an unsharded replica's)
@@ -344,12 +364,17 @@ def train(config, env, model, optimizer, source, numerics, store, start_step, in
     clock.start()
     for step in range(start_step, total):
         tokens = gpt.rank_slice(source.batch(step, global_batch), env.rank, env.world_size)
+        # This rank's share of the mean over the global batch: 1, unless the batch does not
+        # split evenly (a job continued on fewer ranks than planned).
+        weight = len(tokens) * env.world_size / global_batch
         tokens = tokens.to(env.device, non_blocking=True)
         lr = learning_rate(optim, step, total)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
             loss = gpt.loss_of(model, tokens)
+        if weight != 1:
+            loss = loss * weight  # the gradients' average over the ranks is the batch's mean
         loss.backward()
         norm = clip_gradients(model, optim.grad_clip)
         optimizer.step()

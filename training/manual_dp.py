@@ -45,9 +45,10 @@ def average_gradients(model: nn.Module, env: parallel.DistEnv) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = arguments.manual_dp(argv, arguments.launched_world_size())
+    planned = arguments.planned_world_size()
+    config = arguments.manual_dp(argv, planned)
     env = parallel.read_env()
-    batch, numerics = ddp.prepare(config, env, "manual_dp")
+    batch, numerics = ddp.prepare(config, env, "manual_dp", planned)
     parallel.start(env)
     model, splits = ddp.build(config, env, numerics)
     broadcast_state(model, env)
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_per_rank=batch,
         numerics=numerics,
         gradient_sync=lambda module: average_gradients(module, env),
+        planned_world_size=planned,
     )
     console.say(env, *ddp.header(config, env, splits, model, trainer))
     ddp.finish(config, env, model, trainer.fit())

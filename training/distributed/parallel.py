@@ -203,9 +203,12 @@ def all_gather(value: object, env: DistEnv) -> list:
     return gathered
 
 
-def per_rank_batch(global_batch: int, env: DistEnv) -> int:
-    batch_fits(global_batch, env.world_size)  # a default one was fitted when it was parsed
-    return global_batch // env.world_size
+def per_rank_batch(global_batch: int, env: DistEnv, planned_world_size: int | None = None) -> int:
+    """The batch of each rank; of each planned rank where the job runs on fewer ranks than it
+    was planned for (training.loop.virtual_ranks)."""
+    ranks = planned_world_size or env.world_size
+    batch_fits(global_batch, ranks)  # a default one was fitted when it was parsed
+    return global_batch // ranks
 
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # what register_comm_hook registers

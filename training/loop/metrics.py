@@ -15,7 +15,10 @@ PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 1, 3
 
 
 class Progress:
-    """Accumulates loss and accuracy on the device (no sync per step) and reports every N steps."""
+    """Accumulates loss and accuracy on the device (no sync per step) and reports every N steps.
+    `add` takes each micro-batch a rank ran (one per step, or one per planned rank it plays where
+    ranks are missing: training.loop.virtual_ranks); `maybe_report` ends each step. Loss and
+    accuracy are means over every sample of every rank, whatever each rank's count of them."""
 
     def __init__(
         self,
@@ -25,8 +28,10 @@ class Progress:
         batch_per_rank: int,
         log_every: int,
         writer=None,
+        planned_world_size: int | None = None,
     ):
         self.env, self.total_steps, self.batch = env, total_steps, batch_per_rank
+        self.planned = planned_world_size or env.world_size
         self.log_every, self.writer = log_every, writer
         self.sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss, correct
         self.samples = 0
@@ -38,16 +43,18 @@ class Progress:
         correct = (logits.argmax(dim=1) == labels).sum()
         self.sums += torch.stack([loss.detach().double() * labels.numel(), correct.double()])
         self.samples += labels.numel()
-        self.steps_since += 1
 
     def maybe_report(self, step: int, lr: float) -> None:
+        self.steps_since += 1
         if step % self.log_every and step != self.total_steps:
             return
         loss_sum, correct, count = parallel.all_reduce_sum(
             [*self.sums.tolist(), self.samples], self.env
         )
         elapsed = time.perf_counter() - self.since
-        per_rank = self.steps_since * self.batch / elapsed
+        # A step's samples are the planned world's (batch_per_rank each): per rank that runs,
+        # the mean over them.
+        per_rank = self.steps_since * self.batch * self.planned / self.env.world_size / elapsed
         self.last = {
             "loss": loss_sum / count,
             "accuracy": correct / count,

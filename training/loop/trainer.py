@@ -4,10 +4,15 @@ other strategies pass `gradient_sync`, called between backward and the optimizer
 
 Faults it guards against: a collective that waits longer than --collective-timeout fails the job
 instead of hanging it; older checkpoints are deleted only once every rank holds the new one; a
-rank much slower than the others is named every --log-every steps."""
+rank much slower than the others is named every --log-every steps.
+
+A job continued on fewer ranks than it was planned for (planned_world_size) plays the missing
+ranks (training.loop.virtual_ranks): each rank runs one micro-batch per planned rank it plays
+and steps once, so the steps are those of the planned world."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -25,9 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.jobenv import PLANNED_WORLD_VARIABLE
 from torch_multinode.training.checkpointing import checkpoint
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.loop import data, metrics
+from torch_multinode.training.loop.virtual_ranks import VirtualRanks
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
 from torch_multinode.training.settings.console import say, say_every_rank
 
@@ -170,21 +177,41 @@ class Trainer:
         batch_per_rank: int,
         numerics: Numerics,
         gradient_sync: Callable[[nn.Module], None] | None = None,
+        planned_world_size: int | None = None,
     ):
+        """`batch_per_rank` is that of the planned world where `planned_world_size` (None: the
+        world size) exceeds the ranks that run."""
         self.config, self.env, self.model, self.splits = config, env, model, splits
         self.batch, self.numerics, self.gradient_sync = batch_per_rank, numerics, gradient_sync
+        self.virtual = VirtualRanks(env.rank, env.world_size, planned_world_size or env.world_size)
+        if self.virtual.active and getattr(config.model, "sync_bn", False):
+            # Its forward is a collective: ranks playing different counts of micro-batches
+            # would wait for each other forever.
+            raise UserError(
+                f"--sync-bn cannot continue on {env.world_size} of {self.virtual.planned} "
+                f"planned ranks ({PLANNED_WORLD_VARIABLE}): ranks run different numbers of "
+                "forward passes per step",
+                hint="--no-sync-bn, or the planned number of nodes",
+            )
         self.optimizer = build_optimizer(config.optim, model.parameters())
         self.scaler = torch.amp.GradScaler("cuda") if numerics.grad_scaler else None
         pin = env.device.type == "cuda"
-        self.loader, self.sampler = data.train_loader(
-            splits.train,
-            rank=env.rank,
-            world_size=env.world_size,
-            batch_size=batch_per_rank,
-            seed=config.run.seed,
-            workers=config.data.workers,
-            pin_memory=pin,
-        )
+        # One loader per planned rank this rank plays (just its own, unless ranks are missing),
+        # each drawing exactly what that rank of the planned world would.
+        self.loaders, self.samplers = [], []
+        for rank in self.virtual.ranks:
+            loader, sampler = data.train_loader(
+                splits.train,
+                rank=rank,
+                world_size=self.virtual.planned,
+                batch_size=batch_per_rank,
+                seed=config.run.seed,
+                workers=config.data.workers,
+                pin_memory=pin,
+            )
+            self.loaders.append(loader)
+            self.samplers.append(sampler)
+        self.sampler = self.samplers[0]
         self.val_loader = data.val_loader(
             splits.val,
             rank=env.rank,
@@ -198,10 +225,17 @@ class Trainer:
         self.total_steps = epochs * self.steps_per_epoch if epochs else config.run.steps
         self.position = Position()
         self.store = None
+        self.stores: list[checkpoint.CheckpointStore] = []
         if config.checkpoint.checkpoint_dir:
-            self.store = checkpoint.CheckpointStore(
-                Path(config.checkpoint.checkpoint_dir), env.rank, config.checkpoint.keep
-            )
+            # A rank writes its checkpoint under the name of every planned rank it plays, so
+            # that the directory holds what the planned world's would; it reads its own.
+            self.stores = [
+                checkpoint.CheckpointStore(
+                    Path(config.checkpoint.checkpoint_dir), rank, config.checkpoint.keep
+                )
+                for rank in self.virtual.ranks
+            ]
+            self.store = self.stores[0]
         for flag, rank in (
             ("--step-delay-rank", config.run.step_delay_rank),
             ("--checkpoint-pause-rank", config.checkpoint.checkpoint_pause_rank),
@@ -229,7 +263,8 @@ class Trainer:
             return None
         settings = self.config.checkpoint
         self.store.check_writable()
-        self.store.remove_temporaries()
+        for store in self.stores:
+            store.remove_temporaries()
         plan = checkpoint.plan_resume(
             parallel.all_gather(self.store.steps(), self.env),
             settings.resume,
@@ -238,23 +273,39 @@ class Trainer:
         say(self.env, plan.message)
         if plan.step is None:
             if settings.resume is False:
-                self.store.clear()
+                for store in self.stores:
+                    store.clear()
             parallel.barrier(self.env)  # nobody writes step files while another rank clears
             return None
         state = self.store.load(plan.step)
-        expected = {"world_size": self.env.world_size, "batch_per_rank": self.batch}
+        # The planned world's: a checkpoint of a world of 3 resumes on 2 ranks planned for 3.
+        expected = {"world_size": self.virtual.planned, "batch_per_rank": self.batch}
         for key, value in expected.items():
-            if state[key] != value:
+            if state[key] == value:
+                continue
+            if not self.virtual.active:
                 raise UserError(
                     f"checkpoint step {plan.step} in {settings.checkpoint_dir} has {key} "
                     f"{state[key]}, this run has {value}: sampler positions would not match",
                     hint="--no-resume, or the original world size and --global-batch-size",
                 )
+            raise UserError(
+                f"checkpoint step {plan.step} in {settings.checkpoint_dir} has {key} "
+                f"{state[key]}, this run has {value} (on {self.env.world_size} ranks planned "
+                f"for {self.virtual.planned}, {PLANNED_WORLD_VARIABLE}): sampler positions "
+                "would not match",
+                hint=f"--no-resume, or {PLANNED_WORLD_VARIABLE}={state['world_size']} and "
+                "the original --global-batch-size",
+            )
         parallel.unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.position = Position(**state["position"])
+        # This rank's own generators. Playing other planned ranks, it neither restores theirs
+        # (one set of generators per process) nor saves them (their files get this rank's):
+        # the steps do not depend on it, as nothing here draws from them (data and
+        # augmentation are seeded per sample, the models have no dropout).
         checkpoint.restore_rng_states(state["rng"], self.env.device)
         return plan.step
 
@@ -274,24 +325,24 @@ class Trainer:
                 )
                 time.sleep(CHECKPOINT_PAUSE_SECONDS)
 
-        self.store.save(
-            step,
-            {
-                "position": vars(self.position).copy(),
-                "world_size": self.env.world_size,
-                "batch_per_rank": self.batch,
-                "model": parallel.unwrap(self.model).state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "rng": checkpoint.rng_states(self.env.device),
-            },
-            prune=False,
-            before_rename=pause,
-        )
+        state = {
+            "position": vars(self.position).copy(),
+            "world_size": self.virtual.planned,
+            "batch_per_rank": self.batch,
+            "model": parallel.unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": checkpoint.rng_states(self.env.device),
+        }
+        for store in self.stores:  # its own file first, which pauses alone
+            store.save(
+                step, state, prune=False, before_rename=pause if store is self.store else None
+            )
         # Older checkpoints go only once every rank holds this one: whichever rank dies while
         # writing, the others keep a step it holds too.
         self._collective(parallel.barrier, self.env)
-        self.store.prune()
+        for store in self.stores:
+            store.prune()
 
     def _collective(self, function, *args):
         """A collective of the trainer's own: waiting in it is not this rank's own time."""
@@ -306,6 +357,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         run = self.config.run
         resumed_from = self.resume()
+        if self.virtual.active:
+            say(self.env, self.virtual.describe(self.batch))
         run_dir = Path(run.run_dir)
         writer = metrics.tensorboard_writer(self.env, run_dir, run.tensorboard)
         progress = metrics.Progress(
@@ -314,6 +367,7 @@ class Trainer:
             batch_per_rank=self.batch,
             log_every=run.log_every,
             writer=writer,
+            planned_world_size=self.virtual.planned,
         )
         started = time.perf_counter()
         steps_before = self.position.step
@@ -329,7 +383,7 @@ class Trainer:
         if writer is not None:
             writer.add_scalar("val/accuracy", val_accuracy, self.position.step)
             writer.close()
-        trained = (self.position.step - steps_before) * self.batch * self.env.world_size
+        trained = (self.position.step - steps_before) * self.batch * self.virtual.planned
         return TrainResult(
             steps=self.position.step,
             resumed_from=resumed_from,
@@ -343,17 +397,21 @@ class Trainer:
 
     def _epoch(self, progress: metrics.Progress, profiler) -> None:
         position = self.position
-        self.sampler.set_position(position.epoch, position.batch_in_epoch * self.batch)
+        for sampler in self.samplers:
+            sampler.set_position(position.epoch, position.batch_in_epoch * self.batch)
         if hasattr(self.splits.train, "set_epoch"):
             self.splits.train.set_epoch(position.epoch)
-        for images, labels in self.loader:
+        # A step's batch from each planned rank this rank plays: every loader yields the same
+        # number of batches per epoch (DistributedSampler pads every rank's share to one size).
+        for batches in zip(*self.loaders, strict=True):
             lr = learning_rate(self.config.optim, position.step, self.total_steps)
-            loss, logits = self._step(images, labels, lr)
+            micro_batches = self._step(batches, lr)
             position.step += 1
             position.batch_in_epoch += 1
             if position.batch_in_epoch == self.steps_per_epoch:
                 position.epoch, position.batch_in_epoch = position.epoch + 1, 0
-            progress.add(loss, logits, labels.to(logits.device))
+            for loss, logits, labels in micro_batches:
+                progress.add(loss, logits, labels)
             self._collective(progress.maybe_report, position.step, lr)
             profiler.step()
             self._after_step()
@@ -362,23 +420,36 @@ class Trainer:
             if position.step == self.total_steps or position.batch_in_epoch == 0:
                 return
 
-    def _step(self, images: torch.Tensor, labels: torch.Tensor, lr: float):
-        images = images.to(self.env.device, non_blocking=True)
-        labels = labels.to(self.env.device, non_blocking=True)
-        if self.numerics.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
+    def _step(self, batches: tuple[tuple[torch.Tensor, torch.Tensor], ...], lr: float):
+        """One optimizer step over one micro-batch per planned rank this rank plays (one,
+        unless ranks are missing); each micro-batch's (loss, logits, labels)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.own_time.pause()  # resumed by the forward pre-hook
-        with self._autocast():
-            logits = self.model(images)
-            loss = F.cross_entropy(logits, labels)
-        self.own_time.end_step()  # backward waits for the other ranks' gradients
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        done = []
+        for index, (images, labels) in enumerate(batches):
+            last = index == len(batches) - 1
+            images = images.to(self.env.device, non_blocking=True)
+            labels = labels.to(self.env.device, non_blocking=True)
+            if self.numerics.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            # DDP all-reduces in the last micro-batch's backward only, once per step on every
+            # rank whatever its count of micro-batches; the gradients of the others add up.
+            with contextlib.nullcontext() if last else self._no_sync():
+                self.own_time.pause()  # resumed by the forward pre-hook
+                with self._autocast():
+                    logits = self.model(images)
+                    loss = F.cross_entropy(logits, labels)
+                if last:
+                    self.own_time.end_step()  # backward waits for the other ranks' gradients
+                if index == 0:
+                    self.optimizer.zero_grad(set_to_none=True)
+                scaled = loss * self.virtual.loss_scale if self.virtual.active else loss
+                if self.scaler is not None:
+                    # Scaled alike for every micro-batch; step() unscales the sum once.
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+            done.append((loss, logits, labels))
         if self.gradient_sync is not None:
             self.gradient_sync(self.model)
         self.own_time.resume()
@@ -387,7 +458,13 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        return loss, logits
+        return done
+
+    def _no_sync(self):
+        """DDP's no_sync(); nothing for a model synchronised by `gradient_sync` (after the
+        last backward, once) or not at all (one process)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
 
     def _autocast(self):
         dtype = self.numerics.autocast_dtype

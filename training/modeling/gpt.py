@@ -196,9 +196,10 @@ def build_data(config) -> TokenChains | CharacterText:
 
 
 def rank_slice(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's part of a global batch: the rank-th of world_size equal slices."""
-    per_rank = tokens.shape[0] // world_size
-    return tokens[rank * per_rank : (rank + 1) * per_rank]
+    """This rank's part of a global batch: the rank-th of world_size slices, equal, or one row
+    apart where the batch does not split evenly (a job continued on fewer ranks than planned)."""
+    count = tokens.shape[0]
+    return tokens[rank * count // world_size : (rank + 1) * count // world_size]
 
 
 # -- model FLOPs utilisation -------------------------------------------------------------------

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.jobenv import PLANNED_WORLD_VARIABLE
 from torch_multinode.training.settings import config as config_module
 from torch_multinode.training.settings import fsdp_config
 from torch_multinode.training.settings.config import STOP_EXIT_CODE, ManualDPConfig, TrainConfig
@@ -66,13 +67,35 @@ def _named(module: str) -> dict[str, str | None]:
     return {"prog": f"python -m {module}", "description": docstring(module)}
 
 
-def launched_world_size() -> int | None:
+def launched_world_size(environ: dict[str, str] | None = None) -> int | None:
     """The world size torchrun gave this process (WORLD_SIZE), or None: not launched, or not a
     number (parallel.read_env says so)."""
     try:
-        return int(os.environ["WORLD_SIZE"])
+        return int((os.environ if environ is None else environ)["WORLD_SIZE"])
     except (KeyError, ValueError):
         return None
+
+
+def planned_world_size(environ: dict[str, str] | None = None) -> int | None:
+    """The world size the job was planned for: TMN_PLANNED_WORLD_SIZE where the launcher
+    continues it on fewer ranks (training.loop.virtual_ranks plays the missing ones), else
+    launched_world_size. Below the world size that runs, or not a number, it is refused."""
+    environ = os.environ if environ is None else environ
+    launched = launched_world_size(environ)
+    value = environ.get(PLANNED_WORLD_VARIABLE, "").strip()
+    if not value:
+        return launched
+    try:
+        planned = int(value)
+    except ValueError:
+        planned = 0
+    if planned < (launched or 1):
+        raise UserError(
+            f"{PLANNED_WORLD_VARIABLE}={value!r} is not a world size of at least this job's "
+            f"{launched or 1} ranks",
+            hint="unsetting it: the launcher sets it only to continue a job on fewer ranks",
+        )
+    return planned
 
 
 def ddp(argv: list[str] | None, world_size: int | None = None) -> TrainConfig:
