@@ -48,6 +48,24 @@ def test_only_complete_files_of_this_rank_count(tmp_path):
     assert (tmp_path / file_name(30, 0)).exists()
 
 
+def test_a_rank_with_no_file_of_its_own_reads_another_ranks_and_prunes_only_its_own(tmp_path):
+    # After a restart on fewer nodes the node that held rank 2 holds rank 1 now: its files are
+    # rank 2's, whose model, optimizer and position every data-parallel rank shares.
+    CheckpointStore(tmp_path, rank=2, keep=10).save(5, {"step": 5, "rank": 2})
+    CheckpointStore(tmp_path, rank=2, keep=10).save(10, {"step": 10, "rank": 2})
+    store = CheckpointStore(tmp_path, rank=1, keep=1)
+    assert store.steps() == [5, 10]
+    assert store.load(10) == {"step": 10, "rank": 2}
+    store.save(15, {"step": 15, "rank": 1})
+    assert store.steps() == [15]  # its own now, pruned to keep 1; rank 2's left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        file_name(5, 2),
+        file_name(10, 2),
+        file_name(15, 1),
+    ]
+    assert store.clear() == 1 and store.steps() == [5, 10]
+
+
 def test_saving_keeps_the_newest_k(tmp_path):
     store = CheckpointStore(tmp_path, rank=0, keep=2)
     for step in (5, 10, 15, 20):

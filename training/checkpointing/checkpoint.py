@@ -45,18 +45,33 @@ class CheckpointStore:
         self.directory, self.rank, self.keep = Path(directory), rank, keep
 
     def steps(self) -> list[int]:
-        """The steps this rank holds complete checkpoints of, oldest first."""
+        """The steps this rank can resume from, oldest first: those it holds complete
+        checkpoints of; a rank that holds none of its own (its node took another rank's place
+        after a restart on fewer nodes) can read another rank's file of a step found here, since
+        every data-parallel rank's file holds the same model, optimizer and position."""
+        return self._held(self.rank) or self._held(None)
+
+    def _held(self, rank: int | None) -> list[int]:
+        """The steps of `rank`'s files here (None: any rank's)."""
         if not self.directory.is_dir():
             return []
-        found = []
+        found = set()
         for entry in self.directory.iterdir():
             match = _NAME.match(entry.name)
-            if match and int(match.group(2)) == self.rank:
-                found.append(int(match.group(1)))
+            if match and rank in (None, int(match.group(2))):
+                found.add(int(match.group(1)))
         return sorted(found)
 
     def path(self, step: int) -> Path:
         return self.directory / file_name(step, self.rank)
+
+    def _readable(self, step: int) -> Path:
+        """This rank's file of `step`, else the lowest rank's file of it here (see steps)."""
+        own = self.path(step)
+        if own.exists():
+            return own
+        others = sorted(self.directory.glob(f"step-{step:08d}-rank-*.pt"))
+        return others[0] if others else own
 
     def save(
         self,
@@ -75,7 +90,7 @@ class CheckpointStore:
             cause = _os_error(error)  # torch.save reports a failed write as a RuntimeError
             if cause is None:
                 raise
-            kept = self.steps()
+            kept = self._held(self.rank)
             raise self._write_error(
                 f"cannot write checkpoint step {step} to",
                 cause,
@@ -111,7 +126,7 @@ class CheckpointStore:
         State reaches the rank's device through load_state_dict (model, optimizer) and
         restore_rng_states; loaded onto a GPU, numpy's generator keys could not be read back
         (Tensor.numpy() takes CPU tensors only) and every rank's resume crashed."""
-        path = self.path(step)
+        path = self._readable(step)
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
@@ -119,7 +134,7 @@ class CheckpointStore:
             raise UserError(f"cannot load checkpoint {path}: {reason}", exit_code=1) from None
 
     def prune(self) -> None:
-        for step in self.steps()[: -self.keep]:
+        for step in self._held(self.rank)[: -self.keep]:
             self.path(step).unlink(missing_ok=True)
 
     def remove_temporaries(self) -> None:
@@ -132,7 +147,7 @@ class CheckpointStore:
 
     def clear(self) -> int:
         """Delete this rank's checkpoints; how many there were."""
-        steps = self.steps()
+        steps = self._held(self.rank)
         for step in steps:
             self.path(step).unlink(missing_ok=True)
         return len(steps)
