@@ -102,6 +102,19 @@ def test_resume_plans():
     assert plan == checkpoint.ResumePlan(
         4, "resuming from step 4, the newest step every rank has (rank 0 has 4, 8; rank 1 has 4)"
     )
+    # a node new to the job (a spare) holds none: with data-parallel checkpoints (every rank's
+    # the same state), it receives the newest step the others share from the first of them
+    plan = plan_resume([[4, 8], [], [8]], None, "/ck", replicated=True)
+    assert plan == checkpoint.ResumePlan(
+        8,
+        "resuming from step 8, the newest step every rank with checkpoints has (rank 0 has 4, "
+        "8; rank 1 has none; rank 2 has 8); rank 0 sends its state to rank 1, whose node holds "
+        "none",
+        (1,),
+        0,
+    )
+    with pytest.raises(UserError):  # sharded checkpoints (FSDP's) cannot be sent whole
+        plan_resume([[4, 8], []], None, "/ck")
     with pytest.raises(UserError) as error:
         plan_resume([[4, 8], [6]], None, "/ck")
     assert error.value.line() == (

@@ -176,10 +176,21 @@ def newest_common_step(steps_per_rank: Iterable[Iterable[int]]) -> int | None:
 class ResumePlan:
     step: int | None  # None: start from scratch
     message: str
+    # Ranks that hold no checkpoint at all (their node is new to the job: a spare after a
+    # restart) and receive the state of `source`, which holds `step`; () : each rank loads its own.
+    receivers: tuple[int, ...] = ()
+    source: int | None = None
 
 
-def plan_resume(steps_per_rank: list[list[int]], resume: bool | None, directory: str) -> ResumePlan:
-    """Decide where to start from every rank's list of steps (identical on every rank)."""
+def plan_resume(
+    steps_per_rank: list[list[int]],
+    resume: bool | None,
+    directory: str,
+    replicated: bool = False,
+) -> ResumePlan:
+    """Decide where to start from every rank's list of steps (identical on every rank).
+    `replicated`: every rank's checkpoint holds the same state (data parallel), so ranks that
+    hold none receive it from one that does (see ResumePlan)."""
     held = "; ".join(
         f"rank {rank} has {', '.join(map(str, steps)) if steps else 'none'}"
         for rank, steps in enumerate(steps_per_rank)
@@ -190,6 +201,18 @@ def plan_resume(steps_per_rank: list[list[int]], resume: bool | None, directory:
     if step is None:
         if resume is None and not any(steps_per_rank):
             return ResumePlan(None, f"no checkpoints in {directory}: starting from step 0")
+        empty = tuple(rank for rank, steps in enumerate(steps_per_rank) if not steps)
+        common = newest_common_step(steps for steps in steps_per_rank if steps)
+        if replicated and empty and common is not None:
+            source = next(rank for rank, steps in enumerate(steps_per_rank) if common in steps)
+            return ResumePlan(
+                common,
+                f"resuming from step {common}, the newest step every rank with checkpoints has "
+                f"({held}); rank {source} sends its state to rank "
+                f"{', '.join(map(str, empty))}, whose node holds none",
+                empty,
+                source,
+            )
         raise UserError(
             f"no checkpoint step is present on every rank in {directory} ({held})",
             hint="--no-resume to start over",

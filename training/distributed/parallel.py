@@ -203,6 +203,17 @@ def all_gather(value: object, env: DistEnv) -> list:
     return gathered
 
 
+def broadcast_object(value: object, source: int, env: DistEnv) -> object:
+    """Rank `source`'s `value` on every rank (pickled: for a checkpoint's state on the CPU, sent
+    once, such as to a node new to the job; NCCL carries it through the rank's current device,
+    which start() set)."""
+    if not env.launched:
+        return value
+    carried = [value]
+    dist.broadcast_object_list(carried, src=source)
+    return carried[0]
+
+
 def per_rank_batch(global_batch: int, env: DistEnv, planned_world_size: int | None = None) -> int:
     """The batch of each rank; of each planned rank where the job runs on fewer ranks than it
     was planned for (training.loop.virtual_ranks)."""

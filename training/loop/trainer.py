@@ -269,6 +269,7 @@ class Trainer:
             parallel.all_gather(self.store.steps(), self.env),
             settings.resume,
             settings.checkpoint_dir,
+            replicated=True,  # every data-parallel rank's file holds the same state
         )
         say(self.env, plan.message)
         if plan.step is None:
@@ -277,7 +278,11 @@ class Trainer:
                     store.clear()
             parallel.barrier(self.env)  # nobody writes step files while another rank clears
             return None
-        state = self.store.load(plan.step)
+        if plan.receivers:  # a node new to the job: the state comes from one that holds it
+            held = self.store.load(plan.step) if self.env.rank == plan.source else None
+            state = parallel.broadcast_object(held, plan.source, self.env)
+        else:
+            state = self.store.load(plan.step)
         # The planned world's: a checkpoint of a world of 3 resumes on 2 ranks planned for 3.
         expected = {"world_size": self.virtual.planned, "batch_per_rank": self.batch}
         for key, value in expected.items():
