@@ -111,8 +111,13 @@ def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uni
     assert _summary(text)[0].endswith("on 2 node(s), restart 1 of 1."), _summary(text)
     assert any(line.startswith("Nodes: node2 lost at restart 1") for line in _summary(text))
     assert re.search(r"^  node3 +exit 0$", text, re.MULTILINE), text[-2000:]
-    # node3 never held rank 1's checkpoints (they were on node2's disk, and are not copied yet):
-    # the job starts again from step 0 there, and ends on the uninterrupted run's parameters.
+    # node3 never held a checkpoint (rank 1's were on node2's disk): node1 sends it step 8's
+    # state, and the job ends on the uninterrupted run's parameters.
+    rest = text[text.index(f"job {first}-r1:") :]
+    assert (
+        "[node1] resuming from step 8, the newest step every rank with checkpoints has (rank 0 "
+        "has 4, 8; rank 1 has none); rank 0 sends its state to rank 1, whose node holds none"
+    ) in rest.splitlines(), rest[-3000:]
     sim.docker("cp", f"{sim3.config.container(1)}:{out}", str(tmp_path / "model.pt"))
     assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
     assert leftovers(sim3.inventory, f"{first}-r1", sim3.inventory.hosts[::2]) == {
