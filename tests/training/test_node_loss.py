@@ -107,13 +107,13 @@ def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uni
     assert re.search(
         r"\[launcher\] node2 lost at restart 1 after step \d+: replaced by spare node3", text
     )
-    assert _summary(text)[0].startswith(f"Job {first}-r1 succeeded after ")
-    assert _summary(text)[0].endswith("on 2 node(s), restart 1 of 1."), _summary(text)
-    assert any(line.startswith("Nodes: node2 lost at restart 1") for line in _summary(text))
+    rest = text[text.index(f"job {first}-r1:") :]
+    assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
+    assert _summary(rest)[0].endswith("on 2 node(s), restart 1 of 1."), _summary(rest)
+    assert any(line.startswith("Nodes: node2 lost at restart 1") for line in _summary(rest))
     assert re.search(r"^  node3 +exit 0$", text, re.MULTILINE), text[-2000:]
     # node3 never held a checkpoint (rank 1's were on node2's disk): node1 sends it step 8's
     # state, and the job ends on the uninterrupted run's parameters.
-    rest = text[text.index(f"job {first}-r1:") :]
     assert (
         "[node1] resuming from step 8, the newest step every rank with checkpoints has (rank 0 "
         "has 4, 8; rank 1 has none); rank 0 sends its state to rank 1, whose node holds none"
@@ -161,8 +161,8 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
     )
     rest = text[text.index(f"job {first}-r1:") :]
     assert re.findall(r"\[node1\] resuming from step (\d+)", rest) == ["10"], rest[-3000:]
-    assert _summary(text)[0].startswith(f"Job {first}-r1 succeeded after ")
-    assert "Nodes: continuing on node1, node2: 2 of 3 nodes (--min-nodes 2)" in _summary(text)
+    assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
+    assert "Nodes: continuing on node1, node2: 2 of 3 nodes (--min-nodes 2)" in _summary(rest)
     # The same mathematics: from step 11 on, the losses of 3 ranks that never lost one
     # (printed to 4 decimals: within 1e-4 and the two roundings).
     assert reference.returncode == 0, reference.output[-3000:]

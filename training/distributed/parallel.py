@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import os
 import socket
 from dataclasses import dataclass
@@ -203,15 +204,20 @@ def all_gather(value: object, env: DistEnv) -> list:
     return gathered
 
 
-def broadcast_object(value: object, source: int, env: DistEnv) -> object:
-    """Rank `source`'s `value` on every rank (pickled: for a checkpoint's state on the CPU, sent
-    once, such as to a node new to the job; NCCL carries it through the rank's current device,
-    which start() set)."""
+def broadcast_state(state: dict | None, source: int, env: DistEnv) -> dict:
+    """Rank `source`'s checkpoint state (tensors on the CPU) on every rank: written with
+    torch.save and read back weights-only, as from a file (broadcast_object_list's own pickling
+    could not read the tensors back: "UntypedStorage has no attribute 'dtype'", torch 2.14.1).
+    NCCL carries the bytes through the rank's current device, which start() set."""
     if not env.launched:
-        return value
-    carried = [value]
+        return state
+    carried = [None]
+    if env.rank == source:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        carried = [buffer.getvalue()]
     dist.broadcast_object_list(carried, src=source)
-    return carried[0]
+    return torch.load(io.BytesIO(carried[0]), map_location="cpu", weights_only=True)
 
 
 def per_rank_batch(global_batch: int, env: DistEnv, planned_world_size: int | None = None) -> int:

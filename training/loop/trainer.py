@@ -280,7 +280,7 @@ class Trainer:
             return None
         if plan.receivers:  # a node new to the job: the state comes from one that holds it
             held = self.store.load(plan.step) if self.env.rank == plan.source else None
-            state = parallel.broadcast_object(held, plan.source, self.env)
+            state = parallel.broadcast_state(held, plan.source, self.env)
         else:
             state = self.store.load(plan.step)
         # The planned world's: a checkpoint of a world of 3 resumes on 2 ranks planned for 3.
