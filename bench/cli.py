@@ -18,6 +18,7 @@ from torch_multinode.bench import (
     lock,
     measure,
     network,
+    nodeloss,
     rebuild,
     report,
     shipping,
@@ -42,6 +43,7 @@ SECTIONS = (
     "hang",
     "flight",
     "lock",
+    "nodeloss",
 )
 # Sections that start nodes of their own (rebuild) or need none (flight): the others share one
 # simulated cluster, brought up only when one of them runs.
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     config = sim.SimConfig(
         NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME), f"172.30.{octet}.0/24"
     )
-    nnodes = 4 if {"netcheck", "hang", "lock"} & set(only) else 2
+    nnodes = 4 if {"netcheck", "hang", "lock"} & set(only) else 3 if "nodeloss" in only else 2
     started = time.monotonic()
     data: dict = {
         "command": "make bench" + (" (--quick)" if args.quick else ""),
@@ -221,6 +223,11 @@ def _on_the_bench_cluster(
             data["hang"] = hang.measure_hang(four, args.reps, progress)
         if "lock" in only:  # on the 4 nodes as they are: the probe reads what it finds
             data["lock"] = lock.measure_lock(inventory, args.reps, progress)
+        if "nodeloss" in only:  # last: it kills node3 (and brings it back)
+            train = Path(sys.executable).parent / "train"
+            data["nodeloss"] = nodeloss.measure_node_loss(
+                inventory, config, nnodes, args.link, args.reps, progress, train
+            )
     finally:
         sim.down(config)
 

@@ -61,6 +61,11 @@ TARGETS = {
         "/ 1 s",
         "<= 1.00",
     ),
+    "nodeloss_3": (
+        "a node lost for good (RESTARTS=1 MIN_NODES=2, 3 nodes, host mode): seconds from its "
+        "death to the first step on the new world / (--restart-wait + 60 s)",
+        "<= 1.00",
+    ),
     "flight_step": (
         "DDP step time with the Flight Recorder on (TORCH_FR_BUFFER_SIZE=256) / off (=0), "
         "2 ranks on this machine, gloo over loopback",
@@ -122,6 +127,8 @@ def figures(data: dict) -> dict[str, float | None]:
             found[f"hang_{nodes}"] = _median(data["hang"][f"nodes_{nodes}"]["ratio"])
     if data.get("lock"):
         found["lock_4"] = _median(data["lock"]["ratio"])
+    if data.get("nodeloss"):
+        found["nodeloss_3"] = _median(data["nodeloss"]["ratio"])
     if data.get("flight"):
         found["flight_step"] = _median(data["flight"]["step_ratio"])
         found["flight_collective"] = _median(data["flight"]["collective_ratio"])
@@ -335,7 +342,26 @@ def markdown(data: dict) -> str:
         lines += flight_lines(data["flight"])
     if data.get("lock"):
         lines += lock_lines(data["lock"])
+    if data.get("nodeloss"):
+        lines += nodeloss_lines(data["nodeloss"])
     return "\n".join(lines) + "\n"
+
+
+def nodeloss_lines(found: dict) -> list[str]:
+    """Section 15: a node lost for good, and the job on its new world."""
+    became = sorted(set(found["became"]))
+    return [
+        "",
+        f"## 15. A node lost for good ({found['nodes']} nodes of {found['cluster_nodes']}, "
+        "host mode)",
+        "",
+        f"RESTARTS=1 MIN_NODES={found['nodes'] - 1}, --restart-wait {found['grace']:g} s; node3 "
+        "killed after step 12 and left dead. Timed from the kill to the first step line of the "
+        f"restarted run; budget {found['budget']:g} s.",
+        f"- death to the first step on the new world: {_spread(found['seconds'], '{:.1f}')} s",
+        f"- that / budget: {_spread(found['ratio'], '{:.2f}')}",
+        f"- what became of node3: {'; '.join(became)}",
+    ]
 
 
 def lock_lines(found: dict) -> list[str]:

@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from torch_multinode.bench import cli, hang, jobs, lock, measure, rebuild, report, shipping
+from torch_multinode.bench import (
+    cli,
+    hang,
+    jobs,
+    lock,
+    measure,
+    nodeloss,
+    rebuild,
+    report,
+    shipping,
+)
 
 
 def spread(*values: float) -> dict:
@@ -506,3 +516,43 @@ def test_the_lock_figure_is_the_checks_seconds_at_four_nodes_over_its_budget(tmp
     assert "- the check: 0.24 (0.21 to 0.30, n=3) s" in text
     assert "- a bare round trip on the same sessions, beside it: 0.06 (0.05 to 0.07, n=3) s" in text
     assert "lock" in cli.SECTIONS
+
+
+def test_a_lost_nodes_figure_is_from_its_death_to_the_first_step_of_the_restarted_run(tmp_path):
+    lines = [
+        (1.0, "[launcher] node3 failed: stopping the job on every node...\n"),
+        (2.0, "[node1] step 13/30  loss 2.0\n"),  # the failed run's last words: not counted
+        (13.0, "[launcher] node3 lost at restart 1 after step 13: replaced by spare node4\n"),
+        (13.5, "[launcher] job tmn-1-r1: the nodes answer (waited 10 s); restart 1 of 1\n"),
+        (20.0, "[node1] resuming from step 10, the newest step every rank has (...)\n"),
+        (24.5, "[node1] step 11/30  loss 2.1\n"),
+    ]
+    assert nodeloss.death_to_first_step(lines) == (
+        24.5,
+        "node3 lost at restart 1 after step 13: replaced by spare node4",
+    )
+    assert nodeloss.death_to_first_step(lines[:4]) == (None, lines[2][1][11:].strip())
+    series = {"median": 24.5, "min": 24.5, "max": 24.5, "n": 1, "values": [24.5]}
+    data = {
+        **bench_data(),
+        "nodeloss": {
+            "nodes": 3,
+            "cluster_nodes": 4,
+            "grace": nodeloss.NODELOSS_GRACE,
+            "budget": nodeloss.NODELOSS_BUDGET,
+            "became": ["node3 lost at restart 1 after step 13: replaced by spare node4"],
+            "seconds": series,
+            "ratio": {**series, "median": 0.35, "min": 0.35, "max": 0.35, "values": [0.35]},
+        },
+    }
+    found = report.figures(data)
+    assert found["nodeloss_3"] == pytest.approx(0.35)
+    assert report.meets("nodeloss_3", 0.35) == "meets"
+    assert report.meets("nodeloss_3", 1.2) != "meets"
+    report.write(data, tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "## 15. A node lost for good (3 nodes of 4, host mode)" in text
+    assert (
+        "- what became of node3: node3 lost at restart 1 after step 13: replaced by spare" in text
+    )
+    assert "nodeloss" in cli.SECTIONS

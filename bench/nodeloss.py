@@ -1,0 +1,120 @@
+"""15. A node lost for good (issue 31): the time from a node's death to the first step of the job
+on its new world, with RESTARTS=1 MIN_NODES=2 on 3 nodes (host mode), against the budget of
+the grace (--restart-wait) + 60 s. On the bench's 4-node cluster the fourth node is a spare,
+which takes the dead node's place; on 3 nodes the job goes on on 2. Which happened is said.
+
+Timed from the `docker kill` of node3 (the launcher's output read meanwhile, each line timed as
+it arrives) to the first step line of the restarted run: the failure seen and the job stopped,
+the grace waited, the nodes chosen, the job started again, the checkpoint loaded, one step."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from torch_multinode.bench.measure import REPO_ROOT, Progress, Series
+from torch_multinode.sim import nodes as sim
+
+NODELOSS_NODES = 3
+NODELOSS_GRACE = 10  # --restart-wait, seconds
+NODELOSS_BUDGET = NODELOSS_GRACE + 60
+KILL_AFTER = re.compile(r"^\[node1\] step +12/")  # step 10's checkpoint is on every node
+STEP_LINE = re.compile(r"\bstep +\d+/\d+\b")
+JOB = [
+    "--model", "tiny", "--image-size", "16", "--train-samples", "256", "--val-samples", "128",
+    "--global-batch-size", "48", "--workers", "0", "--no-tensorboard", "--log-every", "1",
+    "--steps", "30", "--checkpoint-every", "5", "--step-delay", "0.3",
+]  # fmt: skip
+
+
+def death_to_first_step(lines: list[tuple[float, str]]) -> tuple[float | None, str | None]:
+    """From lines timed since the kill: the seconds to the first step line after the restarted
+    run's first line (`job ID-r1: ...`), and what became of the lost node (the launcher's line)."""
+    restarted, became = False, None
+    for at, line in lines:
+        if "[launcher] node3 lost at restart 1" in line:
+            became = line.split("] ", 1)[1].strip()
+        if re.search(r"\[launcher\] job \S+-r1: ", line):
+            restarted = True
+        elif restarted and STEP_LINE.search(line):
+            return at, became
+    return None, became
+
+
+def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple[float, str]]:
+    """One job on NODELOSS_NODES nodes, node3 killed after step 12: its lines timed from the kill."""
+    directory = f"/var/tmp/bench-checkpoints-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen(
+        [str(train), "-i", str(inventory), "--nnodes", str(NODELOSS_NODES), "--restarts", "1"]
+        + ["--restart-wait", str(NODELOSS_GRACE), "--min-nodes", str(NODELOSS_NODES - 1), "--"]
+        + [*JOB, "--checkpoint-dir", directory],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    before: list[str] = []
+    for line in proc.stdout:
+        before.append(line)
+        if KILL_AFTER.search(line):
+            break
+    else:
+        proc.wait()
+        raise RuntimeError("nodeloss: the job ended before step 12:\n" + "".join(before[-15:]))
+    lines: list[tuple[float, str]] = []
+    killed = time.monotonic()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.monotonic() - killed, line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    sim.docker("kill", config.container(3))
+    try:
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=30)
+    if proc.returncode != 0:
+        tail = "".join(line for _, line in lines[-20:])
+        raise RuntimeError(f"nodeloss: the job failed (exit {proc.returncode}):\n{tail}")
+    return lines
+
+
+def measure_node_loss(
+    inventory: Path, config: sim.SimConfig, nnodes: int, link: str | None, reps: int,
+    progress: Progress, train: Path,
+) -> dict:  # fmt: skip
+    """`reps` times: a job on the cluster's first 3 nodes, node3 killed after step 12 and left
+    dead until the job ends; the seconds from the kill to the first step on the new world, and
+    their ratio to NODELOSS_BUDGET. Every node is up again afterwards."""
+    seconds, outcomes = [], []
+    try:
+        for rep in range(reps):
+            took, became = death_to_first_step(_one_loss(train, inventory, config))
+            sim.up(nnodes, link, config)  # node3 back, as the next section expects it
+            if took is None:
+                raise RuntimeError("nodeloss: no step line after the restart")
+            seconds.append(took)
+            outcomes.append(became or "")
+            progress(
+                f"nodeloss: rep {rep + 1}/{reps}: the first step on the new world {took:.1f} s "
+                f"after node3's death (--restart-wait {NODELOSS_GRACE}); {became}"
+            )
+    finally:
+        sim.up(nnodes, link, config)
+    return {
+        "nodes": NODELOSS_NODES,
+        "cluster_nodes": nnodes,
+        "grace": NODELOSS_GRACE,
+        "budget": NODELOSS_BUDGET,
+        "became": outcomes,
+        "seconds": Series(seconds).as_dict(),
+        "ratio": Series([s / NODELOSS_BUDGET for s in seconds]).as_dict(),
+    }
