@@ -88,7 +88,8 @@ provision: $(STAMP)
 		$(if $(strip $(GROUP)),-e node_group=$(GROUP)) $(ANSIBLE_ARGS)
 	$(if $(filter --check -C --tags -t,$(ANSIBLE_ARGS)),@echo "Not shipping the training image \
 	(ANSIBLE_ARGS has --check or --tags): make ship INVENTORY=$(INVENTORY) does it.",\
-	$(BIN)/cluster ship -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)))
+	$(BIN)/cluster ship -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) && \
+	$(BIN)/cluster lock -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)))
 
 .PHONY: ship  ## ship INVENTORY's training image to its nodes (by layers through the controller's registry)
 ship: $(STAMP)

@@ -101,6 +101,18 @@ def _parser() -> argparse.ArgumentParser:
         help="auto (default): the registry when it answers, else the stream",
     )
 
+    lock = commands.add_parser(
+        "lock",
+        help="record each node's versions in the version lock beside the inventory",
+        description="Probe every node at once and record its kernel, NVIDIA driver, Docker, "
+        "training image and torch (with CUDA and NCCL) in versions.lock.json beside the "
+        "inventory, as netcheck does once it passes; make provision runs it last. make train "
+        "then refuses a node that changed since (ALLOW_DRIFT=1 runs anyway).",
+    )
+    lock.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    lock.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
+    lock.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+
     hostfile = commands.add_parser(
         "hostfile",
         help="print the inventory as a DeepSpeed/Horovod/MPI hostfile ('name slots=N')",
@@ -243,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
         return _data(args)
     if args.command == "ship":
         return _ship(args)
+    if args.command == "lock":
+        return _lock(args)
     if args.command == "bootstrap":
         return _bootstrap(args)
     if args.command == "ready":
@@ -372,6 +386,20 @@ def _ship(args: argparse.Namespace) -> int:
         raise UserError(f"--image {shown(args.image)} is not an image name")
     shipment = ship.ship(inventory, args.image, args.via, lambda line: print(line, flush=True))
     print(ship_progress.summary(shipment))
+    return 0
+
+
+def _lock(args: argparse.Namespace) -> int:
+    from torch_multinode.cluster import version_lock
+    from torch_multinode.cluster.execution import SshNodes
+
+    inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
+    nodes = SshNodes(inventory)
+    try:
+        path = version_lock.lock_nodes(inventory, nodes)
+    finally:
+        nodes.close()
+    print(f"Each node's versions locked in {path} (make train checks them)")
     return 0
 
 

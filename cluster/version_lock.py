@@ -23,6 +23,7 @@ from pathlib import Path
 
 from torch_multinode.cluster import files
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import Nodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.versions import TORCH_LABEL
 
@@ -113,6 +114,18 @@ def write(path: str | os.PathLike, nodes: dict[str, dict[str, str]]) -> Path:
         "version lock",
         hint="making the inventory's directory writable",
     )
+
+
+def lock_nodes(inventory: Inventory, nodes: Nodes) -> Path:
+    """Each node of the (narrowed) inventory probed, all at once, and its versions written into
+    the lock beside the inventory: what netcheck does once it passes, and make provision last;
+    the lock's path."""
+    from torch_multinode.cluster.remote import on_all
+
+    def probe(host: Host) -> dict[str, str]:
+        return parse(nodes.run(host, probe_command(host, inventory), 60).stdout)
+
+    return write(default_path(inventory.path), on_all(list(inventory.hosts), probe))
 
 
 def load(path: str | os.PathLike) -> dict[str, dict[str, str]] | None:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import ArgumentParser, at_the_edge, positive_number
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory_checks import NODES_GROUP
-from torch_multinode.cluster.remote import on_all
 from torch_multinode.netcheck import envfile
 from torch_multinode.netcheck.preflight import (
     DEFAULT_SWEEP_TIMEOUT,
@@ -114,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = preflight(inventory, options, nodes)
         if report.ok:
-            report.lock_file = str(lock_versions(inventory.first(nnodes), nodes))
+            report.lock_file = str(lock.lock_nodes(inventory.first(nnodes), nodes))
     finally:
         nodes.close()
     if report.env:
@@ -125,16 +123,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(report))
     return report.exit_code
-
-
-def lock_versions(inventory: inventory_module.Inventory, nodes: SshNodes) -> Path:
-    """Each checked node's versions into the lock beside the inventory (cluster.version_lock),
-    probed on all of them at once; the lock's path."""
-
-    def probe(host):
-        return lock.parse(nodes.run(host, lock.probe_command(host, inventory), 60).stdout)
-
-    return lock.write(lock.default_path(inventory.path), on_all(list(inventory.hosts), probe))
 
 
 def main(argv: list[str] | None = None) -> int:

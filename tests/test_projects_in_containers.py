@@ -62,7 +62,6 @@ from torch_multinode.cluster import version_lock
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
-from torch_multinode.netcheck import cli as netcheck_cli
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.checkpointing.checkpoint import file_name
 
@@ -355,7 +354,7 @@ def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
     inventory = load(str(path))
     nodes = SshNodes(inventory)
     try:
-        locked = netcheck_cli.lock_versions(inventory, nodes)  # as netcheck does once it passes
+        locked = version_lock.lock_nodes(inventory, nodes)  # as netcheck does once it passes
         assert locked == version_lock.default_path(path)
         kernel = version_lock.load(locked)["node1"]["kernel"]
         assert version_lock.load(locked)["node2"]["image"] == image

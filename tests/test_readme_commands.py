@@ -436,6 +436,8 @@ def provision_is_the_fixtures(run: Run, command: str) -> None:
     assert done.args == ["make", "--no-print-directory", *argv], (done.args, argv)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     assert "2 node(s) ready for provisioning: key login and passwordless sudo." in done.stdout
+    lock = run.provisioned.inventory.resolve().parent / "versions.lock.json"
+    assert f"Each node's versions locked in {lock} (make train checks them)" in done.stdout
 
 
 def check_plans_lint_then_test(run: Run, command: str) -> None:

@@ -12,7 +12,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.helpers import inventory, node
+from tests.fakes import FakeNodes
+from tests.helpers import inventory, inventory_text, node
+from torch_multinode.cluster import cli
 from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.remote import Result
@@ -179,3 +181,24 @@ def test_a_lock_that_cannot_be_written_is_one_error_naming_it(tmp_path):
         lock.write(path, {"node1": LOCKED})
     assert refused.value.exit_code == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inventory.yml"]
+
+
+def test_lock_nodes_probes_every_node_and_cluster_lock_says_where(tmp_path, capsys, monkeypatch):
+    """`cluster lock` (make provision's last step): every node probed (fake nodes answering as
+    the probe would), each one's versions written beside the inventory."""
+    path = tmp_path / "inv.yml"
+    path.write_text(inventory_text({"n1": node(1), "n2": node(2)}, launch_mode="host"))
+
+    def answer(host, command):
+        return f"kernel=6.1.0-{host.name}\ndocker=28.2.2\ntorch=2.14.1\n"
+
+    fake = FakeNodes(responder=answer)
+    monkeypatch.setattr("torch_multinode.cluster.execution.SshNodes", lambda inventory: fake)
+    assert cli.main(["lock", "-i", str(path)]) == 0
+    written = tmp_path / "versions.lock.json"
+    assert capsys.readouterr().out == (
+        f"Each node's versions locked in {written} (make train checks them)\n"
+    )
+    locked = lock.load(written)
+    assert locked["n1"]["kernel"] == "6.1.0-n1" and locked["n2"]["kernel"] == "6.1.0-n2"
+    assert fake.closed and {name for name, _ in fake.commands} == {"n1", "n2"}
