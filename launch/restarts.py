@@ -13,6 +13,7 @@ from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Nodes, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
+from torch_multinode.launch.commands import link_probe_command
 from torch_multinode.launch.spec import RESTART_POLL, Emit, JobResult, JobSpec
 
 if TYPE_CHECKING:
@@ -92,6 +93,23 @@ def _not_enough(silent: dict[str, str], wait: float, more: str = "") -> UserErro
     )
 
 
+def _unlinked(inventory: Inventory, hosts: list[Host], nodes: Nodes | None) -> dict[str, str]:
+    """The hosts after the first that do not reach the first's compute IP (one ping each, all
+    at once), each with what the ping said; a node without ping counts as reaching it."""
+    nodes = nodes or SshNodes(inventory)
+    master, others = hosts[0], hosts[1:]
+    command = link_probe_command(str(master.compute_ip))
+
+    def probe(host: Host) -> str:
+        try:
+            return nodes.run(host, command, 10).stdout.strip()
+        except UserError as exc:
+            return f"down ({exc})"
+
+    said = on_all(others, probe) if others else {}
+    return {name: answer for name, answer in said.items() if answer.startswith("down")}
+
+
 @dataclass(frozen=True)
 class Survivors:
     """The nodes a restart runs on: each lost node replaced by a spare that answers, in its
@@ -133,6 +151,12 @@ def survivors(
             changes.append(f"{host.name} lost{after}: replaced by spare {spare.name}")
         else:
             changes.append(f"{host.name} lost{after}: dropped")
+    # The compute link: each chosen node reaches the (new) master's compute IP, as the job's
+    # rendezvous will have to; one that cannot is dropped like a silent one.
+    for name, why in _unlinked(inventory, chosen, nodes).items():
+        chosen = [host for host in chosen if host.name != name]
+        changes.append(f"{name} cannot reach {chosen[0].name}'s compute IP ({why}): dropped")
+        silent[name] = f"its compute link is {why}"
     if len(chosen) < min_nodes:
         raise _not_enough(
             silent, wait, f" and {len(chosen)} node(s) are fewer than --min-nodes {min_nodes}"

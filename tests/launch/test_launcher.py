@@ -387,6 +387,26 @@ def test_a_restart_replaces_a_lost_node_by_a_spare_or_goes_on_with_min_nodes(
     )
 
 
+def test_a_survivor_that_cannot_reach_the_new_masters_compute_ip_is_dropped_too():
+    n1, n2, n3, n4 = _four_hosts()
+    job = replace(parse(INVENTORY, "/nonexistent/inv.yml"), hosts=(n1, n2, n3, n4))
+
+    def ping(host, command):  # n3's compute link is down; everything else answers
+        if command.startswith("out=$(ping"):
+            assert "10.7.0.2" in command  # n1 lost: n2 is the master now
+            return "down no answer" if host.name == "n3" else "up"
+        return ""
+
+    nodes = FakeNodes([n1, n2, n3, n4], down={"n1"}, responder=ping)
+    found = survivors(job, [], 2, 0.05, lambda _: None, nodes, 0.01, " after step 7")
+    assert [host.name for host in found.hosts] == ["n2", "n4"]
+    assert found.changes == [
+        "n1 lost after step 7: dropped",
+        "n3 cannot reach n2's compute IP (down no answer): dropped",
+        "continuing on n2, n4: 2 of 4 nodes (--min-nodes 2)",
+    ]
+
+
 def test_fewer_nodes_than_min_nodes_answering_is_one_error_naming_the_lost_ones():
     n1, n2, n3, _ = _four_hosts()
     job = replace(parse(INVENTORY, "/nonexistent/inv.yml"), hosts=(n1, n2, n3))
