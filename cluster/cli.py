@@ -22,6 +22,13 @@ INVENTORY_HELP = (
 )
 
 
+def _nodes_options(command: argparse.ArgumentParser) -> None:
+    """-i, --group and -n: which inventory, which of its groups, its first N nodes."""
+    command.add_argument("-i", "--inventory", help=INVENTORY_HELP)
+    command.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
+    command.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="cluster",
@@ -77,9 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         "with nothing changed sends no file. Jobs then use --data-dir NAME (relative paths "
         "resolve under data_root, on the nodes and in the containers).",
     )
-    data.add_argument("-i", "--inventory", help=INVENTORY_HELP)
-    data.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
-    data.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+    _nodes_options(data)
     data.add_argument("source", nargs="?", help="the dataset directory (make data SRC=dir)")
     ship = commands.add_parser(
         "ship",
@@ -90,9 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         "docker load), which is said with the reason. A line per node every few seconds tells "
         "how far it has come; at the end every node holds the controller's image ID.",
     )
-    ship.add_argument("-i", "--inventory", help=INVENTORY_HELP)
-    ship.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
-    ship.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+    _nodes_options(ship)
     ship.add_argument("--image", help="ship this image instead of the inventory's training_image")
     ship.add_argument(
         "--via",
@@ -109,9 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         "inventory, as netcheck does once it passes; make provision runs it last. make train "
         "then refuses a node that changed since (ALLOW_DRIFT=1 runs anyway).",
     )
-    lock.add_argument("-i", "--inventory", help=INVENTORY_HELP)
-    lock.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
-    lock.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+    _nodes_options(lock)
 
     hostfile = commands.add_parser(
         "hostfile",
@@ -122,9 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "For launchers typed by hand: deepspeed --hostfile, horovodrun -hostfile, mpirun "
         "--hostfile.",
     )
-    hostfile.add_argument("-i", "--inventory", help=INVENTORY_HELP)
-    hostfile.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
-    hostfile.add_argument("-n", "--nnodes", help="the first N nodes (default: all)")
+    _nodes_options(hostfile)
 
     ready = commands.add_parser(
         "ready",

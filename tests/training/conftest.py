@@ -6,8 +6,10 @@ Every launch stays on loopback: the rendezvous endpoint and the worker-facing ad
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -146,6 +148,37 @@ class TimedOutput:
             raise AssertionError(f"still running {timeout:g} s on, killed:\n{self.stamped[-4000:]}")
         self.process.wait()
         return ended
+
+
+@contextlib.contextmanager
+def launches(cluster):
+    """launch(*args) -> the launcher (`train -i` the cluster's inventory) running a job, its
+    output piped; one a test leaves running (it failed early) gets Ctrl-C at the end, so its
+    job stops on the nodes too."""
+    started: list[subprocess.Popen] = []
+
+    def launch(*args: str) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "train"), "-i", str(cluster.config.inventory_path)]
+            + list(args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        started.append(process)
+        return process
+
+    try:
+        yield launch
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.communicate()
 
 
 def kill_node(process: subprocess.Popen, container: str) -> TimedOutput:

@@ -11,19 +11,19 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-import signal
 import subprocess
 import time
 import uuid
 
 import pytest
 
-from tests.conftest import VENV_BIN, run_cli
+from tests.conftest import run_cli
 from tests.helpers import SCRIPTS, interrupt, leftovers, run_id_in
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
     kill_node,
+    launches,
     load_state,
     max_difference,
 )
@@ -98,29 +98,9 @@ def test_the_link_probe_tells_up_from_down_and_from_unknown(tmp_path):
 
 @pytest.fixture
 def start(sim2):
-    """start(*args) -> the launcher running a job on sim2. One a test leaves running (it failed
-    early) gets Ctrl-C at teardown, so its job stops on the nodes too."""
-    started: list[subprocess.Popen] = []
-
-    def launch(*args: str) -> subprocess.Popen:
-        process = subprocess.Popen(
-            [str(VENV_BIN / "train"), "-i", str(sim2.config.inventory_path), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        started.append(process)
-        return process
-
-    yield launch
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
+    """start(*args) -> the launcher running a job on sim2 (stopped at teardown if still on)."""
+    with launches(sim2) as launch:
+        yield launch
 
 
 def _wait_for(process: subprocess.Popen, *texts: str | re.Pattern, limit: float = 150) -> str:

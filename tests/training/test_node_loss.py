@@ -9,17 +9,15 @@ Host mode: the nodes run the jobs from this checkout's environment, as in test_f
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 import uuid
 
 import pytest
 
-from tests.conftest import VENV_BIN
 from tests.helpers import leftovers, run_id_in
 from tests.training.conftest import (
     TINY,
     kill_node,
+    launches,
     load_state,
     max_difference,
     run_command,
@@ -54,27 +52,8 @@ def sim3(sim_factory):
 @pytest.fixture
 def start(sim3):
     """start(*args) -> the launcher running a job on sim3 (stopped at teardown if still on)."""
-    started: list[subprocess.Popen] = []
-
-    def launch(*args: str) -> subprocess.Popen:
-        process = subprocess.Popen(
-            [str(VENV_BIN / "train"), "-i", str(sim3.config.inventory_path), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        started.append(process)
-        return process
-
-    yield launch
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
+    with launches(sim3) as launch:
+        yield launch
 
 
 def _losses(text: str, prefix: str = "") -> dict[int, float]:
