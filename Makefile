@@ -22,8 +22,8 @@ GPUS      ?=
 # Processes per node (torchrun's --nproc-per-node); empty: one per GPU, 1 on a CPU node, 2 locally.
 NPROC     ?=
 RESTARTS  ?=
-# MIN_NODES=k with RESTARTS: a node lost for good is replaced by an unused inventory host, or
-# dropped while k nodes remain (the workloads keep the global batch).
+# MIN_NODES=k with RESTARTS: a node lost for good, with no spare (an inventory host beyond
+# NNODES) to take its place, is dropped while k nodes remain (the workloads keep the global batch).
 MIN_NODES ?=
 # Seconds without progress that make a job a hang (0: never; empty: from its step times), and
 # what a hang does after its report: stop (the default) or wait for a person.

@@ -154,8 +154,10 @@ def _parser() -> argparse.ArgumentParser:
         type=whole_number(0),
         default=0,
         help="after a failure (a node died, a rank crashed, the network was cut), wait for every "
-        "node to answer over SSH again and start the job again, up to this many times; the "
-        "training workloads resume from --checkpoint-dir (default: %(default)s)",
+        "node to answer over SSH again and start the job again, up to this many times; a node "
+        "still silent after --restart-wait is replaced by a host of the inventory beyond "
+        "--nnodes where there is one (see --min-nodes); the training workloads resume from "
+        "--checkpoint-dir (default: %(default)s)",
     )
     parser.add_argument(
         "--restart-wait",
@@ -167,10 +169,10 @@ def _parser() -> argparse.ArgumentParser:
         "--min-nodes",
         type=whole_number(1),
         default=None,
-        help="with --restarts: a node still silent after --restart-wait is replaced by a node "
-        "of the inventory the job does not use (NNODES below the inventory's count), or "
-        "dropped, and the job goes on on the others, as long as at least this many remain; "
-        "the workloads keep the first run's global batch (default: every node of the job)",
+        help="with --restarts: a node still silent after --restart-wait, and with no spare to "
+        "take its place (a host of the inventory beyond --nnodes, taken first), is dropped, "
+        "and the job goes on on the others as long as at least this many remain; the workloads "
+        "keep the first run's global batch (default: every node of the job)",
     )
     parser.add_argument(
         "--max-restarts",
@@ -297,12 +299,12 @@ def _on_nodes(
     args: argparse.Namespace, spec: JobSpec
 ) -> tuple[inventory_module.Inventory, JobSpec, staging.Project, tuple[inventory_module.Host, ...]]:
     """The job's nodes (narrowed once), project and paths on the nodes, and the spares (with
-    --min-nodes), decided and said before any node is touched."""
+    --restarts), decided and said before any node is touched."""
     whole = inventory_module.load(args.inventory, args.group)
     inventory = whole.first(args.nnodes)
     _check_min_nodes(args, inventory)
-    # The inventory's hosts the job does not use: a lost node's place (with --min-nodes)
-    flexible = args.min_nodes is not None and inventory.scheduler != "slurm"
+    # The inventory's hosts the job does not use: a lost node's place, on a restart over SSH
+    flexible = args.restarts and inventory.scheduler != "slurm"
     spares = whole.hosts[len(inventory.hosts) :] if flexible else ()
     master = inventory.master
     fitted = None  # the workload's batch against the world size: every node's processes

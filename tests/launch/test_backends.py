@@ -198,3 +198,23 @@ def test_min_nodes_the_job_cannot_honour_is_refused_before_any_node_is_touched(
     )
     assert cli.main(["-i", str(path), *extra]) == 2
     assert capsys.readouterr().err.strip() == error
+
+
+@pytest.mark.parametrize(
+    ("extra", "spares"),
+    [
+        (["--nnodes", "2", "--restarts", "1"], ["n3"]),  # spares with restarts alone
+        (["--nnodes", "2"], []),  # no restart: nothing takes a lost node's place
+        (["--restarts", "1"], []),  # every host in the job
+    ],
+)
+def test_a_restarted_job_takes_its_spares_from_the_inventory_beyond_nnodes(tmp_path, extra, spares):
+    hosts = {f"n{i}": node(i) for i in (1, 2, 3)}
+    path = tmp_path / "inv.yml"
+    path.write_text(inventory_text(hosts, launch_mode="host"))
+    script = tmp_path / "job.py"
+    script.write_text("print('hi')\n")
+    args = cli._parser().parse_args(["-i", str(path), "--script", str(script), *extra])
+    args.argv = []
+    _, _, _, found = cli._on_nodes(args, cli._spec(args))
+    assert [host.name for host in found] == spares

@@ -1,7 +1,8 @@
 """Losing a node is not losing the run (issue 31), on 3 simulated nodes: with RESTARTS and
 MIN_NODES, a node killed and left dead is dropped and the job goes on on the others from their
 newest common checkpoint, with the first run's global batch (TMN_PLANNED_WORLD_SIZE); with a
-spare (NNODES below the inventory's count), the spare takes the lost node's place.
+spare (NNODES below the inventory's count, with RESTARTS alone), the spare takes the lost
+node's place.
 
 Host mode: the nodes run the jobs from this checkout's environment, as in test_faults.
 """
@@ -69,11 +70,12 @@ def _losses(text: str, prefix: str = "") -> dict[int, float]:
 def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uninterrupted(
     sim3, start, reference_ddp, tmp_path
 ):
-    # NNODES=2 of 3: node3 is the spare. node2 dies after its step-8 checkpoint and stays dead.
+    # NNODES=2 of 3 with restarts: node3 is the spare. node2 dies after its step-8 checkpoint
+    # and stays dead.
     directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
     out = f"/shared/{uuid.uuid4().hex}/model.pt"
     process = start(
-        "--nnodes", "2", "--restarts", "1", "--restart-wait", "10", "--min-nodes", "2",
+        "--nnodes", "2", "--restarts", "1", "--restart-wait", "10",
         "--", *TINY, *CHECKPOINTING, "--checkpoint-dir", directory, "--log-every", "1",
         "--step-delay", "0.3", "--out", out,
     )  # fmt: skip
