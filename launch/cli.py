@@ -27,19 +27,17 @@ from torch_multinode.cluster.errors import (
     whole_number,
 )
 from torch_multinode.cluster.inventory_checks import NODES_GROUP, parse_gpu_list
-from torch_multinode.launch import checks, record, staging
+from torch_multinode.launch import checks, record, restarts, staging
 from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code
 from torch_multinode.launch.environment import parse_env
 from torch_multinode.launch.local import project_directory
 from torch_multinode.launch.nodes import legacy_flag, nproc_for, rank_order_warning
-from torch_multinode.launch.restarts import run_with_restarts
 from torch_multinode.launch.spec import (
     DEBUG_LEVELS,
     DEFAULT_MODULE,
     DEFAULT_NETWORK_TIMEOUT,
-    DEFAULT_RESTART_WAIT,
     ON_HANG,
     JobSpec,
     job_module,
@@ -149,31 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         "changed since netcheck locked them (versions.lock.json next to the inventory); the "
         "changes are said and kept in the run's record",
     )
-    parser.add_argument(
-        "--restarts",
-        type=whole_number(0),
-        default=0,
-        help="after a failure (a node died, a rank crashed, the network was cut), wait for every "
-        "node to answer over SSH again and start the job again, up to this many times; a node "
-        "still silent after --restart-wait is replaced by a host of the inventory beyond "
-        "--nnodes where there is one (see --min-nodes); the training workloads resume from "
-        "--checkpoint-dir (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--restart-wait",
-        type=positive_number("number of seconds"),
-        default=DEFAULT_RESTART_WAIT,
-        help="seconds a restart waits for every node to answer (default: %(default)g)",
-    )
-    parser.add_argument(
-        "--min-nodes",
-        type=whole_number(1),
-        default=None,
-        help="with --restarts: a node still silent after --restart-wait, and with no spare to "
-        "take its place (a host of the inventory beyond --nnodes, taken first), is dropped, "
-        "and the job goes on on the others as long as at least this many remain; the workloads "
-        "keep the first run's global batch (default: every node of the job)",
-    )
+    restarts.add_options(parser)
     parser.add_argument(
         "--max-restarts",
         type=whole_number(0),
@@ -268,16 +242,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
 
 def _here(args: argparse.Namespace, spec: JobSpec) -> None:
     """A job without an inventory: refused if it asks for what only nodes have."""
-    if args.restarts:
-        raise UserError(
-            f"--restarts={args.restarts} needs an inventory: a local job has no node to wait for",
-            hint="INVENTORY=path.yml",
-        )
-    if args.min_nodes is not None:
-        raise UserError(
-            f"--min-nodes={args.min_nodes} needs an inventory: a local job has no node to lose",
-            hint="INVENTORY=path.yml",
-        )
+    restarts.check_local(args.restarts, args.min_nodes)
     if args.env:
         raise UserError(
             "ENV is for jobs on an inventory's nodes; a local job runs here, in this environment",
@@ -302,7 +267,7 @@ def _on_nodes(
     --restarts), decided and said before any node is touched."""
     whole = inventory_module.load(args.inventory, args.group)
     inventory = whole.first(args.nnodes)
-    _check_min_nodes(args, inventory)
+    restarts.check_min_nodes(args.min_nodes, args.restarts, inventory)
     # The inventory's hosts the job does not use: a lost node's place, on a restart over SSH
     flexible = args.restarts and inventory.scheduler != "slurm"
     spares = whole.hosts[len(inventory.hosts) :] if flexible else ()
@@ -335,29 +300,6 @@ def _on_nodes(
     return inventory, spec, project, spares
 
 
-def _check_min_nodes(args: argparse.Namespace, inventory: inventory_module.Inventory) -> None:
-    """--min-nodes against the job: it needs restarts, and no more nodes than the job has."""
-    if args.min_nodes is None:
-        return
-    count = len(inventory.hosts)
-    if args.min_nodes > count:
-        raise UserError(
-            f"--min-nodes={args.min_nodes} (MIN_NODES) but the job runs on {count} node(s)",
-            hint=f"MIN_NODES={count} or fewer",
-        )
-    if not args.restarts:
-        raise UserError(
-            f"--min-nodes={args.min_nodes} (MIN_NODES) acts on a restart, and --restarts is 0",
-            hint="RESTARTS=1 or more",
-        )
-    if inventory.scheduler == "slurm" and args.min_nodes < count:
-        raise UserError(
-            f"--min-nodes={args.min_nodes} (MIN_NODES) is for SSH jobs: under Slurm a restart "
-            "requeues the same allocation",
-            hint=f"MIN_NODES={count}, or an inventory without 'scheduler: slurm'",
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     spec = _spec(args)
     inventory = project = None
@@ -377,9 +319,11 @@ def run(args: argparse.Namespace) -> int:
         spares=spares,
         min_nodes=args.min_nodes,
     )
-    if restarts := args.restarts:
-        _emit(f"[launcher] up to {restarts} restart(s) after a failure: {backend.restart_note}")
-    result = recorder.kept(lambda: run_with_restarts(backend, spec, args.restarts, _emit))
+    if args.restarts:
+        _emit(
+            f"[launcher] up to {args.restarts} restart(s) after a failure: {backend.restart_note}"
+        )
+    result = recorder.kept(lambda: restarts.run_with_restarts(backend, spec, args.restarts, _emit))
     for line in backend.summary(result) + backend.closing(result):
         _emit(line)
     return result.exit_code

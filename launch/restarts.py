@@ -5,19 +5,92 @@ nodes that answer within the wait, a spare in each lost node's place (survivors)
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.errors import UserError, positive_number, whole_number
 from torch_multinode.cluster.execution import Nodes, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
 from torch_multinode.launch.commands import link_probe_command
-from torch_multinode.launch.spec import RESTART_POLL, Emit, JobResult, JobSpec
+from torch_multinode.launch.spec import (
+    DEFAULT_RESTART_WAIT,
+    RESTART_POLL,
+    Emit,
+    JobResult,
+    JobSpec,
+)
 
 if TYPE_CHECKING:
     from torch_multinode.launch.backends import Backend
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The launcher's restart options: --restarts, --restart-wait, --min-nodes."""
+    parser.add_argument(
+        "--restarts",
+        type=whole_number(0),
+        default=0,
+        help="after a failure (a node died, a rank crashed, the network was cut), wait for every "
+        "node to answer over SSH again and start the job again, up to this many times; a node "
+        "still silent after --restart-wait is replaced by a host of the inventory beyond "
+        "--nnodes where there is one (see --min-nodes); the training workloads resume from "
+        "--checkpoint-dir (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--restart-wait",
+        type=positive_number("number of seconds"),
+        default=DEFAULT_RESTART_WAIT,
+        help="seconds a restart waits for every node to answer (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--min-nodes",
+        type=whole_number(1),
+        default=None,
+        help="with --restarts: a node still silent after --restart-wait, and with no spare to "
+        "take its place (a host of the inventory beyond --nnodes, taken first), is dropped, "
+        "and the job goes on on the others as long as at least this many remain; the workloads "
+        "keep the first run's global batch (default: every node of the job)",
+    )
+
+
+def check_local(restarts: int, min_nodes: int | None) -> None:
+    """A job without an inventory has no node to wait for or lose: refused."""
+    if restarts:
+        raise UserError(
+            f"--restarts={restarts} needs an inventory: a local job has no node to wait for",
+            hint="INVENTORY=path.yml",
+        )
+    if min_nodes is not None:
+        raise UserError(
+            f"--min-nodes={min_nodes} needs an inventory: a local job has no node to lose",
+            hint="INVENTORY=path.yml",
+        )
+
+
+def check_min_nodes(min_nodes: int | None, restarts: int, inventory: Inventory) -> None:
+    """--min-nodes against the job: it needs restarts, and no more nodes than the job has."""
+    if min_nodes is None:
+        return
+    count = len(inventory.hosts)
+    if min_nodes > count:
+        raise UserError(
+            f"--min-nodes={min_nodes} (MIN_NODES) but the job runs on {count} node(s)",
+            hint=f"MIN_NODES={count} or fewer",
+        )
+    if not restarts:
+        raise UserError(
+            f"--min-nodes={min_nodes} (MIN_NODES) acts on a restart, and --restarts is 0",
+            hint="RESTARTS=1 or more",
+        )
+    if inventory.scheduler == "slurm" and min_nodes < count:
+        raise UserError(
+            f"--min-nodes={min_nodes} (MIN_NODES) is for SSH jobs: under Slurm a restart "
+            "requeues the same allocation",
+            hint=f"MIN_NODES={count}, or an inventory without 'scheduler: slurm'",
+        )
 
 
 def answering(

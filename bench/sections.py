@@ -1,0 +1,204 @@
+"""The benchmark report's sections for the figures measured apart from the core run: each
+section's Markdown lines (bench.report puts them in order)."""
+
+from __future__ import annotations
+
+from torch_multinode.bench.flight import too_noisy, verdict
+from torch_multinode.cluster.sync import human
+
+
+def spread(item: dict, fmt: str = "{:.3f}") -> str:
+    return (
+        f"{fmt.format(item['median'])} ({fmt.format(item['min'])} to "
+        f"{fmt.format(item['max'])}, n={item['n']})"
+    )
+
+
+def nodeloss_lines(found: dict) -> list[str]:
+    """Section 15: a node lost for good, and the job on its new world."""
+    became = sorted(set(found["became"]))
+    return [
+        "",
+        f"## 15. A node lost for good ({found['nodes']} nodes of {found['cluster_nodes']}, "
+        "host mode)",
+        "",
+        f"RESTARTS=1 MIN_NODES={found['nodes'] - 1}, --restart-wait {found['grace']:g} s; node3 "
+        "killed after step 12 and left dead. Timed from the kill to the first step line of the "
+        f"restarted run; budget {found['budget']:g} s.",
+        f"- death to the first step on the new world: {spread(found['seconds'], '{:.1f}')} s",
+        f"- that / budget: {spread(found['ratio'], '{:.2f}')}",
+        f"- what became of node3: {'; '.join(became)}",
+    ]
+
+
+def lock_lines(found: dict) -> list[str]:
+    """Section 14: what checking the version lock adds to make train."""
+    return [
+        "",
+        f"## 14. The version lock's check ({found['nodes']} nodes, launch_mode: "
+        f"{found['launch_mode']})",
+        "",
+        "Read the lock, run its probe on every node at once over open sessions, compare: what "
+        f"`make train` adds before a job starts; budget {found['budget']:g} s"
+        + (f" (measured {found['date']})." if found.get("date") else "."),
+        f"- the check: {spread(found['check_seconds'], '{:.2f}')} s",
+        f"- a bare round trip on the same sessions, beside it: "
+        f"{spread(found['bare_seconds'], '{:.2f}')} s",
+        f"- check / budget: {spread(found['ratio'], '{:.2f}')}",
+    ]
+
+
+def flight_lines(flight: dict) -> list[str]:
+    """Section 13: the Flight Recorder's cost on step time, and per collective at worst."""
+    ratio = flight["step_ratio"]
+    cost = flight["collective_cost_us"]
+    noisy = (
+        [
+            f"- too noisy to judge: the repetitions range from {ratio['min']:.3f} to "
+            f"{ratio['max']:.3f}, on both sides of 1 and wider than twice the target's margin "
+            "(other load on this machine); an idle machine or more --reps"
+        ]
+        if too_noisy(ratio, flight["target"])
+        else []
+    )
+    return [
+        "",
+        "## 13. The Flight Recorder's cost (this machine, no cluster)",
+        "",
+        f"`torchrun --standalone --nproc-per-node=2 {' '.join(flight['workload'])}` with "
+        f"TORCH_FR_BUFFER_SIZE={flight['buffer']} (on, the trace's watcher running, as every job "
+        "of the launcher) and =0 (off), the order alternating from one repetition to the next; "
+        f"{flight['machine']}; load average {flight['load_before']:.1f} before, "
+        f"{flight['load_after']:.1f} after. Seconds per step: the median of the step lines' "
+        "intervals (the first, warm-up, left out).",
+        f"- on: {spread(flight['step_seconds_on'], '{:.4f}')} s per step",
+        f"- off: {spread(flight['step_seconds_off'], '{:.4f}')} s per step",
+        f"- on / off: {spread(ratio)}; {verdict(ratio['median'], flight['target'])}",
+        "- the same for each run's fastest interval (the least disturbed by other load): "
+        f"{spread(flight['fastest_step_ratio'])}",
+        *noisy,
+        "",
+        f"Worst case: {flight['collectives']:,} all_reduces of 1 element back to back, "
+        f"{flight['rounds']} rounds per run, the fastest round counted:",
+        f"- on: {spread(flight['collective_us_on'], '{:.1f}')} us per collective",
+        f"- off: {spread(flight['collective_us_off'], '{:.1f}')} us per collective",
+        f"- on / off: {spread(flight['collective_ratio'])}; on - off: "
+        f"{spread(cost, '{:+.1f}')} us per collective",
+    ]
+
+
+def hang_lines(hang: dict) -> list[str]:
+    """Section 12: from a hung job's last step line to the launcher's verdict."""
+    lines = [
+        "",
+        "## 12. A hang explained (jobs in containers)",
+        "",
+        f"The last rank sleeps in its data loading at step 5; `STALL={hang['stall']}`. From the "
+        "job's last step line to the verdict (`[launcher] hang: ...`): the stall, then every "
+        f"rank's stacks read with py-spy on every node and judged; budget {hang['budget']} s.",
+    ]
+    for key in sorted(k for k in hang if k.startswith("nodes_")):
+        found = hang[key]
+        lines.append(
+            f"- {key.split('_')[1]} nodes: {spread(found['seconds'], '{:.1f}')} s, "
+            f"ratio {spread(found['ratio'], '{:.2f}')}"
+        )
+    return lines
+
+
+def rebuild_lines(rebuild: dict) -> list[str]:
+    """Section 11: `make provision` again after a one-line change to a file the image copies
+    after its torch install, against the first run on fresh nodes."""
+    kept = rebuild["install_layer_kept"]
+    lines = [
+        "",
+        "## 11. Rebuilding the image after a one-line change (2 fresh nodes, jobs in containers)",
+        "",
+        f"`make provision` typed in a scratch checkout: once on fresh nodes (it builds the "
+        f"training image, {human(rebuild['image_bytes'])} unpacked, and ships the whole of it), "
+        f"then {len(kept)} time(s) again, each after one more line in "
+        f"`{rebuild['changed_file']}` (`make image` rebuilds the layers above it, `cluster ship` "
+        "sends them).",
+        f"- first run: {rebuild['first_seconds']:.0f} s",
+        f"- after the change: {spread(rebuild['second_seconds'], '{:.0f}')} s",
+        f"- ratio: {spread(rebuild['ratio'], '{:.2f}')}",
+        f"- the torch install layer kept by the rebuild: {sum(kept)} of {len(kept)}",
+    ]
+    for rep, received in enumerate(rebuild["rx_bytes"]):
+        lines.append(f"- rep {rep + 1}: bytes received, network counters: {_per_node(received)}")
+    if rebuild.get("first_phases"):
+        lines += [
+            "",
+            "Where the time goes, per step of `make provision` (checks: `cluster check` and "
+            "`cluster ready`; image: `cluster image`; playbook: `ansible-playbook site.yml`; "
+            "ship: `cluster ship`), in seconds:",
+            "",
+            "| run | " + " | ".join(rebuild["first_phases"]) + " | total |",
+            "| --- |" + " ---: |" * (len(rebuild["first_phases"]) + 1),
+            _phase_row("first", rebuild["first_phases"], rebuild["first_phases"]),
+        ]
+        for rep, phases in enumerate(rebuild.get("second_phases", [])):
+            lines.append(_phase_row(f"rep {rep + 1}", phases, rebuild["first_phases"]))
+    return lines
+
+
+def _phase_row(name: str, phases: dict[str, float], columns: dict[str, float]) -> str:
+    cells = [f"{phases[column]:.0f}" if column in phases else "-" for column in columns]
+    return f"| {name} | " + " | ".join(cells) + f" | {sum(phases.values()):.0f} |"
+
+
+def _per_node(values: dict[str, int]) -> str:
+    return ", ".join(f"{node} {value:,} B ({human(value)})" for node, value in values.items())
+
+
+def image_lines(image: dict) -> list[str]:
+    """Section 10: the image's first shipment both ways, and a change to its top layer."""
+    registry, stream, top = image["registry_runs"], image["stream_runs"], image["top_layer"]
+    n = len(registry)
+    lines = [
+        "",
+        "## 10. Shipping the training image (2 nodes, jobs in containers)",
+        "",
+        f"`{image['image']}`, {image['image_bytes']:,} bytes ({human(image['image_bytes'])})"
+        " unpacked. First shipment: the image removed from both nodes (`docker rmi -f`, "
+        "`docker image prune -f`) and, for the registry, from the registry's storage, then "
+        "`cluster ship`'s own code (`ship.ship`) with `via=registry` (push, then both nodes "
+        "pull at once) and with `via=stream` (one `docker save` written into `docker load` on "
+        f"both nodes over SSH), {n} time(s) each, order {', '.join(image['order'])} "
+        "(alternating when repeated). Wall time from the call to every node holding the "
+        "controller's image ID.",
+        "",
+        "| | through the registry | streamed whole |",
+        "|---|---|---|",
+        f"| seconds | {spread(image['registry_seconds'], '{:.0f}')} | "
+        f"{spread(image['stream_seconds'], '{:.0f}')} |",
+    ]
+    for rep, (through, whole) in enumerate(zip(registry, stream, strict=False)):
+        lines += [
+            f"| rep {rep + 1}: bytes per node, as the shipment counted them | "
+            f"{_per_node(through['received'])} | {_per_node(whole['received'])} |",
+            f"| rep {rep + 1}: bytes per node, its network counters | "
+            f"{_per_node(through['rx_bytes'])} | {_per_node(whole['rx_bytes'])} |",
+        ]
+    lines += [
+        "",
+        f"- ratio, registry / stream: {spread(image['ratio'], '{:.2f}')} (lower is better)",
+        "",
+        f"A change to the image's top layer (one new file of random bytes on top, a rebuild "
+        f"after an edit to the Dockerfile's last step): layer {top['layer_bytes']:,} bytes, "
+        f"image {top['image_bytes']:,} bytes, shipped {top['via'] or 'nowhere'} "
+        f"{('(' + top['reason'] + ') ') if top['reason'] else ''}in {top['seconds']:.1f} s.",
+        "",
+        "| node | received (network counters) | counted by the shipment | / whole image "
+        "| / the layer |",
+        "|---|---|---|---|---|",
+    ]
+    for node, value in top["rx_bytes"].items():
+        counted = top["received"].get(node, 0)
+        lines.append(
+            f"| {node} | {value:,} | {counted:,} | {value / top['image_bytes']:.5f} | "
+            f"{value / top['layer_bytes']:.2f} |"
+            if top["layer_bytes"]
+            else "- |"
+        )
+    return lines
