@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -45,7 +46,6 @@ _GROUPS = {
     "tests/test_image_shipping.py": "image",  # layers through the registry, on that cluster
     "tests/launch/test_slurm_jobs.py": "image",  # Slurm on that provisioned cluster
     "tests/training/test_fsdp_cluster.py": "image",
-    "tests/test_bootstrap.py": "image",  # fresh nodes provisioned with that image
     "tests/test_hangs.py": "image",  # hung jobs on the provisioned cluster
     "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
@@ -117,10 +117,15 @@ class SimFactory:
         name = f"{_PREFIX}{octet}"
         return sim.SimConfig(name, f"172.29.{octet}.0/24", self.root / name, f"172.30.{octet}.0/24")
 
-    def up(self, nnodes: int, link: str | None = None) -> sim.SimCluster:
+    def up(
+        self, nnodes: int, link: str | None = None, fresh_password: str | None = None
+    ) -> sim.SimCluster:
+        """Nodes as sim-up starts them; with `fresh_password`, as a fresh install leaves them
+        (FRESH=1: a user with that password, no key)."""
         config = self.config()
         self.started.append(config)
-        return sim.up(nnodes, link, config)
+        fresh = fresh_password is not None
+        return sim.up(nnodes, link, config, fresh=fresh, fresh_password=fresh_password)
 
     def down(self, cluster: sim.SimCluster) -> sim.Removed:
         self.started.remove(cluster.config)
@@ -164,10 +169,15 @@ TEST_IMAGE = "torch-multinode/train:test"
 
 @dataclass(frozen=True)
 class Provisioned:
-    """Two fresh nodes provisioned by `make provision` to run jobs in the test image."""
+    """Two nodes as a fresh install leaves them (a user with a password, no key), taken through
+    `make bootstrap` (unattended: their fingerprints from a file, the password on standard
+    input, password login turned off) and `make provision` to run jobs in the test image, as
+    that user (not root)."""
 
     cluster: sim.SimCluster
     inventory: Path
+    password: str
+    bootstrap: subprocess.CompletedProcess
     provision: subprocess.CompletedProcess
 
 
@@ -175,14 +185,37 @@ class Provisioned:
 def provisioned(sim_factory, training_image, tmp_path_factory) -> Provisioned:
     """Shipping the image is most of the time: one cluster for every test of jobs in
     containers. Tests leave the nodes as they found them (images, mounts, files)."""
-    cluster = sim_factory.up(2)
-    document = yaml.safe_load(cluster.config.inventory_path.read_text())
+    password = secrets.token_urlsafe(12)
+    cluster = sim_factory.up(2, fresh_password=password)
+    config, here = cluster.config, tmp_path_factory.mktemp("provisioned")
+    document = yaml.safe_load(config.inventory_path.read_text())
     document["all"]["vars"].update(
         launch_mode="container", training_image=training_image.tag, container_mounts=["/shared"]
     )
-    inventory = tmp_path_factory.mktemp("provisioned") / "inventory.yml"
+    inventory = here / "inventory.yml"
     inventory.write_text(yaml.safe_dump(document, sort_keys=False))
-    return Provisioned(cluster, inventory, make("provision", f"INVENTORY={inventory}"))
+    # What each node's own console prints, as the user would copy it into the file.
+    fingerprints = here / "fingerprints"
+    fingerprints.write_text(
+        "".join(f"node{index} {console_fingerprint(config.container(index))}\n" for index in (1, 2))
+    )
+    bootstrap = subprocess.run(
+        [
+            str(VENV_BIN / "cluster"), "bootstrap", "-i", str(inventory),
+            "--fingerprints", str(fingerprints), "--password-stdin", "--disable-password-login",
+        ],
+        input=password + "\n", capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    if bootstrap.returncode != 0:
+        pytest.fail(f"bootstrap failed:\n{bootstrap.stdout}{bootstrap.stderr}", pytrace=False)
+    provision = make("provision", f"INVENTORY={inventory}")
+    return Provisioned(cluster, inventory, password, bootstrap, provision)
+
+
+def console_fingerprint(container: str) -> str:
+    """What the node's own console prints (ssh-keygen -lf of its ed25519 host key)."""
+    out = sim.docker("exec", container, "ssh-keygen", "-lf", "/etc/ssh/ssh_host_ed25519_key.pub")
+    return out.stdout.split()[1]
 
 
 def make(*args: str, timeout: float = 1800, env: dict | None = None) -> subprocess.CompletedProcess:

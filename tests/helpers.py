@@ -121,6 +121,20 @@ def read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:
     return "".join(seen)
 
 
+def password_in_node_files(container: str, password: str) -> str:
+    """Where simulated node `container` holds `password`: its container log, or the files
+    under the directories a login, sudo, provisioning or a job write to. Empty: nowhere."""
+    logs = sim.docker("logs", container)
+    if password in logs.stdout + logs.stderr:
+        return f"{container}: docker logs"
+    found = sim.docker(
+        "exec", container, "grep", "-rlsF", password,
+        "/etc", "/home", "/root", "/tmp", "/var/log", "/var/lib/torch-multinode", "/run",
+        check=False,
+    )  # fmt: skip
+    return found.stdout
+
+
 def password_login(host, known_hosts: Path, password: str, user: str = "trainer") -> str:
     """Logging in to `host` as `user` with `password` (its host key checked against
     `known_hosts`): 'ok', 'refused' (wrong password) or 'not offered' (password login off)."""

@@ -1,12 +1,15 @@
 """The whole user flow on fresh simulated nodes, through the Makefile as a user types it:
 
+    make bootstrap INVENTORY=...      (unattended: FINGERPRINTS=file, the password on stdin)
     make provision INVENTORY=...      (builds and ships the training image, among the rest)
     make train     INVENTORY=... NNODES=2 SCRIPT=...     (nothing in between)
     make netcheck  INVENTORY=... NNODES=2
 
 with jobs in the training image's CPU twin on every node (launch_mode: container): containers
 started by the launcher on each node, not the node's own Python. Last, Ctrl-C at a running
-`make train` leaves no container, process or bound port on any node.
+`make train` leaves no container, process or bound port on any node, and the nodes' password is
+in no output and no file of theirs. The first three steps are the shared `provisioned` cluster's
+(tests/conftest.py); tests/test_bootstrap.py answers bootstrap's prompts at a terminal.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, make
+from tests.helpers import password_in_node_files, password_login
 from torch_multinode.cluster.engine import docker
+from torch_multinode.cluster.inventory import load
 from torch_multinode.provision import platforms
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"
@@ -41,10 +46,32 @@ def test_provision_then_train_then_netcheck_in_the_image_on_fresh_nodes(
 ):
     """Fresh nodes; an inventory that runs jobs in the test image; then the commands."""
     cluster, inventory = provisioned.cluster, provisioned.inventory
+    _bootstrap_gave_the_user_a_key_and_sudo_and_ended_password_login(provisioned)
     _provision_builds_and_ships_the_image(cluster, provisioned.provision, training_image)
-    _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory)
-    _netcheck_passes_in_the_training_image(inventory)
+    outputs = [_make_train_runs_inside_the_image_on_both_nodes(cluster, inventory)]
+    outputs.append(_netcheck_passes_in_the_training_image(inventory))
     _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory)
+    for run in (provisioned.bootstrap, provisioned.provision):
+        outputs.append(run.stdout + run.stderr)
+    assert not [text for text in outputs if provisioned.password in text]
+    for index in (1, 2):
+        found = password_in_node_files(cluster.config.container(index), provisioned.password)
+        assert found == "", found
+
+
+def _bootstrap_gave_the_user_a_key_and_sudo_and_ended_password_login(provisioned) -> None:
+    done, config = provisioned.bootstrap, provisioned.cluster.config
+    assert done.returncode == 0, done.stdout + done.stderr
+    for index in (1, 2):
+        assert f"\n  node{index}        host key added to known_hosts; key added" in done.stdout
+    assert done.stdout.count("SSH password login off (") == 2, done.stdout
+    # As that user, not root, from here on.
+    assert yaml.safe_load(provisioned.inventory.read_text())["all"]["vars"]["ansible_user"] == (
+        "trainer"
+    )
+    hosts = load(provisioned.inventory).hosts
+    logins = [password_login(host, config.known_hosts_path, provisioned.password) for host in hosts]
+    assert logins == ["not offered", "not offered"]
 
 
 def _provision_builds_and_ships_the_image(cluster, provision, training_image) -> None:
@@ -72,7 +99,7 @@ def _provision_builds_and_ships_the_image(cluster, provision, training_image) ->
         assert node_image == controller_image.stdout.strip()
 
 
-def _netcheck_passes_in_the_training_image(inventory) -> None:
+def _netcheck_passes_in_the_training_image(inventory) -> str:
     proc = subprocess.run(
         [
             str(REPO_ROOT / ".venv" / "bin" / "netcheck"),
@@ -93,9 +120,10 @@ def _netcheck_passes_in_the_training_image(inventory) -> None:
     assert report["stack"] == f"the training image {report['stack'].split()[-1]}"
     statuses = {check["status"] for node in report["results"].values() for check in node.values()}
     assert statuses == {"PASS"}, report["results"]
+    return proc.stdout + proc.stderr
 
 
-def _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory) -> None:
+def _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory) -> str:
     proc = make("train", f"INVENTORY={inventory}", "NNODES=2", f"SCRIPT={SCRIPT}", timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
     ranks = sorted(line for line in proc.stdout.splitlines() if "identical on all ranks" in line)
@@ -108,6 +136,7 @@ def _make_train_runs_inside_the_image_on_both_nodes(cluster, inventory) -> None:
     for index in (1, 2):
         left = docker("exec", cluster.config.container(index), "docker", "ps", "-aq").stdout
         assert left.strip() == ""
+    return proc.stdout + proc.stderr
 
 
 def test_provision_ships_nothing_when_jobs_run_on_the_host(tmp_path):
