@@ -25,10 +25,28 @@ NODELOSS_BUDGET = NODELOSS_GRACE + 60
 KILL_AFTER = re.compile(r"^\[node1\] step +12/")  # step 10's checkpoint is on every node
 STEP_LINE = re.compile(r"\bstep +\d+/\d+\b")
 JOB = [
-    "--model", "tiny", "--image-size", "16", "--train-samples", "256", "--val-samples", "128",
-    "--global-batch-size", "48", "--workers", "0", "--no-tensorboard", "--log-every", "1",
-    "--steps", "30", "--checkpoint-every", "5", "--step-delay", "0.3",
-]  # fmt: skip
+    "--model",
+    "tiny",
+    "--image-size",
+    "16",
+    "--train-samples",
+    "256",
+    "--val-samples",
+    "128",
+    "--global-batch-size",
+    "48",
+    "--workers",
+    "0",
+    "--no-tensorboard",
+    "--log-every",
+    "1",
+    "--steps",
+    "30",
+    "--checkpoint-every",
+    "5",
+    "--step-delay",
+    "0.3",
+]
 
 
 def death_to_first_step(lines: list[tuple[float, str]]) -> tuple[float | None, str | None]:
@@ -88,9 +106,14 @@ def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple
 
 
 def measure_node_loss(
-    inventory: Path, config: sim.SimConfig, nnodes: int, link: str | None, reps: int,
-    progress: Progress, train: Path,
-) -> dict:  # fmt: skip
+    inventory: Path,
+    config: sim.SimConfig,
+    nnodes: int,
+    link: str | None,
+    reps: int,
+    progress: Progress,
+    train: Path,
+) -> dict:
     """`reps` times: a job on the cluster's first 3 nodes, node3 killed after step 12 and left
     dead until the job ends; the seconds from the kill to the first step on the new world, and
     their ratio to NODELOSS_BUDGET. Every node is up again afterwards."""

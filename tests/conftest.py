@@ -201,11 +201,21 @@ def provisioned(sim_factory, training_image, tmp_path_factory) -> Provisioned:
     )
     bootstrap = subprocess.run(
         [
-            str(VENV_BIN / "cluster"), "bootstrap", "-i", str(inventory),
-            "--fingerprints", str(fingerprints), "--password-stdin", "--disable-password-login",
+            str(VENV_BIN / "cluster"),
+            "bootstrap",
+            "-i",
+            str(inventory),
+            "--fingerprints",
+            str(fingerprints),
+            "--password-stdin",
+            "--disable-password-login",
         ],
-        input=password + "\n", capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        input=password + "\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if bootstrap.returncode != 0:
         pytest.fail(f"bootstrap failed:\n{bootstrap.stdout}{bootstrap.stderr}", pytrace=False)
     provision = make("provision", f"INVENTORY={inventory}")

@@ -128,10 +128,20 @@ def password_in_node_files(container: str, password: str) -> str:
     if password in logs.stdout + logs.stderr:
         return f"{container}: docker logs"
     found = sim.docker(
-        "exec", container, "grep", "-rlsF", password,
-        "/etc", "/home", "/root", "/tmp", "/var/log", "/var/lib/torch-multinode", "/run",
+        "exec",
+        container,
+        "grep",
+        "-rlsF",
+        password,
+        "/etc",
+        "/home",
+        "/root",
+        "/tmp",
+        "/var/log",
+        "/var/lib/torch-multinode",
+        "/run",
         check=False,
-    )  # fmt: skip
+    )
     return found.stdout
 
 

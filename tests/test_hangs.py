@@ -92,9 +92,15 @@ def _hung(provisioned, tmp_path, fault: str, stall: str = STALL) -> tuple[str, s
     """The job with `fault`, run to its end: its output, run ID and where each rank ran."""
     script = _project(tmp_path / "proj")
     run = make(
-        "train", f"INVENTORY={provisioned.inventory}", "NNODES=2", f"SCRIPT={script}",
-        f"WORKDIR={script.parent}", f"STALL={stall}", f"ARGS={fault}", timeout=600,
-    )  # fmt: skip
+        "train",
+        f"INVENTORY={provisioned.inventory}",
+        "NNODES=2",
+        f"SCRIPT={script}",
+        f"WORKDIR={script.parent}",
+        f"STALL={stall}",
+        f"ARGS={fault}",
+        timeout=600,
+    )
     output = run.stdout + run.stderr
     assert run.returncode != 0, output[-3000:]
     nodes = {int(r): n for r, n in re.findall(r"rank (\d) runs on (node\d)", output)}
@@ -182,9 +188,13 @@ def test_a_collective_that_timed_out_is_explained_by_the_ranks_last_collectives(
 def test_on_hang_wait_leaves_the_job_running_until_ctrl_c(provisioned, tmp_path):
     script = _project(tmp_path / "proj")
     process = start_train(
-        provisioned.inventory, f"SCRIPT={script}", f"WORKDIR={script.parent}",
-        f"STALL={STALL}", "ON_HANG=wait", "ARGS=sleep",
-    )  # fmt: skip
+        provisioned.inventory,
+        f"SCRIPT={script}",
+        f"WORKDIR={script.parent}",
+        f"STALL={STALL}",
+        "ON_HANG=wait",
+        "ARGS=sleep",
+    )
     try:
         seen = read_until(process, "--on-hang wait: the job is left running", limit=2000)
         assert "not in a collective, at hang.py:" in seen, seen[-3000:]

@@ -586,13 +586,20 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
     # The launcher itself, not make: its exit code is the one asserted.
     process = subprocess.Popen(
         [
-            str(VENV_BIN / "train"), "-i", str(provisioned.inventory), "--", *args,
-            "--checkpoint-dir", checkpoints, "--checkpoint-pause-step", "8",
+            str(VENV_BIN / "train"),
+            "-i",
+            str(provisioned.inventory),
+            "--",
+            *args,
+            "--checkpoint-dir",
+            checkpoints,
+            "--checkpoint-pause-step",
+            "8",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
     try:
         seen = read_until(
             process, "[node1] [rank 0] checkpoint step 8: ", "[node2] [rank 1] checkpoint step 8: "

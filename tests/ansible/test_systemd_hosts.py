@@ -42,10 +42,21 @@ IMAGE = "torch-multinode/sim-systemd:test"
 CERTS = "/etc/torch-multinode/registry"
 # What a container needs for systemd as its PID 1 here (no --privileged: see ENVIRONMENT.md).
 SYSTEMD_OPTIONS = [
-    "--cap-add", "ALL", "--cap-drop", "SYS_RESOURCE",
-    "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
-    "--cgroupns", "private", "--tmpfs", "/run", "--tmpfs", "/run/lock",
-]  # fmt: skip
+    "--cap-add",
+    "ALL",
+    "--cap-drop",
+    "SYS_RESOURCE",
+    "--security-opt",
+    "seccomp=unconfined",
+    "--security-opt",
+    "apparmor=unconfined",
+    "--cgroupns",
+    "private",
+    "--tmpfs",
+    "/run",
+    "--tmpfs",
+    "/run/lock",
+]
 # The units a provisioned node runs (ufw's is a one-shot that loads the rules at boot).
 NODE_UNITS = ["ssh", "docker", "munge", "slurmctld", "slurmd"]
 
@@ -86,9 +97,20 @@ def booted(sim_factory, image: str, hostname: str, docker_volume: bool = False) 
     sim.docker("network", "create", "--subnet", config.subnet, network)
     try:
         sim.docker(
-            "run", "-d", "--name", name, "--hostname", hostname, "--network", network,
-            "--ip", address, *SYSTEMD_OPTIONS, *mounts, image,
-        )  # fmt: skip
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--hostname",
+            hostname,
+            "--network",
+            network,
+            "--ip",
+            address,
+            *SYSTEMD_OPTIONS,
+            *mounts,
+            image,
+        )
         wait_for_boot(name)
         yield config, name, address
     finally:
@@ -329,11 +351,21 @@ def _bootstrap_on_a_systemd_node(config, name: str, address: str, tmp_path) -> N
 
     done = subprocess.run(
         [
-            str(VENV_BIN / "cluster"), "bootstrap", "-i", str(inventory),
-            "--fingerprints", str(fingerprints), "--password-stdin", "--disable-password-login",
+            str(VENV_BIN / "cluster"),
+            "bootstrap",
+            "-i",
+            str(inventory),
+            "--fingerprints",
+            str(fingerprints),
+            "--password-stdin",
+            "--disable-password-login",
         ],
-        input=password + "\n", capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        input=password + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SSH password login off (" in done.stdout, done.stdout
     assert password not in done.stdout + done.stderr

@@ -296,9 +296,15 @@ def test_the_pickled_trace_torch_writes_on_a_timeout_is_read_and_nothing_else_un
 def test_a_local_job_whose_collective_timed_out_names_the_mismatch_in_its_summary(tmp_path):
     (tmp_path / "timed_out.py").write_text(TIMED_OUT)
     done = run_cli(
-        "train", "--script", str(tmp_path / "timed_out.py"), "--workdir", str(tmp_path),
-        "--nproc-per-node", "2", timeout=300,
-    )  # fmt: skip
+        "train",
+        "--script",
+        str(tmp_path / "timed_out.py"),
+        "--workdir",
+        str(tmp_path),
+        "--nproc-per-node",
+        "2",
+        timeout=300,
+    )
     output = done.stdout + done.stderr
     run_dir = re.search(r"^Run directory: (\S+)", done.stdout, re.M)
     if run_dir:

@@ -234,8 +234,15 @@ def test_a_run_of_a_project_outside_git_cannot_be_run_again_and_says_why(tmp_pat
 def test_env_values_never_reach_the_recorded_command():
     argv = ["-i", "c.yml", "--env", "HF_TOKEN=abc MODE", "--env=KEY=xyz", "--", "--env", "A=1"]
     assert record.redacted(argv) == [
-        "-i", "c.yml", "--env", "HF_TOKEN MODE", "--env=KEY", "--", "--env", "A=1",
-    ]  # fmt: skip
+        "-i",
+        "c.yml",
+        "--env",
+        "HF_TOKEN MODE",
+        "--env=KEY",
+        "--",
+        "--env",
+        "A=1",
+    ]
 
 
 def test_the_record_names_the_env_variables_never_their_values_and_each_nodes_ranks(tmp_path):

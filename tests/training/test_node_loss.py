@@ -75,10 +75,24 @@ def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uni
     directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
     out = f"/shared/{uuid.uuid4().hex}/model.pt"
     process = start(
-        "--nnodes", "2", "--restarts", "1", "--restart-wait", "10",
-        "--", *TINY, *CHECKPOINTING, "--checkpoint-dir", directory, "--log-every", "1",
-        "--step-delay", "0.3", "--out", out,
-    )  # fmt: skip
+        "--nnodes",
+        "2",
+        "--restarts",
+        "1",
+        "--restart-wait",
+        "10",
+        "--",
+        *TINY,
+        *CHECKPOINTING,
+        "--checkpoint-dir",
+        directory,
+        "--log-every",
+        "1",
+        "--step-delay",
+        "0.3",
+        "--out",
+        out,
+    )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))
     first = run_id_in(seen)
     output = kill_node(process, sim3.config.container(2))
@@ -118,9 +132,17 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
     directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
     job = [*THREE, "--steps", str(STEPS), "--checkpoint-every", "5", "--checkpoint-dir", directory]
     process = start(
-        "--restarts", "1", "--restart-wait", "10", "--min-nodes", "2",
-        "--", *job, "--step-delay", "0.3",
-    )  # fmt: skip
+        "--restarts",
+        "1",
+        "--restart-wait",
+        "10",
+        "--min-nodes",
+        "2",
+        "--",
+        *job,
+        "--step-delay",
+        "0.3",
+    )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))  # step 10 saved everywhere
     first = run_id_in(seen)
     output = kill_node(process, sim3.config.container(3))  # and left dead
