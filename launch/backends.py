@@ -9,21 +9,19 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
-from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
+from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, UserError
 from torch_multinode.cluster.execution import Nodes, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.launch import staging, stop
 from torch_multinode.launch.ending import bring_back, summary
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.local import run_local
-from torch_multinode.launch.nodes import nproc_for
-from torch_multinode.launch.record import last_step_number
-from torch_multinode.launch.restarts import survivors, wait_for_nodes
+from torch_multinode.launch.restarts import LostNodes, wait_for_nodes
 from torch_multinode.launch.running import RunningJob
-from torch_multinode.launch.slurm import SlurmAttempt
+from torch_multinode.launch.slurm import SlurmAttempt, cancel
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, Emit, JobResult, JobSpec, NodeOutcome
 from torch_multinode.launch.staging import Project
 
@@ -59,9 +57,9 @@ class Backend(Protocol):
         """Where the job's logs and run directory are, once it is over."""
 
 
-class _OnNodes:
+class _OnNodes(LostNodes):
     """What the SSH and Slurm backends share: the master's run directory brought back after
-    each run, and the nodes' summary."""
+    each run, the nodes' summary, and what a restart does with a lost node (LostNodes)."""
 
     inventory: Inventory
     spec: JobSpec
@@ -86,9 +84,7 @@ class _OnNodes:
 @dataclass
 class SshBackend(_OnNodes):
     """One SSH session per node (launch.job); a restart waits for every node to answer again
-    and stops whatever the failed run left. With `spares` (inventory hosts the job does not
-    use) or `min_nodes` below the job's node count, a node still silent after the wait is
-    replaced by a spare, or dropped while at least `min_nodes` remain (restarts.survivors)."""
+    and stops whatever the failed run left; a node lost for good: see LostNodes."""
 
     inventory: Inventory
     spec: JobSpec
@@ -107,21 +103,11 @@ class SshBackend(_OnNodes):
             self.project = staging.plan(
                 self.inventory, spec.script, spec.workdir, spec.workdir_limit
             )
-        count = len(self.inventory.hosts)
-        self.min_nodes = count if self.min_nodes is None else self.min_nodes
-        self.planned_world = sum(nproc_for(host, self.spec) for host in self.inventory.hosts)
-        self.nodes_changed: list[str] = []
+        lost = self._lost_nodes_policy()
         wait = f"--restart-wait {self.restart_wait:g} s"
-        if self.min_nodes < count or self.spares:
-            spare = f"a spare of {len(self.spares)} in a lost node's place" if self.spares else ""
-            fewer = f"at least {self.min_nodes} of {count} nodes" if self.min_nodes < count else ""
-            self.restart_note = (
-                f"each on the nodes that answer within {wait} ("
-                + "; ".join(filter(None, [spare, fewer]))
-                + ")"
-            )
-        else:
-            self.restart_note = f"each once every node answers again ({wait})"
+        self.restart_note = (
+            f"each on {lost}" if lost else f"each once every node answers again ({wait})"
+        )
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
         launcher = Launcher(self.inventory, spec, self.emit, project=self.project, nodes=self.nodes)
@@ -136,31 +122,14 @@ class SshBackend(_OnNodes):
     def before_restart(
         self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
     ) -> JobSpec:
-        inventory = self.inventory
-        flexible = self.min_nodes < len(inventory.hosts) or self.spares
         self.emit(
             f"[launcher] restart {restart} of {restarts}: waiting up to {self.restart_wait:g} s "
-            + ("for the nodes to answer..." if flexible else "for every node to answer...")
+            + ("for the nodes to answer..." if self.flexible else "for every node to answer...")
         )
-        if flexible:
-            step = last_step_number(failed.log_dir)
-            after = f" after step {step}" if step is not None else ""
-            found = survivors(
-                inventory,
-                list(self.spares),
-                self.min_nodes,
-                self.restart_wait,
-                self.emit,
-                self.nodes,
-                after=f" at restart {restart}{after}",
-            )
-            waited = found.waited
-            for change in found.changes:
-                self.emit(f"[launcher] {change}")
-            self.nodes_changed += found.changes
-            self.spares = tuple(found.spares)
-            inventory = replace(inventory, hosts=tuple(found.hosts))
+        if self.flexible:
+            inventory, waited = self._survivors(failed, restart)
         else:
+            inventory = self.inventory
             waited = wait_for_nodes(inventory, self.restart_wait, self.emit, self.nodes)
         left = RunningJob(
             failed,
@@ -172,29 +141,16 @@ class SshBackend(_OnNodes):
         )
         stop.everywhere(left, inventory.master)  # what the failed run left on a node cut off
         self.inventory = inventory
-        world = sum(nproc_for(host, first) for host in inventory.hosts)
-        attempt = replace(
-            first,
-            run_id=f"{first.run_id}-r{restart}",
-            planned_world=self.planned_world if world != self.planned_world else None,
-        )
-        answers = "every node answers" if not self.nodes_changed else "the nodes answer"
-        self.emit(
-            f"[launcher] job {attempt.run_id}: {answers} (waited {waited:.0f} s); "
-            f"restart {restart} of {restarts}"
-            + (
-                f" on {len(inventory.hosts)} node(s), keeping the first run's world of "
-                f"{self.planned_world} process(es)"
-                if attempt.planned_world
-                else ""
-            )
-        )
+        attempt = self._next_spec(first, restart)
+        self._said_restart(attempt, restart, restarts, waited)
         return attempt
 
 
 @dataclass
 class SlurmBackend(_OnNodes):
-    """One batch job (launch.slurm); a restart requeues it: the same Slurm job runs again."""
+    """One batch job (launch.slurm); a restart requeues it: the same Slurm job runs again. A
+    node lost for good (see LostNodes; a node whose slurmd does not run counts as silent): the
+    job is cancelled and a new one submitted on the nodes the restart runs on."""
 
     inventory: Inventory
     spec: JobSpec
@@ -203,10 +159,16 @@ class SlurmBackend(_OnNodes):
     nodes: Nodes | None = None
     job_id: str | None = None  # once submitted
     started: Callable[[], None] = _nothing
-    restart_note = "each a requeue of the job in Slurm"
+    restart_wait: float = DEFAULT_RESTART_WAIT
+    spares: tuple[Host, ...] = ()
+    min_nodes: int | None = None  # None: every node of the job
 
     def __post_init__(self) -> None:
         self.nodes = self.nodes or SshNodes(self.inventory)
+        lost = self._lost_nodes_policy()
+        self.restart_note = "each a requeue of the job in Slurm" + (
+            f", or a new job on {lost} once a node is lost" if lost else ""
+        )
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
         run = SlurmAttempt(
@@ -214,7 +176,9 @@ class SlurmBackend(_OnNodes):
         )
         self.started()
         try:
-            return run.run()
+            result = run.run()
+            result.nodes_changed = tuple(self.nodes_changed)
+            return result
         finally:
             self.job_id, self.project = run.job_id, run.project
 
@@ -224,6 +188,28 @@ class SlurmBackend(_OnNodes):
     def before_restart(
         self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
     ) -> JobSpec:
+        if self.flexible:
+            self.emit(
+                f"[launcher] restart {restart} of {restarts}: waiting up to "
+                f"{self.restart_wait:g} s for the nodes to answer..."
+            )
+            controller = self.inventory.master
+            inventory, waited = self._survivors(failed, restart)
+            if inventory.hosts != self.inventory.hosts:
+                if controller.name not in {host.name for host in inventory.hosts}:
+                    raise UserError(
+                        f"{controller.name} runs Slurm's controller (slurmctld) and is lost: "
+                        "Slurm cannot run the job on the other nodes without it",
+                        hint=f"bringing {controller.name} back, then running the job again "
+                        "(it resumes from its checkpoints)",
+                        exit_code=1,
+                    )
+                self.emit(f"[launcher] cancelling Slurm job {self.job_id} (it holds a lost node)")
+                cancel(self.nodes, controller, self.job_id)
+                self.job_id, self.inventory = None, inventory
+                attempt = self._next_spec(first, restart)
+                self._said_restart(attempt, restart, restarts, waited)
+                return attempt
         self.emit(
             f"[launcher] restart {restart} of {restarts}: requeueing Slurm job {self.job_id}..."
         )
@@ -282,11 +268,20 @@ def backend_for(
     min_nodes: int | None = None,
 ) -> Backend:
     """The backend an inventory asks for: none (this machine), `scheduler: slurm`, or SSH;
-    `started` is called as each run has begun; `spares` and `min_nodes`: see SshBackend."""
+    `started` is called as each run has begun; `spares` and `min_nodes`: see LostNodes."""
     if inventory is None:
         return LocalBackend(emit, started=started)
     if inventory.scheduler == "slurm":
-        return SlurmBackend(inventory, spec, emit, project, started=started)
+        return SlurmBackend(
+            inventory,
+            spec,
+            emit,
+            project,
+            started=started,
+            restart_wait=restart_wait,
+            spares=spares,
+            min_nodes=min_nodes,
+        )
     return SshBackend(
         inventory,
         spec,

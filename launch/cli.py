@@ -268,9 +268,8 @@ def _on_nodes(
     whole = inventory_module.load(args.inventory, args.group)
     inventory = whole.first(args.nnodes)
     restarts.check_min_nodes(args.min_nodes, args.restarts, inventory)
-    # The inventory's hosts the job does not use: a lost node's place, on a restart over SSH
-    flexible = args.restarts and inventory.scheduler != "slurm"
-    spares = whole.hosts[len(inventory.hosts) :] if flexible else ()
+    # The inventory's hosts the job does not use: a lost node's place, on a restart
+    spares = whole.hosts[len(inventory.hosts) :] if args.restarts else ()
     master = inventory.master
     fitted = None  # the workload's batch against the world size: every node's processes
     if args.script is None:

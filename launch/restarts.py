@@ -1,13 +1,15 @@
 """The restart policy, in one place: a failed run (exit 1) is run again, up to RESTARTS times,
 once its backend has the next run ready (launch.backends); over SSH that means every node
 answers again (wait_for_nodes), or, with spares or MIN_NODES below the job's node count, the
-nodes that answer within the wait, a spare in each lost node's place (survivors)."""
+nodes that answer within the wait, a spare in each lost node's place (survivors); under Slurm a
+requeue of the same job, or with spares or MIN_NODES, once a node is lost (its slurmd silent
+too), a new job on the survivors."""
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from torch_multinode.cluster.errors import UserError, positive_number, whole_number
@@ -15,6 +17,8 @@ from torch_multinode.cluster.execution import Nodes, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
 from torch_multinode.launch.commands import link_probe_command
+from torch_multinode.launch.nodes import nproc_for
+from torch_multinode.launch.record import last_step_number
 from torch_multinode.launch.spec import (
     DEFAULT_RESTART_WAIT,
     RESTART_POLL,
@@ -85,12 +89,6 @@ def check_min_nodes(min_nodes: int | None, restarts: int, inventory: Inventory) 
             f"--min-nodes={min_nodes} (MIN_NODES) acts on a restart, and --restarts is 0",
             hint="RESTARTS=1 or more",
         )
-    if inventory.scheduler == "slurm" and min_nodes < count:
-        raise UserError(
-            f"--min-nodes={min_nodes} (MIN_NODES) is for SSH jobs: under Slurm a restart "
-            "requeues the same allocation",
-            hint=f"MIN_NODES={count}, or an inventory without 'scheduler: slurm'",
-        )
 
 
 def answering(
@@ -109,11 +107,14 @@ def answering(
     missing = {host.name: host for host in hosts}
     silent: dict[str, str] = {}  # host name -> why its last probe failed
     # A node that booted again answers over SSH a moment before its Docker engine does.
-    command = (
-        "docker info >/dev/null 2>&1 || { echo 'its Docker engine does not answer yet'; exit 1; }"
-        if inventory.launch_mode == "container"
-        else "true"
-    )
+    checks = ["true"]
+    if inventory.launch_mode == "container":
+        checks.append(
+            "docker info >/dev/null 2>&1 || { echo 'its Docker engine does not answer yet'; exit 1; }"
+        )
+    if inventory.scheduler == "slurm":  # Slurm takes a node back once its slurmd registers
+        checks.append("pgrep -x slurmd >/dev/null || { echo 'its slurmd does not run'; exit 1; }")
+    command = " && ".join(checks)
 
     def probe(host: Host) -> str | None:
         try:
@@ -242,6 +243,82 @@ def survivors(
             f"{len(hosts)} nodes (--min-nodes {min_nodes})"
         )
     return Survivors(chosen, left, changes, waited)
+
+
+class LostNodes:
+    """What a restart does with a node lost for good, for the SSH and Slurm backends: with
+    `spares` (inventory hosts the job does not use) or `min_nodes` below the job's node count, a
+    node still silent after the wait is replaced by a spare, or dropped while at least
+    `min_nodes` remain (survivors), the next run keeping the first run's world size."""
+
+    inventory: Inventory
+    spec: JobSpec
+    emit: Emit
+    nodes: Nodes | None
+    restart_wait: float
+    spares: tuple[Host, ...]
+    min_nodes: int | None
+
+    def _lost_nodes_policy(self) -> str:
+        """Set up once; the restart note's part about lost nodes ("" when a restart waits for
+        every node of the job)."""
+        count = len(self.inventory.hosts)
+        self.min_nodes = count if self.min_nodes is None else self.min_nodes
+        self.planned_world = sum(nproc_for(host, self.spec) for host in self.inventory.hosts)
+        self.nodes_changed: list[str] = []
+        self.flexible = self.min_nodes < count or bool(self.spares)
+        if not self.flexible:
+            return ""
+        spare = f"a spare of {len(self.spares)} in a lost node's place" if self.spares else ""
+        fewer = f"at least {self.min_nodes} of {count} nodes" if self.min_nodes < count else ""
+        return (
+            f"the nodes that answer within --restart-wait {self.restart_wait:g} s ("
+            + "; ".join(filter(None, [spare, fewer]))
+            + ")"
+        )
+
+    def _survivors(self, failed: JobSpec, restart: int) -> tuple[Inventory, float]:
+        """The job's nodes for restart `restart`, lost ones replaced or dropped and said; the
+        seconds the wait took."""
+        step = last_step_number(failed.log_dir)
+        after = f" after step {step}" if step is not None else ""
+        found = survivors(
+            self.inventory,
+            list(self.spares),
+            self.min_nodes,
+            self.restart_wait,
+            self.emit,
+            self.nodes,
+            after=f" at restart {restart}{after}",
+        )
+        for change in found.changes:
+            self.emit(f"[launcher] {change}")
+        self.nodes_changed += found.changes
+        self.spares = tuple(found.spares)
+        return replace(self.inventory, hosts=tuple(found.hosts)), found.waited
+
+    def _next_spec(self, first: JobSpec, restart: int) -> JobSpec:
+        """The next run's spec: its own run ID and, on another world size than the first run's,
+        that world (TMN_PLANNED_WORLD_SIZE: the workloads keep its global batch)."""
+        world = sum(nproc_for(host, first) for host in self.inventory.hosts)
+        return replace(
+            first,
+            run_id=f"{first.run_id}-r{restart}",
+            planned_world=self.planned_world if world != self.planned_world else None,
+        )
+
+    def _said_restart(self, attempt: JobSpec, restart: int, restarts: int, waited: float) -> None:
+        answers = "every node answers" if not self.nodes_changed else "the nodes answer"
+        self.emit(
+            f"[launcher] job {attempt.run_id}: {answers} (waited {waited:.0f} s); "
+            f"restart {restart} of {restarts}"
+            + (
+                f" on {len(self.inventory.hosts)} node(s), keeping the first run's world of "
+                f"{self.planned_world} process(es)"
+                if attempt.planned_world
+                else ""
+            )
+        )
 
 
 def run_with_restarts(

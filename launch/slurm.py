@@ -15,7 +15,8 @@ Each node's part writes its output to a file on that node, which the launcher fo
 with the node's prefix, and ends with its exit status, which the follower exits with: the
 summary and exit code are the SSH launcher's. Ctrl-C or SIGTERM cancels the job (scancel) and
 stops whatever it left on any node (a container outlives its `docker run`). RESTARTS=N requeues
-the job in Slurm (scontrol requeue): the same job ID runs again, on the same nodes.
+the job in Slurm (scontrol requeue): the same job ID runs again, on the same nodes; once a node
+is lost for good, with a spare or MIN_NODES (launch.backends), a new job on the nodes left.
 
 Here: one run of it (SlurmAttempt); launch.backends' SlurmBackend runs it again. The batch
 script, its paths and the follower are launch.slurm_script's; reading Slurm's answers is
@@ -30,7 +31,7 @@ import time
 
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes
-from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.launch import stop
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.job import Launcher
@@ -142,16 +143,8 @@ class SlurmAttempt(Launcher):
             time.sleep(START_POLL if where is None or where[0] == 1 else POLL)
 
     def _cancel(self) -> None:
-        """scancel, then until Slurm has it ended (at most a few seconds)."""
-        if self.job_id is None:
-            return
-        self.nodes.run(self.inventory.master, f"scancel {self.job_id}", SLURM_TIMEOUT)
-        deadline = time.monotonic() + SLURM_TIMEOUT
-        while time.monotonic() < deadline:
-            state = self._look()
-            if state is None or state.ended:
-                return
-            time.sleep(0.5)
+        if self.job_id is not None:
+            cancel(self.nodes, self.inventory.master, self.job_id)
 
     def _watch_state(self) -> None:
         """Until the job ends in Slurm's eyes. The nodes' followers then have a moment to
@@ -259,3 +252,16 @@ class SlurmAttempt(Launcher):
                 self._cancel()  # a restart requeues the job instead
             self._stop_everywhere(master)  # a container outlives its `docker run`
         return self._wind_down(runners, started, interrupted, terminated)
+
+
+def cancel(nodes: Nodes, master: Host, job_id: str) -> None:
+    """scancel job `job_id` on `master`, then until Slurm has it ended (at most a few
+    seconds)."""
+    nodes.run(master, f"scancel {job_id}", SLURM_TIMEOUT)
+    deadline = time.monotonic() + SLURM_TIMEOUT
+    while time.monotonic() < deadline:
+        answer = nodes.run(master, f"scontrol show job -o {job_id}", SLURM_TIMEOUT)
+        state = parse_job(answer.stdout) if answer.ok else None
+        if state is None or state.ended:
+            return
+        time.sleep(0.5)

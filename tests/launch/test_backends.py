@@ -10,6 +10,7 @@ import pytest
 from tests.fakes import FakeNodes
 from tests.helpers import inventory, inventory_text, node
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, UserError
+from torch_multinode.cluster.execution import Result
 from torch_multinode.launch import backends, cli
 from torch_multinode.launch.backends import (
     Backend,
@@ -165,39 +166,95 @@ def test_without_min_nodes_or_spares_a_restart_waits_for_every_node_as_before():
 
 
 @pytest.mark.parametrize(
-    ("extra", "slurm", "error"),
+    ("extra", "error"),
     [
         (
             ["--restarts", "1", "--min-nodes", "3", "--nnodes", "2"],
-            False,
             "Error: --min-nodes=3 (MIN_NODES) but the job runs on 2 node(s) (try MIN_NODES=2 "
             "or fewer)",
         ),
         (
             ["--min-nodes", "2"],
-            False,
             "Error: --min-nodes=2 (MIN_NODES) acts on a restart, and --restarts is 0 (try "
             "RESTARTS=1 or more)",
         ),
-        (
-            ["--restarts", "1", "--min-nodes", "1", "--nnodes", "2"],
-            True,
-            "Error: --min-nodes=1 (MIN_NODES) is for SSH jobs: under Slurm a restart requeues "
-            "the same allocation (try MIN_NODES=2, or an inventory without 'scheduler: slurm')",
-        ),
     ],
-    ids=["above-the-job", "no-restarts", "slurm"],
+    ids=["above-the-job", "no-restarts"],
 )
+@pytest.mark.parametrize("scheduler", ["ssh", "slurm"])
 def test_min_nodes_the_job_cannot_honour_is_refused_before_any_node_is_touched(
-    tmp_path, capsys, extra, slurm, error
+    tmp_path, capsys, extra, error, scheduler
 ):
     hosts = {f"n{i}": node(i) for i in (1, 2, 3)}
     path = tmp_path / "inv.yml"
-    path.write_text(
-        inventory_text(hosts, launch_mode="host", **({"scheduler": "slurm"} if slurm else {}))
-    )
+    path.write_text(inventory_text(hosts, launch_mode="host", scheduler=scheduler))
     assert cli.main(["-i", str(path), *extra]) == 2
     assert capsys.readouterr().err.strip() == error
+
+
+def _slurm_job(down: set[str], quiet: set[str] = frozenset(), spares: int = 0, **policy):
+    """A Slurm backend on 3 hosts (n1 runs slurmctld), the last `spares` of them spares, whose
+    job 7 ran once; `down` do not answer at all, `quiet` answer but their slurmd does not run."""
+    hosts = {f"n{i}": node(i) for i in (1, 2, 3)}
+    whole = inventory(hosts, launch_mode="host", scheduler="slurm")
+    job = whole.first(3 - spares)
+    policy["spares"] = whole.hosts[3 - spares :]
+
+    def respond(host, command):
+        if "pgrep -x slurmd" in command and host.name in quiet:
+            return Result(host.name, command, 1, "its slurmd does not run\n", "")
+        if command.startswith("scontrol show job"):
+            return "JobId=7 JobState=CANCELLED Reason=None NodeList=n[1-3]\n"
+        return ""
+
+    said: list[str] = []
+    backend = backend_for(job, JobSpec(run_id="j"), said.append, PROJECT, 0.05, **policy)
+    backend.nodes = FakeNodes(list(whole.hosts), down=set(down), responder=respond)
+    backend.job_id = "7"
+    return backend, said
+
+
+def test_under_slurm_a_node_lost_for_good_ends_the_job_and_a_new_one_runs_on_the_survivors():
+    backend, said = _slurm_job(set(), quiet={"n3"}, min_nodes=2)
+    assert backend.restart_note == (
+        "each a requeue of the job in Slurm, or a new job on the nodes that answer within "
+        "--restart-wait 0.05 s (at least 2 of 3 nodes) once a node is lost"
+    )
+    attempt = backend.before_restart(JobSpec(run_id="j"), JobSpec(run_id="j"), 1, 1)
+    assert [host.name for host in backend.inventory.hosts] == ["n1", "n2"]
+    assert (attempt.run_id, attempt.planned_world) == ("j-r1", 3)
+    assert backend.job_id is None and backend.can_restart() is False  # the next run submits
+    assert ("n1", "scancel 7") in backend.nodes.commands  # on the node that runs slurmctld
+    assert backend.nodes_changed == [
+        "n3 lost at restart 1: dropped",
+        "continuing on n1, n2: 2 of 3 nodes (--min-nodes 2)",
+    ]
+    assert "[launcher] cancelling Slurm job 7 (it holds a lost node)" in said
+
+
+def test_under_slurm_a_spare_takes_a_lost_nodes_place_in_the_new_job():
+    backend, said = _slurm_job({"n2"}, spares=1)
+    attempt = backend.before_restart(JobSpec(run_id="j"), JobSpec(run_id="j"), 1, 1)
+    assert [host.name for host in backend.inventory.hosts] == ["n1", "n3"]
+    assert attempt.planned_world is None  # the same world: a spare of the same shape
+    assert backend.nodes_changed == ["n2 lost at restart 1: replaced by spare n3"]
+
+
+def test_under_slurm_every_node_back_is_a_requeue_and_a_lost_controller_is_named():
+    backend, said = _slurm_job(set(), min_nodes=2)
+    assert backend.before_restart(JobSpec(run_id="j"), JobSpec(run_id="j"), 1, 1).run_id == "j"
+    assert (
+        backend.job_id == "7" and said[-1] == "[launcher] restart 1 of 1: requeueing Slurm job 7..."
+    )
+    assert not [command for _, command in backend.nodes.commands if "scancel" in command]
+
+    backend, _ = _slurm_job({"n1"}, min_nodes=2)
+    with pytest.raises(UserError) as caught:
+        backend.before_restart(JobSpec(run_id="j"), JobSpec(run_id="j"), 1, 1)
+    assert str(caught.value) == (
+        "n1 runs Slurm's controller (slurmctld) and is lost: Slurm cannot run the job on the "
+        "other nodes without it"
+    )
 
 
 @pytest.mark.parametrize(
