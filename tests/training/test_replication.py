@@ -156,6 +156,12 @@ def test_each_directory_fetches_what_it_lacks_from_the_lowest_that_holds_it():
         "rank-00002.pt",
     ]
     assert plan[(1, 2)] == ["__1_0.distcp", "rank-00001.pt"]
+    # At the world size it was saved at (no resharding) a directory fetches only what its own
+    # ranks load: a spare in node-2's place gets rank 2's files, the index and the manifest.
+    ranks = {0: (0,), 1: (1,), 2: (2,)}
+    assert replicate.transfers(held, NEEDED, ranks) == {
+        (0, 2): [".metadata", "__2_0.distcp", "manifest.pt", "rank-00002.pt"]
+    }
     assert replicate.transfers({0: set(NEEDED), 1: set(NEEDED)}, NEEDED) == {}
 
 

@@ -76,12 +76,19 @@ def usable_step(held: dict[int, dict[int, set[str]]], needed: dict[int, list[str
     return None
 
 
-def transfers(held: dict[int, set[str]], needed: list[str]) -> dict[tuple[int, int], list[str]]:
+def transfers(
+    held: dict[int, set[str]], needed: list[str], ranks: dict[int, tuple[int, ...]] | None = None
+) -> dict[tuple[int, int], list[str]]:
     """(source, destination) -> the files the destination lacks, each from the lowest directory
-    that holds it. held: directory -> the files it holds of the step."""
+    that holds it. held: directory -> the files it holds of the step. With `ranks` (directory
+    -> its ranks: a resume at the world size the step was saved at, no resharding) a directory
+    wants only the files its ranks load: theirs, the index and the manifest."""
     plan: dict[tuple[int, int], list[str]] = {}
     for destination in sorted(held):
-        for name in sorted(needed):
+        wanted = needed
+        if ranks is not None:
+            wanted = [n for n in needed if writer(n) is None or writer(n) in ranks[destination]]
+        for name in sorted(wanted):
             if name not in held[destination]:
                 source = min(d for d in held if name in held[d])
                 plan.setdefault((source, destination), []).append(name)
@@ -298,14 +305,15 @@ class Replication:
             lowest.update(dict.fromkeys(held[owner], owner))
         listed = None
         if layout.owner:
-            listed = {
-                s: [*store._manifest(s)["files"], dcp.MANIFEST]
-                for s, o in lowest.items()
-                if o == env.rank
-            }
-        needed = {}
+            listed = {}
+            for s, o in lowest.items():
+                if o == env.rank:
+                    manifest = store._manifest(s)
+                    listed[s] = ([*manifest["files"], dcp.MANIFEST], manifest["world_size"])
+        needed, world = {}, {}
         for found in parallel.all_gather(listed, env):
-            needed.update(found or {})
+            for s, (files, size) in (found or {}).items():
+                needed[s], world[s] = files, size
         if not needed:
             return
         for owner in [ranks[0] for ranks in self.ring]:
@@ -313,7 +321,11 @@ class Replication:
         step = usable_step(held, needed)
         if step is None:
             raise self._incomplete(max(needed), held, needed[max(needed)])
-        plan = transfers({o: steps.get(step, set()) for o, steps in held.items()}, needed[step])
+        # At the saved world size each directory needs its own ranks' files only.
+        ranks = {r[0]: r for r in self.ring} if world[step] == env.world_size else None
+        plan = transfers(
+            {o: steps.get(step, set()) for o, steps in held.items()}, needed[step], ranks
+        )
         if not plan:
             return
         self._fetch(step, plan, step in held.get(env.rank, {}))
