@@ -17,7 +17,7 @@ import pytest
 
 from tests.training.conftest import LOOPBACK, free_port, run_command
 from tests.training.references import SMALL, STEPS, progress
-from torch_multinode.training.checkpointing import replicate
+from torch_multinode.training.checkpointing import replicate, transfer
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
 
 pytestmark = pytest.mark.xdist_group("fsdp")
@@ -168,12 +168,12 @@ def test_each_directory_fetches_what_it_lacks_from_the_lowest_that_holds_it():
 def test_a_received_file_takes_its_name_only_once_complete(tmp_path):
     target = tmp_path / "__1_0.distcp"
     target.write_bytes(b"old")
-    cut = replicate.AtomicFile(target)
+    cut = transfer.AtomicFile(target)
     cut.write(b"half of")
     assert target.read_bytes() == b"old"  # a half-received file never takes the name
     cut.abort()
     assert [p.name for p in tmp_path.iterdir()] == ["__1_0.distcp"]
-    whole = replicate.AtomicFile(target)
+    whole = transfer.AtomicFile(target)
     whole.write(b"new ")
     whole.write(b"bytes")
     whole.commit()
@@ -182,15 +182,15 @@ def test_a_received_file_takes_its_name_only_once_complete(tmp_path):
 
 
 def test_the_stream_of_files_arrives_whole_and_an_absent_file_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr(replicate, "CHUNK", 4)
+    monkeypatch.setattr(transfer, "CHUNK", 4)
     source, target = tmp_path / "from", tmp_path / "to"
     source.mkdir()
     target.mkdir()
     (source / "a").write_bytes(b"0123456789")
     (source / "b").write_bytes(b"")
     failed: list[str] = []
-    outgoing = replicate.sending(source, ["a", "b", "c"])
-    incoming = replicate.receiving(target, ["a", "b", "c"], failed)
+    outgoing = transfer.sending(source, ["a", "b", "c"])
+    incoming = transfer.receiving(target, ["a", "b", "c"], failed)
     pieces = 0
     for buffer in incoming:  # what the gloo group carries, one tensor at a time
         buffer.copy_(next(outgoing))
