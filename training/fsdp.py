@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
-from torch_multinode.training.checkpointing import checkpoint
+from torch_multinode.training.checkpointing import checkpoint, replicate
 from torch_multinode.training.checkpointing.dcp import Checkpoints, agree
 from torch_multinode.training.ddp import save_model
 from torch_multinode.training.distributed import parallel
@@ -316,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         store = Checkpoints(
             Path(config.checkpoint.checkpoint_dir), env, config.checkpoint.keep, node
         )
+        if config.checkpoint.replicate and env.launched:
+            store.replication = replicate.Replication(
+                store, config.checkpoint.replication_mbps, config.run.collective_timeout
+            )
         resumed, own = store.resume(model, optimizer, config.checkpoint.resume, info)
         start_step = resumed or 0
         if own is not None:
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     result = train(config, env, model, optimizer, source, numerics, store, start_step, info)
+    if store is not None and store.replication is not None:
+        store.replication.wait()  # the last checkpoint's copy
     finish(config, env, model, shape, source, result, start_step, numerics, export)
     return 0
 
@@ -404,6 +410,8 @@ def train(config, env, model, optimizer, source, numerics, store, start_step, in
             time.sleep(run.step_delay)
             clock.start()
         if config.checkpoint.stop_after_step == done:
+            if store is not None and store.replication is not None:
+                store.replication.wait()
             parallel.barrier(env)
             console.say(
                 env, f"stopping after step {done} (--stop-after-step): exit {STOP_EXIT_CODE}"

@@ -1,6 +1,7 @@
 """training.fsdp on this machine: FSDP2 on 2 ranks equals one plain process, resumes exactly,
 reshards 2 -> 1 and 1 -> 2 from a directory every rank sees, refuses to reshard from node-local
-disks, holds about half a replica per rank, and exports a model a plain process loads.
+disks without replicas (test_replication.py: with them), holds about half a replica per rank,
+and exports a model a plain process loads.
 
 Tolerance: 2 ranks against one plain process, fp32, 20 steps of AdamW: every parameter within
 1e-5 (measured: 2.2e-7; the ranks' gradient sums round differently). A resume at the same world
@@ -220,7 +221,8 @@ def test_node_local_checkpoints_resume_at_their_world_size_and_refuse_to_reshard
     straight, tmp_path
 ):
     _, uninterrupted = straight
-    first, second = two_nodes(tmp_path, "--stop-after-step", "10")
+    # Without replicas (--no-replicate): each disk holds only its own node's files.
+    first, second = two_nodes(tmp_path, "--stop-after-step", "10", "--no-replicate")
     assert f"exitcode  : {STOP_EXIT_CODE}" in first.stderr, first.explain()
     assert first.lines("checkpoint step 10 written") == [
         f"checkpoint step 10 written to {tmp_path / 'disk-0'}/step-00000010 (node-local "
@@ -250,7 +252,7 @@ def test_node_local_checkpoints_resume_at_their_world_size_and_refuse_to_reshard
     ]
 
     # The same two nodes resume, each from its own disk, and end where the straight run does.
-    first, second = two_nodes(tmp_path)
+    first, second = two_nodes(tmp_path, "--no-replicate")
     assert first.returncode == second.returncode == 0, first.explain() + second.explain()
     assert first.lines("resuming from") == [
         "resuming from step 10, the newest step every rank has (rank 0 has 5, 10; rank 1 has 5, 10)"

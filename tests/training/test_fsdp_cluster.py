@@ -119,7 +119,8 @@ def test_a_run_saved_on_two_nodes_in_shared_storage_resumes_on_one(provisioned, 
 
 def test_node_local_checkpoints_are_not_resharded(provisioned):
     directory = f"fsdp-local-{uuid.uuid4().hex[:8]}"
-    args = _args("--checkpoint-dir", directory).replace("--steps 20", "--steps 10")
+    args = _args("--checkpoint-dir", directory, "--no-replicate")
+    args = args.replace("--steps 20", "--steps 10")
     first = _train(provisioned, args)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "(node-local disks: each node holds its own ranks' shards)" in first.stdout

@@ -143,6 +143,7 @@ class Layout:
     rank: int
     visible: tuple[int, ...]  # the ranks whose files this rank sees in its directory
     nodes: tuple[str, ...]  # every rank's node, by rank
+    seen: tuple[tuple[int, ...], ...] = ()  # every rank's `visible`, by rank
 
     @property
     def owner(self) -> bool:
@@ -156,6 +157,7 @@ class Checkpoints:
     def __init__(self, directory: Path, env: parallel.DistEnv, keep: int, node: str):
         self.directory, self.env, self.keep, self.node = Path(directory), env, keep, node
         self.layout: Layout | None = None
+        self.replication = None  # replicate.Replication, on node-local disks
 
     def path(self, step: int) -> Path:
         return self.directory / step_name(step)
@@ -197,9 +199,10 @@ class Checkpoints:
             for r in range(env.world_size)
             if (self.directory / f".probe-{token}-{r:05d}").exists()
         )
-        nodes = tuple(node for node, _ in parallel.all_gather((self.node, visible), env))
+        gathered = parallel.all_gather((self.node, visible), env)
         probe.unlink(missing_ok=True)  # every rank has looked: the gather waited for them
-        self.layout = Layout(env.rank, visible, nodes)
+        nodes, seen = tuple(n for n, _ in gathered), tuple(v for _, v in gathered)
+        self.layout = Layout(env.rank, visible, nodes, seen)
         return self.layout
 
     def _clean(self) -> None:
@@ -216,6 +219,8 @@ class Checkpoints:
         """Write step `step` (collective): the shards through DCP, each rank's own file, then
         the manifest, and the rename that makes it complete. The line to print."""
         env, layout = self.env, self.layout
+        if self.replication is not None:
+            self.replication.wait()  # the previous step's copy, before anything is pruned
         final = self.path(step)
         temporary = self.directory / f".{final.name}.tmp"
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -268,6 +273,9 @@ class Checkpoints:
             if len(layout.visible) == env.world_size
             else ("node-local disks: each node holds its own ranks' shards")
         )
+        if self.replication is not None and self.replication.active:
+            self.replication.start(step)
+            where += ", copied to the next node in the background"
         return f"checkpoint step {step} written to {final} ({where})"
 
     # -- resuming ----------------------------------------------------------------------------
@@ -284,6 +292,8 @@ class Checkpoints:
             if resume is False:
                 for step in self.steps():
                     shutil.rmtree(self.path(step), ignore_errors=True)
+        if self.replication is not None:  # every file of the newest step survivors hold, here
+            self.replication.restore()
         held = parallel.all_gather(self.steps(), env)  # after the owners' sweep
         self._refuse_what_only_other_nodes_hold(held)
         plan = checkpoint.plan_resume(held, resume, str(self.directory))

@@ -103,6 +103,15 @@ class DCPConfig:
         "resume from the newest checkpoint every rank sees; default: resume when the directory "
         "holds one; --no-resume deletes them and starts over"
     )
+    replicate: bool = doc(
+        "on node-local disks, copy each node's files of every checkpoint to the next node (a "
+        "ring over the nodes, in the background, over the job's own connection), so that the "
+        "others resume without any one lost node; --no-replicate: each node keeps its own only",
+        default=True,
+    )
+    replication_mbps: float = doc(
+        "the copies' bandwidth cap, megabits per second sent per node; 0: none", default=500.0
+    )
     export: str | None = doc(
         "at the end, write the whole model (gathered to rank 0) to this file: an ordinary "
         "torch.save state_dict, for inference without torch.distributed; relative paths go "
@@ -176,6 +185,7 @@ def check(config: FSDPConfig) -> None:
         "--grad-clip": (optim.grad_clip, 0),
         "--noise": (config.data.noise, 0),
         "--step-delay": (run.step_delay, 0),
+        "--replication-mbps": (config.checkpoint.replication_mbps, 0),
     }
     for flag, (value, minimum) in at_least.items():
         if value < minimum:

@@ -1,0 +1,202 @@
+"""Replicas of training.fsdp's checkpoints on node-local disks (training/checkpointing/replicate.py):
+three local "nodes" (one rank each, a directory each standing for its disk) lose the third's
+disk; the other two resume from what they hold between them, resharded 3 -> 2, exactly as two
+ranks resume the same step from storage every rank sees. And the pure parts: what a directory
+sends, the step complete on the union of the directories, the files each must fetch, the atomic
+receive.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.training.conftest import LOOPBACK, free_port, run_command
+from tests.training.references import SMALL, STEPS, progress
+from torch_multinode.training.checkpointing import replicate, transfer
+from torch_multinode.training.settings.config import STOP_EXIT_CODE
+
+pytestmark = pytest.mark.xdist_group("fsdp")
+# 6 sequences split over 3 ranks, and over 2 continuing the 3 planned ones.
+BATCH = ("--global-batch-size", "6")
+FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"] + [
+    f"rank-0000{r}.pt" for r in range(3)
+]
+NEEDED = [*FILES, "manifest.pt"]
+
+
+def nodes(directory: Path, disks: list[Path], *args: str, planned: int | None = None) -> list:
+    """A job of len(disks) "nodes" on this machine, one rank each: node i's checkpoint
+    directory is disks[i] (its disk, or one directory they all see) and its name node-i."""
+    port, count = free_port(), len(disks)
+    extra = {"TMN_PLANNED_WORLD_SIZE": str(planned)} if planned else {}
+
+    def node(index: int):
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={count}",
+            "--nproc-per-node=1",
+            f"--node-rank={index}",
+            f"--master-addr={LOOPBACK}",
+            f"--master-port={port}",
+            f"--local-addr={LOOPBACK}",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+            "-m",
+            "torch_multinode.training.fsdp",
+            *SMALL,
+            *BATCH,
+            "--checkpoint-dir",
+            str(disks[index]),
+            *args,
+        ]
+        return run_command(command, directory, {"TMN_NODE_NAME": f"node-{index}", **extra}, 180)
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(node, range(count)))
+
+
+def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tmp_path):
+    disks = [tmp_path / f"disk-{index}" for index in range(3)]
+    first = nodes(tmp_path, disks, "--stop-after-step", "12")
+    assert all(f"exitcode  : {STOP_EXIT_CODE}" in run.stderr for run in first), first[0].explain()
+    assert first[0].lines("checkpoint step 10 written") == [
+        f"checkpoint step 10 written to {disks[0]}/step-00000010 (node-local disks: each node "
+        "holds its own ranks' shards, copied to the next node in the background)"
+    ]
+    for index in range(3):  # its own rank's files and its predecessor's in the ring
+        names = {p.name for p in (disks[index] / "step-00000010").iterdir()}
+        own = {f"__{index}_0.distcp", f"rank-0000{index}.pt"}
+        previous = {f"__{(index - 1) % 3}_0.distcp", f"rank-0000{(index - 1) % 3}.pt"}
+        assert names == {".metadata", "manifest.pt", *own, *previous}, index
+
+    # The reference: step 10 complete in one directory both ranks see (storage every node
+    # sees), resharded 3 -> 2 with the planned world's batch.
+    shared = tmp_path / "shared"
+    (shared / "step-00000010").mkdir(parents=True)
+    for disk in disks:
+        shutil.copytree(disk / "step-00000010", shared / "step-00000010", dirs_exist_ok=True)
+    reference = nodes(tmp_path, [shared, shared], planned=3)
+    assert all(run.returncode == 0 for run in reference), reference[0].explain()
+
+    shutil.rmtree(disks[2])  # node-2's disk is lost
+    survivors = nodes(tmp_path, disks[:2], planned=3)
+    assert all(run.returncode == 0 for run in survivors), survivors[0].explain()
+    assert survivors[0].lines("checkpoint step 10:") == [
+        "checkpoint step 10: node-0's directory lacked 2 files, copied from node-1; node-1's "
+        "directory lacked 2 files, copied from node-0"
+    ]
+    assert survivors[0].lines("resharded") == [
+        "resharded step 10 from world size 3 to 2: each rank read the parts of the saved "
+        "shards it now holds"
+    ]
+    for disk in disks[:2]:  # every file of step 10 on both survivors now
+        assert {p.name for p in (disk / "step-00000010").iterdir()} == set(NEEDED)
+    found, expected = progress(survivors[0].stdout), progress(reference[0].stdout)
+    assert sorted(found) == sorted(expected) == list(range(11, STEPS + 1))
+    for step, (loss, _) in found.items():
+        assert loss == pytest.approx(expected[step][0], abs=1e-4), step
+
+
+def test_a_directory_sends_what_its_ranks_wrote():
+    assert replicate.written_by(FILES, (1,)) == ["__1_0.distcp", "rank-00001.pt"]
+    assert replicate.written_by([*FILES, "__1_1.distcp"], (0, 1)) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__1_1.distcp",
+        "rank-00000.pt",
+        "rank-00001.pt",
+    ]
+    # Two ranks on a node share a directory: the ring is the directories, by lowest rank.
+    assert replicate.directories([(2, 3), (0, 1), (0, 1), (2, 3), (4,)]) == [(0, 1), (2, 3), (4,)]
+
+
+def held_after_a_ring_copy(lost: set[int], copied: bool = True) -> dict[int, dict[int, set]]:
+    """Directory -> step -> files, three one-rank nodes, the ring's copies done, `lost` gone."""
+    held = {}
+    for node in set(range(3)) - lost:
+        writers = {node, (node - 1) % 3} if copied else {node}
+        held[node] = {10: {".metadata", "manifest.pt"} | set(replicate.written_by(FILES, writers))}
+    return held
+
+
+def test_the_newest_step_complete_on_the_union_is_chosen():
+    assert replicate.usable_step(held_after_a_ring_copy({2}), {10: NEEDED}) == 10
+    assert replicate.usable_step(held_after_a_ring_copy(set()), {10: NEEDED}) == 10
+    # Two nodes lost at once, or one lost before its first copy: not complete.
+    assert replicate.usable_step(held_after_a_ring_copy({1, 2}), {10: NEEDED}) is None
+    assert replicate.usable_step(held_after_a_ring_copy({2}, copied=False), {10: NEEDED}) is None
+    # An older complete step is chosen over a newer incomplete one.
+    held = held_after_a_ring_copy({2})
+    held[0][15] = {".metadata", "manifest.pt", "__0_0.distcp", "rank-00000.pt"}
+    assert replicate.usable_step(held, {10: NEEDED, 15: NEEDED}) == 10
+
+
+def test_each_directory_fetches_what_it_lacks_from_the_lowest_that_holds_it():
+    held = {node: steps[10] for node, steps in held_after_a_ring_copy({2}).items()}
+    assert replicate.transfers(held, NEEDED) == {
+        (1, 0): ["__1_0.distcp", "rank-00001.pt"],
+        (0, 1): ["__2_0.distcp", "rank-00002.pt"],
+    }
+    # A spare with an empty directory gets everything, each file from the lowest holder.
+    held[2] = set()
+    plan = replicate.transfers(held, NEEDED)
+    assert plan[(0, 2)] == [
+        ".metadata",
+        "__0_0.distcp",
+        "__2_0.distcp",
+        "manifest.pt",
+        "rank-00000.pt",
+        "rank-00002.pt",
+    ]
+    assert plan[(1, 2)] == ["__1_0.distcp", "rank-00001.pt"]
+    # At the world size it was saved at (no resharding) a directory fetches only what its own
+    # ranks load: a spare in node-2's place gets rank 2's files, the index and the manifest.
+    ranks = {0: (0,), 1: (1,), 2: (2,)}
+    assert replicate.transfers(held, NEEDED, ranks) == {
+        (0, 2): [".metadata", "__2_0.distcp", "manifest.pt", "rank-00002.pt"]
+    }
+    assert replicate.transfers({0: set(NEEDED), 1: set(NEEDED)}, NEEDED) == {}
+
+
+def test_a_received_file_takes_its_name_only_once_complete(tmp_path):
+    target = tmp_path / "__1_0.distcp"
+    target.write_bytes(b"old")
+    cut = transfer.AtomicFile(target)
+    cut.write(b"half of")
+    assert target.read_bytes() == b"old"  # a half-received file never takes the name
+    cut.abort()
+    assert [p.name for p in tmp_path.iterdir()] == ["__1_0.distcp"]
+    whole = transfer.AtomicFile(target)
+    whole.write(b"new ")
+    whole.write(b"bytes")
+    whole.commit()
+    assert target.read_bytes() == b"new bytes"
+    assert [p.name for p in tmp_path.iterdir()] == ["__1_0.distcp"]
+
+
+def test_the_stream_of_files_arrives_whole_and_an_absent_file_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(transfer, "CHUNK", 4)
+    source, target = tmp_path / "from", tmp_path / "to"
+    source.mkdir()
+    target.mkdir()
+    (source / "a").write_bytes(b"0123456789")
+    (source / "b").write_bytes(b"")
+    failed: list[str] = []
+    outgoing = transfer.sending(source, ["a", "b", "c"])
+    incoming = transfer.receiving(target, ["a", "b", "c"], failed)
+    pieces = 0
+    for buffer in incoming:  # what the gloo group carries, one tensor at a time
+        buffer.copy_(next(outgoing))
+        pieces += 1
+    assert next(outgoing, None) is None
+    assert pieces == 4  # the sizes, then 10 bytes in pieces of 4
+    assert (target / "a").read_bytes() == b"0123456789" and (target / "b").read_bytes() == b""
+    assert failed == ["c (absent on the sender)"]
+    assert sorted(p.name for p in target.iterdir()) == ["a", "b"]
