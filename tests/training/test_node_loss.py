@@ -2,7 +2,8 @@
 MIN_NODES, a node killed and left dead is dropped and the job goes on on the others from their
 newest common checkpoint, with the first run's global batch (TMN_PLANNED_WORLD_SIZE); with a
 spare (NNODES below the inventory's count, with RESTARTS alone), the spare takes the lost
-node's place.
+node's place. training.fsdp's sharded checkpoints on node-local disks survive a node lost with
+its disk: each node's files are copied to the next node after each checkpoint.
 
 Host mode: the nodes run the jobs from this checkout's environment, as in test_faults.
 """
@@ -24,6 +25,7 @@ from tests.training.conftest import (
     run_command,
     torchrun_command,
 )
+from tests.training.references import SMALL, progress
 from tests.training.test_faults import CHECKPOINTING, _on_node, _summary, _wait_for
 from torch_multinode.sim import nodes as sim
 
@@ -178,3 +180,81 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
         "node1": "",
         "node2": "",
     }
+
+
+# training.fsdp's small GPT: 6 sequences a step, 2 per rank on 3 nodes, 3 on the 2 left.
+FSDP = _with(SMALL, global_batch_size="6", steps=str(STEPS))
+_FSDP_LOSS = re.compile(r"^\[node1\] step +(\d+)/\d+  loss ([\d.]+)", re.M)
+
+
+@pytest.mark.sim
+def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the_others(
+    sim3, start, tmp_path
+):
+    sim.up(3, None, sim3.config)  # the nodes the tests before killed, back
+    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"  # node-local: each node's disk
+    process = start(
+        "--module",
+        "training.fsdp",
+        "--restarts",
+        "1",
+        "--restart-wait",
+        "10",
+        "--min-nodes",
+        "2",
+        "--",
+        *FSDP,
+        "--checkpoint-dir",
+        directory,
+        "--step-delay",
+        "0.3",
+    )
+    seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))  # step 10 saved and copied
+    first = run_id_in(seen)
+    assert (
+        f"[node1] checkpoint step 10 written to {directory}/step-00000010 (node-local disks: "
+        "each node holds its own ranks' shards, copied to the next node in the background)"
+    ) in seen.splitlines(), seen[-3000:]
+    _on_node(sim3, 3, f"rm -rf {directory}")  # node3's disk wiped, then the node killed
+    output = kill_node(process, sim3.config.container(3))
+    output.end(timeout=300)
+    text = output.text
+    assert process.returncode == 0, output.stamped[-4000:]
+    assert re.search(r"\[launcher\] node3 lost at restart 1 after step 1[0-9]: dropped", text)
+    rest = text[text.index(f"job {first}-r1:") :]
+    # node3's shards of step 10 live on in node1's replica: both survivors get every file and
+    # reshard 3 -> 2.
+    lines = rest.splitlines()
+    assert (
+        "[node1] checkpoint step 10: node1's directory lacked 2 files, copied from node2; "
+        "node2's directory lacked 2 files, copied from node1"
+    ) in lines, rest[-3000:]
+    assert (
+        "[node1] resharded step 10 from world size 3 to 2: each rank read the parts of the "
+        "saved shards it now holds"
+    ) in lines, rest[-3000:]
+    assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
+
+    # The reference: two ranks here resume the same step 10 (now whole on node1's disk) from
+    # one directory both see, keeping the 3 planned ranks' batch.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    sim.docker("cp", f"{sim3.config.container(1)}:{directory}/step-00000010", str(shared))
+    reference = run_command(
+        torchrun_command("training.fsdp", *FSDP, "--checkpoint-dir", str(shared), nproc=2),
+        tmp_path,
+        {"TMN_PLANNED_WORLD_SIZE": "3"},
+        300,
+    )
+    assert reference.returncode == 0, reference.output[-3000:]
+    expected = {step: loss for step, (loss, _) in progress(reference.stdout).items()}
+    resumed = {int(step): float(loss) for step, loss in _FSDP_LOSS.findall(rest)}
+    assert sorted(resumed) == sorted(expected) == list(range(11, STEPS + 1)), rest[-3000:]
+    for step, loss in resumed.items():
+        assert abs(loss - expected[step]) <= 1e-4, (step, loss, expected[step])
+    assert leftovers(sim3.inventory, f"{first}-r1", sim3.inventory.hosts[:2]) == {
+        "node1": "",
+        "node2": "",
+    }
+    for index in (1, 2):
+        _on_node(sim3, index, f"rm -rf {directory}", check=False)
