@@ -2,7 +2,9 @@
 provisioned cluster gets Slurm (the slurm role alone), and jobs go through sbatch. The default
 job and a project of several files end with the same parameters as through the SSH launcher;
 a second job waits in the queue, then runs; Ctrl-C cancels the job and leaves nothing; a
-failing node is named with its last lines; a hung job's report names the rank and its line. Slurm is stopped on the nodes afterwards."""
+failing node is named with its last lines; a hung job's report names the rank and its line; a
+node whose slurmd dies is named, and with MIN_NODES dropped for a new job on the other. Slurm is
+stopped on the nodes afterwards."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 import yaml
 
 from tests.ansible.conftest import ansible_playbook
-from tests.conftest import REPO_ROOT, make
+from tests.conftest import REPO_ROOT, VENV_BIN, make
 from tests.helpers import (
     check_namesake_project_runs,
     leftovers,
@@ -29,6 +31,7 @@ from tests.helpers import (
     start_train,
 )
 from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT as CHECKPOINT_ROOT
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 
@@ -280,27 +283,71 @@ def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
     _nothing_left(provisioned, slurm_inventory, run_id_in(out))
 
 
-def test_a_node_whose_slurmd_dies_is_named_and_returns_to_idle_once_restarted(
+def test_a_node_whose_slurmd_dies_is_named_dropped_down_to_min_nodes_and_idle_once_restarted(
     slurm_inventory, provisioned
 ):
-    job = start_train(
-        slurm_inventory, "ARGS=--model tiny --steps 100000 --log-every 20 --no-tensorboard"
+    """Issue 31 under Slurm: node2's slurmd dies mid-run and stays dead; Slurm has node2 down
+    and ends the job, which is named; with RESTARTS=1 MIN_NODES=1 the launcher cancels the job
+    (Slurm would requeue it onto node2) and submits a new one on node1, which resumes from its
+    own checkpoint, keeping the first run's world of 2."""
+    directory = f"slurm-loss-{uuid.uuid4().hex[:8]}"  # under each node's checkpoint_root
+    job = subprocess.Popen(
+        [
+            str(VENV_BIN / "train"),
+            "-i",
+            str(slurm_inventory),
+            "--nnodes",
+            "2",
+            "--restarts",
+            "1",
+            "--restart-wait",
+            "10",
+            "--min-nodes",
+            "1",
+            "--",
+            *f"--model tiny --steps 1000 --log-every 20 --no-tensorboard --step-delay 0.1 "
+            f"--checkpoint-every 20 --checkpoint-dir {directory}".split(),
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
-        seen = read_until(job, "40/100000")
+        seen = read_until(job, "40/1000")
         on_node(provisioned.cluster, 2, "pkill -x slurmd", check=False)
-        rest, _ = job.communicate(timeout=300)
+        rest, _ = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
         on_node(
             provisioned.cluster, 2, "pgrep -x slurmd >/dev/null || slurmd -N node2", check=False
         )
+        for index in (1, 2):
+            on_node(
+                provisioned.cluster, index, f"rm -rf {CHECKPOINT_ROOT}/{directory}", check=False
+            )
     output = seen + rest
-    assert job.returncode != 0, output
-    assert "FAILED on node2" in output, output
-    assert re.search(r"  node2 +Slurm has node2 down \(", output), output
-    run_id = run_id_in(output)
+    assert job.returncode == 0, output[-4000:]
+    first = run_id_in(output)
+    # The first run: node2 named as Slurm has it.
+    assert "FAILED on node2" in output, output[-4000:]
+    assert re.search(r"  node2 +Slurm has node2 down \(", output), output[-4000:]
+    # The restart: node2 still without slurmd after the wait, dropped; a new job on node1.
+    assert re.search(r"\[launcher\] node2 lost at restart 1 after step \d+: dropped", output)
+    assert "[launcher] continuing on node1: 1 of 2 nodes (--min-nodes 1)" in output
+    assert re.search(r"\[launcher\] cancelling Slurm job \d+ \(it holds a lost node\)", output)
+    again = output[output.index(f"job {first}-r1:") :]
+    assert "keeping the first run's world of 2 process(es)" in again.splitlines()[0], again[:500]
+    assert re.search(r"\[launcher\] Slurm job \d+ submitted", again), again[-4000:]
+    assert re.search(r"\[node1\] resuming from step \d+", again), again[-4000:]
+    assert re.search(r"succeeded after [\d.]+ s on 1 node\(s\), restart 1 of 1\.", again), again
+    assert "Nodes: continuing on node1: 1 of 2 nodes (--min-nodes 1)" in again
+    queue = on_node(provisioned.cluster, 1, "squeue --noheader", check=False)
+    assert queue.strip() == "", queue
+    assert leftovers(load(slurm_inventory), f"{first}-r1") == {"node1": "", "node2": ""}
+    # node2 back in Slurm once its slurmd runs again (ReturnToService=2).
     for _ in range(120):
         state = on_node(
             provisioned.cluster, 1, "sinfo --Node --noheader --format '%N %T' -n node2", check=False
@@ -309,4 +356,3 @@ def test_a_node_whose_slurmd_dies_is_named_and_returns_to_idle_once_restarted(
             break
         time.sleep(1)
     assert state.split() == ["node2", "idle"], state
-    _nothing_left(provisioned, slurm_inventory, run_id)
