@@ -23,7 +23,8 @@ GPUS      ?=
 NPROC     ?=
 RESTARTS  ?=
 # MIN_NODES=k with RESTARTS: a node lost for good, with no spare (an inventory host beyond
-# NNODES) to take its place, is dropped while k nodes remain (the workloads keep the global batch).
+# NNODES) to take its place, is dropped while k nodes remain (the workloads keep the global batch);
+# under Slurm as over SSH: a new job on the nodes left.
 MIN_NODES ?=
 # Seconds without progress that make a job a hang (0: never; empty: from its step times), and
 # what a hang does after its report: stop (the default) or wait for a person.

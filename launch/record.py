@@ -1,6 +1,6 @@
 """Every run remembered: the record a job leaves in its directory on this machine
-(`.runs/ID/run.json`), for local, SSH and Slurm jobs alike; launch.runs reads them back
-(`make runs`).
+(`.runs/ID/run.json`; a job given another --log-dir gets a copy there too), for local, SSH and
+Slurm jobs alike; launch.runs reads them back (`make runs`).
 
 The launcher writes it when the job is about to start (result "running"), again once the job
 has begun (its code and image added: `started`), and when it ends, whatever the end
@@ -61,6 +61,14 @@ def _digest(path: Path | None) -> str | None:
         return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
     except OSError:
         return None
+
+
+def places(spec: JobSpec) -> list[Path]:
+    """Where the run's record is written: .runs/ID, where `make runs` finds it, and the job's
+    own log directory too when --log-dir put that elsewhere (the logs described beside them)."""
+    home = RUNS_ROOT / spec.run_id
+    log_dir = spec.log_dir or home
+    return [home] + ([log_dir] if log_dir.resolve() != home.resolve() else [])
 
 
 def code(project: Path, log_dir: Path, run_id: str) -> dict[str, Any]:
@@ -124,8 +132,8 @@ def begin(
     command line and the inventory say. Nothing is run for it: the code and the image are
     added once the job has begun (`started`)."""
     env_file = _netcheck_file(spec, inventory)
-    log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
-    log_dir.mkdir(parents=True, exist_ok=True)
+    for place in places(spec):
+        place.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
         "format": FORMAT,
         "id": spec.run_id,
@@ -163,7 +171,7 @@ def begin(
         "drift": None,  # what changed since netcheck locked them, for a job run with ALLOW_DRIFT
         "allow_drift": spec.allow_drift,
     }
-    write(log_dir, record)
+    write(spec, record)
     return record
 
 
@@ -243,7 +251,7 @@ def finish(
         tensorboard=None if board is None else str(board),
         run_dir=str(run_dir) if run_dir is not None else str(log_dir),
     )
-    write(log_dir, record)
+    write(spec, record)
     return record
 
 
@@ -271,11 +279,10 @@ class Recorder:
             return
         self.completed = True
         spec = self.spec
-        log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
         self.record.update(
-            code=code(self.project, log_dir, spec.run_id), image=_image(self.inventory)
+            code=code(self.project, places(spec)[0], spec.run_id), image=_image(self.inventory)
         )
-        write(log_dir, self.record)
+        write(spec, self.record)
 
     def kept(self, job: Callable[[], JobResult]) -> JobResult:
         spec = self.spec
@@ -293,9 +300,11 @@ class Recorder:
             code = TERMINATED_EXIT if isinstance(signalled, Terminated) else INTERRUPTED_EXIT
             raise
         finally:
-            log_dir = spec.log_dir or RUNS_ROOT / spec.run_id
-            if result is None and {p.name for p in log_dir.iterdir()} <= {RECORD, DIFF}:
-                shutil.rmtree(log_dir, ignore_errors=True)  # refused before it started: no run
+            if result is None and all(
+                {p.name for p in place.iterdir()} <= {RECORD, DIFF} for place in places(spec)
+            ):
+                for place in places(spec):  # refused before it started: no run
+                    shutil.rmtree(place, ignore_errors=True)
             else:
                 finish(self.record, spec, result, code, run_dir)
 
@@ -308,5 +317,6 @@ def _result(result: JobResult | None, exit_code: int) -> str:
     return "succeeded" if result.exit_code == 0 else "failed"
 
 
-def write(log_dir: Path, record: dict[str, Any]) -> None:
-    files.write_atomically(log_dir / RECORD, json.dumps(record, indent=2) + "\n")
+def write(spec: JobSpec, record: dict[str, Any]) -> None:
+    for place in places(spec):
+        files.write_atomically(place / RECORD, json.dumps(record, indent=2) + "\n")

@@ -245,7 +245,10 @@ def test_env_values_never_reach_the_recorded_command():
     ]
 
 
-def test_the_record_names_the_env_variables_never_their_values_and_each_nodes_ranks(tmp_path):
+def test_the_record_names_the_env_variables_never_their_values_and_each_nodes_ranks(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(record, "RUNS_ROOT", tmp_path)
     hosts = inventory({"node1": node(1), "node2": node(2)})
     spec = JobSpec(
         run_id="tmn-r1",
@@ -280,7 +283,10 @@ def test_the_record_names_the_env_variables_never_their_values_and_each_nodes_ra
         assert b"s3cr3t-value" not in path.read_bytes()
 
 
-def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_recorded(tmp_path):
+def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_recorded(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(record, "RUNS_ROOT", tmp_path)
     spec = JobSpec(run_id="tmn-r2", log_dir=tmp_path / "tmn-r2")
 
     def refused() -> JobResult:
@@ -302,3 +308,33 @@ def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_rec
         1,
         "step 4/10 loss 1.2",
     )
+
+
+def test_a_job_with_its_logs_elsewhere_is_listed_with_the_others_and_described_beside_them(
+    tmp_path, monkeypatch
+):
+    """--log-dir elsewhere: the record in .runs/ID, which make runs lists, and a copy beside
+    the logs; a refusal leaves neither."""
+    monkeypatch.setattr(record, "RUNS_ROOT", tmp_path / "runs")
+    spec = JobSpec(run_id="tmn-r3", log_dir=tmp_path / "logs" / "mine")
+    assert record.places(spec) == [tmp_path / "runs" / "tmn-r3", tmp_path / "logs" / "mine"]
+
+    def ran() -> JobResult:
+        (spec.log_dir / "node1.log").write_text("step 7/7 loss 0.5\n")
+        return JobResult("tmn-r3", {"n1": NodeOutcome("n1", exit_code=0)}, None, False, 1.0)
+
+    record.Recorder(spec, ["--log-dir", str(spec.log_dir)], None).kept(ran)
+    listed = runs.every(tmp_path / "runs")
+    assert [(r["id"], r["result"], r["last_step"]) for r in listed] == [
+        ("tmn-r3", "succeeded", "step 7/7 loss 0.5")
+    ]
+    assert json.loads((spec.log_dir / record.RECORD).read_text()) == listed[0]
+
+    refused = JobSpec(run_id="tmn-r4", log_dir=tmp_path / "logs" / "other")
+
+    def no() -> JobResult:
+        raise UserError("job tmn-other is already running on n1")
+
+    with pytest.raises(UserError):
+        record.Recorder(refused, [], None).kept(no)
+    assert not (tmp_path / "runs" / "tmn-r4").exists() and not refused.log_dir.exists()
