@@ -225,6 +225,9 @@ def _on_the_bench_cluster(
             data["lock"] = lock.measure_lock(inventory, args.reps, progress)
         if "nodeloss" in only:  # last: it kills node3 (and brings it back)
             train = Path(sys.executable).parent / "train"
+            data["replication"] = nodeloss.measure_replication(
+                inventory, args.reps, progress, train
+            )
             data["nodeloss"] = nodeloss.measure_node_loss(
                 inventory, config, nnodes, args.link, args.reps, progress, train
             )

@@ -5,7 +5,12 @@ which takes the dead node's place; on 3 nodes the job goes on on 2. Which happen
 
 Timed from the `docker kill` of node3 (the launcher's output read meanwhile, each line timed as
 it arrives) to the first step line of the restarted run: the failure seen and the job stopped,
-the grace waited, the nodes chosen, the job started again, the checkpoint loaded, one step."""
+the grace waited, the nodes chosen, the job started again, the checkpoint loaded, one step.
+
+And what the replicas of training.fsdp's checkpoints cost (measure_replication): the same job
+on 3 nodes with node-local checkpoints, with replicas and with --no-replicate, side by side in
+each rep (the order alternating); the extra seconds per checkpoint, and the step time that
+makes at one checkpoint a minute, against 5 %."""
 
 from __future__ import annotations
 
@@ -47,6 +52,99 @@ JOB = [
     "--step-delay",
     "0.3",
 ]
+
+
+# training.fsdp's GPT at about 13 M parameters: 150 MB a checkpoint with AdamW's moments, a
+# third of it per node, which is what each node copies to the next.
+REPLICATION_JOB = (
+    "--layers 4 --width 512 --heads 8 --seq-len 32 --global-batch-size 6 --lr 0.001 "
+    "--log-every 1 --steps 40 --checkpoint-every 10"
+).split()
+REPLICATION_FROM = 10  # timed from this step's line (the first checkpoint's step) to the last
+REPLICATION_PERIOD = 60.0  # seconds: the checkpoint frequency the target is stated at
+REPLICATION_BUDGET = 1.05
+WRITTEN = re.compile(r"\bcheckpoint step (\d+) written\b")
+STEP_NUMBER = re.compile(r"\bstep +(\d+)/(\d+)\b")
+
+
+def timed_window(lines: list[tuple[float, str]], first: int) -> tuple[float, int]:
+    """From a job's lines timed as they came: the seconds from step `first`'s line to the last
+    step's, and how many checkpoints were written between the two."""
+    start = end = None
+    written = 0
+    for at, line in lines:
+        found = STEP_NUMBER.search(line)
+        if found and "loss" in line:
+            step, steps = int(found[1]), int(found[2])
+            if step == first:
+                start = at
+            if step == steps:
+                end = at
+        saved = WRITTEN.search(line)
+        if saved and start is not None and end is None and int(saved[1]) >= first:
+            written += 1
+    if start is None or end is None:
+        raise RuntimeError(f"replication: no step line for step {first} or the last one")
+    return end - start, written
+
+
+def per_checkpoint(on: float, off: float, written: int) -> tuple[float, float]:
+    """Seconds a checkpoint's copy adds, and the step time with one checkpoint a minute over
+    the same without copies (1 + that / REPLICATION_PERIOD)."""
+    extra = (on - off) / max(written, 1)
+    return extra, 1 + extra / REPLICATION_PERIOD
+
+
+def _one_job(train: Path, inventory: Path, replicas: bool) -> list[tuple[float, str]]:
+    directory = f"/var/tmp/bench-replicas-{uuid.uuid4().hex[:8]}"  # node-local: each its own
+    proc = subprocess.Popen(
+        [str(train), "-i", str(inventory), "--nnodes", str(NODELOSS_NODES)]
+        + ["--module", "training.fsdp", "--", *REPLICATION_JOB, "--checkpoint-dir", directory]
+        + ([] if replicas else ["--no-replicate"]),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started = time.monotonic()
+    lines = [(time.monotonic() - started, line) for line in proc.stdout]
+    proc.wait()
+    if proc.returncode != 0:
+        tail = "".join(line for _, line in lines[-20:])
+        raise RuntimeError(f"replication: the job failed (exit {proc.returncode}):\n{tail}")
+    return lines
+
+
+def measure_replication(inventory: Path, reps: int, progress: Progress, train: Path) -> dict:
+    """`reps` pairs of the same FSDP job on 3 nodes, with replicas and without (the order
+    alternating): the timed window's seconds each way, the extra seconds per checkpoint and
+    the step time at one checkpoint a minute, with copies / without."""
+    on, off, extra, ratio = [], [], [], []
+    for rep in range(reps):
+        took: dict[bool, tuple[float, int]] = {}
+        for replicas in (True, False) if rep % 2 == 0 else (False, True):
+            took[replicas] = timed_window(_one_job(train, inventory, replicas), REPLICATION_FROM)
+        written = took[True][1]
+        added, per_minute = per_checkpoint(took[True][0], took[False][0], written)
+        on.append(took[True][0])
+        off.append(took[False][0])
+        extra.append(added)
+        ratio.append(per_minute)
+        progress(
+            f"replication: rep {rep + 1}/{reps}: steps {REPLICATION_FROM} to the last "
+            f"{took[True][0]:.1f} s with replicas, {took[False][0]:.1f} s without; "
+            f"{added:+.2f} s per checkpoint ({written} in the window)"
+        )
+    return {
+        "nodes": NODELOSS_NODES,
+        "job": " ".join(REPLICATION_JOB),
+        "period": REPLICATION_PERIOD,
+        "budget": REPLICATION_BUDGET,
+        "with_seconds": Series(on).as_dict(),
+        "without_seconds": Series(off).as_dict(),
+        "extra_per_checkpoint": Series(extra).as_dict(),
+        "ratio": Series(ratio).as_dict(),
+    }
 
 
 def death_to_first_step(lines: list[tuple[float, str]]) -> tuple[float | None, str | None]:

@@ -73,6 +73,11 @@ TARGETS = {
         "death to the first step on the new world / (--restart-wait + 60 s)",
         "<= 1.00",
     ),
+    "replication_3": (
+        "training.fsdp's checkpoint replicas (3 nodes, node-local disks, host mode): step time "
+        "with one checkpoint a minute, replicas on / off",
+        "<= 1.05",
+    ),
     "flight_step": (
         "DDP step time with the Flight Recorder on (TORCH_FR_BUFFER_SIZE=256) / off (=0), "
         "2 ranks on this machine, gloo over loopback",
@@ -136,6 +141,8 @@ def figures(data: dict) -> dict[str, float | None]:
         found["lock_4"] = _median(data["lock"]["ratio"])
     if data.get("nodeloss"):
         found["nodeloss_3"] = _median(data["nodeloss"]["ratio"])
+    if data.get("replication"):
+        found["replication_3"] = _median(data["replication"]["ratio"])
     if data.get("flight"):
         found["flight_step"] = _median(data["flight"]["step_ratio"])
         found["flight_collective"] = _median(data["flight"]["collective_ratio"])
@@ -342,7 +349,7 @@ def markdown(data: dict) -> str:
     if data.get("lock"):
         lines += lock_lines(data["lock"])
     if data.get("nodeloss"):
-        lines += nodeloss_lines(data["nodeloss"])
+        lines += nodeloss_lines(data["nodeloss"], data.get("replication"))
     return "\n".join(lines) + "\n"
 
 

@@ -14,9 +14,23 @@ def spread(item: dict, fmt: str = "{:.3f}") -> str:
     )
 
 
-def nodeloss_lines(found: dict) -> list[str]:
-    """Section 15: a node lost for good, and the job on its new world."""
+def nodeloss_lines(found: dict, replication: dict | None = None) -> list[str]:
+    """Section 15: a node lost for good, and the job on its new world; what the replicas of
+    training.fsdp's checkpoints cost."""
     became = sorted(set(found["became"]))
+    extra = []
+    if replication:
+        extra = [
+            "",
+            f"training.fsdp on {replication['nodes']} nodes, checkpoints on node-local disks "
+            f"(`{replication['job']}`), with replicas and with `--no-replicate`, side by side in "
+            "each rep: timed from the first checkpoint's step line to the last step's.",
+            f"- with replicas: {spread(replication['with_seconds'], '{:.1f}')} s; without: "
+            f"{spread(replication['without_seconds'], '{:.1f}')} s",
+            f"- added per checkpoint: {spread(replication['extra_per_checkpoint'], '{:+.2f}')} s",
+            f"- step time at one checkpoint every {replication['period']:g} s, replicas on / off: "
+            f"{spread(replication['ratio'], '{:.3f}')} (budget {replication['budget']:g})",
+        ]
     return [
         "",
         f"## 15. A node lost for good ({found['nodes']} nodes of {found['cluster_nodes']}, "
@@ -28,6 +42,7 @@ def nodeloss_lines(found: dict) -> list[str]:
         f"- death to the first step on the new world: {spread(found['seconds'], '{:.1f}')} s",
         f"- that / budget: {spread(found['ratio'], '{:.2f}')}",
         f"- what became of node3: {'; '.join(became)}",
+        *extra,
     ]
 
 

@@ -556,3 +556,50 @@ def test_a_lost_nodes_figure_is_from_its_death_to_the_first_step_of_the_restarte
         "- what became of node3: node3 lost at restart 1 after step 13: replaced by spare" in text
     )
     assert "nodeloss" in cli.SECTIONS
+
+
+def test_the_replicas_cost_is_the_extra_time_per_checkpoint_spread_over_a_minute(tmp_path):
+    lines = [
+        (1.0, "[node1] step  9/40  loss 5.0\n"),
+        (2.0, "[node1] step 10/40  loss 4.9\n"),  # the window opens
+        (2.5, "[node1] checkpoint step 10 written to /x/step-00000010 (node-local disks...)\n"),
+        (9.0, "[node1] checkpoint step 20 written to /x/step-00000020 (node-local disks...)\n"),
+        (30.0, "[node1] step 40/40  loss 3.0\n"),  # and closes
+        (31.0, "[node1] checkpoint step 40 written to /x/step-00000040 (node-local disks...)\n"),
+    ]
+    assert nodeloss.timed_window(lines, 10) == (28.0, 2)
+    with pytest.raises(RuntimeError):
+        nodeloss.timed_window(lines[2:], 10)
+    extra, ratio = nodeloss.per_checkpoint(31.0, 28.0, 3)
+    assert extra == pytest.approx(1.0) and ratio == pytest.approx(1 + 1 / 60)
+    series = {"median": 1.01, "min": 1.0, "max": 1.02, "n": 2, "values": [1.0, 1.02]}
+    loss = {"median": 24.5, "min": 24.5, "max": 24.5, "n": 1, "values": [24.5]}
+    data = {
+        **bench_data(),
+        "nodeloss": {
+            "nodes": 3,
+            "cluster_nodes": 3,
+            "grace": nodeloss.NODELOSS_GRACE,
+            "budget": nodeloss.NODELOSS_BUDGET,
+            "became": ["node3 lost at restart 1 after step 13: dropped"],
+            "seconds": loss,
+            "ratio": loss,
+        },
+        "replication": {
+            "nodes": 3,
+            "job": " ".join(nodeloss.REPLICATION_JOB),
+            "period": nodeloss.REPLICATION_PERIOD,
+            "budget": nodeloss.REPLICATION_BUDGET,
+            "with_seconds": {**series, "median": 31.0},
+            "without_seconds": {**series, "median": 28.0},
+            "extra_per_checkpoint": {**series, "median": 1.0},
+            "ratio": series,
+        },
+    }
+    assert report.figures(data)["replication_3"] == pytest.approx(1.01)
+    assert report.meets("replication_3", 1.01) == "meets"
+    assert report.meets("replication_3", 1.2) != "meets"
+    report.write(data, tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "- added per checkpoint: +1.00 (" in text
+    assert "- step time at one checkpoint every 60 s, replicas on / off: 1.010 (" in text
