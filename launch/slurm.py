@@ -172,9 +172,11 @@ class SlurmAttempt(Launcher):
 
     def _name_down_nodes_after_node_fail(self) -> None:
         """A job Slurm ended for a node: that node is the one to name, not a peer whose rank
-        failed in consequence."""
+        failed in consequence. With RESTARTS the script asks Slurm to requeue the job, which
+        it then does by itself after a NODE_FAIL (the job pends instead of having ended): the
+        nodes Slurm has down are named then too."""
         ended = self.state or self._look()
-        if ended is not None and ended.state == "NODE_FAIL":
+        if ended is not None and (ended.state == "NODE_FAIL" or self.restarts_left > 0):
             self._name_down_nodes()
 
     def _name_down_nodes(self) -> None:
