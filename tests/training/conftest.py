@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,6 +220,40 @@ def run_command(
         check=False,
     )
     return Finished(command, done.returncode, done.stdout, done.stderr)
+
+
+def fsdp_nodes(
+    cwd: Path, disks: list[Path], args: list[str], env: dict[str, str] | None = None
+) -> list[Finished]:
+    """A training.fsdp job of len(disks) "nodes" on this machine, one rank each (`args` its
+    arguments): node i's checkpoint directory is disks[i] (its node-local disk, or one
+    directory they all see) and its name node-i; node ranks fixed (torchrun's static
+    rendezvous)."""
+    port, count = free_port(), len(disks)
+
+    def node(index: int) -> Finished:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={count}",
+            "--nproc-per-node=1",
+            f"--node-rank={index}",
+            f"--master-addr={LOOPBACK}",
+            f"--master-port={port}",
+            f"--local-addr={LOOPBACK}",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+            "-m",
+            "torch_multinode.training.fsdp",
+            *args,
+            "--checkpoint-dir",
+            str(disks[index]),
+        ]
+        return run_command(command, cwd, {"TMN_NODE_NAME": f"node-{index}", **(env or {})}, 180)
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(node, range(count)))
 
 
 def torchrun_command(

@@ -13,15 +13,13 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.training.conftest import (
-    LOOPBACK,
-    free_port,
+    fsdp_nodes,
     load_state,
     max_difference,
     run_command,
@@ -188,33 +186,8 @@ def test_resharding_from_shared_storage_continues_the_run(straight, tmp_path):
 
 def two_nodes(directory: Path, *args: str) -> list:
     """A job of two "nodes" on this machine, one rank each: its own checkpoint directory
-    (a node-local disk) and node name, node ranks fixed (torchrun's static rendezvous)."""
-    port = free_port()
-
-    def node(index: int):
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            "--nproc-per-node=1",
-            f"--node-rank={index}",
-            f"--master-addr={LOOPBACK}",
-            f"--master-port={port}",
-            f"--local-addr={LOOPBACK}",
-            "--max-restarts=0",
-            "--monitor-interval=0.5",
-            "-m",
-            "torch_multinode.training.fsdp",
-            *SMALL,
-            "--checkpoint-dir",
-            str(directory / f"disk-{index}"),
-            *args,
-        ]
-        return run_command(command, directory, {"TMN_NODE_NAME": f"node-{index}"}, 180)
-
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(node, (0, 1)))
+    (a node-local disk, directory/disk-N) and node name."""
+    return fsdp_nodes(directory, [directory / f"disk-{i}" for i in (0, 1)], [*SMALL, *args])
 
 
 def test_node_local_checkpoints_resume_at_their_world_size_and_refuse_to_reshard(

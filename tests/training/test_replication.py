@@ -9,13 +9,11 @@ receive.
 from __future__ import annotations
 
 import shutil
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.training.conftest import LOOPBACK, free_port, run_command
+from tests.training.conftest import fsdp_nodes
 from tests.training.references import SMALL, STEPS, progress
 from torch_multinode.training.checkpointing import replicate, transfer
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
@@ -32,34 +30,8 @@ NEEDED = [*FILES, "manifest.pt"]
 def nodes(directory: Path, disks: list[Path], *args: str, planned: int | None = None) -> list:
     """A job of len(disks) "nodes" on this machine, one rank each: node i's checkpoint
     directory is disks[i] (its disk, or one directory they all see) and its name node-i."""
-    port, count = free_port(), len(disks)
     extra = {"TMN_PLANNED_WORLD_SIZE": str(planned)} if planned else {}
-
-    def node(index: int):
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={count}",
-            "--nproc-per-node=1",
-            f"--node-rank={index}",
-            f"--master-addr={LOOPBACK}",
-            f"--master-port={port}",
-            f"--local-addr={LOOPBACK}",
-            "--max-restarts=0",
-            "--monitor-interval=0.5",
-            "-m",
-            "torch_multinode.training.fsdp",
-            *SMALL,
-            *BATCH,
-            "--checkpoint-dir",
-            str(disks[index]),
-            *args,
-        ]
-        return run_command(command, directory, {"TMN_NODE_NAME": f"node-{index}", **extra}, 180)
-
-    with ThreadPoolExecutor(count) as pool:
-        return list(pool.map(node, range(count)))
+    return fsdp_nodes(directory, disks, [*SMALL, *BATCH, *args], extra)
 
 
 def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tmp_path):
