@@ -28,6 +28,7 @@ import pytest
 import torch._dynamo  # noqa: F401
 import yaml
 
+from tests.helpers import bootstrap_unattended
 from torch_multinode.cluster import engine
 from torch_multinode.sim import nodes as sim
 
@@ -199,23 +200,7 @@ def provisioned(sim_factory, training_image, tmp_path_factory) -> Provisioned:
     fingerprints.write_text(
         "".join(f"node{index} {console_fingerprint(config.container(index))}\n" for index in (1, 2))
     )
-    bootstrap = subprocess.run(
-        [
-            str(VENV_BIN / "cluster"),
-            "bootstrap",
-            "-i",
-            str(inventory),
-            "--fingerprints",
-            str(fingerprints),
-            "--password-stdin",
-            "--disable-password-login",
-        ],
-        input=password + "\n",
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    bootstrap = bootstrap_unattended(inventory, fingerprints, password)
     if bootstrap.returncode != 0:
         pytest.fail(f"bootstrap failed:\n{bootstrap.stdout}{bootstrap.stderr}", pytrace=False)
     provision = make("provision", f"INVENTORY={inventory}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -119,6 +120,30 @@ def read_until(process: subprocess.Popen, *texts: str, limit: int = 400) -> str:
         if len(seen) > limit:
             raise AssertionError(f"never saw {missing} in {limit} lines:\n{''.join(seen)[-4000:]}")
     return "".join(seen)
+
+
+def bootstrap_unattended(
+    inventory: Path, fingerprints: Path, password: str, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """`cluster bootstrap` as a script runs it: the host keys' fingerprints from a file, the
+    login password on standard input, password login turned off once key and sudo work."""
+    return subprocess.run(
+        [
+            str(Path(sys.executable).parent / "cluster"),
+            "bootstrap",
+            "-i",
+            str(inventory),
+            "--fingerprints",
+            str(fingerprints),
+            "--password-stdin",
+            "--disable-password-login",
+        ],
+        input=password + "\n",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def password_in_node_files(container: str, password: str) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import secrets
 import shlex
-import subprocess
 import textwrap
 import time
 from collections.abc import Iterator
@@ -30,8 +29,8 @@ import pytest
 import yaml
 
 from tests.ansible.conftest import PLAYBOOKS, ansible_playbook, node_sh
-from tests.conftest import REPO_ROOT, VENV_BIN
-from tests.helpers import password_login
+from tests.conftest import REPO_ROOT
+from tests.helpers import bootstrap_unattended, password_login
 from torch_multinode.cluster.inventory import load
 from torch_multinode.provision import bootstrap
 from torch_multinode.sim import nodes as sim
@@ -349,23 +348,7 @@ def _bootstrap_on_a_systemd_node(config, name: str, address: str, tmp_path) -> N
     fingerprints.write_text(f"node1 {printed}\n")
     host = load(inventory).hosts[0]
 
-    done = subprocess.run(
-        [
-            str(VENV_BIN / "cluster"),
-            "bootstrap",
-            "-i",
-            str(inventory),
-            "--fingerprints",
-            str(fingerprints),
-            "--password-stdin",
-            "--disable-password-login",
-        ],
-        input=password + "\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = bootstrap_unattended(inventory, fingerprints, password, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SSH password login off (" in done.stdout, done.stdout
     assert password not in done.stdout + done.stderr
