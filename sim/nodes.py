@@ -216,6 +216,22 @@ def _ensure_key(config: SimConfig) -> str:
     return public.read_text().strip()
 
 
+# What a Docker engine (or systemd) inside a node container needs: --privileged is refused on
+# this kernel (ENVIRONMENT.md), one capability cannot be granted.
+NESTED_ENGINE_OPTIONS = (
+    "--cap-add",
+    "ALL",
+    "--cap-drop",
+    "SYS_RESOURCE",
+    "--security-opt",
+    "seccomp=unconfined",
+    "--security-opt",
+    "apparmor=unconfined",
+    "--cgroupns",
+    "private",
+)
+
+
 def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:
     """Start node `index`: with `public_key`, root takes that key; without one, as a fresh
     install (FRESH_USER with a password, set afterwards, and SSH password login)."""
@@ -242,17 +258,7 @@ def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:
         "--label",
         f"{LABEL}.index={index}",
         "--init",
-        # What a Docker engine inside the node needs (--privileged is refused on this kernel).
-        "--cap-add",
-        "ALL",
-        "--cap-drop",
-        "SYS_RESOURCE",
-        "--security-opt",
-        "seccomp=unconfined",
-        "--security-opt",
-        "apparmor=unconfined",
-        "--cgroupns",
-        "private",
+        *NESTED_ENGINE_OPTIONS,
         "-v",
         f"{volume}:/var/lib/docker",
         "-v",

@@ -41,16 +41,7 @@ IMAGE = "torch-multinode/sim-systemd:test"
 CERTS = "/etc/torch-multinode/registry"
 # What a container needs for systemd as its PID 1 here (no --privileged: see ENVIRONMENT.md).
 SYSTEMD_OPTIONS = [
-    "--cap-add",
-    "ALL",
-    "--cap-drop",
-    "SYS_RESOURCE",
-    "--security-opt",
-    "seccomp=unconfined",
-    "--security-opt",
-    "apparmor=unconfined",
-    "--cgroupns",
-    "private",
+    *sim.NESTED_ENGINE_OPTIONS,
     "--tmpfs",
     "/run",
     "--tmpfs",
