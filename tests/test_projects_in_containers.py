@@ -150,8 +150,9 @@ def _train(provisioned, *variables: str, env: dict | None = None) -> subprocess.
 
 def _bring_back(provisioned, index: int) -> None:
     """Node `index` started again after a kill, its disk as it was, once its Docker engine
-    answers as well as its SSH (a rebooted node is used once it has booted)."""
-    sim.up(2, None, provisioned.cluster.config)
+    answers as well as its SSH (a rebooted node is used once it has booted). The shared
+    cluster's nodes began as fresh installs (FRESH=1), which sim-up must be told again."""
+    sim.up(2, None, provisioned.cluster.config, fresh=True)
     for _ in range(180):
         if on_node(
             provisioned.cluster, index, "docker info >/dev/null 2>&1 && echo up", False
