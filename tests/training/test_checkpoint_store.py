@@ -32,6 +32,9 @@ def test_an_interrupted_write_leaves_neither_the_file_nor_a_temp_file(tmp_path):
         durable.write_atomically(path, {"step": 5, "bad": Unpicklable()})
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     assert torch.load(path, weights_only=True) == {"step": 4}  # the old complete file survives
+    # Readable by all, as open() makes it: in a container the job writes as root, and the
+    # inventory's user fetches what rank 0 wrote (--out) over SSH.
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_only_complete_files_of_this_rank_count(tmp_path):

@@ -150,6 +150,7 @@ def test_a_received_file_takes_its_name_only_once_complete(tmp_path):
     whole.write(b"bytes")
     whole.commit()
     assert target.read_bytes() == b"new bytes"
+    assert target.stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
     assert [p.name for p in tmp_path.iterdir()] == ["__1_0.distcp"]
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+FILE_MODE = 0o644  # what open() makes under the usual umask 022
+
 
 def write_synced(path: Path, payload: Any) -> None:
     """torch.save `payload` (bytes as they are) to `path`, flushed to the disk before return.
@@ -46,6 +48,9 @@ def write_atomically(
     )
     os.close(descriptor)
     try:
+        # mkstemp's 0600 would outlive the rename: in a container the job writes as root, and
+        # the inventory's user who fetches --out over SSH (launch.staging) could not read it.
+        os.chmod(temporary, FILE_MODE)
         write_synced(Path(temporary), payload)
         if before_rename is not None:
             before_rename(Path(temporary))

@@ -26,6 +26,7 @@ class AtomicFile:
     def __init__(self, path: Path):
         self.path = path
         descriptor, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(descriptor, durable.FILE_MODE)  # as the sender's file, not mkstemp's 0600
         self.temporary, self.file = Path(name), os.fdopen(descriptor, "wb")
 
     def write(self, data: bytes) -> None:
