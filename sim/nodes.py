@@ -24,16 +24,19 @@ from pathlib import Path
 import yaml
 
 from torch_multinode.cluster import trust
-from torch_multinode.cluster.engine import Progress, debian_base, docker, require_engine
+from torch_multinode.cluster.engine import Progress, docker, require_engine
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Inventory, load
 from torch_multinode.cluster.remote import Remote
 from torch_multinode.cluster.sync import TOOL_ROOT
+from torch_multinode.sim.node_image import (
+    NESTED_ENGINE_OPTIONS,
+    NODE_IMAGE,
+    build_images,
+    python_mounts,
+)
 
 REPO_ROOT = TOOL_ROOT
-SIM_NODE_CONTEXT = REPO_ROOT / "docker" / "sim-node"
-BASE_IMAGE = "torch-multinode/sim-base:bookworm"
-NODE_IMAGE = "torch-multinode/sim-node:latest"
 LABEL = "torch-multinode.sim"
 DEFAULT_NAME = "tmn"
 DEFAULT_SUBNET = "172.29.77.0/24"
@@ -45,22 +48,6 @@ MAX_NODES = 4
 # The user a fresh install leaves (FRESH=1): a password, sudo that asks for it, no SSH key.
 FRESH_USER = "trainer"
 FIRST_HOST_OFFSET = 11  # nodes get .11, .12, ... so the gateway (.1) is never confused with one
-# rsync as on Ubuntu Server, where it is installed by default (provisioning installs it where
-# it is not): the launcher sends a job's project with it, also to unprovisioned nodes.
-BASE_PACKAGES = (
-    "python3",
-    "openssh-server",
-    "iproute2",
-    "iputils-ping",
-    "procps",
-    "sudo",
-    "ca-certificates",
-    "less",
-    "iptables",
-    "mount",
-    "rsync",
-)
-PACKAGE_DIRS = ("torch_multinode", "cluster", "training", "netcheck")
 SSH_HANDSHAKE_TIMEOUT = 15.0
 _LINK_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 
@@ -139,40 +126,6 @@ def _quiet(_: str) -> None:
     pass
 
 
-def build_images(progress: Progress = _quiet) -> None:
-    """The node base from Debian's packages once, then the node image (cached layers)."""
-    debian_base(BASE_IMAGE, BASE_PACKAGES, progress)
-    progress("Building the node image (cached after the first time)...")
-    docker(
-        "build",
-        "--quiet",
-        "--build-arg",
-        f"BASE={BASE_IMAGE}",
-        "-t",
-        NODE_IMAGE,
-        str(SIM_NODE_CONTEXT),
-    )
-
-
-def python_mounts() -> list[str]:
-    """Bind mounts giving a node this controller's Python environment at the same paths.
-
-    A venv is not relocatable (its interpreter link and script shebangs are absolute), so the
-    venv, its base interpreter and the project's package directories (the editable install
-    points at them) appear in the node exactly where they are here, read-only. The repository
-    itself is not mounted: the simulator's private key lives in it.
-    """
-    paths = [Path(sys.prefix)]
-    base = Path(sys.base_prefix)
-    if str(base) not in ("/", "/usr", "/usr/local"):
-        paths.append(base)
-    paths += [REPO_ROOT / name for name in PACKAGE_DIRS]
-    mounts = []
-    for path in paths:
-        mounts += ["-v", f"{path}:{path}:ro"]
-    return mounts
-
-
 def _labelled(kind: str, name: str) -> list[str]:
     args = ["ls", "-q"] if kind != "container" else ["ps", "-aq"]
     proc = docker(kind, *args, "--filter", f"label={LABEL}={name}")
@@ -214,22 +167,6 @@ def _ensure_key(config: SimConfig) -> str:
         config.key_path.write_bytes(private_bytes)
         public.write_text(public_bytes.decode() + f" torch-multinode-sim-{config.name}\n")
     return public.read_text().strip()
-
-
-# What a Docker engine (or systemd) inside a node container needs: --privileged is refused on
-# this kernel (ENVIRONMENT.md), one capability cannot be granted.
-NESTED_ENGINE_OPTIONS = (
-    "--cap-add",
-    "ALL",
-    "--cap-drop",
-    "SYS_RESOURCE",
-    "--security-opt",
-    "seccomp=unconfined",
-    "--security-opt",
-    "apparmor=unconfined",
-    "--cgroupns",
-    "private",
-)
 
 
 def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:

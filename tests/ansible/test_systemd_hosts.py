@@ -33,6 +33,7 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import bootstrap_unattended, password_login
 from torch_multinode.cluster.inventory import load
 from torch_multinode.provision import bootstrap
+from torch_multinode.sim import node_image
 from torch_multinode.sim import nodes as sim
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]
@@ -41,7 +42,7 @@ IMAGE = "torch-multinode/sim-systemd:test"
 CERTS = "/etc/torch-multinode/registry"
 # What a container needs for systemd as its PID 1 here (no --privileged: see ENVIRONMENT.md).
 SYSTEMD_OPTIONS = [
-    *sim.NESTED_ENGINE_OPTIONS,
+    *node_image.NESTED_ENGINE_OPTIONS,
     "--tmpfs",
     "/run",
     "--tmpfs",
@@ -69,7 +70,7 @@ def reboot(container: str) -> None:
 
 @pytest.fixture(scope="module")
 def systemd_image() -> str:
-    sim.build_images()  # the Debian base, cached after the first time
+    node_image.build_images()  # the Debian base, cached after the first time
     sim.docker("build", "--quiet", "-t", IMAGE, str(REPO_ROOT / "docker" / "sim-systemd"))
     return IMAGE
 
