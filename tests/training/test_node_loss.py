@@ -30,6 +30,8 @@ from tests.training.test_faults import CHECKPOINTING, _on_node, _summary, _wait_
 from torch_multinode.sim import nodes as sim
 
 STEPS = 15
+# A restart waits 10 s for the nodes, then goes on with the 2 that answer.
+GO_ON_WITH_TWO = ("--restarts", "1", "--restart-wait", "10", "--min-nodes", "2")
 _LOSS = re.compile(r"step +(\d+)/\d+ +loss ([0-9.]+)")
 
 
@@ -134,12 +136,7 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
     directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
     job = [*THREE, "--steps", str(STEPS), "--checkpoint-every", "5", "--checkpoint-dir", directory]
     process = start(
-        "--restarts",
-        "1",
-        "--restart-wait",
-        "10",
-        "--min-nodes",
-        "2",
+        *GO_ON_WITH_TWO,
         "--",
         *job,
         "--step-delay",
@@ -196,12 +193,7 @@ def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the
     process = start(
         "--module",
         "training.fsdp",
-        "--restarts",
-        "1",
-        "--restart-wait",
-        "10",
-        "--min-nodes",
-        "2",
+        *GO_ON_WITH_TWO,
         "--",
         *FSDP,
         "--checkpoint-dir",
