@@ -90,10 +90,7 @@ class SlurmAttempt(Launcher):
         return answer.stdout
 
     def _look(self) -> JobState | None:
-        answer = self.nodes.run(
-            self.inventory.master, f"scontrol show job -o {self.job_id}", SLURM_TIMEOUT
-        )
-        return parse_job(answer.stdout) if answer.ok else None
+        return look(self.nodes, self.inventory.master, self.job_id)
 
     def _submit(self, commands: dict[str, str]) -> None:
         script = batch_script(self.inventory, self.spec, commands, requeue=self.restarts_left > 0)
@@ -175,8 +172,11 @@ class SlurmAttempt(Launcher):
         failed in consequence. With RESTARTS the script asks Slurm to requeue the job, which
         it then does by itself after a NODE_FAIL (the job pends instead of having ended): the
         nodes Slurm has down are named then too."""
+        if self.restarts_left > 0:
+            self._name_down_nodes()
+            return
         ended = self.state or self._look()
-        if ended is not None and (ended.state == "NODE_FAIL" or self.restarts_left > 0):
+        if ended is not None and ended.state == "NODE_FAIL":
             self._name_down_nodes()
 
     def _name_down_nodes(self) -> None:
@@ -262,8 +262,13 @@ def cancel(nodes: Nodes, master: Host, job_id: str) -> None:
     nodes.run(master, f"scancel {job_id}", SLURM_TIMEOUT)
     deadline = time.monotonic() + SLURM_TIMEOUT
     while time.monotonic() < deadline:
-        answer = nodes.run(master, f"scontrol show job -o {job_id}", SLURM_TIMEOUT)
-        state = parse_job(answer.stdout) if answer.ok else None
+        state = look(nodes, master, job_id)
         if state is None or state.ended:
             return
         time.sleep(0.5)
+
+
+def look(nodes: Nodes, master: Host, job_id: str) -> JobState | None:
+    """Job `job_id`'s state as Slurm on `master` tells it (None: no such job, or no answer)."""
+    answer = nodes.run(master, f"scontrol show job -o {job_id}", SLURM_TIMEOUT)
+    return parse_job(answer.stdout) if answer.ok else None
