@@ -7,7 +7,8 @@ most of this module's time, so the scenario is one):
 3. the first run provisions every node, and `cluster ship` streams the image to them;
 4. a second run changes nothing, and shipping again sends nothing;
 5. a rule added by hand on node3 is taken out by a `--tags firewall` run, which touches
-   nothing else.
+   nothing else;
+6. last, the same nodes described as an INI file with group_vars/ provision, check and train.
 
 The nodes end up named, resolving, meshed, firewalled, with Docker, rsync, the job directories
 and the same image. Tests that change a node (extra firewall openings, a running job) put it
@@ -22,6 +23,7 @@ import subprocess
 from dataclasses import dataclass
 
 import pytest
+import yaml
 
 from tests.ansible.conftest import (
     Listener,
@@ -37,8 +39,9 @@ from tests.ansible.conftest import (
     tcp_connects,
     ufw_status_lines,
 )
-from tests.conftest import VENV_BIN
+from tests.conftest import VENV_BIN, make
 from tests.helpers import SCRIPTS
+from tests.training.conftest import TINY
 
 pytestmark = pytest.mark.sim
 LISTEN_PORT = 47123
@@ -380,3 +383,77 @@ def test_rsync_is_installed_and_the_job_directories_belong_to_the_training_user(
         assert made.stdout.splitlines() == [
             f"{directory} directory {host.ssh_user}:{group} 755" for directory in directories
         ], (host.name, made.stderr)
+
+
+# The INI scenario's values, set only in its group_vars/.
+GROUP_VARS_CHECKPOINTS = "/srv/tmn-group-vars-checkpoints"
+GROUP_VARS_PORT = 29611
+GROUP = "gpu_boxes"
+
+
+def _ini_inventory(cluster, directory):
+    """The cluster's own YAML inventory rewritten as many Ansible users describe theirs: an INI
+    file, the cluster's values in group_vars/all.yml beside it, the nodes in a group of the
+    user's own naming beside another group that is not ours to touch (were a tool to touch its
+    host, it would meet a closed port on loopback and fail at once)."""
+    document = yaml.safe_load(cluster.config.inventory_path.read_text())
+    cluster_vars = document["all"]["vars"]
+    hosts = document["all"]["children"]["nodes"]["hosts"]
+    lines = [f"[{GROUP}]"]
+    for name, own in hosts.items():
+        lines.append(f"{name} ansible_host={own['ansible_host']} compute_ip={own['compute_ip']}")
+    lines += ["", f"[{GROUP}:vars]", "compute_interface=eth1", "gpus=0", ""]
+    lines += ["[laptops]", "laptop ansible_host=127.0.0.1 ansible_port=1", ""]
+    (directory / "group_vars").mkdir()
+    values = {"checkpoint_root": GROUP_VARS_CHECKPOINTS, "rendezvous_port": GROUP_VARS_PORT}
+    (directory / "group_vars" / "all.yml").write_text(yaml.safe_dump({**cluster_vars, **values}))
+    path = directory / "cluster.ini"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.mark.timeout(1200)
+def test_an_ini_inventory_with_group_vars_provisions_checks_and_trains(provisioned, tmp_path):
+    """Last here: it changes the nodes' checkpoint root. Provisioning, netcheck and the launcher
+    all read the INI inventory through ansible-core's loader and see the same values: the
+    checkpoint root and rendezvous port set only in group_vars/ are where provisioning made the
+    directory, where the job writes its checkpoints, and the port netcheck and the job use."""
+    cluster = provisioned.cluster
+    inventory = _ini_inventory(cluster, tmp_path)
+    try:
+        checked = make("check-inventory", f"INVENTORY={inventory}", f"GROUP={GROUP}", timeout=120)
+        assert checked.returncode == 0, checked.stderr
+        subnet = cluster.inventory.compute_subnet
+        assert f"3 host(s), compute subnet {subnet}, rendezvous port {GROUP_VARS_PORT}" in (
+            checked.stdout
+        )
+
+        provision = make("provision", f"INVENTORY={inventory}", f"GROUP={GROUP}", timeout=1500)
+        assert provision.returncode == 0, provision.stdout[-4000:] + provision.stderr[-2000:]
+        for container in provisioned.containers:
+            made = node_sh(container, f"test -d {GROUP_VARS_CHECKPOINTS} && echo made")
+            assert made.stdout == "made\n", container
+
+        netcheck = subprocess.run(
+            [str(VENV_BIN / "netcheck"), "-i", str(inventory), "--group", GROUP, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert netcheck.returncode == 0, netcheck.stdout[-3000:] + netcheck.stderr
+        assert json.loads(netcheck.stdout)["ok"] is True
+
+        args = " ".join(
+            [*TINY, "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", "gv"]
+        )
+        train = make(
+            "train", f"INVENTORY={inventory}", f"GROUP={GROUP}", f"ARGS={args}", timeout=900
+        )
+        assert train.returncode == 0, train.stdout[-4000:] + train.stderr
+        assert f":{GROUP_VARS_PORT}" in train.stdout, train.stdout[-3000:]
+        saved = node_sh(provisioned.containers[0], f"ls {GROUP_VARS_CHECKPOINTS}/gv")
+        assert saved.returncode == 0 and saved.stdout.strip(), saved.stderr
+    finally:
+        for container in provisioned.containers:
+            node_sh(container, f"rm -rf {GROUP_VARS_CHECKPOINTS}")

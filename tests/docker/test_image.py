@@ -282,23 +282,19 @@ def test_the_wheels_are_served_on_loopback_for_the_builds_length_only(tmp_path):
 
 
 @pytest.mark.sim
-def test_torch_compile_runs_in_the_cpu_twin_and_rdma_libraries_load(training_image):
-    """Inductor's CPU path compiles C++ with the base's g++ and Python's headers; a failure
-    to compile raises (torch.compile does not fall back silently by default)."""
+def test_rdma_libraries_load_in_the_cpu_twin(training_image):
+    """rdma-core's userspace libraries, which NCCL's InfiniBand/RoCE transport opens. That
+    torch.compile builds its kernels in this image (the base's g++ and Python's headers) is
+    proven where users meet it: `make selftest`'s compile check on both simulated nodes, in
+    these containers (tests/docker/test_selftest_cluster.py)."""
     script = (
-        "import torch\n"
-        "def f(x):\n"
-        "    return torch.sin(x) * 2 + x\n"
-        "compiled = torch.compile(f)\n"
-        "x = torch.randn(64)\n"
-        "assert torch.allclose(compiled(x), f(x))\n"
         "import ctypes\n"
-        "ctypes.CDLL('libibverbs.so.1')\n"
-        "ctypes.CDLL('librdmacm.so.1')\n"
-        "print('compiled and loaded')\n"
+        "for name in ('libibverbs.so.1', 'librdmacm.so.1'):\n"
+        "    ctypes.CDLL(name)\n"
+        "print('loaded')\n"
     )
-    proc = docker("run", "--rm", training_image.tag, "python3", "-c", script, timeout=600)
-    assert proc.stdout.strip().splitlines()[-1] == "compiled and loaded", proc.stderr[-3000:]
+    proc = docker("run", "--rm", training_image.tag, "python3", "-c", script, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "loaded", proc.stderr[-3000:]
 
 
 @pytest.mark.sim
