@@ -34,7 +34,6 @@ from torch_multinode.training.selftesting.checks import (
     DEBUG_REMEDY,
     FAIL,
     PASS,
-    RUNS,
     SKIPPED,
     STOPPED,
     WARN,
@@ -43,6 +42,8 @@ from torch_multinode.training.selftesting.checks import (
     Skip,
     Stopped,
 )
+from torch_multinode.training.selftesting.checks import RUNS as _RUNS
+from torch_multinode.training.selftesting.replicas import check_fsdp2_replicas
 from torch_multinode.training.settings import arguments, console
 
 _ORDER = (PASS, SKIPPED, WARN, STOPPED, FAIL)  # a node's row shows its ranks' worst result
@@ -69,6 +70,11 @@ CHECKS = (
     Check("amp-fp16", "fp16 autocast steps with torch.amp.GradScaler, an overflow skipped"),
     Check("ddp-checkpoint", "DDP checkpoint saved and resumed (CheckpointStore, RNG): same result"),
     Check("fsdp2-dcp", "FSDP2 mixed precision; DCP save, load and reshard to one process"),
+    Check(
+        "fsdp2-replicas",
+        "a step's shards copied to the next node beside the job's collectives; a wiped node "
+        "gets them back on resume",
+    ),
     Check("compile", "torch.compile (inductor) builds and matches eager, forward and backward"),
     Check(
         "flight-recorder",
@@ -78,6 +84,7 @@ CHECKS = (
     Check("model-parallel", "a model split over two GPUs equals it on one, gradients included"),
 )
 CHECK_NAMES = tuple(check.name for check in CHECKS)
+RUNS = {**_RUNS, "fsdp2-replicas": check_fsdp2_replicas}
 assert CHECK_NAMES == arguments.SELFTEST_CHECKS  # --fail offers them without importing torch
 
 
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         results: list[Result] = []
         for name in CHECK_NAMES:
-            results += job.gather(run_check(job, name))
+            if not args.only or name in args.only:
+                results += job.gather(run_check(job, name))
         errors, warnings = problems(results)
         console.say(env, *render(results), *warnings)
         if errors:

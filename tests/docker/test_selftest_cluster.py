@@ -1,8 +1,9 @@
 """`make selftest INVENTORY=...` on the provisioned simulated cluster: every check on both nodes,
 in the training image's containers (launch_mode: container), as a job through the launcher. The
 image's gcc and Python headers let torch.compile build its kernels there; the checkpoint checks
-write to /shared, which both nodes see, so the distributed checkpoint is resharded too. The GPU
-checks are SKIPPED with their reasons (the nodes have no GPU).
+write to /shared, which both nodes see, so the distributed checkpoint is resharded too; the
+replicas' check copies between each container's own /tmp. The GPU checks are SKIPPED with their
+reasons (the nodes have no GPU).
 
 Here (tests/docker/) because that directory runs in the `image` group, whose provisioned cluster
 the test shares.
@@ -36,6 +37,9 @@ def test_selftest_passes_on_two_nodes_in_containers(provisioned):
         assert _row(out, "comm-across-nodes", node).startswith("PASS"), out
         assert _row(out, "compile", node).startswith("PASS"), out
         assert "resharded to 1" in _row(out, "fsdp2-dcp", node), out
+        # Each node's shards copied to the other's own disk, in its container; node2's wiped.
+        assert _row(out, "fsdp2-replicas", node).startswith("PASS"), out
+        assert "node2's wiped copy restored from node1" in _row(out, "fsdp2-replicas", node), out
         assert _row(out, "ddp-checkpoint", node).startswith("PASS"), out
         assert _row(out, "amp-bf16", node).startswith("PASS"), out
         assert re.match(r"SKIPPED +- +1 rank on this node", _row(out, "comm-in-node", node)), out

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,9 +228,26 @@ def fsdp_nodes(
 ) -> list[Finished]:
     """A training.fsdp job of len(disks) "nodes" on this machine, one rank each (`args` its
     arguments): node i's checkpoint directory is disks[i] (its node-local disk, or one
-    directory they all see) and its name node-i; node ranks fixed (torchrun's static
-    rendezvous)."""
-    port, count = free_port(), len(disks)
+    directory they all see)."""
+    return local_nodes(
+        cwd,
+        "torch_multinode.training.fsdp",
+        len(disks),
+        lambda index: [*args, "--checkpoint-dir", str(disks[index])],
+        lambda index: env or {},
+    )
+
+
+def local_nodes(
+    cwd: Path,
+    module: str,
+    count: int,
+    args: Callable[[int], list[str]],
+    env: Callable[[int], dict[str, str]],
+) -> list[Finished]:
+    """A job of `count` "nodes" on this machine, one rank each, node i running `module` with
+    args(i) and env(i), named node-i; node ranks fixed (torchrun's static rendezvous)."""
+    port = free_port()
 
     def node(index: int) -> Finished:
         command = [
@@ -245,12 +263,10 @@ def fsdp_nodes(
             "--max-restarts=0",
             "--monitor-interval=0.5",
             "-m",
-            "torch_multinode.training.fsdp",
-            *args,
-            "--checkpoint-dir",
-            str(disks[index]),
+            module,
+            *args(index),
         ]
-        return run_command(command, cwd, {"TMN_NODE_NAME": f"node-{index}", **(env or {})}, 180)
+        return run_command(command, cwd, {"TMN_NODE_NAME": f"node-{index}", **env(index)}, 180)
 
     with ThreadPoolExecutor(count) as pool:
         return list(pool.map(node, range(count)))

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import make
+from tests.conftest import REPO_ROOT, make
 from tests.helpers import ERROR_LINE
+from tests.training.conftest import local_nodes
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import selftest
 from torch_multinode.training.distributed import parallel
@@ -44,6 +45,7 @@ def test_make_selftest_passes_locally_with_the_gpu_checks_skipped_with_reasons()
     assert re.match(r"SKIPPED +- +no NCCL on a CPU node", _row(out, "nccl-transport")), out
     # the hang report's trace, read back from gloo's recorder (NCCL's on a GPU node)
     assert re.search(r"\(gloo:all_reduce #\d+\)$", _row(out, "flight-recorder")), out
+    assert re.match(r"SKIPPED +- +one node's disk", _row(out, "fsdp2-replicas")), out
     assert "selftest passed on 1 node(s)" in out
     assert not ERROR_LINE.search(out), out
 
@@ -155,3 +157,31 @@ def test_the_fail_hook_reports_a_check_that_ran_as_failed_on_the_last_rank(tmp_p
     assert (result.check, result.node, result.status) == ("amp-bf16", "node1", "FAIL")
     assert result.detail == "failed on purpose (--fail, a test hook)"
     assert selftest.run_check(job, "amp-fp16").status == "SKIPPED"
+
+
+def test_replicas_on_two_nodes_disks_are_copied_and_a_wiped_one_restored(tmp_path):
+    """Two "nodes" here, each its own temporary directory (its disk): the fsdp2-replicas check
+    copies each node's shards to the other beside the job's all_reduces, wipes node-1's copy
+    and resumes it from node-0's, with the same parameters."""
+    disks = [tmp_path / f"disk{index}" for index in (0, 1)]
+    for disk in disks:
+        disk.mkdir()
+    done = local_nodes(
+        REPO_ROOT,
+        "torch_multinode.training.selftest",
+        2,
+        lambda index: ["--only", "fsdp2-replicas"],
+        lambda index: {"TMPDIR": str(disks[index])},
+    )
+    out = done[0].stdout + done[0].stderr
+    assert [node.returncode for node in done] == [0, 0], out + done[1].stdout + done[1].stderr
+    row = re.search(r"^fsdp2-replicas +node-1 +(.*)$", out, re.M)
+    assert row and row.group(1).startswith("PASS"), out
+    assert (
+        "2 nodes' shards copied beside gloo; node-1's wiped copy restored from node-0, same "
+        "parameters"
+    ) in row.group(1), out
+    assert "node-1's directory lacked " in out, out  # the resume said what it copied
+    # What the checks wrote on each disk is gone (torchrun's own directory stays).
+    for disk in disks:
+        assert [p.name for p in disk.iterdir() if not p.name.startswith("torchelastic_")] == []

@@ -256,6 +256,7 @@ SELFTEST_CHECKS = (
     "amp-fp16",
     "ddp-checkpoint",
     "fsdp2-dcp",
+    "fsdp2-replicas",
     "compile",
     "flight-recorder",
     "data-parallel",
@@ -281,6 +282,14 @@ def selftest(argv: list[str] | None) -> argparse.Namespace:
         choices=SELFTEST_CHECKS,
         metavar="CHECK",
         # test hook, hidden from --help: the last rank reports CHECK as failed after running it
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--only",
+        choices=SELFTEST_CHECKS,
+        metavar="CHECK",
+        action="append",
+        # test hook, hidden from --help: run these checks alone (repeatable)
         help=argparse.SUPPRESS,
     )
     return parser.parse_args(argv)
