@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,6 +109,24 @@ def test_the_newest_step_complete_on_the_union_is_chosen():
     held = held_after_a_ring_copy({2})
     held[0][15] = {".metadata", "manifest.pt", "__0_0.distcp", "rank-00000.pt"}
     assert replicate.usable_step(held, {10: NEEDED, 15: NEEDED}) == 10
+
+
+def test_a_step_the_survivors_cannot_complete_is_one_line_naming_the_lost_files_and_why():
+    """node-2 lost before its first copy finished: node-0 and node-1 hold 6 of step 10's 8
+    files between them, and the resume stops saying which files and what replicas cover."""
+    store = SimpleNamespace(
+        layout=SimpleNamespace(nodes=("node-0", "node-1", "node-2")), directory=Path("/ckpt")
+    )
+    replication = replicate.Replication(store, 500, 60)
+    replication.ring = [(0,), (1,)]
+    error = replication._incomplete(10, held_after_a_ring_copy({2}, copied=False), NEEDED)
+    assert error.line() == (
+        "Error: checkpoint step 10 in /ckpt: the nodes of this run (node-0, node-1) hold 6 of "
+        "its 8 files between them, and no older step complete (lost: __2_0.distcp, "
+        "rank-00002.pt); each node's files are copied to one other node after each "
+        "checkpoint, which covers one lost node, not two at once nor one lost before its "
+        "first copy (try the lost node's disk back, or --no-resume to start over)"
+    )
 
 
 def test_each_directory_fetches_what_it_lacks_from_the_lowest_that_holds_it():
