@@ -1,11 +1,12 @@
 """The version lock: what each node ran when netcheck last passed (its kernel, NVIDIA driver,
-Docker engine, and the training image's ID and torch, or in host mode the torch, CUDA and NCCL
-of its training interpreter), kept beside the inventory, so that `make train` can refuse a node
-that changed since (an unattended upgrade, a hand-installed package, another image under the
-tag).
+Docker engine, and the training image's ID and the torch, CUDA and NCCL its labels record, or
+in host mode the torch, CUDA and NCCL of its training interpreter), kept beside the inventory,
+so that `make train` can refuse a node that changed since (an unattended upgrade, a
+hand-installed package, another image under the tag).
 
     {"nodes": {"node1": {"kernel": "6.1.0-18-amd64", "driver": "none", "docker": "27.3.1",
-                         "image": "sha256:...", "torch": "2.14.1+cpu"}, ...},
+                         "image": "sha256:...", "torch": "2.14.1+cu130", "cuda": "13.0",
+                         "nccl": "2.30.7"}, ...},
      "written_at": "2026-11-26T12:00:00+00:00"}
 
 One probe per node, a shell command of cheap reads (no torch import, no GPU touched): netcheck
@@ -25,10 +26,11 @@ from torch_multinode.cluster import files
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Nodes
 from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.cluster.versions import TORCH_LABEL
+from torch_multinode.cluster.versions import STACK_LABELS
 
 FILENAME = "versions.lock.json"
 FIELDS = ("kernel", "driver", "docker", "image", "torch", "cuda", "nccl")
+STACK = ("torch", "cuda", "nccl")  # in container mode the image's, as its labels record them
 """In the order a drift is told."""
 NAMES = {
     "kernel": "kernel",
@@ -79,13 +81,16 @@ def probe_command(host: Host, inventory: Inventory) -> str:
         "'{{.Server.Version}}' 2>/dev/null || echo unknown)\"; else echo docker=none; fi",
     ]
     if inventory.launch_mode == "container":
-        template = (
-            f'{{{{.Id}}}} {{{{with .Config.Labels}}}}{{{{index . "{TORCH_LABEL}"}}}}{{{{end}}}}'
+        # The image's ID, then its torch, CUDA and NCCL labels, each "unknown" where it has none.
+        labels = " ".join(
+            f'{{{{or (index . "{STACK_LABELS[field]}") "unknown"}}}}' for field in STACK
         )
+        template = f"{{{{.Id}}}} {{{{with .Config.Labels}}}}{labels}{{{{end}}}}"
         image = shlex.quote(inventory.training_image)
         lines.append(
             f"set -- $(docker image inspect --format {shlex.quote(template)} {image} "
-            '2>/dev/null || echo missing); echo "image=$1"; echo "torch=${2:-unknown}"'
+            '2>/dev/null || echo missing); echo "image=$1"; echo "torch=${2:-unknown}"; '
+            'echo "cuda=${3:-unknown}"; echo "nccl=${4:-unknown}"'
         )
     else:
         lines.append(
@@ -149,20 +154,20 @@ def image_shipped(
     inventory_path: str | os.PathLike,
     names: list[str],
     image_id: str,
-    torch: Callable[[], str],
+    stack: Callable[[], dict[str, str]],
 ) -> None:
     """`make ship` brought the training image `image_id` to these nodes: the lock (if netcheck
-    wrote one) expects it there from now on, with the torch its label records (`torch()`,
-    asked only when there is a lock). Nodes the lock does not hold stay out of it: netcheck
-    locks a node whole."""
+    wrote one) expects it there from now on, with the torch, CUDA and NCCL its labels record
+    (`stack()`, asked only when there is a lock). Nodes the lock does not hold stay out of it:
+    netcheck locks a node whole."""
     path = default_path(inventory_path)
     nodes = load(path)
     if not nodes:
         return
     names = [n for n in names if n in nodes]
     if names:
-        label = torch()
-        shipped = {n: {**nodes[n], "image": image_id, "torch": label} for n in names}
+        labels = {field: value for field, value in stack().items() if field in STACK}
+        shipped = {n: {**nodes[n], "image": image_id, **labels} for n in names}
         write(path, shipped)
 
 

@@ -24,6 +24,13 @@ TORCH_MINIMUM = (2, 14)
 # The image label where `make image` records the torch the image reported; the launcher reads it
 # on every node (docker image inspect) and refuses an image below TORCH_MINIMUM.
 TORCH_LABEL = "io.torch-multinode.torch"
+# Beside it, the CUDA and NCCL the image reported: each node's lock and run record read the three
+# in the one `docker image inspect` (cluster.version_lock).
+STACK_LABELS = {
+    "torch": TORCH_LABEL,
+    "cuda": "io.torch-multinode.cuda",
+    "nccl": "io.torch-multinode.nccl",
+}
 # py-spy reads a hung job's Python stacks from outside its ranks (launch/hang.py): the training
 # image installs this version (provision/images.py), and pyproject.toml pins it too (a test
 # keeps them in step).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import json
 import random
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE
 from torch_multinode.cluster.sync import TOOL_ROOT
 from torch_multinode.cluster.versions import (
     PY_SPY_VERSION,
+    STACK_LABELS,
     TORCH_LABEL,
     minimum_shown,
     release,
@@ -261,11 +263,18 @@ def label_command(
     made_from: str,
     platform: str | None = None,
     base_image: str | None = None,
+    stack: dict[str, str] | None = None,
 ) -> tuple[list[str], str]:
-    """The `docker build` that puts the torch and recipe labels on a built image (and, built on
-    BASE_IMAGE, the name of that base), and the Dockerfile it reads on stdin: no context is
-    sent, and a rebuild with the same labels is a cache hit. With `platform`, pinned to it as
-    the image's own build was."""
+    """The `docker build` that puts the torch and recipe labels on a built image (with `stack`,
+    the CUDA and NCCL it reported too; built on BASE_IMAGE, the name of that base), and the
+    Dockerfile it reads on stdin: no context is sent, and a rebuild with the same labels is a
+    cache hit. With `platform`, pinned to it as the image's own build was."""
+    reported = [
+        argument
+        for field in ("cuda", "nccl")
+        if stack and field in stack
+        for argument in ("--label", f"{STACK_LABELS[field]}={stack[field]}")
+    ]
     command = [
         "docker",
         "build",
@@ -273,6 +282,7 @@ def label_command(
         *(["--platform", platform] if platform else []),
         "--label",
         f"{TORCH_LABEL}={torch}",
+        *reported,
         "--label",
         f"{RECIPE_LABEL}={made_from}",
         *(["--label", f"{BASE_LABEL}={base_image}"] if base_image else []),
@@ -288,6 +298,14 @@ def torch_label(tag: str) -> str:
     return image_label(tag, TORCH_LABEL)
 
 
+def stack_labels(tag: str) -> dict[str, str]:
+    """The torch, CUDA and NCCL an image's labels record ('unknown' where it has none)."""
+    found = json.loads(
+        docker("image", "inspect", "--format", "{{json .Config.Labels}}", tag).stdout
+    )
+    return {field: (found or {}).get(name) or "unknown" for field, name in STACK_LABELS.items()}
+
+
 def label(
     image_id: str,
     tag: str,
@@ -295,10 +313,13 @@ def label(
     made_from: str,
     platform: str | None = None,
     base_image: str | None = None,
+    stack: dict[str, str] | None = None,
 ) -> str:
-    """Label `image_id` with the torch it carries and its recipe, under `tag`; the labelled
-    image's id."""
-    command, dockerfile = label_command(image_id, tag, torch, made_from, platform, base_image)
+    """Label `image_id` with the torch it carries (and `stack`'s CUDA and NCCL) and its recipe,
+    under `tag`; the labelled image's id."""
+    command, dockerfile = label_command(
+        image_id, tag, torch, made_from, platform, base_image, stack
+    )
     proc = subprocess.run(command, input=dockerfile, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
@@ -412,7 +433,7 @@ def build(
     if (
         image_exists(tag)
         and image_label(tag, RECIPE_LABEL) == made_from
-        and torch_label(tag)
+        and image_label(tag, STACK_LABELS["nccl"])  # labelled by this version's build
         and (
             platform is None or platforms.platform_of(platforms.image_architecture(tag)) == platform
         )
@@ -446,7 +467,8 @@ def build(
     if refusal is not None:
         docker("rmi", tag, check=False)
         raise refusal
-    image_id = label(_image_id(tag), tag, reported, made_from, platform, base_image)
+    stack = {field: said.get(field) or "none" for field in ("cuda", "nccl")}
+    image_id = label(_image_id(tag), tag, reported, made_from, platform, base_image, stack)
     # Labels change nothing --version reads: the labelled image says what the built one said.
     _VERSIONS[image_id, False] = dict(said)
     return BuiltImage(tag, kind, image_id, time.monotonic() - started, reported)

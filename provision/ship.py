@@ -493,7 +493,7 @@ def ship(
             inventory.path,
             [h.name for h in lacking],
             wanted,
-            lambda: images.torch_label(image) or "unknown",
+            lambda: images.stack_labels(image),
         )
     return shipment
 

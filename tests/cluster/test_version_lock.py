@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
+import uuid
 from dataclasses import replace
 
 import pytest
@@ -14,13 +15,15 @@ import torch
 
 from tests.fakes import FakeNodes
 from tests.helpers import inventory, inventory_text, node
-from torch_multinode.cluster import cli
+from torch_multinode.cluster import cli, engine
 from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.remote import Result
+from torch_multinode.cluster.versions import STACK_LABELS
 from torch_multinode.launch.prepare import prepare_node
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.launch.staging import Project
+from torch_multinode.provision import images
 
 LOCKED = {"kernel": "6.1.0-18-amd64", "driver": "none", "docker": "27.3.1"}
 
@@ -60,8 +63,42 @@ def test_in_container_mode_the_probe_reads_the_image_and_says_when_it_is_missing
         training_image="torch-multinode/never-built:here",
     )
     found = _probe_here(lock.probe_command(hosts.hosts[0], hosts))
-    assert (found["image"], found["torch"]) == ("missing", "unknown"), found
-    assert "nccl" not in found  # the image's own: its ID stands for it
+    assert {k: found[k] for k in ("image", *lock.STACK)} == dict.fromkeys(
+        ("image", *lock.STACK), "unknown"
+    ) | {"image": "missing"}, found
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"torch": "2.14.1+cu130", "cuda": "13.0", "nccl": "2.30.7"},
+        {"torch": "2.14.1+cu130"},  # labelled by an older version of this project
+        {},
+    ],
+)
+def test_in_container_mode_the_probe_reads_the_images_torch_cuda_and_nccl_labels(labels):
+    """Against this machine's engine: an image made here (nothing pulled) with some labels."""
+    engine.require_engine()
+    tag = f"tmn-stack-labels:{uuid.uuid4().hex[:8]}"
+    options = [f"--label={STACK_LABELS[field]}={value}" for field, value in labels.items()]
+    subprocess.run(
+        ["docker", "build", "-q", *options, "-t", tag, "-"],
+        input="FROM scratch\nLABEL purpose=test\n",
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    try:
+        hosts = inventory({"node1": node(1)}, launch_mode="container", training_image=tag)
+        found = _probe_here(lock.probe_command(hosts.hosts[0], hosts))
+        identity = engine.docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
+        assert found["image"] == identity
+        assert {field: found[field] for field in lock.STACK} == {
+            field: labels.get(field, "unknown") for field in lock.STACK
+        }
+        assert images.stack_labels(tag) == {f: labels.get(f, "unknown") for f in lock.STACK}
+    finally:
+        engine.docker("rmi", tag, check=False)
 
 
 def test_the_lock_keeps_nodes_not_checked_and_survives_no_file_or_a_bad_one(tmp_path):
@@ -83,11 +120,10 @@ def test_a_shipped_image_is_what_the_lock_expects_on_the_nodes_it_holds(tmp_path
     assert not (tmp_path / lock.FILENAME).exists()  # no lock: none made, no label asked
     before = {**LOCKED, "image": "sha256:" + "a" * 64, "torch": "2.14.1+cpu"}
     lock.write(tmp_path / lock.FILENAME, {"node1": before, "node2": before})
-    lock.image_shipped(
-        inventory_path, ["node1", "node3"], "sha256:" + "b" * 64, lambda: "2.15.0+cpu"
-    )
+    stack = {"torch": "2.15.0+cu130", "cuda": "13.0", "nccl": "2.30.7"}
+    lock.image_shipped(inventory_path, ["node1", "node3"], "sha256:" + "b" * 64, lambda: stack)
     assert lock.load(tmp_path / lock.FILENAME) == {
-        "node1": {**before, "image": "sha256:" + "b" * 64, "torch": "2.15.0+cpu"},
+        "node1": {**before, "image": "sha256:" + "b" * 64, **stack},
         "node2": before,  # not shipped to
     }  # node3: not locked, not added
 

@@ -142,14 +142,21 @@ def test_the_pinned_wheels_must_have_installed_the_pinned_torch():
     )
 
 
-def test_the_label_step_records_the_torch_the_image_reported():
-    command, dockerfile = images.label_command("sha256:abc", "tmn/train:x", "2.14.1+cu130", "f00d")
+def test_the_label_step_records_the_torch_cuda_and_nccl_the_image_reported():
+    stack = {"cuda": "13.0", "nccl": "2.30.7"}
+    command, dockerfile = images.label_command(
+        "sha256:abc", "tmn/train:x", "2.14.1+cu130", "f00d", stack=stack
+    )
     assert command == [
         "docker",
         "build",
         "--quiet",
         "--label",
         "io.torch-multinode.torch=2.14.1+cu130",
+        "--label",
+        "io.torch-multinode.cuda=13.0",
+        "--label",
+        "io.torch-multinode.nccl=2.30.7",
         "--label",
         "io.torch-multinode.recipe=f00d",
         "-t",
@@ -183,6 +190,10 @@ def test_image_reports_the_versions_inside(training_image):
     assert found["cudnn-engines"] == "absent" and found["triton"] == "none"
     assert training_image.torch == found["torch"]
     assert images.torch_label(training_image.tag) == found["torch"]
+    # ... and its CUDA and NCCL, which each node's lock and run record read from the labels.
+    assert images.stack_labels(training_image.tag) == {
+        field: found[field] for field in ("torch", "cuda", "nccl")
+    }
     # Its default command is the same report, --json the same as a mapping; anything else
     # runs as given.
     plain = docker("run", "--rm", training_image.tag).stdout
