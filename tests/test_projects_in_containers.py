@@ -62,6 +62,7 @@ from torch_multinode.cluster import version_lock
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from torch_multinode.provision import images
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.checkpointing.checkpoint import file_name
 
@@ -396,6 +397,11 @@ def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
             "node1": image,
             "node2": image,
         }
+        # The image's torch, CUDA and NCCL, as its labels record what it reported.
+        stack = images.stack_labels("torch-multinode/train:test")
+        assert stack["nccl"] != "unknown" and stack["cuda"] != "unknown", stack
+        for versions in remembered["versions"].values():
+            assert {field: versions[field] for field in stack} == stack, versions
     finally:
         nodes.close()
         for index in (1, 2):
