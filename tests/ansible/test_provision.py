@@ -448,7 +448,12 @@ def test_an_ini_inventory_with_group_vars_provisions_checks_and_trains(provision
             [*TINY, "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", "gv"]
         )
         train = make(
-            "train", f"INVENTORY={inventory}", f"GROUP={GROUP}", f"ARGS={args}", timeout=900
+            "train",
+            f"INVENTORY={inventory}",
+            f"GROUP={GROUP}",
+            "NNODES=2",  # TINY's global batch splits over 2
+            f"ARGS={args}",
+            timeout=900,
         )
         assert train.returncode == 0, train.stdout[-4000:] + train.stderr
         assert f":{GROUP_VARS_PORT}" in train.stdout, train.stdout[-3000:]
