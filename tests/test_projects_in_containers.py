@@ -15,7 +15,8 @@
   the same way;
 - `make data` twice: the second run sends no file;
 - a node killed mid-run with RESTARTS=1: the job resumes from the checkpoints on the nodes'
-  disks and ends with the parameters of an uninterrupted run;
+  disks and ends with the parameters of an uninterrupted run; one left dead with MIN_NODES=1:
+  dropped, the job ends on the other node alone with the same parameters;
 - a node killed mid-checkpoint, Ctrl-C during a checkpoint write, a full or read-only
   checkpoint directory: as README's table of faults says (what a failed job wrote comes back);
 - an NCCL job on nodes whose GPUs do not answer stops at start naming the node, and model
@@ -32,6 +33,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -505,6 +507,53 @@ def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the
         shutil.rmtree(runs, ignore_errors=True)
         for index in (1, 2):
             on_node(provisioned.cluster, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
+
+
+def test_a_node_lost_for_good_is_dropped_and_the_job_ends_on_the_other_as_uninterrupted(
+    provisioned, reference_ddp
+):
+    """Issue 31 in the containers: node2 killed after step 8's checkpoint and left dead past
+    the restart's wait; with MIN_NODES=1 the job goes on in node1's container alone, from its
+    own disk's step 8, computing both planned ranks' batches, and ends with the parameters of
+    the uninterrupted 2-node run."""
+    checkpoints = f"drop-{uuid.uuid4().hex[:8]}"
+    args = [*TINY, "--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4"]
+    args += ["--checkpoint-dir", checkpoints, "--log-every", "1", "--step-delay", "0.3"]
+    process = subprocess.Popen(
+        [str(VENV_BIN / "train"), "-i", str(provisioned.inventory), "--nnodes", "2"]
+        + ["--restarts", "1", "--restart-wait", "10", "--min-nodes", "1"]
+        + ["--", *args, "--out", "model.pt"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen = read_until(process, "[node1] step  9/")  # step 8 saved on both nodes
+    first = run_id_in(seen)
+    output = kill_node(process, provisioned.cluster.config.container(2))
+    try:
+        output.end(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        _bring_back(provisioned, 2)
+    rest = output.text
+    assert process.returncode == 0, output.stamped[-4000:]
+    assert re.search(r"\[launcher\] node2 lost at restart 1 after step \d+: dropped", rest), rest
+    assert "[launcher] continuing on node1: 1 of 2 nodes (--min-nodes 1)" in rest, rest[-3000:]
+    again = rest[rest.index(f"job {first}-r1:") :]
+    assert "keeping the first run's world of 2 process(es)" in again.splitlines()[0], again[:500]
+    assert re.findall(r"\[node1\] resuming from step (\d+)", again) == ["8"], again[-3000:]
+    assert "[node2]" not in again, again[-3000:]
+    runs = REPO_ROOT / ".runs" / first
+    try:
+        assert max_difference(load_state(runs / "model.pt"), reference_ddp.state) < 1e-5
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+        for index in (1, 2):
+            on_node(provisioned.cluster, index, f"rm -rf {DEFAULT_CHECKPOINT_ROOT}/{checkpoints}")
+    _no_containers_left(provisioned)
 
 
 def test_a_checkpoint_dir_outside_every_mount_is_refused_before_launch(provisioned):
