@@ -207,6 +207,14 @@ def provisioned(sim_factory, training_image, tmp_path_factory) -> Provisioned:
     return Provisioned(cluster, inventory, password, bootstrap, provision)
 
 
+@pytest.fixture(scope="session")
+def cluster_selftest(provisioned) -> subprocess.CompletedProcess:
+    """`make selftest INVENTORY=...` on the shared cluster, as README writes it: minutes of
+    compiling, so run once, for tests/docker/test_selftest_cluster.py (its table) and the
+    README's commands (tests/test_readme_commands.py) alike."""
+    return make("selftest", f"INVENTORY={provisioned.inventory}", timeout=1200)
+
+
 def console_fingerprint(container: str) -> str:
     """What the node's own console prints (ssh-keygen -lf of its ed25519 host key)."""
     out = sim.docker("exec", container, "ssh-keygen", "-lf", "/etc/ssh/ssh_host_ed25519_key.pub")

@@ -202,9 +202,10 @@ def _dataset(root: Path) -> Path:
 class Run:
     """What the test does for each README command: `make` with the substituted arguments."""
 
-    def __init__(self, provisioned, stand: Stand):
+    def __init__(self, provisioned, stand: Stand, selftest: subprocess.CompletedProcess):
         self.provisioned = provisioned
         self.stand = stand
+        self.selftest = selftest  # the cluster_selftest fixture's run
         self.env = {"WANDB_API_KEY": f"wandb-{uuid.uuid4().hex}"}
         self.seconds: dict[str, float] = {}
 
@@ -243,9 +244,15 @@ def netcheck(run: Run, command: str) -> None:
     assert f"Each node's versions locked in {lock} (make train checks them)" in out, out[-4000:]
 
 
-def selftest(run: Run, command: str) -> None:
-    out = run.make(command, timeout=600).stdout
-    assert "selftest passed on 2 node(s)" in out, out[-4000:]
+def selftest_is_the_fixtures(run: Run, command: str) -> None:
+    """Run once by the `cluster_selftest` fixture (minutes of compiling), whose table
+    tests/docker/test_selftest_cluster.py reads check by check: the README's command is the
+    fixture's, and it passed."""
+    argv, _ = run.stand.substitute(command)
+    done = run.selftest
+    assert done.args == ["make", "--no-print-directory", *argv], (done.args, argv)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    assert "selftest passed on 2 node(s)" in done.stdout, done.stdout[-4000:]
 
 
 def train_default(run: Run, command: str) -> None:
@@ -548,7 +555,7 @@ FENCED: dict[str, Check] = {
     'make train SCRIPT=~/proj/train.py ARGS="--lr 0.1"': train_script_here,
     "make train INVENTORY=my-cluster.yml NNODES=2": train_default,
     "make train": train_default_here,
-    "make selftest INVENTORY=my-cluster.yml": selftest,
+    "make selftest INVENTORY=my-cluster.yml": selftest_is_the_fixtures,
 }
 # README's inline `make ...` commands that are more than a target's name.
 INLINE: dict[str, Check] = {
@@ -573,6 +580,7 @@ FENCED[PROJECT] = train_project
 # Not run, checked another way: the reason is each function's docstring.
 ANOTHER_WAY = (
     provision_is_the_fixtures,
+    selftest_is_the_fixtures,
     check_plans_lint_then_test,
     sim_up_plans_the_simulated_cluster,
     selftest_here_plans_a_local_run,
@@ -616,7 +624,7 @@ def test_every_readme_command_is_known_here():
 
 @pytest.mark.sim
 @pytest.mark.timeout(2400)
-def test_readme_commands_run_on_the_simulated_cluster(provisioned, tmp_path):
+def test_readme_commands_run_on_the_simulated_cluster(provisioned, cluster_selftest, tmp_path):
     fenced, inline, strays = readme_commands(README.read_text())
     assert not strays and set(fenced) == set(FENCED), "see test_every_readme_command_is_known_here"
     stand = Stand(
@@ -625,7 +633,7 @@ def test_readme_commands_run_on_the_simulated_cluster(provisioned, tmp_path):
         dataset=_dataset(tmp_path / "datasets" / DATASET),
         hostfile=tmp_path / "hostfile",
     )
-    run = Run(provisioned, stand)
+    run = Run(provisioned, stand, cluster_selftest)
     checks = {**FENCED, **INLINE}
     failed = []
     try:

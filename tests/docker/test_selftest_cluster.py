@@ -1,9 +1,11 @@
-"""`make selftest INVENTORY=...` on the provisioned simulated cluster: every check on both nodes,
-in the training image's containers (launch_mode: container), as a job through the launcher. The
-image's gcc and Python headers let torch.compile build its kernels there; the checkpoint checks
-write to /shared, which both nodes see, so the distributed checkpoint is resharded too; the
-replicas' check copies between each container's own /tmp. The GPU checks are SKIPPED with their
-reasons (the nodes have no GPU).
+"""`make selftest INVENTORY=...` on the provisioned simulated cluster, as README writes it (the
+shared `cluster_selftest` run): every check on both nodes, in the training image's containers
+(launch_mode: container), as a job through the launcher. The image's gcc and Python headers let
+torch.compile build its kernels there; the checkpoint checks write to each container's own
+temporary directory (node-local disks): the distributed checkpoint is saved and loaded but not
+resharded (tests/training/test_selftest.py reshards it on storage both ranks see), and the
+replicas' check copies each node's shards to the other's disk and restores a wiped one. The GPU
+checks are SKIPPED with their reasons (the nodes have no GPU).
 
 Here (tests/docker/) because that directory runs in the `image` group, whose provisioned cluster
 the test shares.
@@ -15,7 +17,6 @@ import re
 
 import pytest
 
-from tests.conftest import make
 from tests.helpers import ERROR_LINE, on_node
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
@@ -28,15 +29,15 @@ def _row(out: str, check: str, node: str) -> str:
     return found.group(1)
 
 
-def test_selftest_passes_on_two_nodes_in_containers(provisioned):
-    run = make("selftest", f"INVENTORY={provisioned.inventory}", "ARGS=--checkpoint-dir /shared")
+def test_selftest_passes_on_two_nodes_in_containers(provisioned, cluster_selftest):
+    run = cluster_selftest
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "[node1] selftest: 2 rank(s) on 2 node(s), gloo, cpu" in out, out
     for node in ("node1", "node2"):
         assert _row(out, "comm-across-nodes", node).startswith("PASS"), out
         assert _row(out, "compile", node).startswith("PASS"), out
-        assert "resharded to 1" in _row(out, "fsdp2-dcp", node), out
+        assert "not resharded: node-local disks" in _row(out, "fsdp2-dcp", node), out
         # Each node's shards copied to the other's own disk, in its container; node2's wiped.
         assert _row(out, "fsdp2-replicas", node).startswith("PASS"), out
         assert "node2's wiped copy restored from node1" in _row(out, "fsdp2-replicas", node), out
@@ -47,5 +48,6 @@ def test_selftest_passes_on_two_nodes_in_containers(provisioned):
             assert re.match(r"SKIPPED +- +\S", _row(out, gpu_only, node)), out
     assert "[node1] selftest passed on 2 node(s)" in out, out
     assert not ERROR_LINE.search(out), out
-    # What the checks wrote on the shared storage is gone.
-    assert "selftest-" not in on_node(provisioned.cluster, 1, "ls -a /shared"), out
+    # Nothing of the job is left: its containers (and their temporary directories) are gone.
+    for index in (1, 2):
+        assert on_node(provisioned.cluster, index, "docker ps -aq").strip() == "", index
