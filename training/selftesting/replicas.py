@@ -5,7 +5,8 @@ disk, as --checkpoint-dir on node-local disks is.
 A step is saved, and its copy to the next node runs in its background thread over the replicas'
 gloo group while this thread goes on with collectives of the job's own backend (NCCL on GPUs):
 the overlap a training job has. Then the last node's copy of the step is wiped, as a lost disk,
-and the resume gets its files back from the node before it and loads the same parameters.
+and the resume gets its files back from the node it sent them to and loads the same
+parameters.
 """
 
 from __future__ import annotations
@@ -88,11 +89,6 @@ def _replicas(job: Job, directory: Path) -> str:
         dist.all_reduce(total)
         total /= env.world_size
     replication.wait()
-    if replication.broken:
-        raise Failed("the copy of the saved step to the next node failed", DEBUG_REMEDY)
-    if total.item() != 1.0:
-        raise Failed(f"all_reduce beside the copy gave {total.item()}, not 1.0", DEBUG_REMEDY)
-
     # Every node holds its own files of the step and the previous node's.
     files = store._manifest(1)["files"] if layout.owner else []
     behind = replication.ring[replication.ring.index(layout.visible) - 1]
@@ -101,19 +97,29 @@ def _replicas(job: Job, directory: Path) -> str:
         for name in replicate.written_by(files, (*layout.visible, *behind))
         if not (store.path(1) / name).is_file()
     ]
-    job.agree(Failed(f"{job.node} lacks {', '.join(lacking)}", DEBUG_REMEDY) if lacking else None)
+    problem = None  # each rank's, told to all at the meeting point (job.agree)
+    if replication.broken:
+        problem = Failed("the copy of the saved step to the next node failed", DEBUG_REMEDY)
+    elif total.item() != 1.0:
+        problem = Failed(f"all_reduce beside the copy gave {total.item()}, not 1.0", DEBUG_REMEDY)
+    elif lacking:
+        problem = Failed(f"{job.node} lacks {', '.join(lacking)} after the copy", DEBUG_REMEDY)
+    job.agree(problem)
 
-    # The last node's disk lost: the resume takes its files from the node before it.
+    # The last node's disk lost: the resume takes its files from the node after it.
     if layout.owner and layout.visible == replication.ring[-1]:
         shutil.rmtree(store.path(1))
     dist.barrier(group=job.control)
     loaded = _sharded(job, seed=1)
     step, _ = store.resume(loaded, torch.optim.SGD(loaded.parameters(), lr=0.05), True, INFO)
+    back = _full(loaded)  # collective: every rank, whatever it found
     if step != 1:
-        raise Failed(f"the resume found step {step}, not the saved step 1", DEBUG_REMEDY)
-    back = _full(loaded)
-    if any(not torch.equal(saved[name], back[name]) for name in saved):
-        raise Failed("parameters resumed from the replicas differ from those saved", DEBUG_REMEDY)
+        problem = Failed(f"the resume found step {step}, not the saved step 1", DEBUG_REMEDY)
+    elif any(not torch.equal(saved[name], back[name]) for name in saved):
+        problem = Failed(
+            "parameters resumed from the replicas differ from those saved", DEBUG_REMEDY
+        )
+    job.agree(problem)
     # The last node's files went to the first (the ring's next), which gives them back.
     lost, keeper = (job.nodes[replication.ring[i][0]] for i in (-1, 0))
     return (
