@@ -68,6 +68,7 @@ def test_in_container_mode_the_probe_reads_the_image_and_says_when_it_is_missing
     ) | {"image": "missing"}, found
 
 
+@pytest.mark.sim  # needs this machine's Docker engine: skipped without one, outside CI
 @pytest.mark.parametrize(
     "labels",
     [
