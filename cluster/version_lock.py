@@ -30,8 +30,8 @@ from torch_multinode.cluster.versions import STACK_LABELS
 
 FILENAME = "versions.lock.json"
 FIELDS = ("kernel", "driver", "docker", "image", "torch", "cuda", "nccl")
-STACK = ("torch", "cuda", "nccl")  # in container mode the image's, as its labels record them
 """In the order a drift is told."""
+STACK = tuple(STACK_LABELS)  # torch, CUDA, NCCL: in container mode the image's labels
 NAMES = {
     "kernel": "kernel",
     "driver": "NVIDIA driver",

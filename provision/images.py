@@ -271,9 +271,8 @@ def label_command(
     cache hit. With `platform`, pinned to it as the image's own build was."""
     reported = [
         argument
-        for field in ("cuda", "nccl")
-        if stack and field in stack
-        for argument in ("--label", f"{STACK_LABELS[field]}={stack[field]}")
+        for field, value in (stack or {}).items()
+        for argument in ("--label", f"{STACK_LABELS[field]}={value}")
     ]
     command = [
         "docker",

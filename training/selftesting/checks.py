@@ -227,6 +227,21 @@ def _seeded_net(device: torch.device, seed: int = 0) -> _Net:
     return _Net().to(device)
 
 
+def _sharded_net(job: Job, seed: int, policy=None) -> _Net:
+    """The seeded net under FSDP2 over every rank (its two linear layers and the whole), with
+    `policy` (a MixedPrecisionPolicy; fully_shard's default: none)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(job.device.type, (job.env.world_size,))
+    policy = policy or MixedPrecisionPolicy()
+    model = _seeded_net(job.device, seed)
+    for layer in (model.layers[0], model.layers[2]):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
 def check_amp_bf16(job: Job) -> str:
     device = job.device
     model = _seeded_net(device)
@@ -367,21 +382,15 @@ def check_fsdp2_dcp(job: Job) -> str:
         get_model_state_dict,
         set_model_state_dict,
     )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     env, device = job.env, job.device
     if not env.launched:
         raise Skip("one process, no process group")
-    mesh = init_device_mesh(device.type, (env.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def sharded(seed: int) -> nn.Module:
-        model = _seeded_net(device, seed)
-        for layer in (model.layers[0], model.layers[2]):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        return model
+        return _sharded_net(job, seed, policy)
 
     model = sharded(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -27,22 +27,10 @@ from torch_multinode.training.selftesting.checks import (
     Job,
     Skip,
     _batch,
-    _seeded_net,
+    _sharded_net,
 )
 
 INFO = {"check": "fsdp2-replicas"}  # what a resume compares with the saved step's
-
-
-def _sharded(job: Job, seed: int) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(job.device.type, (job.env.world_size,))
-    model = _seeded_net(job.device, seed)
-    for layer in (model.layers[0], model.layers[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -53,9 +41,9 @@ def check_fsdp2_replicas(job: Job) -> str:
     env = job.env
     if not env.launched:
         raise Skip("one process, no process group")
-    # The same path on every node, on each node's own disk (never the shared --checkpoint-dir).
-    token = job.gather(job.scratch.name)[0]
-    directory = Path(tempfile.gettempdir()) / f"{token}-replicas"
+    # The same path on every node (the scratch's name is one everywhere), on each node's own
+    # disk (never the shared --checkpoint-dir).
+    directory = Path(tempfile.gettempdir()) / f"{job.scratch.name}-replicas"
     directory.mkdir(parents=True, exist_ok=True)
     try:
         return _replicas(job, directory)
@@ -77,7 +65,7 @@ def _replicas(job: Job, directory: Path) -> str:
             else f"{tempfile.gettempdir()} is storage every node sees: nothing to copy"
         )
 
-    model = _sharded(job, seed=0)
+    model = _sharded_net(job, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = _batch(job.device, seed=env.rank)
     nn.functional.mse_loss(model(x), y).backward()
@@ -110,7 +98,7 @@ def _replicas(job: Job, directory: Path) -> str:
     if layout.owner and layout.visible == replication.ring[-1]:
         shutil.rmtree(store.path(1))
     dist.barrier(group=job.control)
-    loaded = _sharded(job, seed=1)
+    loaded = _sharded_net(job, seed=1)
     step, _ = store.resume(loaded, torch.optim.SGD(loaded.parameters(), lr=0.05), True, INFO)
     back = _full(loaded)  # collective: every rank, whatever it found
     if step != 1:
