@@ -41,6 +41,8 @@ def test_the_cuda_image_carries_the_pinned_torch_and_every_gpu_library():
         assert not gpu_runs(found["cuda-archs"], "7.0"), found
         # The label holds the torch exactly as the image reported it.
         assert built.torch == found["torch"] == images.torch_label(TAG)
+        # ... and the CUDA and NCCL, which each node's lock and run record read from the labels.
+        assert images.stack_labels(TAG) == {f: found[f] for f in ("torch", "cuda", "nccl")}
         environment = docker("image", "inspect", "--format", "{{json .Config.Env}}", TAG).stdout
         assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in environment
         assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in environment
