@@ -27,6 +27,9 @@ class Ping:
     """Percent, as ping prints it."""
     rtt_avg_ms: float | None
     error: str | None = None
+    rtt_min_ms: float | None = None
+    """The fastest reply: the path's own latency, which a busy CPU at either end adds less to
+    than to the average."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ def parse_speed(text: str) -> int | None:
 _STATS = re.compile(
     r"(\d+) packets transmitted, (\d+) (?:packets )?received.*?([\d.]+)% packet loss"
 )
-_RTT = re.compile(r"= [\d.]+/([\d.]+)/[\d.]+")
+_RTT = re.compile(r"= ([\d.]+)/([\d.]+)/[\d.]+")
 
 
 def parse_ping(text: str) -> Ping:
@@ -229,5 +232,6 @@ def parse_ping(text: str) -> Ping:
         int(stats.group(1)),
         int(stats.group(2)),
         float(stats.group(3)),
-        float(rtt.group(1)) if rtt else None,
+        float(rtt.group(2)) if rtt else None,
+        rtt_min_ms=float(rtt.group(1)) if rtt else None,
     )
