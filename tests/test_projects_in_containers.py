@@ -684,6 +684,11 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
             on_node(provisioned.cluster, index, f"rm -rf {directory}")
 
 
+def _summary(stdout: str) -> list[str]:
+    """The launcher's summary: from its `Job ...` line on."""
+    return stdout[stdout.index("\nJob ") + 1 :].splitlines()
+
+
 def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
     provisioned, reference_ddp
 ):
@@ -730,6 +735,11 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
             "--checkpoint-dir with more room)"
         )
         assert f"[node2] {error}" in full.stdout.splitlines(), full.stdout[-3000:]
+        summary = _summary(full.stdout)
+        assert summary[0].startswith("Job ") and " FAILED on node2 after " in summary[0], summary
+        assert f"  | {error}" in summary, summary
+        kept = sorted(on_node(provisioned.cluster, 2, f"ls -A {directory}").split())
+        assert kept == ["filler", file_name(4, 1)], kept
         failed_run = REPO_ROOT / ".runs" / run_id_in(full.stdout)
         events = list((failed_run / "tensorboard").glob("events.out.tfevents.*"))
         shutil.rmtree(failed_run, ignore_errors=True)
@@ -742,6 +752,7 @@ def test_a_full_or_read_only_checkpoint_dir_in_containers_is_one_error_line(
             f"[node2] Error: cannot write checkpoints to {directory}: Read-only file system "
             "(try a writable --checkpoint-dir)"
         ) in read_only.stdout.splitlines()
+        assert " FAILED on node2 after " in _summary(read_only.stdout)[0]
         assert not re.search(r"\] step +\d+/", read_only.stdout)  # before the first step
         on_node(provisioned.cluster, 2, f"mount -o remount,rw {directory}")
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)

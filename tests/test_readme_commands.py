@@ -262,11 +262,14 @@ def train_default(run: Run, command: str) -> None:
     assert (REPO_ROOT / ".runs" / run.stand.job_id).is_dir()
 
 
-def train_default_here(run: Run, command: str) -> None:
-    out = run.make(command).stdout
-    assert re.search(r"^Job \S+ succeeded after [\d.]+ s on this machine\.$", out, re.M), out[
-        -4000:
-    ]
+def train_default_here_plans_a_local_run(run: Run, command: str) -> None:
+    """`make train` without INVENTORY runs the default job on this machine, a minute of the
+    shared CPU: tests/training/test_ddp_runs.py runs it, exactly so, and checks that it learns.
+    Here `make -n` shows it plans that local run."""
+    argv, _ = run.stand.substitute(command)
+    recipe = run.make(f"make -n {' '.join(argv)}").stdout.replace("\\\n", " ")
+    planned = next(line for line in recipe.splitlines() if ".venv/bin/train " in line)
+    assert " -i " not in planned and "--module" not in planned, planned
 
 
 def train_script(run: Run, command: str) -> None:
@@ -554,7 +557,7 @@ FENCED: dict[str, Check] = {
     ),
     'make train SCRIPT=~/proj/train.py ARGS="--lr 0.1"': train_script_here,
     "make train INVENTORY=my-cluster.yml NNODES=2": train_default,
-    "make train": train_default_here,
+    "make train": train_default_here_plans_a_local_run,
     "make selftest INVENTORY=my-cluster.yml": selftest_is_the_fixtures,
 }
 # README's inline `make ...` commands that are more than a target's name.
@@ -584,6 +587,7 @@ ANOTHER_WAY = (
     check_plans_lint_then_test,
     sim_up_plans_the_simulated_cluster,
     selftest_here_plans_a_local_run,
+    train_default_here_plans_a_local_run,
     bench_plans_the_benchmarks,
     rerun_plans_the_recorded_run,
 )

@@ -4,22 +4,33 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.conftest import make
 from tests.helpers import REPO_ROOT
-from tests.training.conftest import REFERENCE_STEPS, TINY, run_environment
+from tests.training.conftest import REFERENCE_STEPS, TINY, Finished, run_environment
 from torch_multinode.training.distributed.parallel import DistEnv
 
 HANG_GUARD_SECONDS = 900  # against a hang only; the run's speed is a benchmark's business
 
 
-def test_the_default_run_learns_the_synthetic_task(torchrun):
-    run = torchrun("training.ddp", nproc=2, timeout=HANG_GUARD_SECONDS)
+def test_the_default_run_learns_the_synthetic_task(tmp_path):
+    """README's `make train`: the default job on this machine (two processes on a machine
+    without a GPU), which tests/test_readme_commands.py counts on this test to run. Its exit
+    code goes to a file of this test's own (EXIT_CODE=), not the .runs/exit-code the README's
+    own check reads, beside it in another worker."""
+    done = make("train", f"EXIT_CODE={tmp_path / 'exit-code'}", timeout=HANG_GUARD_SECONDS)
+    run = Finished(done.args, done.returncode, done.stdout, done.stderr)
     assert run.returncode == 0, run.explain()
+    job = re.search(r"^Job (\S+) succeeded after [\d.]+ s on this machine\.$", run.stdout, re.M)
+    assert job, run.explain()
+    shutil.rmtree(REPO_ROOT / ".runs" / job.group(1), ignore_errors=True)
+    assert (tmp_path / "exit-code").read_text().strip() == "0"
     assert run.lines("world    ") == ["world    2 processes on 1 node(s), gloo, cpu"]
     assert run.lines("batch    ") == ["batch    32 per rank x 2 ranks = 64 global"]
     assert run.lines("model    ")[0].startswith("model    resnet18, 11.18M parameters, fp32")

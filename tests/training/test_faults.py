@@ -1,6 +1,8 @@
 """The fault matrix of issue 7 on the simulated cluster: a node killed while a checkpoint is being
-written, a network partition mid-run, Ctrl-C during rendezvous and during a checkpoint write, a
-checkpoint directory that is full or read-only, and one node much slower than the others.
+written, a network partition mid-run, Ctrl-C during rendezvous and during a checkpoint write,
+and one node much slower than the others. A checkpoint directory that is full or read-only is
+tests/test_projects_in_containers.py's (the launcher's summary and the kept step, in the
+containers where jobs run by default).
 
 Each test says what the fault cost. Checkpoints live on each node's own disk (/var/tmp), one
 directory per test; partitions are iptables rules inside a node container, removed at the end.
@@ -386,67 +388,6 @@ def test_ctrl_c_during_a_checkpoint_write_leaves_no_process_or_port_and_the_prev
         files = _files(sim2, index, checkpoint_dir)
         assert files[1:] == [file_name(4, rank)]
         assert files[0].startswith(f".{file_name(8, rank)}.") and files[0].endswith(".tmp")
-
-
-@pytest.mark.sim
-def test_a_full_or_read_only_checkpoint_dir_is_one_error_line_and_the_last_checkpoint_is_kept(
-    sim2, checkpoint_dir, reference_ddp, tmp_path
-):
-    # node2's checkpoint directory is a small filesystem of its own; node1's is plain disk.
-    _on_node(
-        sim2, 2, f"mkdir -p {checkpoint_dir} && mount -t tmpfs -o size=512k tmpfs {checkpoint_dir}"
-    )
-    common = ["--", *TINY, *CHECKPOINTING, "--checkpoint-dir", checkpoint_dir]
-    first = _train(
-        sim2,
-        "--",
-        *TINY,
-        "--steps",
-        "4",
-        "--checkpoint-every",
-        "4",
-        "--checkpoint-dir",
-        checkpoint_dir,
-    )
-    assert first.returncode == 0, first.stdout[-3000:]
-    assert _files(sim2, 2, checkpoint_dir) == [file_name(4, 1)]
-
-    # Full: the write of step 8 fails on node2, naming the directory; step 4 stays.
-    _on_node(sim2, 2, f"dd if=/dev/zero of={checkpoint_dir}/filler bs=4k 2>/dev/null", check=False)
-    full = _train(sim2, *common)
-    assert full.returncode == 1
-    error = (
-        f"Error: cannot write checkpoint step 8 to {checkpoint_dir}: No space left on "
-        "device; step 4 is kept (try freeing space there, a smaller --keep, or a "
-        "--checkpoint-dir with more room)"
-    )
-    assert f"[node2] {error}" in full.stdout.splitlines()
-    summary = _summary(full.stdout)
-    assert summary[0].startswith("Job ") and " FAILED on node2 after " in summary[0]
-    assert f"  | {error}" in summary
-    assert _files(sim2, 2, checkpoint_dir) == ["filler", file_name(4, 1)]
-
-    # Read-only: refused before the first step, naming the directory.
-    _on_node(sim2, 2, f"rm {checkpoint_dir}/filler && mount -o remount,ro {checkpoint_dir}")
-    read_only = _train(sim2, *common)
-    assert read_only.returncode == 1
-    error = (
-        f"Error: cannot write checkpoints to {checkpoint_dir}: Read-only file system (try a "
-        "writable --checkpoint-dir)"
-    )
-    assert f"[node2] {error}" in read_only.stdout.splitlines()
-    assert " FAILED on node2 after " in _summary(read_only.stdout)[0]
-    assert not re.search(r"\] step +\d+/", read_only.stdout)  # not one step was trained
-
-    # Room again: the run resumes from the kept step 4 and ends where an uninterrupted run does.
-    _on_node(sim2, 2, f"mount -o remount,rw {checkpoint_dir}")
-    out = f"/shared/{uuid.uuid4().hex}/model.pt"
-    rerun = _train(sim2, *common, "--out", out)
-    assert rerun.returncode == 0, rerun.stdout[-3000:]
-    assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun.stdout
-    assert (
-        max_difference(_fetch_model(sim2, out, tmp_path / "model.pt"), reference_ddp.state) < 1e-6
-    )
 
 
 @pytest.mark.sim
