@@ -264,8 +264,8 @@ def train_default(run: Run, command: str) -> None:
 
 def train_default_here_plans_a_local_run(run: Run, command: str) -> None:
     """`make train` without INVENTORY runs the default job on this machine, a minute of the
-    shared CPU: tests/training/test_ddp_runs.py runs it, exactly so, and checks that it learns.
-    Here `make -n` shows it plans that local run."""
+    shared CPU: tests/training/test_ddp_runs.py runs it (its exit code written to a file of its
+    own, EXIT_CODE=) and checks that it learns. Here `make -n` shows it plans that local run."""
     argv, _ = run.stand.substitute(command)
     recipe = run.make(f"make -n {' '.join(argv)}").stdout.replace("\\\n", " ")
     planned = next(line for line in recipe.splitlines() if ".venv/bin/train " in line)
