@@ -1,8 +1,8 @@
 """make train on an inventory with scheduler: slurm, in the training containers: the shared
 provisioned cluster gets Slurm (the slurm role alone), and jobs go through sbatch. The default
 job and a project of several files end with the same parameters as through the SSH launcher;
-a second job waits in the queue, then runs; Ctrl-C cancels the job and leaves nothing; a
-failing node is named with its last lines; a hung job's report names the rank and its line; a
+a second job waits in the queue behind a running one, and runs once Ctrl-C has cancelled the
+first and left nothing of it; a failing node is named with its last lines; a hung job's report names the rank and its line; a
 node whose slurmd dies is named, and with MIN_NODES dropped for a new job on the other. Slurm is
 stopped on the nodes afterwards."""
 
@@ -197,11 +197,18 @@ def test_a_project_with_packages_named_like_ours_runs_unchanged_under_slurm(
     check_namesake_project_runs(lambda *variables: _train(slurm_inventory, *variables), root)
 
 
-def test_a_second_job_waits_in_the_queue_then_runs(slurm_inventory, provisioned):
-    long = "ARGS=--model tiny --steps 400 --log-every 100 --no-tensorboard"
-    first = start_train(slurm_inventory, long)
+def test_a_second_job_waits_in_the_queue_and_runs_once_ctrl_c_cancels_the_first(
+    slurm_inventory, provisioned
+):
+    """One running job, one held behind it: the second says it waits in the queue, behind the
+    first. Ctrl-C at the first cancels its Slurm job and leaves nothing of it on any node; the
+    second then runs and succeeds. (One endless job for both: a queue needs a job that runs.)"""
+    first = start_train(
+        slurm_inventory, "ARGS=--model tiny --steps 100000 --log-every 20 --no-tensorboard"
+    )
+    second = None
     try:
-        seen = read_until(first, "runs on node[1-2]")
+        seen = read_until(first, "40/100000")
         first_job = re.search(r"Slurm job (\d+) submitted", seen).group(1)
         second = start_train(slurm_inventory, f"ARGS={TINY}")
         waiting = read_until(second, "waits in the queue")
@@ -209,29 +216,22 @@ def test_a_second_job_waits_in_the_queue_then_runs(slurm_inventory, provisioned)
             rf"Slurm job \d+ waits in the queue: position 2, behind job {first_job} \(tmn-",
             waiting,
         ), waiting
-        rest, _ = second.communicate(timeout=600)
-        assert second.returncode == 0, waiting + rest
-        assert "succeeded" in rest
-        first_rest, _ = first.communicate(timeout=600)
-        assert first.returncode == 0, seen + first_rest
+
+        os.killpg(first.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: make and its children
+        rest, _ = first.communicate(timeout=120)
+        output = seen + rest
+        assert first.returncode != 0, output
+        assert re.search(r"\[launcher\] Ctrl-C: cancelling Slurm job \d+", output), output
+        assert "interrupted after" in output
+
+        after, _ = second.communicate(timeout=600)
+        assert second.returncode == 0, waiting + after
+        assert "succeeded" in after
+        _nothing_left(provisioned, slurm_inventory, run_id_in(output))
     finally:
-        for process in (first,):
-            if process.poll() is None:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
                 process.kill()
-
-
-def test_ctrl_c_cancels_the_slurm_job_and_leaves_nothing_on_any_node(slurm_inventory, provisioned):
-    job = start_train(
-        slurm_inventory, "ARGS=--model tiny --steps 100000 --log-every 20 --no-tensorboard"
-    )
-    seen = read_until(job, "40/100000")
-    os.killpg(job.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: make and its children
-    rest, _ = job.communicate(timeout=120)
-    output = seen + rest
-    assert job.returncode != 0, output
-    assert re.search(r"\[launcher\] Ctrl-C: cancelling Slurm job \d+", output), output
-    assert "interrupted after" in output
-    _nothing_left(provisioned, slurm_inventory, run_id_in(output))
 
 
 def test_a_failing_node_is_named_with_its_last_lines(slurm_inventory, provisioned, tmp_path):
