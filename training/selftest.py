@@ -43,6 +43,7 @@ from torch_multinode.training.selftesting.checks import (
     Stopped,
 )
 from torch_multinode.training.selftesting.checks import RUNS as _RUNS
+from torch_multinode.training.selftesting.node_gpus import check_data_parallel, check_model_parallel
 from torch_multinode.training.selftesting.replicas import check_fsdp2_replicas
 from torch_multinode.training.settings import arguments, console
 
@@ -84,7 +85,12 @@ CHECKS = (
     Check("model-parallel", "a model split over two GPUs equals it on one, gradients included"),
 )
 CHECK_NAMES = tuple(check.name for check in CHECKS)
-RUNS = {**_RUNS, "fsdp2-replicas": check_fsdp2_replicas}
+RUNS = {
+    **_RUNS,
+    "fsdp2-replicas": check_fsdp2_replicas,
+    "data-parallel": check_data_parallel,
+    "model-parallel": check_model_parallel,
+}
 assert CHECK_NAMES == arguments.SELFTEST_CHECKS  # --fail offers them without importing torch
 
 

@@ -18,7 +18,7 @@ from tests.training.conftest import local_nodes
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training import selftest
 from torch_multinode.training.distributed import parallel
-from torch_multinode.training.selftesting import checks
+from torch_multinode.training.selftesting import checks, node_gpus
 from torch_multinode.training.settings import arguments
 
 GPU_ONLY = ("amp-fp16", "data-parallel", "model-parallel", "nccl-transport")
@@ -146,7 +146,7 @@ def test_the_two_gpu_checks_say_why_they_skip(tmp_path, monkeypatch, device, gpu
     job = checks.Job(
         parallel.DistEnv(**{**job.env.__dict__, "local_rank": rank}), "n", tmp_path, None
     )
-    for check in (checks.check_data_parallel, checks.check_model_parallel):
+    for check in (node_gpus.check_data_parallel, node_gpus.check_model_parallel):
         with pytest.raises(checks.Skip, match=reason):
             check(job)
 

@@ -1,5 +1,6 @@
 """The checks of training.selftest, each a function of this rank's Job: what it proves, or Skip
 with the reason it does not apply here, or Failed with the remedy. Stopped: a peer failed first.
+The checks over all of a node's GPUs in one process are node_gpus', the replicas' replicas'.
 """
 
 from __future__ import annotations
@@ -515,78 +516,6 @@ def check_flight_recorder(job: Job) -> str:
     return f"{newest.get('profiling_name')} #{newest.get('collective_seq_id')}"
 
 
-def _two_gpus(job: Job) -> None:
-    count = job.local_gpus()
-    if count < 2:
-        raise Skip(
-            "needs 2+ GPUs on the node; it has none"
-            if not job.cuda
-            else f"needs 2+ GPUs on the node; this process sees {count}"
-        )
-    if job.env.local_rank != 0:
-        raise Skip("run by local rank 0 of the node, over all its GPUs")
-
-
-def _reference(device: torch.device) -> tuple[_Net, torch.Tensor, torch.Tensor]:
-    model = _seeded_net(device)
-    x, _ = _batch(device)
-    out = model(x)
-    out.sum().backward()
-    return model, out, x
-
-
-def check_data_parallel(job: Job) -> str:
-    _two_gpus(job)
-    count = job.local_gpus()
-    single, out, x = _reference(torch.device("cuda", 0))
-    model = _seeded_net(torch.device("cuda", 0))
-    parallel_model = nn.DataParallel(model, device_ids=list(range(count)))
-    spread = parallel_model(x)
-    spread.sum().backward()
-    worst = max(
-        (spread - out).abs().max().item(),
-        *(
-            (a.grad - b.grad).abs().max().item()
-            for a, b in zip(single.parameters(), model.parameters(), strict=True)
-        ),
-    )
-    if worst > 1e-4:
-        raise Failed(f"DataParallel differs from one GPU by {worst:.3g}", DEBUG_REMEDY)
-    return f"over {count} GPUs, within {worst:.1g} of one"
-
-
-class _Split(nn.Module):
-    """The same network, its first layer on one GPU and the rest on another."""
-
-    def __init__(self, net: _Net, first: torch.device, second: torch.device):
-        super().__init__()
-        self.first, self.second = first, second
-        self.head = net.layers[0].to(first)
-        self.tail = net.layers[1:].to(second)
-
-    def forward(self, x):
-        return self.tail(self.head(x.to(self.first)).to(self.second))
-
-
-def check_model_parallel(job: Job) -> str:
-    _two_gpus(job)
-    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
-    single, out, x = _reference(first)
-    split = _Split(_seeded_net(torch.device("cpu")), first, second)
-    spread = split(x)
-    spread.sum().backward()
-    worst = max(
-        (spread.to(first) - out).abs().max().item(),
-        *(
-            (a.grad.to(first) - b.grad).abs().max().item()
-            for a, b in zip(split.parameters(), single.parameters(), strict=True)
-        ),
-    )
-    if worst > 1e-4:
-        raise Failed(f"the split model differs from one GPU by {worst:.3g}", DEBUG_REMEDY)
-    return f"cuda:0 + cuda:1, within {worst:.1g} of one GPU"
-
-
 RUNS: dict[str, Callable[[Job], object]] = {
     "device": check_device,
     "comm-in-node": check_comm_in_node,
@@ -598,6 +527,4 @@ RUNS: dict[str, Callable[[Job], object]] = {
     "fsdp2-dcp": check_fsdp2_dcp,
     "compile": check_compile,
     "flight-recorder": check_flight_recorder,
-    "data-parallel": check_data_parallel,
-    "model-parallel": check_model_parallel,
 }
