@@ -1,8 +1,10 @@
 """13. The Flight Recorder's cost: the time per training step of our DDP workload with torch's
 Flight Recorder on (TORCH_FR_BUFFER_SIZE=256, what the launcher sets for every job) over off
 (=0), against the target FLIGHT_TARGET; and its worst case, 1-element all_reduces back to back,
-in microseconds per collective. Both on this machine: `torchrun --standalone
---nproc-per-node=2`, gloo over loopback, no simulated cluster.
+in microseconds per collective. Both on this machine, no simulated cluster: `torchrun
+--standalone`, one rank per GPU on NCCL where torch sees GPUs (one GPU: a world of one, whose
+collectives NCCL still runs and the recorder still records), else two ranks on gloo over
+loopback.
 
 Each repetition runs the two settings one after the other, the order alternating from one
 repetition to the next (measure.side_by_side), so that the machine's load hits both alike.
@@ -53,29 +55,39 @@ STEP_LINE = re.compile(r"\bstep\s+(\d+)/(\d+)\s.*?\s([\d,]+) samples/s/rank\b")
 # prints each round's seconds and how many entries the Flight Recorder holds (0 when off).
 COLLECTIVE_SCRIPT = """\
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
 
 from torch_multinode.training.distributed import flight
 
 count, rounds = int(sys.argv[1]), int(sys.argv[2])
-dist.init_process_group("gloo")
+if torch.cuda.is_available():
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    settle = torch.cuda.synchronize  # a round ends when its kernels have run
+else:
+    device = torch.device("cpu")
+    dist.init_process_group("gloo")
+    settle = lambda: None  # noqa: E731
 flight.start()  # the trace's watcher, as in every workload of ours (on only)
-tensor = torch.zeros(1)
+tensor = torch.zeros(1, device=device)
 for _ in range(200):
     dist.all_reduce(tensor)
 seconds = []
 for _ in range(rounds):
     dist.barrier()
+    settle()
     started = time.perf_counter()
     for _ in range(count):
         dist.all_reduce(tensor)
+    settle()
     seconds.append(time.perf_counter() - started)
-recorded = len(json.loads(c10d._dump_fr_trace_json(True, True)).get("entries", []))
+recorded = len(json.loads(flight.trace_json()).get("entries", []))
 if dist.get_rank() == 0:
     row = {"seconds": seconds, "count": count, "recorded": recorded}
     print("BENCH " + json.dumps(row), flush=True)
@@ -126,6 +138,36 @@ def too_noisy(ratio: dict, target: float = FLIGHT_TARGET) -> bool:
     return ratio["min"] < 1 < ratio["max"] and ratio["max"] - ratio["min"] > 2 * (target - 1)
 
 
+def noise(section: dict) -> str | None:
+    """Why the step-time ratio of a flight section cannot be judged, or None where it can:
+    - the repetitions' ratios fall on both sides of 1, widely (too_noisy);
+    - or two runs of the same setting differ by more than twice the target's margin and more
+      than on differs from off: the effect is inside the runs' own spread. On a GPU a tiny
+      model's step is a few ms of kernel launches, and its median moved by half from one run
+      to the next (an H200, 2026-11-27) while every rep had on slower than off.
+    """
+    ratio, target = section["step_ratio"], section["target"]
+    if too_noisy(ratio, target):
+        return (
+            f"the repetitions range from {ratio['min']:.3f} to {ratio['max']:.3f}, on both "
+            "sides of 1 and wider than twice the target's margin"
+        )
+    effect = abs(ratio["median"] - 1)
+    for setting in SETTINGS:
+        runs = section.get(f"step_seconds_{setting}")
+        if (
+            runs
+            and runs["min"] > 0
+            and runs["max"] / runs["min"] - 1 > max(2 * (target - 1), effect)
+        ):
+            return (
+                f"the runs with the recorder {setting} alone range from {runs['min']:.4f} to "
+                f"{runs['max']:.4f} s per step ({(runs['max'] / runs['min'] - 1) * 100:.0f} %), "
+                f"wider than the {effect * 100:.1f} % between on and off"
+            )
+    return None
+
+
 def environment(setting: str, run_dir: Path) -> dict[str, str]:
     """A job's environment as the launcher gives it, but for the Flight Recorder's setting:
     the run directory (the trace's watcher runs when on), this checkout's code first."""
@@ -138,15 +180,27 @@ def environment(setting: str, run_dir: Path) -> dict[str, str]:
     return environ
 
 
-def torchrun(target: list[str], setting: str, scratch: Path, what: str) -> str:
-    """`torchrun --standalone --nproc-per-node=2 <target>` (loopback only), its output."""
+def gpus() -> int:
+    """The GPUs torch sees here (0 without CUDA): the bench runs one rank on each."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def ranks(gpu_count: int) -> int:
+    """Processes per run: one per GPU, else two on the CPU (a collective between two)."""
+    return gpu_count or 2
+
+
+def torchrun(target: list[str], setting: str, scratch: Path, what: str, nproc: int) -> str:
+    """`torchrun --standalone --nproc-per-node=<nproc> <target>` (loopback only), its output."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"run-{setting}-", dir=scratch))
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={nproc}",
         *target,
     ]
     proc = subprocess.run(
@@ -168,7 +222,15 @@ def torchrun(target: list[str], setting: str, scratch: Path, what: str) -> str:
     return proc.stdout
 
 
-def _machine() -> str:
+def _machine(gpu_count: int) -> str:
+    if gpu_count:
+        import torch
+
+        return (
+            f"{gpu_count} x {torch.cuda.get_device_name(0)}, NCCL "
+            f"{'.'.join(map(str, torch.cuda.nccl.version()))}, torch {torch.__version__}, "
+            f"{os.cpu_count()} cores, Python {platform.python_version()}"
+        )
     return (
         f"{os.cpu_count()} cores ({platform.machine()}), CPU only, gloo over loopback, "
         f"Python {platform.python_version()}"
@@ -180,8 +242,11 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
     case's microseconds per collective on and off; their ratios, paired rep by rep."""
     workload = [*(WORKLOAD_QUICK if quick else WORKLOAD), *WORKLOAD_COMMON]
     count, rounds = (COLLECTIVES_QUICK, ROUNDS_QUICK) if quick else (COLLECTIVES, ROUNDS)
+    gpu_count = gpus()
+    nproc = ranks(gpu_count)
     found: dict = {
-        "machine": _machine(),
+        "machine": _machine(gpu_count),
+        "nproc": nproc,
         "buffer": FLIGHT_BUFFER_DEFAULT,
         "target": FLIGHT_TARGET,
         "workload": ["-m", "torch_multinode.training.ddp", *workload],
@@ -194,7 +259,7 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
         scratch = Path(name)
 
         def steps(setting: str) -> float:
-            output = torchrun(found["workload"], setting, scratch, "training.ddp")
+            output = torchrun(found["workload"], setting, scratch, "training.ddp", nproc)
             intervals = step_seconds(output)
             if not intervals:
                 raise RuntimeError(f"training.ddp ({setting}): no step lines after the first")
@@ -205,7 +270,7 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
             script = scratch / "collectives.py"
             script.write_text(COLLECTIVE_SCRIPT)
             output = torchrun(
-                [str(script), str(count), str(rounds)], setting, scratch, "all_reduce"
+                [str(script), str(count), str(rounds)], setting, scratch, "all_reduce", nproc
             )
             rows = bench_rows(output)
             if not rows:

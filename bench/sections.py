@@ -3,7 +3,7 @@ section's Markdown lines (bench.report puts them in order)."""
 
 from __future__ import annotations
 
-from torch_multinode.bench.flight import too_noisy, verdict
+from torch_multinode.bench.flight import noise, verdict
 from torch_multinode.cluster.sync import human
 
 
@@ -67,20 +67,16 @@ def flight_lines(flight: dict) -> list[str]:
     """Section 13: the Flight Recorder's cost on step time, and per collective at worst."""
     ratio = flight["step_ratio"]
     cost = flight["collective_cost_us"]
+    why = noise(flight)
     noisy = (
-        [
-            f"- too noisy to judge: the repetitions range from {ratio['min']:.3f} to "
-            f"{ratio['max']:.3f}, on both sides of 1 and wider than twice the target's margin "
-            "(other load on this machine); an idle machine or more --reps"
-        ]
-        if too_noisy(ratio, flight["target"])
-        else []
+        [f"- too noisy to judge: {why}; an idle machine, more --reps or longer runs"] if why else []
     )
     return [
         "",
         "## 13. The Flight Recorder's cost (this machine, no cluster)",
         "",
-        f"`torchrun --standalone --nproc-per-node=2 {' '.join(flight['workload'])}` with "
+        f"`torchrun --standalone --nproc-per-node={flight.get('nproc', 2)} "
+        f"{' '.join(flight['workload'])}` with "
         f"TORCH_FR_BUFFER_SIZE={flight['buffer']} (on, the trace's watcher running, as every job "
         "of the launcher) and =0 (off), the order alternating from one repetition to the next; "
         f"{flight['machine']}; load average {flight['load_before']:.1f} before, "
