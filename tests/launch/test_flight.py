@@ -293,6 +293,33 @@ def test_the_pickled_trace_torch_writes_on_a_timeout_is_read_and_nothing_else_un
         flight.load_trace(dumped.read_bytes(), pickled=True)
 
 
+# Written by NCCL's watchdog on an H200 (torch 2.11.0+cu130, NCCL 2.28.9; 2026-11-27) with
+# TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_FR_DUMP_TEMP_FILE as job_environment sets them: one rank
+# whose all_reduce #2 waited behind a 100 s kernel (torch.cuda._sleep) timed out after 5 s.
+H200_TIMEOUT_DUMP = Path(__file__).parent / "data" / "nccl-timeout-h200.pickle"
+
+
+def test_the_pickle_nccls_watchdog_wrote_on_an_h200_names_the_timed_out_collective(tmp_path):
+    content = H200_TIMEOUT_DUMP.read_bytes()
+    trace = flight.load_trace(content, pickled=True)  # plain data only: no class named
+    assert [(e["collective_seq_id"], e["state"]) for e in trace["entries"]] == [
+        (1, "completed"),
+        (2, "scheduled"),  # queued behind the kernel, never started: the timed-out one
+    ]
+    (tmp_path / f"{FLIGHT_TIMEOUT_DUMP}0").write_bytes(content)
+    expected = {0: flight.Collective(2, "all_reduce", "[[1024]]", "default_pg")}
+    assert flight.from_directory(tmp_path) == expected
+    # as a node's collection prints it (base64 on one line after the mark) and the summary says
+    printed = subprocess.run(
+        ["sh", "-c", flight.collect_command(str(tmp_path))], capture_output=True, text=True
+    ).stdout
+    assert flight.split(printed)[1] == expected
+    assert flight.failure_lines(expected, {0: "gpu1"}) == [
+        "Last collectives (the Flight Recorder's traces, written as the ranks ended):",
+        "  rank 0 (gpu1): all_reduce #2 (sizes [[1024]])",
+    ]
+
+
 def test_a_local_job_whose_collective_timed_out_names_the_mismatch_in_its_summary(tmp_path):
     (tmp_path / "timed_out.py").write_text(TIMED_OUT)
     done = run_cli(
