@@ -1,7 +1,8 @@
 """Replicas of training.fsdp's checkpoints on node-local disks (training/checkpointing/replicate.py):
 three local "nodes" (one rank each, a directory each standing for its disk) lose the third's
 disk; the other two resume from what they hold between them, resharded 3 -> 2, exactly as two
-ranks resume the same step from storage every rank sees. And the pure parts: what a directory
+ranks resume the same step from storage every rank sees; then one of them is lost in the middle
+of a copy, and the job goes on from the step before. And the pure parts: what a directory
 sends, the step complete on the union of the directories, the files each must fetch, the atomic
 receive.
 """
@@ -75,6 +76,30 @@ def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tm
     assert sorted(found) == sorted(expected) == list(range(11, STEPS + 1))
     for step, (loss, _) in found.items():
         assert loss == pytest.approx(expected[step][0], abs=1e-4), step
+
+    # A node that dies in the middle of a copy: node-1 is lost with its disk while its files of
+    # step 20 are on their way to node-0. What that leaves on node-0 is made here by hand, as
+    # AtomicFile leaves it (test_a_received_file_takes_its_name_only_once_complete): node-1's
+    # files of step 20 absent, one of them half-received under a temporary name. With a fresh
+    # node (an empty disk) beside node-0, step 20 is not complete anywhere; step 15 is (its
+    # copy had finished), and the job goes on from there to the losses it had before.
+    last = disks[0] / "step-00000020"
+    half = (last / "__1_0.distcp").read_bytes()
+    for name in ("__1_0.distcp", "rank-00001.pt"):
+        (last / name).unlink()
+    (last / ".__1_0.distcp.k3x9q2.tmp").write_bytes(half[: len(half) // 2])
+    shutil.rmtree(disks[1])
+    again = nodes(tmp_path, [disks[0], tmp_path / "disk-fresh"], planned=3)
+    assert all(run.returncode == 0 for run in again), again[0].explain()
+    assert again[0].lines("checkpoint step 15") == [
+        "checkpoint step 15 (step 20 is not complete on these nodes): node-1's directory "
+        "lacked 4 files, copied from node-0"
+    ]
+    assert not list(disks[0].rglob("*.tmp"))  # the cut copy's temporary file swept
+    resumed = progress(again[0].stdout)
+    assert sorted(resumed) == list(range(16, STEPS + 1))
+    for step, (loss, _) in resumed.items():
+        assert loss == pytest.approx(found[step][0], abs=1e-4), step
 
 
 def test_a_directory_sends_what_its_ranks_wrote():
