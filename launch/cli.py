@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         _here(args, spec)
     else:
         inventory, spec, project, spares = _on_nodes(args, spec)
-    recorder = record.Recorder(spec, args.argv, inventory)
+    recorder = record.Recorder(spec, args.argv, inventory, args.rerun_of)
     backend = backend_for(
         inventory,
         spec,
@@ -328,11 +328,12 @@ def run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, rerun_of: tuple[dict, Path] | None = None) -> int:
     code = 1  # an uncaught exception (a bug): Python's own exit code
     try:
         args = _parser().parse_args(argv)
         args.argv = sys.argv[1:] if argv is None else list(argv)  # as typed, for its record
+        args.rerun_of = rerun_of  # launch.runs: the record and directory of the run run again
         stop_on_sigterm()  # a killed launcher stops the job on every node, as Ctrl-C does
         code = at_the_edge(run, args)
     except SystemExit as exiting:  # argparse: --help (0) or bad usage (2)

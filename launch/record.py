@@ -170,6 +170,7 @@ def begin(
         "versions": None,  # each node's, as the job found them (cluster.version_lock); at its end
         "drift": None,  # what changed since netcheck locked them, for a job run with ALLOW_DRIFT
         "allow_drift": spec.allow_drift,
+        "rerun_of": None,  # the run a `make rerun` ran again
     }
     write(spec, record)
     return record
@@ -255,6 +256,15 @@ def finish(
     return record
 
 
+def _origin_code(origin: dict[str, Any], origin_dir: Path, log_dir: Path) -> dict[str, Any]:
+    """A rerun's code: its origin's snapshot, which it ran (launch.runs restores it), with the
+    origin's difference from its commit copied beside the rerun's record."""
+    found = dict(origin.get("code") or {})
+    if found.get("diff") and (origin_dir / DIFF).is_file():
+        shutil.copyfile(origin_dir / DIFF, log_dir / DIFF)
+    return found
+
+
 class Recorder:
     """One run's record around its job: begun before it, completed once when it has begun
     (`started`, the hook the backend calls), finished after it however it ends (Ctrl-C and
@@ -263,8 +273,15 @@ class Recorder:
     its project's run directory (launch.local), the record in this machine's .runs/ID either
     way."""
 
-    def __init__(self, spec: JobSpec, argv: list[str], inventory: Inventory | None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        argv: list[str],
+        inventory: Inventory | None,
+        rerun_of: tuple[dict[str, Any], Path] | None = None,
+    ) -> None:
         self.spec, self.argv, self.inventory = spec, argv, inventory
+        self.rerun_of = rerun_of  # (the record, its directory) of the run a rerun runs again
         self.project = local.project_directory(spec)
         self.record: dict[str, Any] | None = None
         self.completed = False
@@ -279,14 +296,24 @@ class Recorder:
             return
         self.completed = True
         spec = self.spec
-        self.record.update(
-            code=code(self.project, places(spec)[0], spec.run_id), image=_image(self.inventory)
+        log_dir = places(spec)[0]
+        found = (
+            _origin_code(*self.rerun_of, log_dir)
+            if self.rerun_of
+            else code(self.project, log_dir, spec.run_id)
         )
+        self.record.update(code=found, image=_image(self.inventory))
         write(spec, self.record)
 
     def kept(self, job: Callable[[], JobResult]) -> JobResult:
         spec = self.spec
         self.record = begin(spec, self.argv, self.inventory, self.project)
+        if self.rerun_of:  # its origin's command and workload, not the restored copy's paths
+            origin = self.rerun_of[0]
+            self.record.update(
+                command=origin["command"], workload=origin["workload"], rerun_of=origin["id"]
+            )
+            write(spec, self.record)
         run_dir = local.run_directory(spec) if self.inventory is None else None
         result, code = None, 1
         try:

@@ -143,7 +143,7 @@ def rerun(run_id: str, root: Path) -> int:
             )
         print(f"[rerun] {run_id}: {' '.join(argv)}", flush=True)
         with contextlib.chdir(found["cwd"]):
-            return cli.main(argv)
+            return cli.main(argv, (found, root / run_id))
     scratch = Path(tempfile.mkdtemp(prefix=f"tmn-rerun-{run_id}-"))
     try:
         project = snapshot.restore(code, scratch / "code")
@@ -154,7 +154,7 @@ def rerun(run_id: str, root: Path) -> int:
             flush=True,
         )
         with contextlib.chdir(found["cwd"]):
-            return cli.main(argv)
+            return cli.main(argv, (found, root / run_id))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -213,8 +213,20 @@ def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(
     failing = _runs(tmp_path, "--rerun", second)
     assert failing.returncode == 1, failing.stdout + failing.stderr
     assert "ValueError: bad batch" in failing.stdout, failing.stdout
-    # each rerun is a run of its own, recorded; the project is as the user left it
-    assert len(json.loads(_runs(tmp_path, "--json").stdout)) == 4
+    # each rerun is a run of its own, recorded, with its origin's command and code (not the
+    # restored copy's paths, gone once it ended): a rerun can be run again, the same code
+    records = json.loads(_runs(tmp_path, "--json").stdout)
+    assert len(records) == 4
+    origin, rerun = records[-1], records[1]
+    assert (rerun["rerun_of"], origin["rerun_of"]) == (first, None)
+    assert rerun["command"] == origin["command"] and rerun["workload"] == origin["workload"]
+    assert rerun["code"] == origin["code"] and origin["code"]["snapshot"]
+    assert (tmp_path / ".runs" / rerun["id"] / "code.diff").read_text() == (
+        tmp_path / ".runs" / first / "code.diff"
+    ).read_text()
+    twice = _runs(tmp_path, "--rerun", rerun["id"])
+    assert twice.returncode == 0, twice.stdout + twice.stderr
+    assert "version v2" in twice.stdout and "v3" not in twice.stdout, twice.stdout
     assert (project / "version.txt").read_text() == "v3 (an edit after the runs)\n"
 
 
