@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, VENV_BIN, make
+from tests.conftest import REPO_ROOT, TEST_IMAGE, VENV_BIN, make
 from tests.helpers import (
     check_namesake_project_runs,
     interrupt,
@@ -149,6 +149,13 @@ def _train(provisioned, *variables: str, env: dict | None = None) -> subprocess.
     return make(
         "train", f"INVENTORY={provisioned.inventory}", "NNODES=2", *variables, timeout=900, env=env
     )
+
+
+def _record(run_id: str) -> dict:
+    """`make runs RUN=ID JSON=1`: a run's record as a script reads it (issue 32)."""
+    shown = make("runs", f"RUN={run_id}", "JSON=1", timeout=120)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    return json.loads(shown.stdout)
 
 
 def _bring_back(provisioned, index: int) -> None:
@@ -390,9 +397,7 @@ def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
         assert f"[launcher] {drift} (ALLOW_DRIFT=1: running anyway)" in proc.stdout
         assert "[node2] rank 1 ran" in proc.stdout
-        remembered = json.loads(
-            (REPO_ROOT / ".runs" / run_id_in(proc.stdout) / "run.json").read_text()
-        )
+        remembered = _record(run_id_in(proc.stdout))
         assert remembered["allow_drift"] is True and remembered["result"] == "succeeded"
         assert remembered["drift"] == {"node1": [f"kernel from 5.10.0-old to {kernel}"]}
         assert {n: v["image"] for n, v in remembered["versions"].items()} == {
@@ -416,7 +421,9 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
 ):
     """`make rerun RUN=ID` on the nodes, in containers (issue 32): the project (a git
     repository of its own) fails at version v1; edited to v2 (not committed), the rerun of the
-    failed run still runs v1, on both nodes, and fails as it did."""
+    failed run still runs v1, on both nodes, and fails as it did. Both runs are in `make runs`
+    (the table and JSON=1), each with every field the issue names, and a secret passed with
+    ENV= in no file of either run's directory."""
     root = tmp_path / "proj"
     root.mkdir()
     (root / "version.txt").write_text("v1\n")
@@ -424,17 +431,21 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
         "import os, sys\n"
         "version = open(os.path.join(os.path.dirname(__file__), 'version.txt')).read().strip()\n"
         "print('rank', os.environ['RANK'], 'runs', version, flush=True)\n"
+        "print('rank', os.environ['RANK'], 'token of', len(os.environ['PROJECT_TOKEN']), flush=True)\n"
         "sys.exit(3 if version == 'v1' else 0)\n"
     )
+    secret = f"s3cr3t-{uuid.uuid4().hex}"  # by name on the command line, its value from here
+    with_secret = {**os.environ, "PROJECT_TOKEN": secret}
     git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
     for step in (["init", "-q"], ["add", "."], ["commit", "-qm", "v1"]):
         subprocess.run([*git, *step], check=True, capture_output=True)
-    first = _train(provisioned, f"SCRIPT={root / 'job.py'}")
+    first = _train(provisioned, f"SCRIPT={root / 'job.py'}", "ENV=PROJECT_TOKEN", env=with_secret)
     assert _exit_code(first.returncode, first.stderr) == 1, first.stdout[-3000:] + first.stderr
+    assert f"[node2] rank 1 token of {len(secret)}" in first.stdout, first.stdout[-3000:]
     run_id = run_id_in(first.stdout)
     assert re.search(rf"^Job {run_id} FAILED on node\d", first.stdout, re.M), first.stdout
     (root / "version.txt").write_text("v2\n")  # an edit since, not committed
-    rerun = make("rerun", f"RUN={run_id}", timeout=900)
+    rerun = make("rerun", f"RUN={run_id}", timeout=900, env=with_secret)
     out = rerun.stdout
     assert rerun.returncode != 0, out[-3000:] + rerun.stderr
     assert f"[rerun] {run_id}: its code snapshot " in out, out[-3000:]
@@ -445,6 +456,37 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     assert (remembered["result"], remembered["exit_code"]) == ("failed", 1), remembered
     assert (root / "version.txt").read_text() == "v2\n"  # the edit is left as it was
     _no_containers_left(provisioned)
+
+    table = make("runs", timeout=120).stdout.splitlines()
+    for listed in (run_id, again):
+        row = next(line.split() for line in table if line.startswith(listed + " "))
+        assert "failed" in row and "job.py" in row, row
+    image = on_node(provisioned.cluster, 1, "docker image inspect -f '{{.Id}}' " + TEST_IMAGE)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    for listed, origin in ((run_id, None), (again, run_id)):
+        record = _record(listed)
+        assert record["rerun_of"] == origin, record
+        assert (record["result"], record["exit_code"]) == ("failed", 1), record
+        assert record["failed_node"] in ("node1", "node2"), record
+        assert (record["backend"], record["launch_mode"]) == ("ssh", "container"), record
+        assert record["inventory"]["path"] == str(provisioned.inventory)
+        assert len(record["inventory"]["sha256"]) == 64
+        assert record["nodes"] == [
+            {"name": "node1", "ranks": [0, 0]},
+            {"name": "node2", "ranks": [1, 1]},
+        ]
+        assert record["code"]["git"] == commit.strip() and record["code"]["snapshot"], record
+        assert record["image"] == {"name": TEST_IMAGE, "id": image.strip()}, record
+        assert sorted(record["versions"]) == ["node1", "node2"]
+        for found in record["versions"].values():
+            assert {"kernel", "driver", "docker", "image", "torch", "cuda", "nccl"} <= set(found)
+            assert found["image"] == image.strip() and found["torch"].startswith("2.")
+        assert record["env_names"] == ["PROJECT_TOKEN"]
+        assert any("PROJECT_TOKEN" in part for part in record["command"])
+        assert secret not in json.dumps(record)
+        assert record["started"] <= record["ended"] and record["seconds"] > 0
+        for path in (REPO_ROOT / ".runs" / listed).rglob("*"):
+            assert not path.is_file() or secret.encode() not in path.read_bytes(), path
 
 
 def test_make_data_sends_a_dataset_once(provisioned, tmp_path):
@@ -669,7 +711,7 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
         assert took < 10, f"the launcher took {took:.1f} s to end"
         run_id = run_id_in(seen)
         assert f"Job {run_id} interrupted" in rest
-        remembered = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
+        remembered = _record(run_id)
         assert (remembered["result"], remembered["exit_code"]) == ("interrupted", 130)
         assert leftovers(load(provisioned.inventory), run_id) == {"node1": "", "node2": ""}
         _no_containers_left(provisioned)
