@@ -249,8 +249,8 @@ def finish(
         versions=None if result is None or not result.versions else result.versions,
         drift=None if result is None or not result.drift else result.drift,
         last_step=last_step(directories),
-        tensorboard=None if board is None else str(board),
-        run_dir=str(run_dir) if run_dir is not None else str(log_dir),
+        tensorboard=None if board is None else str(board.resolve()),  # whatever the reader's cwd
+        run_dir=str((run_dir if run_dir is not None else log_dir).resolve()),
     )
     write(spec, record)
     return record

@@ -311,6 +311,12 @@ def test_the_default_jobs_tensorboard_events_and_out_come_back(provisioned):
         assert (runs / "model.pt").is_file()
         assert (runs / "node1.log").is_file() and (runs / "node2.log").is_file()
         assert f"TensorBoard: make tensorboard RUN={run_id}" in proc.stdout
+        # its record (issue 32): the last step line and where the events are
+        remembered = _record(run_id)
+        assert (remembered["result"], remembered["exit_code"]) == ("succeeded", 0), remembered
+        assert remembered["last_step"].startswith("step 4/4 "), remembered
+        assert remembered["tensorboard"] == str((runs / "tensorboard").resolve()), remembered
+        assert remembered["workload"] == "training.ddp" and remembered["code"]["git"], remembered
     finally:
         shutil.rmtree(runs, ignore_errors=True)
 
