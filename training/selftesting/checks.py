@@ -208,7 +208,7 @@ def check_nccl_transport(job: Job) -> tuple[str, str]:
     return status, detail
 
 
-class _Net(nn.Module):
+class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -217,18 +217,18 @@ class _Net(nn.Module):
         return self.layers(x)
 
 
-def _batch(device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(64, 16, generator=generator)
     return x.to(device), (x[:, :4] * 2).to(device)
 
 
-def _seeded_net(device: torch.device, seed: int = 0) -> _Net:
+def seeded_net(device: torch.device, seed: int = 0) -> Net:
     torch.manual_seed(seed)
-    return _Net().to(device)
+    return Net().to(device)
 
 
-def _sharded_net(job: Job, seed: int, policy=None) -> _Net:
+def _sharded_net(job: Job, seed: int, policy=None) -> Net:
     """The seeded net under FSDP2 over every rank (its two linear layers and the whole), with
     `policy` (a MixedPrecisionPolicy; fully_shard's default: none)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -236,7 +236,7 @@ def _sharded_net(job: Job, seed: int, policy=None) -> _Net:
 
     mesh = init_device_mesh(job.device.type, (job.env.world_size,))
     policy = policy or MixedPrecisionPolicy()
-    model = _seeded_net(job.device, seed)
+    model = seeded_net(job.device, seed)
     for layer in (model.layers[0], model.layers[2]):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -245,9 +245,9 @@ def _sharded_net(job: Job, seed: int, policy=None) -> _Net:
 
 def check_amp_bf16(job: Job) -> str:
     device = job.device
-    model = _seeded_net(device)
+    model = seeded_net(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = _batch(device)
+    x, y = batch(device)
     losses = []
     for _ in range(5):
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -272,10 +272,10 @@ def check_amp_fp16(job: Job) -> str:
     if not job.cuda:
         raise Skip("fp16 with GradScaler is the GPU path; no GPU on this node")
     device = job.device
-    model = _seeded_net(device)
+    model = seeded_net(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)  # no overflow at first
-    x, y = _batch(device)
+    x, y = batch(device)
     losses = []
     for _ in range(4):
         with torch.autocast("cuda", dtype=torch.float16):
@@ -311,7 +311,7 @@ def check_amp_fp16(job: Job) -> str:
 
 
 def _ddp_step(model, optimizer, device: torch.device, step: int) -> None:
-    x, y = _batch(device, seed=100 + step)
+    x, y = batch(device, seed=100 + step)
     noise = torch.randn(x.shape).to(device) * 0.01  # draws from the CPU generator: RNG matters
     optimizer.zero_grad()
     nn.functional.mse_loss(model(x + noise), y).backward()
@@ -328,7 +328,7 @@ def check_ddp_checkpoint(job: Job) -> str:
     store = checkpoint.CheckpointStore(job.scratch / "ddp", env.rank, keep=1)
     error, straight = None, []
     try:
-        model = DistributedDataParallel(_seeded_net(device), device_ids=ids)
+        model = DistributedDataParallel(seeded_net(device), device_ids=ids)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in range(2):
             _ddp_step(model, optimizer, device, step)
@@ -341,7 +341,7 @@ def check_ddp_checkpoint(job: Job) -> str:
         _ddp_step(model, optimizer, device, 2)
         straight = [p.detach().cpu() for p in model.parameters()]
         # A model from another seed resumes from step 2 and must take the same step 3.
-        resumed = DistributedDataParallel(_seeded_net(device, seed=1), device_ids=ids)
+        resumed = DistributedDataParallel(seeded_net(device, seed=1), device_ids=ids)
         optimizer = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
         state = store.load(2)
         resumed.module.load_state_dict(state["model"])
@@ -395,7 +395,7 @@ def check_fsdp2_dcp(job: Job) -> str:
 
     model = sharded(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = _batch(device, seed=env.rank)
+    x, y = batch(device, seed=env.rank)
     out = model(x)
     nn.functional.mse_loss(out.float(), y).backward()
     optimizer.step()
@@ -426,7 +426,7 @@ def check_fsdp2_dcp(job: Job) -> str:
             f"{env.world_size} shards saved and loaded; not resharded: node-local disks "
             "(--checkpoint-dir on storage every node sees)"
         )
-    plain = _seeded_net(torch.device("cpu"), seed=2).state_dict()
+    plain = seeded_net(torch.device("cpu"), seed=2).state_dict()
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(plain, checkpoint_id=directory, no_dist=True)
@@ -448,9 +448,9 @@ def check_compile(job: Job) -> str:
             f"{remedy} on the node, or the training image (make image), which has them",
         )
     device = job.device
-    model = _seeded_net(device)
+    model = seeded_net(device)
     compiled = torch.compile(model)
-    x, _ = _batch(device)
+    x, _ = batch(device)
     eager_out = model(x)
     eager_out.sum().backward()
     eager = [p.grad.clone() for p in model.parameters()]

@@ -12,10 +12,10 @@ from torch_multinode.training.selftesting.checks import (
     DEBUG_REMEDY,
     Failed,
     Job,
+    Net,
     Skip,
-    _batch,
-    _Net,
-    _seeded_net,
+    batch,
+    seeded_net,
 )
 
 
@@ -31,9 +31,9 @@ def _two_gpus(job: Job) -> None:
         raise Skip("run by local rank 0 of the node, over all its GPUs")
 
 
-def _reference(device: torch.device) -> tuple[_Net, torch.Tensor, torch.Tensor]:
-    model = _seeded_net(device)
-    x, _ = _batch(device)
+def _reference(device: torch.device) -> tuple[Net, torch.Tensor, torch.Tensor]:
+    model = seeded_net(device)
+    x, _ = batch(device)
     out = model(x)
     out.sum().backward()
     return model, out, x
@@ -43,7 +43,7 @@ def check_data_parallel(job: Job) -> str:
     _two_gpus(job)
     count = job.local_gpus()
     single, out, x = _reference(torch.device("cuda", 0))
-    model = _seeded_net(torch.device("cuda", 0))
+    model = seeded_net(torch.device("cuda", 0))
     parallel_model = nn.DataParallel(model, device_ids=list(range(count)))
     spread = parallel_model(x)
     spread.sum().backward()
@@ -62,7 +62,7 @@ def check_data_parallel(job: Job) -> str:
 class _Split(nn.Module):
     """The same network, its first layer on one GPU and the rest on another."""
 
-    def __init__(self, net: _Net, first: torch.device, second: torch.device):
+    def __init__(self, net: Net, first: torch.device, second: torch.device):
         super().__init__()
         self.first, self.second = first, second
         self.head = net.layers[0].to(first)
@@ -76,7 +76,7 @@ def check_model_parallel(job: Job) -> str:
     _two_gpus(job)
     first, second = torch.device("cuda", 0), torch.device("cuda", 1)
     single, out, x = _reference(first)
-    split = _Split(_seeded_net(torch.device("cpu")), first, second)
+    split = _Split(seeded_net(torch.device("cpu")), first, second)
     spread = split(x)
     spread.sum().backward()
     worst = max(

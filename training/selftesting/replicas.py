@@ -26,8 +26,8 @@ from torch_multinode.training.selftesting.checks import (
     Failed,
     Job,
     Skip,
-    _batch,
     _sharded_net,
+    batch,
 )
 
 INFO = {"check": "fsdp2-replicas"}  # what a resume compares with the saved step's
@@ -67,7 +67,7 @@ def _replicas(job: Job, directory: Path) -> str:
 
     model = _sharded_net(job, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = _batch(job.device, seed=env.rank)
+    x, y = batch(job.device, seed=env.rank)
     nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
     saved = _full(model)
