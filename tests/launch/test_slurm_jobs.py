@@ -2,9 +2,9 @@
 provisioned cluster gets Slurm (the slurm role alone), and jobs go through sbatch. The default
 job and a project of several files end with the same parameters as through the SSH launcher;
 a second job waits in the queue behind a running one, and runs once Ctrl-C has cancelled the
-first and left nothing of it; a failing node is named with its last lines; a hung job's report names the rank and its line; a
-node whose slurmd dies is named, and with MIN_NODES dropped for a new job on the other. Slurm is
-stopped on the nodes afterwards."""
+first and left nothing of it; a failing node is named with its last lines; a hung job's report
+names the rank and its line; a node whose slurmd dies is named, and with MIN_NODES dropped for
+a new job on the other. Slurm is stopped on the nodes afterwards."""
 
 from __future__ import annotations
 
