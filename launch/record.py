@@ -126,7 +126,11 @@ def _netcheck_file(spec: JobSpec, inventory: Inventory | None) -> Path | None:
 
 
 def begin(
-    spec: JobSpec, argv: list[str], inventory: Inventory | None, project: Path
+    spec: JobSpec,
+    argv: list[str],
+    inventory: Inventory | None,
+    project: Path,
+    origin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record of a job about to start, written at once (result "running"): what the
     command line and the inventory say. Nothing is run for it: the code and the image are
@@ -172,6 +176,8 @@ def begin(
         "allow_drift": spec.allow_drift,
         "rerun_of": None,  # the run a `make rerun` ran again
     }
+    if origin is not None:  # a rerun: its origin's command and workload, not the copy's paths
+        record.update(command=origin["command"], workload=origin["workload"], rerun_of=origin["id"])
     write(spec, record)
     return record
 
@@ -307,13 +313,8 @@ class Recorder:
 
     def kept(self, job: Callable[[], JobResult]) -> JobResult:
         spec = self.spec
-        self.record = begin(spec, self.argv, self.inventory, self.project)
-        if self.rerun_of:  # its origin's command and workload, not the restored copy's paths
-            origin = self.rerun_of[0]
-            self.record.update(
-                command=origin["command"], workload=origin["workload"], rerun_of=origin["id"]
-            )
-            write(spec, self.record)
+        origin = self.rerun_of[0] if self.rerun_of else None
+        self.record = begin(spec, self.argv, self.inventory, self.project, origin)
         run_dir = local.run_directory(spec) if self.inventory is None else None
         result, code = None, 1
         try:
