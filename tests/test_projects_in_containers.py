@@ -427,17 +427,20 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
 ):
     """`make rerun RUN=ID` on the nodes, in containers (issue 32): the project (a git
     repository of its own) fails at version v1; edited to v2 (not committed), the rerun of the
-    failed run still runs v1, on both nodes, and fails as it did. Both runs are in `make runs`
-    (the table and JSON=1), each with every field the issue names, and a secret passed with
-    ENV= in no file of either run's directory."""
+    failed run still runs v1, on both nodes, and fails as it did. A new job then runs the edit
+    and succeeds, and one more is stopped with Ctrl-C. All four are in one `make runs` table,
+    newest first, with their results (failed, failed, succeeded, interrupted); each record
+    (JSON=1) holds every field the issue names, and a secret passed with ENV= is in no file of
+    any of the four run directories."""
     root = tmp_path / "proj"
     root.mkdir()
     (root / "version.txt").write_text("v1\n")
     (root / "job.py").write_text(
-        "import os, sys\n"
+        "import os, sys, time\n"
         "version = open(os.path.join(os.path.dirname(__file__), 'version.txt')).read().strip()\n"
         "print('rank', os.environ['RANK'], 'runs', version, flush=True)\n"
         "print('rank', os.environ['RANK'], 'token of', len(os.environ['PROJECT_TOKEN']), flush=True)\n"
+        "time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)\n"
         "sys.exit(3 if version == 'v1' else 0)\n"
     )
     secret = f"s3cr3t-{uuid.uuid4().hex}"  # by name on the command line, its value from here
@@ -461,19 +464,45 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     remembered = json.loads((REPO_ROOT / ".runs" / again / "run.json").read_text())
     assert (remembered["result"], remembered["exit_code"]) == ("failed", 1), remembered
     assert (root / "version.txt").read_text() == "v2\n"  # the edit is left as it was
+    # A new job runs the edit, and succeeds; one more, held, is stopped with Ctrl-C.
+    edited = _train(provisioned, f"SCRIPT={root / 'job.py'}", "ENV=PROJECT_TOKEN", env=with_secret)
+    assert edited.returncode == 0, edited.stdout[-3000:] + edited.stderr
+    assert "[node2] rank 1 runs v2" in edited.stdout, edited.stdout[-3000:]
+    succeeded = run_id_in(edited.stdout)
+    held = start_train(
+        provisioned.inventory,
+        f"SCRIPT={root / 'job.py'}",
+        "ARGS=600",
+        "ENV=PROJECT_TOKEN",
+        env=with_secret,
+    )
+    try:
+        seen = read_until(held, "[node1] rank 0 runs v2", "[node2] rank 1 runs v2")
+        os.killpg(held.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it: make and train
+        rest = held.communicate(timeout=60)[0]
+    finally:
+        if held.poll() is None:
+            os.killpg(held.pid, signal.SIGKILL)
+    interrupted = run_id_in(seen)
+    assert f"Job {interrupted} interrupted" in rest, rest[-3000:]
     _no_containers_left(provisioned)
 
+    # One table, newest first (other workers' runs may stand between these four).
     table = make("runs", timeout=120).stdout.splitlines()
-    for listed in (run_id, again):
-        row = next(line.split() for line in table if line.startswith(listed + " "))
-        assert "failed" in row and "job.py" in row, row
+    ours = {run_id: "failed", again: "failed", succeeded: "succeeded", interrupted: "interrupted"}
+    rows = [line.split() for line in table if line.split()[:1] and line.split()[0] in ours]
+    assert [row[0] for row in rows] == [interrupted, succeeded, again, run_id], table
+    for row in rows:
+        assert (row[3], row[4], row[6]) == ("job.py", "node1,node2", ours[row[0]]), row
     image = on_node(provisioned.cluster, 1, "docker image inspect -f '{{.Id}}' " + TEST_IMAGE)
     commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    for listed, origin in ((run_id, None), (again, run_id)):
+    codes = {"failed": 1, "succeeded": 0, "interrupted": 130}
+    for listed, origin in ((run_id, None), (again, run_id), (succeeded, None), (interrupted, None)):
         record = _record(listed)
         assert record["rerun_of"] == origin, record
-        assert (record["result"], record["exit_code"]) == ("failed", 1), record
-        assert record["failed_node"] in ("node1", "node2"), record
+        assert (record["result"], record["exit_code"]) == (ours[listed], codes[ours[listed]])
+        if ours[listed] == "failed":
+            assert record["failed_node"] in ("node1", "node2"), record
         assert (record["backend"], record["launch_mode"]) == ("ssh", "container"), record
         assert record["inventory"]["path"] == str(provisioned.inventory)
         assert len(record["inventory"]["sha256"]) == 64
