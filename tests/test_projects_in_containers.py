@@ -12,7 +12,8 @@
 - a node that changed since netcheck locked its versions is refused, naming what changed;
   ALLOW_DRIFT=1 runs the job anyway and its record says so;
 - `make rerun` of a failed run, its project edited since, runs the run's snapshot and fails
-  the same way;
+  the same way; the edit then runs as a new job, and one more is stopped with Ctrl-C: the
+  four are in one `make runs` table with their results, newest first;
 - `make data` twice: the second run sends no file;
 - a node killed mid-run with RESTARTS=1: the job resumes from the checkpoints on the nodes'
   disks and ends with the parameters of an uninterrupted run; one left dead with MIN_NODES=1:

@@ -1,8 +1,8 @@
 """Every run remembered (launch.record): a job launched from a directory leaves .runs/ID/run.json
 whatever its end, and `runs` lists them newest first, shows one whole, or prints JSON. Jobs on
 this machine here; the same record for jobs on the simulated cluster in containers is checked
-in test_projects_in_containers.py (succeeded, interrupted, ENV= names) and test_hangs.py
-(failed)."""
+in test_projects_in_containers.py (failed, rerun, succeeded and interrupted runs in one `make
+runs` table, every field, ENV= names) and test_hangs.py (a hang: failed)."""
 
 from __future__ import annotations
 
