@@ -65,6 +65,7 @@ from torch_multinode.cluster import version_lock
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
 from torch_multinode.provision import images
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.checkpointing.checkpoint import file_name
@@ -567,16 +568,28 @@ def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the
     process = start_train(provisioned.inventory, "RESTARTS=1", "ARGS=" + " ".join(args))
     seen = read_until(process, "[node1] step  9/")  # step 8 saved on both nodes
     first = run_id_in(seen)
-    output = kill_node(process, provisioned.cluster.config.container(2))
+    # The master: it holds the rendezvous and the port lock, the harder node to lose.
+    output = kill_node(process, provisioned.cluster.config.container(1))
+    restarting = "[launcher] restart 1 of 1: waiting up to"
     try:
-        output.first("[launcher] restart 1 of 1: waiting up to")
+        stopped_after = output.first(restarting)
+        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
+        assert f"Job {first} FAILED on node1" in output.text
     finally:
-        _bring_back(provisioned, 2)
+        _bring_back(provisioned, 1)
     output.end(timeout=600)
     assert process.returncode == 0, output.stamped[-4000:]
-    rest = output.text
+    rest = output.text[output.text.index(restarting) :]
+    assert re.search(
+        rf"\[launcher\] job {first}-r1: every node answers \(waited \d+ s\); restart 1 of 1", rest
+    ), rest[-3000:]
     assert re.findall(r"\[node1\] resuming from step (\d+)", rest) == ["8"], rest[-3000:]
-    assert f"Job {first}-r1 succeeded after " in rest
+    assert re.search(rf"^Job {first}-r1 succeeded after .*, restart 1 of 1\.$", rest, re.M), rest
+    inventory = load(provisioned.inventory)
+    for run_id in (first, f"{first}-r1"):
+        assert leftovers(inventory, run_id) == {"node1": "", "node2": ""}, run_id
+    lock = f"{REMOTE_LOCK_ROOT}/port-{inventory.rendezvous_port}"
+    assert on_node(provisioned.cluster, 1, f"test -e {lock} && echo still held; true") == ""
     # The master's run directory came back after the restart: the uninterrupted result.
     _out_as_uninterrupted(provisioned, reference_ddp, first, checkpoints, 1e-6)
 
@@ -705,7 +718,15 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
         written = on_node(provisioned.cluster, 2, f"ls -A {directory}").split()
         assert written[0].startswith(f".{file_name(8, 1)}.") and written[1:] == [file_name(4, 1)]
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
-        assert "[node1] resuming from step 4, the newest step every rank has" in rerun
+        assert (
+            "[node1] resuming from step 4, the newest step every rank has (rank 0 has 4, 8; "
+            "rank 1 has 4)"
+        ) in rerun.splitlines()
+        assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun
+        # The partial step 8 is swept, and --keep 1 leaves the last step alone.
+        assert on_node(provisioned.cluster, 2, f"ls -A {directory}").split() == [
+            file_name(REFERENCE_STEPS, 1)  # a multiple of 4: the last step is saved
+        ]
     finally:
         for index in (1, 2):
             on_node(provisioned.cluster, index, f"rm -rf {directory}")
@@ -756,6 +777,7 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
             written = sorted(on_node(provisioned.cluster, index, f"ls -A {directory}").split())
             assert written[1:] == [file_name(4, rank)], (index, written)
             assert written[0].startswith(f".{file_name(8, rank)}."), (index, written)
+            assert written[0].endswith(".tmp"), (index, written)
     finally:
         shutil.rmtree(REPO_ROOT / ".runs" / run_id_in(seen), ignore_errors=True)
         for index in (1, 2):
