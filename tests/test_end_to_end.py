@@ -211,7 +211,8 @@ def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory
     assert "interrupted" in rest and took < 10, f"{took:.1f} s:\n{rest[-3000:]}"
     # make got the same SIGINT: it ends by that signal, or, when it saw the launcher's 130
     # first, with its own 2; which one is a race (CI saw make die before it reported). The
-    # launcher's own 130 is asserted where it is started directly (tests/training/test_faults.py).
+    # launcher's own 130 is asserted where it is started directly (tests/training/test_faults.py,
+    # tests/test_projects_in_containers.py).
     assert process.returncode in (-signal.SIGINT, 2), (process.returncode, rest[-3000:])
     port = yaml.safe_load(inventory.read_text())["all"]["vars"].get("rendezvous_port", 29500)
     for index in (1, 2):

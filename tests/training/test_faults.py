@@ -1,11 +1,12 @@
-"""The fault matrix of issue 7 on the simulated cluster: a node killed while a checkpoint is being
-written, a network partition mid-run, Ctrl-C during rendezvous and during a checkpoint write,
-and one node much slower than the others. A checkpoint directory that is full or read-only is
-tests/test_projects_in_containers.py's (the launcher's summary and the kept step, in the
-containers where jobs run by default).
+"""The fault matrix of issue 7 on the simulated cluster, with jobs on the host: a network
+partition mid-run, Ctrl-C during rendezvous, and one node much slower than the others. A node
+killed while a checkpoint is being written, a node killed with restarts (the master), Ctrl-C
+during a checkpoint write and a full or read-only checkpoint directory are
+tests/test_projects_in_containers.py's: jobs in the training image, where they run by default
+(the launcher's stop, the workloads' checkpoints and the resume are the same code either way).
 
-Each test says what the fault cost. Checkpoints live on each node's own disk (/var/tmp), one
-directory per test; partitions are iptables rules inside a node container, removed at the end.
+Each test says what the fault cost. Partitions are iptables rules inside a node container,
+removed at the end.
 """
 
 from __future__ import annotations
@@ -15,28 +16,17 @@ import re
 import shutil
 import subprocess
 import time
-import uuid
 
 import pytest
 
 from tests.conftest import run_cli
 from tests.helpers import SCRIPTS, interrupt, leftovers, run_id_in
-from tests.training.conftest import (
-    REFERENCE_STEPS,
-    TINY,
-    kill_node,
-    launches,
-    load_state,
-    max_difference,
-)
+from tests.training.conftest import TINY, launches
 from torch_multinode.launch.commands import link_probe_command
-from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
 from torch_multinode.sim import nodes as sim
-from torch_multinode.training.checkpointing.checkpoint import file_name
 from torch_multinode.training.loop import trainer
 
 NO_LEFTOVERS = {"node1": "", "node2": ""}
-CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4")
 
 
 # --- Pure parts, no cluster ---------------------------------------------------------------
@@ -138,10 +128,6 @@ def _summary(stdout: str) -> list[str]:
     return stdout[stdout.index("\nJob ") + 1 :].splitlines()
 
 
-def _files(cluster, index: int, directory: str) -> list[str]:
-    return sorted(_on_node(cluster, index, f"ls -A {directory}").split())
-
-
 @contextlib.contextmanager
 def _dropped(cluster, index: int, *rules: str):
     """iptables rules (each 'CHAIN match...', target DROP) in node `index`, removed at the end."""
@@ -158,122 +144,6 @@ def _partitioned(cluster, index: int):
     """Node `index` cut off the compute network, both ways, as if its cable were pulled."""
     interface = sim.COMPUTE_INTERFACE
     return _dropped(cluster, index, f"INPUT -i {interface}", f"OUTPUT -o {interface}")
-
-
-@pytest.fixture
-def checkpoint_dir(sim2):
-    """A fresh checkpoint directory path on every node's own disk, removed afterwards."""
-    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
-    yield directory
-    for index in (1, 2):
-        _on_node(sim2, index, f"umount {directory} 2>/dev/null; rm -rf {directory}", check=False)
-
-
-def _fetch_model(cluster, remote: str, local) -> dict:
-    sim.docker("cp", f"{cluster.config.container(1)}:{remote}", str(local))
-    return load_state(local)
-
-
-@pytest.mark.sim
-def test_node_killed_while_writing_a_checkpoint_loses_nothing_but_the_steps_since_the_last(
-    sim2, start, checkpoint_dir, reference_ddp, tmp_path
-):
-    # --keep 1: were older checkpoints pruned before every rank held the new one, the rank that
-    # finished writing step 8 would have deleted step 4, the only step both ranks hold.
-    common = ["--", *TINY, *CHECKPOINTING, "--keep", "1", "--checkpoint-dir", checkpoint_dir]
-    process = start(*common, "--checkpoint-pause-step", "8", "--checkpoint-pause-rank", "1")
-    seen = _wait_for(process, "[node2] [rank 1] checkpoint step 8: ")
-    # Rank 1 is between its complete temp file and the rename; rank 0 has renamed its own.
-    assert _files(sim2, 1, checkpoint_dir) == [file_name(4, 0), file_name(8, 0)]
-    written = _files(sim2, 2, checkpoint_dir)
-    assert written[0].startswith(f".{file_name(8, 1)}.") and written[1:] == [file_name(4, 1)]
-    output = kill_node(process, sim2.config.container(2))
-    try:
-        stopped_after = output.end()
-        rest = output.text
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
-        assert process.returncode == 1
-        assert _summary(rest)[0].startswith(f"Job {run_id_in(seen)} FAILED on node2")
-        assert leftovers(sim2.inventory, run_id_in(seen), sim2.inventory.hosts[:1]) == {"node1": ""}
-    finally:
-        sim.up(2, None, sim2.config)  # node2 is back, its disk as it was
-    # The partial step 8 never got its name; step 4 is intact and loads.
-    assert _files(sim2, 2, checkpoint_dir) == written
-    sim.docker(
-        "cp",
-        f"{sim2.config.container(2)}:{checkpoint_dir}/{file_name(4, 1)}",
-        str(tmp_path / "step4.pt"),
-    )
-    assert load_state(tmp_path / "step4.pt")["position"]["step"] == 4
-
-    out = f"/shared/{uuid.uuid4().hex}/model.pt"
-    rerun = _train(sim2, *common, "--out", out)
-    assert rerun.returncode == 0, rerun.stdout[-3000:]
-    assert (
-        "[node1] resuming from step 4, the newest step every rank has (rank 0 has 4, 8; "
-        "rank 1 has 4)"
-    ) in rerun.stdout.splitlines()
-    assert f"steps          {REFERENCE_STEPS} (resumed from step 4)" in rerun.stdout
-    # Lost: steps 5-8 had to be trained again; the result is the uninterrupted run's.
-    assert (
-        max_difference(_fetch_model(sim2, out, tmp_path / "model.pt"), reference_ddp.state) < 1e-6
-    )
-    assert _files(sim2, 2, checkpoint_dir) == [file_name(12, 1)]  # temp file cleared, keep 1
-
-
-@pytest.mark.sim
-def test_with_restarts_a_killed_master_that_comes_back_resumes_the_job_to_the_uninterrupted_result(
-    sim2, start, checkpoint_dir, reference_ddp, tmp_path
-):
-    # The master holds the rendezvous and the port lock: the harder node to lose.
-    out = f"/shared/{uuid.uuid4().hex}/model.pt"
-    process = start(
-        "--restarts",
-        "1",
-        "--restart-wait",
-        "120",
-        "--",
-        *TINY,
-        *CHECKPOINTING,
-        "--checkpoint-dir",
-        checkpoint_dir,
-        "--log-every",
-        "1",
-        "--step-delay",
-        "0.3",
-        "--out",
-        out,
-    )
-    seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))  # step 8 saved on both nodes
-    first = run_id_in(seen)
-    output = kill_node(process, sim2.config.container(1))
-    restarting = "[launcher] restart 1 of 1: waiting up to 120 s"
-    try:
-        stopped_after = output.first(restarting)
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
-        assert f"Job {first} FAILED on node1" in output.text
-    finally:
-        sim.up(2, None, sim2.config)  # node1 is back, its disk as it was
-    output.end(timeout=300)
-    rest = output.text[output.text.index(restarting) :]
-    assert process.returncode == 0, output.stamped[-4000:]
-    assert re.search(
-        rf"\[launcher\] job {first}-r1: every node answers \(waited \d+ s\); "
-        r"restart 1 of 1",
-        rest,
-    )
-    resumed = re.findall(r"\[node1\] resuming from step (\d+)", rest)
-    assert resumed == ["8"], rest[-3000:]
-    assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
-    assert _summary(rest)[0].endswith(", restart 1 of 1.")
-    # Lost: the steps after 8, trained again; the result is the uninterrupted run's.
-    assert (
-        max_difference(_fetch_model(sim2, out, tmp_path / "model.pt"), reference_ddp.state) < 1e-6
-    )
-    for run_id in (first, f"{first}-r1"):
-        assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
-    lock = f"{REMOTE_LOCK_ROOT}/port-{sim2.inventory.rendezvous_port}"
-    assert _on_node(sim2, 1, f"test -e {lock} && echo still held; true") == ""
 
 
 @pytest.mark.sim
@@ -360,34 +230,6 @@ def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
     assert f"Job {run_id} interrupted" in rest
     assert not re.search(r"\] step +\d+/", rest)  # no rank ever started training
     assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
-
-
-@pytest.mark.sim
-def test_ctrl_c_during_a_checkpoint_write_leaves_no_process_or_port_and_the_previous_checkpoint(
-    sim2, start, checkpoint_dir
-):
-    process = start(
-        "--",
-        *TINY,
-        *CHECKPOINTING,
-        "--checkpoint-dir",
-        checkpoint_dir,
-        "--checkpoint-pause-step",
-        "8",
-    )
-    seen = _wait_for(
-        process, "[node1] [rank 0] checkpoint step 8: ", "[node2] [rank 1] checkpoint step 8: "
-    )
-    rest, took = interrupt(process)
-    assert process.returncode == 130, rest
-    assert took < 10, f"the launcher took {took:.1f} s to end"
-    assert f"Job {run_id_in(seen)} interrupted" in rest
-    assert leftovers(sim2.inventory, run_id_in(seen)) == NO_LEFTOVERS
-    # Lost: steps 5-8. Step 4 is complete on both nodes; step 8 never got its name.
-    for index, rank in ((1, 0), (2, 1)):
-        files = _files(sim2, index, checkpoint_dir)
-        assert files[1:] == [file_name(4, rank)]
-        assert files[0].startswith(f".{file_name(8, rank)}.") and files[0].endswith(".tmp")
 
 
 @pytest.mark.sim

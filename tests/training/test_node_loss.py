@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers import leftovers, run_id_in
 from tests.training.conftest import (
+    REFERENCE_STEPS,
     TINY,
     kill_node,
     launches,
@@ -26,10 +27,11 @@ from tests.training.conftest import (
     torchrun_command,
 )
 from tests.training.references import SMALL, progress
-from tests.training.test_faults import CHECKPOINTING, _on_node, _summary, _wait_for
+from tests.training.test_faults import _on_node, _summary, _wait_for
 from torch_multinode.sim import nodes as sim
 
 STEPS = 15
+CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4")
 # A restart waits 10 s for the nodes, then goes on with the 2 that answer.
 GO_ON_WITH_TWO = ("--restarts", "1", "--restart-wait", "10", "--min-nodes", "2")
 _LOSS = re.compile(r"step +(\d+)/\d+ +loss ([0-9.]+)")

@@ -1,22 +1,20 @@
 """The workloads across two simulated nodes, through the launcher: DDP equal to one process,
-communication demos on 2 nodes x 2 processes, a pipeline whose stages sit on different nodes,
-and a node killed mid-run whose job, run again, resumes and ends where an uninterrupted run
-does. Checkpoints live on each node's own disk; only --out goes to the shared volume."""
+communication demos on 2 nodes x 2 processes, and a pipeline whose stages sit on different
+nodes. A node killed mid-run, and the job run again to where an uninterrupted run ends, is
+tests/test_projects_in_containers.py's (jobs in the training image)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
-import time
 import uuid
 
 import pytest
 
-from tests.conftest import VENV_BIN, run_cli
+from tests.conftest import run_cli
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
-    kill_node,
     load_state,
     max_difference,
 )
@@ -26,7 +24,6 @@ from torch_multinode.training.settings import config as config_module
 from torch_multinode.training.settings.config import TrainConfig
 
 pytestmark = pytest.mark.sim
-CHECKPOINTING = ("--checkpoint-every", "4", "--keep", "2")
 
 
 def _train(cluster, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -95,78 +92,3 @@ def test_pipeline_stages_on_two_nodes_match_the_unsplit_model(sim2, tmp_path):
             assert torch.allclose(value, parameters[name], atol=1e-6), name
         for name, value in stage["gradients"].items():
             assert torch.allclose(value, gradients[name], atol=1e-6), name
-
-
-def test_node_killed_mid_run_then_rerun_resumes_to_the_uninterrupted_result(
-    sim2, reference_ddp, tmp_path
-):
-    checkpoints = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"  # each node's own disk
-    common = [
-        "--",
-        *TINY,
-        "--steps",
-        str(REFERENCE_STEPS),
-        *CHECKPOINTING,
-        "--checkpoint-dir",
-        checkpoints,
-    ]
-    process = subprocess.Popen(
-        [
-            str(VENV_BIN / "train"),
-            "-i",
-            str(sim2.config.inventory_path),
-            *common,
-            "--log-every",
-            "1",
-            "--step-delay",
-            "0.5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    seen, last_step = [], 0
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        match = re.match(r"\[node1\] step +(\d+)/", line)
-        if match:
-            last_step = int(match.group(1))
-            if last_step >= 9:  # the step-8 checkpoint is on both nodes' disks
-                break
-    assert last_step >= 9, "".join(seen)[-3000:]
-    output = kill_node(process, sim2.config.container(2))
-    try:
-        stopped_after = output.end()
-        rest = output.text
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
-        assert process.returncode == 1
-        assert "FAILED on node2" in rest
-        run_id = "".join(seen).split("[launcher] job ", 1)[1].split(":", 1)[0]
-        left = sim.docker(
-            "exec",
-            sim2.config.container(1),
-            "sh",
-            "-c",
-            f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self; "
-            "ss -ltnH 'sport = :29500'",
-            check=False,
-        ).stdout
-        assert left.strip() == ""
-    finally:
-        sim.up(2, None, sim2.config)  # node2 is back, its disk as it was
-
-    out = f"/shared/{uuid.uuid4().hex}/model.pt"
-    rerun = _train(sim2, *common, "--out", out)
-    assert rerun.returncode == 0, rerun.stdout[-3000:]
-    resumed = [line for line in rerun.stdout.splitlines() if "resuming from step" in line]
-    assert len(resumed) == 1
-    step = int(re.search(r"resuming from step (\d+)", resumed[0]).group(1))
-    assert last_step - step <= 4, "lost more steps than the checkpoint interval"
-    assert f"steps          {REFERENCE_STEPS} (resumed from step {step})" in rerun.stdout
-    _fetch(sim2, out, tmp_path / "model.pt")
-    assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
-    assert _digests(rerun.stdout)[0] == _digests(rerun.stdout)[1]
