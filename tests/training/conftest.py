@@ -244,13 +244,16 @@ def local_nodes(
     count: int,
     args: Callable[[int], list[str]],
     env: Callable[[int], dict[str, str]],
+    during: Callable[[list[subprocess.Popen]], None] | None = None,
 ) -> list[Finished]:
     """A job of `count` "nodes" on this machine, one rank each, node i running `module` with
-    args(i) and env(i), named node-i; node ranks fixed (torchrun's static rendezvous)."""
+    args(i) and env(i), named node-i; node ranks fixed (torchrun's static rendezvous).
+    `during`, if given, is called with the nodes' processes as they run (each its torchrun, in
+    a process group of its own: os.killpg kills a "node")."""
     port = free_port()
 
-    def node(index: int) -> Finished:
-        command = [
+    def command(index: int) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -266,10 +269,41 @@ def local_nodes(
             module,
             *args(index),
         ]
-        return run_command(command, cwd, {"TMN_NODE_NAME": f"node-{index}", **env(index)}, 180)
 
-    with ThreadPoolExecutor(count) as pool:
-        return list(pool.map(node, range(count)))
+    def environment(index: int) -> dict[str, str]:
+        return {"TMN_NODE_NAME": f"node-{index}", **env(index)}
+
+    if during is None:
+        with ThreadPoolExecutor(count) as pool:
+            return list(
+                pool.map(lambda i: run_command(command(i), cwd, environment(i), 180), range(count))
+            )
+    processes = [
+        subprocess.Popen(
+            command(index),
+            cwd=cwd,
+            env=run_environment(environment(index)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for index in range(count)
+    ]
+    pool = ThreadPoolExecutor(count)
+    try:
+        ended = [pool.submit(process.communicate, timeout=180) for process in processes]
+        during(processes)
+        outputs = [future.result() for future in ended]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        pool.shutdown()
+    return [
+        Finished(command(index), process.returncode, *outputs[index])
+        for index, process in enumerate(processes)
+    ]
 
 
 def torchrun_command(

@@ -1,21 +1,27 @@
 """Replicas of training.fsdp's checkpoints on node-local disks (training/checkpointing/replicate.py):
 three local "nodes" (one rank each, a directory each standing for its disk) lose the third's
 disk; the other two resume from what they hold between them, resharded 3 -> 2, exactly as two
-ranks resume the same step from storage every rank sees; then one of them is lost in the middle
-of a copy, and the job goes on from the step before. And the pure parts: what a directory
+ranks resume the same step from storage every rank sees; then one of them is killed in the
+middle of a copy (its torchrun and rank, while the other receives its files of the last step)
+and its disk lost, and the job goes on from the step before on a fresh node. And the pure parts: what a directory
 sends, the step complete on the union of the directories, the files each must fetch, the atomic
 receive.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.training.conftest import fsdp_nodes
+from tests.training.conftest import local_nodes
 from tests.training.references import SMALL, STEPS, progress
 from torch_multinode.training.checkpointing import replicate, transfer
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
@@ -29,11 +35,74 @@ FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"] + [
 NEEDED = [*FILES, "manifest.pt"]
 
 
-def nodes(directory: Path, disks: list[Path], *args: str, planned: int | None = None) -> list:
+def nodes(
+    directory: Path,
+    disks: list[Path],
+    *args: str,
+    planned: int | None = None,
+    own: dict[int, list[str]] | None = None,
+    during: Callable[[list[subprocess.Popen]], None] | None = None,
+) -> list:
     """A job of len(disks) "nodes" on this machine, one rank each: node i's checkpoint
-    directory is disks[i] (its disk, or one directory they all see) and its name node-i."""
+    directory is disks[i] (its disk, or one directory they all see) and its name node-i;
+    own[i], arguments of node i's alone; `during(processes)` called while they run."""
     extra = {"TMN_PLANNED_WORLD_SIZE": str(planned)} if planned else {}
-    return fsdp_nodes(directory, disks, [*SMALL, *BATCH, *args], extra)
+    return local_nodes(
+        directory,
+        "torch_multinode.training.fsdp",
+        len(disks),
+        lambda i: [
+            *SMALL,
+            *BATCH,
+            *args,
+            *(own or {}).get(i, []),
+            "--checkpoint-dir",
+            str(disks[i]),
+        ],
+        lambda i: extra,
+        during,
+    )
+
+
+def _killed_mid_copy(directory: Path, index: int) -> Callable[[list[subprocess.Popen]], None]:
+    """Kills node `index` (its torchrun and rank) once the next node has begun to receive one
+    of its files into `directory` (a temporary file of that name there), as a node dies. The
+    others' ranks then end by themselves; their torchruns, which would wait for the dead one's
+    at the exit (a static rendezvous: 5 minutes), are killed then, as the launcher stops the
+    other nodes of a job that lost one."""
+
+    def watch(processes: list[subprocess.Popen]) -> None:
+        prefixes = (f".__{index}_0.distcp.", f".rank-{index:05d}.pt.")
+        deadline = time.monotonic() + 150
+        while not (
+            directory.is_dir()
+            and any(
+                p.name.startswith(prefixes) and p.name.endswith(".tmp") for p in directory.iterdir()
+            )
+        ):
+            assert time.monotonic() < deadline, f"no copy of node-{index}'s files began"
+            time.sleep(0.01)
+        _kill(processes[index])
+        others = [process for i, process in enumerate(processes) if i != index]
+        deadline = time.monotonic() + 120
+        while any(_children(process.pid) for process in others):
+            assert time.monotonic() < deadline, "the other nodes' ranks did not end"
+            time.sleep(0.2)
+        for process in others:  # in a store wait, where it handles no SIGTERM
+            _kill(process)
+
+    return watch
+
+
+def _kill(node: subprocess.Popen) -> None:
+    """A "node" killed: its torchrun's ranks (each in a session of its own) and the torchrun."""
+    for rank in _children(node.pid):
+        os.kill(int(rank), signal.SIGKILL)
+    os.killpg(node.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
 
 
 def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tmp_path):
@@ -60,8 +129,22 @@ def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tm
     assert all(run.returncode == 0 for run in reference), reference[0].explain()
 
     shutil.rmtree(disks[2])  # node-2's disk is lost
-    survivors = nodes(tmp_path, disks[:2], planned=3)
-    assert all(run.returncode == 0 for run in survivors), survivors[0].explain()
+    # The survivors go on to step 20, and there node-1 dies in the middle of a copy: killed
+    # (its torchrun and rank) once node-0 has begun to receive its files of step 20, which
+    # node-1 sends slowly (--replication-mbps 0.1: seconds between two files).
+    last = disks[0] / "step-00000020"
+    survivors = nodes(
+        tmp_path,
+        disks[:2],
+        "--collective-timeout",
+        "30",
+        planned=3,
+        own={1: ["--replication-mbps", "0.1"]},
+        during=_killed_mid_copy(last, 1),
+    )
+    assert survivors[1].returncode == -signal.SIGKILL, survivors[1].explain()
+    cut = survivors[0].lines("replication of checkpoint step 20 with node-1")
+    assert cut, survivors[0].explain()
     assert survivors[0].lines("checkpoint step 10:") == [
         "checkpoint step 10: node-0's directory lacked 2 files, copied from node-1; node-1's "
         "directory lacked 2 files, copied from node-0"
@@ -70,24 +153,18 @@ def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tm
         "resharded step 10 from world size 3 to 2: each rank read the parts of the saved "
         "shards it now holds"
     ]
-    for disk in disks[:2]:  # every file of step 10 on both survivors now
-        assert {p.name for p in (disk / "step-00000010").iterdir()} == set(NEEDED)
+    assert {p.name for p in (disks[0] / "step-00000010").iterdir()} == set(NEEDED)
     found, expected = progress(survivors[0].stdout), progress(reference[0].stdout)
     assert sorted(found) == sorted(expected) == list(range(11, STEPS + 1))
     for step, (loss, _) in found.items():
         assert loss == pytest.approx(expected[step][0], abs=1e-4), step
 
-    # A node that dies in the middle of a copy: node-1 is lost with its disk while its files of
-    # step 20 are on their way to node-0. What that leaves on node-0 is made here by hand, as
-    # AtomicFile leaves it (test_a_received_file_takes_its_name_only_once_complete): node-1's
-    # files of step 20 absent, one of them half-received under a temporary name. With a fresh
-    # node (an empty disk) beside node-0, step 20 is not complete anywhere; step 15 is (its
-    # copy had finished), and the job goes on from there to the losses it had before.
-    last = disks[0] / "step-00000020"
-    half = (last / "__1_0.distcp").read_bytes()
-    for name in ("__1_0.distcp", "rank-00001.pt"):
-        (last / name).unlink()
-    (last / ".__1_0.distcp.k3x9q2.tmp").write_bytes(half[: len(half) // 2])
+    # node-1's disk is lost with it. On node-0 the copy cut short left node-1's files of step
+    # 20 incomplete, one under a temporary name. With a fresh node (an empty disk) beside
+    # node-0, step 20 is complete nowhere; step 15 is (its copy had finished), and the job
+    # goes on from there to the losses it had before.
+    held = sorted(p.name for p in last.iterdir())
+    assert "rank-00001.pt" not in held and any(n.endswith(".tmp") for n in held), held
     shutil.rmtree(disks[1])
     again = nodes(tmp_path, [disks[0], tmp_path / "disk-fresh"], planned=3)
     assert all(run.returncode == 0 for run in again), again[0].explain()
