@@ -131,7 +131,7 @@ def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tm
     shutil.rmtree(disks[2])  # node-2's disk is lost
     # The survivors go on to step 20, and there node-1 dies in the middle of a copy: killed
     # (its torchrun and rank) once node-0 has begun to receive its files of step 20, which
-    # node-1 sends slowly (--replication-mbps 0.1: seconds between two files).
+    # node-1 sends slowly (--replication-mbps 0.3: seconds between two files).
     last = disks[0] / "step-00000020"
     survivors = nodes(
         tmp_path,
@@ -139,7 +139,7 @@ def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tm
         "--collective-timeout",
         "30",
         planned=3,
-        own={1: ["--replication-mbps", "0.1"]},
+        own={1: ["--replication-mbps", "0.3"]},
         during=_killed_mid_copy(last, 1),
     )
     assert survivors[1].returncode == -signal.SIGKILL, survivors[1].explain()
