@@ -248,8 +248,8 @@ def local_nodes(
 ) -> list[Finished]:
     """A job of `count` "nodes" on this machine, one rank each, node i running `module` with
     args(i) and env(i), named node-i; node ranks fixed (torchrun's static rendezvous).
-    `during`, if given, is called with the nodes' processes as they run (each its torchrun, in
-    a process group of its own: os.killpg kills a "node")."""
+    `during`, if given, is called with the nodes' processes as they run (each its torchrun;
+    kill_local_node kills a "node")."""
     port = free_port()
 
     def command(index: int) -> list[str]:
@@ -298,12 +298,23 @@ def local_nodes(
     finally:
         for process in processes:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_local_node(process)
         pool.shutdown()
     return [
         Finished(command(index), process.returncode, *outputs[index])
         for index, process in enumerate(processes)
     ]
+
+
+def kill_local_node(node: subprocess.Popen) -> None:
+    """A "node" of local_nodes killed: its torchrun's ranks (torchrun starts each in a session
+    of its own) and the torchrun (in a process group of its own)."""
+    ranks = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True)
+    for rank in ranks.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(rank), signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(node.pid, signal.SIGKILL)
 
 
 def torchrun_command(

@@ -10,7 +10,6 @@ receive.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.training.conftest import local_nodes
+from tests.training.conftest import kill_local_node, local_nodes
 from tests.training.references import SMALL, STEPS, progress
 from torch_multinode.training.checkpointing import replicate, transfer
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
@@ -82,23 +81,16 @@ def _killed_mid_copy(directory: Path, index: int) -> Callable[[list[subprocess.P
         ):
             assert time.monotonic() < deadline, f"no copy of node-{index}'s files began"
             time.sleep(0.01)
-        _kill(processes[index])
+        kill_local_node(processes[index])
         others = [process for i, process in enumerate(processes) if i != index]
         deadline = time.monotonic() + 120
         while any(_children(process.pid) for process in others):
             assert time.monotonic() < deadline, "the other nodes' ranks did not end"
             time.sleep(0.2)
         for process in others:  # in a store wait, where it handles no SIGTERM
-            _kill(process)
+            kill_local_node(process)
 
     return watch
-
-
-def _kill(node: subprocess.Popen) -> None:
-    """A "node" killed: its torchrun's ranks (each in a session of its own) and the torchrun."""
-    for rank in _children(node.pid):
-        os.kill(int(rank), signal.SIGKILL)
-    os.killpg(node.pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[str]:
