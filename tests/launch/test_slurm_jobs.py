@@ -8,6 +8,7 @@ a new job on the other. Slurm is stopped on the nodes afterwards."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -129,6 +130,13 @@ def _project(root: Path, **config) -> Path:
     return root / "train.py"
 
 
+def _record(run_id: str) -> dict:
+    """`make runs RUN=ID JSON=1`: the run's record, as a script reads it."""
+    shown = make("runs", f"RUN={run_id}", "JSON=1", timeout=120)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    return json.loads(shown.stdout)
+
+
 def _nothing_left(provisioned, inventory: Path, run_id: str) -> None:
     queue = on_node(provisioned.cluster, 1, "squeue --noheader", check=False)
     assert queue.strip() == "", queue
@@ -243,6 +251,13 @@ def test_a_failing_node_is_named_with_its_last_lines(slurm_inventory, provisione
     excerpt = out.split("Last lines from node2:", 1)[1]
     assert "Error: rank 1 was told to fail" in excerpt, out
     _nothing_left(provisioned, slurm_inventory, run_id_in(out))
+    # Its record, as for a job over SSH (issue 32).
+    record = _record(run_id_in(out))
+    assert (record["backend"], record["launch_mode"]) == ("slurm", "container"), record
+    assert (record["result"], record["exit_code"], record["failed_node"]) == ("failed", 1, "node2")
+    assert [node["name"] for node in record["nodes"]] == ["node1", "node2"], record
+    assert record["inventory"]["path"] == str(slurm_inventory), record
+    assert record["workload"] == str(train) and record["seconds"] > 0, record
 
 
 def test_a_hang_under_slurm_names_the_rank_and_its_line(slurm_inventory, provisioned, tmp_path):
@@ -281,6 +296,8 @@ def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
     assert re.search(r"succeeded after [\d.]+ s on 2 node\(s\), restart 1 of 1\.", out), out
     assert len(re.findall(r"rank \d: project parameters", out)) == 2, out
     _nothing_left(provisioned, slurm_inventory, run_id_in(out))
+    record = _record(run_id_in(out))
+    assert (record["backend"], record["result"], record["restarts"]) == ("slurm", "succeeded", 1)
 
 
 def test_a_node_whose_slurmd_dies_is_named_dropped_down_to_min_nodes_and_idle_once_restarted(
