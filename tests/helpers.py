@@ -4,6 +4,7 @@ tests/fakes.py and the conftest files), never from each other."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -63,6 +64,20 @@ def inventory(
 def run_id_in(stdout: str) -> str:
     """The job's run ID, from the launcher's '[launcher] job ID: ...' line."""
     return stdout.split("[launcher] job ", 1)[1].split(":", 1)[0]
+
+
+def run_record(run_id: str) -> dict:
+    """`make runs RUN=ID JSON=1`: a run's record as a script reads it (issue 32)."""
+    shown = subprocess.run(
+        ["make", "--no-print-directory", "runs", f"RUN={run_id}", "JSON=1"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    return json.loads(shown.stdout)
 
 
 def leftovers(inventory: Inventory, run_id: str, hosts=None) -> dict[str, str]:

@@ -51,6 +51,7 @@ from tests.helpers import (
     on_node,
     read_until,
     run_id_in,
+    run_record,
     start_train,
 )
 from tests.training.conftest import (
@@ -151,13 +152,6 @@ def _train(provisioned, *variables: str, env: dict | None = None) -> subprocess.
     return make(
         "train", f"INVENTORY={provisioned.inventory}", "NNODES=2", *variables, timeout=900, env=env
     )
-
-
-def _record(run_id: str) -> dict:
-    """`make runs RUN=ID JSON=1`: a run's record as a script reads it (issue 32)."""
-    shown = make("runs", f"RUN={run_id}", "JSON=1", timeout=120)
-    assert shown.returncode == 0, shown.stdout + shown.stderr
-    return json.loads(shown.stdout)
 
 
 def _bring_back(provisioned, index: int) -> None:
@@ -314,7 +308,7 @@ def test_the_default_jobs_tensorboard_events_and_out_come_back(provisioned):
         assert (runs / "node1.log").is_file() and (runs / "node2.log").is_file()
         assert f"TensorBoard: make tensorboard RUN={run_id}" in proc.stdout
         # its record (issue 32): the last step line and where the events are
-        remembered = _record(run_id)
+        remembered = run_record(run_id)
         assert (remembered["result"], remembered["exit_code"]) == ("succeeded", 0), remembered
         assert remembered["last_step"].startswith("step 4/4 "), remembered
         assert remembered["tensorboard"] == str((runs / "tensorboard").resolve()), remembered
@@ -405,7 +399,7 @@ def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
         assert f"[launcher] {drift} (ALLOW_DRIFT=1: running anyway)" in proc.stdout
         assert "[node2] rank 1 ran" in proc.stdout
-        remembered = _record(run_id_in(proc.stdout))
+        remembered = run_record(run_id_in(proc.stdout))
         assert remembered["allow_drift"] is True and remembered["result"] == "succeeded"
         assert remembered["drift"] == {"node1": [f"kernel from 5.10.0-old to {kernel}"]}
         assert {n: v["image"] for n, v in remembered["versions"].items()} == {
@@ -500,7 +494,7 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     codes = {"failed": 1, "succeeded": 0, "interrupted": 130}
     for listed, origin in ((run_id, None), (again, run_id), (succeeded, None), (interrupted, None)):
-        record = _record(listed)
+        record = run_record(listed)
         assert record["rerun_of"] == origin, record
         assert (record["result"], record["exit_code"]) == (ours[listed], codes[ours[listed]])
         if ours[listed] == "failed":
@@ -768,7 +762,7 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
         assert took < 10, f"the launcher took {took:.1f} s to end"
         run_id = run_id_in(seen)
         assert f"Job {run_id} interrupted" in rest
-        remembered = _record(run_id)
+        remembered = run_record(run_id)
         assert (remembered["result"], remembered["exit_code"]) == ("interrupted", 130)
         assert leftovers(load(provisioned.inventory), run_id) == {"node1": "", "node2": ""}
         _no_containers_left(provisioned)

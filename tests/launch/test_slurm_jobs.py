@@ -8,7 +8,6 @@ a new job on the other. Slurm is stopped on the nodes afterwards."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -29,6 +28,7 @@ from tests.helpers import (
     on_node,
     read_until,
     run_id_in,
+    run_record,
     start_train,
 )
 from torch_multinode.cluster.inventory import load
@@ -128,13 +128,6 @@ def _project(root: Path, **config) -> Path:
     (root / "config.yaml").write_text(yaml.safe_dump({"steps": 5, **config}))
     (root / "train.py").write_text(PROJECT_TRAIN)
     return root / "train.py"
-
-
-def _record(run_id: str) -> dict:
-    """`make runs RUN=ID JSON=1`: the run's record, as a script reads it."""
-    shown = make("runs", f"RUN={run_id}", "JSON=1", timeout=120)
-    assert shown.returncode == 0, shown.stdout + shown.stderr
-    return json.loads(shown.stdout)
 
 
 def _nothing_left(provisioned, inventory: Path, run_id: str) -> None:
@@ -252,7 +245,7 @@ def test_a_failing_node_is_named_with_its_last_lines(slurm_inventory, provisione
     assert "Error: rank 1 was told to fail" in excerpt, out
     _nothing_left(provisioned, slurm_inventory, run_id_in(out))
     # Its record, as for a job over SSH (issue 32).
-    record = _record(run_id_in(out))
+    record = run_record(run_id_in(out))
     assert (record["backend"], record["launch_mode"]) == ("slurm", "container"), record
     assert (record["result"], record["exit_code"], record["failed_node"]) == ("failed", 1, "node2")
     assert [node["name"] for node in record["nodes"]] == ["node1", "node2"], record
@@ -296,7 +289,7 @@ def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
     assert re.search(r"succeeded after [\d.]+ s on 2 node\(s\), restart 1 of 1\.", out), out
     assert len(re.findall(r"rank \d: project parameters", out)) == 2, out
     _nothing_left(provisioned, slurm_inventory, run_id_in(out))
-    record = _record(run_id_in(out))
+    record = run_record(run_id_in(out))
     assert (record["backend"], record["result"], record["restarts"]) == ("slurm", "succeeded", 1)
 
 

@@ -270,19 +270,12 @@ def local_nodes(
             *args(index),
         ]
 
-    def environment(index: int) -> dict[str, str]:
-        return {"TMN_NODE_NAME": f"node-{index}", **env(index)}
-
-    if during is None:
-        with ThreadPoolExecutor(count) as pool:
-            return list(
-                pool.map(lambda i: run_command(command(i), cwd, environment(i), 180), range(count))
-            )
+    commands = [command(index) for index in range(count)]
     processes = [
         subprocess.Popen(
-            command(index),
+            commands[index],
             cwd=cwd,
-            env=run_environment(environment(index)),
+            env=run_environment({"TMN_NODE_NAME": f"node-{index}", **env(index)}),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -293,7 +286,8 @@ def local_nodes(
     pool = ThreadPoolExecutor(count)
     try:
         ended = [pool.submit(process.communicate, timeout=180) for process in processes]
-        during(processes)
+        if during is not None:
+            during(processes)
         outputs = [future.result() for future in ended]
     finally:
         for process in processes:
@@ -301,18 +295,23 @@ def local_nodes(
                 kill_local_node(process)
         pool.shutdown()
     return [
-        Finished(command(index), process.returncode, *outputs[index])
+        Finished(commands[index], process.returncode, *outputs[index])
         for index, process in enumerate(processes)
     ]
+
+
+def local_ranks(node: subprocess.Popen) -> list[int]:
+    """The rank processes a "node" of local_nodes (its torchrun) still runs."""
+    found = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
 
 
 def kill_local_node(node: subprocess.Popen) -> None:
     """A "node" of local_nodes killed: its torchrun's ranks (torchrun starts each in a session
     of its own) and the torchrun (in a process group of its own)."""
-    ranks = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True)
-    for rank in ranks.stdout.split():
+    for rank in local_ranks(node):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(int(rank), signal.SIGKILL)
+            os.kill(rank, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(node.pid, signal.SIGKILL)
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.training.conftest import kill_local_node, local_nodes
+from tests.training.conftest import kill_local_node, local_nodes, local_ranks
 from tests.training.references import SMALL, STEPS, progress
 from torch_multinode.training.checkpointing import replicate, transfer
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
@@ -84,17 +84,13 @@ def _killed_mid_copy(directory: Path, index: int) -> Callable[[list[subprocess.P
         kill_local_node(processes[index])
         others = [process for i, process in enumerate(processes) if i != index]
         deadline = time.monotonic() + 120
-        while any(_children(process.pid) for process in others):
+        while any(local_ranks(process) for process in others):
             assert time.monotonic() < deadline, "the other nodes' ranks did not end"
             time.sleep(0.2)
         for process in others:  # in a store wait, where it handles no SIGTERM
             kill_local_node(process)
 
     return watch
-
-
-def _children(pid: int) -> list[str]:
-    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
 
 
 def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tmp_path):

@@ -228,7 +228,7 @@ def seeded_net(device: torch.device, seed: int = 0) -> Net:
     return Net().to(device)
 
 
-def _sharded_net(job: Job, seed: int, policy=None) -> Net:
+def sharded_net(job: Job, seed: int, policy=None) -> Net:
     """The seeded net under FSDP2 over every rank (its two linear layers and the whole), with
     `policy` (a MixedPrecisionPolicy; fully_shard's default: none)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -391,7 +391,7 @@ def check_fsdp2_dcp(job: Job) -> str:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def sharded(seed: int) -> nn.Module:
-        return _sharded_net(job, seed, policy)
+        return sharded_net(job, seed, policy)
 
     model = sharded(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -26,8 +26,8 @@ from torch_multinode.training.selftesting.checks import (
     Failed,
     Job,
     Skip,
-    _sharded_net,
     batch,
+    sharded_net,
 )
 
 INFO = {"check": "fsdp2-replicas"}  # what a resume compares with the saved step's
@@ -65,7 +65,7 @@ def _replicas(job: Job, directory: Path) -> str:
             else f"{tempfile.gettempdir()} is storage every node sees: nothing to copy"
         )
 
-    model = _sharded_net(job, seed=0)
+    model = sharded_net(job, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = batch(job.device, seed=env.rank)
     nn.functional.mse_loss(model(x), y).backward()
@@ -98,7 +98,7 @@ def _replicas(job: Job, directory: Path) -> str:
     if layout.owner and layout.visible == replication.ring[-1]:
         shutil.rmtree(store.path(1))
     dist.barrier(group=job.control)
-    loaded = _sharded_net(job, seed=1)
+    loaded = sharded_net(job, seed=1)
     step, _ = store.resume(loaded, torch.optim.SGD(loaded.parameters(), lr=0.05), True, INFO)
     back = _full(loaded)  # collective: every rank, whatever it found
     if step != 1:
