@@ -44,6 +44,18 @@ WORKLOAD = ["--model", "tiny", "--steps", "200", "--log-every", str(LOG_EVERY)]
 WORKLOAD_QUICK = ["--model", "tiny", "--steps", "30", "--log-every", str(LOG_EVERY)]
 # Batches loaded in the rank's own process (no loader workers on 2 cores), a short validation.
 WORKLOAD_COMMON = ["--workers", "0", "--val-samples", "64"]
+# On GPUs the tiny CNN's step is a few milliseconds of kernel launches, and training.ddp's
+# ResNet-50 step is set by its loader's CPU work: each spread 10 to 55 % from run to run on an
+# H200, hiding any 2 % effect. There the step is DDP's ResNet-50 in bf16 on one batch kept on
+# the GPU (STEP_SCRIPT): the GPU alone sets its length.
+GPU_STEPS, GPU_BLOCK = 120, 10
+GPU_TIMING = (
+    f"ResNet-50 under DDP, bf16, a batch of 256 at 128 px kept on the GPU, {GPU_STEPS} steps "
+    f"after {GPU_BLOCK} of warm-up; seconds per step: the median of its {GPU_BLOCK}-step blocks"
+)
+DDP_TIMING = (
+    "seconds per step: the median of the step lines' intervals (the first, warm-up, left out)"
+)
 COLLECTIVES, ROUNDS = 2000, 5
 COLLECTIVES_QUICK, ROUNDS_QUICK = 200, 2
 TIMEOUT = 600
@@ -53,6 +65,61 @@ STEP_LINE = re.compile(r"\bstep\s+(\d+)/(\d+)\s.*?\s([\d,]+) samples/s/rank\b")
 
 # Worst case: `count` all_reduces of one element, `rounds` times, after a warm-up; rank 0
 # prints each round's seconds and how many entries the Flight Recorder holds (0 when off).
+# A DDP step on the GPU, its batch already there: `steps` steps after `block` of warm-up, timed
+# in blocks of `block` (the GPU synchronised at each end); rank 0 prints each block's seconds
+# per step and how many entries the Flight Recorder holds.
+STEP_SCRIPT = """\
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torchvision.models import resnet50
+
+from torch_multinode.training.distributed import flight
+
+steps, block = int(sys.argv[1]), int(sys.argv[2])
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(device)
+dist.init_process_group("nccl", device_id=device)
+flight.start()
+torch.manual_seed(0)
+torch.backends.cudnn.benchmark = True
+net = resnet50(num_classes=10).to(device, memory_format=torch.channels_last)
+model = DistributedDataParallel(net, device_ids=[device.index])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+images = torch.randn(256, 3, 128, 128, device=device).to(memory_format=torch.channels_last)
+labels = torch.randint(10, (256,), device=device)
+
+
+def step():
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(images), labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+for _ in range(block):
+    step()
+seconds = []
+for _ in range(steps // block):
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(block):
+        step()
+    torch.cuda.synchronize()
+    seconds.append((time.perf_counter() - started) / block)
+recorded = len(json.loads(flight.trace_json()).get("entries", []))
+if dist.get_rank() == 0:
+    print("BENCH " + json.dumps({"seconds": seconds, "recorded": recorded}), flush=True)
+dist.destroy_process_group()
+"""
+
 COLLECTIVE_SCRIPT = """\
 import json
 import os
@@ -222,6 +289,11 @@ def torchrun(target: list[str], setting: str, scratch: Path, what: str, nproc: i
     return proc.stdout
 
 
+def on_gpu_step(gpu_count: int, quick: bool) -> bool:
+    """Whether the step measured is STEP_SCRIPT's (GPUs, unless quick) or training.ddp's."""
+    return bool(gpu_count) and not quick
+
+
 def _machine(gpu_count: int) -> str:
     if gpu_count:
         import torch
@@ -240,16 +312,22 @@ def _machine(gpu_count: int) -> str:
 def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
     """Per repetition, the DDP workload's median seconds per step on and off, then the worst
     case's microseconds per collective on and off; their ratios, paired rep by rep."""
-    workload = [*(WORKLOAD_QUICK if quick else WORKLOAD), *WORKLOAD_COMMON]
     count, rounds = (COLLECTIVES_QUICK, ROUNDS_QUICK) if quick else (COLLECTIVES, ROUNDS)
     gpu_count = gpus()
+    gpu_step = on_gpu_step(gpu_count, quick)
     nproc = ranks(gpu_count)
+    workload = [*(WORKLOAD_QUICK if quick else WORKLOAD), *WORKLOAD_COMMON]
     found: dict = {
         "machine": _machine(gpu_count),
         "nproc": nproc,
         "buffer": FLIGHT_BUFFER_DEFAULT,
         "target": FLIGHT_TARGET,
-        "workload": ["-m", "torch_multinode.training.ddp", *workload],
+        "workload": (
+            ["step.py", str(GPU_STEPS), str(GPU_BLOCK)]
+            if gpu_step
+            else ["-m", "torch_multinode.training.ddp", *workload]
+        ),
+        "timing": GPU_TIMING if gpu_step else DDP_TIMING,
         "collectives": count,
         "rounds": rounds,
         "load_before": os.getloadavg()[0],
@@ -259,8 +337,18 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
         scratch = Path(name)
 
         def steps(setting: str) -> float:
-            output = torchrun(found["workload"], setting, scratch, "training.ddp", nproc)
-            intervals = step_seconds(output)
+            if gpu_step:
+                script = scratch / "step.py"
+                script.write_text(STEP_SCRIPT)
+                target = [str(script), *found["workload"][1:]]
+                rows = bench_rows(torchrun(target, setting, scratch, "the DDP step", nproc))
+                if not rows:
+                    raise RuntimeError(f"the DDP step ({setting}): no BENCH line")
+                check_recorded(setting, rows[0]["recorded"])
+                intervals = rows[0]["seconds"]
+            else:
+                output = torchrun(found["workload"], setting, scratch, "training.ddp", nproc)
+                intervals = step_seconds(output)
             if not intervals:
                 raise RuntimeError(f"training.ddp ({setting}): no step lines after the first")
             fastest[setting].append(min(intervals))

@@ -3,7 +3,7 @@ section's Markdown lines (bench.report puts them in order)."""
 
 from __future__ import annotations
 
-from torch_multinode.bench.flight import noise, verdict
+from torch_multinode.bench.flight import DDP_TIMING, noise, verdict
 from torch_multinode.cluster.sync import human
 
 
@@ -63,6 +63,12 @@ def lock_lines(found: dict) -> list[str]:
     ]
 
 
+def timing(flight: dict) -> str:
+    """How section 13's step was timed (reports before the GPU step said nothing: training.ddp)."""
+    text = flight.get("timing", DDP_TIMING)
+    return text[0].upper() + text[1:]
+
+
 def flight_lines(flight: dict) -> list[str]:
     """Section 13: the Flight Recorder's cost on step time, and per collective at worst."""
     ratio = flight["step_ratio"]
@@ -80,8 +86,7 @@ def flight_lines(flight: dict) -> list[str]:
         f"TORCH_FR_BUFFER_SIZE={flight['buffer']} (on, the trace's watcher running, as every job "
         "of the launcher) and =0 (off), the order alternating from one repetition to the next; "
         f"{flight['machine']}; load average {flight['load_before']:.1f} before, "
-        f"{flight['load_after']:.1f} after. Seconds per step: the median of the step lines' "
-        "intervals (the first, warm-up, left out).",
+        f"{flight['load_after']:.1f} after. {timing(flight)}.",
         f"- on: {spread(flight['step_seconds_on'], '{:.4f}')} s per step",
         f"- off: {spread(flight['step_seconds_off'], '{:.4f}')} s per step",
         f"- on / off: {spread(ratio)}; {verdict(ratio['median'], flight['target'])}",

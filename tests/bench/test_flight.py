@@ -72,6 +72,23 @@ def test_step_times_are_the_intervals_between_step_lines_after_the_first():
         flight.step_seconds(DDP_OUTPUT.replace("batch    32", "size 32"))
 
 
+def test_on_gpus_the_step_is_one_the_gpu_sets_the_length_of_and_on_cpus_training_ddps():
+    # a DDP step on a batch kept on the GPU there (the workloads' are set by launches or loader)
+    assert flight.on_gpu_step(1, quick=False)
+    assert not flight.on_gpu_step(0, quick=False)
+    assert not flight.on_gpu_step(1, quick=True) and not flight.on_gpu_step(0, quick=True)
+    script = flight.STEP_SCRIPT
+    compile(script, "step.py", "exec")  # the script the GPU runs is valid Python
+    for needed in (
+        'init_process_group("nccl", device_id=device)',
+        "flight.start()",
+        "DistributedDataParallel(net, device_ids=[device.index])",
+        "torch.cuda.synchronize()",
+        '"recorded": recorded',
+    ):
+        assert needed in script
+
+
 def test_the_worst_case_counts_its_fastest_round():
     row = {"seconds": [0.4, 0.2, 0.3], "count": 2000, "recorded": 256}
     assert flight.per_collective_us(row) == pytest.approx(100.0)
