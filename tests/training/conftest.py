@@ -153,16 +153,16 @@ class TimedOutput:
 
 
 @contextlib.contextmanager
-def launches(cluster):
-    """launch(*args) -> the launcher (`train -i` the cluster's inventory) running a job, its
-    output piped; one a test leaves running (it failed early) gets Ctrl-C at the end, so its
-    job stops on the nodes too."""
+def launches(cluster, inventory: Path | None = None):
+    """launch(*args) -> the launcher (`train -i` the cluster's inventory, or `inventory`)
+    running a job, its output piped; one a test leaves running (it failed early) gets Ctrl-C at
+    the end, so its job stops on the nodes too."""
     started: list[subprocess.Popen] = []
+    path = inventory or cluster.config.inventory_path
 
     def launch(*args: str) -> subprocess.Popen:
         process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "train"), "-i", str(cluster.config.inventory_path)]
-            + list(args),
+            [str(Path(sys.executable).parent / "train"), "-i", str(path)] + list(args),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -15,6 +15,8 @@ import uuid
 
 import pytest
 
+from tests.ansible.conftest import ansible_playbook, read_inventory, write_inventory
+from tests.conftest import REPO_ROOT
 from tests.helpers import leftovers, run_id_in
 from tests.training.conftest import (
     REFERENCE_STEPS,
@@ -28,6 +30,7 @@ from tests.training.conftest import (
 )
 from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
+from torch_multinode.cluster.inventory import load
 from torch_multinode.sim import nodes as sim
 
 STEPS = 15
@@ -251,4 +254,86 @@ def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the
         "node2": "",
     }
     for index in (1, 2):
+        _on_node(sim3, index, f"rm -rf {directory}", check=False)
+
+
+@pytest.fixture
+def slurm3(sim3, tmp_path):
+    """sim3's inventory with scheduler: slurm, Slurm set up on its three nodes (node1 its
+    controller); its daemons stopped again at the end, and the munge key made for it removed."""
+    sim.up(3, None, sim3.config)  # the nodes the tests before killed, back
+    name = f"tmn-test-{uuid.uuid4().hex[:8]}"
+    document = read_inventory(sim3.config.inventory_path)
+    document["all"]["vars"]["scheduler"] = "slurm"
+    inventory = write_inventory(document, tmp_path / "slurm.yml")
+    try:
+        run = ansible_playbook(
+            inventory, "--tags", "hostname,slurm", "-e", f"slurm_cluster_name={name}"
+        )
+        assert run.returncode == 0, run.describe()
+        yield inventory
+    finally:
+        for index in (1, 2, 3):
+            _on_node(
+                sim3, index, "pkill -x slurmctld; pkill -x slurmd; pkill -x munged", check=False
+            )
+        (REPO_ROOT / ".slurm" / f"{name}.munge.key").unlink(missing_ok=True)
+
+
+@pytest.mark.sim
+def test_under_slurm_a_spare_takes_the_place_of_a_node_lost_for_good(
+    sim3, slurm3, reference_ddp, tmp_path
+):
+    # The spare test above, through Slurm: NNODES=2 of 3, node2 killed after its step-8
+    # checkpoint and left dead; the launcher cancels the job and submits a new one on node1 and
+    # the spare node3, which gets rank 1's state from node1.
+    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
+    out = f"/shared/{uuid.uuid4().hex}/model.pt"
+    with launches(sim3, slurm3) as start:
+        process = start(
+            "--nnodes",
+            "2",
+            "--restarts",
+            "1",
+            "--restart-wait",
+            "10",
+            "--",
+            *TINY,
+            *CHECKPOINTING,
+            "--checkpoint-dir",
+            directory,
+            "--log-every",
+            "1",
+            "--step-delay",
+            "0.3",
+            "--out",
+            out,
+        )
+        seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))
+        first = run_id_in(seen)
+        output = kill_node(process, sim3.config.container(2))
+        output.end(timeout=400)
+    text = output.text
+    assert process.returncode == 0, output.stamped[-4000:]
+    assert len(re.findall(r"\[launcher\] Slurm job \d+ submitted", seen + text)) == 2, text
+    assert re.search(
+        r"\[launcher\] node2 lost at restart 1 after step \d+: replaced by spare node3", text
+    ), text[-4000:]
+    rest = text[text.index(f"job {first}-r1:") :]
+    assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
+    assert _summary(rest)[0].endswith("on 2 node(s), restart 1 of 1."), _summary(rest)
+    assert re.search(r"^  node3 +exit 0$", text, re.MULTILINE), text[-2000:]
+    assert (
+        "[node1] resuming from step 8, the newest step every rank with checkpoints has (rank 0 "
+        "has 4, 8; rank 1 has none); rank 0 sends its state to rank 1, whose node holds none"
+    ) in rest.splitlines(), rest[-3000:]
+    sim.docker("cp", f"{sim3.config.container(1)}:{out}", str(tmp_path / "model.pt"))
+    assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
+    queue = _on_node(sim3, 1, "squeue --noheader", check=False)
+    assert queue.strip() == "", queue
+    assert leftovers(load(slurm3), f"{first}-r1", load(slurm3).hosts[::2]) == {
+        "node1": "",
+        "node3": "",
+    }
+    for index in (1, 3):
         _on_node(sim3, index, f"rm -rf {directory}", check=False)
