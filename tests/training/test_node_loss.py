@@ -5,7 +5,8 @@ spare (NNODES below the inventory's count, with RESTARTS alone), the spare takes
 node's place. training.fsdp's sharded checkpoints on node-local disks survive a node lost with
 its disk: each node's files are copied to the next node after each checkpoint.
 
-Host mode: the nodes run the jobs from this checkout's environment, as in test_faults.
+Host mode: the nodes run the jobs from this checkout's environment, as in test_faults. The
+last test sets Slurm up on the three nodes and proves the spare through it.
 """
 
 from __future__ import annotations
