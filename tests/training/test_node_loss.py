@@ -76,12 +76,12 @@ def _losses(text: str, prefix: str = "") -> dict[int, float]:
     }
 
 
-@pytest.mark.sim
-def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uninterrupted(
-    sim3, start, reference_ddp, tmp_path
-):
-    # NNODES=2 of 3 with restarts: node3 is the spare. node2 dies after its step-8 checkpoint
-    # and stays dead.
+def _a_spare_takes_the_lost_nodes_place(
+    sim3, start, inventory, reference_ddp, tmp_path, timeout: float = 300
+) -> str:
+    """NNODES=2 of 3 with restarts: node3 is the spare. node2 dies after its step-8 checkpoint
+    and stays dead; node3 takes its place and the job ends on the uninterrupted run's
+    parameters. The launcher's whole output."""
     directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
     out = f"/shared/{uuid.uuid4().hex}/model.pt"
     process = start(
@@ -106,12 +106,12 @@ def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uni
     seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))
     first = run_id_in(seen)
     output = kill_node(process, sim3.config.container(2))
-    output.end(timeout=300)
+    output.end(timeout=timeout)
     text = output.text
     assert process.returncode == 0, output.stamped[-4000:]
     assert re.search(
         r"\[launcher\] node2 lost at restart 1 after step \d+: replaced by spare node3", text
-    )
+    ), text[-4000:]
     rest = text[text.index(f"job {first}-r1:") :]
     assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
     assert _summary(rest)[0].endswith("on 2 node(s), restart 1 of 1."), _summary(rest)
@@ -125,12 +125,20 @@ def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uni
     ) in rest.splitlines(), rest[-3000:]
     sim.docker("cp", f"{sim3.config.container(1)}:{out}", str(tmp_path / "model.pt"))
     assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
-    assert leftovers(sim3.inventory, f"{first}-r1", sim3.inventory.hosts[::2]) == {
-        "node1": "",
-        "node3": "",
-    }
+    hosts = load(inventory).hosts
+    assert leftovers(load(inventory), f"{first}-r1", hosts[::2]) == {"node1": "", "node3": ""}
     for index in (1, 3):
         _on_node(sim3, index, f"rm -rf {directory}", check=False)
+    return seen + text
+
+
+@pytest.mark.sim
+def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uninterrupted(
+    sim3, start, reference_ddp, tmp_path
+):
+    _a_spare_takes_the_lost_nodes_place(
+        sim3, start, sim3.config.inventory_path, reference_ddp, tmp_path
+    )
 
 
 @pytest.mark.sim
@@ -285,56 +293,12 @@ def slurm3(sim3, tmp_path):
 def test_under_slurm_a_spare_takes_the_place_of_a_node_lost_for_good(
     sim3, slurm3, reference_ddp, tmp_path
 ):
-    # The spare test above, through Slurm: NNODES=2 of 3, node2 killed after its step-8
-    # checkpoint and left dead; the launcher cancels the job and submits a new one on node1 and
-    # the spare node3, which gets rank 1's state from node1.
-    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
-    out = f"/shared/{uuid.uuid4().hex}/model.pt"
+    # The same through Slurm: the launcher cancels the job (it holds the lost node) and submits
+    # a new one on node1 and the spare node3.
     with launches(sim3, slurm3) as start:
-        process = start(
-            "--nnodes",
-            "2",
-            "--restarts",
-            "1",
-            "--restart-wait",
-            "10",
-            "--",
-            *TINY,
-            *CHECKPOINTING,
-            "--checkpoint-dir",
-            directory,
-            "--log-every",
-            "1",
-            "--step-delay",
-            "0.3",
-            "--out",
-            out,
+        text = _a_spare_takes_the_lost_nodes_place(
+            sim3, start, slurm3, reference_ddp, tmp_path, timeout=400
         )
-        seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))
-        first = run_id_in(seen)
-        output = kill_node(process, sim3.config.container(2))
-        output.end(timeout=400)
-    text = output.text
-    assert process.returncode == 0, output.stamped[-4000:]
-    assert len(re.findall(r"\[launcher\] Slurm job \d+ submitted", seen + text)) == 2, text
-    assert re.search(
-        r"\[launcher\] node2 lost at restart 1 after step \d+: replaced by spare node3", text
-    ), text[-4000:]
-    rest = text[text.index(f"job {first}-r1:") :]
-    assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
-    assert _summary(rest)[0].endswith("on 2 node(s), restart 1 of 1."), _summary(rest)
-    assert re.search(r"^  node3 +exit 0$", text, re.MULTILINE), text[-2000:]
-    assert (
-        "[node1] resuming from step 8, the newest step every rank with checkpoints has (rank 0 "
-        "has 4, 8; rank 1 has none); rank 0 sends its state to rank 1, whose node holds none"
-    ) in rest.splitlines(), rest[-3000:]
-    sim.docker("cp", f"{sim3.config.container(1)}:{out}", str(tmp_path / "model.pt"))
-    assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
-    queue = _on_node(sim3, 1, "squeue --noheader", check=False)
-    assert queue.strip() == "", queue
-    assert leftovers(load(slurm3), f"{first}-r1", load(slurm3).hosts[::2]) == {
-        "node1": "",
-        "node3": "",
-    }
-    for index in (1, 3):
-        _on_node(sim3, index, f"rm -rf {directory}", check=False)
+    assert len(re.findall(r"\[launcher\] Slurm job \d+ submitted", text)) == 2, text
+    assert re.search(r"\[launcher\] Slurm job \d+ runs on node\[1,3\]", text), text
+    assert _on_node(sim3, 1, "squeue --noheader", check=False).strip() == ""
