@@ -47,7 +47,9 @@ WORKLOAD_COMMON = ["--workers", "0", "--val-samples", "64"]
 # On GPUs the tiny CNN's step is a few milliseconds of kernel launches, and training.ddp's
 # ResNet-50 step is set by its loader's CPU work: each spread 10 to 55 % from run to run on an
 # H200, hiding any 2 % effect. There the step is DDP's ResNet-50 in bf16 on one batch kept on
-# the GPU (STEP_SCRIPT): the GPU alone sets its length.
+# the GPU (STEP_SCRIPT), with no CPU work of its own. Even so, on the H200 lent to development,
+# one process's step differed from the next one's by up to 20 % (docs/benchmarks.md): where
+# the runs spread so, the report says too noisy to judge.
 GPU_STEPS, GPU_BLOCK = 120, 10
 GPU_TIMING = (
     f"ResNet-50 under DDP, bf16, a batch of 256 at 128 px kept on the GPU, {GPU_STEPS} steps "
@@ -63,8 +65,6 @@ TIMEOUT = 600
 BATCH_LINE = re.compile(r"^batch\s+(\d+) per rank\b", re.MULTILINE)
 STEP_LINE = re.compile(r"\bstep\s+(\d+)/(\d+)\s.*?\s([\d,]+) samples/s/rank\b")
 
-# Worst case: `count` all_reduces of one element, `rounds` times, after a warm-up; rank 0
-# prints each round's seconds and how many entries the Flight Recorder holds (0 when off).
 # A DDP step on the GPU, its batch already there: `steps` steps after `block` of warm-up, timed
 # in blocks of `block` (the GPU synchronised at each end); rank 0 prints each block's seconds
 # per step and how many entries the Flight Recorder holds.
@@ -120,6 +120,8 @@ if dist.get_rank() == 0:
 dist.destroy_process_group()
 """
 
+# Worst case: `count` all_reduces of one element, `rounds` times, after a warm-up; rank 0
+# prints each round's seconds and how many entries the Flight Recorder holds (0 when off).
 COLLECTIVE_SCRIPT = """\
 import json
 import os
@@ -350,7 +352,7 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
                 output = torchrun(found["workload"], setting, scratch, "training.ddp", nproc)
                 intervals = step_seconds(output)
             if not intervals:
-                raise RuntimeError(f"training.ddp ({setting}): no step lines after the first")
+                raise RuntimeError(f"the DDP step ({setting}): no step timed after the warm-up")
             fastest[setting].append(min(intervals))
             return statistics.median(intervals)
 
