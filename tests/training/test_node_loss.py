@@ -125,8 +125,8 @@ def _a_spare_takes_the_lost_nodes_place(
     ) in rest.splitlines(), rest[-3000:]
     sim.docker("cp", f"{sim3.config.container(1)}:{out}", str(tmp_path / "model.pt"))
     assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
-    hosts = load(inventory).hosts
-    assert leftovers(load(inventory), f"{first}-r1", hosts[::2]) == {"node1": "", "node3": ""}
+    nodes = load(inventory)
+    assert leftovers(nodes, f"{first}-r1", nodes.hosts[::2]) == {"node1": "", "node3": ""}
     for index in (1, 3):
         _on_node(sim3, index, f"rm -rf {directory}", check=False)
     return seen + text
