@@ -337,17 +337,23 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
     fastest: dict[str, list[float]] = {"on": [], "off": []}  # each run's fastest interval
     with tempfile.TemporaryDirectory(prefix="bench-flight-") as name:
         scratch = Path(name)
+        step_script, collective_script = scratch / "step.py", scratch / "collectives.py"
+        step_script.write_text(STEP_SCRIPT)
+        collective_script.write_text(COLLECTIVE_SCRIPT)
+
+        def row(target: list[str], setting: str, what: str) -> dict:
+            """The BENCH row a script's rank 0 printed, its Flight Recorder as `setting` says."""
+            output = torchrun(target, setting, scratch, what, nproc)
+            rows = bench_rows(output)
+            if not rows:
+                raise RuntimeError(f"{what} ({setting}): no BENCH line in:\n{output[-2000:]}")
+            check_recorded(setting, rows[0]["recorded"])
+            return rows[0]
 
         def steps(setting: str) -> float:
             if gpu_step:
-                script = scratch / "step.py"
-                script.write_text(STEP_SCRIPT)
-                target = [str(script), *found["workload"][1:]]
-                rows = bench_rows(torchrun(target, setting, scratch, "the DDP step", nproc))
-                if not rows:
-                    raise RuntimeError(f"the DDP step ({setting}): no BENCH line")
-                check_recorded(setting, rows[0]["recorded"])
-                intervals = rows[0]["seconds"]
+                target = [str(step_script), *found["workload"][1:]]
+                intervals = row(target, setting, "the DDP step")["seconds"]
             else:
                 output = torchrun(found["workload"], setting, scratch, "training.ddp", nproc)
                 intervals = step_seconds(output)
@@ -357,16 +363,8 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
             return statistics.median(intervals)
 
         def collectives(setting: str) -> float:
-            script = scratch / "collectives.py"
-            script.write_text(COLLECTIVE_SCRIPT)
-            output = torchrun(
-                [str(script), str(count), str(rounds)], setting, scratch, "all_reduce", nproc
-            )
-            rows = bench_rows(output)
-            if not rows:
-                raise RuntimeError(f"all_reduce ({setting}): no BENCH line in:\n{output[-2000:]}")
-            check_recorded(setting, rows[0]["recorded"])
-            return per_collective_us(rows[0])
+            target = [str(collective_script), str(count), str(rounds)]
+            return per_collective_us(row(target, setting, "all_reduce"))
 
         def said(unit: str, fmt: str):
             def say(rep: int, on: float, off: float) -> None:
