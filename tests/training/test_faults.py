@@ -95,9 +95,10 @@ def start(sim2):
         yield launch
 
 
-def _wait_for(process: subprocess.Popen, *texts: str | re.Pattern, limit: float = 150) -> str:
+def _wait_for(process: subprocess.Popen, *texts: str | re.Pattern, limit: float = 400) -> str:
     """Read the launcher's output until every one of `texts` (a string it contains, or a pattern
-    it matches) has appeared; what was read."""
+    it matches) has appeared; what was read. The limit only keeps a hung job from holding the
+    test: on CI's 2 loaded cores a 3-node job's 12 steps took over 150 s (stop 44)."""
     seen, missing, deadline = [], list(texts), time.monotonic() + limit
     while missing and time.monotonic() < deadline:
         line = process.stdout.readline()
