@@ -220,6 +220,27 @@ def test_a_step_the_survivors_cannot_complete_is_one_line_naming_the_lost_files_
     )
 
 
+def test_every_rank_joins_the_replicas_group_so_that_none_waits_in_an_nccl_split(monkeypatch):
+    """2 nodes x 2 GPUs: only ranks 0 and 2 copy, yet all four are members. Under NCCL the
+    job's group is bound to each rank's GPU, and torch 2.14.1 makes a rank left out of a new
+    group (gloo or not) join an ncclCommSplit that the gloo group's members never call: ranks
+    1 and 3 would wait in it for ever."""
+    made = []
+    monkeypatch.setattr(
+        replicate.dist, "new_group", lambda *args, **kwargs: made.append((args, kwargs)) or "g"
+    )
+    layout = SimpleNamespace(seen=((0, 1), (0, 1), (2, 3), (2, 3)))
+    replication = replicate.Replication(SimpleNamespace(layout=layout), 500, 60)
+    replication.open()
+    assert replication.ring == [(0, 1), (2, 3)] and replication.group == "g"
+    assert len(made) == 1
+    args, kwargs = made[0]
+    assert args == () and set(kwargs) == {"backend", "timeout"}, made
+    assert kwargs["backend"] == "gloo" and kwargs["timeout"].total_seconds() == 60
+    replication.open()  # once per run
+    assert len(made) == 1
+
+
 def test_each_directory_fetches_what_it_lacks_from_the_lowest_that_holds_it():
     held = {node: steps[10] for node, steps in held_after_a_ring_copy({2}).items()}
     assert replicate.transfers(held, NEEDED) == {

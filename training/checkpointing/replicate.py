@@ -4,7 +4,7 @@ the next node, so that the survivors of any one lost node hold every file of the
 After each checkpoint (dcp.Checkpoints.save) every directory's lowest rank sends the files its
 ranks wrote (`__<r>_<n>.distcp`, `rank-<r>.pt`; the index and the manifest every directory has
 already) to the next directory in a ring ordered by their lowest ranks, and receives its
-predecessor's: in a thread of its own, over a gloo group of those ranks made once (CPU tensors
+predecessor's: in a thread of its own, over a gloo group of all ranks made once (CPU tensors
 only, beside NCCL on GPUs), at most --replication-mbps, each file written under a temporary name
 in the step directory, fsynced and renamed into place. The next checkpoint waits for it first;
 so does the end of the run.
@@ -117,15 +117,18 @@ class Replication:
         return self.checkpoints.layout.nodes[directory[0]]
 
     def open(self) -> None:
-        """The ring and its gloo group (collective, once, after Checkpoints.look)."""
+        """The ring and its gloo group (collective, once, after Checkpoints.look).
+
+        Every rank is a member, though only each directory's lowest rank sends or receives:
+        under NCCL the job's group is bound to the rank's GPU (parallel.start), and torch 2.14.1
+        then makes each rank left out of a new group, whatever its backend, take part in an
+        ncclCommSplit of the job's communicator that the gloo group's members never join
+        (distributed_c10d.py, _new_process_group_helper): with 2+ ranks on a node the left-out
+        ones would wait in it for ever."""
         layout = self.checkpoints.layout
         self.ring = directories(layout.seen)
         if self.active and self.group is None:
-            self.group = dist.new_group(
-                ranks=[ranks[0] for ranks in self.ring],
-                backend="gloo",
-                timeout=timedelta(seconds=self.timeout),
-            )
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
 
     def _neighbours(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         mine = self.ring.index(self.checkpoints.layout.visible)
