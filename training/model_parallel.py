@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments.model_parallel(argv)
     env = parallel.read_env()
     devices = stage_devices(env)
-    # The process's own device is its first stage's, not cuda:LOCAL_RANK.
+    # The process's own device is its first stage's, not cuda:LOCAL_RANK; its group is bound to
+    # no one GPU, since DDP reduces each stage's gradients on that stage's GPU.
     env = dataclasses.replace(env, device=devices[0])
-    parallel.start(env)
+    parallel.start(env, bind=False)
     torch.manual_seed(args.seed)
     model = build(args.split_size, args.num_classes, devices)
     if env.launched:

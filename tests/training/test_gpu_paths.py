@@ -226,6 +226,37 @@ def test_model_parallel_in_a_gloo_job_stays_on_cpu_even_with_one_gpu(monkeypatch
     assert model_parallel.stage_devices(parallel.read_env({})) == (cpu, cpu)
 
 
+def test_model_parallel_under_nccl_leaves_its_group_unbound_since_it_reduces_on_two_gpus(
+    monkeypatch,
+):
+    """Bound to its first stage's GPU, the group would refuse DDP's broadcast of the second
+    stage's parameters ("Attempt to perform collective on tensor not on device passed to
+    init_process_group"): every launched run on GPUs crashed there."""
+    cuda = FakeCuda(monkeypatch, [AMPERE] * 4)
+    for name, value in torchrun_env(1, 2).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(BACKEND_VARIABLE, raising=False)
+    groups = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(groups))
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kwargs: groups.append((backend, kwargs))
+    )
+
+    class Built(Exception):
+        pass
+
+    def build(split_size, num_classes, devices, base=None):
+        raise Built(devices)
+
+    monkeypatch.setattr(model_parallel, "build", build)
+    with pytest.raises(Built) as built:
+        model_parallel.main([])
+    assert built.value.args[0] == (torch.device("cuda:2"), torch.device("cuda:3"))
+    assert cuda.set_devices == [2]  # its first stage's GPU, before the group forms
+    assert [backend for backend, _ in groups] == ["nccl"]
+    assert "device_id" not in groups[0][1]
+
+
 # -- 2. init_methods: each rank on its own GPU ---------------------------------------------------
 
 
@@ -275,7 +306,8 @@ def test_init_methods_puts_each_rank_on_its_gpu_before_the_group_forms(monkeypat
 def test_every_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     """Without device_id, torch 2.14 sets NCCL up lazily and every barrier warns that it guesses
     the device; with it the communicator forms at once on the rank's own GPU. Both ways a job
-    forms its group, torchrun's (parallel.start) and mp.spawn's, pass it; a CPU rank does not."""
+    forms its group, torchrun's (parallel.start) and mp.spawn's, pass it; a CPU rank does not,
+    nor training.model_parallel (its test above)."""
     FakeCuda(monkeypatch, [AMPERE, AMPERE])
     groups = []
     monkeypatch.setattr(dist, "is_initialized", lambda: bool(groups))

@@ -154,13 +154,20 @@ def bound_device(device: torch.device) -> dict[str, torch.device]:
     return {"device_id": device} if device.type == "cuda" else {}
 
 
-def start(env: DistEnv, timeout_seconds: float = 600) -> None:
+def start(env: DistEnv, timeout_seconds: float = 600, bind: bool = True) -> None:
     """Join the process group (a no-op for a single unlaunched process), and serve the Flight
-    Recorder's trace to the launcher (training.distributed.flight)."""
+    Recorder's trace to the launcher (training.distributed.flight).
+
+    `bind=False` for a process whose model spans two GPUs (training.model_parallel): a group
+    bound to one GPU refuses a collective on any other ("Attempt to perform collective on
+    tensor not on device passed to init_process_group", torch 2.14.1's ProcessGroupNCCL), and
+    DDP's first broadcast already carries the second stage's parameters."""
     use_device(env)
     if env.launched and not dist.is_initialized():
         dist.init_process_group(
-            env.backend, timeout=timedelta(seconds=timeout_seconds), **bound_device(env.device)
+            env.backend,
+            timeout=timedelta(seconds=timeout_seconds),
+            **(bound_device(env.device) if bind else {}),
         )
         flight.start()  # the trace, written when the launcher asks (a hang)
 
