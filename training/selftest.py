@@ -47,7 +47,9 @@ from torch_multinode.training.selftesting.node_gpus import check_data_parallel, 
 from torch_multinode.training.selftesting.replicas import check_fsdp2_replicas
 from torch_multinode.training.settings import arguments, console
 
-_ORDER = (PASS, SKIPPED, WARN, STOPPED, FAIL)  # a node's row shows its ranks' worst result
+# A node's row shows its ranks' worst result, a skip counting least: the checks over all of a
+# node's GPUs run in its local rank 0 and skip in the others, and that row is local rank 0's.
+_ORDER = (SKIPPED, PASS, WARN, STOPPED, FAIL)
 CONTROL_TIMEOUT = 600  # the gloo group the results travel on outlives a check's timeout
 
 
@@ -82,7 +84,10 @@ CHECKS = (
         "this rank's Flight Recorder trace (a hang report's) holds its collective",
     ),
     Check("data-parallel", "nn.DataParallel over the node's GPUs equals one GPU"),
-    Check("model-parallel", "a model split over two GPUs equals it on one, gradients included"),
+    Check(
+        "model-parallel",
+        "a model split over two GPUs equals it on one, gradients included; DDP trains it",
+    ),
 )
 CHECK_NAMES = tuple(check.name for check in CHECKS)
 RUNS = {

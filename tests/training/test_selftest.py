@@ -87,6 +87,116 @@ def test_the_fail_hook_fails_the_last_rank_only_and_the_table_names_its_node():
     assert warnings == ["Warning: nccl-transport on node1: NCCL used TCP sockets"]
 
 
+def test_a_check_local_rank_0_runs_for_its_node_shows_its_result_not_the_others_skip():
+    """data-parallel on a node of 2 GPUs: local rank 0 runs it over both, local rank 1 skips;
+    the node's row is rank 0's result (it read SKIPPED on every node where it ran)."""
+    skip = "run by local rank 0 of the node, over all its GPUs"
+    results = [
+        selftest.Result("data-parallel", 0, "node1", "PASS", 1.0, "over 2 GPUs, within 1e-07"),
+        selftest.Result("data-parallel", 1, "node1", "SKIPPED", 0.0, skip),
+        selftest.Result("data-parallel", 2, "node2", "FAIL", 1.0, "differs by 0.1", "debug"),
+        selftest.Result("data-parallel", 3, "node2", "SKIPPED", 0.0, skip),
+        selftest.Result("model-parallel", 0, "node1", "SKIPPED", 0.0, "needs 2+ GPUs"),
+        selftest.Result("model-parallel", 1, "node1", "SKIPPED", 0.0, "needs 2+ GPUs"),
+    ]
+    table = {row[:2]: row[2:] for row in selftest.rows(results)}
+    assert table["data-parallel", "node1"][:2] == ("PASS", "1.0s")
+    assert table["data-parallel", "node1"][2].endswith("(over 2 GPUs, within 1e-07)")
+    assert table["data-parallel", "node2"][0] == "FAIL"
+    assert table["model-parallel", "node1"] == ("SKIPPED", "-", "needs 2+ GPUs")
+
+
+class _Plain(torch.nn.Module):
+    """DDP's place on one process without a group: the module, as DDP holds it."""
+
+    def __init__(self, module, device_ids=None):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def test_a_failed_checkpoint_save_stops_every_rank_before_ddps_next_collective(
+    tmp_path, monkeypatch
+):
+    """One rank's disk full: it and every other rank leave the check at the meeting point
+    after the save; under NCCL the others would wait for it in DDP's next all_reduce until
+    the collective timeout ended the process, and the table with it."""
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", _Plain)
+    events = []
+    step = checks._ddp_step
+    monkeypatch.setattr(checks, "_ddp_step", lambda *args: events.append("step") or step(*args))
+    failing = _job(tmp_path / "rank0", "cpu", ["node1", "node2"])
+    monkeypatch.setattr(failing, "gather", lambda value: events.append(value) or [value, None])
+
+    def save(self, step, state):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(checks.checkpoint.CheckpointStore, "save", save)
+        with pytest.raises(checks.Failed, match="No space left on device"):
+            checks.check_ddp_checkpoint(failing)
+    assert events[:2] == ["step", "step"] and len(events) == 3, events
+    assert events[2].startswith("Failed: saving or resuming a checkpoint failed: OSError")
+
+    # The rank whose save succeeded hears of it at the same point, before its third step.
+    events.clear()
+    other = _job(tmp_path / "rank1", "cpu", ["node1", "node2"], rank=1)
+    monkeypatch.setattr(other, "gather", lambda value: events.append(value) or ["Failed", value])
+    with pytest.raises(checks.Stopped, match="rank 0 on node1 failed first"):
+        checks.check_ddp_checkpoint(other)
+    assert events == ["step", "step", None]
+
+
+def test_the_model_parallel_check_runs_the_workload_under_a_torchrun_of_its_own(
+    tmp_path, monkeypatch
+):
+    """What the model-parallel check starts on a node of 2+ GPUs (DDP over a module on two of
+    them, on NCCL), run here on the CPU: the nested torchrun takes none of the selftest rank's
+    own names, writes nothing in the run directory, and a failure is the worker's own line."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rank_env = {
+        **os.environ,
+        "RANK": "3",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        "TORCHELASTIC_RUN_ID": "selftest",
+        "TMN_RUN_DIR": str(run_dir),
+        "TMN_NODE_NAME": "node7",
+        "TORCH_FR_BUFFER_SIZE": "256",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_FILE": str(tmp_path / "nccl-rank3.log"),
+    }
+    command, env = node_gpus.workload_run(rank_env)
+    assert command[1:8] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "torch_multinode.training.model_parallel",
+    ]
+    inherited = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    inherited |= {"TORCHELASTIC_RUN_ID", "TMN_RUN_DIR", "NCCL_DEBUG_FILE"}
+    assert not inherited & set(env)
+    assert (env["TMN_NODE_NAME"], env["NCCL_DEBUG"]) == ("node7", "WARN")
+    assert node_gpus.run_workload(rank_env) == "training.model_parallel's DDP over both: 2 steps"
+    assert list(run_dir.iterdir()) == []
+
+    monkeypatch.setattr(node_gpus, "WORKLOAD", "torch_multinode.training.no_such_workload")
+    with pytest.raises(checks.Failed) as failed:
+        node_gpus.run_workload(rank_env)
+    assert str(failed.value).startswith(
+        "training.model_parallel under torchrun (DDP over two GPUs) exited 1: "
+    ), failed.value
+    assert str(failed.value).endswith("No module named torch_multinode.training.no_such_workload")
+
+
 def test_arguments_are_checked_on_the_controller():
     assert arguments.CHECKS["training.selftest"] is arguments.selftest
     assert arguments.selftest(["--fail", "compile"]).fail == "compile"
@@ -120,6 +230,11 @@ def test_nccl_transport_is_read_from_the_ranks_own_debug_file(tmp_path, monkeypa
     monkeypatch.setattr(checks.nccl_transport, "rdma_devices", lambda: ["mlx5_0"])
     status, detail = checks.check_nccl_transport(job)
     assert status == "WARN" and "mlx5_0" in detail
+    # No "Using network" line (a network plugin that words it otherwise): SKIPPED with why,
+    # in the table's word (netcheck's SKIP was not one, and the table raised on it).
+    job.nccl_log.write_text("node1:1:1 [0] NCCL INFO Bootstrap: Using eth0\n")
+    with pytest.raises(checks.Skip, match="NCCL did not say which network it used"):
+        checks.check_nccl_transport(job)
     with pytest.raises(checks.Skip, match="one node"):
         checks.check_nccl_transport(_job(tmp_path, "cuda:0", ["node1", "node1"]))
     with pytest.raises(checks.Skip, match="no NCCL on a CPU node"):

@@ -205,6 +205,8 @@ def check_nccl_transport(job: Job) -> tuple[str, str]:
     if len(set(job.nodes)) == 1:
         raise Skip(f"one node: no traffic between nodes (NCCL's network: {used or 'not said'})")
     status, detail = nccl_transport.transport_finding(used, nccl_transport.rdma_devices())
+    if status == "SKIP":  # netcheck's word; the table's is SKIPPED, with the reason
+        raise Skip(detail)
     return status, detail
 
 
@@ -318,6 +320,14 @@ def _ddp_step(model, optimizer, device: torch.device, step: int) -> None:
     optimizer.step()
 
 
+def _checkpoint_failed(raised: Exception) -> Failed:
+    return Failed(
+        f"saving or resuming a checkpoint failed: {type(raised).__name__}: {raised}",
+        "a training/checkpointing/checkpoint.py whose CheckpointStore.load loads to the CPU, and a "
+        "writable temporary directory (or --checkpoint-dir)",
+    )
+
+
 def check_ddp_checkpoint(job: Job) -> str:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -338,6 +348,13 @@ def check_ddp_checkpoint(job: Job) -> str:
             "rng": checkpoint.rng_states(device),
         }
         store.save(2, state)
+    except Exception as raised:
+        error = _checkpoint_failed(raised)
+    # A rank whose save failed (its node's disk full or read-only) stops every rank here: the
+    # others would wait for it in DDP's next collective, which under NCCL ends the process
+    # at the collective timeout, the table with it.
+    job.agree(error)
+    try:
         _ddp_step(model, optimizer, device, 2)
         straight = [p.detach().cpu() for p in model.parameters()]
         # A model from another seed resumes from step 2 and must take the same step 3.
@@ -348,11 +365,7 @@ def check_ddp_checkpoint(job: Job) -> str:
         optimizer.load_state_dict(state["optimizer"])
         checkpoint.restore_rng_states(state["rng"], device)
     except Exception as raised:  # the defect this check exists for: a crash while resuming
-        error = Failed(
-            f"saving or resuming a checkpoint failed: {type(raised).__name__}: {raised}",
-            "a training/checkpointing/checkpoint.py whose CheckpointStore.load loads to the CPU, and a "
-            "writable temporary directory (or --checkpoint-dir)",
-        )
+        error = _checkpoint_failed(raised)
     job.agree(error)
     _ddp_step(resumed, optimizer, device, 2)
     again = [p.detach().cpu() for p in resumed.parameters()]
