@@ -207,6 +207,45 @@ def test_powersgd_warms_up_until_it_has_compressed_once():
     assert levers.warmup_steps("fp16", accumulate=2, no_sync=True, minimum=1) == 1
 
 
+def test_powersgd_never_goes_with_fp16s_loss_scaling(monkeypatch, tmp_path):
+    """fp16's loss scale overflows now and then by design; PowerSGD's error feedback would keep
+    inf - inf from that step on, and every step after it would be skipped: asked for by name
+    the pair is one error line, and auto leaves PowerSGD out under fp16."""
+    from torch_multinode.training import ddp
+    from torch_multinode.training.loop.trainer import Numerics
+    from torch_multinode.training.settings import config as config_module
+    from torch_multinode.training.settings.config import TrainConfig
+
+    argv = ["--precision", "fp16", "--comm-hook", "powersgd"]
+    with pytest.raises(UserError) as caught:
+        config_module.check(config_module.parse(TrainConfig, argv))
+    assert caught.value.line() == (
+        "Error: --comm-hook powersgd cannot go with --precision fp16: an overflowing step "
+        "leaves NaN in PowerSGD's error feedback, and every step after it is skipped (try "
+        "--precision bf16 (no loss scaling), or --comm-hook fp16 or bf16)"
+    )
+    config_module.check(config_module.parse(TrainConfig, ["--precision", "bf16", *argv[2:]]))
+
+    offered = []
+    monkeypatch.setattr(
+        ddp.levers,
+        "choose",
+        lambda *args, candidates, **kwargs: (
+            offered.append(candidates) or levers.Choice("none", {}, "")
+        ),
+    )
+    monkeypatch.setattr(ddp, "first_batch", lambda *args: (torch.zeros(2, 3, 8, 8), None))
+    monkeypatch.setattr(ddp.levers, "node_names", lambda env: ["node1", "node2"])
+    config = config_module.parse(TrainConfig, ["--run-dir", str(tmp_path)])
+    env = parallel.DistEnv(rank=0, world_size=2, launched=True)
+    for numerics in (
+        Numerics(torch.float16, True, True, "fp16"),
+        Numerics(None, False, False, "fp32"),
+    ):
+        ddp.choose_comm_hook(config, env, torch.nn.Linear(2, 2), None, 2, numerics)
+    assert offered == [("none", "fp16", "bf16"), levers.CANDIDATES]
+
+
 def test_the_auto_probe_in_the_ddp_workload_leaves_no_trace_and_is_reused(torchrun, tmp_path):
     run_dir = tmp_path / "run"
     arguments = [*TINY, "--steps", "4", "--comm-hook", "auto", "--run-dir", str(run_dir)]

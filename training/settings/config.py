@@ -424,6 +424,15 @@ def check(config) -> None:
         )
         if ddp.powersgd_start_step < 2:
             raise UserError("--powersgd-start-step must be at least 2 (torch's PowerSGD needs it)")
+        if ddp.comm_hook == "powersgd" and config.model.precision == "fp16":
+            # fp16's loss scale overflows now and then by design (GradScaler then skips the
+            # step), but PowerSGD's error feedback has already kept inf - inf: every later
+            # gradient is NaN, every step skipped, and the run stops learning without a word.
+            raise UserError(
+                "--comm-hook powersgd cannot go with --precision fp16: an overflowing step "
+                "leaves NaN in PowerSGD's error feedback, and every step after it is skipped",
+                hint="--precision bf16 (no loss scaling), or --comm-hook fp16 or bf16",
+            )
     # float() takes 'nan' and 'inf' from a flag or the file; neither trains anything.
     for section in dataclasses.fields(config):
         values = getattr(config, section.name)
