@@ -143,13 +143,15 @@ def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[st
 
 def node_settings(
     inventory: Inventory, env_file: Path | None, backend: str
-) -> dict[str, dict[str, str]]:
-    """Per node, what the controller decided for the whole job: the interface settings, then
-    the job's backend (TMN_BACKEND) over them."""
-    return {
-        name: {**found, BACKEND_VARIABLE: backend}
-        for name, found in interface_env(inventory, env_file).items()
-    }
+) -> tuple[dict[str, dict[str, str]], str | None]:
+    """Per node, what the controller decided for the whole job: the interface settings, with
+    one NCCL network for all the job's nodes (netcheck.envfile.one_network), then the job's
+    backend (TMN_BACKEND) over them; and a note to print when the network had to be made one."""
+    from torch_multinode.netcheck import envfile
+
+    found, without = envfile.one_network(interface_env(inventory, env_file))
+    note = envfile.one_network_note(found, without) if without and backend == "nccl" else None
+    return {name: {**env, BACKEND_VARIABLE: backend} for name, env in found.items()}, note
 
 
 def node_environment(

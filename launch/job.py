@@ -192,12 +192,12 @@ class Launcher:
         us before any SSH), the job's backend said; each node's environment (interface settings
         and the backend). The log directory is made only when the job starts (`_log_dir`): a
         job refused before that leaves no empty .runs/JOB-ID behind."""
-        envs = node_settings(self.inventory, self.spec.env_file, self.backend)
+        envs, network = node_settings(self.inventory, self.spec.env_file, self.backend)
         for host in self.hosts:
             nproc_for(host, self.spec)
-        note = job_backend(self.hosts)[1]
-        if note and announce:
-            self.emit(f"[launcher] {note}")
+        for note in (job_backend(self.hosts)[1], network):
+            if note and announce:
+                self.emit(f"[launcher] {note}")
         return envs
 
     def _log_dir(self) -> None:

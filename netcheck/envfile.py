@@ -6,7 +6,8 @@ to the compute interface.
      "written_at": "2025-01-01T12:00:00+00:00"}
 
 "=eth1" is NCCL's exact-match form: a bare "eth1" would also match eth10, eth11, ...
-NCCL_IB_DISABLE is present only on nodes without InfiniBand devices.
+NCCL_IB_DISABLE is present only on nodes without InfiniBand devices; where a job's nodes are
+mixed, on all of them (one_network).
 """
 
 from __future__ import annotations
@@ -74,3 +75,25 @@ def load(path: str | os.PathLike) -> dict[str, dict[str, str]]:
             hint="'make netcheck' again to rewrite it",
         )
     return {name: dict(env) for name, env in nodes.items()}
+
+
+def one_network(nodes: dict[str, dict[str, str]]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """The settings with one NCCL network for all of `nodes` (a job's, or netcheck's): where some
+    nodes have no RDMA device (NCCL_IB_DISABLE=1) and others have one, NCCL would take
+    InfiniBand/RoCE on these and TCP sockets on those, and the ranks would wait for each other
+    in NCCL's set-up for ever (NVIDIA/nccl#234; NCCL checks no agreement between ranks). Then
+    every node gets NCCL_IB_DISABLE=1. Also the nodes without one, when that changed anything."""
+    without = sorted(name for name, env in nodes.items() if env.get("NCCL_IB_DISABLE") == "1")
+    if not without or len(without) == len(nodes):
+        return nodes, []
+    return {name: {**env, "NCCL_IB_DISABLE": "1"} for name, env in nodes.items()}, without
+
+
+def one_network_note(nodes: dict[str, dict[str, str]], without: list[str]) -> str:
+    """What one_network decided, in one line."""
+    have = sorted(set(nodes) - set(without))
+    return (
+        f"NCCL uses TCP sockets on every node: {', '.join(without)} "
+        f"{'has' if len(without) == 1 else 'have'} no RDMA device, and one job's nodes must "
+        f"share one network (InfiniBand/RoCE stays unused on {', '.join(have)})"
+    )

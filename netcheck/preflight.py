@@ -27,7 +27,7 @@ from torch_multinode.cluster import sync
 from torch_multinode.cluster.execution import Context, Nodes, context_for, python_command
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Result, on_all
-from torch_multinode.netcheck import bandwidth, checks, facts, slurm
+from torch_multinode.netcheck import bandwidth, checks, envfile, facts, slurm
 from torch_multinode.netcheck.checks import addressing, reach, software, traffic
 from torch_multinode.netcheck.collective import IMPORT_TIMEOUT, RESULT_PREFIX
 from torch_multinode.netcheck.report import BANDWIDTH, CHECKS, Finding, Link, Report, Status
@@ -534,6 +534,7 @@ def _collective(
     # The worker imports netcheck from where the CLI sent it (the image holds no project code).
     code_dir = getattr(context, "code_dir", None)
     code = {"PYTHONPATH": sync.tool_import_path(code_dir)} if code_dir else {}
+    network = envfile.one_network(report.env)[0]  # as a job on these nodes would run
     commands = {
         h.name: worker_command(
             h,
@@ -542,7 +543,7 @@ def _collective(
             port,
             sizes,
             stage,
-            {**report.env.get(h.name, {}), **code},
+            {**network.get(h.name, {}), **code},
             context.python(h),
             token,
         )

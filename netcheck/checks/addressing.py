@@ -12,6 +12,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from torch_multinode.cluster.inventory import Host
+from torch_multinode.netcheck import envfile
 from torch_multinode.netcheck.checks import Collector, reference
 from torch_multinode.netcheck.facts import FQDN, OWN, NodeFacts
 from torch_multinode.netcheck.report import Finding, Status
@@ -265,4 +266,18 @@ def interface_findings(
                     f"on {node}: check the negotiated speed (ethtool {names[node]}), the "
                     f"cable and the switch port",
                 )
+    # The file keeps each node's own finding; a job (the launcher) or netcheck's collective
+    # makes its nodes' network one (envfile.one_network).
+    without = envfile.one_network(env)[1]
+    if without:
+        # Not a failure: the jobs run, on TCP sockets everywhere (the launcher says so too).
+        for node in sorted(set(env) - set(without)):
+            out.add(
+                node,
+                Status.WARN,
+                f"{node} has RDMA devices, {', '.join(without)} none: NCCL uses TCP sockets "
+                "on every node (one job's nodes must share one network; mixed, NCCL's set-up "
+                "waits for ever)",
+                f"an RDMA NIC in {', '.join(without)}, or jobs on nodes alike (GROUP=)",
+            )
     return InterfaceVerdict(out.done([h.name for h in hosts], passed), broken, env, speeds)

@@ -40,7 +40,8 @@ def test_precedence_on_a_node(tmp_path):
         debug="detail",
         extra_env=(("NCCL_SOCKET_IFNAME", "=eth9"),),
     )
-    settings = environment.node_settings(found, env_file, "nccl")
+    settings, note = environment.node_settings(found, env_file, "nccl")
+    assert note is None
     # n2 is not in the file: the inventory's compute_interface, exact-match form for NCCL.
     assert settings["n2"] == {
         "GLOO_SOCKET_IFNAME": "eth1",
@@ -67,6 +68,34 @@ def test_precedence_on_a_node(tmp_path):
     assert "TMN_PLANNED_WORLD_SIZE" not in plain
     fewer = environment.node_environment(host, replace(spec, planned_world=3), settings["n2"])
     assert fewer["TMN_PLANNED_WORLD_SIZE"] == "3"
+
+
+def test_a_job_whose_nodes_differ_in_rdma_uses_sockets_on_every_node_and_says_so(tmp_path):
+    """netcheck found RDMA on n1 only: NCCL would take InfiniBand there and sockets on n2, and
+    its set-up would wait for ever. The job's nodes get one network; a job on n1 alone keeps
+    InfiniBand."""
+    env_file = envfile.write(
+        tmp_path / "netcheck-env.json",
+        {
+            "n1": {"NCCL_SOCKET_IFNAME": "=ib0", "GLOO_SOCKET_IFNAME": "ib0"},
+            "n2": {
+                "NCCL_SOCKET_IFNAME": "=eth1",
+                "GLOO_SOCKET_IFNAME": "eth1",
+                "NCCL_IB_DISABLE": "1",
+            },
+        },
+    )
+    both = inventory({"n1": node(1, gpus=1), "n2": node(2, gpus=1)})
+    settings, note = environment.node_settings(both, env_file, "nccl")
+    assert [settings[name]["NCCL_IB_DISABLE"] for name in ("n1", "n2")] == ["1", "1"]
+    assert settings["n1"]["NCCL_SOCKET_IFNAME"] == "=ib0"
+    assert note == (
+        "NCCL uses TCP sockets on every node: n2 has no RDMA device, and one job's nodes must "
+        "share one network (InfiniBand/RoCE stays unused on n1)"
+    )
+    assert environment.node_settings(both, env_file, "gloo")[1] is None  # no NCCL to speak of
+    alone, note = environment.node_settings(inventory({"n1": node(1, gpus=1)}), env_file, "nccl")
+    assert "NCCL_IB_DISABLE" not in alone["n1"] and note is None
 
 
 def test_env_wins_over_the_launchers_variables_in_both_modes():

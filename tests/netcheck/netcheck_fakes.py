@@ -118,6 +118,8 @@ class FakeCluster(FakeNodes):
     nccl_transport: dict[str, dict] = field(default_factory=dict)
     """Per node, the `transport` its worker reports (see fake_transport); when set, the
     collective ran on NCCL. A node missing from it reports no transport."""
+    infiniband: dict[str, str] = field(default_factory=dict)
+    """Per node, the RDMA devices /sys/class/infiniband lists (default none)."""
     calls: list[tuple[str, str]] = field(default_factory=list)
     surprises: list[str] = field(default_factory=list)
     """Commands the fake did not recognise: netcheck swallows errors, so tests check this."""
@@ -209,7 +211,8 @@ class FakeCluster(FakeNodes):
             ip = str(peer.compute_ip)
             routes[ip] = {"dst": ip, "dev": "eth1", "prefsrc": me}
             pings[peer.name] = ping_lost(ip) if peer.name in self.down else ping_ok(ip)
-        return facts_text(host.name, resolved, links, routes, pings)
+        infiniband = self.infiniband.get(host.name, "")
+        return facts_text(host.name, resolved, links, routes, pings, infiniband=infiniband)
 
     def on_serve(self, host, command):
         argv = shlex.split(command)

@@ -267,6 +267,19 @@ def test_container_mode_runs_software_and_collective_in_the_image():
     assert kinds.count("docker run") == 1 and "software" not in kinds
 
 
+def test_the_collective_runs_on_one_network_where_only_one_node_has_rdma():
+    """node1 with an RDMA device, node2 without: the env file keeps each node's own finding,
+    and the collective runs as a job on both would, NCCL on sockets on both (mixed, NCCL's
+    set-up waits for ever)."""
+    cluster = fake(2, infiniband={"node1": "mlx5_0"})
+    report = run(cluster)
+    assert cluster.surprises == []
+    assert [report.env[name].get("NCCL_IB_DISABLE") for name in ("node1", "node2")] == [None, "1"]
+    workers = [c for n, c in cluster.commands if "netcheck.collective" in c]
+    assert len(workers) == 2 and all("NCCL_IB_DISABLE=1" in c for c in workers), workers
+    assert report.cell("node1", "interfaces") is Status.WARN
+
+
 def test_a_worker_that_cannot_start_gets_the_software_probe_alone():
     cluster = fake(2, broken_worker={"node2"})
     report = run(cluster)

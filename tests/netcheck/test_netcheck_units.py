@@ -236,6 +236,41 @@ def test_interfaces_healthy_give_exact_socket_env():
     assert verdict.broken == set() and verdict.speeds == {"node1": 10000, "node2": 10000}
 
 
+def test_a_node_without_rdma_beside_one_with_it_gives_every_node_sockets_and_a_warning():
+    """Mixed, NCCL would take InfiniBand on node1 and sockets on node2, and its set-up would
+    wait for ever: one network for all, said on the node whose RDMA stays unused."""
+    verdict = addressing.interface_findings(
+        [N1, N2],
+        {"node1": healthy_facts(N1, infiniband="mlx5_0"), "node2": healthy_facts(N2)},
+        N1,
+    )
+    # The file keeps each node's own finding: a job on node1 alone keeps InfiniBand. A job on
+    # both (the launcher), and netcheck's own collective, disable it on both.
+    assert {node: env.get("NCCL_IB_DISABLE") for node, env in verdict.env.items()} == {
+        "node1": None,
+        "node2": "1",
+    }
+    joined, without = envfile.one_network(verdict.env)
+    assert without == ["node2"] and joined["node1"]["NCCL_IB_DISABLE"] == "1"
+    warned = only(verdict.findings, "node1", status=Status.WARN)
+    assert [f.detail for f in warned] == [
+        "node1 has RDMA devices, node2 none: NCCL uses TCP sockets on every node (one job's "
+        "nodes must share one network; mixed, NCCL's set-up waits for ever)"
+    ]
+    assert only(verdict.findings, "node2", status=Status.WARN) == []
+    # Alike, nothing changes: both with RDMA keep it, both without are as before.
+    both = addressing.interface_findings(
+        [N1, N2],
+        {
+            "node1": healthy_facts(N1, infiniband="mlx5_0"),
+            "node2": healthy_facts(N2, infiniband="mlx5_0"),
+        },
+        N1,
+    )
+    assert [env.get("NCCL_IB_DISABLE") for env in both.env.values()] == [None, None]
+    assert [f.status for f in both.findings] == [Status.PASS, Status.PASS]
+
+
 def test_infiniband_present_leaves_ib_enabled():
     assert addressing.socket_env("ib0", ["mlx5_0"]) == {
         "NCCL_SOCKET_IFNAME": "=ib0",
