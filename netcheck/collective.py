@@ -44,8 +44,8 @@ def emit(data: dict) -> None:
 class Watchdog:
     """Ends the process when one stage outlives the wall-clock limit."""
 
-    def __init__(self, rank: int, seconds: float):
-        self.rank, self.seconds = rank, seconds
+    def __init__(self, rank: int, seconds: float, nccl_log: str | None = None):
+        self.rank, self.seconds, self.nccl_log = rank, seconds, nccl_log
         self._timer: threading.Timer | None = None
 
     def start(self, stage: str, seconds: float | None = None) -> None:
@@ -67,7 +67,9 @@ class Watchdog:
                 "rank": self.rank,
                 "ok": False,
                 "stage": stage,
-                "error": f"{stage} did not finish within {seconds:g} s",
+                "error": with_nccl_warnings(
+                    f"{stage} did not finish within {seconds:g} s", self.nccl_log
+                ),
             }
         )
         os._exit(WATCHDOG_EXIT)
@@ -76,6 +78,21 @@ class Watchdog:
 def describe(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+
+
+def with_nccl_warnings(error: str, nccl_log: str | None, most: int = 2) -> str:
+    """`error` with NCCL's own last WARN lines from this worker's log: the cause that the first
+    line of torch's NCCL error leaves out ("unhandled system error (run with NCCL_DEBUG=INFO for
+    details)" above "socketStartConnect: Connect to 10.0.0.2<40123> failed : Connection
+    refused")."""
+    try:
+        with open(nccl_log or "", errors="replace") as file:
+            said = [
+                line.split(" NCCL WARN ", 1)[1].strip() for line in file if " NCCL WARN " in line
+            ]
+    except OSError:
+        return error
+    return f"{error} (NCCL: {'; '.join(said[-most:])[:400]})" if said else error
 
 
 def pattern(torch, count: int, device):
@@ -210,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     if nccl_log:
         log_nccl_transport(nccl_log)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    watchdog = Watchdog(rank, args.timeout)
+    watchdog = Watchdog(rank, args.timeout, nccl_log)
 
     # The software check's facts come from this very process: one torch import per node.
-    watchdog.start("import torch", args.import_timeout)
+    watchdog.start("import torch and query the GPUs", args.import_timeout)
     stack = probe()
     emit({"rank": rank, "software": stack})
     if "torch_error" in stack:
@@ -276,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     except Exception as exc:  # noqa: BLE001 - the controller gets the reason as data
         watchdog.stop()
-        emit({"rank": rank, "ok": False, "stage": "collective", "error": describe(exc)})
+        error = with_nccl_warnings(describe(exc), nccl_log)
+        emit({"rank": rank, "ok": False, "stage": "collective", "error": error})
         os._exit(1)
     watchdog.stop()
     transport = read_transport(backend, nccl_log)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import subprocess
@@ -55,13 +56,15 @@ def probe() -> dict:
         try:
             out = _nvidia_smi("-L")
             found["nvidia_smi_gpus"] = sum(line.startswith("GPU ") for line in out.splitlines())
+            # What nvidia-smi prints when it fails ("NVIDIA-SMI has failed because...", "Failed
+            # to initialize NVML: ...") is no version: only numbers are taken.
             driver = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split()
-            found["driver"] = driver[0] if driver else None
+            found["driver"] = driver[0] if driver and _VERSION.match(driver[0]) else None
             listed = _nvidia_smi("--query-gpu=name,compute_cap", "--format=csv,noheader")
             found["gpu_capabilities"] = [
                 [part.strip() for part in line.rsplit(",", 1)]
                 for line in listed.splitlines()
-                if line.count(",") >= 1
+                if line.count(",") >= 1 and _VERSION.match(line.rsplit(",", 1)[1].strip())
             ]
         except (OSError, subprocess.SubprocessError):
             pass
@@ -157,6 +160,9 @@ def fabric_states(text: str) -> list[list[str]] | None:
         if len(parts) == 2 and parts[0] in FABRIC_STATES:
             states.append(parts)
     return states or None
+
+
+_VERSION = re.compile(r"\d+\.\d+")
 
 
 def _nvidia_smi(*args: str) -> str:

@@ -74,11 +74,15 @@ def software_findings(
             )
         needed, driver = driver_needed(probe.get("cuda")), probe.get("driver")
         if needed and driver and release(driver) and release(driver)[0] < needed:
+            # Where torch still answers, CUDA's forward-compatibility libraries carry it (NGC's
+            # images bring them for data-center GPUs): jobs run, so a warning.
+            works = bool(probe.get("cuda_available"))
             out.add(
                 node,
-                Status.FAIL,
+                Status.WARN if works else Status.FAIL,
                 f"NVIDIA driver {driver} on {node} is older than torch's CUDA "
-                f"{probe.get('cuda')} needs (branch {needed} or newer)",
+                f"{probe.get('cuda')} needs (branch {needed} or newer)"
+                + (" (CUDA answers, through forward-compatibility libraries)" if works else ""),
                 f"on {node}: install driver branch {needed} or newer (nvidia_driver_install: "
                 f'true, nvidia_driver_branch: "{needed}" in the inventory; make provision; '
                 f"reboot)",

@@ -513,7 +513,8 @@ def test_a_torch_older_than_the_minimum_fails_on_every_node_that_has_it():
 
 
 def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
-    gpu = {"cuda_available": True, "gpus": 0}  # the GPU count is not what this test is about
+    # torch 2.14's CUDA 13 build on a 570 driver: CUDA does not answer.
+    gpu = {"cuda_available": False, "gpus": 0}  # the GPU count is not what this test is about
     found = software.software_findings(
         [N1, N2],
         {"node1": probe(driver="570.172.08", **gpu), "node2": probe(driver="580.95.05", **gpu)},
@@ -530,9 +531,39 @@ def test_a_driver_older_than_the_images_cuda_needs_is_named_with_the_branch():
     )
     (ok,) = only(found, "node2")
     assert ok.status is Status.PASS and "driver 580.95.05" in ok.detail
+    # Where CUDA still answers on the old driver (an NGC image's forward-compatibility
+    # libraries), jobs run: a warning, with the same remedy.
+    found = software.software_findings(
+        [N1], {"node1": probe(driver="570.172.08", cuda_available=True, gpus=1)}, N1
+    )
+    (warned,) = only(found, "node1", status=Status.WARN)
+    assert warned.detail.endswith("(CUDA answers, through forward-compatibility libraries)")
+    assert warned.remedy == fail.remedy
     # A CUDA 12 build runs on 570.
     found = software.software_findings([N1], {"node1": probe(driver="570.1", cuda="12.8")}, N1)
     assert only(found, "node1")[0].status is Status.PASS
+
+
+def test_what_a_failing_nvidia_smi_prints_is_taken_for_no_driver_and_no_gpus(monkeypatch):
+    from torch_multinode.netcheck import softprobe
+
+    answers = {
+        "-L": "GPU 0: NVIDIA H200 (UUID: GPU-1)\n",
+        "--query-gpu=driver_version": "580.95.05\n",
+        "--query-gpu=name,compute_cap": "NVIDIA H200, 9.0\n",
+    }
+    monkeypatch.setattr(softprobe.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(softprobe, "_nvidia_smi", lambda *args: answers[args[0]])
+    monkeypatch.setattr(softprobe, "fabric", lambda: {})
+    found = softprobe.probe()
+    assert (found["driver"], found["gpu_capabilities"]) == ("580.95.05", [["NVIDIA H200", "9.0"]])
+    failed = (
+        "Failed to initialize NVML: Driver/library version mismatch\n"
+        "NVML library version: 580.95, driver 570.1\n"
+    )
+    answers.update({key: failed for key in answers})
+    found = softprobe.probe()
+    assert (found["nvidia_smi_gpus"], found["driver"], found["gpu_capabilities"]) == (0, None, [])
 
 
 def test_a_gpu_older_than_the_torch_build_is_named_with_its_compute_capability():
@@ -835,6 +866,28 @@ def test_the_worker_reads_the_transport_from_its_nccl_log(tmp_path, monkeypatch)
     assert collective.read_transport("nccl", str(tmp_path / "absent"))["used"] is None
     gloo = collective.read_transport("gloo", None)
     assert gloo["used"] is None and "gloo" in gloo["reason"] and gloo["rdma"] == ["mlx5_0"]
+
+
+def test_an_nccl_failure_carries_nccls_own_last_warnings_from_the_workers_log(tmp_path):
+    """torch's NCCL error says "unhandled system error (run with NCCL_DEBUG=INFO for details)"
+    on its first line; the cause is in NCCL's WARN lines, which the worker's log holds."""
+    log = tmp_path / "nccl.log"
+    log.write_text(
+        "node1:101:101 [0] NCCL INFO Bootstrap: Using eth1:10.7.0.1<0>\n"
+        "node1:101:120 [0] NCCL WARN socketProgress: Connection closed by remote peer\n"
+        "node1:101:120 [0] NCCL INFO misc/socket.cc:64 -> 6\n"
+        "node1:101:120 [0] NCCL WARN socketStartConnect: Connect to 10.7.0.2<40123> failed : "
+        "Connection refused\n"
+    )
+    error = "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3011, unhandled system error"
+    assert collective.with_nccl_warnings(error, str(log)) == (
+        f"{error} (NCCL: socketProgress: Connection closed by remote peer; socketStartConnect: "
+        "Connect to 10.7.0.2<40123> failed : Connection refused)"
+    )
+    log.write_text("node1:101:101 [0] NCCL INFO Using network Socket\n")
+    assert collective.with_nccl_warnings(error, str(log)) == error  # nothing to add
+    assert collective.with_nccl_warnings(error, str(tmp_path / "absent")) == error
+    assert collective.with_nccl_warnings(error, None) == error  # gloo: no NCCL log
 
 
 def test_sockets_on_a_node_with_infiniband_warn_and_name_what_is_missing():
