@@ -189,8 +189,26 @@ def fabric_manager_problem(node: str, probe: dict) -> tuple[str, str] | None:
         return None
     states = probe.get("fabric_states") or []
     waiting = [f"GPU {i} {state}" for i, (state, _) in enumerate(states) if state in FABRIC_WAITING]
+    # NVML: the status means something once the state is Completed; anything but Success (or
+    # N/A) there is a registration that failed ("Insufficient Resources" on H100s).
+    failed = [
+        f"GPU {i} {status}"
+        for i, (state, status) in enumerate(states)
+        if state == "Completed" and status not in ("Success", "N/A", "")
+    ]
+    # Every GPU registered: a fabric manager ran, whatever the probe saw of its process.
+    registered = bool(states) and not waiting and not failed
     smi = probe.get("nvidia_smi_gpus")
-    if probe.get("fabricmanager") is False:
+    driver = probe.get("driver") or ""
+    if failed:
+        return (
+            f"{node} has {switches} NVSwitch(es) but the GPUs' fabric registration failed "
+            f"({', '.join(failed)}): NCCL cannot use NVLink across them",
+            f"on {node}: journalctl -u nvidia-fabricmanager says why (a fabric manager of "
+            f"another version than the driver{f' ({driver})' if driver else ''}, or an NVLink "
+            "fault); then systemctl restart nvidia-fabricmanager, or reboot",
+        )
+    if probe.get("fabricmanager") is False and not registered:
         why = "no fabric manager runs (nv-fabricmanager; systemd: nvidia-fabricmanager inactive)"
     elif waiting:
         why = f"the GPUs' fabric registration is not complete ({', '.join(waiting)})"
@@ -198,7 +216,6 @@ def fabric_manager_problem(node: str, probe: dict) -> tuple[str, str] | None:
         why = f"torch sees none of the {smi} GPU(s) nvidia-smi lists (is nvidia-fabricmanager running?)"
     else:
         return None
-    driver = probe.get("driver") or ""
     branch = release(driver)[0] if release(driver) else None
     package = f"nvidia-fabricmanager-{branch}" if branch else "nvidia-fabricmanager"
     return (

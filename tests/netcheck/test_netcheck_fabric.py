@@ -175,15 +175,31 @@ def test_gpus_torch_cannot_see_behind_nvswitches_point_at_the_fabric_manager():
     ) in details
 
 
+def test_a_fabric_registration_that_completed_with_a_failure_is_named_with_its_status():
+    # An H100 node as some report it: State Completed, Status Insufficient Resources.
+    states = [["Completed", "Success"], ["Completed", "Insufficient Resources"]]
+    found = software_check(probe(nvswitches=4, fabricmanager=True, fabric_states=states))
+    (fail,) = on(found, "node1")
+    assert fail.status is Status.FAIL
+    assert fail.detail == (
+        "node1 has 4 NVSwitch(es) but the GPUs' fabric registration failed (GPU 1 Insufficient "
+        "Resources): NCCL cannot use NVLink across them"
+    )
+    assert fail.remedy.startswith("on node1: journalctl -u nvidia-fabricmanager says why")
+
+
 @pytest.mark.parametrize(
     "change",
     [
         {"nvswitches": 0, "fabricmanager": False},  # no switch: no fabric manager needed
         {"nvswitches": 4, "fabricmanager": True},
         {"nvswitches": 4, "fabric_states": [["Completed", "Success"]]},  # container, all well
+        # Every GPU registered though neither its process nor systemd's unit was seen (a /proc
+        # mounted with hidepid, a service under another name): a fabric manager ran.
+        {"nvswitches": 4, "fabricmanager": False, "fabric_states": [["Completed", "Success"]]},
         {},  # a probe from before this field existed
     ],
-    ids=["no-nvswitch", "running", "registered", "old-probe"],
+    ids=["no-nvswitch", "running", "registered", "registered-unseen", "old-probe"],
 )
 def test_no_fabric_manager_finding_where_none_is_needed_or_it_runs(change):
     found = software_check(probe(**change) if change else {**probe(), "nvswitches": None})
