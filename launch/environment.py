@@ -183,7 +183,11 @@ def local_environment(
     where that does not set it, then the job's variables over both."""
     env = {**environ}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its 4-line warning
-    env.update(job_environment(here, spec, run_dir, python_path, backend))
+    job = job_environment(here, spec, run_dir, python_path, backend)
+    if spec.gpus is None and "CUDA_VISIBLE_DEVICES" in environ:
+        # The shell's own pick of GPUs stands, counted in the order it was made in.
+        job.pop("CUDA_DEVICE_ORDER", None)
+    env.update(job)
     return env
 
 

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from torch_multinode.cluster import sync
@@ -90,10 +90,20 @@ def run_directory(spec: JobSpec) -> Path:
     return (spec.log_dir or Path(".runs") / spec.run_id).resolve()
 
 
-def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
+def environment(
+    spec: JobSpec, gpus_here: int, environ: Mapping[str, str] = os.environ
+) -> tuple[dict[str, str], int]:
     """The job's environment and process count on this machine."""
     if spec.gpus is not None:
         shown = ",".join(map(str, spec.gpus))
+        chosen = environ.get("CUDA_VISIBLE_DEVICES")
+        if chosen is not None:
+            # GPUS= counts as nvidia-smi does; under the shell's pick, torch counts only what
+            # that leaves, so GPUS= would be checked in one numbering and applied in another.
+            raise UserError(
+                f"GPUS={shown} and this shell's CUDA_VISIBLE_DEVICES={chosen} both pick GPUs",
+                hint="one of them: unset CUDA_VISIBLE_DEVICES, or leave out GPUS=",
+            )
         if gpus_here == 0:
             raise UserError(
                 f"GPUS={shown} but this machine has no GPU",
@@ -113,7 +123,7 @@ def environment(spec: JobSpec, gpus_here: int) -> tuple[dict[str, str], int]:
     python_path = str(project_directory(spec))
     here = this_machine(gpus_here)
     backend = job_backend((here,))[0]
-    env = local_environment(here, spec, str(run_directory(spec)), python_path, backend)
+    env = local_environment(here, spec, str(run_directory(spec)), python_path, backend, environ)
     return env, nproc
 
 

@@ -75,7 +75,8 @@ out={shlex.quote(directory)}/slurm-$SLURMD_NODENAME-$attempt.log
 mkdir -p {shlex.quote(directory)}
 # Slurm sets CUDA_VISIBLE_DEVICES to the GPUs of the GRES request, the same count on every node;
 # the job holds its nodes whole (--exclusive), and each node's command names its own GPUs (GPUS=,
-# the host's selection) or uses all it has, as over SSH.
+# the host's selection) or uses all it has, as over SSH. That holds because the slurm role's
+# slurm.conf confines no devices (TaskPlugin=task/none): with ConstrainDevices it would not.
 unset CUDA_VISIBLE_DEVICES
 case "$SLURMD_NODENAME" in
 {cases}

@@ -157,6 +157,27 @@ def test_precedence_on_this_machine(tmp_path):
     assert kept["OMP_NUM_THREADS"] == "8"
 
 
+def test_gpus_beside_the_shells_own_cuda_visible_devices_is_refused_on_this_machine(tmp_path):
+    """GPUS= counts as nvidia-smi does; under the shell's CUDA_VISIBLE_DEVICES torch counts only
+    what that leaves: one of the two, said before anything starts. Without GPUS= the shell's
+    pick stands, in its own order (no PCI_BUS_ID laid over it)."""
+    from torch_multinode.launch import local
+
+    spec = JobSpec(run_id="tmn-local", gpus=(1,), script=tmp_path / "train.py")
+    with pytest.raises(UserError) as caught:
+        local.environment(spec, 2, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert caught.value.line() == (
+        "Error: GPUS=1 and this shell's CUDA_VISIBLE_DEVICES=2,3 both pick GPUs (try one of "
+        "them: unset CUDA_VISIBLE_DEVICES, or leave out GPUS=)"
+    )
+    here = inventory({"here": node(1, gpus=2)}).hosts[0]
+    picked = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    env = environment.local_environment(here, replace(spec, gpus=None), "/r", "/p", "nccl", picked)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and "CUDA_DEVICE_ORDER" not in env
+    env = environment.local_environment(here, replace(spec, gpus=None), "/r", "/p", "nccl", {})
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
 def test_every_reserved_name_is_refused_in_env():
     here = inventory({"n1": node(1, gpus=2)}).hosts[0]
     own = environment.job_environment(here, JobSpec(), "/r", "/p", "nccl")
