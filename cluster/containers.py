@@ -35,10 +35,13 @@ def rdma_options(device_dir: str = RDMA_DEVICE_DIR) -> str:
     Docker cannot raise the limit ("error setting rlimit type 8: operation not permitted",
     measured on this project's development machine), which that setting exists for."""
     patterns = " ".join(f"{device_dir}/{p}" for p in RDMA_DEVICES)
-    return (
-        f'$(o=; for d in {patterns}; do [ -e "$d" ] && o="$o --device $d"; done; '
-        f'[ -z "$o" ] || echo "$o {" ".join(RDMA_OPTIONS)}")'
+    # In sh of its own: a login shell that fails a glob without matches (zsh's default) would
+    # drop every device of a node that has some but no umad*, and NCCL would use sockets.
+    script = (
+        f'o=; for d in {patterns}; do [ -e "$d" ] && o="$o --device $d"; done; '
+        f'[ -z "$o" ] || echo "$o {" ".join(RDMA_OPTIONS)}"'
     )
+    return f"$(sh -c {shlex.quote(script)})"
 
 
 def container_command(options: list[str], image: str, command: list[str]) -> str:

@@ -171,7 +171,9 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
     assert "docker ps -q --filter label=torch-multinode.run=tmn-z" in stop_command("tmn-z")
 
 
-def _docker_argv(command: str, tmp_path: Path, devices: list[str] | None) -> list[str]:
+def _docker_argv(
+    command: str, tmp_path: Path, devices: list[str] | None, shell: tuple[str, ...] = ("sh",)
+) -> list[str]:
     """What `docker` is given when the node's shell runs the container line of `command`, on a
     node whose /dev/infiniband holds `devices` (None: no such directory): the real shell, a
     fake docker that prints its arguments, the device directory swapped for a fake one."""
@@ -189,7 +191,7 @@ def _docker_argv(command: str, tmp_path: Path, devices: list[str] | None) -> lis
     (bin_dir / "docker").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
     (bin_dir / "docker").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    out = subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([*shell, "-c", line], env=env, capture_output=True, text=True, check=True)
     return out.stdout.splitlines()
 
 
@@ -229,6 +231,20 @@ def test_a_job_container_gets_the_nodes_rdma_devices_where_it_has_them(tmp_path,
         plain = _docker_argv(command, tmp_path / f"plain-{devices}", devices)
         assert "--device" not in plain and "IPC_LOCK" not in plain
         assert plain == with_ib[: image - 10] + with_ib[image:]
+    # A login shell that fails a glob without matches (zsh's default; bash -O failglob does the
+    # same): a RoCE node without umad* still gets its devices.
+    roce = _docker_argv(
+        command, tmp_path / "roce", ["uverbs0", "rdma_cm"], ("bash", "--norc", "-O", "failglob")
+    )
+    at = roce.index("img:1")
+    assert roce[at - 6 : at] == [
+        "--device",
+        f"{tmp_path}/roce/infiniband/uverbs0",
+        "--device",
+        f"{tmp_path}/roce/infiniband/rdma_cm",
+        "--cap-add",
+        "IPC_LOCK",
+    ], roce
 
 
 def test_the_stop_command_kills_the_runs_processes_then_runs_what_follows(tmp_path):
