@@ -21,22 +21,30 @@ class Signature:
     cause: str
     remedy: str
     knock_on: bool = False  # follows from another failure: said only when no cause was found
+    unless: str | None = None  # another signature that, when found, explains these lines better
 
     def line(self) -> str:
         return f"Known problem: {self.cause} (try {self.remedy})"
 
 
 def _signature(
-    name: str, pattern: str, cause: str, remedy: str, knock_on: bool = False
+    name: str,
+    pattern: str,
+    cause: str,
+    remedy: str,
+    knock_on: bool = False,
+    unless: str | None = None,
 ) -> Signature:
-    return Signature(name, re.compile(pattern), cause, remedy, knock_on)
+    return Signature(name, re.compile(pattern), cause, remedy, knock_on, unless)
 
 
 # The order is the order of the summary's lines: a root cause before what follows from it.
 SIGNATURES = (
     _signature(
         "cuda-out-of-memory",
-        r"CUDA out of memory|torch\.OutOfMemoryError|CUDA error: out of memory",
+        # NCCL's own allocation failing says it its way: Cuda failure 2 'out of memory'.
+        r"CUDA out of memory|torch\.OutOfMemoryError|CUDA error: out of memory|"
+        r"Cuda failure \d* ?'out of memory'",
         "a GPU ran out of memory",
         "a smaller --global-batch-size, --precision bf16, or MODULE=training.fsdp, which "
         "shards parameters, gradients and optimizer state",
@@ -49,11 +57,40 @@ SIGNATURES = (
         "make image builds the image for the nodes' GPUs",
     ),
     _signature(
+        "gpu-driver-too-old",
+        r"The NVIDIA driver on your system is too old|"
+        r"CUDA driver version is insufficient for CUDA runtime version|"
+        r"Error 803: system has unsupported display driver / cuda driver combination",
+        "the node's NVIDIA driver is older than this torch's CUDA needs, or was upgraded "
+        "without a reboot (its kernel module and its library then differ)",
+        "make netcheck, which names each node's driver and the branch torch's CUDA needs; a "
+        "reboot of a node whose driver was upgraded",
+    ),
+    _signature(
+        "gpu-busy",
+        r"busy or unavailable",
+        "a GPU refused the job: another process holds it in EXCLUSIVE_PROCESS compute mode, or "
+        "it is in a bad state",
+        "nvidia-smi on that node (its processes, and its compute mode: nvidia-smi -c DEFAULT), "
+        "or GPUS= naming free GPUs",
+    ),
+    _signature(
+        "gpu-fault",
+        r"an illegal memory access was encountered|uncorrectable ECC error encountered|"
+        r"unspecified launch failure",
+        "a GPU fault: an illegal memory access (a kernel's bug, often a custom op's) or an "
+        "uncorrectable ECC error (the hardware)",
+        "dmesg on that node for NVIDIA's Xid lines and nvidia-smi -q -d ECC; ENV=CUDA_LAUNCH_"
+        "BLOCKING=1 names the kernel",
+    ),
+    _signature(
         "shared-memory",
-        r"[Bb]us error|insufficient shared memory|unable to (?:write to|allocate) (?:file|shared)|"
+        r"[Bb]us error|Signal 7 \(SIGBUS\)|insufficient shared memory|"
+        r"unable to (?:write to|allocate) (?:file|shared)|"
         r"No space left on device.*/dev/shm|/dev/shm.*No space left on device|"
         r"shm_open|torch_shm_manager",
-        "shared memory (/dev/shm) ran out: the data loader's workers pass batches through it",
+        "shared memory (/dev/shm) ran out: the data loader's workers pass batches through it, "
+        "and NCCL its buffers between a node's ranks",
         "--workers 0 to check, then a larger /dev/shm on the node (df -h /dev/shm; "
         "mount -o remount,size=16G /dev/shm)",
     ),
@@ -67,10 +104,28 @@ SIGNATURES = (
     ),
     _signature(
         "rendezvous-unreachable",
+        # torch 2.14 retries a refused connection quietly, then says it timed out.
         r"RendezvousConnectionError|The client socket has failed to connect to|"
-        r"Connection refused.*(?:store|rendezvous)",
+        r"The client socket has timed out after|Connection refused.*(?:store|rendezvous)",
         "a node could not reach the master's rendezvous store",
         "make netcheck (the firewall, the nodes' compute_ip and the rendezvous_port)",
+        # The master's own port taken is wrapped in a RendezvousConnectionError too.
+        unless="address-in-use",
+    ),
+    _signature(
+        "rendezvous-timeout",
+        r"RendezvousTimeoutError",
+        "not every node joined the rendezvous in time: one did not start, or could not reach "
+        "the master",
+        "the other nodes' own lines in this summary; make netcheck",
+    ),
+    _signature(
+        "ib-transport-error",
+        r"NET/IB ?: Got completion (?:from peer|with error)",
+        "InfiniBand/RoCE failed under NCCL: a link, cable or switch port (the ranks' "
+        "connection errors follow from it)",
+        "ibstat and the port counters (perfquery) on both nodes; ENV=NCCL_IB_DISABLE=1 runs "
+        "over TCP to confirm",
     ),
     _signature(
         "nccl-system-error",
@@ -82,7 +137,8 @@ SIGNATURES = (
     _signature(
         "nodes-differ",
         r"DDP expects same model across all ranks|[Mm]essage truncated ?: receiv\w* [\d,]+ "
-        r"bytes instead of",
+        r"bytes instead of|Mismatched NCCL version detected|"
+        r"appears not to match (?:sizes|strides) of the same param",
         "the ranks disagree on what they run: a model built differently (other code, or other "
         "torch or torchvision versions on one node), or NCCL of another version or with other "
         "settings on one node",
@@ -100,7 +156,8 @@ SIGNATURES = (
     ),
     _signature(
         "collective-timeout",
-        r"Watchdog caught collective operation timeout|[Tt]imed out waiting|"
+        # Not torchrun's exit barrier ("Timed out waiting on barrier on rank"): no collective.
+        r"Watchdog caught collective operation timeout|[Tt]imed out waiting(?! on barrier)|"
         r"Timed out after \d+ ms|DistBackendError.*[Tt]imeout",
         "a collective timed out: a rank stopped, or never reached it",
         "the Cause line's rank and its last lines; --collective-timeout to wait longer for "
@@ -122,8 +179,10 @@ def known_problems(lines: Iterable[str], cause_found: bool = False) -> list[Sign
     """The signatures found in `lines`, once each, in the table's order; a knock-on's only
     when no rank's own exception was found (the summary's Consequence lines say it then)."""
     text = list(lines)
-    return [
+    found = [
         s
         for s in SIGNATURES
         if not (s.knock_on and cause_found) and any(s.pattern.search(line) for line in text)
     ]
+    names = {s.name for s in found}
+    return [s for s in found if s.unless not in names]

@@ -19,13 +19,27 @@ PRINTED = {
     "allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free.",
     "no-kernel-image": "[rank0]: RuntimeError: CUDA error: no kernel image is available for "
     "execution on the device",
+    # torch 2.14's libc10_cuda, CUDA 13's libcudart (after "CUDA error: ")
+    "gpu-driver-too-old": "UserWarning: CUDA initialization: The NVIDIA driver on your system is "
+    "too old (found version 12080). Please update your GPU driver by downloading and "
+    "installing a new version from the URL: http://www.nvidia.com/Download/index.aspx",
+    "gpu-busy": "[rank1]: torch.AcceleratorError: CUDA error: CUDA-capable device(s) is/are "
+    "busy or unavailable",
+    "gpu-fault": "[rank0]: torch.AcceleratorError: CUDA error: an illegal memory access was "
+    "encountered",
     "shared-memory": "ERROR: Unexpected bus error encountered in worker. This might be caused "
     "by insufficient shared memory (shm).",
     "address-in-use": "torch.distributed.DistNetworkError: The server socket has failed to "
     "listen on any local network address. port: 29500, useIpv6: false, code: -98, name: "
     "EADDRINUSE, message: address already in use",
-    "rendezvous-unreachable": "torch.distributed.DistNetworkError: The client socket has failed "
-    "to connect to [node1]:29500 (errno: 111 - Connection refused).",
+    # torch 2.14 retries a refused connection quietly (libtorch_cpu's socket.cpp), then:
+    "rendezvous-unreachable": "The client socket has timed out after 900000ms while trying to "
+    "connect to (10.7.0.1, 29500).",
+    "rendezvous-timeout": "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
+    # NCCL 2.30's IB transport (libnccl.so.2's format string)
+    "ib-transport-error": "node2:81:95 [0] NCCL WARN NET/IB: Got completion from peer "
+    "10.7.0.1<52811> with status=transport retry counter exceeded(12) opcode=SEND(0) "
+    "vendor_err=129",
     "nccl-system-error": "[rank1]: torch.distributed.DistBackendError: NCCL error in: "
     "/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled system error "
     "(run with NCCL_DEBUG=INFO for details), NCCL version 2.27.5",
@@ -77,6 +91,39 @@ def test_nccl_receiving_other_sizes_than_it_sent_means_the_nodes_differ():
     ib = "NCCL WARN Message truncated : received 1048576 bytes instead of 65536"
     assert [s.name for s in known_problems([nccl])] == ["nodes-differ"]
     assert [s.name for s in known_problems([ib])] == ["nodes-differ"]
+
+
+def test_what_the_first_table_missed_is_named_and_the_exit_barrier_is_not_a_collective():
+    """torch 2.14 / NCCL 2.30 / CUDA 13 as they print it (their libraries' format strings)."""
+
+    def named(*lines: str) -> list[str]:
+        return [s.name for s in known_problems(lines)]
+
+    assert named(
+        "Mismatched NCCL version detected : rank 0 version 23007 rank 1 version 22705"
+    ) == ["nodes-differ"]
+    assert named(
+        "RuntimeError: params[3] in this process with sizes [64, 3, 7, 7] appears not to match "
+        "sizes of the same param in process 0."
+    ) == ["nodes-differ"]
+    assert named("node1:5:9 [0] NCCL WARN Cuda failure 2 'out of memory'") == ["cuda-out-of-memory"]
+    assert named("Signal 7 (SIGBUS) received by PID 4242") == ["shared-memory"]
+    assert named("Error 803: system has unsupported display driver / cuda driver combination") == [
+        "gpu-driver-too-old"
+    ]
+    assert named("CUDA error: uncorrectable ECC error encountered") == ["gpu-fault"]
+    # A node that succeeded and waited out torchrun's exit barrier: no collective timed out.
+    assert named("torch.distributed.DistStoreError: Timed out waiting on barrier on rank 0") == []
+
+
+def test_the_masters_own_port_taken_is_not_also_a_node_that_cannot_reach_it():
+    """The master's rendezvous wraps its own failure to listen in a RendezvousConnectionError:
+    the port in use explains it; "could not reach the master" would point at the firewall."""
+    wrapped = "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection"
+    assert [s.name for s in known_problems([PRINTED["address-in-use"], wrapped])] == [
+        "address-in-use"
+    ]
+    assert [s.name for s in known_problems([wrapped])] == ["rendezvous-unreachable"]
 
 
 def test_gloo_timing_out_is_a_collective_timeout():
