@@ -47,6 +47,55 @@ def refusal(tmp_path, **variables) -> str:
     return " ".join(done.output.split())
 
 
+# --- NVIDIA's repositories where the node has them already -----------------------------------
+
+TOOLKIT_REPO = "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH)"
+
+
+def kept(tmp_path, name: str, url: str, files: dict[str, str]) -> list[str]:
+    sources = tmp_path / "sources.list.d"
+    sources.mkdir(parents=True)
+    for file_name, text in files.items():
+        (sources / file_name).write_text(text)
+    result = tmp_path / "kept.json"
+    variables = {
+        "nvidia_apt_sources_dir": str(sources),
+        "nvidia_repository_name": name,
+        "nvidia_repository_url": url,
+        "result_file": str(result),
+    }
+    done = run("nvidia_repository.yml", variables)
+    assert done.returncode == 0, done.describe()
+    return [path.removeprefix(f"{sources}/") for path in json.loads(result.read_text())]
+
+
+def test_a_repository_from_nvidias_own_install_steps_is_kept_and_none_added_beside_it(tmp_path):
+    """apt refuses one address signed by two keys ("Conflicting values set for option
+    Signed-By"): where NVIDIA's own steps wrote the toolkit's .list, or cuda-keyring its
+    CUDA list, the role keeps that entry and adds none."""
+    nvidia_toolkit = (
+        "deb [signed-by=/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg] "
+        "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH) /\n"
+    )
+    cuda_keyring = f"deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] {CUDA_REPO} /\n"
+    ours = f"Types: deb\nURIs: {TOOLKIT_REPO}\nSuites: /\n"
+    unrelated = "deb http://deb.debian.org/debian bookworm main\n"
+    files = {
+        "nvidia-container-toolkit.list": nvidia_toolkit,
+        "cuda-debian12-x86_64.list": cuda_keyring,
+        "nvidia-container-toolkit.sources": ours,  # the role's own, from an earlier run
+        "debian.list": unrelated,
+    }
+    assert kept(tmp_path / "a", "nvidia-container-toolkit", TOOLKIT_REPO, files) == [
+        "nvidia-container-toolkit.list"
+    ]
+    assert kept(tmp_path / "b", "nvidia-cuda", CUDA_REPO, files) == ["cuda-debian12-x86_64.list"]
+    # Only the role's own file, or none: the role (re)writes its own.
+    alone = {name: files[name] for name in ("nvidia-container-toolkit.sources", "debian.list")}
+    assert kept(tmp_path / "c", "nvidia-container-toolkit", TOOLKIT_REPO, alone) == []
+    assert kept(tmp_path / "d", "nvidia-cuda", CUDA_REPO, {}) == []
+
+
 # --- the driver per distribution -------------------------------------------------------------
 
 
@@ -130,11 +179,15 @@ def test_a_branch_without_open_kernel_modules_is_refused(tmp_path):
 
 
 def test_the_install_tasks_install_exactly_the_plan_in_order():
-    """The plan is what gets installed: repository, then pinning, then driver, then fabric
-    manager, which is enabled (started once the driver is loaded)."""
+    """The plan is what gets installed: repository (unless the node has it from NVIDIA's own
+    steps), then pinning, then driver, then fabric manager, which is enabled (started once the
+    driver is loaded)."""
     tasks = yaml.safe_load((TASKS / "driver.yml").read_text())
     assert tasks[0]["ansible.builtin.import_tasks"] == "driver_plan.yml"
-    repo, pin, driver, fabric, start = tasks[1:]
+    look, keep, repo, pin, driver, fabric, start = tasks[1:]
+    assert look["ansible.builtin.import_tasks"] == "repository_decide.yml"
+    assert "nvidia_repository_kept | length > 0" in keep["when"]
+    assert "nvidia_repository_kept | length == 0" in repo["when"]
     assert repo["ansible.builtin.deb822_repository"]["uris"] == [
         "{{ nvidia_driver_plan.repository.url }}"
     ]
