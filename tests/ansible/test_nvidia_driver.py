@@ -184,10 +184,19 @@ def test_the_install_tasks_install_exactly_the_plan_in_order():
     driver is loaded)."""
     tasks = yaml.safe_load((TASKS / "driver.yml").read_text())
     assert tasks[0]["ansible.builtin.import_tasks"] == "driver_plan.yml"
-    look, keep, repo, pin, driver, fabric, start = tasks[1:]
+    look, keep, repo = tasks[1:4]
     assert look["ansible.builtin.import_tasks"] == "repository_decide.yml"
     assert "nvidia_repository_kept | length > 0" in keep["when"]
     assert "nvidia_repository_kept | length == 0" in repo["when"]
+    # The running kernel's headers before the driver (DKMS builds its module for that kernel);
+    # Secure Boot looked at, and what it asks said.
+    installs = [t["ansible.builtin.apt"]["name"] for t in tasks if "ansible.builtin.apt" in t]
+    assert installs[0] == "linux-headers-{{ ansible_facts.kernel }}"
+    (secure_boot,) = [t for t in tasks if "ansible.builtin.command" in t]
+    assert secure_boot["ansible.builtin.command"] == "mokutil --sb-state"
+    pin, driver, fabric = [t for t in tasks if "ansible.builtin.apt" in t][1:]
+    start = tasks[-1]
+    assert fabric["notify"] == driver["notify"] == "Tell that the driver needs a reboot"
     assert repo["ansible.builtin.deb822_repository"]["uris"] == [
         "{{ nvidia_driver_plan.repository.url }}"
     ]
