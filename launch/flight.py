@@ -89,20 +89,34 @@ def _keep(found: dict[int, Collective], rank: int, collective: Collective | None
 
 
 def last_collective(trace: dict) -> Collective | None:
-    """The newest collective (not a point-to-point op) of the default group in a trace."""
+    """The collective (not a point-to-point op) of the default group a rank waits in. Under
+    NCCL its lowest one not completed: NCCL's collectives return at once, and a rank queues
+    several (a whole backward's buckets) behind the one that blocks, each recorded as queued
+    and marked completed when its kernel ends. Under gloo, which blocks in each one and marks
+    none completed, the newest; the newest too where every one completed."""
     entries = [
         e for e in trace.get("entries", []) if not e.get("is_p2p") and e.get("collective_seq_id")
     ]
     if not entries:
         return None
     default = [e for e in entries if "default_pg" in (e.get("process_group") or [""])]
-    newest = max(default or entries, key=lambda e: e["collective_seq_id"])
-    sizes = newest.get("input_sizes") or []
+    entries = default or entries
+    pending = [
+        e
+        for e in entries
+        if str(e.get("profiling_name", "")).startswith("nccl:")
+        and e.get("state") not in (None, "completed")
+    ]
+    if pending:
+        waiting = min(pending, key=lambda e: e["collective_seq_id"])
+    else:
+        waiting = max(entries, key=lambda e: e["collective_seq_id"])
+    sizes = waiting.get("input_sizes") or []
     return Collective(
-        int(newest["collective_seq_id"]),
-        str(newest.get("profiling_name", "?")).split(":", 1)[-1],
+        int(waiting["collective_seq_id"]),
+        str(waiting.get("profiling_name", "?")).split(":", 1)[-1],
         json.dumps(sizes, separators=(",", ":")) if sizes else "",
-        (newest.get("process_group") or ["", ""])[-1],
+        (waiting.get("process_group") or ["", ""])[-1],
     )
 
 
@@ -140,13 +154,19 @@ def split(text: str) -> tuple[str, dict[int, Collective]]:
     return "\n".join(kept), found
 
 
+# Collectives whose sizes differ between ranks by design (an uneven all_to_all, the root's
+# scatter or gather): compared by op alone, as torch's own trace analyzer does.
+_OWN_SIZES = ("all_to_all", "scatter", "gather")
+
+
 def mismatch(flights: dict[int, Collective], nodes: dict[int, str]) -> str | None:
-    """Ranks whose newest collective has the same sequence number but another op or sizes: the
-    collectives do not match (one rank skipped or reordered one)."""
-    by_seq: dict[int, dict[tuple[str, str], list[int]]] = {}
+    """Ranks waiting in a collective of the same group and sequence number but another op or
+    sizes: the collectives do not match (one rank skipped or reordered one)."""
+    by_seq: dict[tuple[str, int], dict[tuple[str, str], list[int]]] = {}
     for rank, collective in flights.items():
-        key = (collective.op, collective.sizes)
-        by_seq.setdefault(collective.seq, {}).setdefault(key, []).append(rank)
+        sizes = "" if collective.op.startswith(_OWN_SIZES) else collective.sizes
+        key = (collective.op, sizes)
+        by_seq.setdefault((collective.group, collective.seq), {}).setdefault(key, []).append(rank)
     for _, kinds in sorted(by_seq.items()):
         if len(kinds) < 2:
             continue

@@ -202,6 +202,43 @@ def test_an_nccl_trace_as_an_h200_wrote_it_gives_its_last_collective():
     assert flight.last_collective({"version": "2.10", "pg_status": {}}) is None  # no entry
 
 
+def test_an_nccl_rank_waits_in_its_lowest_collective_not_completed_not_its_newest():
+    """NCCL's collectives return at once: a rank queues a backward's buckets behind the one
+    that blocks, each recorded as queued. The one it waits in is the lowest not completed."""
+
+    def queued(seq: int, state: str, name: str = "nccl:all_reduce") -> dict:
+        return {**entry(seq, name), "state": state}
+
+    stuck = [queued(1, "completed"), queued(2, "scheduled"), queued(3, "scheduled")]
+    behind = [*stuck, queued(4, "scheduled", "nccl:broadcast")]
+    assert flight.last_collective({"entries": behind}).seq == 2
+    other = [queued(1, "completed"), queued(2, "scheduled", "nccl:_broadcast_oop")]
+    flights = {
+        0: flight.last_collective({"entries": behind}),
+        1: flight.last_collective({"entries": other}),
+    }
+    assert flight.mismatch(flights, {0: "node1", 1: "node2"}) == (
+        "mismatched collectives: rank 0 (node1) in all_reduce #2 (sizes [[1000]]) while "
+        "rank 1 (node2) in _broadcast_oop #2 (sizes [[1000]])"
+    )
+    # Every one completed: the newest (a rank between collectives).
+    done = [queued(1, "completed"), queued(2, "completed")]
+    assert flight.last_collective({"entries": done}).seq == 2
+
+
+def test_sizes_that_differ_by_design_and_other_groups_are_no_mismatch():
+    uneven = {
+        0: flight.Collective(5, "all_to_all", "[[6]]", "default_pg"),
+        1: flight.Collective(5, "all_to_all", "[[2]]", "default_pg"),
+    }
+    assert flight.mismatch(uneven, {}) is None
+    groups = {
+        0: flight.Collective(5, "all_reduce", "[[4]]", "default_pg"),
+        1: flight.Collective(5, "broadcast", "[[4]]", "1"),
+    }
+    assert flight.mismatch(groups, {}) is None
+
+
 # rank 1 skips an all_reduce: both ranks' next collective times out after 5 s and they die
 TIMED_OUT = """\
 import datetime
