@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from torch_multinode.cluster.versions import PY_SPY_VERSION
 from torch_multinode.launch import flight
 
-STACKS_TIMEOUT = 45  # seconds one node's collection may take, all its ranks
+STACKS_TIMEOUT = 45  # seconds one node's collection may take, all its ranks (in parallel)
 PY_SPY_TIMEOUT = 10  # seconds one rank's dump may take
 MARK = "=== tmn"
 NO_PY_SPY = (
@@ -31,7 +31,10 @@ STACKS_SCRIPT = f"""\
 spy=$1 run=$2 native=
 [ "$3" = native ] && native=--native
 [ -x "$spy" ] || spy=$(command -v py-spy) || {{ echo "{MARK} {NO_PY_SPY}"; exit 0; }}
-found=
+found= n=0
+out=$(mktemp -d) || exit 1
+# Every rank's dump at once, each into its own file, printed in order once all are done: one
+# after another, 8 ranks of 10 s each could outlast the node's whole collection.
 for d in /proc/[0-9]*; do
     pid=${{d#/proc/}}
     env=$(tr '\\0' '\\n' < "$d/environ" 2>/dev/null) || continue
@@ -41,11 +44,17 @@ for d in /proc/[0-9]*; do
     [ -n "$rank" ] || continue
     parent=$(sed -n 's/^PPid:[[:space:]]*//p' "$d/status" 2>/dev/null)
     tr '\\0' '\\n' < "/proc/$parent/environ" 2>/dev/null | grep -q '^RANK=' && continue
-    found=1
-    echo "{MARK} rank $rank pid $pid"
-    timeout {PY_SPY_TIMEOUT} "$spy" dump $native --full-filenames --pid "$pid" 2>&1 \\
-        || echo "{MARK} py-spy failed: exit $?"
+    found=1 n=$((n + 1))
+    {{
+        echo "{MARK} rank $rank pid $pid"
+        timeout {PY_SPY_TIMEOUT} "$spy" dump $native --full-filenames --pid "$pid" 2>&1 \\
+            || echo "{MARK} py-spy failed: exit $?"
+    }} > "$out/$n" &
 done
+wait
+i=1
+while [ "$i" -le "$n" ]; do cat "$out/$i"; i=$((i + 1)); done
+rm -rf "$out"
 [ -n "$found" ] || echo "{MARK} no rank process"
 """
 

@@ -134,6 +134,37 @@ def test_the_collection_finds_the_ranks_of_this_run_only_and_not_their_workers(t
     assert "dumped" in out
 
 
+def test_the_ranks_of_a_node_are_dumped_at_once_and_printed_whole(tmp_path):
+    """8 ranks of 10 s each, one after another, could outlast a node's whole collection: the
+    dumps run at once. The stand-in py-spy waits (up to 5 s) until both have started, and says
+    how many it saw; each rank's section is printed whole."""
+    spy = tmp_path / "py-spy"
+    started = tmp_path / "started"
+    spy.write_text(
+        "#!/bin/sh\n"
+        f'echo "$4" >> {started}\n'
+        "i=0\n"
+        f"while [ $(wc -l < {started}) -lt 2 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done\n"
+        f'echo "dumped $4 beside $(wc -l < {started})"\n'
+    )
+    spy.chmod(0o755)
+    start = "TMN_RUN_ID=tmn-this RANK={rank} sh -c 'sleep 37.321 & wait' & "
+    script = (
+        start.format(rank=3)
+        + start.format(rank=4)
+        + "sleep 0.5; "
+        + shlex.join(["sh", "-c", hang.STACKS_SCRIPT, "x", str(spy), "tmn-this"])
+        + "; kill $(jobs -p) 2>/dev/null; pkill -f 'sleep 37.321'; true"
+    )
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30).stdout
+    lines = out.splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith(f"{hang.MARK} rank ")]
+    assert len(marks) == 2, out
+    for i in marks:  # each rank's mark, then its own dump
+        pid = lines[i].rsplit(" ", 1)[1]
+        assert lines[i + 1] == f"dumped {pid} beside 2", out
+
+
 def test_the_command_runs_in_the_jobs_container_in_container_mode():
     words = shlex.split(hang.stacks_command("tmn-x", "py-spy", "tmn-x-node1"))
     assert words[:3] == ["docker", "exec", "tmn-x-node1"]
