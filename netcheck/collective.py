@@ -83,10 +83,12 @@ def describe(exc: BaseException) -> str:
 def with_nccl_warnings(error: str, nccl_log: str | None, most: int = 2) -> str:
     """`error` with NCCL's own last WARN lines from this worker's log: the cause that the first
     line of torch's NCCL error leaves out ("unhandled system error (run with NCCL_DEBUG=INFO for
-    details)" above "socketStartConnect: Connect to 10.0.0.2<40123> failed : Connection
-    refused")."""
+    details)" above "socketStartConnect: Connect to 10.7.0.2<40123> failed : Connection
+    refused"). Gloo's workers have no NCCL log."""
+    if nccl_log is None:
+        return error
     try:
-        with open(nccl_log or "", errors="replace") as file:
+        with open(nccl_log, errors="replace") as file:
             said = [
                 line.split(" NCCL WARN ", 1)[1].strip() for line in file if " NCCL WARN " in line
             ]
