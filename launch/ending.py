@@ -133,6 +133,11 @@ _RANK = re.compile(r"^\[(?:default)?rank(\d+)\]:\s?")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _RAISED = re.compile(r"^(?P<kind>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# A connection the other end closed: an exception raised from it (torchrun's
+# RendezvousConnectionError around a store's "Failed to recv") is a knock-on too.
+_LOST = re.compile(
+    r"Failed to recv, got 0 bytes|Connection reset by peer|Connection closed by peer|Broken pipe"
+)
 _LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python\d|^<")
 MESSAGE_CHARS = 200
 
@@ -146,16 +151,19 @@ class Raised:
     message: str
     where: str | None  # file:line of the innermost frame outside installed packages
     knock_on: bool  # a consequence of a peer's failure
+    wraps: str | None = None  # the exception it was raised from or while handling
 
     def said(self) -> str:
         text = f"{self.kind}: {_short(self.message)}" if self.message else self.kind
-        return text + (f" (at {self.where})" if self.where else "")
+        text += f" (at {self.where})" if self.where else ""
+        return text + (f", from {_short(self.wraps)}" if self.wraps else "")
 
 
 def exceptions(lines: list[str]) -> list[Raised]:
     """Every exception whose traceback ended in `lines`, in the order they ended; ranks'
     interleaved lines are told apart by torchrun's "[rankN]:" prefix. Of a chain ("During
-    handling of the above exception"), only the last, the one the rank died of."""
+    handling of the above exception"), only the last, the one the rank died of, with what it
+    wraps; it is a knock-on where that was a connection its other end closed."""
     frames: dict[str | None, list[tuple[str, str]] | None] = {}
     found: list[Raised] = []
     chained: set[str | None] = set()
@@ -181,19 +189,24 @@ def exceptions(lines: list[str]) -> list[Raised]:
         frames[rank] = None
         if raised is None or raised.group("kind").endswith("ChildFailedError"):
             continue  # not an exception line, or torchrun's own report of the failure
+        previous = None
         if rank in chained:  # it replaces the one it was raised while handling
             chained.discard(rank)
             previous = next((r for r in reversed(found) if r.rank == rank), None)
             found = [r for r in found if r is not previous]
         own = [f for f in stack if not _LIBRARY.search(f[0])] or stack
         kind, message = raised.group("kind"), (raised.group("message") or "").strip()
+        inner = f"{previous.kind}: {previous.message}" if previous else None
         found.append(
             Raised(
                 rank=rank,
                 kind=kind,
                 message=message,
                 where=f"{own[-1][0]}:{own[-1][1]}" if own else None,
-                knock_on=bool(_KNOCK_ON.search(f"{kind}: {message}")),
+                knock_on=bool(
+                    _KNOCK_ON.search(f"{kind}: {message}") or (inner and _LOST.search(inner))
+                ),
+                wraps=inner,
             )
         )
     return found

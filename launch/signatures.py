@@ -21,7 +21,7 @@ class Signature:
     cause: str
     remedy: str
     knock_on: bool = False  # follows from another failure: said only when no cause was found
-    unless: str | None = None  # another signature that, when found, explains these lines better
+    unless: tuple[str, ...] = ()  # other signatures that, when found, explain these lines better
 
     def line(self) -> str:
         return f"Known problem: {self.cause} (try {self.remedy})"
@@ -33,7 +33,7 @@ def _signature(
     cause: str,
     remedy: str,
     knock_on: bool = False,
-    unless: str | None = None,
+    unless: tuple[str, ...] = (),
 ) -> Signature:
     return Signature(name, re.compile(pattern), cause, remedy, knock_on, unless)
 
@@ -109,8 +109,9 @@ SIGNATURES = (
         r"The client socket has timed out after|Connection refused.*(?:store|rendezvous)",
         "a node could not reach the master's rendezvous store",
         "make netcheck (the firewall, the nodes' compute_ip and the rendezvous_port)",
-        # The master's own port taken is wrapped in a RendezvousConnectionError too.
-        unless="address-in-use",
+        # The master's own port taken is wrapped in a RendezvousConnectionError too, and so is
+        # a store lost mid-run.
+        unless=("address-in-use", "rendezvous-store-lost"),
     ),
     _signature(
         "rendezvous-timeout",
@@ -172,6 +173,16 @@ SIGNATURES = (
         "the first rank that failed, or the node that stopped answering",
         knock_on=True,
     ),
+    _signature(
+        "rendezvous-store-lost",
+        # torch 2.14's TCPStore (libtorch_cpu's Utils.hpp) when the store's end closed: a node's
+        # torchrun asking the master's (which holds the store) if nodes wait to join.
+        r"Failed to recv, got 0 bytes|Did the remote server shutdown or crash",
+        "a node's torchrun lost the master's rendezvous store mid-run: the master's torchrun "
+        "had ended (its ranks failed, or it was stopped) or its node went away",
+        "the master node's own lines in this summary",
+        knock_on=True,
+    ),
 )
 
 
@@ -179,10 +190,8 @@ def known_problems(lines: Iterable[str], cause_found: bool = False) -> list[Sign
     """The signatures found in `lines`, once each, in the table's order; a knock-on's only
     when no rank's own exception was found (the summary's Consequence lines say it then)."""
     text = list(lines)
-    found = [
-        s
-        for s in SIGNATURES
-        if not (s.knock_on and cause_found) and any(s.pattern.search(line) for line in text)
-    ]
+    found = [s for s in SIGNATURES if any(s.pattern.search(line) for line in text)]
     names = {s.name for s in found}
-    return [s for s in found if s.unless not in names]
+    return [
+        s for s in found if not (s.knock_on and cause_found) and not names.intersection(s.unless)
+    ]

@@ -29,6 +29,7 @@ import torch._dynamo  # noqa: F401
 import yaml
 
 from tests.helpers import bootstrap_unattended
+from tests.run_logs import run_logs
 from torch_multinode.cluster import engine
 from torch_multinode.sim import nodes as sim
 
@@ -104,6 +105,17 @@ def pytest_runtest_setup(item):
             "not work together (see the pin in pyproject.toml)",
             pytrace=False,
         )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A simulated-cluster test that failed shows its jobs' node logs (tests/run_logs.py)."""
+    report = yield
+    if report.when == "call" and report.failed and item.get_closest_marker("sim"):
+        logs = run_logs(REPO_ROOT / ".runs", call.start, os.environ.get("PYTEST_XDIST_WORKER"))
+        if logs:
+            report.sections.append(("node logs of the jobs this test ran", logs))
+    return report
 
 
 class SimFactory:

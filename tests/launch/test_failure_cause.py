@@ -122,6 +122,74 @@ def test_on_the_nodes_the_node_whose_rank_raised_is_blamed_and_leads_the_summary
     ]
 
 
+# node2's torchrun in CI (torch 2.14.1): the master's torchrun, which holds the rendezvous store,
+# had ended while node2's ranks still ran.
+STORE_LOST = [
+    "[W1128 00:25:54.347221660 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on "
+    "SocketImpl(fd=4, addr=[node2]:54004, remote=[node1]:29500): Failed to recv, got 0 bytes. "
+    "Connection was likely closed. Did the remote server shutdown or crash?",
+    "Traceback (most recent call last):",
+    f'  File "{TORCH}/elastic/rendezvous/c10d_rendezvous_backend.py", line 114, in _call_store',
+    "    return getattr(self._store, store_op)(*args, **kwargs)",
+    "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely "
+    "closed. Did the remote server shutdown or crash?",
+    "The above exception was the direct cause of the following exception:",
+    "Traceback (most recent call last):",
+    f'  File "{TORCH}/elastic/agent/server/api.py", line 959, in _invoke_run',
+    "    num_nodes_waiting = rdzv_handler.num_nodes_waiting()",
+    f'  File "{TORCH}/elastic/rendezvous/c10d_rendezvous_backend.py", line 116, in _call_store',
+    "    raise RendezvousConnectionError(",
+    "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the "
+    "C10d store has failed. See inner exception for details.",
+]
+
+
+def test_a_node_that_lost_the_masters_store_is_a_knock_on_and_the_master_is_blamed():
+    hosts = inventory({"node1": node(1), "node2": node(2)}).hosts
+    tails = {
+        "node1": [
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "/home/t/p/train.py", line 51, in <module>',
+            "[rank0]: OSError: [Errno 28] No space left on device",
+        ],
+        "node2": STORE_LOST,
+    }
+    outcomes = {
+        name: NodeOutcome(host=name, exit_code=1, tail=collections.deque(tail))
+        for name, tail in tails.items()
+    }
+    (lost,) = exceptions(STORE_LOST)
+    assert lost.knock_on
+    assert lost.said().endswith(
+        "(at " + TORCH + "/elastic/rendezvous/c10d_rendezvous_backend.py:116), from "
+        "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely "
+        "closed. Did the remote server shutdown or crash?"
+    )
+    # node2 ended first, of its torchrun's lost store; node1's rank is the cause.
+    failed = blame(["node2", "node1"], outcomes, hosts)
+    assert failed == "node1"
+    lines = summary(JobResult("tmn-4", outcomes, failed, interrupted=False, seconds=3.0), hosts)
+    assert lines[1:3] == [
+        "Cause: node1 rank 0 raised OSError: [Errno 28] No space left on device "
+        "(at /home/t/p/train.py:51)",
+        "Consequence (of rank 0's failure): node2's torch.distributed.elastic.rendezvous.api."
+        "RendezvousConnectionError: The connection to the C10d store has failed. See inner "
+        "exception for details.",
+    ]
+    assert not any("could not reach the master" in line for line in lines)
+
+    # The master's own lines show nothing (its torchrun killed): the store lost is said.
+    outcomes["node1"] = NodeOutcome(host="node1", exit_code=None, tail=collections.deque())
+    lines = summary(JobResult("tmn-5", outcomes, "node2", interrupted=False, seconds=3.0), hosts)
+    assert not any(line.startswith("Cause:") for line in lines)
+    known = [line for line in lines if line.startswith("Known problem: ")]
+    assert known == [
+        "Known problem: a node's torchrun lost the master's rendezvous store mid-run: the "
+        "master's torchrun had ended (its ranks failed, or it was stopped) or its node went "
+        "away (try the master node's own lines in this summary)"
+    ]
+
+
 def test_a_local_job_names_the_rank_that_raised_and_its_line_first():
     script = SCRIPTS / "peer_raises.py"
     raised_at = next(

@@ -53,6 +53,9 @@ PRINTED = {
     "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600001 milliseconds before timing out.",
     "peer-reset": "[rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
     "pair.cc:561] Connection closed by peer [10.0.0.2]:30129",
+    # torch 2.14.1, as a node's torchrun printed it in CI when the master's had gone
+    "rendezvous-store-lost": "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. "
+    "Connection was likely closed. Did the remote server shutdown or crash?",
 }
 
 
@@ -124,6 +127,17 @@ def test_the_masters_own_port_taken_is_not_also_a_node_that_cannot_reach_it():
         "address-in-use"
     ]
     assert [s.name for s in known_problems([wrapped])] == ["rendezvous-unreachable"]
+
+
+def test_a_store_lost_mid_run_is_no_node_that_could_not_reach_the_master():
+    """A node's torchrun asks the master's rendezvous store, all the job long, whether nodes
+    wait to join; when the master's torchrun has ended, that question fails wrapped in the same
+    RendezvousConnectionError as a store never reached. It follows from the master's end: a
+    knock-on, said only when no rank's own exception was found."""
+    wrapped = "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection"
+    lost = [PRINTED["rendezvous-store-lost"], wrapped]
+    assert [s.name for s in known_problems(lost)] == ["rendezvous-store-lost"]
+    assert known_problems(lost, cause_found=True) == []
 
 
 def test_gloo_timing_out_is_a_collective_timeout():
