@@ -159,7 +159,11 @@ def test_two_ranks_planned_for_three_compute_the_steps_of_three_and_back(tmp_pat
     keep_only(checkpoints, two, 3)
     # With --static-graph, which DDP refuses beside no_sync (a reducer assertion at the first
     # step): off for the run on fewer ranks, and the steps are the same.
-    run = launch(tmp_path, two, 2, {PLANNED_WORLD_VARIABLE: "3"}, "two.pt", "--static-graph")
+    # Planned rank 2 no longer runs: its --step-delay is no one's (as a node-loss test asks).
+    delay = ("--step-delay", "0.01", "--step-delay-rank", "2")
+    run = launch(
+        tmp_path, two, 2, {PLANNED_WORLD_VARIABLE: "3"}, "two.pt", "--static-graph", *delay
+    )
     assert run.returncode == 0, run.explain()
     assert run.lines("batch    ") == ["batch    16 per rank x 3 ranks = 48 global"]
     assert run.lines("continuing on") == [VirtualRanks(0, 2, 3).describe(16)]
@@ -216,6 +220,17 @@ def test_another_world_size_is_refused_unless_planned_and_then_it_must_match(
             f"--no-resume, or {PLANNED_WORLD_VARIABLE}=3 and the original --global-batch-size)"
         ],
     )
+
+
+def test_a_test_hooks_rank_is_one_of_the_planned_world(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(PLANNED_WORLD_VARIABLE, "3")  # one process planned for 3
+    for flag in ("--step-delay-rank", "--checkpoint-pause-rank"):
+        code, _, err = run_main(ddp.main, [*RUN, flag, "3"], capsys)
+        assert (code, err.splitlines()) == (
+            2,
+            [f"Error: {flag} 3 is not a rank of this job (0 to 2)"],
+        )
 
 
 def test_fsdp_on_two_ranks_planned_for_three_splits_the_planned_batch_unevenly(tmp_path):

@@ -236,13 +236,15 @@ class Trainer:
                 for rank in self.virtual.ranks
             ]
             self.store = self.stores[0]
+        # A rank of the planned world: a job continued on fewer ranks runs with the same
+        # arguments, and a planned rank that no longer runs is no one's.
         for flag, rank in (
             ("--step-delay-rank", config.run.step_delay_rank),
             ("--checkpoint-pause-rank", config.checkpoint.checkpoint_pause_rank),
         ):
-            if rank is not None and not 0 <= rank < env.world_size:
+            if rank is not None and not 0 <= rank < self.virtual.planned:
                 raise UserError(
-                    f"{flag} {rank} is not a rank of this job (0 to {env.world_size - 1})"
+                    f"{flag} {rank} is not a rank of this job (0 to {self.virtual.planned - 1})"
                 )
         if env.launched and dist.is_initialized():
             # A peer that never answers (its node or the network to it gone) fails the job

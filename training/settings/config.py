@@ -168,7 +168,8 @@ class RunConfig:
         "test hook: seconds every rank sleeps after each step (a slow job to interrupt)", 0.0
     )
     step_delay_rank: int | None = doc(
-        "test hook: only this rank sleeps --step-delay (default: every rank)"
+        "test hook: only this rank sleeps --step-delay (default: every rank; a rank of the "
+        "planned world that no longer runs, in a job continued on fewer nodes: none)"
     )
     collective_timeout: float = doc(
         "seconds a collective waits for the other ranks before the job fails (a node or the "
