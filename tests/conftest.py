@@ -180,6 +180,22 @@ def training_image(sim_factory):
 TEST_IMAGE = "torch-multinode/train:test"
 
 
+@pytest.fixture(scope="session")
+def entrypoint_rebuild(training_image, tmp_path_factory):
+    """The CPU twin rebuilt by images.build from a copy of the repository whose
+    docker/entrypoint.sh has one more line (tests/image_layers.py): built once, for the tests
+    of what such a rebuild makes anew (tests/docker/test_image.py) and ships
+    (tests/test_image_shipping.py); removed at the end."""
+    from tests.image_layers import build_with_an_edited_entrypoint
+
+    tag = f"{training_image.tag}-entrypoint-{secrets.token_hex(4)}"
+    try:
+        copy = tmp_path_factory.mktemp("entrypoint") / "copy"  # made by the copy itself
+        yield build_with_an_edited_entrypoint(copy, tag)
+    finally:
+        subprocess.run(["docker", "rmi", tag], capture_output=True, check=False)
+
+
 @dataclass(frozen=True)
 class Provisioned:
     """Two nodes as a fresh install leaves them (a user with a password, no key), taken through

@@ -32,7 +32,7 @@ from torch_multinode.launch.spec import RUN_LABEL
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1200)]
 
-STALL = "15"
+STALL = "10"  # seconds; a healthy job here prints a line every 0.3 s
 
 # Prints its rank's node, then a step line per step (rank 0); rank 1 misbehaves as FAULT says.
 SCRIPT = """\

@@ -25,8 +25,8 @@ import pytest
 
 from tests.conftest import TEST_IMAGE, VENV_BIN
 from tests.helpers import on_node
-from tests.image_layers import build_with_an_edited_entrypoint, install_step
-from torch_multinode.provision import ship
+from tests.image_layers import install_step
+from torch_multinode.provision import images, ship
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 
@@ -143,15 +143,14 @@ def test_a_change_to_the_top_layer_sends_each_node_only_that_layer(provisioned, 
 
 
 def test_a_rebuild_after_an_entrypoint_change_ships_only_the_layers_above_the_install(
-    provisioned, tmp_path
+    provisioned, entrypoint_rebuild
 ):
     """The image the nodes hold (the fixture's build), rebuilt by images.build from a copy of
     the repository with one line appended to docker/entrypoint.sh: the torch install is the
     same layer, so `cluster ship` sends each node only the few small layers above it."""
-    tag = f"{TEST_IMAGE}-entrypoint-{uuid.uuid4().hex[:8]}"
+    tag = entrypoint_rebuild.tag
     cluster = provisioned.cluster
     try:
-        build_with_an_edited_entrypoint(tmp_path / "copy", tag)
         install, above = install_step(tag)
         first_install, first_above = install_step(TEST_IMAGE)
         assert install.image_id == first_install.image_id
@@ -174,7 +173,6 @@ def test_a_rebuild_after_an_entrypoint_change_ships_only_the_layers_above_the_in
     finally:
         for index in (1, 2):
             on_node(cluster, index, f"docker rmi {tag} >/dev/null 2>&1 || true")
-        subprocess.run(["docker", "rmi", tag], capture_output=True, check=False)
 
 
 def test_with_the_base_pulled_by_the_nodes_only_the_layers_above_it_are_streamed(
@@ -182,12 +180,14 @@ def test_with_the_base_pulled_by_the_nodes_only_the_layers_above_it_are_streamed
 ):
     """image_base_from_nodes: each node pulls the base itself (NVIDIA's on a real cluster; here
     the controller's registry stands in for nvcr.io) and only the layers above it come from
-    the controller, by stream, since the node's pull keeps the base registry's digests."""
+    the controller, by stream, since the node's pull keeps the base registry's digests. The base
+    is the training image's own (its bottom layers, which the nodes hold from provisioning):
+    the stream's `docker save` then writes half a GB, not the whole training image."""
     endpoint = f"{provisioned.cluster.config.mgmt_gateway}:5000"
     suffix = uuid.uuid4().hex[:8]
     base = f"{endpoint}/torch-multinode-test/base:{suffix}"
     tag = f"torch-multinode-test/derived:{suffix}"
-    subprocess.run(["docker", "tag", TEST_IMAGE, base], check=True, capture_output=True)
+    subprocess.run(["docker", "tag", images.CPU_BASE_IMAGE, base], check=True, capture_output=True)
     (tmp_path / "change.bin").write_bytes(os.urandom(LAYER_BYTES))
     (tmp_path / "Dockerfile").write_text(
         f"FROM {base}\nLABEL {ship.BASE_LABEL}={base}\nCOPY change.bin /opt/change.bin\n"

@@ -9,11 +9,10 @@ import json
 import re
 import tomllib
 import urllib.request
-import uuid
 
 import pytest
 
-from tests.image_layers import build_with_an_edited_entrypoint, install_step
+from tests.image_layers import install_step
 from torch_multinode import cluster
 from torch_multinode.bench.rebuild import edit_line, scratch_checkout
 from torch_multinode.cluster.engine import docker
@@ -309,27 +308,26 @@ def test_rdma_libraries_load_in_the_cpu_twin(training_image):
 
 
 @pytest.mark.sim
-def test_a_changed_entrypoint_rebuilds_only_the_layers_above_the_install(training_image, tmp_path):
+def test_a_changed_entrypoint_rebuilds_only_the_layers_above_the_install(
+    training_image, entrypoint_rebuild
+):
     """Two builds through images.build (the fixture's, from the checkout, and one from a copy
     whose docker/entrypoint.sh has one more line): the torch install is the same layer, and
     only the steps above it were made anew. Nothing in a cache key changes between builds: the
     wheels' server took another address, not another URL."""
-    tag = f"{training_image.tag}-entrypoint-{uuid.uuid4().hex[:8]}"
-    try:
-        rebuilt = build_with_an_edited_entrypoint(tmp_path / "copy", tag)
-        assert rebuilt.image_id != training_image.image_id and not rebuilt.up_to_date
-        install, above = install_step(tag)
-        first_install, first_above = install_step(training_image.tag)
-        assert install.image_id == first_install.image_id  # the same 3.8 GB layer, not rebuilt
-        assert install.size > 1_000_000_000
-        new = {step.image_id for step in above} - {step.image_id for step in first_above}
-        # what was made anew is small (py-spy's layer, 8 MB, above the install, was kept)
-        assert new and sum(step.size for step in above if step.image_id in new) < 1_000_000, above
-        layers = docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout
-        first = docker(
-            "image", "inspect", "--format", "{{json .RootFS.Layers}}", training_image.tag
-        ).stdout
-        shared = [a == b for a, b in zip(json.loads(layers), json.loads(first), strict=False)]
-        assert shared.count(True) >= 2 and shared[:2] == [True, True], shared  # base, venv
-    finally:
-        docker("rmi", tag, check=False)
+    tag = entrypoint_rebuild.tag
+    assert entrypoint_rebuild.image_id != training_image.image_id
+    assert not entrypoint_rebuild.up_to_date
+    install, above = install_step(tag)
+    first_install, first_above = install_step(training_image.tag)
+    assert install.image_id == first_install.image_id  # the same 3.8 GB layer, not rebuilt
+    assert install.size > 1_000_000_000
+    new = {step.image_id for step in above} - {step.image_id for step in first_above}
+    # what was made anew is small (py-spy's layer, 8 MB, above the install, was kept)
+    assert new and sum(step.size for step in above if step.image_id in new) < 1_000_000, above
+    layers = docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout
+    first = docker(
+        "image", "inspect", "--format", "{{json .RootFS.Layers}}", training_image.tag
+    ).stdout
+    shared = [a == b for a, b in zip(json.loads(layers), json.loads(first), strict=False)]
+    assert shared.count(True) >= 2 and shared[:2] == [True, True], shared  # base, venv

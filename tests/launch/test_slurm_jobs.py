@@ -301,8 +301,9 @@ def test_a_node_whose_slurmd_dies_is_named_dropped_down_to_min_nodes_and_idle_on
     (Slurm would requeue it onto node2) and submits a new one on node1, which resumes from its
     own checkpoint, keeping the first run's world of 2."""
     directory = f"slurm-loss-{uuid.uuid4().hex[:8]}"  # under each node's checkpoint_root
-    # 560 steps of at least 0.1 s after the kill: the job still runs when Slurm has node2 down
-    # (slurm_node_timeout, 30 s, after its last answer), and the resumed job ends soon after.
+    # 560 steps of at least 0.1 s after the kill (rank 1 sleeps, rank 0 waits for it in each
+    # step's all_reduce): the job still runs when Slurm has node2 down (slurm_node_timeout,
+    # 30 s, after its last answer). The resumed job, rank 0 alone, does not sleep.
     job = subprocess.Popen(
         [
             str(VENV_BIN / "train"),
@@ -318,7 +319,7 @@ def test_a_node_whose_slurmd_dies_is_named_dropped_down_to_min_nodes_and_idle_on
             "1",
             "--",
             *f"--model tiny --steps 600 --log-every 20 --no-tensorboard --step-delay 0.1 "
-            f"--checkpoint-every 20 --checkpoint-dir {directory}".split(),
+            f"--step-delay-rank 1 --checkpoint-every 20 --checkpoint-dir {directory}".split(),
         ],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,

@@ -1,7 +1,8 @@
 """training.fsdp on the simulated cluster, in the training containers, through make train: two
 nodes equal one plain process (within 1e-5, as on one machine) with each rank holding half a
 replica; a rank killed mid-run and RESTARTS=1 ends bit for bit where the uninterrupted run does;
-a run saved on 2 nodes to /shared resumes on 1; node-local checkpoints refuse to be resharded."""
+the uninterrupted run, saved on 2 nodes to /shared, resumes on 1; node-local checkpoints refuse
+to be resharded."""
 
 from __future__ import annotations
 
@@ -43,12 +44,21 @@ def _master_lines(stdout: str) -> str:
     )
 
 
+SHARED = f"/shared/fsdp-{uuid.uuid4().hex[:8]}/ckpt"  # /shared: storage every node sees
+
+
 @pytest.fixture(scope="module")
 def straight(provisioned):
-    """20 uninterrupted steps on 2 nodes, exported into the run directory (which comes back)."""
-    run = _train(provisioned, _args("--export", "model.pt", "--bench"))
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run
+    """20 uninterrupted steps on 2 nodes, exported into the run directory (which comes back),
+    checkpointed every 5 steps to SHARED (removed at the end), which a later run resumes."""
+    try:
+        run = _train(
+            provisioned, _args("--export", "model.pt", "--bench", "--checkpoint-dir", SHARED)
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        yield run
+    finally:
+        on_node(provisioned.cluster, 1, f"rm -rf {SHARED.rsplit('/', 1)[0]}", check=False)
 
 
 def test_two_nodes_equal_one_process_each_rank_holding_half_a_replica(straight):
@@ -92,29 +102,24 @@ def test_a_killed_rank_and_restarts_1_end_where_the_uninterrupted_run_does(provi
 
 
 def test_a_run_saved_on_two_nodes_in_shared_storage_resumes_on_one(provisioned, straight):
-    shared = f"/shared/fsdp-{uuid.uuid4().hex[:8]}/ckpt"
-    try:
-        first = _train(provisioned, _args("--checkpoint-dir", shared))
-        assert first.returncode == 0, first.stdout + first.stderr
-        assert "(storage every rank sees)" in first.stdout, first.stdout
-        on_node(
-            provisioned.cluster,
-            1,
-            f"rm -rf {shared}/step-00000015 {shared}/step-00000020",
-            check=False,
-        )
-        resumed = _train(provisioned, _args("--checkpoint-dir", shared), nnodes=1)
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-        assert "resharded step 10 from world size 2 to 1" in resumed.stdout, resumed.stdout
-        before, after = (
-            progress(_master_lines(first.stdout)),
-            progress(_master_lines(resumed.stdout)),
-        )
-        assert min(after) == 11 and max(after) == 20, after
-        for step in range(11, 21):
-            assert after[step][0] == pytest.approx(before[step][0], abs=1e-4), step
-    finally:
-        on_node(provisioned.cluster, 1, f"rm -rf {shared.rsplit('/', 1)[0]}", check=False)
+    first = straight  # its checkpoints in SHARED
+    assert "(storage every rank sees)" in first.stdout, first.stdout
+    on_node(
+        provisioned.cluster,
+        1,
+        f"rm -rf {SHARED}/step-00000015 {SHARED}/step-00000020",
+        check=False,
+    )
+    resumed = _train(provisioned, _args("--checkpoint-dir", SHARED), nnodes=1)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resharded step 10 from world size 2 to 1" in resumed.stdout, resumed.stdout
+    before, after = (
+        progress(_master_lines(first.stdout)),
+        progress(_master_lines(resumed.stdout)),
+    )
+    assert min(after) == 11 and max(after) == 20, after
+    for step in range(11, 21):
+        assert after[step][0] == pytest.approx(before[step][0], abs=1e-4), step
 
 
 def test_node_local_checkpoints_are_not_resharded(provisioned):
