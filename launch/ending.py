@@ -98,7 +98,10 @@ def bring_back(
 
 def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
     """The worker's last words, not torchrun's: a failed torchrun ends with its own traceback
-    (ChildFailedError) and a report; what the worker said comes just before them."""
+    (ChildFailedError) and a report; what the worker said comes just before them. A C++ stack
+    (c10's "frame #N:" lines, after a store's or gloo's warning or an abort) is one line: its 30
+    frames would fill the excerpt and push the worker's words out of it."""
+    lines = _frames_collapsed(lines)
     cut = len(lines)
     for index in range(len(lines) - 1, -1, -1):
         if lines[index].lstrip().startswith("Traceback (most recent call last):") and any(
@@ -119,6 +122,21 @@ def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
 
 
 _WORKER_ERROR = re.compile(r"\s*(\[rank\d+\]:\s*)?Error: ")
+_CPP_FRAME = re.compile(r"\s*(\[rank\d+\]:\s*)?frame #\d+: ")
+
+
+def _frames_collapsed(lines: list[str]) -> list[str]:
+    out: list[str] = []
+    frames = 0
+    for line in [*lines, ""]:
+        if _CPP_FRAME.match(line):
+            frames += 1
+            continue
+        if frames:
+            out.append(f"({frames} C++ stack frames, in the node's log)")
+            frames = 0
+        out.append(line)
+    return out[:-1]
 
 
 # A rank's error that follows from a peer's failure, not its own (gloo, NCCL, c10d's store,

@@ -184,7 +184,9 @@ def test_the_failure_excerpt_keeps_the_workers_error_line_ahead_of_a_long_abort_
     from torch_multinode.launch.spec import EXCERPT_LINES
 
     error = "Error: cannot write checkpoint step 8 to /var/tmp/c: No space left on device"
-    stack = [f"frame #{n}: gloo::transport::tcp::Pair::{n}" for n in range(30)]
+    abort = [
+        f"terminate called after throwing an instance of 'gloo::IoException' {n}" for n in range(15)
+    ]
     torchrun = [
         "Traceback (most recent call last):",
         "  raise ChildFailedError(",
@@ -192,14 +194,62 @@ def test_the_failure_excerpt_keeps_the_workers_error_line_ahead_of_a_long_abort_
         "  rank      : 1 (local_rank: 0)",
         "  exitcode  : -6",
     ]
-    excerpt = failure_excerpt(["step 4/12", error, *stack, *torchrun])
+    excerpt = failure_excerpt(["step 4/12", error, *abort, *torchrun])
     assert excerpt[:2] == [error, "..."]
-    assert excerpt[2:EXCERPT_LINES] == stack[-(EXCERPT_LINES - 2) :]
+    assert excerpt[2:EXCERPT_LINES] == abort[-(EXCERPT_LINES - 2) :]
     assert excerpt[EXCERPT_LINES:] == [
         "host      : node2",
         "rank      : 1 (local_rank: 0)",
         "exitcode  : -6",
     ]
     # When the error is among the last lines anyway, the excerpt is just the last lines.
-    short = ["step 4/12", error, *stack[:3]]
+    short = ["step 4/12", error, *abort[:3]]
     assert failure_excerpt(short) == short
+    # gloo's abort stack itself is one line.
+    stack = [f"frame #{n}: gloo::transport::tcp::Pair::{n}" for n in range(30)]
+    assert failure_excerpt(["step 4/12", error, *stack, *torchrun]) == [
+        "step 4/12",
+        error,
+        "(30 C++ stack frames, in the node's log)",
+        *excerpt[EXCERPT_LINES:],
+    ]
+
+
+def test_a_cpp_stack_in_the_failure_excerpt_is_one_line():
+    """Seen in CI: node2's rank failed on purpose; node1's torchrun, which holds the rendezvous
+    store, ended first, and node2's torchrun warned with the store's C++ stack (32 frames) as it
+    shut down, which pushed the rank's own last words out of the 12 lines."""
+    from torch_multinode.launch.ending import failure_excerpt
+
+    lines = [
+        "rank 1 step 0 sum 2",
+        "rank 1 failing on purpose at step 5",
+        "E1128 04:09:42.492000 607 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+        "(exitcode: 1) local_rank: 0 (pid: 626) of binary: /opt/venv/bin/python",
+        "[W1128 04:09:42.934266950 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=4, "
+        "addr=[node2]:48912, remote=[node1]:29500): Failed to recv, got 0 bytes. Connection was "
+        "likely closed. Did the remote server shutdown or crash?",
+        "Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/"
+        "Utils.hpp:790 (most recent call first):",
+        *(
+            f"frame #{n}: <unknown function> + 0x69{n:04x} (0x7f in libtorch_cpu.so)"
+            for n in range(32)
+        ),
+        "W1128 04:09:42.524000 607 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1298] "
+        "The node '172.29.141.12_607_0' has failed to shutdown the rendezvous 'tmn-06e202609a' due "
+        "to an error of type RendezvousConnectionError.",
+        "Traceback (most recent call last):",
+        '  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1142',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "  host      : node2",
+        "  rank      : 1 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 626) ",
+    ]
+    assert failure_excerpt(lines) == [
+        *lines[:5],
+        "(32 C++ stack frames, in the node's log)",
+        lines[37],
+        "host      : node2",
+        "rank      : 1 (local_rank: 0)",
+        "exitcode  : 1 (pid: 626)",
+    ]
