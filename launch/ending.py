@@ -151,11 +151,10 @@ _RANK = re.compile(r"^\[(?:default)?rank(\d+)\]:\s?")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _RAISED = re.compile(r"^(?P<kind>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
-# A connection the other end closed: an exception raised from it (torchrun's
-# RendezvousConnectionError around a store's "Failed to recv") is a knock-on too.
-_LOST = re.compile(
-    r"Failed to recv, got 0 bytes|Connection reset by peer|Connection closed by peer|Broken pipe"
-)
+# A c10d store whose other end closed (torch 2.14's Utils.hpp): an exception raised from it
+# (torchrun's RendezvousConnectionError) is a knock-on too. Only the store's own words: a user's
+# exception raised from, say, a download's "Connection reset by peer" stays a cause.
+_LOST = re.compile(r"Failed to recv, got 0 bytes")
 _LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python\d|^<")
 MESSAGE_CHARS = 200
 
@@ -181,7 +180,7 @@ def exceptions(lines: list[str]) -> list[Raised]:
     """Every exception whose traceback ended in `lines`, in the order they ended; ranks'
     interleaved lines are told apart by torchrun's "[rankN]:" prefix. Of a chain ("During
     handling of the above exception"), only the last, the one the rank died of, with what it
-    wraps; it is a knock-on where that was a connection its other end closed."""
+    wraps; it is a knock-on where that was a c10d store its other end closed."""
     frames: dict[str | None, list[tuple[str, str]] | None] = {}
     found: list[Raised] = []
     chained: set[str | None] = set()

@@ -160,6 +160,22 @@ def test_a_node_that_lost_the_masters_store_is_a_knock_on_and_the_master_is_blam
     }
     (lost,) = exceptions(STORE_LOST)
     assert lost.knock_on
+    # A rank's own exception raised from another lost connection stays a cause.
+    (own,) = exceptions(
+        [
+            "Traceback (most recent call last):",
+            "ConnectionResetError: [Errno 104] Connection reset by peer",
+            "During handling of the above exception, another exception occurred:",
+            "Traceback (most recent call last):",
+            '  File "/home/t/p/data.py", line 9, in fetch',
+            "RuntimeError: could not download the dataset",
+        ]
+    )
+    assert not own.knock_on
+    assert own.said() == (
+        "RuntimeError: could not download the dataset (at /home/t/p/data.py:9), from "
+        "ConnectionResetError: [Errno 104] Connection reset by peer"
+    )
     assert lost.said().endswith(
         "(at " + TORCH + "/elastic/rendezvous/c10d_rendezvous_backend.py:116), from "
         "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely "
