@@ -3,6 +3,7 @@ master's run directory brought back."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.launch import staging
 from torch_multinode.launch.commands import run_dir
-from torch_multinode.launch.signatures import known_problems
+from torch_multinode.launch.signatures import STORE_CLOSED, known_problems
 from torch_multinode.launch.spec import EXCERPT_LINES, Emit, JobResult, JobSpec
 
 
@@ -122,21 +123,17 @@ def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
 
 
 _WORKER_ERROR = re.compile(r"\s*(\[rank\d+\]:\s*)?Error: ")
-_CPP_FRAME = re.compile(r"\s*(\[rank\d+\]:\s*)?frame #\d+: ")
+CPP_FRAME = re.compile(r"\s*(\[rank\d+\]:\s*)?frame #\d+: ")  # a line of c10's C++ stacks
 
 
 def _frames_collapsed(lines: list[str]) -> list[str]:
     out: list[str] = []
-    frames = 0
-    for line in [*lines, ""]:
-        if _CPP_FRAME.match(line):
-            frames += 1
-            continue
-        if frames:
-            out.append(f"({frames} C++ stack frames, in the node's log)")
-            frames = 0
-        out.append(line)
-    return out[:-1]
+    for is_frame, run in itertools.groupby(lines, key=lambda line: bool(CPP_FRAME.match(line))):
+        if is_frame:
+            out.append(f"({len(list(run))} C++ stack frames, in the node's log)")
+        else:
+            out.extend(run)
+    return out
 
 
 # A rank's error that follows from a peer's failure, not its own (gloo, NCCL, c10d's store,
@@ -151,10 +148,6 @@ _RANK = re.compile(r"^\[(?:default)?rank(\d+)\]:\s?")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _RAISED = re.compile(r"^(?P<kind>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
-# A c10d store whose other end closed (torch 2.14's Utils.hpp): an exception raised from it
-# (torchrun's RendezvousConnectionError) is a knock-on too. Only the store's own words: a user's
-# exception raised from, say, a download's "Connection reset by peer" stays a cause.
-_LOST = re.compile(r"Failed to recv, got 0 bytes")
 _LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python\d|^<")
 MESSAGE_CHARS = 200
 
@@ -220,8 +213,11 @@ def exceptions(lines: list[str]) -> list[Raised]:
                 kind=kind,
                 message=message,
                 where=f"{own[-1][0]}:{own[-1][1]}" if own else None,
+                # Raised from a c10d store whose other end closed (torchrun's
+                # RendezvousConnectionError): a knock-on too. Only the store's own words: one
+                # raised from, say, a download's "Connection reset by peer" stays a cause.
                 knock_on=bool(
-                    _KNOCK_ON.search(f"{kind}: {message}") or (inner and _LOST.search(inner))
+                    _KNOCK_ON.search(f"{kind}: {message}") or (inner and STORE_CLOSED in inner)
                 ),
                 wraps=inner,
             )

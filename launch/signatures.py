@@ -38,6 +38,9 @@ def _signature(
     return Signature(name, re.compile(pattern), cause, remedy, knock_on, unless)
 
 
+# torch 2.14's TCPStore (libtorch_cpu's Utils.hpp) when the store's other end closed.
+STORE_CLOSED = "Failed to recv, got 0 bytes"
+
 # The order is the order of the summary's lines: a root cause before what follows from it.
 SIGNATURES = (
     _signature(
@@ -175,9 +178,8 @@ SIGNATURES = (
     ),
     _signature(
         "rendezvous-store-lost",
-        # torch 2.14's TCPStore (libtorch_cpu's Utils.hpp) when the store's end closed: a node's
-        # torchrun asking the master's (which holds the store) if nodes wait to join.
-        r"Failed to recv, got 0 bytes|Did the remote server shutdown or crash",
+        # A node's torchrun asking the master's (which holds the store) if nodes wait to join.
+        rf"{STORE_CLOSED}|Did the remote server shutdown or crash",
         "a node's torchrun lost the master's rendezvous store mid-run: the master's torchrun "
         "had ended (its ranks failed, or it was stopped) or its node went away",
         "the master node's own lines in this summary",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from torch_multinode.launch.ending import CPP_FRAME
+
 LINES_PER_LOG = 40
 RUNS_SHOWN = 3
 
@@ -36,7 +38,7 @@ def run_logs(runs: Path, since: float, worker: str | None) -> str:
             lines = [
                 line
                 for line in log.read_text(errors="replace").splitlines()
-                if not line.startswith("frame #")
+                if not CPP_FRAME.match(line)
             ]
             parts.append(f"--- {directory.name}/{log.name} (last {LINES_PER_LOG} lines)")
             parts += lines[-LINES_PER_LOG:]
