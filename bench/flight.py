@@ -47,12 +47,13 @@ WORKLOAD_COMMON = ["--workers", "0", "--val-samples", "64"]
 # On GPUs the tiny CNN's step is a few milliseconds of kernel launches, and training.ddp's
 # ResNet-50 step is set by its loader's CPU work: each spread 10 to 55 % from run to run on an
 # H200, hiding any 2 % effect. There the step is DDP's ResNet-50 in bf16 on one batch kept on
-# the GPU (STEP_SCRIPT), with no CPU work of its own. Even so, on the H200 lent to development,
-# one process's step differed from the next one's by up to 20 % (docs/benchmarks.md): where
-# the runs spread so, the report says too noisy to judge.
-GPU_STEPS, GPU_BLOCK = 120, 10
+# the GPU (STEP_SCRIPT), with no CPU work of its own, at 224 px: at 128 px the CPU's dispatch of
+# its kernels still set part of the step, and runs spread up to 20 %; at 224 px the GPU sets it,
+# and on an H200 the runs of one setting lay within 0.5 % (docs/benchmarks.md). cudnn.benchmark
+# is off, so that every process takes the same convolution algorithms.
+GPU_STEPS, GPU_BLOCK = 150, 10
 GPU_TIMING = (
-    f"ResNet-50 under DDP, bf16, a batch of 256 at 128 px kept on the GPU, {GPU_STEPS} steps "
+    f"ResNet-50 under DDP, bf16, a batch of 256 at 224 px kept on the GPU, {GPU_STEPS} steps "
     f"after {GPU_BLOCK} of warm-up; seconds per step: the median of its {GPU_BLOCK}-step blocks"
 )
 DDP_TIMING = (
@@ -88,11 +89,11 @@ torch.cuda.set_device(device)
 dist.init_process_group("nccl", device_id=device)
 flight.start()
 torch.manual_seed(0)
-torch.backends.cudnn.benchmark = True
+torch.backends.cudnn.benchmark = False
 net = resnet50(num_classes=10).to(device, memory_format=torch.channels_last)
 model = DistributedDataParallel(net, device_ids=[device.index])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-images = torch.randn(256, 3, 128, 128, device=device).to(memory_format=torch.channels_last)
+images = torch.randn(256, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
 labels = torch.randint(10, (256,), device=device)
 
 
