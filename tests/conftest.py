@@ -243,6 +243,23 @@ def cluster_selftest(provisioned) -> subprocess.CompletedProcess:
     return make("selftest", f"INVENTORY={provisioned.inventory}", timeout=1200)
 
 
+@pytest.fixture(scope="session")
+def small_job_over_ssh(provisioned) -> subprocess.CompletedProcess:
+    """`make train` of the default workload, small (tests/training/conftest.py's SMALL_JOB), on
+    the shared cluster over SSH: run once, for what a job brings back
+    (tests/test_projects_in_containers.py) and as the run that the same job through Slurm must
+    end like (tests/launch/test_slurm_jobs.py)."""
+    from tests.training.conftest import SMALL_JOB
+
+    return make(
+        "train",
+        f"INVENTORY={provisioned.inventory}",
+        "NNODES=2",
+        "ARGS=" + " ".join(SMALL_JOB),
+        timeout=900,
+    )
+
+
 def console_fingerprint(container: str) -> str:
     """What the node's own console prints (ssh-keygen -lf of its ed25519 host key)."""
     out = sim.docker("exec", container, "ssh-keygen", "-lf", "/etc/ssh/ssh_host_ed25519_key.pub")

@@ -7,11 +7,11 @@ with py-spy inside the job's containers, and the report names the rank, its node
   report in `.runs/<id>/`;
 - a rank that skipped one all_reduce: both ranks' collectives named with their sequence numbers
   from the Flight Recorder (all_reduce #10 / barrier #10);
-- a rank busy in a Python loop: named with its line;
+- a rank busy in a Python loop: named with its line; with ON_HANG=wait, the report, then the
+  job left running until Ctrl-C;
 - a rank that skipped one all_reduce, with a short collective timeout: the job fails on the
   timeout before any stall, and its summary names the mismatch from the traces the ranks wrote
   as they died;
-- ON_HANG=wait: the report, then the job left running until Ctrl-C;
 - `make hang-report RUN=<id>` prints a saved report again.
 """
 
@@ -156,14 +156,6 @@ def test_a_rank_that_skipped_an_all_reduce_is_named_with_both_collectives(provis
     _nothing_left(provisioned, run_id)
 
 
-def test_a_rank_busy_in_a_python_loop_is_named_with_its_line(provisioned, tmp_path):
-    output, run_id, nodes = _hung(provisioned, tmp_path, "spin")
-    assert (
-        f"rank 1 on {nodes[1]}: not in a collective, at hang.py:{line_of('spin')} in spin"
-    ) in output, output[-3000:]
-    _nothing_left(provisioned, run_id)
-
-
 def test_a_collective_that_timed_out_is_explained_by_the_ranks_last_collectives(
     provisioned, tmp_path
 ):
@@ -185,7 +177,9 @@ def test_a_collective_that_timed_out_is_explained_by_the_ranks_last_collectives(
     _nothing_left(provisioned, run_id)
 
 
-def test_on_hang_wait_leaves_the_job_running_until_ctrl_c(provisioned, tmp_path):
+def test_a_rank_busy_in_a_python_loop_is_named_and_on_hang_wait_left_running_until_ctrl_c(
+    provisioned, tmp_path
+):
     script = _project(tmp_path / "proj")
     process = start_train(
         provisioned.inventory,
@@ -193,11 +187,15 @@ def test_on_hang_wait_leaves_the_job_running_until_ctrl_c(provisioned, tmp_path)
         f"WORKDIR={script.parent}",
         f"STALL={STALL}",
         "ON_HANG=wait",
-        "ARGS=sleep",
+        "ARGS=spin",
     )
     try:
         seen = read_until(process, "--on-hang wait: the job is left running", limit=2000)
-        assert "not in a collective, at hang.py:" in seen, seen[-3000:]
+        nodes = {int(r): n for r, n in re.findall(r"rank (\d) runs on (node\d)", seen)}
+        assert sorted(nodes) == [0, 1], seen[-3000:]
+        assert (
+            f"rank 1 on {nodes[1]}: not in a collective, at hang.py:{line_of('spin')} in spin"
+        ) in seen, seen[-3000:]
         run_id = run_id_in(seen)
         assert any(_left(provisioned, run_id).values()), "the job was stopped, not left running"
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it: make and train

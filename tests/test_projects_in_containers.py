@@ -296,9 +296,8 @@ def test_a_progress_bar_shows_a_few_lines_per_node_and_its_end(provisioned):
         assert f"[{node}] progress bar done" in proc.stdout
 
 
-def test_the_default_jobs_tensorboard_events_and_out_come_back(provisioned):
-    args = [arg for arg in TINY if arg != "--no-tensorboard"]
-    proc = _train(provisioned, "ARGS=" + " ".join([*args, "--steps", "4", "--out", "model.pt"]))
+def test_the_default_jobs_tensorboard_events_and_out_come_back(small_job_over_ssh):
+    proc = small_job_over_ssh
     assert proc.returncode == 0, proc.stdout[-4000:]
     run_id = run_id_in(proc.stdout)
     runs = REPO_ROOT / ".runs" / run_id

@@ -1,10 +1,11 @@
 """make train on an inventory with scheduler: slurm, in the training containers: the shared
 provisioned cluster gets Slurm (the slurm role alone), and jobs go through sbatch. The default
-job and a project of several files end with the same parameters as through the SSH launcher;
-a second job waits in the queue behind a running one, and runs once Ctrl-C has cancelled the
-first and left nothing of it; a failing node is named with its last lines; a hung job's report
-names the rank and its line; a node whose slurmd dies is named, and with MIN_NODES dropped for
-a new job on the other. Slurm is stopped on the nodes afterwards."""
+job ends with the parameters of the same job through the SSH launcher, and a project of several
+files with those its mathematics gives; a second job waits in the queue behind a running one,
+and runs once Ctrl-C has cancelled the first and left nothing of it; a failing node is named
+with its last lines, and with RESTARTS the job is requeued; a hung job's report names the rank
+and its line; a node whose slurmd dies is named, and with MIN_NODES dropped for a new job on
+the other. Slurm is stopped on the nodes afterwards."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from tests.helpers import (
     run_record,
     start_train,
 )
+from tests.training.conftest import SMALL_JOB
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT as CHECKPOINT_ROOT
 
@@ -145,11 +147,14 @@ def _nothing_left(provisioned, inventory: Path, run_id: str) -> None:
 
 
 def test_the_default_job_and_a_project_end_through_slurm_as_through_ssh(
-    slurm_inventory, provisioned, tmp_path
+    slurm_inventory, provisioned, small_job_over_ssh, tmp_path
 ):
-    by_ssh = _train(provisioned.inventory, f"ARGS={TINY}")
+    """The default job ends with the parameters of the same job over SSH (the shared run of
+    `small_job_over_ssh`); a project of several files with those its mathematics gives,
+    computed here (`_project_parameters`)."""
+    by_ssh = small_job_over_ssh
     assert by_ssh.returncode == 0, by_ssh.stdout + by_ssh.stderr
-    through_slurm = _train(slurm_inventory, f"ARGS={TINY}")
+    through_slurm = _train(slurm_inventory, "ARGS=" + " ".join(SMALL_JOB))
     out = through_slurm.stdout
     assert through_slurm.returncode == 0, out + through_slurm.stderr
     assert re.search(r"\[launcher\] Slurm job \d+ submitted", out), out
@@ -165,28 +170,60 @@ def test_the_default_job_and_a_project_end_through_slurm_as_through_ssh(
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
     _nothing_left(provisioned, slurm_inventory, run_id)
 
-    # A project of several files, with a secret: the same parameters both ways, the secret
-    # seen by every rank and written nowhere (not in the saved script, not in the output).
+    # A project of several files, with a secret: the parameters its mathematics gives, the
+    # secret seen by every rank and written nowhere (not in the saved script, not in the output).
     train = _project(tmp_path / "project")
     secret = f"s3cret-{uuid.uuid4().hex}"
-    results = [
-        _train(inventory, f"SCRIPT={train}", "ENV=PROJECT_TOKEN", env={"PROJECT_TOKEN": secret})
-        for inventory in (provisioned.inventory, slurm_inventory)
-    ]
-    digests = []
-    for result in results:
-        assert result.returncode == 0, result.stdout + result.stderr
-        found = re.findall(
-            r"\[node\d\] rank (\d): project parameters ([0-9a-f]{64}), token of (\d+) ",
-            result.stdout,
-        )
-        assert sorted(rank for rank, _, _ in found) == ["0", "1"], result.stdout
-        assert {(digest, size) for _, digest, size in found} == {(found[0][1], str(len(secret)))}
-        assert secret not in result.stdout + result.stderr
-        digests.append(found[0][1])
-    assert digests[0] == digests[1]
-    script = REPO_ROOT / ".runs" / run_id_in(results[1].stdout) / "job.sbatch"
+    result = _train(
+        slurm_inventory, f"SCRIPT={train}", "ENV=PROJECT_TOKEN", env={"PROJECT_TOKEN": secret}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = re.findall(
+        r"\[node\d\] rank (\d): project parameters ([0-9a-f]{64}), token of (\d+) ",
+        result.stdout,
+    )
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], result.stdout
+    expected = _project_parameters(steps=5, world_size=2)
+    assert {(digest, size) for _, digest, size in found} == {(expected, str(len(secret)))}
+    assert secret not in result.stdout + result.stderr
+    script = REPO_ROOT / ".runs" / run_id_in(result.stdout) / "job.sbatch"
     assert secret not in script.read_text()
+
+
+def _project_parameters(steps: int, world_size: int) -> str:
+    """PROJECT_TRAIN's parameters after `steps`, computed in this process: every rank's
+    gradient from its own seeded batch, averaged as the job's all_reduce and division do (with
+    two ranks, one addition per element, the same in either order), one thread as in the
+    containers (OMP_NUM_THREADS=1)."""
+    import hashlib
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps):
+            grads = []
+            for rank in range(world_size):
+                torch.manual_seed(100 * step + rank)
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                grads.append([parameter.grad for parameter in model.parameters()])
+            for parameter, *each in zip(model.parameters(), *grads, strict=True):
+                total = each[0].clone()
+                for grad in each[1:]:
+                    total += grad
+                total /= world_size
+                parameter.grad = total
+            optimizer.step()
+        parameters = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        return hashlib.sha256(parameters).hexdigest()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_project_with_packages_named_like_ours_runs_unchanged_under_slurm(
@@ -235,24 +272,6 @@ def test_a_second_job_waits_in_the_queue_and_runs_once_ctrl_c_cancels_the_first(
                 process.kill()
 
 
-def test_a_failing_node_is_named_with_its_last_lines(slurm_inventory, provisioned, tmp_path):
-    train = _project(tmp_path / "project", fail_on_rank_1=True)
-    result = _train(slurm_inventory, f"SCRIPT={train}")
-    out = result.stdout
-    assert result.returncode != 0, out
-    assert "FAILED on node2" in out, out
-    excerpt = out.split("Last lines from node2:", 1)[1]
-    assert "Error: rank 1 was told to fail" in excerpt, out
-    _nothing_left(provisioned, slurm_inventory, run_id_in(out))
-    # Its record, as for a job over SSH (issue 32).
-    record = run_record(run_id_in(out))
-    assert (record["backend"], record["launch_mode"]) == ("slurm", "container"), record
-    assert (record["result"], record["exit_code"], record["failed_node"]) == ("failed", 1, "node2")
-    assert [node["name"] for node in record["nodes"]] == ["node1", "node2"], record
-    assert record["inventory"]["path"] == str(slurm_inventory), record
-    assert record["workload"] == str(train) and record["seconds"] > 0, record
-
-
 def test_a_hang_under_slurm_names_the_rank_and_its_line(slurm_inventory, provisioned, tmp_path):
     """tests/test_hangs.py's sleeping rank, through sbatch: the same report, then scancel."""
     from tests.test_hangs import SCRIPT, line_of
@@ -260,7 +279,7 @@ def test_a_hang_under_slurm_names_the_rank_and_its_line(slurm_inventory, provisi
     (tmp_path / "project").mkdir()
     script = tmp_path / "project" / "hang.py"
     script.write_text(SCRIPT)
-    result = _train(slurm_inventory, f"SCRIPT={script}", "STALL=15", "ARGS=sleep")
+    result = _train(slurm_inventory, f"SCRIPT={script}", "STALL=10", "ARGS=sleep")
     out = result.stdout
     assert result.returncode != 0, out
     where = dict(re.findall(r"rank (\d) runs on (node\d)", out))
@@ -270,6 +289,13 @@ def test_a_hang_under_slurm_names_the_rank_and_its_line(slurm_inventory, provisi
     ) in out, out[-3000:]
     assert f"rank 0 on {where['0']}: waits in all_reduce" in out, out[-3000:]
     _nothing_left(provisioned, slurm_inventory, run_id_in(out))
+    # Its record, as for a job over SSH (issue 32).
+    record = run_record(run_id_in(out))
+    assert (record["backend"], record["launch_mode"]) == ("slurm", "container"), record
+    assert (record["result"], record["failed_node"]) == ("failed", where["1"]), record
+    assert [node["name"] for node in record["nodes"]] == ["node1", "node2"], record
+    assert record["inventory"]["path"] == str(slurm_inventory), record
+    assert record["workload"] == str(script) and record["seconds"] > 0, record
 
 
 def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
@@ -283,7 +309,10 @@ def test_restarts_requeue_the_job_in_slurm_and_it_runs_again(
         on_node(provisioned.cluster, 2, f"rm -f {mark}", check=False)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    assert "Error: rank 1 fails its first attempt" in out
+    # The first attempt's failure, named with the failing node's last lines.
+    assert "FAILED on node2" in out, out
+    excerpt = out.split("Last lines from node2:", 1)[1]
+    assert "Error: rank 1 fails its first attempt" in excerpt, out
     job = re.search(r"restart 1 of 1: requeueing Slurm job (\d+)", out).group(1)
     assert f"Slurm job {job} runs on node[1-2], requeued 1 time(s)" in out, out
     assert re.search(r"succeeded after [\d.]+ s on 2 node\(s\), restart 1 of 1\.", out), out

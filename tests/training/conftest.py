@@ -51,6 +51,15 @@ TINY = (
     "4",
     "--no-tensorboard",
 )
+# The default job, small, as a user runs it on the cluster: TensorBoard on, its model brought
+# back (tests/conftest.py's `small_job_over_ssh`; the same job through Slurm must equal it).
+SMALL_JOB = (
+    *(arg for arg in TINY if arg != "--no-tensorboard"),
+    "--steps",
+    "4",
+    "--out",
+    "model.pt",
+)
 _TORCHRUN_VARIABLES = {
     "RANK",
     "LOCAL_RANK",
