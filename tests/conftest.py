@@ -16,6 +16,7 @@ import secrets
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,11 +170,15 @@ def sim2(sim_factory):
 
 
 @pytest.fixture(scope="session")
-def training_image(sim_factory):
+def training_image(sim_factory, request):
     """The CPU twin of the training image, built once per run (about 6 minutes the first time,
-    seconds when the layers are cached)."""
+    seconds when the layers are cached). Where this run's tests use the `provisioned` cluster,
+    its nodes come up and go through bootstrap meanwhile (`fresh_pair`): neither needs the
+    image, and the `image` group's worker then spends the build's minutes on both."""
     from torch_multinode.provision import images
 
+    if any("provisioned" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("fresh_pair")
     return images.build("cpu", TEST_IMAGE, progress=lambda _: None)
 
 
@@ -211,24 +216,40 @@ class Provisioned:
 
 
 @pytest.fixture(scope="session")
-def provisioned(sim_factory, training_image, tmp_path_factory) -> Provisioned:
-    """Shipping the image is most of the time: one cluster for every test of jobs in
-    containers. Tests leave the nodes as they found them (images, mounts, files)."""
+def fresh_pair(sim_factory, tmp_path_factory):
+    """Two nodes as a fresh install leaves them, taken through `make bootstrap` in a thread of
+    their own (the `provisioned` cluster's first steps, begun by `training_image` so that they
+    run during its build): the future of (cluster, inventory, password, bootstrap's run)."""
+    here = tmp_path_factory.mktemp("provisioned")
+    with ThreadPoolExecutor(1, thread_name_prefix="fresh-pair") as pool:
+        yield pool.submit(_bootstrapped_pair, sim_factory, here)
+
+
+def _bootstrapped_pair(sim_factory: SimFactory, here: Path):
     password = secrets.token_urlsafe(12)
     cluster = sim_factory.up(2, fresh_password=password)
-    config, here = cluster.config, tmp_path_factory.mktemp("provisioned")
-    document = yaml.safe_load(config.inventory_path.read_text())
+    document = yaml.safe_load(cluster.config.inventory_path.read_text())
     document["all"]["vars"].update(
-        launch_mode="container", training_image=training_image.tag, container_mounts=["/shared"]
+        launch_mode="container", training_image=TEST_IMAGE, container_mounts=["/shared"]
     )
     inventory = here / "inventory.yml"
     inventory.write_text(yaml.safe_dump(document, sort_keys=False))
     # What each node's own console prints, as the user would copy it into the file.
     fingerprints = here / "fingerprints"
     fingerprints.write_text(
-        "".join(f"node{index} {console_fingerprint(config.container(index))}\n" for index in (1, 2))
+        "".join(
+            f"node{index} {console_fingerprint(cluster.config.container(index))}\n"
+            for index in (1, 2)
+        )
     )
-    bootstrap = bootstrap_unattended(inventory, fingerprints, password)
+    return cluster, inventory, password, bootstrap_unattended(inventory, fingerprints, password)
+
+
+@pytest.fixture(scope="session")
+def provisioned(fresh_pair, training_image) -> Provisioned:
+    """Shipping the image is most of the time: one cluster for every test of jobs in
+    containers. Tests leave the nodes as they found them (images, mounts, files)."""
+    cluster, inventory, password, bootstrap = fresh_pair.result()
     if bootstrap.returncode != 0:
         pytest.fail(f"bootstrap failed:\n{bootstrap.stdout}{bootstrap.stderr}", pytrace=False)
     provision = make("provision", f"INVENTORY={inventory}")
