@@ -47,10 +47,10 @@ WORKLOAD_COMMON = ["--workers", "0", "--val-samples", "64"]
 # On GPUs the tiny CNN's step is a few milliseconds of kernel launches, and training.ddp's
 # ResNet-50 step is set by its loader's CPU work: each spread 10 to 55 % from run to run on an
 # H200, hiding any 2 % effect. There the step is DDP's ResNet-50 in bf16 on one batch kept on
-# the GPU (STEP_SCRIPT), with no CPU work of its own, at 224 px: at 128 px the CPU's dispatch of
-# its kernels still set part of the step, and runs spread up to 20 %; at 224 px the GPU sets it,
-# and on an H200 the runs of one setting lay within 0.5 % (docs/benchmarks.md). cudnn.benchmark
-# is off, so that every process takes the same convolution algorithms.
+# the GPU (STEP_SCRIPT), with no CPU work of its own, at 224 px: at 128 px its runs still spread
+# up to 20 % (most likely the CPU's dispatch of its kernels setting part of so short a step); at
+# 224 px the runs of one setting lay within 0.5 % on an H200 (docs/benchmarks.md).
+# cudnn.benchmark is off, so that every process takes the same convolution algorithms.
 GPU_STEPS, GPU_BLOCK = 150, 10
 GPU_TIMING = (
     f"ResNet-50 under DDP, bf16, a batch of 256 at 224 px kept on the GPU, {GPU_STEPS} steps "
