@@ -16,6 +16,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,11 @@ def pytest_configure(config):
     in every child: give ours back the terminal's default."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # `make train` and `make selftest` write the launcher's code to EXIT_CODE, by default the
+    # repository's .runs/exit-code. Each process of the run (xdist's workers) gets a file of its
+    # own, so that a job of one worker never replaces the code the README's check reads there
+    # (exit_code_of_a_failed_job, which runs with the default) while its job runs.
+    os.environ["EXIT_CODE"] = str(Path(tempfile.mkdtemp(prefix="tmn-exit-code-")) / "exit-code")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
