@@ -218,14 +218,17 @@ class Provisioned:
     inventory: Path
     password: str
     bootstrap: subprocess.CompletedProcess
+    playbook: subprocess.CompletedProcess  # site.yml's first run, during the image's build
     provision: subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="session")
 def fresh_pair(sim_factory, tmp_path_factory):
-    """Two nodes as a fresh install leaves them, taken through `make bootstrap` in a thread of
-    their own (the `provisioned` cluster's first steps, begun by `training_image` so that they
-    run during its build): the future of (cluster, inventory, password, bootstrap's run)."""
+    """Two nodes as a fresh install leaves them, taken through `make bootstrap` and then the
+    playbook `make provision` runs (ansible/site.yml), in a thread of their own: the
+    `provisioned` cluster's first steps, begun by `training_image` so that they run during its
+    build, since none of them needs the image. The future of (cluster, inventory, password,
+    bootstrap's run, the playbook's run or None when bootstrap failed)."""
     here = tmp_path_factory.mktemp("provisioned")
     with ThreadPoolExecutor(1, thread_name_prefix="fresh-pair") as pool:
         yield pool.submit(_bootstrapped_pair, sim_factory, here)
@@ -248,18 +251,34 @@ def _bootstrapped_pair(sim_factory: SimFactory, here: Path):
             for index in (1, 2)
         )
     )
-    return cluster, inventory, password, bootstrap_unattended(inventory, fingerprints, password)
+    bootstrap = bootstrap_unattended(inventory, fingerprints, password)
+    if bootstrap.returncode != 0:
+        return cluster, inventory, password, bootstrap, None
+    playbook = subprocess.run(
+        [str(VENV_BIN / "ansible-playbook"), "-i", str(inventory), "ansible/site.yml"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+        env={**os.environ, "ANSIBLE_CONFIG": "ansible/ansible.cfg"},
+    )
+    return cluster, inventory, password, bootstrap, playbook
 
 
 @pytest.fixture(scope="session")
 def provisioned(fresh_pair, training_image) -> Provisioned:
-    """Shipping the image is most of the time: one cluster for every test of jobs in
-    containers. Tests leave the nodes as they found them (images, mounts, files)."""
-    cluster, inventory, password, bootstrap = fresh_pair.result()
+    """One cluster for every test of jobs in containers: `fresh_pair`'s nodes, bootstrapped
+    and taken through the playbook while the image built, then `make provision` in full as the
+    user runs it (the playbook again, every task already in place, then the image shipped and
+    the versions locked). Tests leave the nodes as they found them (images, mounts, files)."""
+    cluster, inventory, password, bootstrap, playbook = fresh_pair.result()
     if bootstrap.returncode != 0:
         pytest.fail(f"bootstrap failed:\n{bootstrap.stdout}{bootstrap.stderr}", pytrace=False)
+    if playbook.returncode != 0:
+        pytest.fail(f"site.yml failed:\n{playbook.stdout[-6000:]}{playbook.stderr}", pytrace=False)
     provision = make("provision", f"INVENTORY={inventory}")
-    return Provisioned(cluster, inventory, password, bootstrap, provision)
+    return Provisioned(cluster, inventory, password, bootstrap, playbook, provision)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,10 @@
 with jobs in the training image's CPU twin on every node (launch_mode: container): containers
 started by the launcher on each node, not the node's own Python. Last, Ctrl-C at a running
 `make train` leaves no container, process or bound port on any node, and the nodes' password is
-in no output and no file of theirs. The first three steps are the shared `provisioned` cluster's
-(tests/conftest.py); tests/test_bootstrap.py answers bootstrap's prompts at a terminal.
+in no output and no file of theirs. The first two steps are the shared `provisioned` cluster's
+(tests/conftest.py: its playbook's first run goes on during the image's build, before `make
+provision` runs it again and ships); tests/test_bootstrap.py answers bootstrap's prompts at a
+terminal.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import time
@@ -47,11 +50,12 @@ def test_provision_then_train_then_netcheck_in_the_image_on_fresh_nodes(
     """Fresh nodes; an inventory that runs jobs in the test image; then the commands."""
     cluster, inventory = provisioned.cluster, provisioned.inventory
     _bootstrap_gave_the_user_a_key_and_sudo_and_ended_password_login(provisioned)
+    _playbook_then_provision_changed_the_nodes_once(provisioned)
     _provision_builds_and_ships_the_image(cluster, provisioned.provision, training_image)
     outputs = [_make_train_runs_inside_the_image_on_both_nodes(cluster, inventory)]
     outputs.append(_netcheck_passes_in_the_training_image(inventory))
     _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory)
-    for run in (provisioned.bootstrap, provisioned.provision):
+    for run in (provisioned.bootstrap, provisioned.playbook, provisioned.provision):
         outputs.append(run.stdout + run.stderr)
     assert not [text for text in outputs if provisioned.password in text]
     for index in (1, 2):
@@ -72,6 +76,17 @@ def _bootstrap_gave_the_user_a_key_and_sudo_and_ended_password_login(provisioned
     hosts = load(provisioned.inventory).hosts
     logins = [password_login(host, config.known_hosts_path, provisioned.password) for host in hosts]
     assert logins == ["not offered", "not offered"]
+
+
+def _playbook_then_provision_changed_the_nodes_once(provisioned) -> None:
+    """The fixture ran site.yml on the fresh nodes during the image's build, then `make
+    provision`, whose own run of site.yml found every task in place."""
+    changed = r"^(node\d)\s+: ok=\d+\s+changed=(\d+)"
+    first, playbook = re.findall(changed, provisioned.playbook.stdout, re.M), provisioned.playbook
+    assert playbook.returncode == 0, playbook.stdout[-4000:]
+    assert [node for node, count in first if int(count) > 0] == ["node1", "node2"], first
+    again = re.findall(changed, provisioned.provision.stdout, re.M)
+    assert again == [("node1", "0"), ("node2", "0")], provisioned.provision.stdout[-4000:]
 
 
 def _provision_builds_and_ships_the_image(cluster, provision, training_image) -> None:
