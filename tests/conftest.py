@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,7 +68,9 @@ def pytest_configure(config):
     # repository's .runs/exit-code. Each process of the run (xdist's workers) gets a file of its
     # own, so that a job of one worker never replaces the code the README's check reads there
     # (exit_code_of_a_failed_job, which runs with the default) while its job runs.
-    os.environ["EXIT_CODE"] = str(Path(tempfile.mkdtemp(prefix="tmn-exit-code-")) / "exit-code")
+    own = tempfile.mkdtemp(prefix="tmn-exit-code-")
+    config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
+    os.environ["EXIT_CODE"] = str(Path(own) / "exit-code")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
