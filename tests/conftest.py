@@ -21,6 +21,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -35,6 +36,9 @@ from tests.helpers import bootstrap_unattended
 from tests.run_logs import run_logs
 from torch_multinode.cluster import engine
 from torch_multinode.sim import nodes as sim
+
+if TYPE_CHECKING:
+    from tests.ansible.conftest import PlaybookRun
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -221,7 +225,7 @@ class Provisioned:
     inventory: Path
     password: str
     bootstrap: subprocess.CompletedProcess
-    playbook: subprocess.CompletedProcess  # site.yml's first run, during the image's build
+    playbook: PlaybookRun  # site.yml's first run, during the image's build
     provision: subprocess.CompletedProcess
 
 
@@ -257,16 +261,9 @@ def _bootstrapped_pair(sim_factory: SimFactory, here: Path):
     bootstrap = bootstrap_unattended(inventory, fingerprints, password)
     if bootstrap.returncode != 0:
         return cluster, inventory, password, bootstrap, None
-    playbook = subprocess.run(
-        [str(VENV_BIN / "ansible-playbook"), "-i", str(inventory), "ansible/site.yml"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-        env={**os.environ, "ANSIBLE_CONFIG": "ansible/ansible.cfg"},
-    )
-    return cluster, inventory, password, bootstrap, playbook
+    from tests.ansible.conftest import ansible_playbook  # it imports this module
+
+    return cluster, inventory, password, bootstrap, ansible_playbook(inventory, timeout=1800)
 
 
 @pytest.fixture(scope="session")
@@ -279,7 +276,7 @@ def provisioned(fresh_pair, training_image) -> Provisioned:
     if bootstrap.returncode != 0:
         pytest.fail(f"bootstrap failed:\n{bootstrap.stdout}{bootstrap.stderr}", pytrace=False)
     if playbook.returncode != 0:
-        pytest.fail(f"site.yml failed:\n{playbook.stdout[-6000:]}{playbook.stderr}", pytrace=False)
+        pytest.fail(f"site.yml failed:\n{playbook.describe()}", pytrace=False)
     provision = make("provision", f"INVENTORY={inventory}")
     return Provisioned(cluster, inventory, password, bootstrap, playbook, provision)
 

@@ -24,6 +24,20 @@ PLAYBOOKS = Path(__file__).resolve().parent / "playbooks"
 _RECAP_LINE = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$")
 
 
+def recap_of(output: str) -> dict[str, dict[str, int]]:
+    """The last PLAY RECAP's counters by host in a playbook's output (also `make provision`'s):
+    {'node1': {'ok': 40, 'changed': 0, ...}}."""
+    _, _, tail = output.rpartition("PLAY RECAP")
+    counters = {}
+    for line in tail.splitlines():
+        match = _RECAP_LINE.match(line.strip())
+        if match:
+            counters[match[1]] = {
+                key: int(value) for key, value in (pair.split("=") for pair in match[2].split())
+            }
+    return counters
+
+
 @dataclass
 class PlaybookRun:
     command: list[str]
@@ -33,16 +47,7 @@ class PlaybookRun:
 
     @property
     def recap(self) -> dict[str, dict[str, int]]:
-        """PLAY RECAP counters by host: {'node1': {'ok': 40, 'changed': 0, ...}}."""
-        _, _, tail = self.output.rpartition("PLAY RECAP")
-        counters = {}
-        for line in tail.splitlines():
-            match = _RECAP_LINE.match(line.strip())
-            if match:
-                counters[match[1]] = {
-                    key: int(value) for key, value in (pair.split("=") for pair in match[2].split())
-                }
-        return counters
+        return recap_of(self.output)
 
     def changed(self) -> dict[str, int]:
         return {host: counts["changed"] for host, counts in self.recap.items()}
