@@ -32,7 +32,7 @@ import pytest
 import torch._dynamo  # noqa: F401
 import yaml
 
-from tests.helpers import bootstrap_unattended
+from tests.helpers import bootstrap_unattended, on_node
 from tests.run_logs import run_logs
 from torch_multinode.cluster import engine
 from torch_multinode.sim import nodes as sim
@@ -263,7 +263,24 @@ def _bootstrapped_pair(sim_factory: SimFactory, here: Path):
         return cluster, inventory, password, bootstrap, None
     from tests.ansible.conftest import ansible_playbook  # it imports this module
 
-    return cluster, inventory, password, bootstrap, ansible_playbook(inventory, timeout=1800)
+    playbook = ansible_playbook(inventory, timeout=1800)
+    if playbook.returncode == 0:
+        _install_slurm_packages(cluster)
+    return cluster, inventory, password, bootstrap, playbook
+
+
+def _install_slurm_packages(cluster: sim.SimCluster) -> None:
+    """Slurm's packages on the pair, as the slurm role's first change installs them (node1 the
+    controller): the longest part of that role, done during the image's build. The role itself
+    still runs on nodes that ran containers (tests/launch/test_slurm_jobs.py), and configures
+    and starts every daemon; only its apt task then finds the packages there."""
+    defaults = yaml.safe_load((REPO_ROOT / "ansible/roles/slurm/defaults/main.yml").read_text())
+    for index in (1, 2):
+        names = defaults["slurm_node_packages"]
+        if index == 1:
+            names = [*defaults["slurm_controller_packages"], *names]
+        packages = " ".join(sorted(set(names)))
+        on_node(cluster, index, f"DEBIAN_FRONTEND=noninteractive apt-get install -y -q {packages}")
 
 
 @pytest.fixture(scope="session")
@@ -277,6 +294,12 @@ def provisioned(fresh_pair, training_image) -> Provisioned:
         pytest.fail(f"bootstrap failed:\n{bootstrap.stdout}{bootstrap.stderr}", pytrace=False)
     if playbook.returncode != 0:
         pytest.fail(f"site.yml failed:\n{playbook.describe()}", pytrace=False)
+    # The `image` group's worker decides the run's length (CONTRIBUTING.md, "Time and disk"),
+    # and from here on nearly all of its work runs in these two nodes: when the cores are
+    # contended, they get CPU before other workers' containers (four times the weight; other
+    # groups end minutes earlier). Only a weight: where the engine cannot set it, as it was.
+    for index in (1, 2):
+        sim.docker("update", "--cpu-shares", "4096", cluster.config.container(index), check=False)
     provision = make("provision", f"INVENTORY={inventory}")
     return Provisioned(cluster, inventory, password, bootstrap, playbook, provision)
 
