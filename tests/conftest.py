@@ -233,8 +233,8 @@ class Provisioned:
 def fresh_pair(sim_factory, tmp_path_factory):
     """Two nodes as a fresh install leaves them, taken through `make bootstrap` and then the
     playbook `make provision` runs (ansible/site.yml), in a thread of their own: the
-    `provisioned` cluster's first steps, begun by `training_image` so that they run during its
-    build, since none of them needs the image. The future of (cluster, inventory, password,
+    `provisioned` cluster's first steps (and Slurm's packages, for the Slurm tests), begun by
+    `training_image` so that they run during its build, since none of them needs the image. The future of (cluster, inventory, password,
     bootstrap's run, the playbook's run or None when bootstrap failed)."""
     here = tmp_path_factory.mktemp("provisioned")
     with ThreadPoolExecutor(1, thread_name_prefix="fresh-pair") as pool:
@@ -270,10 +270,10 @@ def _bootstrapped_pair(sim_factory: SimFactory, here: Path):
 
 
 def _install_slurm_packages(cluster: sim.SimCluster) -> None:
-    """Slurm's packages on the pair, as the slurm role's first change installs them (node1 the
-    controller): the longest part of that role, done during the image's build. The role itself
-    still runs on nodes that ran containers (tests/launch/test_slurm_jobs.py), and configures
-    and starts every daemon; only its apt task then finds the packages there."""
+    """Slurm's packages on the pair, the ones the slurm role's apt task installs (node1 the
+    controller), during the image's build instead of in the Slurm tests' fixture. The role
+    itself still runs there, on nodes that ran containers (tests/launch/test_slurm_jobs.py),
+    and configures and starts every daemon; only its apt task then finds the packages."""
     defaults = yaml.safe_load((REPO_ROOT / "ansible/roles/slurm/defaults/main.yml").read_text())
     for index in (1, 2):
         names = defaults["slurm_node_packages"]
