@@ -234,8 +234,9 @@ def fresh_pair(sim_factory, tmp_path_factory):
     """Two nodes as a fresh install leaves them, taken through `make bootstrap` and then the
     playbook `make provision` runs (ansible/site.yml), in a thread of their own: the
     `provisioned` cluster's first steps (and Slurm's packages, for the Slurm tests), begun by
-    `training_image` so that they run during its build, since none of them needs the image. The future of (cluster, inventory, password,
-    bootstrap's run, the playbook's run or None when bootstrap failed)."""
+    `training_image` so that they run during its build, since none of them needs the image.
+    The future of (cluster, inventory, password, bootstrap's run, the playbook's run or None
+    when bootstrap failed)."""
     here = tmp_path_factory.mktemp("provisioned")
     with ThreadPoolExecutor(1, thread_name_prefix="fresh-pair") as pool:
         yield pool.submit(_bootstrapped_pair, sim_factory, here)
