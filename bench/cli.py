@@ -218,18 +218,22 @@ def _on_the_bench_cluster(
         if "image" in only:
             image = load(containers).training_image
             data["image"] = shipping.measure_image(containers, image, args.image_reps, progress)
+        four = None  # 4 nodes provisioned for jobs in containers
         if "hang" in only:
             four = measure.provision_containers(inventory, args.training_image, progress, nodes=4)
             data["hang"] = hang.measure_hang(four, args.reps, progress)
         if "lock" in only:  # on the 4 nodes as they are: the probe reads what it finds
             data["lock"] = lock.measure_lock(inventory, args.reps, progress)
         if "nodeloss" in only:  # last: it kills node3 (and brings it back)
-            train = Path(sys.executable).parent / "train"
-            data["replication"] = nodeloss.measure_replication(
-                inventory, args.reps, progress, train
+            # In the training image, as jobs run on real clusters: the hang section's 4 nodes
+            # when it ran (the fourth a spare), else the 3 provisioned here.
+            nodes = four or measure.provision_containers(
+                inventory, args.training_image, progress, nodes=3
             )
+            train = Path(sys.executable).parent / "train"
+            data["replication"] = nodeloss.measure_replication(nodes, args.reps, progress, train)
             data["nodeloss"] = nodeloss.measure_node_loss(
-                inventory, config, nnodes, args.link, args.reps, progress, train
+                nodes, config, nnodes, args.link, args.reps, progress, train
             )
     finally:
         sim.down(config)

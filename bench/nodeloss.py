@@ -1,5 +1,6 @@
 """15. A node lost for good (issue 31): the time from a node's death to the first step of the job
-on its new world, with RESTARTS=1 MIN_NODES=2 on 3 nodes (host mode), against the budget of
+on its new world, with RESTARTS=1 MIN_NODES=2 on 3 nodes, the jobs in the training image
+(launch_mode: container, provisioned by `make provision`), against the budget of
 the grace (--restart-wait) + 60 s. On the bench's 4-node cluster the fourth node is a spare,
 which takes the dead node's place; on 3 nodes the job goes on on 2. Which happened is said.
 
@@ -96,7 +97,8 @@ def per_checkpoint(on: float, off: float, written: int) -> tuple[float, float]:
 
 
 def _one_job(train: Path, inventory: Path, replicas: bool) -> list[tuple[float, str]]:
-    directory = f"/var/tmp/bench-replicas-{uuid.uuid4().hex[:8]}"  # node-local: each its own
+    # Under checkpoint_root, on each node's own disk (mounted into the job's container).
+    directory = f"bench-replicas-{uuid.uuid4().hex[:8]}"
     proc = subprocess.Popen(
         [str(train), "-i", str(inventory), "--nnodes", str(NODELOSS_NODES)]
         + ["--module", "training.fsdp", "--", *REPLICATION_JOB, "--checkpoint-dir", directory]
@@ -163,7 +165,7 @@ def death_to_first_step(lines: list[tuple[float, str]]) -> tuple[float | None, s
 
 def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple[float, str]]:
     """One job on NODELOSS_NODES nodes, node3 killed after step 12: its lines timed from the kill."""
-    directory = f"/var/tmp/bench-checkpoints-{uuid.uuid4().hex[:8]}"
+    directory = f"bench-checkpoints-{uuid.uuid4().hex[:8]}"  # under checkpoint_root
     proc = subprocess.Popen(
         [str(train), "-i", str(inventory), "--nnodes", str(NODELOSS_NODES), "--restarts", "1"]
         + ["--restart-wait", str(NODELOSS_GRACE), "--min-nodes", str(NODELOSS_NODES - 1), "--"]
@@ -203,6 +205,12 @@ def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple
     return lines
 
 
+def _node3_back(nnodes: int, link: str | None, config: sim.SimConfig) -> None:
+    """node3 started again, its Docker engine answering: the next job runs in containers."""
+    sim.up(nnodes, link, config)
+    sim.wait_for_engine(config, 3)
+
+
 def measure_node_loss(
     inventory: Path,
     config: sim.SimConfig,
@@ -219,7 +227,7 @@ def measure_node_loss(
     try:
         for rep in range(reps):
             took, became = death_to_first_step(_one_loss(train, inventory, config))
-            sim.up(nnodes, link, config)  # node3 back, as the next section expects it
+            _node3_back(nnodes, link, config)
             if took is None:
                 raise RuntimeError("nodeloss: no step line after the restart")
             seconds.append(took)
@@ -229,7 +237,7 @@ def measure_node_loss(
                 f"after node3's death (--restart-wait {NODELOSS_GRACE}); {became}"
             )
     finally:
-        sim.up(nnodes, link, config)
+        _node3_back(nnodes, link, config)
     return {
         "nodes": NODELOSS_NODES,
         "cluster_nodes": nnodes,

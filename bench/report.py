@@ -70,13 +70,13 @@ TARGETS = {
         "<= 1.00",
     ),
     "nodeloss_3": (
-        "a node lost for good (RESTARTS=1 MIN_NODES=2, 3 nodes, host mode): seconds from its "
-        "death to the first step on the new world / (--restart-wait + 60 s)",
+        "a node lost for good (RESTARTS=1 MIN_NODES=2, 3 nodes, in containers): seconds from "
+        "its death to the first step on the new world / (--restart-wait + 60 s)",
         "<= 1.00",
     ),
     "replication_3": (
-        "training.fsdp's checkpoint replicas (3 nodes, node-local disks, host mode): step time "
-        "with one checkpoint a minute, replicas on / off",
+        "training.fsdp's checkpoint replicas (3 nodes, node-local disks, in containers): step "
+        "time with one checkpoint a minute, replicas on / off",
         "<= 1.05",
     ),
     "flight_step": (

@@ -34,7 +34,7 @@ def nodeloss_lines(found: dict, replication: dict | None = None) -> list[str]:
     return [
         "",
         f"## 15. A node lost for good ({found['nodes']} nodes of {found['cluster_nodes']}, "
-        "host mode)",
+        "in containers)",
         "",
         f"RESTARTS=1 MIN_NODES={found['nodes'] - 1}, --restart-wait {found['grace']:g} s; node3 "
         "killed after step 12 and left dead. Timed from the kill to the first step line of the "

@@ -482,6 +482,22 @@ def _node_state(container: str) -> str:
     return f"container {container} is {state.stdout.strip() or 'gone'}, its last log lines: {lines}"
 
 
+def wait_for_engine(config: SimConfig, index: int, limit: float = 180.0) -> None:
+    """Until node `index`'s Docker engine answers: a node started again after a kill starts
+    its engine (when provisioning installed one) after its sshd, so SSH alone says too early
+    that the node can run jobs in containers."""
+    container, deadline = config.container(index), time.monotonic() + limit
+    while docker("exec", container, "docker", "info", check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            log = docker("exec", container, "tail", "-n", "20", "/var/log/dockerd.log", check=False)
+            raise UserError(
+                f"node{index}'s Docker engine did not answer within {limit:.0f} s; its log ends:"
+                f" {' | '.join(log.stdout.strip().splitlines()[-5:]) or 'nothing'}",
+                exit_code=1,
+            )
+        time.sleep(1)
+
+
 @dataclass
 class Removed:
     containers: int

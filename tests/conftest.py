@@ -10,6 +10,7 @@ SIM_TEST_OCTET move a whole run elsewhere when two runs must go on side by side.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import secrets
@@ -183,19 +184,31 @@ def sim2(sim_factory):
 
 
 @pytest.fixture(scope="session")
-def training_image(sim_factory, request):
+def training_image(sim_factory, request, tmp_path_factory):
     """The CPU twin of the training image, built once per run (about 6 minutes the first time,
     seconds when the layers are cached). Where this run's tests use the `provisioned` cluster,
     its nodes come up and go through bootstrap meanwhile (`fresh_pair`): neither needs the
     image, and the `image` group's worker then spends the build's minutes on both."""
-    from torch_multinode.provision import images
-
     if any("provisioned" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("fresh_pair")
-    return images.build("cpu", TEST_IMAGE, progress=lambda _: None)
+    return build_training_image(tmp_path_factory)
 
 
 TEST_IMAGE = "torch-multinode/train:test"
+
+
+def build_training_image(tmp_path_factory):
+    """The CPU twin (TEST_IMAGE), built by one worker at a time: the `image` group's and the
+    node-loss cluster's workers both need it, and the second to come waits on a lock held by
+    the first, then finds every layer cached (images.build says up to date in a second)."""
+    from torch_multinode.provision import images
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, shared by its workers
+    with open(root / "training-image.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return images.build("cpu", TEST_IMAGE, progress=lambda _: None)
 
 
 @pytest.fixture(scope="session")

@@ -100,6 +100,16 @@ def on_node(cluster: sim.SimCluster, index: int, command: str, check: bool = Tru
     return sim.docker("exec", container, "sh", "-c", command, check=check).stdout
 
 
+def no_containers_left(cluster: sim.SimCluster, indices) -> None:
+    """No container on nodes `indices` (each given up to a minute to remove a job's)."""
+    for index in indices:
+        for _ in range(60):
+            if not on_node(cluster, index, "docker ps -aq").strip():
+                break
+            time.sleep(1)
+        assert on_node(cluster, index, "docker ps -aq").strip() == "", f"node{index}"
+
+
 def start_train(inventory: Path, *variables: str, env: dict | None = None) -> subprocess.Popen:
     """`make train INVENTORY=... NNODES=2 VARIABLES` started, its output read as it comes (in a
     session of its own: os.killpg presses Ctrl-C as a terminal does)."""

@@ -48,6 +48,7 @@ from tests.helpers import (
     interrupt,
     leftovers,
     namesake_project,
+    no_containers_left,
     on_node,
     read_until,
     run_id_in,
@@ -159,15 +160,7 @@ def _bring_back(provisioned, index: int) -> None:
     answers as well as its SSH (a rebooted node is used once it has booted). The shared
     cluster's nodes began as fresh installs (FRESH=1), which sim-up must be told again."""
     sim.up(2, None, provisioned.cluster.config, fresh=True)
-    for _ in range(180):
-        if on_node(
-            provisioned.cluster, index, "docker info >/dev/null 2>&1 && echo up", False
-        ).strip():
-            break
-        subprocess.run(["sleep", "1"], check=True)
-    else:
-        log = on_node(provisioned.cluster, index, "tail -n 20 /var/log/dockerd.log", False)
-        raise AssertionError(f"node{index}'s Docker engine did not come back:\n{log}")
+    sim.wait_for_engine(provisioned.cluster.config, index)
     # As a rebooted host does, the node kept what provisioning gave it: its name, the other
     # nodes' names in /etc/hosts, its firewall (later tests of this cluster rely on them).
     booted = on_node(
@@ -180,12 +173,7 @@ def _bring_back(provisioned, index: int) -> None:
 
 
 def _no_containers_left(provisioned) -> None:
-    for index in (1, 2):
-        deadline = 60
-        while on_node(provisioned.cluster, index, "docker ps -aq").strip() and deadline:
-            deadline -= 1
-            subprocess.run(["sleep", "1"], check=True)
-        assert on_node(provisioned.cluster, index, "docker ps -aq").strip() == "", index
+    no_containers_left(provisioned.cluster, (1, 2))
 
 
 def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_next_time(

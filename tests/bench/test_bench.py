@@ -551,7 +551,7 @@ def test_a_lost_nodes_figure_is_from_its_death_to_the_first_step_of_the_restarte
     assert report.meets("nodeloss_3", 1.2) != "meets"
     report.write(data, tmp_path)
     text = (tmp_path / "bench.md").read_text()
-    assert "## 15. A node lost for good (3 nodes of 4, host mode)" in text
+    assert "## 15. A node lost for good (3 nodes of 4, in containers)" in text
     assert (
         "- what became of node3: node3 lost at restart 1 after step 13: replaced by spare" in text
     )

@@ -1,24 +1,25 @@
-"""Losing a node is not losing the run (issue 31), on 3 simulated nodes: with RESTARTS and
-MIN_NODES, a node killed and left dead is dropped and the job goes on on the others from their
-newest common checkpoint, with the first run's global batch (TMN_PLANNED_WORLD_SIZE); with a
-spare (NNODES below the inventory's count, with RESTARTS alone), the spare takes the lost
-node's place. training.fsdp's sharded checkpoints on node-local disks survive a node lost with
-its disk: each node's files are copied to the next node after each checkpoint.
-
-Host mode: the nodes run the jobs from this checkout's environment, as in test_faults. The
-last test sets Slurm up on the three nodes and proves the spare through it.
+"""Losing a node is not losing the run (issue 31), on 3 simulated nodes that run their jobs in
+the training image (launch_mode: container, as real clusters do): with RESTARTS and MIN_NODES,
+a node killed and left dead is dropped and the job goes on on the others from their newest
+common checkpoint, with the first run's global batch (TMN_PLANNED_WORLD_SIZE); with a spare
+(NNODES below the inventory's count, with RESTARTS alone), the spare takes the lost node's
+place. training.fsdp's sharded checkpoints on node-local disks survive a node lost with its
+disk: each node's files are copied to the next node after each checkpoint. The last test sets
+Slurm up on the three nodes and proves the spare through it.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.ansible.conftest import ansible_playbook, read_inventory, write_inventory
-from tests.conftest import REPO_ROOT
-from tests.helpers import leftovers, run_id_in
+from tests.conftest import REPO_ROOT, TEST_IMAGE, build_training_image
+from tests.helpers import leftovers, no_containers_left, run_id_in
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -32,6 +33,7 @@ from tests.training.conftest import (
 from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
 from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT
 from torch_multinode.sim import nodes as sim
 
 STEPS = 15
@@ -54,16 +56,79 @@ THREE = _with(TINY, global_batch_size="48", log_every="1")
 
 
 @pytest.fixture(scope="module")
-def sim3(sim_factory):
+def sim3(sim_factory, tmp_path_factory):
+    """3 nodes whose jobs run in the CPU twin (TEST_IMAGE), readied by the roles jobs need.
+    The image is loaded into node1's engine; node2's and node3's engines start on a copy of
+    node1's image store whose layer files are hard links to node1's. That is this module's
+    set-up only: two more `docker load`s would take 4.3 GB of disk and two minutes of CPU
+    each, and shipping to nodes is tested on its own (tests/test_image_shipping.py)."""
     cluster = sim_factory.up(3)
-    yield cluster
+    document = read_inventory(cluster.config.inventory_path)
+    document["all"]["vars"].update(
+        launch_mode="container", training_image=TEST_IMAGE, container_mounts=["/shared"]
+    )
+    inventory = write_inventory(document, tmp_path_factory.mktemp("sim3") / "inventory.yml")
+    _container_roles(inventory, "node1")
+    image = build_training_image(tmp_path_factory)  # waits while another worker builds it
+    save = subprocess.Popen(["docker", "save", image.tag], stdout=subprocess.PIPE)
+    load = subprocess.run(
+        ["docker", "exec", "-i", cluster.config.container(1), "docker", "load"],
+        stdin=save.stdout,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    save.stdout.close()
+    assert save.wait() == 0 and load.returncode == 0, load.stderr
+    _clone_image_store(cluster, 1, (2, 3))
+    _container_roles(inventory, "node2,node3")
+    yield cluster, inventory
     sim_factory.down(cluster)
+
+
+def _container_roles(inventory: Path, hosts: str) -> None:
+    """What jobs in containers need of `make provision` on `hosts`: the engine, NCCL's
+    configuration file, the checkpoint and data directories."""
+    run = ansible_playbook(inventory, "--tags", "docker,nccl_config,job_storage", "--limit", hosts)
+    assert run.returncode == 0, run.describe()
+
+
+def _clone_image_store(cluster, source: int, targets: tuple[int, ...]) -> None:
+    """Node `source`'s image store (/var/lib/docker's image metadata and overlay2 layers) into
+    the empty engine volumes of `targets`, whose engines are not installed yet: the metadata
+    copied, the layer files hard-linked (layers are never written once unpacked; a container
+    writes to a directory of its own)."""
+    volumes = {
+        index: Path(
+            sim.docker(
+                "volume", "inspect", "--format", "{{.Mountpoint}}", cluster.config.volume(index)
+            ).stdout.strip()
+        )
+        for index in (source, *targets)
+    }
+    root = volumes[source].parent.parent  # the host engine's directory of volumes
+    assert all(path.parent.parent == root for path in volumes.values()), volumes
+    within = {index: f"/volumes/{path.relative_to(root)}" for index, path in volumes.items()}
+    copy = " && ".join(
+        f"cp -a {within[source]}/image {within[index]}/ && "
+        f"cp -al {within[source]}/overlay2 {within[index]}/"
+        for index in targets
+    )
+    sim.docker("run", "--rm", "-v", f"{root}:/volumes", sim.NODE_IMAGE, "sh", "-c", copy)
+
+
+def _all_back(sim3) -> None:
+    """The nodes the tests before killed, started again, their engines answering."""
+    cluster, _ = sim3
+    sim.up(3, None, cluster.config)
+    for index in (1, 2, 3):
+        sim.wait_for_engine(cluster.config, index)
 
 
 @pytest.fixture
 def start(sim3):
     """start(*args) -> the launcher running a job on sim3 (stopped at teardown if still on)."""
-    with launches(sim3) as launch:
+    with launches(*sim3) as launch:
         yield launch
 
 
@@ -76,13 +141,20 @@ def _losses(text: str, prefix: str = "") -> dict[int, float]:
     }
 
 
+def _checkpoints() -> tuple[str, str]:
+    """A new --checkpoint-dir (under checkpoint_root, mounted into the job's container), and
+    where it is on each node's own disk."""
+    name = f"node-loss-{uuid.uuid4().hex[:8]}"
+    return name, f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
+
+
 def _a_spare_takes_the_lost_nodes_place(
-    sim3, start, inventory, reference_ddp, tmp_path, timeout: float = 300
+    cluster, start, inventory, reference_ddp, tmp_path, timeout: float = 300
 ) -> str:
     """NNODES=2 of 3 with restarts: node3 is the spare. node2 dies after its step-8 checkpoint
     and stays dead; node3 takes its place and the job ends on the uninterrupted run's
     parameters. The launcher's whole output."""
-    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
+    name, directory = _checkpoints()
     out = f"/shared/{uuid.uuid4().hex}/model.pt"
     process = start(
         "--nnodes",
@@ -95,7 +167,7 @@ def _a_spare_takes_the_lost_nodes_place(
         *TINY,
         *CHECKPOINTING,
         "--checkpoint-dir",
-        directory,
+        name,
         "--log-every",
         "1",
         "--step-delay",
@@ -105,7 +177,7 @@ def _a_spare_takes_the_lost_nodes_place(
     )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +9/"))
     first = run_id_in(seen)
-    output = kill_node(process, sim3.config.container(2))
+    output = kill_node(process, cluster.config.container(2))
     output.end(timeout=timeout)
     text = output.text
     assert process.returncode == 0, output.stamped[-4000:]
@@ -123,12 +195,13 @@ def _a_spare_takes_the_lost_nodes_place(
         "[node1] resuming from step 8, the newest step every rank with checkpoints has (rank 0 "
         "has 4, 8; rank 1 has none); rank 0 sends its state to rank 1, whose node holds none"
     ) in rest.splitlines(), rest[-3000:]
-    sim.docker("cp", f"{sim3.config.container(1)}:{out}", str(tmp_path / "model.pt"))
+    sim.docker("cp", f"{cluster.config.container(1)}:{out}", str(tmp_path / "model.pt"))
     assert max_difference(load_state(tmp_path / "model.pt"), reference_ddp.state) < 1e-6
     nodes = load(inventory)
     assert leftovers(nodes, f"{first}-r1", nodes.hosts[::2]) == {"node1": "", "node3": ""}
+    no_containers_left(cluster, (1, 3))
     for index in (1, 3):
-        _on_node(sim3, index, f"rm -rf {directory}", check=False)
+        _on_node(cluster, index, f"rm -rf {directory}", check=False)
     return seen + text
 
 
@@ -136,19 +209,18 @@ def _a_spare_takes_the_lost_nodes_place(
 def test_a_spare_takes_the_place_of_a_node_lost_for_good_and_the_job_ends_as_uninterrupted(
     sim3, start, reference_ddp, tmp_path
 ):
-    _a_spare_takes_the_lost_nodes_place(
-        sim3, start, sim3.config.inventory_path, reference_ddp, tmp_path
-    )
+    cluster, inventory = sim3
+    _a_spare_takes_the_lost_nodes_place(cluster, start, inventory, reference_ddp, tmp_path)
 
 
 @pytest.mark.sim
 def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathematics(
     sim3, start, tmp_path
 ):
-    # node2 of the module's cluster died in the test before: bring it back for three nodes.
-    sim.up(3, None, sim3.config)
-    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"
-    job = [*THREE, "--steps", str(STEPS), "--checkpoint-every", "5", "--checkpoint-dir", directory]
+    _all_back(sim3)  # node2 died in the test before
+    cluster, _ = sim3
+    name, directory = _checkpoints()
+    job = [*THREE, "--steps", str(STEPS), "--checkpoint-every", "5", "--checkpoint-dir", name]
     process = start(
         *GO_ON_WITH_TWO,
         "--",
@@ -158,7 +230,7 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
     )
     seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))  # step 10 saved everywhere
     first = run_id_in(seen)
-    output = kill_node(process, sim3.config.container(3))  # and left dead
+    output = kill_node(process, cluster.config.container(3))  # and left dead
     reference = run_command(
         torchrun_command("training.ddp", *THREE, "--steps", str(STEPS), nproc=3),
         tmp_path,
@@ -187,10 +259,13 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
     assert sorted(resumed) == list(range(11, STEPS + 1)), rest[-3000:]
     for step, loss in resumed.items():
         assert abs(loss - expected[step]) <= 2e-4, (step, loss, expected[step])
-    assert leftovers(sim3.inventory, f"{first}-r1", sim3.inventory.hosts[:2]) == {
+    assert leftovers(cluster.inventory, f"{first}-r1", cluster.inventory.hosts[:2]) == {
         "node1": "",
         "node2": "",
     }
+    no_containers_left(cluster, (1, 2))
+    for index in (1, 2):
+        _on_node(cluster, index, f"rm -rf {directory}", check=False)
 
 
 # training.fsdp's small GPT: 6 sequences a step, 2 per rank on 3 nodes, 3 on the 2 left.
@@ -202,8 +277,9 @@ _FSDP_LOSS = re.compile(r"^\[node1\] step +(\d+)/\d+  loss ([\d.]+)", re.M)
 def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the_others(
     sim3, start, tmp_path
 ):
-    sim.up(3, None, sim3.config)  # the nodes the tests before killed, back
-    directory = f"/var/tmp/checkpoints-{uuid.uuid4().hex[:8]}"  # node-local: each node's disk
+    _all_back(sim3)
+    cluster, _ = sim3
+    name, directory = _checkpoints()  # node-local: each node's own disk
     process = start(
         "--module",
         "training.fsdp",
@@ -211,7 +287,7 @@ def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the
         "--",
         *FSDP,
         "--checkpoint-dir",
-        directory,
+        name,
         "--step-delay",
         "0.3",
     )
@@ -221,8 +297,8 @@ def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the
         f"[node1] checkpoint step 10 written to {directory}/step-00000010 (node-local disks: "
         "each node holds its own ranks' shards, copied to the next node in the background)"
     ) in seen.splitlines(), seen[-3000:]
-    _on_node(sim3, 3, f"rm -rf {directory}")  # node3's disk wiped, then the node killed
-    output = kill_node(process, sim3.config.container(3))
+    _on_node(cluster, 3, f"rm -rf {directory}")  # node3's disk wiped, then the node killed
+    output = kill_node(process, cluster.config.container(3))
     output.end(timeout=300)
     text = output.text
     assert process.returncode == 0, output.stamped[-4000:]
@@ -245,7 +321,7 @@ def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the
     # one directory both see, keeping the 3 planned ranks' batch.
     shared = tmp_path / "shared"
     shared.mkdir()
-    sim.docker("cp", f"{sim3.config.container(1)}:{directory}/step-00000010", str(shared))
+    sim.docker("cp", f"{cluster.config.container(1)}:{directory}/step-00000010", str(shared))
     reference = run_command(
         torchrun_command("training.fsdp", *FSDP, "--checkpoint-dir", str(shared), nproc=2),
         tmp_path,
@@ -258,21 +334,23 @@ def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the
     assert sorted(resumed) == sorted(expected) == list(range(11, STEPS + 1)), rest[-3000:]
     for step, loss in resumed.items():
         assert abs(loss - expected[step]) <= 1e-4, (step, loss, expected[step])
-    assert leftovers(sim3.inventory, f"{first}-r1", sim3.inventory.hosts[:2]) == {
+    assert leftovers(cluster.inventory, f"{first}-r1", cluster.inventory.hosts[:2]) == {
         "node1": "",
         "node2": "",
     }
+    no_containers_left(cluster, (1, 2))
     for index in (1, 2):
-        _on_node(sim3, index, f"rm -rf {directory}", check=False)
+        _on_node(cluster, index, f"rm -rf {directory}", check=False)
 
 
 @pytest.fixture
 def slurm3(sim3, tmp_path):
     """sim3's inventory with scheduler: slurm, Slurm set up on its three nodes (node1 its
     controller); its daemons stopped again at the end, and the munge key made for it removed."""
-    sim.up(3, None, sim3.config)  # the nodes the tests before killed, back
+    _all_back(sim3)
+    cluster, container_inventory = sim3
     name = f"tmn-test-{uuid.uuid4().hex[:8]}"
-    document = read_inventory(sim3.config.inventory_path)
+    document = read_inventory(container_inventory)
     document["all"]["vars"]["scheduler"] = "slurm"
     inventory = write_inventory(document, tmp_path / "slurm.yml")
     try:
@@ -284,7 +362,7 @@ def slurm3(sim3, tmp_path):
     finally:
         for index in (1, 2, 3):
             _on_node(
-                sim3, index, "pkill -x slurmctld; pkill -x slurmd; pkill -x munged", check=False
+                cluster, index, "pkill -x slurmctld; pkill -x slurmd; pkill -x munged", check=False
             )
         (REPO_ROOT / ".slurm" / f"{name}.munge.key").unlink(missing_ok=True)
 
@@ -295,10 +373,11 @@ def test_under_slurm_a_spare_takes_the_place_of_a_node_lost_for_good(
 ):
     # The same through Slurm: the launcher cancels the job (it holds the lost node) and submits
     # a new one on node1 and the spare node3.
-    with launches(sim3, slurm3) as start:
+    cluster, _ = sim3
+    with launches(cluster, slurm3) as start:
         text = _a_spare_takes_the_lost_nodes_place(
-            sim3, start, slurm3, reference_ddp, tmp_path, timeout=400
+            cluster, start, slurm3, reference_ddp, tmp_path, timeout=400
         )
     assert len(re.findall(r"\[launcher\] Slurm job \d+ submitted", text)) == 2, text
     assert re.search(r"\[launcher\] Slurm job \d+ runs on node\[1,3\]", text), text
-    assert _on_node(sim3, 1, "squeue --noheader", check=False).strip() == ""
+    assert _on_node(cluster, 1, "squeue --noheader", check=False).strip() == ""
