@@ -172,10 +172,6 @@ def _bring_back(provisioned, index: int) -> None:
     assert booted.split("\n")[:3] == [f"node{index}", "2", "Status: active"], booted
 
 
-def _no_containers_left(provisioned) -> None:
-    no_containers_left(provisioned.cluster, (1, 2))
-
-
 def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_next_time(
     provisioned, tmp_path
 ):
@@ -244,7 +240,7 @@ def test_a_project_of_several_files_runs_in_the_containers_and_its_edit_runs_nex
     image = sim.docker("image", "inspect", "--format", "{{.Id}}", "torch-multinode/train:test")
     assert remembered["image"] == {"name": "torch-multinode/train:test", "id": image.stdout.strip()}
     # The containers are gone; the checkpoints are on each node's disk.
-    _no_containers_left(provisioned)
+    no_containers_left(provisioned.cluster, (1, 2))
     for index, rank in ((1, 0), (2, 1)):
         kept = on_node(
             provisioned.cluster,
@@ -468,7 +464,7 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
             os.killpg(held.pid, signal.SIGKILL)
     interrupted = run_id_in(seen)
     assert f"Job {interrupted} interrupted" in rest, rest[-3000:]
-    _no_containers_left(provisioned)
+    no_containers_left(provisioned.cluster, (1, 2))
 
     # One table, newest first (other workers' runs may stand between these four).
     table = make("runs", timeout=120).stdout.splitlines()
@@ -613,7 +609,7 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_ends_on_the_other_as_uninte
     assert re.findall(r"\[node1\] resuming from step (\d+)", again) == ["8"], again[-3000:]
     assert "[node2]" not in again, again[-3000:]
     _out_as_uninterrupted(provisioned, reference_ddp, first, checkpoints, 1e-5)
-    _no_containers_left(provisioned)
+    no_containers_left(provisioned.cluster, (1, 2))
 
 
 def _out_as_uninterrupted(provisioned, reference_ddp, run_id, checkpoints, within) -> None:
@@ -752,7 +748,7 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
         remembered = run_record(run_id)
         assert (remembered["result"], remembered["exit_code"]) == ("interrupted", 130)
         assert leftovers(load(provisioned.inventory), run_id) == {"node1": "", "node2": ""}
-        _no_containers_left(provisioned)
+        no_containers_left(provisioned.cluster, (1, 2))
         # Step 4 is complete on each node's disk; step 8 never got its name.
         for index, rank in ((1, 0), (2, 1)):
             written = sorted(on_node(provisioned.cluster, index, f"ls -A {directory}").split())
@@ -921,7 +917,7 @@ def test_a_project_with_packages_named_like_ours_runs_unchanged_in_the_container
     WORKDIR=, and our training.ddp with that WORKDIR."""
     root = namesake_project(tmp_path / "namesake")
     check_namesake_project_runs(lambda *variables: _train(provisioned, *variables), root)
-    _no_containers_left(provisioned)
+    no_containers_left(provisioned.cluster, (1, 2))
 
 
 def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configuration(provisioned):
