@@ -10,16 +10,18 @@ Slurm up on the three nodes and proves the spare through it.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import uuid
-from pathlib import Path
+import warnings
 
 import pytest
 
 from tests.ansible.conftest import ansible_playbook, read_inventory, write_inventory
 from tests.conftest import REPO_ROOT, TEST_IMAGE, build_training_image
 from tests.helpers import leftovers, no_containers_left, run_id_in
+from tests.shared_layers import link_image
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -58,21 +60,36 @@ THREE = _with(TINY, global_batch_size="48", log_every="1")
 @pytest.fixture(scope="module")
 def sim3(sim_factory, tmp_path_factory):
     """3 nodes whose jobs run in the CPU twin (TEST_IMAGE), readied by the roles jobs need.
-    The image is loaded into node1's engine; node2's and node3's engines start on a copy of
-    node1's image store whose layer files are hard links to node1's. That is this module's
-    set-up only: two more `docker load`s would take 4.3 GB of disk and two minutes of CPU
-    each, and shipping to nodes is tested on its own (tests/test_image_shipping.py)."""
+    Their engines start with the twin already in their store, as hard links to this machine's
+    copy (tests/shared_layers.py); a node whose engine then does not hold it gets it by
+    `docker load`."""
     cluster = sim_factory.up(3)
     document = read_inventory(cluster.config.inventory_path)
     document["all"]["vars"].update(
         launch_mode="container", training_image=TEST_IMAGE, container_mounts=["/shared"]
     )
     inventory = write_inventory(document, tmp_path_factory.mktemp("sim3") / "inventory.yml")
-    _container_roles(inventory, "node1")
     image = build_training_image(tmp_path_factory)  # waits while another worker builds it
-    save = subprocess.Popen(["docker", "save", image.tag], stdout=subprocess.PIPE)
+    why = link_image(image.tag, [cluster.config.volume(index) for index in (1, 2, 3)])
+    if why is not None:
+        warnings.warn(f"the twin's layers not linked ({why}): loaded instead", stacklevel=1)
+    # What jobs in containers need of `make provision`: the engine, NCCL's configuration
+    # file, the checkpoint and data directories.
+    run = ansible_playbook(inventory, "--tags", "docker,nccl_config,job_storage")
+    assert run.returncode == 0, run.describe()
+    for index in (1, 2, 3):
+        container = cluster.config.container(index)
+        held = sim.docker("exec", container, "docker", "image", "inspect", image.tag, check=False)
+        if held.returncode != 0 or json.loads(held.stdout)[0]["Id"] != image.image_id:
+            _load(image.tag, container)
+    yield cluster, inventory
+    sim_factory.down(cluster)
+
+
+def _load(image: str, container: str) -> None:
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
     load = subprocess.run(
-        ["docker", "exec", "-i", cluster.config.container(1), "docker", "load"],
+        ["docker", "exec", "-i", container, "docker", "load"],
         stdin=save.stdout,
         capture_output=True,
         text=True,
@@ -80,41 +97,6 @@ def sim3(sim_factory, tmp_path_factory):
     )
     save.stdout.close()
     assert save.wait() == 0 and load.returncode == 0, load.stderr
-    _clone_image_store(cluster, 1, (2, 3))
-    _container_roles(inventory, "node2,node3")
-    yield cluster, inventory
-    sim_factory.down(cluster)
-
-
-def _container_roles(inventory: Path, hosts: str) -> None:
-    """What jobs in containers need of `make provision` on `hosts`: the engine, NCCL's
-    configuration file, the checkpoint and data directories."""
-    run = ansible_playbook(inventory, "--tags", "docker,nccl_config,job_storage", "--limit", hosts)
-    assert run.returncode == 0, run.describe()
-
-
-def _clone_image_store(cluster, source: int, targets: tuple[int, ...]) -> None:
-    """Node `source`'s image store (/var/lib/docker's image metadata and overlay2 layers) into
-    the empty engine volumes of `targets`, whose engines are not installed yet: the metadata
-    copied, the layer files hard-linked (layers are never written once unpacked; a container
-    writes to a directory of its own)."""
-    volumes = {
-        index: Path(
-            sim.docker(
-                "volume", "inspect", "--format", "{{.Mountpoint}}", cluster.config.volume(index)
-            ).stdout.strip()
-        )
-        for index in (source, *targets)
-    }
-    root = volumes[source].parent.parent  # the host engine's directory of volumes
-    assert all(path.parent.parent == root for path in volumes.values()), volumes
-    within = {index: f"/volumes/{path.relative_to(root)}" for index, path in volumes.items()}
-    copy = " && ".join(
-        f"cp -a {within[source]}/image {within[index]}/ && "
-        f"cp -al {within[source]}/overlay2 {within[index]}/"
-        for index in targets
-    )
-    sim.docker("run", "--rm", "-v", f"{root}:/volumes", sim.NODE_IMAGE, "sh", "-c", copy)
 
 
 def _all_back(sim3) -> None:
@@ -220,19 +202,16 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
     _all_back(sim3)  # node2 died in the test before
     cluster, _ = sim3
     name, directory = _checkpoints()
+    out = f"/shared/{uuid.uuid4().hex}/model.pt"
     job = [*THREE, "--steps", str(STEPS), "--checkpoint-every", "5", "--checkpoint-dir", name]
-    process = start(
-        *GO_ON_WITH_TWO,
-        "--",
-        *job,
-        "--step-delay",
-        "0.3",
-    )
+    process = start(*GO_ON_WITH_TWO, "--", *job, "--step-delay", "0.3", "--out", out)
     seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))  # step 10 saved everywhere
     first = run_id_in(seen)
     output = kill_node(process, cluster.config.container(3))  # and left dead
     reference = run_command(
-        torchrun_command("training.ddp", *THREE, "--steps", str(STEPS), nproc=3),
+        torchrun_command(
+            "training.ddp", *THREE, "--steps", str(STEPS), "--out", "reference.pt", nproc=3
+        ),
         tmp_path,
         None,
         300,
@@ -251,14 +230,17 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
     assert re.findall(r"\[node1\] resuming from step (\d+)", rest) == ["10"], rest[-3000:]
     assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
     assert "Nodes: continuing on node1, node2: 2 of 3 nodes (--min-nodes 2)" in _summary(rest)
-    # The same mathematics: from step 11 on, the losses of 3 ranks that never lost one
-    # (printed to 4 decimals: within 1e-4 and the two roundings).
+    # The same mathematics: from step 11 on, the losses of 3 ranks that never lost one (as
+    # printed, to 4 decimals), and at the end their parameters.
     assert reference.returncode == 0, reference.output[-3000:]
     expected = _losses(reference.output)
     resumed = _losses(rest, "[node1]")
     assert sorted(resumed) == list(range(11, STEPS + 1)), rest[-3000:]
     for step, loss in resumed.items():
         assert abs(loss - expected[step]) <= 2e-4, (step, loss, expected[step])
+    sim.docker("cp", f"{cluster.config.container(1)}:{out}", str(tmp_path / "model.pt"))
+    reference_state = load_state(tmp_path / "reference.pt")
+    assert max_difference(load_state(tmp_path / "model.pt"), reference_state) < 1e-5
     assert leftovers(cluster.inventory, f"{first}-r1", cluster.inventory.hosts[:2]) == {
         "node1": "",
         "node2": "",
