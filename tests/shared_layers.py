@@ -70,16 +70,14 @@ def link_image(image: str, volumes: list[str]) -> str | None:
         return f"this engine keeps images as {driver}, not overlay2"
     graph = data["GraphDriver"]["Data"]
     diffs = [graph["UpperDir"], *filter(None, graph.get("LowerDir", "").split(":"))]
-    names = []
     for volume in volumes:
         mountpoint = Path(
             sim.docker("volume", "inspect", "--format", "{{.Mountpoint}}", volume).stdout.strip()
         )
         if mountpoint != Path(root) / "volumes" / volume / "_data":
             return f"volume {volume} is at {mountpoint}, outside {root}/volumes"
-        names.append(volume)
     spec = {
-        "volumes": names,
+        "volumes": list(volumes),
         "cache_ids": [Path(diff).parent.name for diff in diffs],
         "chain_ids": chain_ids(data["RootFS"]["Layers"]),
         "image_id": data["Id"],

@@ -10,9 +10,7 @@ Slurm up on the three nodes and proves the spare through it.
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import uuid
 import warnings
 
@@ -36,6 +34,7 @@ from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT
+from torch_multinode.provision import ship
 from torch_multinode.sim import nodes as sim
 
 STEPS = 15
@@ -61,8 +60,8 @@ THREE = _with(TINY, global_batch_size="48", log_every="1")
 def sim3(sim_factory, tmp_path_factory):
     """3 nodes whose jobs run in the CPU twin (TEST_IMAGE), readied by the roles jobs need.
     Their engines start with the twin already in their store, as hard links to this machine's
-    copy (tests/shared_layers.py); a node whose engine then does not hold it gets it by
-    `docker load`."""
+    copy (tests/shared_layers.py); a node whose engine then does not hold it gets it streamed
+    (provision/ship.py)."""
     cluster = sim_factory.up(3)
     document = read_inventory(cluster.config.inventory_path)
     document["all"]["vars"].update(
@@ -77,26 +76,19 @@ def sim3(sim_factory, tmp_path_factory):
     # file, the checkpoint and data directories.
     run = ansible_playbook(inventory, "--tags", "docker,nccl_config,job_storage")
     assert run.returncode == 0, run.describe()
-    for index in (1, 2, 3):
-        container = cluster.config.container(index)
-        held = sim.docker("exec", container, "docker", "image", "inspect", image.tag, check=False)
-        if held.returncode != 0 or json.loads(held.stdout)[0]["Id"] != image.image_id:
-            _load(image.tag, container)
+    nodes = load(inventory)
+    lacking = [
+        host
+        for index, host in enumerate(nodes.hosts, start=1)
+        if _on_node(
+            cluster, index, f"docker image inspect --format '{{{{.Id}}}}' {image.tag}", False
+        ).strip()
+        != image.image_id
+    ]
+    if lacking:  # streamed as `make ship` does when no registry answers
+        ship.stream(nodes, lacking, image.tag, emit=lambda _: None)
     yield cluster, inventory
     sim_factory.down(cluster)
-
-
-def _load(image: str, container: str) -> None:
-    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
-    load = subprocess.run(
-        ["docker", "exec", "-i", container, "docker", "load"],
-        stdin=save.stdout,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    save.stdout.close()
-    assert save.wait() == 0 and load.returncode == 0, load.stderr
 
 
 def _all_back(sim3) -> None:
