@@ -317,8 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             Path(config.checkpoint.checkpoint_dir), env, config.checkpoint.keep, node
         )
         if config.checkpoint.replicate and env.launched:
+            pause = config.checkpoint.replication_pause_step
             store.replication = replicate.Replication(
-                store, config.checkpoint.replication_mbps, config.run.collective_timeout
+                store,
+                config.checkpoint.replication_mbps,
+                config.run.collective_timeout,
+                pause=None if pause is None else (pause, config.checkpoint.replication_pause_rank),
             )
         resumed, own = store.resume(model, optimizer, config.checkpoint.resume, info)
         start_step = resumed or 0

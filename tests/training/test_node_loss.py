@@ -4,8 +4,9 @@ a node killed and left dead is dropped and the job goes on on the others from th
 common checkpoint, with the first run's global batch (TMN_PLANNED_WORLD_SIZE); with a spare
 (NNODES below the inventory's count, with RESTARTS alone), the spare takes the lost node's
 place. training.fsdp's sharded checkpoints on node-local disks survive a node lost with its
-disk: each node's files are copied to the next node after each checkpoint. The last test sets
-Slurm up on the three nodes and proves the spare through it.
+disk: each node's files are copied to the next node after each checkpoint, and a node killed
+while the copy of the newest step is in flight leaves the survivors the step before, complete.
+The last test sets Slurm up on the three nodes and proves the spare through it.
 """
 
 from __future__ import annotations
@@ -247,13 +248,29 @@ FSDP = _with(SMALL, global_batch_size="6", steps=str(STEPS))
 _FSDP_LOSS = re.compile(r"^\[node1\] step +(\d+)/\d+  loss ([\d.]+)", re.M)
 
 
+def _digests(cluster, index: int, directory: str) -> dict[str, str]:
+    """name -> sha256 of every file in a directory of node `index` ({} where there is none)."""
+    listed = _on_node(
+        cluster, index, f"cd {directory} 2>/dev/null && sha256sum -- * .metadata", check=False
+    )
+    return {name: digest for digest, name in (line.split() for line in listed.splitlines())}
+
+
 @pytest.mark.sim
-def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the_others(
+def test_fsdp_goes_on_from_the_newest_complete_step_when_a_node_dies_while_its_copy_is_in_flight(
     sim3, start, tmp_path
 ):
+    """The unlucky moment of issue 49, made deterministic: node3 is killed while the copy of
+    its files of the newest step (15) to node1 is in flight, paused by the test hook once its
+    first piece is sent. The survivors both hold step 15's manifest, but not all of its files:
+    step 15 is said and skipped, and the job goes on from step 10, complete between them (node3's
+    files of it live on in node1's replica), resharded 3 -> 2, to the losses of the same step
+    resumed from shared storage. Every file of step 10 on the survivors is the one there before
+    the kill."""
     _all_back(sim3)
     cluster, _ = sim3
     name, directory = _checkpoints()  # node-local: each node's own disk
+    pause = ("--replication-pause-step", str(STEPS), "--replication-pause-rank", "2")
     process = start(
         "--module",
         "training.fsdp",
@@ -262,40 +279,62 @@ def test_fsdp_goes_on_without_a_node_lost_with_its_disk_from_the_replicas_on_the
         *FSDP,
         "--checkpoint-dir",
         name,
-        "--step-delay",
-        "0.3",
+        *pause,
     )
-    seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))  # step 10 saved and copied
+    seen = _wait_for(
+        process,
+        re.compile(rf"^\[node3\] \[rank 2\] replication of checkpoint step {STEPS}: first piece "),
+    )
     first = run_id_in(seen)
     assert (
         f"[node1] checkpoint step 10 written to {directory}/step-00000010 (node-local disks: "
         "each node holds its own ranks' shards, copied to the next node in the background)"
     ) in seen.splitlines(), seen[-3000:]
-    _on_node(cluster, 3, f"rm -rf {directory}")  # node3's disk wiped, then the node killed
-    output = kill_node(process, cluster.config.container(3))
+    step10 = f"{directory}/step-00000010"
+    before = {index: _digests(cluster, index, step10) for index in (1, 2)}
+    # node1 holds its own files of step 10 and node3's replica; node2 its own and node1's.
+    assert {"__0_0.distcp", "__2_0.distcp"} <= set(before[1]), before
+    assert {"__1_0.distcp", "__0_0.distcp"} <= set(before[2]), before
+    output = kill_node(process, cluster.config.container(3))  # and left dead
     output.end(timeout=300)
     text = output.text
     assert process.returncode == 0, output.stamped[-4000:]
     assert re.search(r"\[launcher\] node3 lost at restart 1 after step 1[0-9]: dropped", text)
     rest = text[text.index(f"job {first}-r1:") :]
-    # node3's shards of step 10 live on in node1's replica: both survivors get every file and
-    # reshard 3 -> 2.
     lines = rest.splitlines()
+    # node3's shards of step 10 live on in node1's replica: both survivors get every file and
+    # reshard 3 -> 2. Step 15's manifest is on both, its files are not: said, never loaded.
     assert (
-        "[node1] checkpoint step 10: node1's directory lacked 2 files, copied from node2; "
-        "node2's directory lacked 2 files, copied from node1"
+        f"[node1] checkpoint step 10 (step {STEPS} is not complete on these nodes): node1's "
+        "directory lacked 2 files, copied from node2; node2's directory lacked 2 files, copied "
+        "from node1"
     ) in lines, rest[-3000:]
+    assert any(
+        line.startswith(f"[node1] checkpoint step {STEPS} (node1 lacks ")
+        and line.endswith("not complete on every rank: skipped, never loaded")
+        for line in lines
+    ), rest[-3000:]
     assert (
         "[node1] resharded step 10 from world size 3 to 2: each rank read the parts of the "
         "saved shards it now holds"
     ) in lines, rest[-3000:]
     assert _summary(rest)[0].startswith(f"Job {first}-r1 succeeded after ")
+    # What was complete stays complete: every file of step 10 there before the kill is still
+    # there, byte for byte, beside the ones fetched at the resume; the new step 15 is whole.
+    after = {index: _digests(cluster, index, step10) for index in (1, 2)}
+    for index in (1, 2):
+        assert {n: after[index].get(n) for n in before[index]} == before[index], index
+        assert set(after[index]) >= {".metadata", "manifest.pt"} | {
+            f"{kind}{rank}{suffix}"
+            for rank in range(3)
+            for kind, suffix in (("__", "_0.distcp"), ("rank-0000", ".pt"))
+        }, after[index]
 
     # The reference: two ranks here resume the same step 10 (now whole on node1's disk) from
     # one directory both see, keeping the 3 planned ranks' batch.
     shared = tmp_path / "shared"
     shared.mkdir()
-    sim.docker("cp", f"{cluster.config.container(1)}:{directory}/step-00000010", str(shared))
+    sim.docker("cp", f"{cluster.config.container(1)}:{step10}", str(shared))
     reference = run_command(
         torchrun_command("training.fsdp", *FSDP, "--checkpoint-dir", str(shared), nproc=2),
         tmp_path,

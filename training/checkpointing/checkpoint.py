@@ -5,9 +5,10 @@ into the --checkpoint-dir of the node it runs on. A file only ever appears under
 complete (temp file in the same directory, fsync, os.replace, fsync of the directory), so a
 crash leaves at worst a dot-prefixed temp file that listing never matches.
 
-On resume each rank lists the steps it holds and the ranks resume from the newest step that
-every rank holds: the newest step of each rank's own list may differ when a node died while
-writing.
+On resume each rank lists the steps it holds complete (training.checkpointing.complete: a
+file whose zip directory reads whole) and the ranks resume from the newest step that every rank
+holds: the newest step of each rank's own list may differ when a node died while writing, and
+a step some rank holds only in part is said and skipped, never loaded.
 
 A directory that cannot take a checkpoint (read-only, full) is one error line naming it; the
 checkpoints already there are left as they are.
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.training.checkpointing import complete
 from torch_multinode.training.checkpointing.durable import write_atomically
 
 _NAME = re.compile(r"^step-(\d{8})-rank-(\d{5})\.pt$")
@@ -46,32 +48,40 @@ class CheckpointStore:
 
     def steps(self) -> list[int]:
         """The steps this rank can resume from, oldest first: those it holds complete
-        checkpoints of; a rank that holds none of its own (its node took another rank's place
-        after a restart on fewer nodes) can read another rank's file of a step found here, since
-        every data-parallel rank's file holds the same model, optimizer and position."""
+        checkpoints of (complete.torch_file_whole); a rank that holds none of its own (its node
+        took another rank's place after a restart on fewer nodes) can read another rank's file
+        of a step found here, since every data-parallel rank's file holds the same model,
+        optimizer and position."""
+        return self._held(self.rank, whole=True) or self._held(None, whole=True)
+
+    def seen(self) -> list[int]:
+        """Every step this rank has a file of under its final name, complete or not."""
         return self._held(self.rank) or self._held(None)
 
-    def _held(self, rank: int | None) -> list[int]:
-        """The steps of `rank`'s files here (None: any rank's)."""
+    def _held(self, rank: int | None, whole: bool = False) -> list[int]:
+        """The steps of `rank`'s files here (None: any rank's); with `whole`, of complete ones."""
         if not self.directory.is_dir():
             return []
         found = set()
         for entry in self.directory.iterdir():
             match = _NAME.match(entry.name)
             if match and rank in (None, int(match.group(2))):
-                found.add(int(match.group(1)))
+                if not whole or complete.torch_file_whole(entry):
+                    found.add(int(match.group(1)))
         return sorted(found)
 
     def path(self, step: int) -> Path:
         return self.directory / file_name(step, self.rank)
 
     def _readable(self, step: int) -> Path:
-        """This rank's file of `step`, else the lowest rank's file of it here (see steps)."""
+        """This rank's file of `step`, else the lowest rank's complete file of it here (see
+        steps)."""
         own = self.path(step)
         if own.exists():
             return own
         others = sorted(self.directory.glob(f"step-{step:08d}-rank-*.pt"))
-        return others[0] if others else own
+        whole = [path for path in others if complete.torch_file_whole(path)]
+        return (whole or others or [own])[0]
 
     def save(
         self,
@@ -90,7 +100,7 @@ class CheckpointStore:
             cause = _os_error(error)  # torch.save reports a failed write as a RuntimeError
             if cause is None:
                 raise
-            kept = self._held(self.rank)
+            kept = self._held(self.rank, whole=True)
             raise self._write_error(
                 f"cannot write checkpoint step {step} to",
                 cause,
@@ -166,10 +176,7 @@ def _os_error(error: BaseException) -> OSError | None:
 
 def newest_common_step(steps_per_rank: Iterable[Iterable[int]]) -> int | None:
     """The newest step present in every rank's list, or None when there is none."""
-    common = None
-    for steps in steps_per_rank:
-        common = set(steps) if common is None else common & set(steps)
-    return max(common) if common else None
+    return complete.newest_everywhere(steps_per_rank)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ Layout of `--checkpoint-dir`:
         .metadata           DCP's index of every shard (rank 0 writes it; copied to every node)
         __<rank>_<n>.distcp each rank's shards of the parameters and the optimizer state
         rank-<rank>.pt      each rank's own: position, RNG, the optimizer's unsharded entries
-        manifest.pt         step, world size, the node of every writer, every file, the run's
-                            shape
+        manifest.pt         step, world size, the node of every writer, every file with its
+                            size, the run's shape
     .step-00000030.tmp/     being written (removed at the next start)
 
 Only DTensors (the shards) go through DCP; everything else (the optimizer's step counts and
@@ -17,6 +17,10 @@ hyperparameters, and every tensor of a strategy that does not shard) goes into e
 file. DCP writes a replicated value once, from one rank, so on node-local disks a rank on
 another node could not read it back: this way a rank needs at the same world size only its
 own files and the index, which every node gets a copy of.
+
+A step is resumed only where it is complete for every rank (training.checkpointing.complete):
+each file a rank needs there with the size the manifest lists; a newer step some rank holds in
+part is said and skipped, never loaded.
 
 Storage every rank sees (one directory holds every rank's files) is told apart from node-local
 disks by looking: each rank writes a probe file and looks for the others'. Each directory's
@@ -44,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training.checkpointing import checkpoint, durable
+from torch_multinode.training.checkpointing import checkpoint, complete, durable
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.settings.console import say
 
@@ -65,6 +69,28 @@ def step_name(step: int) -> str:
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
+
+
+def writer(name: str) -> int | None:
+    """The rank that wrote a checkpoint file, None for the index and the manifest."""
+    match = _DCP_FILE.match(name)
+    if match:
+        return int(match[1])
+    if name.startswith("rank-") and name.endswith(".pt"):
+        return int(name[5:-3])
+    return None
+
+
+def own_files(directory: Path, rank: int) -> list[str]:
+    """The files in `directory` that rank `rank` wrote."""
+    return sorted(p.name for p in directory.iterdir() if writer(p.name) == rank)
+
+
+def expected(manifest: dict) -> dict[str, int | None]:
+    """Every file of a step with the size it was written with (None where the manifest, from
+    before sizes were kept, or for itself, does not say)."""
+    sizes = manifest.get("sizes") or {}
+    return {**{name: sizes.get(name) for name in manifest["files"]}, MANIFEST: None}
 
 
 # -- splitting a state dict into its shards and the rest ---------------------------------------
@@ -240,6 +266,14 @@ class Checkpoints:
         agree(env, error)  # also: every rank's files are written
         index = (temporary / METADATA).read_bytes() if env.is_main and sharded else None
         index = parallel.all_gather(index, env)[0]
+        # Every file with the size it was written with: what `complete` checks at a resume.
+        written: dict[str, int] = {}
+        for found in parallel.all_gather(
+            complete.sizes(temporary, own_files(temporary, env.rank)), env
+        ):
+            written.update(found)
+        if index is not None:
+            written[METADATA] = len(index)
         if layout.owner:
             if index is not None and not (temporary / METADATA).exists():
                 durable.write_synced(
@@ -256,6 +290,7 @@ class Checkpoints:
                 "world_size": env.world_size,
                 "nodes": list(layout.nodes),
                 "files": files,
+                "sizes": {name: written.get(name) for name in files},
                 "info": info,
             }
             durable.write_synced(temporary / MANIFEST, manifest)
@@ -266,8 +301,10 @@ class Checkpoints:
             durable.sync_directory(self.directory)
         parallel.barrier(env)  # complete everywhere before anything older goes
         if layout.owner:
+            protected = self._protected()
             for old in self.steps()[: -self.keep]:
-                shutil.rmtree(self.path(old), ignore_errors=True)
+                if old not in protected:
+                    shutil.rmtree(self.path(old), ignore_errors=True)
         where = (
             "storage every rank sees"
             if len(layout.visible) == env.world_size
@@ -277,6 +314,17 @@ class Checkpoints:
             self.replication.start(step)
             where += ", copied to the next node in the background"
         return f"checkpoint step {step} written to {final} ({where})"
+
+    def _protected(self) -> set[int]:
+        """The steps --keep must not prune yet: with replicas, the newest step whose copies
+        finished and every newer one (before any finished this run, every step), so that the
+        survivors of a node lost while the newest step is being copied still hold a complete
+        one. Without replicas (or once they broke), none."""
+        replication = self.replication
+        if replication is None or not replication.active or replication.broken:
+            return set()
+        copied = replication.copied
+        return {step for step in self.steps() if copied is None or step >= copied}
 
     # -- resuming ----------------------------------------------------------------------------
 
@@ -294,10 +342,24 @@ class Checkpoints:
                     shutil.rmtree(self.path(step), ignore_errors=True)
         if self.replication is not None:  # every file of the newest step survivors hold, here
             self.replication.restore()
-        held = parallel.all_gather(self.steps(), env)  # after the owners' sweep
+        # after the owners' sweep: each rank's steps (a manifest), those complete for it, and
+        # what it lacks of the others
+        found = parallel.all_gather(self._completeness(), env)
+        held = [steps for steps, _, _ in found]
+        usable = [steps for _, steps, _ in found]
         self._refuse_what_only_other_nodes_hold(held)
-        plan = checkpoint.plan_resume(held, resume, str(self.directory))
-        say(env, plan.message)
+        if resume is not False and complete.newest_everywhere(usable) is not None:
+            plan = checkpoint.plan_resume(usable, resume, str(self.directory))
+            said: dict[int, dict[str, None]] = {}  # step -> what each node lacks, once each
+            for _, _, lacks in found:
+                for lacking_step, line in lacks.items():
+                    said.setdefault(lacking_step, {})[line] = None
+            why = {step: "; ".join(lines) for step, lines in said.items()}
+            skipped = complete.skipped([list(why)], plan.step, why)
+            say(env, *filter(None, [skipped, plan.message]))
+        else:  # nothing complete everywhere: the newest step every rank sees says why below
+            plan = checkpoint.plan_resume(held, resume, str(self.directory))
+            say(env, plan.message)
         if plan.step is None:
             return None, None
         step = plan.step
@@ -413,28 +475,51 @@ class Checkpoints:
                 )
         agree(self.env, error)
 
+    def needed(self, manifest: dict) -> dict[str, int | None]:
+        """The files this rank reads to load a step (name -> size written): every file to
+        reshard it (another world size), else its own, the index and the manifest."""
+        files = expected(manifest)
+        if manifest["world_size"] != self.env.world_size:
+            return files
+        rank = self.env.rank
+        return {name: size for name, size in files.items() if writer(name) in (None, rank)}
+
+    def _completeness(self) -> tuple[list[int], list[int], dict[int, str]]:
+        """This rank's steps (those it has a manifest of), the ones complete for it (every file
+        it needs, whole: complete.lacking), and for each other one what it lacks."""
+        steps, usable, lacks = self.steps(), [], {}
+        for step in steps:
+            try:
+                manifest = self._manifest(step)
+                needed = self.needed(manifest)
+            except (*FAILURES, EOFError, KeyError, pickle.UnpicklingError):
+                lacks[step] = f"{self.node}: its manifest does not read"
+                continue
+            missing = complete.lacking(self.path(step), needed)
+            if missing:
+                lacks[step] = (
+                    f"{self.node} lacks {len(missing)} of the {len(needed)} files it needs"
+                )
+            else:
+                usable.append(step)
+        return steps, usable, lacks
+
     def _refuse_missing_files(self, step: int, manifest: dict, resharding: bool) -> None:
         """Each rank needs every file to reshard; at the same world size, its own and the
-        index."""
-        rank, directory = self.env.rank, self.path(step)
-        needed = manifest["files"]
-        if not resharding:
-            own = {METADATA, MANIFEST, rank_file(rank)}
-            needed = [
-                name
-                for name in needed
-                if name in own or (_DCP_FILE.match(name) and int(_DCP_FILE.match(name)[1]) == rank)
-            ]
-        missing = [name for name in needed if not (directory / name).is_file()]
+        index: each there with the size it was written with."""
+        directory = self.path(step)
+        rank, needed = self.env.rank, self.needed(manifest)
+        missing = complete.lacking(directory, needed)
         error = None
         if missing and resharding:
-            seen = f"{self.node} sees {len(needed) - len(missing)} of its {len(needed)} files"
+            files = len(manifest["files"])  # the manifest itself is there: steps() found it
+            seen = f"{self.node} sees {files - len(missing)} of its {files} files"
             error = self._resharding_error(step, manifest, seen)
         elif missing:
-            writer = manifest["nodes"][rank]
+            wrote_on = manifest["nodes"][rank]
             error = UserError(
                 f"checkpoint step {step} in {self.directory} on {self.node} lacks rank {rank}'s "
-                f"{', '.join(missing)} (rank {rank} wrote it on {writer}): node-local "
+                f"{', '.join(missing)} (rank {rank} wrote it on {wrote_on}): node-local "
                 "checkpoints resume only with every rank on the node it was on",
                 hint=f"the same nodes in the same order, or {SHARED_HINT}",
                 exit_code=1,

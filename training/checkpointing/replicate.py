@@ -24,19 +24,20 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.training.checkpointing import dcp, durable
+from torch_multinode.training.checkpointing import complete, dcp, durable
 from torch_multinode.training.checkpointing.transfer import exchange, receiving, sending
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.settings import console
 
 LONG_WAIT = 5.0  # seconds of waiting for a copy worth a line
+PAUSE_SECONDS = 120.0  # --replication-pause-step: long enough to kill a node in
 
 
 # -- what goes where (pure) --------------------------------------------------------------------
@@ -48,14 +49,7 @@ def directories(seen: Iterable[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return sorted(set(seen), key=lambda ranks: ranks[0])
 
 
-def writer(name: str) -> int | None:
-    """The rank that wrote a checkpoint file, None for the index and the manifest."""
-    match = dcp._DCP_FILE.match(name)
-    if match:
-        return int(match[1])
-    if name.startswith("rank-") and name.endswith(".pt"):
-        return int(name[5:-3])
-    return None
+writer = dcp.writer  # the rank that wrote a checkpoint file, None for the index and manifest
 
 
 def written_by(files: Iterable[str], ranks: Iterable[int]) -> list[str]:
@@ -64,31 +58,55 @@ def written_by(files: Iterable[str], ranks: Iterable[int]) -> list[str]:
     return sorted(name for name in files if writer(name) in ranks)
 
 
-def usable_step(held: dict[int, dict[int, set[str]]], needed: dict[int, list[str]]) -> int | None:
-    """The newest step whose `needed` files (manifest's, manifest included) the directories
-    hold between them. held: directory -> step -> the files it holds of it."""
+Files = Mapping[str, int | None] | Iterable[str]  # name -> size (None: unknown), or names
+
+
+def _sized(files: Files) -> dict[str, int | None]:
+    return dict(files) if isinstance(files, Mapping) else dict.fromkeys(files)
+
+
+def _has(held: Files, name: str, size: int | None) -> bool:
+    """Whether a directory holding `held` (name -> size found) has `name` complete: there, and
+    of the size it was written with (complete.matches)."""
+    held = _sized(held)
+    return name in held and complete.matches(held[name] if held[name] is not None else -1, size)
+
+
+def usable_step(held: dict[int, dict[int, Files]], needed: dict[int, Files]) -> int | None:
+    """The newest step whose `needed` files (manifest's, manifest included; name -> size) the
+    directories hold complete between them. held: directory -> step -> the files it holds of
+    it (name -> size)."""
     for step in sorted(needed, reverse=True):
-        union = set().union(*(steps.get(step, set()) for steps in held.values()))
-        if set(needed[step]) <= union:
+        wanted = _sized(needed[step])
+        if all(
+            any(_has(steps.get(step, {}), name, size) for steps in held.values())
+            for name, size in wanted.items()
+        ):
             return step
     return None
 
 
 def transfers(
-    held: dict[int, set[str]], needed: list[str], ranks: dict[int, tuple[int, ...]] | None = None
+    held: dict[int, Files], needed: Files, ranks: dict[int, tuple[int, ...]] | None = None
 ) -> dict[tuple[int, int], list[str]]:
-    """(source, destination) -> the files the destination lacks, each from the lowest directory
-    that holds it. held: directory -> the files it holds of the step. With `ranks` (directory
-    -> its ranks: a resume at the world size the step was saved at, no resharding) a directory
-    wants only the files its ranks load: theirs, the index and the manifest."""
+    """(source, destination) -> the files the destination lacks (or holds cut short), each from
+    the lowest directory that holds it complete. held: directory -> the files it holds of the
+    step (name -> size). With `ranks` (directory -> its ranks: a resume at the world size the
+    step was saved at, no resharding) a directory wants only the files its ranks load: theirs,
+    the index and the manifest."""
     plan: dict[tuple[int, int], list[str]] = {}
+    wanted_all = _sized(needed)
     for destination in sorted(held):
-        wanted = needed
+        wanted = wanted_all
         if ranks is not None:
-            wanted = [n for n in needed if writer(n) is None or writer(n) in ranks[destination]]
-        for name in sorted(wanted):
-            if name not in held[destination]:
-                source = min(d for d in held if name in held[d])
+            wanted = {
+                n: size
+                for n, size in wanted_all.items()
+                if writer(n) is None or writer(n) in ranks[destination]
+            }
+        for name, size in sorted(wanted.items()):
+            if not _has(held[destination], name, size):
+                source = min(d for d in held if _has(held[d], name, size))
                 plan.setdefault((source, destination), []).append(name)
     return plan
 
@@ -100,12 +118,22 @@ class Replication:
     """dcp.Checkpoints' replicas (its `replication`): the copy after each save, the restore
     before a resume."""
 
-    def __init__(self, checkpoints: dcp.Checkpoints, mbps: float, timeout: float):
+    def __init__(
+        self,
+        checkpoints: dcp.Checkpoints,
+        mbps: float,
+        timeout: float,
+        pause: tuple[int, int | None] | None = None,
+    ):
+        """`pause`: the test hook (step, rank or None for every directory): that step's copy
+        pauses PAUSE_SECONDS after its first piece is sent, a copy in flight to kill a node in."""
         self.checkpoints, self.mbps, self.timeout = checkpoints, mbps, timeout
+        self.pause = pause
         self.group = None
         self.ring: list[tuple[int, ...]] = []
         self.thread: threading.Thread | None = None
         self.copying: int | None = None  # the step being copied
+        self.copied: int | None = None  # the newest step whose copy finished, this run
         self.broken = False  # a copy failed in the connection: no more this run
 
     @property
@@ -154,9 +182,20 @@ class Replication:
         failed: list[str] = []
         try:
             files = self.checkpoints._manifest(step)["files"]
+            outgoing = sending(directory, written_by(files, layout.visible))
+            if (
+                self.pause is not None
+                and self.pause[0] == step
+                and self.pause[1]
+                in (
+                    None,
+                    env.rank,
+                )
+            ):
+                outgoing = self._paused(outgoing, step)
             exchange(
                 self.group,
-                sending(directory, written_by(files, layout.visible)),
+                outgoing,
                 to[0],
                 receiving(directory, written_by(files, source), failed),
                 source[0],
@@ -177,6 +216,23 @@ class Replication:
                 f"replica of {self._node(source)}'s checkpoint step {step} not written: "
                 f"{', '.join(failed)}",
             )
+        else:
+            self.copied = step
+
+    def _paused(self, outgoing: Iterator, step: int) -> Iterator:
+        """The test hook: the sizes and the first piece go, then the copy stops for
+        PAUSE_SECONDS, the next node holding part of this one's files of `step`."""
+        yield next(outgoing)
+        piece = next(outgoing, None)
+        if piece is not None:
+            yield piece
+        console.say_every_rank(
+            self.checkpoints.env,
+            f"replication of checkpoint step {step}: first piece sent, pausing "
+            f"{PAUSE_SECONDS:.0f} s (--replication-pause-step)",
+        )
+        time.sleep(PAUSE_SECONDS)
+        yield from outgoing
 
     def wait(self) -> None:
         """The copy under way finished (before the next save, and at the end of the run)."""
@@ -202,7 +258,7 @@ class Replication:
         if not self.active:
             return
         store, env, layout = self.checkpoints, self.checkpoints.env, self.checkpoints.layout
-        mine: dict[int, set[str]] | None = None
+        mine: dict[int, dict[str, int]] | None = None
         if layout.owner:
             mine = {s: self._sweep(store.path(s)) for s in store.steps()}
         held = {r: steps for r, steps in enumerate(parallel.all_gather(mine, env)) if steps}
@@ -215,7 +271,7 @@ class Replication:
             for s, o in lowest.items():
                 if o == env.rank:
                     manifest = store._manifest(s)
-                    listed[s] = ([*manifest["files"], dcp.MANIFEST], manifest["world_size"])
+                    listed[s] = (dcp.expected(manifest), manifest["world_size"])
         needed, world = {}, {}
         for found in parallel.all_gather(listed, env):
             for s, (files, size) in (found or {}).items():
@@ -229,9 +285,7 @@ class Replication:
             raise self._incomplete(max(needed), held, needed[max(needed)])
         # At the saved world size each directory needs its own ranks' files only.
         ranks = {r[0]: r for r in self.ring} if world[step] == env.world_size else None
-        plan = transfers(
-            {o: steps.get(step, set()) for o, steps in held.items()}, needed[step], ranks
-        )
+        plan = transfers({o: steps.get(step, {}) for o, steps in held.items()}, needed[step], ranks)
         if not plan:
             return
         self._fetch(step, plan, step in held.get(env.rank, {}))
@@ -245,16 +299,16 @@ class Replication:
         console.say(env, f"checkpoint step {step}{skipped}: " + "; ".join(said))
 
     @staticmethod
-    def _sweep(directory: Path) -> set[str]:
-        """The files of a step directory, once the temporary files of a copy cut short are
-        gone."""
-        names = set()
+    def _sweep(directory: Path) -> dict[str, int]:
+        """The files of a step directory with their sizes, once the temporary files of a copy
+        cut short are gone."""
+        found = {}
         for path in directory.iterdir():
             if path.name.startswith(".") and path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)
-            else:
-                names.add(path.name)
-        return names
+            elif (size := complete.size_of(path)) is not None:
+                found[path.name] = size
+        return found
 
     def _fetch(self, step: int, plan: dict[tuple[int, int], list[str]], have: bool) -> None:
         """The plan carried out, pair by pair in one order everywhere; a directory that held
@@ -285,9 +339,13 @@ class Replication:
             durable.sync_directory(final.parent)
         dcp.agree(self.checkpoints.env, error)
 
-    def _incomplete(self, step: int, held: dict, needed: list[str]) -> UserError:
-        union = set().union(*(steps.get(step, set()) for steps in held.values()))
-        lost = sorted(set(needed) - union)
+    def _incomplete(self, step: int, held: dict, needed: Files) -> UserError:
+        needed = _sized(needed)
+        lost = sorted(
+            name
+            for name, size in needed.items()
+            if not any(_has(steps.get(step, {}), name, size) for steps in held.values())
+        )
         nodes = ", ".join(self._node(ranks) for ranks in self.ring)
         return UserError(
             f"checkpoint step {step} in {self.checkpoints.directory}: the nodes of this run "

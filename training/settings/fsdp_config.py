@@ -120,6 +120,14 @@ class DCPConfig:
     stop_after_step: int | None = doc(
         f"test hook: exit with code {STOP_EXIT_CODE} once this step is done and checkpointed"
     )
+    replication_pause_step: int | None = doc(
+        "test hook: the copy of this step's checkpoint to the next node pauses 120 s once its "
+        "first piece is sent (a copy in flight, to kill a node in)"
+    )
+    replication_pause_rank: int | None = doc(
+        "test hook: only the directory of this rank pauses in --replication-pause-step "
+        "(default: every directory)"
+    )
 
 
 @dataclass
