@@ -43,8 +43,9 @@ before anything starts (parse_env).
 
 On this machine (a job without an inventory: local_environment), lowest first: this
 process's own environment; OMP_NUM_THREADS=1 only where that does not set it; then
-job_environment (TMN_RUN_DIR, PYTHONPATH, TMN_BACKEND always, debug variables last). No
-interface settings, and no ENV= (refused for a local job).
+job_environment (TMN_RUN_DIR, PYTHONPATH, TMN_BACKEND always, debug variables last); then ENV=
+over all, as on a node (the same names refused: parse_env). No interface settings. Its values
+reach torchrun's environment alone, never its command line; the record keeps only the names.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def local_environment(
     environ: Mapping[str, str] = os.environ,
 ) -> dict[str, str]:
     """The whole environment of a job on this machine: this process's own, OMP_NUM_THREADS=1
-    where that does not set it, then the job's variables over both."""
+    where that does not set it, then the job's variables over both, then ENV= (spec.secret_env,
+    checked by parse_env) over all, as on a node."""
     env = {**environ}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its 4-line warning
     job = job_environment(here, spec, run_dir, python_path, backend)
@@ -188,6 +190,7 @@ def local_environment(
         # The shell's own pick of GPUs stands, counted in the order it was made in.
         job.pop("CUDA_DEVICE_ORDER", None)
     env.update(job)
+    env.update(spec.secret_env)
     return env
 
 

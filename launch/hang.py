@@ -37,13 +37,13 @@ out=$(mktemp -d) || exit 1
 # after another, 8 ranks of 10 s each could outlast the node's whole collection.
 for d in /proc/[0-9]*; do
     pid=${{d#/proc/}}
-    env=$(tr '\\0' '\\n' < "$d/environ" 2>/dev/null) || continue
+    env=$(tr '\\0' '\\n' 2>/dev/null < "$d/environ") || continue  # 2> before <: its error too
     case "$env" in *"TMN_RUN_ID=$run"*) ;; *) continue ;; esac
     printf '%s\n' "$env" | grep -qxF "TMN_RUN_ID=$run" || continue  # not a restart's -r1
     rank=$(printf '%s\\n' "$env" | sed -n 's/^RANK=//p')
     [ -n "$rank" ] || continue
     parent=$(sed -n 's/^PPid:[[:space:]]*//p' "$d/status" 2>/dev/null)
-    tr '\\0' '\\n' < "/proc/$parent/environ" 2>/dev/null | grep -q '^RANK=' && continue
+    tr '\\0' '\\n' 2>/dev/null < "/proc/$parent/environ" | grep -q '^RANK=' && continue
     found=1 n=$((n + 1))
     {{
         echo "{MARK} rank $rank pid $pid"

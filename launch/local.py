@@ -2,9 +2,12 @@
 training.local_launch), one process per GPU or two on the CPU. It runs as a job on the nodes
 does: in its project's root (the directory that would travel: staging.project_root) with the
 project on the import path, the same variables a node's ranks get (environment.local_environment: TMN_RUN_DIR
-is the job's own .runs/JOB-ID, TMN_BACKEND...), and it ends the same way: the workers' output
-live, then one summary naming what failed with the failed rank's own last lines, never
-torchrun's ChildFailedError traceback."""
+is the job's own .runs/JOB-ID, TMN_BACKEND..., ENV='s over them), and it ends the same way: the
+workers' output live, then one summary naming what failed with the failed rank's own last
+lines, never torchrun's ChildFailedError traceback. A job that stops making progress is a hang,
+as on the nodes (launch.watch's watch and report, launch.hang's analysis): every rank's stacks
+read here with py-spy, the rank holding the others up named, the report saved in the run
+directory, then the job stopped (or, --on-hang wait, left running)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,7 +28,8 @@ from pathlib import Path
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import checks, flight, staging
+from torch_multinode.launch import checks, flight, hang, staging, watch
+from torch_multinode.launch.commands import stop_command
 from torch_multinode.launch.ending import (
     cause_and_knock_ons,
     cause_lines,
@@ -33,17 +38,22 @@ from torch_multinode.launch.ending import (
 )
 from torch_multinode.launch.environment import local_environment
 from torch_multinode.launch.nodes import job_backend, process_count
+from torch_multinode.launch.progress import HEARTBEAT, Progress
 from torch_multinode.launch.signatures import known_problems
 from torch_multinode.launch.spec import (
     LEGACY_SHIM,
     STOP_GRACE,
+    STOP_TIMEOUT,
     TAIL_LINES,
     Emit,
     JobSpec,
     job_module,
 )
 
-_BREAKS = re.compile(rb"\r\n|\n|\r")
+_ENDS = re.compile(rb"(\r\n|\n|\r)")
+_HEARTBEAT = HEARTBEAT.encode()
+# py-spy beside this Python (the venv's), else the one on PATH (hang.STACKS_SCRIPT looks there)
+_PY_SPY = str(Path(sys.executable).parent / "py-spy")
 
 
 def command(spec: JobSpec, nproc: int) -> list[str]:
@@ -133,11 +143,21 @@ _FIRST_FAILURE = re.compile(r"^\[torchrun\] (rank \d+) failed first \((.+)\)$")
 
 
 def summary(
-    run_id: str, code: int, seconds: float, tail: list[str], flights: list[str] | None = None
+    run_id: str,
+    code: int,
+    seconds: float,
+    tail: list[str],
+    flights: list[str] | None = None,
+    hung: str | None = None,
 ) -> list[str]:
     """The summary a job on the nodes ends with, for this machine: which rank failed and how,
     each rank's last collective where the ranks left their traces (`flights`, launch.flight's
-    lines), then the workers' last lines (torchrun's own log lines left out)."""
+    lines), then the workers' last lines (torchrun's own log lines left out). `hung`: the hang
+    report's cause, for a job stopped as hung (`tail`: its lines before the stop)."""
+    if hung is not None:
+        lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s (hung: {hung})."]
+        excerpt = failure_excerpt([line for line in tail if not _TORCHRUN_LOG.match(line)])
+        return lines + (["Last lines:", *(f"  | {line}" for line in excerpt)] if excerpt else [])
     if code == 0:
         return [f"Job {run_id} succeeded after {seconds:.1f} s on this machine."]
     first = next((m for line in reversed(tail) if (m := _FIRST_FAILURE.match(line))), None)
@@ -167,28 +187,147 @@ def summary(
     return lines
 
 
-def relay(stream, out, tail: collections.deque, log=None) -> None:
+def relay(
+    stream,
+    out,
+    tail: collections.deque,
+    log=None,
+    observe: Callable[[str], bool] | None = None,
+) -> None:
     """Everything the job writes, to `out` as it comes (a progress bar's carriage returns
-    included: the terminal redraws it) and to `log`, and its non-blank lines into `tail`."""
-    pending = b""
+    included: the terminal redraws it) and to `log`, and its non-blank lines into `tail`. Each
+    non-blank line is first given to `observe` (the hang watch's clock, launch.progress), which
+    hides it by answering False (a heartbeat), as on the nodes: neither shown nor logged. So the
+    start of a line that may still become a heartbeat waits until the line ends or cannot."""
+    line = b""  # the current line so far
+    held = b""  # its part not written yet
+    after_hidden = False  # a hidden line ended in "\r": a "\n" next is its "\r\n"'s
     while chunk := os.read(stream.fileno(), 65536):
-        if log is not None:  # first: a Ctrl-C right after a line was seen finds it in the log
-            log.write(chunk)
-            log.flush()
-        out.write(chunk)
-        out.flush()
-        *lines, pending = _BREAKS.split(pending + chunk)
-        tail.extend(text for line in lines if (text := line.decode(errors="replace")).strip())
-    if pending.strip():
-        tail.append(pending.decode(errors="replace"))
+        shown: list[bytes] = []
+        for piece in _ENDS.split(chunk):
+            if not piece:
+                continue
+            if _ENDS.fullmatch(piece):
+                text = line.decode(errors="replace")
+                if piece == b"\n" and not line and after_hidden:
+                    after_hidden = False
+                    continue
+                if text.strip() and observe is not None and not observe(text):
+                    after_hidden = piece == b"\r"
+                else:
+                    shown += [held, piece]
+                    after_hidden = False
+                    if text.strip():
+                        tail.append(text)
+                line = held = b""
+                continue
+            after_hidden = False
+            line, held = line + piece, held + piece
+            if observe is None or not _HEARTBEAT.startswith(line.strip()):
+                shown.append(held)
+                held = b""
+        _write(b"".join(shown), out, log)
+    text = line.decode(errors="replace")
+    if text.strip() and (observe is None or observe(text)):
+        _write(held, out, log)
+        tail.append(text)
+
+
+def _write(data: bytes, out, log) -> None:
+    if not data:
+        return
+    if log is not None:  # first: a Ctrl-C right after a line was seen finds it in the log
+        log.write(data)
+        log.flush()
+    out.write(data)
+    out.flush()
+
+
+def _stacks(
+    spec: JobSpec, here: Host, progress: Progress, emit: Emit, ranks: list[int]
+) -> hang.Verdict:
+    """This machine's ranks' stacks and Flight Recorder traces, read as a node's are (the same
+    command, run here), then judged, printed and saved in the run directory (launch.watch);
+    the ranks' PIDs into `ranks`."""
+    directory = run_directory(spec)
+    command = watch.collection_command(spec.run_id, str(directory), _PY_SPY, native=here.gpus > 0)
+    texts: dict[str, str] = {}
+    silent: dict[str, str] = {}
+    try:
+        read = subprocess.run(
+            ["sh", "-c", command],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=hang.STACKS_TIMEOUT,
+            check=False,
+        )
+        texts[here.name] = read.stdout + read.stderr
+        ranks += [rank.pid for rank in hang.parse(here.name, read.stdout)[0]]
+    except subprocess.TimeoutExpired:
+        silent[here.name] = f"no answer within {hang.STACKS_TIMEOUT:g} s"
+    workdir = str(project_directory(spec))
+    return watch.tell(spec, progress, texts, silent, workdir, emit, directory)
+
+
+def _stop(run_id: str, ranks: list[int], done: threading.Event) -> None:
+    """The job stopped after its hang's report: its ranks first (torchrun then ends as for any
+    failed rank, saying which, not with a traceback of its own), then whatever of the run is
+    left on this machine, stopped as a node's is (commands.stop_command: each process found by
+    the run's marker in its environment, TERM, a grace period, then KILL)."""
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass  # gone already
+    if ranks:
+        done.wait(STOP_GRACE + 5)  # torchrun sees its ranks end, and ends
+    try:
+        subprocess.run(
+            ["sh", "-c", stop_command(run_id)],
+            capture_output=True,
+            timeout=STOP_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pass  # what is left holds the output open: the Ctrl-C that follows stops it
+
+
+def _watch(
+    spec: JobSpec,
+    here: Host,
+    progress: Progress,
+    done: threading.Event,
+    emit: Emit,
+    tail: collections.deque,
+    hung: list[tuple[str, list[str]]],
+) -> None:
+    """The hang watch of a job on this machine (launch.watch.until_hang, as on the nodes): a
+    hang's report, then the job stopped, its cause and the lines before the stop in `hung`."""
+    look = f"{_PY_SPY} dump --pid PID, each rank's PID in hang-stacks-{here.name}.txt"
+    ranks: list[int] = []
+    verdict = watch.until_hang(
+        done,
+        lambda: progress,
+        spec,
+        emit,
+        lambda: _stacks(spec, here, progress, emit, ranks),
+        look,
+    )
+    if verdict is None:
+        return
+    hung.append((verdict.cause, list(tail.copy())))
+    emit("[launcher] the job hangs: stopping it...")
+    _stop(spec.run_id, ranks, done)
 
 
 def run_local(
     spec: JobSpec, emit: Emit = print, out=None, started: Callable[[], None] | None = None
 ) -> int:
-    """Run the job here; its exit code is the launcher's: 0, 1 when it failed, or the code of
-    an interruption. `started` is called once torchrun has started."""
-    env, nproc = environment(spec, _local_gpu_count())
+    """Run the job here; its exit code is the launcher's: 0, 1 when it failed or hung, or the
+    code of an interruption. `started` is called once torchrun has started."""
+    gpus = _local_gpu_count()
+    env, nproc = environment(spec, gpus)
     argv = command(spec, nproc)
     root, run_dir = project_directory(spec), run_directory(spec)
     # the workload's batch against this machine's processes, before any starts
@@ -201,9 +340,21 @@ def run_local(
         f"[launcher] local job {spec.run_id} in {root}: {shlex.join(argv)}"
         + (f"; {fitted}" if fitted else "")
     )
+    if spec.secret_env:
+        emit(
+            f"[launcher] environment for every rank: {staging.environment_names(spec.secret_env)}"
+            " (values not shown)"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)  # only now: a job refused before start leaves none
     began = time.monotonic()
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    progress, done = Progress(spec.stall), threading.Event()
+    hung: list[tuple[str, list[str]]] = []  # a hang's cause and the lines before its stop
+    watcher = threading.Thread(
+        target=_watch,
+        args=(spec, this_machine(gpus), progress, done, emit, tail, hung),
+        daemon=True,
+    )
     process = subprocess.Popen(
         argv,
         cwd=root,
@@ -216,7 +367,9 @@ def run_local(
     try:
         if started is not None:
             started()
-        relay(process.stdout, out or sys.stdout.buffer, tail, log)
+        if spec.stall != 0:  # --stall 0: never a hang
+            watcher.start()
+        relay(process.stdout, out or sys.stdout.buffer, tail, log, progress.note)
         code = process.wait()
     except KeyboardInterrupt as signalled:
         terminated = isinstance(signalled, Terminated)
@@ -229,16 +382,21 @@ def run_local(
             process.wait()
         return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
     finally:
+        done.set()
         process.stdout.close()
         log.close()
-    traced = flight.from_directory(run_dir) if code != 0 else {}
+    if watcher.is_alive():  # a report or a stop under way: its lines come before the summary
+        watcher.join(hang.STACKS_TIMEOUT + STOP_TIMEOUT)
+    cause, before = hung[0] if hung else (None, list(tail))
+    traced = flight.from_directory(run_dir) if code != 0 and cause is None else {}
     flights = flight.failure_lines(traced, dict.fromkeys(traced, "this machine"))
-    for line in summary(spec.run_id, code, time.monotonic() - began, list(tail), flights):
+    seconds = time.monotonic() - began
+    for line in summary(spec.run_id, code, seconds, before, flights, cause):
         emit(line)
     emit(f"Run directory: {run_dir} (its log: {socket.gethostname()}.log)")
     if (run_dir / "tensorboard").is_dir():
         emit(f"TensorBoard: make tensorboard RUN={run_dir.name}")
-    return 0 if code == 0 else 1
+    return 0 if code == 0 and cause is None else 1
 
 
 def _local_gpu_count() -> int:

@@ -1,6 +1,10 @@
 """The watchers of a running job, each in a thread of its own: a node that stops answering over
 SSH, and a node that cannot reach the master over the compute network, fail the job; a job
-that stops making progress is a hang, reported (every rank's stacks) before it is stopped."""
+that stops making progress is a hang, reported (every rank's stacks) before it is stopped.
+
+The hang's watch (`until_hang`), the command that reads a node's stacks and traces
+(`collection_command`) and the report (`tell`) are also a local job's (launch.local): one
+report, worded here, wherever the ranks run."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import flight, hang
 from torch_multinode.launch.blame import cut_off
 from torch_multinode.launch.commands import container_name, link_probe_command, run_dir
+from torch_multinode.launch.progress import Progress
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     LINK_PROBE_INTERVAL,
@@ -22,6 +27,8 @@ from torch_multinode.launch.spec import (
     LIVENESS_FAILURES,
     LIVENESS_INTERVAL,
     STALL_POLL,
+    Emit,
+    JobSpec,
 )
 
 TRACES_TIMEOUT = 15  # seconds a node gets to print the traces its failed ranks left
@@ -104,29 +111,64 @@ def link(job: RunningJob, host: Host, master: Host) -> None:
 
 def stall(job: RunningJob) -> None:
     """No progress for the job's stall time (launch.progress): a hang. Every rank's stacks are
-    read and judged (launch.hang), the report printed and saved in the run's log directory;
-    then the job fails, naming the rank that holds the others up, or (--on-hang wait) is left
-    running for a person to look."""
-    while not job.done.wait(STALL_POLL):
-        if job.progress.stalled() is None:
-            continue
-        job.emit(
-            f"[launcher] {job.progress.describe()}: the job hangs; reading every rank's stacks..."
-        )
+    read and judged (`report`); then the job fails, naming the rank that holds the others up,
+    or (--on-hang wait) is left running for a person to look."""
+
+    def reported() -> hang.Verdict:
         verdict = report(job)
         job.hang_reported = True
-        if job.done.is_set():
-            return  # it ended while the stacks were read: not a hang after all
-        if job.spec.on_hang == "wait":
-            job.emit(
-                "[launcher] --on-hang wait: the job is left running for you to look "
-                "(py-spy dump --pid PID on a node); Ctrl-C stops it"
-            )
-            return
-        node = verdict.culprits[0].node if verdict.culprits else job.hosts[0].name
-        already = job.outcomes[node].error is not None  # says more than "hung"
-        job.fail(node, None if already else f"hung: {verdict.cause}")
+        return verdict
+
+    look = "py-spy dump --pid PID on a node"
+    verdict = until_hang(job.done, lambda: job.progress, job.spec, job.emit, reported, look)
+    if verdict is None:
         return
+    node = verdict.culprits[0].node if verdict.culprits else job.hosts[0].name
+    already = job.outcomes[node].error is not None  # says more than "hung"
+    job.fail(node, None if already else f"hung: {verdict.cause}")
+
+
+def until_hang(
+    done: threading.Event,
+    progress: Callable[[], Progress],
+    spec: JobSpec,
+    emit: Emit,
+    read: Callable[[], hang.Verdict],
+    look: str,
+) -> hang.Verdict | None:
+    """The stall watch of a job on the nodes and of one on this machine alike: until `done`,
+    no progress for the job's stall time is a hang, said, then `read` (every rank's stacks
+    read and judged, the report printed and saved: `tell`). The verdict when the job is to be
+    stopped for it; None when the job ended first, or --on-hang wait leaves it running for a
+    person to look (how: `look`)."""
+    while not done.wait(STALL_POLL):
+        if progress().stalled() is None:
+            continue
+        emit(f"[launcher] {progress().describe()}: the job hangs; reading every rank's stacks...")
+        verdict = read()
+        if done.is_set():
+            return None  # it ended while the stacks were read: not a hang after all
+        if spec.on_hang == "wait":
+            emit(
+                "[launcher] --on-hang wait: the job is left running for you to look "
+                f"({look}); Ctrl-C stops it"
+            )
+            return None
+        return verdict
+    return None
+
+
+def collection_command(
+    run_id: str, directory: str, py_spy: str, container: str | None = None, native: bool = False
+) -> str:
+    """What one node (or this machine) runs for a hang's report: its ranks asked for their
+    Flight Recorder traces first (written while py-spy reads), every rank's stacks
+    (hang.stacks_command), then the traces printed."""
+    stacks = hang.stacks_command(run_id, py_spy, container, native)
+    return (
+        f"{flight.request_command(directory)}; {stacks}; sleep {flight.WAIT:g}; "
+        f"{flight.collect_command(directory)}"
+    )
 
 
 def _on_every_node(
@@ -162,26 +204,40 @@ def _on_every_node(
 
 
 def report(job: RunningJob) -> hang.Verdict:
-    """Every node's ranks' stacks, read at once (each node within hang.STACKS_TIMEOUT), judged,
-    printed, and saved as hang-report.txt (and each node's stacks as hang-stacks-NODE.txt)."""
+    """Every node's ranks' stacks, read at once (each node within hang.STACKS_TIMEOUT), then
+    judged, printed and saved (`tell`)."""
     container = job.container
     directory = run_dir(job.spec)  # the same path in the container
 
     def command(host: Host) -> str:
         py_spy = str(Path(host.python).parent / "py-spy") if "/" in host.python else "py-spy"
-        stacks = hang.stacks_command(
+        return collection_command(
             job.spec.run_id,
+            directory,
             "py-spy" if container else py_spy,
             container_name(job.spec.run_id, host.name) if container else None,
             native=host.gpus > 0,  # a rank waiting for its GPU is in libcuda
         )
-        # the ranks' Flight Recorder traces: asked for first, written while py-spy reads
-        return (
-            f"{flight.request_command(directory)}; {stacks}; sleep {flight.WAIT:g}; "
-            f"{flight.collect_command(directory)}"
-        )
 
     texts, silent = _on_every_node(job, command, hang.STACKS_TIMEOUT)
+    workdir = str(job.workdir) if job.workdir is not None else None
+    return tell(job.spec, job.progress, texts, silent, workdir, job.emit, job.spec.log_dir)
+
+
+def tell(
+    spec: JobSpec,
+    progress: Progress,
+    texts: dict[str, str],
+    silent: dict[str, str],
+    workdir: str | None,
+    emit: Emit,
+    log_dir: Path | None,
+) -> hang.Verdict:
+    """A hang's report, on the nodes and on this machine alike: what each node's collection
+    (`collection_command`) printed (`texts`; `silent`: the nodes that did not answer, and why),
+    judged (launch.hang), printed, and saved in `log_dir` as hang-report.txt, each node's
+    stacks as hang-stacks-NODE.txt."""
+    silent = dict(silent)
     ranks: list[hang.RankStacks] = []
     flights: dict[int, flight.Collective] = {}
     for name, text in texts.items():
@@ -191,19 +247,19 @@ def report(job: RunningJob) -> hang.Verdict:
         ranks += found
         if problem is not None:
             silent[name] = problem
-    verdict = hang.judge(ranks, silent, job.workdir, flights)
-    header = f"Hang report, job {job.spec.run_id}: {job.progress.describe()}"
+    verdict = hang.judge(ranks, silent, workdir, flights)
+    header = f"Hang report, job {spec.run_id}: {progress.describe()}"
     for line in verdict.lines:
-        job.emit(f"[launcher]   {line}")
-    job.emit(f"[launcher] hang: {verdict.cause}")
-    if job.spec.log_dir is not None:
-        job.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        emit(f"[launcher]   {line}")
+    emit(f"[launcher] hang: {verdict.cause}")
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
         for name, text in texts.items():
-            (job.spec.log_dir / f"hang-stacks-{name}.txt").write_text(text)
-        saved = job.spec.log_dir / "hang-report.txt"
+            (log_dir / f"hang-stacks-{name}.txt").write_text(text)
+        saved = log_dir / "hang-report.txt"
         body = [header, *(f"  {line}" for line in verdict.lines), f"Cause: {verdict.cause}"]
         saved.write_text("\n".join(body) + "\n")
-        job.emit(f"[launcher] hang report: {saved}; every rank's stacks: hang-stacks-NODE.txt")
+        emit(f"[launcher] hang report: {saved}; every rank's stacks: hang-stacks-NODE.txt")
     return verdict
 
 

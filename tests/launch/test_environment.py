@@ -157,6 +157,27 @@ def test_precedence_on_this_machine(tmp_path):
     assert kept["OMP_NUM_THREADS"] == "8"
 
 
+def test_env_wins_on_this_machine_as_on_the_nodes():
+    """ENV= over everything a local job's ranks get: this process's own environment, the
+    OMP_NUM_THREADS default, the job's variables (GPUS='s CUDA_VISIBLE_DEVICES, the Flight
+    Recorder's buffer); the launcher's own names stay its own (parse_env refuses them)."""
+    here = inventory({"here": node(1, gpus=2)}).hosts[0]
+    given = environment.parse_env(
+        ["PROJECT_TOKEN CUDA_VISIBLE_DEVICES=0", "TORCH_FR_BUFFER_SIZE=0 OMP_NUM_THREADS=4"],
+        {"PROJECT_TOKEN": "s3cret"},
+    )
+    spec = JobSpec(run_id="tmn-local", gpus=(1,), secret_env=given)
+    environ = {"PROJECT_TOKEN": "s3cret", "OMP_NUM_THREADS": "2", "HOME": "/home/me"}
+    env = environment.local_environment(here, spec, "/runs/x", "/proj", "gloo", environ)
+    assert env["PROJECT_TOKEN"] == "s3cret"  # a bare name: this machine's value
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"  # over GPUS=1's
+    assert env["TORCH_FR_BUFFER_SIZE"] == "0"  # over the launcher's 256
+    assert env["OMP_NUM_THREADS"] == "4"  # over this process's own
+    assert (env["TMN_RUN_DIR"], env["HOME"]) == ("/runs/x", "/home/me")
+    with pytest.raises(UserError, match="ENV: TMN_RUN_DIR is set by the launcher itself"):
+        environment.parse_env(["TMN_RUN_DIR=/elsewhere"], {})
+
+
 def test_gpus_beside_the_shells_own_cuda_visible_devices_is_refused_on_this_machine(tmp_path):
     """GPUS= counts as nvidia-smi does; under the shell's CUDA_VISIBLE_DEVICES torch counts only
     what that leaves: one of the two, said before anything starts. Without GPUS= the shell's

@@ -4,11 +4,15 @@ never torchrun's ChildFailedError traceback."""
 
 from __future__ import annotations
 
+import collections
+import io
+import os
 import re
 import shutil
 
 from tests.conftest import REPO_ROOT, run_cli
 from torch_multinode.launch import local
+from torch_multinode.launch.progress import HEARTBEAT
 from torch_multinode.launch.spec import JobSpec
 
 TAIL = [
@@ -81,3 +85,57 @@ def test_a_local_job_that_fails_ends_with_the_summary_not_torchruns_traceback():
     refusal = "  | Error: --sync-bn needs GPUs: torch's SyncBatchNorm only runs on CUDA"
     assert summary[2:-1] in ([refusal], [refusal] * 2), output
     assert summary[-1].startswith(f"Run directory: {REPO_ROOT / '.runs' / run_id} "), output
+
+
+def test_a_hung_local_jobs_summary_names_the_cause_and_its_lines_before_the_stop():
+    cause = "rank 1 (vm) not in a collective (rank 1 at hang.py:21 in load_batch)"
+    lines = local.summary("tmn-1", 1, 31.04, ["step 3/10", "step 4/10"], ["ignored"], cause)
+    assert lines == [
+        f"Job tmn-1 FAILED on this machine after 31.0 s (hung: {cause}).",
+        "Last lines:",
+        "  | step 3/10",
+        "  | step 4/10",
+    ]
+
+
+def test_the_relay_hides_heartbeats_however_the_output_is_cut(monkeypatch):
+    """A heartbeat (launch.progress) counts as progress and is neither shown nor logged, as on
+    the nodes, even cut across two reads; a line that only starts like one is shown whole, and
+    a progress bar's carriage returns pass as they came."""
+    written = (
+        b"step 1/2\n[tmn] hea",
+        b"rtbeat\r",
+        b"\n10%\r20%\r\n[tmn] he",
+        b"llo\n[tmn] heartbeat\nlast words",
+    )
+    chunks = iter(written)
+    read, write = os.pipe()
+    real_read = os.read
+    monkeypatch.setattr(
+        os, "read", lambda fd, n: next(chunks, b"") if fd == read else real_read(fd, n)
+    )
+    out, log, tail, seen = io.BytesIO(), io.BytesIO(), collections.deque(), []
+
+    def observe(line: str) -> bool:
+        seen.append(line)
+        return line.strip() != HEARTBEAT
+
+    try:
+        with os.fdopen(read, "rb", buffering=0) as stream:
+            local.relay(stream, out, tail, log, observe)
+    finally:
+        os.close(write)
+    shown = b"step 1/2\n10%\r20%\r\n[tmn] hello\nlast words"
+    assert (out.getvalue(), log.getvalue()) == (shown, shown)
+    assert list(tail) == ["step 1/2", "10%", "20%", "[tmn] hello", "last words"]
+    assert seen.count(HEARTBEAT) == 2 and "[tmn] hello" in seen
+    # Without a watch (no observer) everything passes, heartbeats included.
+    chunks = iter(written)
+    out, tail = io.BytesIO(), collections.deque()
+    read, write = os.pipe()
+    try:
+        with os.fdopen(read, "rb", buffering=0) as stream:
+            local.relay(stream, out, tail)
+    finally:
+        os.close(write)
+    assert out.getvalue() == b"".join(written)

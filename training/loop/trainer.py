@@ -31,7 +31,7 @@ from torch import nn
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import PLANNED_WORLD_VARIABLE
-from torch_multinode.training.checkpointing import checkpoint
+from torch_multinode.training.checkpointing import checkpoint, complete
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.loop import data, metrics
 from torch_multinode.training.loop.virtual_ranks import VirtualRanks
@@ -109,6 +109,34 @@ def slow_ranks(
     return found
 
 
+def own_work(per_rank: list[tuple[float, float, str]]) -> list[tuple[float, str]]:
+    """Each rank's own time per step as slow_ranks compares it, from (seconds, of which waiting
+    for a CPU, node). Ranks on one node share its cores: when more threads want them than there
+    are (a loaded machine, two local ranks on a busy 2-core one), which rank the scheduler
+    leaves waiting is chance, not that rank's own work. So a rank's own wait for a CPU counts
+    as its node's ranks' median wait: a rank is still named for work of its own (computing,
+    sleeping, waiting for its data), and a node whose every rank waits for a CPU (a busy node
+    among idle ones) still holds the others up and is named; a rank alone on its node keeps its
+    time as measured."""
+    waits: dict[str, list[float]] = {}
+    for _, waited, node in per_rank:
+        waits.setdefault(node, []).append(waited)
+    return [
+        (seconds - waited + statistics.median(waits[node]), node)
+        for seconds, waited, node in per_rank
+    ]
+
+
+def cpu_wait() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (the kernel's run-queue
+    wait: /proc/thread-self/schedstat's second field); 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class OwnTime:
     """Seconds this rank spends on its own work: data loading, forward, optimizer step and
     everything between steps, but not the time it waits for the other ranks (DDP's buffer
@@ -116,33 +144,42 @@ class OwnTime:
     collectives). In a synchronous job every rank's wall time per step is the slowest rank's;
     this is what tells them apart. Measured on the host: on a GPU it sees host-side slowness
     (data loading, a busy CPU), not a slow GPU's kernels. A step's own time runs from the end
-    of the previous backward to the end of its forward."""
+    of the previous backward to the end of its forward; how much of it the rank's thread was
+    runnable but waiting for a CPU is kept beside it (own_work)."""
 
-    def __init__(self):
-        self.steps: list[float] = []
-        self._current = 0.0
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        waited: Callable[[], float] = cpu_wait,
+    ):
+        self.clock, self.waited = clock, waited
+        self.steps: list[tuple[float, float]] = []  # (seconds, of which waiting for a CPU)
+        self._current = self._current_wait = 0.0
         self._since: float | None = None
+        self._wait_since = 0.0
 
     def resume(self) -> None:
         if self._since is None:
-            self._since = time.perf_counter()
+            self._since, self._wait_since = self.clock(), self.waited()
 
     def pause(self) -> None:
         if self._since is not None:
-            self._current += time.perf_counter() - self._since
+            self._current += self.clock() - self._since
+            self._current_wait += self.waited() - self._wait_since
             self._since = None
 
     def end_step(self) -> None:
         self.pause()
-        self.steps.append(self._current)
-        self._current = 0.0
+        self.steps.append((self._current, self._current_wait))
+        self._current = self._current_wait = 0.0
 
-    def take(self) -> float:
+    def take(self) -> tuple[float, float]:
         """The median own time of the steps since the last take (one stall of the machine
-        does not make a rank slow); starts afresh."""
-        median = statistics.median(self.steps) if self.steps else 0.0
+        does not make a rank slow), and the median of their waits for a CPU; starts afresh."""
+        seconds = statistics.median(s for s, _ in self.steps) if self.steps else 0.0
+        waited = statistics.median(w for _, w in self.steps) if self.steps else 0.0
         self.steps = []
-        return median
+        return seconds, waited
 
 
 @dataclass
@@ -267,13 +304,23 @@ class Trainer:
         self.store.check_writable()
         for store in self.stores:
             store.remove_temporaries()
+        # Each rank's complete steps, and those it has a file of that is not (cut short).
+        found = parallel.all_gather((self.store.steps(), self.store.seen()), self.env)
         plan = checkpoint.plan_resume(
-            parallel.all_gather(self.store.steps(), self.env),
+            [steps for steps, _ in found],
             settings.resume,
             settings.checkpoint_dir,
             replicated=True,  # every data-parallel rank's file holds the same state
         )
-        say(self.env, plan.message)
+        cut = {
+            step: f"rank {rank}'s file is cut short"
+            for rank, (steps, seen) in enumerate(found)
+            for step in sorted(set(seen) - set(steps))
+        }
+        skipped = (
+            None if settings.resume is False else complete.skipped([list(cut)], plan.step, cut)
+        )
+        say(self.env, *filter(None, [skipped, plan.message]))
         if plan.step is None:
             if settings.resume is False:
                 for store in self.stores:
@@ -500,9 +547,9 @@ class Trainer:
         if factor <= 0 or not self.env.launched:
             return
         per_rank = self._collective(
-            parallel.all_gather, (self.own_time.take(), self.node), self.env
+            parallel.all_gather, (*self.own_time.take(), self.node), self.env
         )
-        for slow in slow_ranks(per_rank, factor):
+        for slow in slow_ranks(own_work(per_rank), factor):
             say(
                 self.env,
                 f"warning: rank {slow.rank} on {slow.node} is slow: {slow.seconds:.3f} s of its "
