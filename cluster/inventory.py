@@ -63,8 +63,11 @@ from torch_multinode.cluster.inventory_checks import (
     _port,
     _Problems,
     _subnet,
+    _text,
+    _typo_of,
     is_word,
     parse_gpu_list,
+    vars_field,
 )
 from torch_multinode.cluster.inventory_read import (
     _check_defined_once,
@@ -210,23 +213,25 @@ def load(path: str | os.PathLike | None, group: str = NODES_GROUP) -> Inventory:
     if any((path.parent / name).is_dir() for name in ("group_vars", "host_vars")):
         return _through_ansible(path, group)
     yaml_file = path.suffix.lower() in YAML_SUFFIXES
+    problems = _Problems()  # a duplicate key is one of them: the rest is checked too
     try:
-        data = _yaml(text, f"inventory {path}")
+        data = _yaml(text, f"inventory {path}", problems)
     except UserError:
         if yaml_file:
             raise
         return _through_ansible(path, group)
     if (not isinstance(data, dict) and not yaml_file) or _needs_ansible(data, group):
-        return _through_ansible(path, group)
-    problems = _Problems()
+        return _through_ansible(path, group, problems)
     _check_defined_once([(path, data)], f"inventory {path}", problems)
     return _validate(data, path, group, problems)
 
 
-def _through_ansible(path: Path, group: str) -> Inventory:
-    problems = _Problems()
+def _through_ansible(path: Path, group: str, problems: _Problems | None = None) -> Inventory:
+    problems = problems if problems is not None else _Problems()
     _check_defined_once(_sources(path), f"inventory {path}", problems)
-    return _validate(resolve_with_ansible(path, group, problems), path, group, problems)
+    origins: dict[str, str] = {}
+    document = resolve_with_ansible(path, group, problems, origins)
+    return _validate(document, path, group, problems, origins)
 
 
 def check_group(group: object) -> str:
@@ -252,19 +257,26 @@ YAML_SUFFIXES = (".yml", ".yaml", ".json")
 def parse(text: str, path: Path | str = "<inventory>", group: str = NODES_GROUP) -> Inventory:
     """An inventory in the plain YAML layout, from its text."""
     path = Path(path)
-    data = _yaml(text, f"inventory {path}")
-    group = check_group(group)
     problems = _Problems()
+    data = _yaml(text, f"inventory {path}", problems)
+    group = check_group(group)
     _check_defined_once([(path, data)], f"inventory {path}", problems)
     return _validate(data, path, group, problems)
 
 
 def _validate(
-    data, path: Path, group_name: str = NODES_GROUP, problems: _Problems | None = None
+    data,
+    path: Path,
+    group_name: str = NODES_GROUP,
+    problems: _Problems | None = None,
+    origins: dict[str, str] | None = None,
 ) -> Inventory:
     """Every check, on an inventory document in the plain layout (from the file itself, or as
     Ansible resolved it). Every problem is found in one pass: each check that does not depend
-    on another's value runs, and all their errors are raised together (_Problems)."""
+    on another's value runs, and all their errors are raised together (_Problems). `origins`:
+    the group whose variables set each of all.vars' values, as Ansible resolved them (else
+    all.vars' are all's, the nodes group's vars its own); a problem in one is said once, for
+    that group, not for each host."""
     problems = problems if problems is not None else _Problems()
     where = f"inventory {path}"
     if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
@@ -293,6 +305,8 @@ def _validate(
     with problems.fatal_on_error():
         group_vars = _mapping(group.get("vars"), f"{where}: all.children.{group_name}.vars")
     merged = {**cluster_vars, **group_vars}
+    if origins is None:
+        origins = {**dict.fromkeys(cluster_vars, "all"), **dict.fromkeys(group_vars, group_name)}
     typos: set[str] = set()  # names reported as a missing field's typo: not warned about too
     cluster_warnings_at = len(problems.warnings)
 
@@ -367,6 +381,14 @@ def _validate(
     names: dict[str, str] = {}
     ips: dict[object, str] = {}
     ssh_targets: dict[tuple[str, int], str] = {}
+    # A required field no group sets, whose typo one does: said once, for that group, after
+    # the hosts have been seen (which of them lack it), before their own problems.
+    inherited = {
+        field: (typo, [])
+        for field in REQUIRED_HOST_FIELDS
+        if merged.get(field) in (None, "") and (typo := _typo_of(field, merged)) is not None
+    }
+    hosts_errors_at = len(problems.errors)
     for key, own in group["hosts"].items():
         try:
             name = str(key)
@@ -374,15 +396,15 @@ def _validate(
             problems.add(UserError(f"{where}: host {shown(key)}: name is not a hostname"))
             continue
         host_where = f"{where}: host '{printable(name)}'"
-        if not _LABEL.fullmatch(name):
+        named = _LABEL.fullmatch(name) is not None
+        if not named:  # its fields are checked all the same
             problems.add(
                 UserError(
                     f"{host_where}: name is not a valid RFC 1123 hostname label "
                     "(letters, digits and '-', 1-63 characters, no '-' at either end)"
                 )
             )
-            continue
-        if name.lower() in names:
+        elif name.lower() in names:
             problems.add(
                 UserError(
                     f"{host_where}: name duplicates host '{names[name.lower()]}' "
@@ -390,7 +412,8 @@ def _validate(
                 )
             )
             continue
-        names[name.lower()] = name
+        else:
+            names[name.lower()] = name
         try:
             own = _mapping(own, host_where)
         except UserError as error:
@@ -410,31 +433,53 @@ def _validate(
         missing = [field for field in REQUIRED_HOST_FIELDS if values.get(field) in (None, "")]
         for field in missing:
             message = f"{host_where}: field '{field}' is missing"
-            problems.add(_missing(message, field, values, typos) or UserError(message))
+            error = _missing(message, field, own, typos)
+            if error is None and field in inherited and field not in own:
+                inherited[field][1].append(name)
+                continue
+            problems.add(error or UserError(message))
         problems.warn_unknown(own, f"{host_where}: field", skip={*merged, *typos})
-        if missing:
-            continue
         host = _host(name, values, subnet, host_where, problems)
-        if host is None:
-            continue
-        if host.compute_ip in ips:
-            problems.add(
-                UserError(
-                    f"{host_where}: field 'compute_ip': {host.compute_ip} is already used by "
-                    f"host '{ips[host.compute_ip]}'"
+        # Two hosts at one address are said whatever else is wrong with either of them.
+        compute_ip = _ipv4(values.get("compute_ip"))
+        if compute_ip is not None:
+            if compute_ip in ips:
+                problems.add(
+                    UserError(
+                        f"{host_where}: field 'compute_ip': {compute_ip} is already used by "
+                        f"host '{ips[compute_ip]}'",
+                        hint=f"{printable(name)}'s own address on the compute network",
+                    )
                 )
-            )
-        ips.setdefault(host.compute_ip, name)
-        target = (host.ssh_address, host.ssh_port)
-        if target in ssh_targets:
-            problems.add(
-                UserError(
-                    f"{host_where}: field 'ansible_host': {host.ssh_address}:{host.ssh_port} is "
-                    f"already used by host '{ssh_targets[target]}'"
+            ips.setdefault(compute_ip, name)
+        address, ssh_port = values.get("ansible_host"), values.get("ansible_port", 22)
+        if is_word(address) and isinstance(ssh_port, int) and not isinstance(ssh_port, bool):
+            target = (address, ssh_port)
+            if target in ssh_targets:
+                problems.add(
+                    UserError(
+                        f"{host_where}: field 'ansible_host': {address}:{ssh_port} is already "
+                        f"used by host '{ssh_targets[target]}'",
+                        hint=f"{printable(name)}'s own address, or its own ansible_port where "
+                        "nodes share one address",
+                    )
                 )
+            ssh_targets.setdefault(target, name)
+        if host is not None and named and not missing:
+            hosts.append(host)
+    group_errors = []
+    for field, (typo, lacking) in inherited.items():
+        if not lacking:
+            continue  # every host sets its own: the group's name is only warned about
+        typos.add(typo)
+        group_errors.append(
+            UserError(
+                f"{vars_field(where, origins.get(typo, 'all'))} '{printable(typo)}' looks like a "
+                f"typo of '{field}', which {_which(lacking, len(group['hosts']))}",
+                hint=f"renaming {printable(typo)} to {field}",
             )
-        ssh_targets.setdefault(target, name)
-        hosts.append(host)
+        )
+    problems.errors[hosts_errors_at:hosts_errors_at] = group_errors
     memlock = merged.get("container_memlock", "unlimited")
     if memlock != "unlimited" and (
         isinstance(memlock, bool) or not isinstance(memlock, int) or not 0 <= memlock <= MAX_MEMLOCK
@@ -446,7 +491,8 @@ def _validate(
             )
         )
     cluster = _Problems()
-    cluster.warn_unknown(merged, f"{where}: cluster field", skip=typos)
+    for name in merged:
+        cluster.warn_unknown({name: None}, vars_field(where, origins.get(name, "all")), skip=typos)
     problems.warnings[cluster_warnings_at:cluster_warnings_at] = cluster.warnings
     problems.raise_if_any()
     return Inventory(
@@ -478,12 +524,12 @@ def _host(
     problems: _Problems,
 ) -> Host | None:
     """The host's fields, each checked on its own: every bad one is added to `problems`, and
-    None returned where any was."""
+    None returned where any was, or where a required one is missing (said by the caller: the
+    others are checked all the same)."""
     before = len(problems.errors)
-    compute_ip = None
-    try:
-        compute_ip = ipaddress.IPv4Address(str(values["compute_ip"]))
-    except ValueError:
+    given = {field for field in REQUIRED_HOST_FIELDS if values.get(field) not in (None, "")}
+    compute_ip = _ipv4(values.get("compute_ip"))
+    if compute_ip is None and "compute_ip" in given:
         problems.add(
             UserError(
                 f"{where}: field 'compute_ip': {shown(values['compute_ip'])} is not an IPv4 address"
@@ -496,8 +542,8 @@ def _host(
                 hint="an address inside the subnet, or correct compute_subnet",
             )
         )
-    interface = values["compute_interface"]
-    if (
+    interface = values.get("compute_interface")
+    if "compute_interface" in given and (
         not isinstance(interface, str)
         or not _IFNAME.fullmatch(interface)
         or len(interface.encode()) > IFNAME_BYTES
@@ -509,18 +555,19 @@ def _host(
                 "interface name"
             )
         )
-    gpus = values["gpus"]
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+    gpus = values.get("gpus")
+    whole = isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0
+    if "gpus" in given and not whole:
         problems.add(UserError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0"))
-    elif gpus > MAX_GPUS:
+    elif whole and gpus > MAX_GPUS:
         problems.add(
             UserError(
                 f"{where}: field 'gpus': {shown(gpus)} is more than one node holds (at most "
                 f"{MAX_GPUS})"
             )
         )
-    address = values["ansible_host"]
-    if not is_word(address):
+    address = values.get("ansible_host")
+    if "ansible_host" in given and not is_word(address):
         problems.add(
             UserError(f"{where}: field 'ansible_host': {shown(address)} is not a host address")
         )
@@ -543,7 +590,7 @@ def _host(
         ssh_key = _optional_path(
             values.get("ansible_ssh_private_key_file"), where, "ansible_ssh_private_key_file"
         )
-    if len(problems.errors) > before:
+    if len(problems.errors) > before or len(given) < len(REQUIRED_HOST_FIELDS):
         return None
     return Host(
         name=name,
@@ -557,3 +604,19 @@ def _host(
         python=python,
         visible_gpus=visible,
     )
+
+
+def _ipv4(value) -> ipaddress.IPv4Address | None:
+    """`value` as an IPv4 address, or None where it is not one."""
+    try:
+        return ipaddress.IPv4Address(_text(value))
+    except ValueError:
+        return None
+
+
+def _which(hosts: list[str], every: int) -> str:
+    """'every host lacks', "host 'pc2' lacks", "hosts 'pc1', 'pc2' lack"."""
+    if len(hosts) == every:
+        return "every host lacks"
+    named = ", ".join(f"'{printable(name)}'" for name in hosts)
+    return f"host {named} lacks" if len(hosts) == 1 else f"hosts {named} lack"

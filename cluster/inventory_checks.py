@@ -215,17 +215,34 @@ def _close_field(name: str) -> str | None:
     return found[0] if found else None
 
 
+def _typo_of(field: str, values: dict) -> str | None:
+    """The name among `values` that looks like a typo of `field`, or None."""
+    for name in values:
+        if isinstance(name, str) and _close_field(name) == field and name not in _known_fields():
+            return name
+    return None
+
+
 def _missing(message: str, field: str, values: dict, typos: set[str]) -> UserError | None:
     """`message` (a required field is missing) naming the variable that looks like its typo
     (added to `typos`), or None where there is none."""
-    for name in values:
-        if isinstance(name, str) and _close_field(name) == field and name not in _known_fields():
-            typos.add(name)
-            return UserError(
-                f"{message}; '{printable(name)}' looks like a typo of it",
-                hint=f"renaming {printable(name)} to {field}",
-            )
-    return None
+    name = _typo_of(field, values)
+    if name is None:
+        return None
+    typos.add(name)
+    return UserError(
+        f"{message}; '{printable(name)}' looks like a typo of it",
+        hint=f"renaming {printable(name)} to {field}",
+    )
+
+
+def vars_field(where: str, group: str) -> str:
+    """How a message names a variable set for a whole group: `where` followed by "cluster
+    field" for all's (all.vars, [all:vars], group_vars/all.yml), else by "vars of group 'G':
+    field" ([G:vars], all.children.G.vars, group_vars/G.yml)."""
+    if group == "all":
+        return f"{where}: cluster field"
+    return f"{where}: vars of group '{printable(group)}': field"
 
 
 def is_word(value) -> bool:

@@ -1,7 +1,8 @@
-"""Reading an inventory into the document the checks run on: its YAML (duplicate keys refused,
-errors with line numbers), whether only Ansible resolves it (INI, group_vars/ and host_vars/,
-host ranges, nested groups), the values ansible-core's inventory loader and variable manager
-give its hosts, and a host defined twice with values that disagree (YAML groups, INI lines,
+"""Reading an inventory into the document the checks run on: its YAML (each duplicate key
+refused, the rest still checked; errors with line numbers), whether only Ansible resolves it
+(INI, group_vars/ and host_vars/, host ranges, nested groups), the values ansible-core's
+inventory loader and variable manager give its hosts (and the group whose variables set each
+cluster-wide one), and a host defined twice with values that disagree (YAML groups, INI lines,
 files of a directory).
 """
 
@@ -28,27 +29,50 @@ from torch_multinode.cluster.inventory_checks import (
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML keeps the last of two equal keys; a duplicated host name must be an error."""
+    """PyYAML keeps the last of two equal keys without a word; each duplicate is recorded here
+    (`duplicates`), and the last value kept, as Ansible keeps it, so that the rest of the file
+    is still checked in the same pass."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.duplicates: list[_DuplicateKey] = []
+        self._host_maps: set[int] = set()  # the mappings under a `hosts:` key
 
     def construct_mapping(self, node, deep=False):
         seen: dict[object, int] = {}
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=deep)
             try:
                 hash(key)
             except TypeError:
                 continue  # let SafeLoader report an unhashable key itself
+            if key == "hosts" and isinstance(value_node, yaml.MappingNode):
+                self._host_maps.add(id(value_node))
             line = key_node.start_mark.line + 1
             if key in seen:
-                raise _DuplicateKey(key, seen[key], line)
+                self.duplicates.append(
+                    _DuplicateKey(key, seen[key], line, id(node) in self._host_maps)
+                )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
 
 class _DuplicateKey(Exception):
-    def __init__(self, key, first_line, line):
+    def __init__(self, key, first_line, line, host=True):
         super().__init__(key)
-        self.key, self.first_line, self.line = key, first_line, line
+        self.key, self.first_line, self.line, self.host = key, first_line, line, host
+
+    def error(self, where: str) -> UserError:
+        hint = (
+            "giving each host a unique name"
+            if self.host
+            else "keeping one of them: Ansible reads the last, and so do the checks"
+        )
+        return UserError(
+            f"{where}: line {self.line}: duplicate key {shown(self.key)} (first on line "
+            f"{self.first_line})",
+            hint=hint,
+        )
 
 
 def _needs_ansible(data, group: str = NODES_GROUP) -> bool:
@@ -86,13 +110,18 @@ def _plain(value):
 
 
 def resolve_with_ansible(
-    path: Path, group: str = NODES_GROUP, problems: _Problems | None = None
+    path: Path,
+    group: str = NODES_GROUP,
+    problems: _Problems | None = None,
+    origins: dict[str, str] | None = None,
 ) -> dict:
     """The inventory as ansible-playbook sees it (ansible-core's inventory loader and variable
     manager: YAML or INI, group_vars/ and host_vars/, ranges, nested groups), as a document in
     the plain layout: the hosts of `group` in order, each with every variable it resolves to,
     and the cluster-wide fields once (refused where two hosts disagree). Errors go into
-    `problems` where given (raised with the others), else are raised here."""
+    `problems` where given (raised with the others), else are raised here. `origins`, where
+    given, receives the group whose variables set each cluster-wide value ('all' for all's
+    own, [nodes:vars] gives 'nodes'), for the messages that name it."""
     where = f"inventory {path}"
     own_problems = problems is None
     problems = _Problems() if problems is None else problems
@@ -120,6 +149,8 @@ def resolve_with_ansible(
                 }
                 for host in hosts
             }
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                setters = _group_setters(loader, str(path), hosts[0]) if hosts else {}
         except AnsibleError:
             reasons = re.findall(
                 r"Failed to parse inventory with '\w+' plugin: (?:Failed to parse inventory: )?(.+)",
@@ -185,9 +216,28 @@ def resolve_with_ansible(
         name: {key: value for key, value in own.items() if key not in cluster}
         for name, own in hosts_doc.items()
     }
+    if origins is not None:
+        origins.update({key: setters.get(key, "all") for key in cluster})
     if own_problems:
         problems.raise_if_any()
     return {"all": {"vars": cluster, "children": {group: {"hosts": hosts_doc}}}}
+
+
+def _group_setters(loader, source: str, host) -> dict[str, str]:
+    """Each variable a group of `host` sets, with the name of the group whose value it gets:
+    of the groups that set it (in the inventory, [G:vars] or vars:, or in group_vars/G.yml),
+    the last in Ansible's order of precedence ('all' first, the deepest last)."""
+    from ansible.inventory.helpers import sort_groups
+    from ansible.vars.plugins import get_vars_from_inventory_sources
+
+    setters: dict[str, str] = {}
+    for found in sort_groups(host.get_groups()):
+        own = {
+            **found.get_vars(),
+            **get_vars_from_inventory_sources(loader, [source], [found], "task"),
+        }
+        setters.update({str(name): found.name for name in own})
+    return setters
 
 
 # Read by ansible-core when it is first imported: only the inventory formats a user writes by
@@ -200,15 +250,24 @@ _ANSIBLE_SETTINGS = {
 }
 
 
-def _yaml(text: str, where: str):
+def _yaml(text: str, where: str, problems: _Problems | None = None):
+    """The YAML document of `text`. A key given twice in one mapping is an error: added to
+    `problems` where given (the last value kept, as Ansible keeps it, and the rest checked in
+    the same pass), else raised."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        loader = _UniqueKeyLoader(text)
+        try:
+            document = loader.get_single_data()
+        finally:
+            loader.dispose()
+        duplicates = sorted(loader.duplicates, key=lambda found: found.line)
+        if duplicates and problems is None:
+            raise duplicates[0]
+        for duplicate in duplicates:
+            problems.add(duplicate.error(where))
+        return document
     except _DuplicateKey as dup:
-        raise UserError(
-            f"{where}: line {dup.line}: duplicate key {shown(dup.key)} (first on line "
-            f"{dup.first_line})",
-            hint="giving each host a unique name",
-        ) from None
+        raise dup.error(where) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""

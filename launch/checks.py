@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.errors import UserError, command
 from torch_multinode.launch.spec import DEFAULT_MODULE, runnable_module
 from torch_multinode.training.settings import arguments
 
@@ -30,12 +30,48 @@ def workload_arguments(
     None. A project (`workdir`) with its own module of that name checks its own."""
     if runnable_module(module, workdir) == module:  # not one of ours
         return None
-    return arguments.check(module, _without_files_elsewhere(argv), world_size)
+    try:
+        return arguments.check(module, _without_files_elsewhere(argv), world_size)
+    except UserError as error:
+        if error.hint == "--help":  # the workload's own --help, as the launcher prints it
+            error.hint = f"{command('train')} --module {module} -- --help"
+        raise
+
+
+# Where a project's entry point usually is: the script a directory given as SCRIPT= means.
+ENTRY_POINTS = ("train.py", "main.py")
+
+
+def script_file(path: Path) -> None:
+    """A SCRIPT= must be a file. A directory is said to be one, with the script inside it where
+    there is an obvious one (train.py, main.py, or its only .py file)."""
+    if path.is_dir():
+        inside = _entry_point(path)
+        raise UserError(
+            f"script {path} is a directory",
+            hint=f"SCRIPT={inside}" if inside is not None else "a .py file inside it",
+        )
+    if not path.is_file():
+        raise UserError(f"script {path} does not exist", hint="a path to a .py file")
+
+
+def _entry_point(directory: Path) -> Path | None:
+    for name in ENTRY_POINTS:
+        if (directory / name).is_file():
+            return directory / name
+    try:
+        found = [f for f in directory.glob("*.py") if f.name != "__init__.py" and f.is_file()]
+    except OSError:
+        return None
+    return found[0] if len(found) == 1 else None
 
 
 def script_compiles(path: Path) -> None:
     """A SCRIPT= must be Python that compiles, before anything starts: otherwise every rank
-    of every node prints the same SyntaxError and torchrun adds its report."""
+    of every node prints the same SyntaxError and torchrun adds its report. Said as Python
+    says it (`SyntaxError at line 3: expected ':'`); a file that is not a .py is also told
+    what SCRIPT= wants."""
+    not_python = None if path.suffix == ".py" else "SCRIPT=path/to/train.py, a Python file"
     try:
         source = path.read_bytes()
     except OSError as error:
@@ -45,8 +81,7 @@ def script_compiles(path: Path) -> None:
     except SyntaxError as error:
         where = f" at line {error.lineno}" if error.lineno else ""
         raise UserError(
-            f"script {path} is not Python: {error.msg}{where}",
-            hint="SCRIPT=path/to/train.py, a Python file",
+            f"script {path}: {type(error).__name__}{where}: {error.msg}", hint=not_python
         ) from None
     except ValueError as error:  # NUL bytes: a binary file
         raise UserError(

@@ -156,12 +156,14 @@ REJECTIONS = [
     (
         "duplicate compute IP",
         VALID.replace("compute_ip: 10.9.0.2", "compute_ip: 10.9.0.1"),
-        "host 'beta': field 'compute_ip': 10.9.0.1 is already used by host 'alpha'",
+        "host 'beta': field 'compute_ip': 10.9.0.1 is already used by host 'alpha' (try beta's "
+        "own address on the compute network)",
     ),
     (
         "duplicate SSH address",
         VALID.replace("ansible_host: 10.9.0.2", "ansible_host: 10.9.0.1"),
-        "host 'beta': field 'ansible_host': 10.9.0.1:22 is already used by host 'alpha'",
+        "host 'beta': field 'ansible_host': 10.9.0.1:22 is already used by host 'alpha' (try "
+        "beta's own address, or its own ansible_port where nodes share one address)",
     ),
     (
         "hostname with an underscore",

@@ -387,6 +387,11 @@ def test_netcheck_reports_any_valid_inventory_whose_nodes_do_not_answer(
 # --- what the fuzzing found, one example each --------------------------------------------------
 
 
+# Where the hints' commands are: the venv's bin directory, named whole (the calls run in a
+# directory of their own, not below it).
+BIN = Path(sys.executable).parent
+
+
 def run(main, argv: list[str], root: Path):
     outcome = call(main, argv, root)
     assert_clean(outcome, processes=main is launch.cli.main)
@@ -400,62 +405,65 @@ def run(main, argv: list[str], root: Path):
         (
             sim_cli.main,
             ["up", "--nodes", "x"],
-            "Error: argument -n/--nodes: invalid int value: 'x' "
-            "(try python -m torch_multinode.sim.cli up --help)",
+            "Error: NNODES=x (--nodes): invalid int value: 'x' "
+            f"(try {BIN}/python -m torch_multinode.sim.cli up --help)",
         ),
         (
             sim_cli.main,
             [],
             "Error: the following arguments are required: ACTION "
-            "(try python -m torch_multinode.sim.cli --help)",
+            f"(try {BIN}/python -m torch_multinode.sim.cli --help)",
         ),
         (
             netcheck.cli.main,
             ["-i", "x.yml", "--bogus"],
-            "Error: unrecognized arguments: --bogus (try netcheck --help)",
+            f"Error: unknown option --bogus (try {BIN}/netcheck --help)",
         ),
         (
             launch.cli.main,
             ["--debug", "x"],
-            "Error: argument --debug: invalid choice: 'x' "
-            "(choose from 'info', 'detail') (try train --help)",
+            "Error: DEBUG=x (--debug): invalid choice: 'x' "
+            f"(choose from 'info', 'detail') (try {BIN}/train --help)",
         ),
         (
             netcheck.cli.main,
             ["-i", "x.yml", "a\nb"],
-            "Error: unrecognized arguments: a\\nb (try netcheck --help)",
+            f"Error: unrecognized arguments: a\\nb (try {BIN}/netcheck --help)",
         ),
         # float() takes 'nan' and 'inf': a stage limit that never comes.
         (
             netcheck.cli.main,
             ["-i", "x.yml", "--timeout", "nan"],
-            "Error: argument --timeout: 'nan' is not a number of seconds (try netcheck --help)",
+            "Error: argument --timeout: 'nan' is not a number of seconds "
+            f"(try {BIN}/netcheck --help)",
         ),
         (
             netcheck.cli.main,
             ["-i", "x.yml", "--timeout", "inf"],
-            "Error: argument --timeout: 'inf' is not a number of seconds (try netcheck --help)",
+            "Error: argument --timeout: 'inf' is not a number of seconds "
+            f"(try {BIN}/netcheck --help)",
         ),
         # Handed on to torchrun on every node, which failed each in its own way.
         (
             launch.cli.main,
             ["--rendezvous-timeout", "0"],
-            "Error: argument --rendezvous-timeout: 0 is below 1 (try train --help)",
+            f"Error: argument --rendezvous-timeout: 0 is below 1 (try {BIN}/train --help)",
         ),
         (
             launch.cli.main,
             ["--max-restarts", "-1"],
-            "Error: argument --max-restarts: -1 is below 0 (try train --help)",
+            f"Error: argument --max-restarts: -1 is below 0 (try {BIN}/train --help)",
         ),
         (
             launch.cli.main,
             ["--restarts", "-1"],
-            "Error: argument --restarts: -1 is below 0 (try train --help)",
+            f"Error: RESTARTS=-1 (--restarts): -1 is below 0 (try {BIN}/train --help)",
         ),
         (
             launch.cli.main,
             ["--restart-wait", "nan"],
-            "Error: argument --restart-wait: 'nan' is not a number of seconds (try train --help)",
+            "Error: argument --restart-wait: 'nan' is not a number of seconds "
+            f"(try {BIN}/train --help)",
         ),
         (
             launch.cli.main,
@@ -466,7 +474,7 @@ def run(main, argv: list[str], root: Path):
         (
             launch.cli.main,
             ["--min-nodes", "0"],
-            "Error: argument --min-nodes: 0 is below 1 (try train --help)",
+            f"Error: MIN_NODES=0 (--min-nodes): 0 is below 1 (try {BIN}/train --help)",
         ),
         (
             launch.cli.main,
@@ -549,7 +557,11 @@ def test_valid_input_reaches_each_seam_and_nothing_else(seams):
             ["--batch-size", "10", "--microbatches", "4"],
             "Error: batch 10 does not split into 4 micro-batches (10 % 4 = 2)",
         ),
-        ("training.comm_demo", ["--bogus"], "Error: unrecognized arguments: --bogus (try --help)"),
+        (
+            "training.comm_demo",
+            ["--bogus"],
+            f"Error: unknown option --bogus (try {BIN}/train --module training.comm_demo -- --help)",
+        ),
     ],
 )
 def test_a_workloads_bad_arguments_are_refused_before_any_node_is_touched(

@@ -25,7 +25,7 @@ def test_a_script_that_does_not_compile_is_refused_naming_the_file_and_line(tmp_
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout == ""  # no "[launcher] local job" line: nothing was started
     assert _error_lines(done) == [
-        "Error: script /etc/passwd is not Python: invalid syntax at line 1 "
+        "Error: script /etc/passwd: SyntaxError at line 1: invalid syntax "
         "(try SCRIPT=path/to/train.py, a Python file)"
     ]
     broken = tmp_path / "train.py"
@@ -33,7 +33,8 @@ def test_a_script_that_does_not_compile_is_refused_naming_the_file_and_line(tmp_
     done = run_cli("train", "--script", str(broken), timeout=60)
     assert done.returncode == 2 and done.stdout == ""
     [line] = _error_lines(done)
-    assert line.startswith(f"Error: script {broken} is not Python: ") and " at line 3 " in line
+    assert line.startswith(f"Error: script {broken}: SyntaxError at line 3: "), line
+    assert "(try" not in line  # a .py file: what is wrong is the line Python names
 
 
 def test_nnodes_that_is_not_a_number_says_so_without_an_inventory():

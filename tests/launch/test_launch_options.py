@@ -341,12 +341,13 @@ WORKLOAD_ARGUMENTS = {
     "training.comm_demo": (
         ["--corrupt", "gather"],
         ["--bogus"],
-        "unrecognized arguments: --bogus (try --help)",
+        "unknown option --bogus (try .venv/bin/train --module training.comm_demo -- --help)",
     ),
     "training.selftest": (
         ["--checkpoint-dir", "/shared"],
         ["--checkpoint-dir"],
-        "argument --checkpoint-dir: expected one argument (try --help)",
+        "argument --checkpoint-dir: expected one argument (try .venv/bin/train --module "
+        "training.selftest -- --help)",
     ),
 }
 CONTROLLER_CHECK = """\

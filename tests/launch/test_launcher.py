@@ -546,7 +546,7 @@ def test_rank_order_warning_names_the_real_order():
         ),
         (
             ["--nproc-per-node", "0"],
-            "Error: argument --nproc-per-node: 0 is below 1 (try train --help)",
+            "Error: NPROC=0 (--nproc-per-node): 0 is below 1 (try .venv/bin/train --help)",
         ),
     ],
 )

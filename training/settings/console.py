@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.errors import UserError, usage_error
 
 if TYPE_CHECKING:
     from torch_multinode.training.distributed import parallel
@@ -19,14 +19,16 @@ BENCH_PREFIX = "BENCH "  # a `--bench` row of fsdp and fixtures.bench_scaling: t
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are the project's one-line error, not usage-and-exit."""
+    """argparse whose errors are the project's one-line error, not usage-and-exit; an unknown
+    option names the one it is within a typo of (`unknown option --stesp (did you mean
+    --steps?)`)."""
 
     def __init__(self, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(**kwargs)
 
     def error(self, message: str):
-        raise UserError(message, hint="--help")
+        raise usage_error(self, message, hint="--help", knobs=False)
 
 
 def require_positive(args, *names: str) -> None:
