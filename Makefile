@@ -16,6 +16,9 @@ WORKDIR   ?=
 ENV       ?=
 SRC       ?=
 RUN       ?=
+# make rerun SAME_OUTPUTS=1: the rerun writes the original run's outputs (resuming from its
+# checkpoints) instead of places of its own (NAME-rerun-ID).
+SAME_OUTPUTS ?=
 MODULE    ?=
 ARGS      ?=
 GPUS      ?=
@@ -58,7 +61,7 @@ help:
 	@echo "Usage: make TARGET [INVENTORY=path.yml] [GROUP=nodes] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
 	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2] [NPROC=2]"
 	@echo "                   [DEBUG=1] [RESTARTS=1] [MIN_NODES=2] [STALL=300] [ON_HANG=wait] [ALLOW_DRIFT=1] [EXIT_CODE=.runs/exit-code] [IMAGE=torch-multinode/train:latest]"
-	@echo "                   [SRC=dataset-dir] [RUN=job-id] [JOB=slurm-id]"
+	@echo "                   [SRC=dataset-dir] [RUN=job-id] [SAME_OUTPUTS=1] [JOB=slurm-id]"
 	@echo
 	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
 		sed -E 's/^\.PHONY: ([a-z0-9-]+) +## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -131,10 +134,10 @@ tensorboard: $(STAMP)
 runs: $(STAMP)
 	@$(BIN)/python -m torch_multinode.launch.runs $(if $(RUN),--run "$(RUN)") $(if $(filter 1 yes true,$(JSON)),--json)
 
-.PHONY: rerun  ## run a recorded run again (RUN=id): its command, on the code as it was then
+.PHONY: rerun  ## run a recorded run again (RUN=id): its command, on the code as it was then, outputs apart (SAME_OUTPUTS=1: the original's)
 rerun: $(STAMP)
 	@test -n "$(RUN)" || { echo "Error: RUN is not set (try make rerun RUN=<job id from make runs>)"; exit 2; }
-	@$(BIN)/python -m torch_multinode.launch.runs --rerun "$(RUN)"
+	@$(BIN)/python -m torch_multinode.launch.runs --rerun "$(RUN)" $(if $(filter 1 yes true,$(SAME_OUTPUTS)),--same-outputs)
 
 .PHONY: hang-report  ## print again the report of a job that hung (RUN=job id), saved in .runs/RUN
 hang-report:

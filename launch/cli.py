@@ -203,8 +203,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
     if extra and extra[0] == "--":
         extra = extra[1:]
     if args.script is not None:
-        if not args.script.is_file():
-            raise UserError(f"script {args.script} does not exist", hint="a path to a .py file")
+        checks.script_file(args.script)  # a directory is said to be one
         checks.script_compiles(args.script)
     if args.script is None and not all(part.isidentifier() for part in args.module.split(".")):
         raise UserError(
@@ -216,7 +215,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
         flag = legacy_flag(args.script) if args.local_rank_arg == "auto" else args.local_rank_arg
     if args.script is None:
         checks.workload_arguments(args.module, extra, workdir=args.workdir)
-    run_id = JobSpec().run_id  # a new one, the time it was made
+    run_id = getattr(args, "run_id", None) or JobSpec().run_id  # new; a rerun's from launch.runs
     return JobSpec(
         run_id=run_id,
         gpus=parse_gpu_list(args.gpus),
@@ -241,13 +240,9 @@ def _spec(args: argparse.Namespace) -> JobSpec:
 
 
 def _here(args: argparse.Namespace, spec: JobSpec) -> None:
-    """A job without an inventory: refused if it asks for what only nodes have."""
+    """A job without an inventory: refused if it asks for what only nodes have (ENV= is not:
+    its variables reach every local rank, launch.environment.local_environment)."""
     restarts.check_local(args.restarts, args.min_nodes)
-    if args.env:
-        raise UserError(
-            "ENV is for jobs on an inventory's nodes; a local job runs here, in this environment",
-            hint="INVENTORY=path.yml",
-        )
     if args.nnodes not in (None, ""):
         # a number first (as with an inventory), then whether it needs one
         inventory_module.check_nnodes(args.nnodes, sys.maxsize, "")
@@ -305,9 +300,13 @@ def run(args: argparse.Namespace) -> int:
     spares: tuple[inventory_module.Host, ...] = ()
     if not args.inventory:
         _here(args, spec)
+        resolved, notes = staging.resolve_local_paths(spec.args)  # the nodes' rule, here
+        spec = replace(spec, args=resolved)
+        for note in notes:
+            _emit(f"[launcher] {note}")
     else:
         inventory, spec, project, spares = _on_nodes(args, spec)
-    recorder = record.Recorder(spec, args.argv, inventory, args.rerun_of)
+    recorder = record.Recorder(spec, args.argv, inventory, args.rerun_of, emit=_emit)
     backend = backend_for(
         inventory,
         spec,
@@ -328,12 +327,17 @@ def run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def main(argv: list[str] | None = None, rerun_of: tuple[dict, Path] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    rerun_of: tuple[dict, Path] | None = None,
+    run_id: str | None = None,
+) -> int:
     code = 1  # an uncaught exception (a bug): Python's own exit code
     try:
         args = _parser().parse_args(argv)
         args.argv = sys.argv[1:] if argv is None else list(argv)  # as typed, for its record
         args.rerun_of = rerun_of  # launch.runs: the record and directory of the run run again
+        args.run_id = run_id  # launch.runs: the rerun's ID, which its outputs' names carry
         stop_on_sigterm()  # a killed launcher stops the job on every node, as Ctrl-C does
         code = at_the_edge(run, args)
     except SystemExit as exiting:  # argparse: --help (0) or bad usage (2)

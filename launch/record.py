@@ -13,16 +13,18 @@ the training image (name and ID), the inventory (path and digest) and each node'
 project's code (its git commit and a snapshot of the work tree as it was, launch.snapshot;
 the diff beside the record when the tree had changes), the names (never the values) of the
 variables passed with ENV=, start, end, duration, exit code, the node blamed, the last step
-line the job printed, where its TensorBoard events and checkpoints are, netcheck's findings
-file the job used (path and digest), each node's versions as the job found them (kernel,
-driver, Docker, image or torch and NCCL: cluster.version_lock) and, for a job run with ALLOW_DRIFT,
-what had changed since netcheck locked them."""
+line the job printed, where its TensorBoard events, checkpoints and other outputs are (absolute
+paths: `outputs`), netcheck's findings file the job used (path and digest), each node's
+versions as the job found them (kernel, driver, Docker, image or torch and NCCL:
+cluster.version_lock) and, for a job run with ALLOW_DRIFT, what had changed since netcheck
+locked them."""
 
 from __future__ import annotations
 
 import datetime
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -71,11 +73,14 @@ def places(spec: JobSpec) -> list[Path]:
     return [home] + ([log_dir] if log_dir.resolve() != home.resolve() else [])
 
 
-def code(project: Path, log_dir: Path, run_id: str) -> dict[str, Any]:
-    """The project's code: its git commit and a snapshot of the whole work tree
-    (launch.snapshot, what `make rerun` runs); where the tree differs from the commit, the
-    difference as code.diff beside the record, to read."""
-    found = snapshot.take(project, run_id)
+def code(
+    project: Path, log_dir: Path, run_id: str, outside: tuple[Path, ...] = ()
+) -> dict[str, Any]:
+    """The project's code: its git commit and a snapshot of the work tree's code
+    (launch.snapshot, what `make rerun` runs; `outside`: the places the run writes, left out);
+    where the tree differs from the commit, the difference as code.diff beside the record, to
+    read."""
+    found = snapshot.take(project, run_id, outside=outside)
     if found is None:
         return {"project": str(project), "git": None, "snapshot": None}
     if found["dirty"] and found["git"] and found["snapshot"]:
@@ -170,7 +175,8 @@ def begin(
         "restarts": 0,
         "last_step": None,
         "tensorboard": None,
-        "checkpoints": _argument(spec.args, "--checkpoint-dir"),
+        "checkpoints": _argument(spec.args, "--checkpoint-dir"),  # absolute: cli resolves it
+        "outputs": outputs(spec, project, here=inventory is None),
         "versions": None,  # each node's, as the job found them (cluster.version_lock); at its end
         "drift": None,  # what changed since netcheck locked them, for a job run with ALLOW_DRIFT
         "allow_drift": spec.allow_drift,
@@ -195,6 +201,37 @@ def redacted(argv: list[str]) -> list[str]:
             word = "--env=" + " ".join(item.partition("=")[0] for item in word[6:].split())
         kept.append(word)
     return kept
+
+
+def outputs(spec: JobSpec, project: Path, here: bool = True) -> dict[str, str]:
+    """Where the job's outputs go, for each of staging.OUTPUT_FLAGS it was given: a relative
+    --checkpoint-dir is already absolute (under its root: launch.cli), a relative --out of our
+    workloads lands in the run directory (.runs/ID here, where the nodes' comes back), any other
+    relative path in the job's directory: the project, for a job `here`; on the nodes, their
+    copy of it (the path then as given, relative to it)."""
+    found = {}
+    for _, flag, value, _ in staging.flag_values(spec.args, staging.OUTPUT_FLAGS):
+        if Path(value).is_absolute():
+            found[flag] = value
+        elif flag == "--out" and spec.script is None:
+            found[flag] = str((spec.log_dir or RUNS_ROOT / spec.run_id).resolve() / value)
+        else:
+            found[flag] = str(project / value) if here else value
+    return found
+
+
+def _outside(spec: JobSpec, project: Path, here: bool) -> tuple[Path, ...]:
+    """The places on this machine the run writes, which its code snapshot leaves out: the
+    runs' records and logs, the checkpoint and data roots, the job's own outputs (those of a
+    job `here`; none that holds the project)."""
+    places_written = [RUNS_ROOT.absolute(), *places(spec), *staging.local_roots().values()]
+    if here:
+        places_written += [Path(path) for path in outputs(spec, project).values()]
+    return tuple(
+        place
+        for place in places_written
+        if not project.absolute().is_relative_to(Path(os.path.abspath(place)))
+    )
 
 
 def _argument(args: tuple[str, ...], flag: str) -> str | None:
@@ -285,16 +322,18 @@ class Recorder:
         argv: list[str],
         inventory: Inventory | None,
         rerun_of: tuple[dict[str, Any], Path] | None = None,
+        emit: Callable[[str], None] = print,
     ) -> None:
-        self.spec, self.argv, self.inventory = spec, argv, inventory
+        self.spec, self.argv, self.inventory, self.emit = spec, argv, inventory, emit
         self.rerun_of = rerun_of  # (the record, its directory) of the run a rerun runs again
         self.project = local.project_directory(spec)
         self.record: dict[str, Any] | None = None
         self.completed = False
 
     def started(self) -> None:
-        """The begun record completed with the project's code (its snapshot: launch.snapshot)
-        and the training image's ID, rewritten. Called by the backend once the job has begun
+        """The begun record completed with the project's code (its snapshot: launch.snapshot,
+        which leaves out the places the run writes; what it left out is said, in one line) and
+        the training image's ID, rewritten. Called by the backend once the job has begun
         (the launcher built, the local torchrun started), so that a job refused on the way runs
         no git and no docker for its record; once per job (a restart calls it again: the first
         run's code is the job's)."""
@@ -303,11 +342,13 @@ class Recorder:
         self.completed = True
         spec = self.spec
         log_dir = places(spec)[0]
-        found = (
-            _origin_code(*self.rerun_of, log_dir)
-            if self.rerun_of
-            else code(self.project, log_dir, spec.run_id)
-        )
+        if self.rerun_of:
+            found = _origin_code(*self.rerun_of, log_dir)
+        else:
+            outside = _outside(spec, self.project, here=self.inventory is None)
+            found = code(self.project, log_dir, spec.run_id, outside)
+            if line := snapshot.said(found if found.get("repository") else None):
+                self.emit(f"[launcher] {line}")  # what it left out, or why there is none
         self.record.update(code=found, image=_image(self.inventory))
         write(spec, self.record)
 

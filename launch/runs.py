@@ -1,11 +1,12 @@
 """`make runs`: the runs this machine launched, newest first, from their records
 (launch.record); one run whole with RUN=ID; JSON=1 for scripts. `make rerun RUN=ID`: the same
-command again, in the directory it was typed in, on the code as that run saw it.
+command again, in the directory it was typed in, on the code as that run saw it, its outputs
+in places of its own (`apart`) unless SAME_OUTPUTS=1 asks for the original's.
 
 python -m torch_multinode.launch.runs                 # the table
 python -m torch_multinode.launch.runs --run ID        # one run, every field
 python -m torch_multinode.launch.runs --json [--run ID]
-python -m torch_multinode.launch.runs --rerun ID      # run it again
+python -m torch_multinode.launch.runs --rerun ID [--same-outputs]    # run it again
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import posixpath
 import shutil
 import sys
 import tempfile
@@ -20,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge, shown
-from torch_multinode.launch import record, snapshot
+from torch_multinode.launch import record, snapshot, staging
+from torch_multinode.launch.spec import JobSpec
+
+RERUN_TAG = "-rerun-{run_id}"  # what a rerun's outputs' names carry (`apart`)
 
 
 def load(run_id: str, root: Path = record.RUNS_ROOT) -> dict[str, Any] | None:
@@ -79,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
         "(a project in git); ENV= variables take this machine's values",
     )
     parser.add_argument(
+        "--same-outputs",
+        action="store_true",
+        help="with --rerun: write the original run's outputs (--checkpoint-dir, --out, "
+        "--run-dir, --out-dir, --log-dir), resuming from its checkpoints, instead of places of "
+        "the rerun's own (NAME-rerun-ID)",
+    )
+    parser.add_argument(
         "--root", type=Path, default=record.RUNS_ROOT, help="where the runs are (default: .runs)"
     )
     return parser
@@ -115,7 +128,62 @@ def _remapped(argv: list[str], found: dict[str, Any], project: Path) -> list[str
     return moved + rest
 
 
-def rerun(run_id: str, root: Path) -> int:
+def apart(path: str, run_id: str, file: bool = False) -> str:
+    """`path` renamed for the rerun `run_id`: RERUN_TAG at the end of a directory's name, before
+    the extension of a file's (ckpt1 -> ckpt1-rerun-ID, out/model.pt -> out/model-rerun-ID.pt)."""
+    tag = RERUN_TAG.format(run_id=run_id)
+    head, name = posixpath.split(posixpath.normpath(path))
+    if name in ("", ".", ".."):  # the directory itself: a directory of the rerun's inside
+        return posixpath.join(posixpath.normpath(path), tag.lstrip("-"))
+    dot = name.find(".", 1) if file else -1
+    return posixpath.join(head, name + tag if dot < 0 else name[:dot] + tag + name[dot:])
+
+
+def outputs_apart(
+    argv: list[str], found: dict[str, Any], run_id: str, same: bool
+) -> tuple[list[str], list[str]]:
+    """The recorded command with each of its outputs (the job's staging.OUTPUT_FLAGS, the
+    launcher's --log-dir) in a place of the rerun's own (`apart`), or the original's with
+    `same`; and where each goes, as words to show. A relative --checkpoint-dir stays relative
+    (its root takes it, here or on the nodes: launch.staging), a relative --out of our
+    workloads too (it lands in the rerun's own run directory); any other relative output of a
+    job on this machine is made absolute against the directory the original job ran in (its
+    project), never the temporary copy of the code a rerun runs in."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    job = argv[len(options) + 1 :] if "--" in argv else []
+    local = found.get("backend") == "local"
+    project = Path((found.get("code") or {}).get("project") or found["cwd"])
+    roots = staging.local_roots(Path(found["cwd"]))
+    options, job, shown = list(options), list(job), []
+    for index, flag, value, equals in staging.flag_values(job, staging.OUTPUT_FLAGS):
+        relative = not posixpath.isabs(value)
+        if flag == "--out" and not _given(options, "--script") and relative:
+            shown.append(f"--out {value} in its run directory")
+            continue
+        path = value
+        if local and relative and flag not in staging.ROOTED_FLAGS:
+            path = str(project / value)
+        if not same:
+            path = apart(path, run_id, file=flag == "--out")
+        job[index] = f"{flag}={path}" if equals else path
+        if flag in staging.ROOTED_FLAGS and relative:
+            field = staging.ROOTED_FLAGS[flag]
+            where = roots[field] / path if local else f"{path} under each node's {field}"
+            shown.append(f"{flag} {where}")
+        else:
+            shown.append(f"{flag} {path}")
+    for index, flag, value, equals in staging.flag_values(options, ("--log-dir",)):
+        path = value if same else apart(value, run_id)
+        options[index] = f"{flag}={path}" if equals else path
+        shown.append(f"--log-dir {path}")
+    return options + (["--", *job] if "--" in argv else []), shown
+
+
+def _given(options: list[str], flag: str) -> bool:
+    return any(word == flag or word.startswith(f"{flag}=") for word in options)
+
+
+def rerun(run_id: str, root: Path, same_outputs: bool = False) -> int:
     """Run `run_id` again; the launcher's exit code."""
     from torch_multinode.launch import cli  # the launcher, only when a run is run again
 
@@ -133,6 +201,15 @@ def rerun(run_id: str, root: Path) -> int:
             "code was not kept: it cannot be run again exactly",
             hint="git init in the project: each run from then on can be run again",
         )
+    again = JobSpec().run_id  # the rerun's own, which its outputs' names carry
+    argv, outputs = outputs_apart(argv, found, again, same_outputs)
+    if same_outputs:
+        said = f"; outputs: run {run_id}'s own (SAME_OUTPUTS=1), " + ", ".join(
+            outputs or ["none named"]
+        )
+    else:
+        own = [] if _given(argv, "--log-dir") else [f"run directory .runs/{again}"]
+        said = f"; outputs: its own, apart from run {run_id}'s: " + ", ".join(own + outputs)
     if "--script" not in argv and "--workdir" not in argv:
         # one of our workloads, from this checkout: the checkout must be as it was
         if not snapshot.unchanged(code):
@@ -141,27 +218,30 @@ def rerun(run_id: str, root: Path) -> int:
                 f"(the run's snapshot: {code['snapshot'][:12]})",
                 hint=f"git stash, or git checkout {code['git'][:12]}, then make rerun again",
             )
-        print(f"[rerun] {run_id}: {' '.join(argv)}", flush=True)
+        print(f"[rerun] {run_id}: {' '.join(argv)}{said}", flush=True)
         with contextlib.chdir(found["cwd"]):
-            return cli.main(argv, (found, root / run_id))
+            return cli.main(argv, (found, root / run_id), again)
     scratch = Path(tempfile.mkdtemp(prefix=f"tmn-rerun-{run_id}-"))
     try:
         project = snapshot.restore(code, scratch / "code")
         argv = _remapped(argv, found, project)
         print(
             f"[rerun] {run_id}: its code snapshot {code['snapshot'][:12]} in {project}: "
-            + " ".join(argv),
+            + " ".join(argv)
+            + said,
             flush=True,
         )
         with contextlib.chdir(found["cwd"]):
-            return cli.main(argv, (found, root / run_id))
+            return cli.main(argv, (found, root / run_id), again)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def show(args: argparse.Namespace) -> int:
+    if args.same_outputs and args.rerun is None:
+        raise UserError("SAME_OUTPUTS=1 is for make rerun", hint="make rerun RUN=ID SAME_OUTPUTS=1")
     if args.rerun is not None:
-        return rerun(args.rerun, args.root.resolve())
+        return rerun(args.rerun, args.root.resolve(), args.same_outputs)
     if args.run is not None:
         found = _one(args.run, args.root)
         if args.json:
@@ -181,7 +261,15 @@ def show(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return at_the_edge(show, _parser().parse_args(argv))
+    try:
+        code = at_the_edge(show, _parser().parse_args(argv))
+        sys.stdout.flush()  # a reader that stopped early (make runs | head -2) is found here
+    except BrokenPipeError:
+        # Python's recommended way: what is left goes nowhere, the exit's own flush too. The
+        # reader took what it wanted: nothing failed.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
 
 
 if __name__ == "__main__":

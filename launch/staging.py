@@ -7,7 +7,10 @@
 - Nothing written is lost with the container: the checkpoint root, the data root and the
   inventory's extra mounts are node directories mounted at the same paths. A relative
   --checkpoint-dir or --data-dir resolves under its root; in a container, a checkpoint or data
-  directory outside every mount is refused before anything starts.
+  directory outside every mount is refused before anything starts. A job without an inventory
+  follows the same rule under this machine's roots (`local_roots`: checkpoints/ and data/ where
+  `train` is typed, beside .runs/), so a command means the same here and on the nodes, and
+  outputs never land in the project's work tree (nor in a rerun's temporary copy of it).
 - Settings and secrets (--env) reach the job through a file only its user can read, handed
   over on SSH's standard input and deleted once read: never on a command line, in `docker
   inspect`, in the launcher's output or in the saved logs. Which names --env may set, and how
@@ -20,6 +23,7 @@ import posixpath
 import re
 import shlex
 import subprocess
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,13 @@ REMOTE_SECRETS_ROOT = "/tmp/torch-multinode/secrets"
 SECRETS_FILE = "env"
 # Flags of our workloads (and of many scripts) that name node-local directories.
 ROOTED_FLAGS = {"--checkpoint-dir": "checkpoint_root", "--data-dir": "data_root"}
+# This machine's roots for them, a job without an inventory's: these directories in the one
+# `train` is typed in (beside .runs/), never in the project that runs.
+LOCAL_ROOTS = {"checkpoint_root": "checkpoints", "data_root": "data"}
+# Flags of our workloads (and of many scripts) that name what a job writes: a rerun gives each
+# a place of its own (launch.runs), the record names them (launch.record) and the code snapshot
+# leaves them out (launch.snapshot). --data-dir is read, not written.
+OUTPUT_FLAGS = ("--checkpoint-dir", "--run-dir", "--out-dir", "--out")
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,42 @@ def _under(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
+def flag_values(
+    args: tuple[str, ...] | list[str], flags: Collection[str]
+) -> list[tuple[int, str, str, bool]]:
+    """(index, flag, value, with '=') of each of `flags` given a value in `args` (`--flag value`
+    or `--flag=value`); `index` is where the value is, the flag's own word for `--flag=value`."""
+    found = []
+    for index, argument in enumerate(args):
+        flag, equals, value = argument.partition("=")
+        if flag not in flags:
+            continue
+        if not equals:
+            if index + 1 >= len(args):
+                continue  # the workload reports its own missing value
+            found.append((index + 1, flag, args[index + 1], False))
+        else:
+            found.append((index, flag, value, True))
+    return found
+
+
+def _rooted(flag: str, value: str, field: str, root: str, here: bool) -> str:
+    """`value` of `flag` made absolute under `root` (its `field`) where relative: refused with
+    '~', and where it leaves the root."""
+    where = "this machine's " if here else ""
+    if value.startswith("~"):
+        raise UserError(
+            f"{flag} {shown(value)}: '~' would mean the home directory of whoever runs the "
+            "job on each node"
+            + (", and a job on this machine follows the nodes' rule" if here else ""),
+            hint=f"a path relative to {where}{field} ({root}), or an absolute one",
+        )
+    path = posixpath.normpath(value if posixpath.isabs(value) else posixpath.join(root, value))
+    if not posixpath.isabs(value) and not _under(path, root):
+        raise UserError(f"{flag} {shown(value)} leaves {where}{field} {root}")
+    return path
+
+
 def resolve_paths(
     args: tuple[str, ...], inventory: Inventory, project: Project, run_dir: str
 ) -> tuple[tuple[str, ...], list[str]]:
@@ -125,29 +172,11 @@ def resolve_paths(
     there."""
     result, notes = list(args), []
     visible = mounts(inventory, project, run_dir)
-    for index, argument in enumerate(result):
-        flag, equals, value = argument.partition("=")
-        if flag not in ROOTED_FLAGS:
-            continue
-        if not equals:
-            if index + 1 >= len(result):
-                continue  # the workload reports its own missing value
-            value, target = result[index + 1], index + 1
-        else:
-            target = index
+    for target, flag, value, equals in flag_values(args, ROOTED_FLAGS):
         field = ROOTED_FLAGS[flag]
         root = getattr(inventory, field)
-        if value.startswith("~"):
-            raise UserError(
-                f"{flag} {shown(value)}: '~' would mean the home directory of whoever runs the "
-                "job on each node",
-                hint=f"a path relative to {field} ({root}), or an absolute one",
-            )
-        path = value if posixpath.isabs(value) else posixpath.join(root, value)
-        path = posixpath.normpath(path)
+        path = _rooted(flag, value, field, root, here=False)
         if not posixpath.isabs(value):
-            if not _under(path, root):
-                raise UserError(f"{flag} {shown(value)} leaves {field} {root}")
             notes.append(f"{flag} {value} is {path} on every node ({field})")
         if inventory.launch_mode == "container" and not any(_under(path, m) for m, _ in visible):
             roots = [inventory.checkpoint_root, inventory.data_root]
@@ -163,7 +192,31 @@ def resolve_paths(
                 hint=f"a relative {flag} (under {field} {root}), or adding {path} to the "
                 "inventory's container_mounts",
             )
-        result[target] = path if equals == "" else f"{flag}={path}"
+        result[target] = f"{flag}={path}" if equals else path
+    return tuple(result), notes
+
+
+def local_roots(here: Path | None = None) -> dict[str, Path]:
+    """This machine's checkpoint and data roots, for a job without an inventory: checkpoints/
+    and data/ in `here` (default: the directory `train` is typed in, beside .runs/)."""
+    base = (Path.cwd() if here is None else here).absolute()
+    return {field: base / name for field, name in LOCAL_ROOTS.items()}
+
+
+def resolve_local_paths(
+    args: tuple[str, ...], here: Path | None = None
+) -> tuple[tuple[str, ...], list[str]]:
+    """The nodes' rule on this machine: a relative --checkpoint-dir/--data-dir made absolute
+    under this machine's root for it (`local_roots`), '~' and a path leaving its root refused
+    as on the nodes; and what was done, as lines to show."""
+    roots = local_roots(here)
+    result, notes = list(args), []
+    for target, flag, value, equals in flag_values(args, ROOTED_FLAGS):
+        field = ROOTED_FLAGS[flag]
+        path = _rooted(flag, value, field, str(roots[field]), here=True)
+        if not posixpath.isabs(value):
+            notes.append(f"{flag} {value} is {path} on this machine")
+        result[target] = f"{flag}={path}" if equals else path
     return tuple(result), notes
 
 

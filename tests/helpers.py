@@ -282,3 +282,19 @@ def check_namesake_project_runs(train, root: Path) -> None:
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "[rank 0] parameters sha256" in output, output[-3000:]
+
+
+def git_repository(root: Path, files: dict[str, str | bytes]) -> list[str]:
+    """A git repository of its own at `root` holding `files` (name: content) in one commit; the
+    git command that works in it (an identity of its own, the user's never needed)."""
+    root.mkdir(parents=True)
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            (root / name).write_bytes(content)
+        else:
+            (root / name).write_text(content)
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for step in (["init", "-q"], ["add", "."], ["commit", "-qm", "first"]):
+        subprocess.run([*git, *step], check=True, capture_output=True)
+    return git

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VENV_BIN, make, run_cli
-from tests.helpers import inventory, node, read_until
+from tests.helpers import git_repository, inventory, node, read_until
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.launch import record, runs, snapshot
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
@@ -123,23 +123,28 @@ def test_an_unknown_run_is_one_error_line_and_no_runs_is_said(tmp_path):
     assert "Error: RUN is not set (try make rerun RUN=<job id from make runs>)" in unnamed.stdout
 
 
+JOB = (
+    "import pathlib, sys, time\n"
+    "version = pathlib.Path(__file__).with_name('version.txt').read_text().strip()\n"
+    "print('version', version, flush=True)\n"
+    "args = sys.argv[1:]\n"
+    "if '--checkpoint-dir' in args:\n"
+    "    model = pathlib.Path(args[args.index('--checkpoint-dir') + 1]) / 'model.pt'\n"
+    "    if model.exists():\n"
+    "        print('resumed from', model, flush=True)\n"
+    "    model.parent.mkdir(parents=True, exist_ok=True)\n"
+    "    model.write_text(f'{version} {time.time_ns()}')\n"
+    "    print('saved checkpoint', model.resolve(), flush=True)\n"
+    "print('step 1/1', flush=True)\n"
+    "if args == ['fail']:\n"
+    "    raise ValueError('bad batch')\n"
+)
+
+
 def _git_project(root: Path) -> tuple[Path, list[str]]:
-    """A project in a git repository of its own, one commit: job.py prints its version file."""
-    root.mkdir()
-    (root / "job.py").write_text(
-        "import pathlib, sys\n"
-        "print('version', pathlib.Path(__file__).with_name('version.txt').read_text().strip(),"
-        " flush=True)\n"
-        "print('step 1/1', flush=True)\n"
-        "if sys.argv[1:] == ['fail']:\n"
-        "    raise ValueError('bad batch')\n"
-    )
-    (root / "version.txt").write_text("v1\n")
-    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "."], check=True)
-    subprocess.run([*git, "commit", "-qm", "first"], check=True)
-    return root, git
+    """A project in a git repository of its own, one commit: job.py prints its version file,
+    and with --checkpoint-dir DIR writes DIR/model.pt (saying so, and whether one was there)."""
+    return root, git_repository(root, {"job.py": JOB, "version.txt": "v1\n"})
 
 
 def test_a_snapshot_keeps_the_whole_work_tree_and_touches_nothing_of_the_users(tmp_path):
@@ -179,9 +184,14 @@ def test_a_snapshot_keeps_the_whole_work_tree_and_touches_nothing_of_the_users(t
 
 def test_untracked_files_over_the_limit_are_not_copied_into_the_users_repository(tmp_path):
     project, git = _git_project(tmp_path / "proj")
-    (project / "data.bin").write_bytes(b"x" * 2000)  # a dataset git does not ignore
+    (project / "data.csv").write_bytes(b"x" * 2000)  # untracked, no binary: it looks like code
     found = snapshot.take(project, "tmn-s3", limit=1000)
-    assert found["snapshot"] is None and found["why"].startswith("0 MB of untracked files")
+    assert found["snapshot"] is None
+    assert found["why"].startswith("0 MB of untracked files that look like code")
+    assert snapshot.said(found) == (f"no code snapshot for make rerun: {found['why']}"), (
+        "said at launch, with the remedy"
+    )
+    assert found["why"].endswith("add them to .gitignore, or commit them")
     refs = subprocess.run([*git, "for-each-ref"], capture_output=True, text=True).stdout
     assert "torch-multinode" not in refs
     kept = tmp_path / "runs" / "tmn-s3"
@@ -190,15 +200,40 @@ def test_untracked_files_over_the_limit_are_not_copied_into_the_users_repository
     (kept / record.RECORD).write_text(json.dumps(remembered))
     with pytest.raises(UserError, match="run tmn-s3's code was not kept: 0 MB of untracked"):
         runs.rerun("tmn-s3", tmp_path / "runs")
-    (project / ".gitignore").write_text("data.bin\n")  # ignored: no longer counted
+    (project / ".gitignore").write_text("data.csv\n")  # ignored: no longer counted
     assert snapshot.take(project, "tmn-s4", limit=1000)["snapshot"] is not None
 
 
 def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(tmp_path):
+    """Also (issue 49): a relative --checkpoint-dir lands under this machine's checkpoints/,
+    where `train` is typed, said first; the snapshot leaves an untracked checkpoint out, said
+    at launch; each rerun writes a checkpoint of its own that stays where its record says once
+    its temporary copy of the code is gone, and the original's is untouched."""
     project, _ = _git_project(tmp_path / "proj")
     (project / "version.txt").write_text("v2\n")  # uncommitted, as the run saw it
-    ran = run_cli("train", "--script", "proj/job.py", "--nproc-per-node", "1", cwd=tmp_path)
+    (project / "weights.pt").write_bytes(b"\0" * 100)  # untracked, and no code
+    ran = run_cli(
+        "train",
+        "--script",
+        "proj/job.py",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "--checkpoint-dir",
+        "ckpt1",
+        cwd=tmp_path,
+    )
     assert ran.returncode == 0 and "version v2" in ran.stdout, ran.stdout + ran.stderr
+    original = tmp_path / "checkpoints" / "ckpt1" / "model.pt"
+    assert ran.stdout.splitlines()[0] == (
+        f"[launcher] --checkpoint-dir ckpt1 is {original.parent} on this machine"
+    ), ran.stdout
+    assert f"saved checkpoint {original}\n" in ran.stdout and original.is_file(), ran.stdout
+    assert (
+        "[launcher] code snapshot for make rerun: 2 files; left out 1 untracked file(s) "
+        "(100 bytes: weights.pt: outputs, checkpoints, data and files over 5 MB are not code)\n"
+    ) in ran.stdout, ran.stdout
+    saved = (original.read_bytes(), original.stat().st_mtime_ns)
     failed = run_cli(
         "train", "--script", "proj/job.py", "--nproc-per-node", "1", "--", "fail", cwd=tmp_path
     )
@@ -210,6 +245,15 @@ def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(
     assert again.returncode == 0, again.stdout + again.stderr
     assert "version v2" in again.stdout and "v3" not in again.stdout, again.stdout
     assert again.stdout.startswith(f"[rerun] {first}: its code snapshot ")
+    ran_again = json.loads(_runs(tmp_path, "--json").stdout)[0]["id"]
+    own = tmp_path / "checkpoints" / f"ckpt1-rerun-{ran_again}" / "model.pt"
+    assert again.stdout.splitlines()[0].endswith(
+        f"; outputs: its own, apart from run {first}'s: run directory .runs/{ran_again}, "
+        f"--checkpoint-dir {own.parent}"
+    ), again.stdout
+    assert f"saved checkpoint {own}\n" in again.stdout and "resumed" not in again.stdout
+    assert own.read_text().startswith("v2 "), "where the rerun said, its copy of the code gone"
+    assert (original.read_bytes(), original.stat().st_mtime_ns) == saved
     failing = _runs(tmp_path, "--rerun", second)
     assert failing.returncode == 1, failing.stdout + failing.stderr
     assert "ValueError: bad batch" in failing.stdout, failing.stdout
@@ -221,12 +265,18 @@ def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(
     assert (rerun["rerun_of"], origin["rerun_of"]) == (first, None)
     assert rerun["command"] == origin["command"] and rerun["workload"] == origin["workload"]
     assert rerun["code"] == origin["code"] and origin["code"]["snapshot"]
+    assert (origin["checkpoints"], rerun["checkpoints"]) == (str(original.parent), str(own.parent))
+    assert rerun["outputs"] == {"--checkpoint-dir": str(own.parent)}
     assert (tmp_path / ".runs" / rerun["id"] / "code.diff").read_text() == (
         tmp_path / ".runs" / first / "code.diff"
     ).read_text()
     twice = _runs(tmp_path, "--rerun", rerun["id"])
     assert twice.returncode == 0, twice.stdout + twice.stderr
     assert "version v2" in twice.stdout and "v3" not in twice.stdout, twice.stdout
+    third = json.loads(_runs(tmp_path, "--json").stdout)[0]["id"]
+    assert f"checkpoints/ckpt1-rerun-{third}/model.pt\n" in twice.stdout, twice.stdout
+    assert "resumed" not in twice.stdout and own.read_text().startswith("v2 ")
+    assert (original.read_bytes(), original.stat().st_mtime_ns) == saved
     assert (project / "version.txt").read_text() == "v3 (an edit after the runs)\n"
 
 
