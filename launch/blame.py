@@ -10,15 +10,20 @@ from torch_multinode.launch.spec import _COLLATERAL
 
 
 def blame(failures: list[str], outcomes: dict, hosts: tuple[Host, ...]) -> str | None:
-    """The node that caused the failure. A node that stopped answering comes first, then a
-    node cut off from the master over the compute network. Peers of a crashed rank fail
-    too, often first ("Connection closed by peer"): prefer a node where a rank raised its own
-    exception (launch.ending.exceptions), then one whose own output shows no such sign, then
-    a node that such messages name, then simply the first to fail."""
+    """The node that caused the failure. A node that stopped answering comes first, then one
+    whose SSH session broke, then a node cut off from the master over the compute network.
+    Peers of a crashed rank fail too, often first ("Connection closed by peer"): prefer a node
+    where a rank raised its own exception (launch.ending.exceptions), then one whose own output
+    shows no such sign, then a node that such messages name, then simply the first to fail."""
     if not failures:
         return None
     for name in failures:
         if outcomes[name].unreachable:
+            return name
+    # then one whose SSH session ended with no exit status (the node went down before the
+    # liveness watcher said so): its peers' ranks may have exited first, and silently
+    for name in failures:
+        if outcomes[name].session_lost:
             return name
     linkless = cut_off(hosts, outcomes)
     if linkless is not None:

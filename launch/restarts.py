@@ -119,10 +119,13 @@ def answering(
     def probe(host: Host) -> str | None:
         try:
             with nodes.session(host) as remote:
-                remote.run(command, timeout=10, check=True)
-            return None
+                said = remote.run(command, timeout=10)
         except UserError as exc:
             return str(exc)
+        if said.ok:
+            return None
+        # what the check said (the engine, slurmd), not the whole command line
+        return f"host '{host.name}': {said.last_line or f'its check exited {said.exit_code}'}"
 
     while True:
         for name, error in on_all(list(missing.values()), probe).items():
@@ -158,10 +161,14 @@ def wait_for_nodes(
 
 
 def _not_enough(silent: dict[str, str], wait: float, more: str = "") -> UserError:
-    name = next(iter(silent))
+    """One line naming every silent node and why each last probe failed (a reason that does
+    not name its node is prefixed with it); `silent` is never empty."""
+    reasons = "; ".join(
+        why if why.startswith(f"host '{name}'") else f"{name}: {why}"
+        for name, why in silent.items()
+    )
     return UserError(
-        f"{', '.join(silent)} did not answer within --restart-wait {wait:g} s{more}: "
-        f"{silent[name]}",
+        f"{', '.join(silent)} did not answer within --restart-wait {wait:g} s{more}: {reasons}",
         hint="bringing the node back, then running the job again (it resumes from its checkpoints)",
         exit_code=1,
     )
@@ -169,7 +176,10 @@ def _not_enough(silent: dict[str, str], wait: float, more: str = "") -> UserErro
 
 def _unlinked(inventory: Inventory, hosts: list[Host], nodes: Nodes | None) -> dict[str, str]:
     """The hosts after the first that do not reach the first's compute IP (one ping each, all
-    at once), each with what the ping said; a node without ping counts as reaching it."""
+    at once), each with what the ping said; a node without ping counts as reaching it. Fewer
+    than two hosts: nothing to probe."""
+    if len(hosts) < 2:
+        return {}
     nodes = nodes or SshNodes(inventory)
     master, others = hosts[0], hosts[1:]
     command = link_probe_command(str(master.compute_ip))
@@ -225,16 +235,18 @@ def survivors(
             changes.append(f"{host.name} lost{after}: replaced by spare {spare.name}")
         else:
             changes.append(f"{host.name} lost{after}: dropped")
+    # Too few before the link probe too: with no node left there is no master to ping (an
+    # IndexError once, issue 49, when every node stayed silent for the whole wait).
+    _enough(chosen, min_nodes, silent, wait)
     # The compute link: each chosen node reaches the (new) master's compute IP, as the job's
-    # rendezvous will have to; one that cannot is dropped like a silent one.
+    # rendezvous will have to; one that cannot is dropped like a silent one. The master itself
+    # is never dropped here, so chosen[0] stays the one the others were probed against.
+    master = chosen[0]
     for name, why in _unlinked(inventory, chosen, nodes).items():
         chosen = [host for host in chosen if host.name != name]
-        changes.append(f"{name} cannot reach {chosen[0].name}'s compute IP ({why}): dropped")
+        changes.append(f"{name} cannot reach {master.name}'s compute IP ({why}): dropped")
         silent[name] = f"its compute link is {why}"
-    if len(chosen) < min_nodes:
-        raise _not_enough(
-            silent, wait, f" and {len(chosen)} node(s) are fewer than --min-nodes {min_nodes}"
-        )
+    _enough(chosen, min_nodes, silent, wait)
     used = {host.name for host in chosen}
     left = [spare for spare in spares if spare.name not in used]
     if len(chosen) < len(hosts):
@@ -243,6 +255,17 @@ def survivors(
             f"{len(hosts)} nodes (--min-nodes {min_nodes})"
         )
     return Survivors(chosen, left, changes, waited)
+
+
+def _enough(chosen: list[Host], min_nodes: int, silent: dict[str, str], wait: float) -> None:
+    """A UserError naming the lost nodes when fewer than `min_nodes` (and at least one) are
+    left for the next run."""
+    if not chosen:
+        raise _not_enough(silent, wait, " (no node of the job is left to run it on)")
+    if len(chosen) < min_nodes:
+        raise _not_enough(
+            silent, wait, f" and {len(chosen)} node(s) are fewer than --min-nodes {min_nodes}"
+        )
 
 
 class LostNodes:
@@ -327,15 +350,25 @@ def run_with_restarts(
     """The job on `backend`, run again after a failure up to `restarts` times, each time once
     the backend has the next run ready (every node answers again, or Slurm requeued it). Each
     run's result says which restart it was; the node logs go on in the same files. Ctrl-C,
-    SIGTERM and refusals are never restarted."""
-    attempt = spec
-    for restart in range(restarts + 1):
-        result = backend.attempt(attempt, restarts - restart)
-        result.restart, result.restarts = restart, restarts
-        backend.ended(attempt, result)
-        if result.exit_code != 1 or restart == restarts or not backend.can_restart():
-            return result
-        for line in backend.summary(result):
-            emit(line)
-        attempt = backend.before_restart(spec, attempt, restart + 1, restarts)
+    SIGTERM and refusals are never restarted. A restart that cannot go on (too few nodes
+    answer, a refusal, Ctrl-C during the wait) ends the job with its error after the failed
+    run's summary and where its logs are; anything else that escapes is a bug and keeps its
+    traceback, said after them too."""
+    attempt, failed = spec, None
+    try:
+        for restart in range(restarts + 1):
+            result = backend.attempt(attempt, restarts - restart)
+            result.restart, result.restarts = restart, restarts
+            backend.ended(attempt, result)
+            if result.exit_code != 1 or restart == restarts or not backend.can_restart():
+                return result
+            for line in backend.summary(result):
+                emit(line)
+            failed = result
+            attempt = backend.before_restart(spec, attempt, restart + 1, restarts)
+    except BaseException:
+        if failed is not None:  # its summary was said: where the failed run's logs are
+            for line in backend.closing(failed):
+                emit(line)
+        raise
     raise AssertionError("unreachable")  # the loop returns on its last turn
