@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import time
@@ -224,10 +225,12 @@ def _ctrl_c_at_make_train_leaves_no_container_process_or_port(cluster, inventory
     running = docker("exec", cluster.config.container(1), "docker", "ps", "-q").stdout.split()
     assert len(running) == 1, running  # the job's container, which Ctrl-C must take down
     os.killpg(process.pid, signal.SIGINT)
-    sent_at = time.monotonic()
     rest, _ = process.communicate(timeout=60)
-    took = time.monotonic() - sent_at
-    assert "interrupted" in rest and took < 10, f"{took:.1f} s:\n{rest[-3000:]}"
+    assert "interrupted" in rest, rest[-3000:]
+    # the stop reached and confirmed both nodes; how long Ctrl-C takes is make bench's to
+    # measure (docs/benchmarks.md), never asserted here
+    confirmed = r"\[launcher\] stopped: node1 in [\d.]+ s, node2 in [\d.]+ s\n"
+    assert re.search(confirmed, rest), rest[-3000:]
     # make got the same SIGINT: it ends by that signal, or, when it saw the launcher's 130
     # first, with its own 2; which one is a race (CI saw make die before it reported). The
     # launcher's own 130 is asserted where it is started directly (tests/training/test_faults.py,

@@ -28,6 +28,7 @@ import pytest
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
 from torch_multinode.cluster.inventory import load
+from torch_multinode.launch.signatures import SIGNATURES
 from torch_multinode.launch.spec import RUN_LABEL
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1200)]
@@ -163,6 +164,9 @@ def test_a_collective_that_timed_out_is_explained_by_the_ranks_last_collectives(
     output, run_id, nodes = _hung(provisioned, tmp_path, "timeout", stall="120")
     assert "the job hangs" not in output, output[-3000:]
     assert "Timed out waiting" in output, output[-3000:]
+    # The table of known failures recognises gloo's real words for it.
+    timed_out = next(s for s in SIGNATURES if s.name == "collective-timeout").line()
+    assert timed_out in output.splitlines(), output[-3000:]
     assert "Last collectives (the Flight Recorder's traces, written as the ranks ended):" in output
     assert f"  rank 1 ({nodes[1]}): barrier #10" in output, output[-3000:]
     remembered = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())

@@ -23,6 +23,7 @@ from tests.conftest import run_cli
 from tests.helpers import SCRIPTS, interrupt, leftovers, run_id_in
 from tests.training.conftest import TINY, launches
 from torch_multinode.launch.commands import link_probe_command
+from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.loop import trainer
 
@@ -164,14 +165,8 @@ def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost
     seen = _wait_for(process, re.compile(r"^\[node1\] step +3/"))
     run_id = run_id_in(seen)
     with _partitioned(sim2, 2):
-        cut_at = time.monotonic()
         rest, _ = process.communicate(timeout=120)
-        took = time.monotonic() - cut_at
     assert process.returncode == 1, rest[-3000:]
-    # 10 s of collective timeout, then seeing both nodes fail and stopping them: 10-25 s here,
-    # more under load. Not a speed target: a bound well below the 300 s the launcher's own
-    # network check would take (its default), so only the collective timeout can have acted.
-    assert took < 10 + 60, f"the job took {took:.0f} s to fail"
     master = f"node1 ({sim2.inventory.hosts[0].compute_ip})"
     assert f"[launcher] node2 cannot reach {master} over the compute network (no answer)" in rest
     summary = _summary(rest)
@@ -179,6 +174,10 @@ def test_a_partition_fails_the_job_within_the_collective_timeout_naming_the_lost
     node2 = next(line for line in summary if line.split()[0] == "node2")
     assert f"compute link to {master} down for " in node2
     assert "Timed out waiting 10000ms" in rest  # the ranks' own verdict, in the last lines
+    # The ranks' 10 s collective timeout ended the job, not the launcher's own network check
+    # (--network-timeout, 300 s by default): node2 ended by itself and was never declared lost.
+    # (How long the failure takes is measured by make bench, never asserted here.)
+    assert "lost:" not in node2, node2
     assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
 
 
@@ -189,22 +188,21 @@ def test_a_partition_stops_any_script_within_the_launchers_network_timeout(sim2,
     seen = _wait_for(process, "rank 1 step 10")
     run_id = run_id_in(seen)
     with _partitioned(sim2, 2):
-        cut_at = time.monotonic()
         rest, _ = process.communicate(timeout=120)
-        took = time.monotonic() - cut_at
     assert process.returncode == 1, rest[-3000:]
-    # 8 s, plus up to a probe interval and a probe's wait before the first miss, and stopping;
-    # bounded well below the script's own 600 s collectives, whatever the load.
-    assert took < 8 + 60, f"the job took {took:.0f} s to fail"
     summary = _summary(rest)
     assert summary[0].startswith(f"Job {run_id} FAILED on node2 after ")
     master = f"node1 ({sim2.inventory.hosts[0].compute_ip})"
     node2 = next(line for line in summary if line.split()[0] == "node2")
-    assert re.search(
-        rf"lost: compute link to {re.escape(master)} down for \d+ s \(no answer; "
+    # The launcher's own check declared node2 lost, once its link had been down for the whole
+    # --network-timeout (the script's collectives would have waited 600 s); how long that
+    # takes is measured by make bench, never asserted here.
+    lost = re.search(
+        rf"lost: compute link to {re.escape(master)} down for (\d+) s \(no answer; "
         r"--network-timeout 8\)",
         node2,
-    ), node2
+    )
+    assert lost and int(lost.group(1)) >= 8, node2
     assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
 
 
@@ -225,12 +223,18 @@ def test_ctrl_c_during_rendezvous_leaves_no_process_or_port(sim2, start):
             time.sleep(0.5)
         else:
             pytest.fail("the agents never reached the rendezvous")
-        rest, took = interrupt(process)
+        rest, _ = interrupt(process)
     assert process.returncode == 130, rest
-    assert took < 10, f"the launcher took {took:.1f} s to end"
     assert f"Job {run_id} interrupted" in rest
+    # The stop reached and confirmed both nodes (none "unreachable" or "not confirmed"); how
+    # long Ctrl-C takes to end a job is make bench's to measure, never asserted here.
+    assert re.search(r"\[launcher\] stopped: node1 in [\d.]+ s, node2 in [\d.]+ s\n", rest), rest
     assert not re.search(r"\] step +\d+/", rest)  # no rank ever started training
+    # no process of the run and no listener on the rendezvous port on either node, and the
+    # port's lock released: the next job starts at once
     assert leftovers(sim2.inventory, run_id) == NO_LEFTOVERS
+    lock = f"{REMOTE_LOCK_ROOT}/port-{port}/run_id"
+    assert _on_node(sim2, 1, f"cat {lock} 2>/dev/null", check=False).strip() != run_id
 
 
 @pytest.mark.sim

@@ -35,6 +35,7 @@ from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT
+from torch_multinode.launch.signatures import SIGNATURES
 from torch_multinode.provision import ship
 from torch_multinode.sim import nodes as sim
 
@@ -248,6 +249,11 @@ FSDP = _with(SMALL, global_batch_size="6", steps=str(STEPS))
 _FSDP_LOSS = re.compile(r"^\[node1\] step +(\d+)/\d+  loss ([\d.]+)", re.M)
 
 
+def _known(name: str) -> str:
+    """The `Known problem:` line of the launcher's signature `name` (launch/signatures.py)."""
+    return next(signature for signature in SIGNATURES if signature.name == name).line()
+
+
 def _digests(cluster, index: int, directory: str) -> dict[str, str]:
     """name -> sha256 of every file in a directory of node `index` ({} where there is none)."""
     listed = _on_node(
@@ -301,6 +307,11 @@ def test_fsdp_goes_on_from_the_newest_complete_step_when_a_node_dies_while_its_c
     assert process.returncode == 0, output.stamped[-4000:]
     assert re.search(r"\[launcher\] node3 lost at restart 1 after step 1[0-9]: dropped", text)
     rest = text[text.index(f"job {first}-r1:") :]
+    # The first run's summary names what the survivors' errors are, from the table of known
+    # failures, on the lines gloo really printed: a knock-on of the lost node.
+    failed = text[: text.index(f"job {first}-r1:")]
+    assert f"Job {first} FAILED on node3" in failed, failed[-3000:]
+    assert _known("peer-reset") in failed.splitlines(), failed[-3000:]
     lines = rest.splitlines()
     # node3's shards of step 10 live on in node1's replica: both survivors get every file and
     # reshard 3 -> 2. Step 15's manifest is on both, its files are not: said, never loaded.
