@@ -313,8 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         "seed": config.run.seed,
     }
     if config.checkpoint.checkpoint_dir:
+        paused = config.checkpoint.checkpoint_pause_step
         store = Checkpoints(
-            Path(config.checkpoint.checkpoint_dir), env, config.checkpoint.keep, node
+            Path(config.checkpoint.checkpoint_dir),
+            env,
+            config.checkpoint.keep,
+            node,
+            pause=None if paused is None else (paused, config.checkpoint.checkpoint_pause_rank),
         )
         if config.checkpoint.replicate and env.launched:
             pause = config.checkpoint.replication_pause_step

@@ -1,8 +1,8 @@
 """training.fsdp on the simulated cluster, in the training containers, through make train: two
 nodes equal one plain process (within 1e-5, as on one machine) with each rank holding half a
-replica; a rank killed mid-run and RESTARTS=1 ends bit for bit where the uninterrupted run does;
-the uninterrupted run, saved on 2 nodes to /shared, resumes on 1; node-local checkpoints refuse
-to be resharded."""
+replica; a rank killed while writing a checkpoint and RESTARTS=1 ends bit for bit where the
+uninterrupted run does; the uninterrupted run, saved on 2 nodes to /shared, resumes on 1;
+node-local checkpoints refuse to be resharded."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tests.conftest import REPO_ROOT, make
 from tests.helpers import on_node, run_id_in, start_train
 from tests.training.conftest import load_state, max_difference
 from tests.training.references import SMALL, bench_row, digest, progress, reference
+from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 TOLERANCE = 1e-5  # as tests/training/test_fsdp.py states for 2 ranks against one process
@@ -72,19 +73,32 @@ def test_two_nodes_equal_one_process_each_rank_holding_half_a_replica(straight):
     assert bench_row(_master_lines(out))["bytes_ratio"] <= 0.55
 
 
-def test_a_killed_rank_and_restarts_1_end_where_the_uninterrupted_run_does(provisioned, straight):
+def test_a_rank_killed_while_writing_a_checkpoint_and_restarts_1_end_where_uninterrupted_does(
+    provisioned, straight
+):
+    """The unlucky moment made deterministic: rank 1 pauses in the write of step 15 (the test
+    hook), its files in the step's temporary directory, and its node's processes are killed
+    there. The half-written step never takes its name (swept at the resume); step 10, complete,
+    is resumed, and the run ends bit for bit where the uninterrupted one does."""
     directory = f"fsdp-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
     job = start_train(
         provisioned.inventory,
         "MODULE=training.fsdp",
         "RESTARTS=1",
-        _args("--checkpoint-dir", directory, "--step-delay", "0.5"),
+        _args(
+            "--checkpoint-dir",
+            directory,
+            "--checkpoint-pause-step",
+            "15",
+            "--checkpoint-pause-rank",
+            "1",
+        ),
     )
     seen = []
     try:
         for line in job.stdout:
             seen.append(line)
-            if re.match(r"\[node1\] step +12/20 ", line):
+            if re.match(r"\[node2\] \[rank 1\] checkpoint step 15: its files written ", line):
                 break
         # Every process of the job on node2, torchrun's agent and the rank: SIGKILL.
         on_node(provisioned.cluster, 2, "pkill -9 -f 'training.fsdp'", check=False)
@@ -96,6 +110,12 @@ def test_a_killed_rank_and_restarts_1_end_where_the_uninterrupted_run_does(provi
     assert job.returncode == 0, out
     assert "restart 1 of 1" in out, out
     assert re.search(r"\[node1\] resuming from step 10, the newest step every rank has", out), out
+    # The resumed run wrote step 15 whole this time, on both nodes' disks.
+    for index in (1, 2):
+        listed = on_node(
+            provisioned.cluster, index, f"ls -A {DEFAULT_CHECKPOINT_ROOT}/{directory}"
+        ).split()
+        assert "step-00000015" in listed and not any(n.endswith(".tmp") for n in listed), listed
     assert digest(_master_lines(out.split("restart 1 of 1", 1)[1])) == digest(
         _master_lines(straight.stdout)
     )

@@ -35,6 +35,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training.checkpointing import checkpoint, complete, durable
 from torch_multinode.training.distributed import parallel
+from torch_multinode.training.settings import console
 from torch_multinode.training.settings.console import say
 
 FORMAT = 1
@@ -58,6 +60,7 @@ METADATA = ".metadata"  # DCP's index file (torch.distributed.checkpoint.filesys
 SHARDED = "<in the DCP shards>"  # what stands in a rank's file where a DTensor was
 _STEP = re.compile(r"^step-(\d{8})$")
 _DCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter: __<rank>_<n>.distcp
+PAUSE_SECONDS = 120.0  # --checkpoint-pause-step: long enough to kill a node in
 SHARED_HINT = (
     "a --checkpoint-dir on storage every node sees, such as /shared on the simulated cluster"
 )
@@ -180,8 +183,19 @@ class Layout:
 class Checkpoints:
     """One job's distributed checkpoints in `directory` (the same path on every node)."""
 
-    def __init__(self, directory: Path, env: parallel.DistEnv, keep: int, node: str):
+    def __init__(
+        self,
+        directory: Path,
+        env: parallel.DistEnv,
+        keep: int,
+        node: str,
+        pause: tuple[int, int | None] | None = None,
+    ):
+        """`pause`: the test hook (step, rank or None for every rank): that rank's write of that
+        step pauses PAUSE_SECONDS once its files are in the temporary directory, before the
+        ranks agree and the directory takes its name (a write to kill a node in)."""
         self.directory, self.env, self.keep, self.node = Path(directory), env, keep, node
+        self.pause = pause
         self.layout: Layout | None = None
         self.replication = None  # replicate.Replication, on node-local disks
 
@@ -263,6 +277,13 @@ class Checkpoints:
                 hint="freeing space there, or another --checkpoint-dir",
                 exit_code=1,
             )
+        if self.pause is not None and self.pause[0] == step and self.pause[1] in (None, env.rank):
+            console.say_every_rank(
+                env,
+                f"checkpoint step {step}: its files written to {temporary.name}, pausing "
+                f"{PAUSE_SECONDS:.0f} s before the rename (--checkpoint-pause-step)",
+            )
+            time.sleep(PAUSE_SECONDS)
         agree(env, error)  # also: every rank's files are written
         index = (temporary / METADATA).read_bytes() if env.is_main and sharded else None
         index = parallel.all_gather(index, env)[0]

@@ -120,6 +120,13 @@ class DCPConfig:
     stop_after_step: int | None = doc(
         f"test hook: exit with code {STOP_EXIT_CODE} once this step is done and checkpointed"
     )
+    checkpoint_pause_step: int | None = doc(
+        "test hook: the checkpoint of this step pauses 120 s once this rank's files are "
+        "written, before the step directory takes its name (a write to kill a node in)"
+    )
+    checkpoint_pause_rank: int | None = doc(
+        "test hook: only this rank pauses in --checkpoint-pause-step (default: every rank)"
+    )
     replication_pause_step: int | None = doc(
         "test hook: the copy of this step's checkpoint to the next node pauses 120 s once its "
         "first piece is sent (a copy in flight, to kill a node in)"
