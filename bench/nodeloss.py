@@ -163,6 +163,13 @@ def death_to_first_step(lines: list[tuple[float, str]]) -> tuple[float | None, s
     return None, became
 
 
+def death_to_stop(lines: list[tuple[float, str]]) -> float | None:
+    """From lines timed since the kill: the seconds to the failed run's summary (`Job ID
+    FAILED ...`), which the launcher says once the job is stopped on every node and its ports
+    freed (what the tests assert happened; how long it took is measured here)."""
+    return next((at for at, line in lines if re.match(r"Job \S+ FAILED ", line)), None)
+
+
 def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple[float, str]]:
     """One job on NODELOSS_NODES nodes, node3 killed after step 12: its lines timed from the kill."""
     directory = f"bench-checkpoints-{uuid.uuid4().hex[:8]}"  # under checkpoint_root
@@ -223,18 +230,22 @@ def measure_node_loss(
     """`reps` times: a job on the cluster's first 3 nodes, node3 killed after step 12 and left
     dead until the job ends; the seconds from the kill to the first step on the new world, and
     their ratio to NODELOSS_BUDGET. Every node is up again afterwards."""
-    seconds, outcomes = [], []
+    seconds, stopped, outcomes = [], [], []
     try:
         for rep in range(reps):
-            took, became = death_to_first_step(_one_loss(train, inventory, config))
+            lines = _one_loss(train, inventory, config)
+            took, became = death_to_first_step(lines)
+            stop = death_to_stop(lines)
             _node3_back(nnodes, link, config)
-            if took is None:
-                raise RuntimeError("nodeloss: no step line after the restart")
+            if took is None or stop is None:
+                raise RuntimeError("nodeloss: no failed run's summary, or no step after it")
             seconds.append(took)
+            stopped.append(stop)
             outcomes.append(became or "")
             progress(
-                f"nodeloss: rep {rep + 1}/{reps}: the first step on the new world {took:.1f} s "
-                f"after node3's death (--restart-wait {NODELOSS_GRACE}); {became}"
+                f"nodeloss: rep {rep + 1}/{reps}: the job stopped everywhere {stop:.1f} s and "
+                f"the first step on the new world {took:.1f} s after node3's death "
+                f"(--restart-wait {NODELOSS_GRACE}); {became}"
             )
     finally:
         _node3_back(nnodes, link, config)
@@ -245,5 +256,6 @@ def measure_node_loss(
         "budget": NODELOSS_BUDGET,
         "became": outcomes,
         "seconds": Series(seconds).as_dict(),
+        "stopped": Series(stopped).as_dict(),
         "ratio": Series([s / NODELOSS_BUDGET for s in seconds]).as_dict(),
     }

@@ -39,6 +39,14 @@ def nodeloss_lines(found: dict, replication: dict | None = None) -> list[str]:
         f"RESTARTS=1 MIN_NODES={found['nodes'] - 1}, --restart-wait {found['grace']:g} s; node3 "
         "killed after step 12 and left dead. Timed from the kill to the first step line of the "
         f"restarted run; budget {found['budget']:g} s.",
+        *(
+            [
+                "- death to the job stopped on every node (the failed run's summary): "
+                f"{spread(found['stopped'], '{:.1f}')} s"
+            ]
+            if found.get("stopped")
+            else []
+        ),
         f"- death to the first step on the new world: {spread(found['seconds'], '{:.1f}')} s",
         f"- that / budget: {spread(found['ratio'], '{:.2f}')}",
         f"- what became of node3: {'; '.join(became)}",

@@ -549,8 +549,9 @@ def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the
     output = kill_node(process, provisioned.cluster.config.container(1))
     restarting = "[launcher] restart 1 of 1: waiting up to"
     try:
-        stopped_after = output.first(restarting)
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
+        # The job stopped everywhere and the restart began (first() waits at most 60 s: a bound
+        # against a hang; how long the stop takes is make bench's to measure, never asserted).
+        output.first(restarting)
         assert f"Job {first} FAILED on node1" in output.text
     finally:
         _bring_back(provisioned, 1)
@@ -672,7 +673,7 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
     try:
         seen = read_until(process, "[node2] [rank 1] checkpoint step 8: ")
         output = kill_node(process, provisioned.cluster.config.container(2))
-        assert output.end(timeout=120) < 15, output.stamped
+        output.end(timeout=120)  # a bound against a hang; the stop's time is make bench's
         assert _exit_code(process.returncode, output.text) == 1, output.text[-3000:]
         assert " FAILED on node2" in output.text
         remembered = json.loads((REPO_ROOT / ".runs" / run_id_in(seen) / "run.json").read_text())

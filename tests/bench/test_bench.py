@@ -523,6 +523,7 @@ def test_a_lost_nodes_figure_is_from_its_death_to_the_first_step_of_the_restarte
     lines = [
         (1.0, "[launcher] node3 failed: stopping the job on every node...\n"),
         (2.0, "[node1] step 13/30  loss 2.0\n"),  # the failed run's last words: not counted
+        (2.5, "Job tmn-1 FAILED on node3 after 40.1 s on 3 node(s).\n"),
         (13.0, "[launcher] node3 lost at restart 1 after step 13: replaced by spare node4\n"),
         (13.5, "[launcher] job tmn-1-r1: the nodes answer (waited 10 s); restart 1 of 1\n"),
         (20.0, "[node1] resuming from step 10, the newest step every rank has (...)\n"),
@@ -532,8 +533,11 @@ def test_a_lost_nodes_figure_is_from_its_death_to_the_first_step_of_the_restarte
         24.5,
         "node3 lost at restart 1 after step 13: replaced by spare node4",
     )
-    assert nodeloss.death_to_first_step(lines[:4]) == (None, lines[2][1][11:].strip())
+    assert nodeloss.death_to_first_step(lines[:5]) == (None, lines[3][1][11:].strip())
+    assert nodeloss.death_to_stop(lines) == 2.5  # the job stopped everywhere: its summary
+    assert nodeloss.death_to_stop(lines[:2]) is None
     series = {"median": 24.5, "min": 24.5, "max": 24.5, "n": 1, "values": [24.5]}
+    stopped = {"median": 2.5, "min": 2.5, "max": 2.5, "n": 1, "values": [2.5]}
     data = {
         **bench_data(),
         "nodeloss": {
@@ -543,6 +547,7 @@ def test_a_lost_nodes_figure_is_from_its_death_to_the_first_step_of_the_restarte
             "budget": nodeloss.NODELOSS_BUDGET,
             "became": ["node3 lost at restart 1 after step 13: replaced by spare node4"],
             "seconds": series,
+            "stopped": stopped,
             "ratio": {**series, "median": 0.35, "min": 0.35, "max": 0.35, "values": [0.35]},
         },
     }
@@ -553,6 +558,7 @@ def test_a_lost_nodes_figure_is_from_its_death_to_the_first_step_of_the_restarte
     report.write(data, tmp_path)
     text = (tmp_path / "bench.md").read_text()
     assert "## 15. A node lost for good (3 nodes of 4, in containers)" in text
+    assert "- death to the job stopped on every node (the failed run's summary): 2.5" in text
     assert (
         "- what became of node3: node3 lost at restart 1 after step 13: replaced by spare" in text
     )

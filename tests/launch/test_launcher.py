@@ -635,10 +635,9 @@ def test_node_killed_mid_run_stops_the_job_everywhere(sim2):
     run_id = run_id_in("".join(seen))
     output = kill_node(process, sim2.config.container(2))
     try:
-        stopped_after = output.end()
+        output.end()  # within 60 s: a bound against a hang; the stop's time is make bench's
         rest = output.text
         assert process.returncode == 1
-        assert stopped_after < 15, f"the job took {stopped_after:.1f} s to stop:\n{output.stamped}"
         assert f"Job {run_id} FAILED on node2" in rest
         survivor = sim2.inventory.hosts[:1]
         assert leftovers(sim2.inventory, run_id, survivor) == {"node1": ""}
