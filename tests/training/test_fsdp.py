@@ -10,8 +10,11 @@ size is bit for bit; resharded runs are within 1e-5 of the uninterrupted run.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -241,3 +244,58 @@ def test_ddp_strategy_trains_the_same_model_with_whole_replicas(plain, tmp_path)
     assert run.lines("model    ")[0].endswith("DDP (a whole replica per rank)")
     assert max_difference(load_state(out), model.state_dict()) < TOLERANCE
     assert bench_row(run.stdout)["bytes_ratio"] == 1.0
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
+def test_a_full_disk_is_one_error_line_and_the_complete_step_before_stays_loadable(
+    straight, tmp_path
+):
+    """The data-safety matrix's FSDP2 x full disk: the checkpoint directory is a small
+    filesystem of its own holding step 10, filled up; the write of step 15 fails on every rank
+    with one line naming the directory, step 10 is byte for byte as it was, and once there is
+    room again the run resumes from it and ends bit for bit where the uninterrupted one does."""
+    directory, uninterrupted = straight
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    try:
+        checkpoints = small / "checkpoints"
+        shutil.copytree(directory / "checkpoints" / "step-00000010", checkpoints / "step-00000010")
+        before = _digests(checkpoints)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
+            capture_output=True,
+            check=False,
+        )
+        full = launch(tmp_path, "--checkpoint-dir", str(checkpoints))
+        assert full.returncode != 0, full.explain()
+        said = [line for line in full.stderr.splitlines() if line.startswith("Error: ")]
+        # every rank says it (the ranks agree on the error), naming the directory and why
+        assert len(said) == 2 and all(
+            line.startswith(f"Error: cannot write checkpoint step 15 to {checkpoints}: ")
+            and "No space left on device" in line
+            and line.endswith("(try freeing space there, or another --checkpoint-dir)")
+            for line in said
+        ), full.explain()
+        # What was complete stays complete: step 10 as it was; the half-written 15 never named.
+        assert {k: v for k, v in _digests(checkpoints).items() if k in before} == before
+        assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == [
+            "step-00000010"
+        ]
+        (small / "filler").unlink()
+        again = launch(tmp_path, "--checkpoint-dir", str(checkpoints))
+        assert again.returncode == 0, again.explain()
+        assert again.lines("resuming from") == [
+            "resuming from step 10, the newest step every rank has (rank 0 has 10; rank 1 has 10)"
+        ]
+        assert digest(again.stdout) == digest(uninterrupted.stdout)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
