@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import interrupt, read_until
 from tests.training.conftest import (
     fsdp_nodes,
     load_state,
@@ -299,3 +300,37 @@ def test_a_full_disk_is_one_error_line_and_the_complete_step_before_stays_loadab
         assert digest(again.stdout) == digest(uninterrupted.stdout)
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(straight, tmp_path):
+    """The data-safety matrix's FSDP2 x Ctrl-C: a local job (`train`, no inventory) paused in
+    its write of step 10 (the test hook) gets Ctrl-C: exit 130, step 10 never takes its name,
+    step 5 is complete, and the run resumed from it ends bit for bit where the uninterrupted
+    one does."""
+    _, uninterrupted = straight
+    checkpoints = tmp_path / "checkpoints"
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "train"), "--module", "training.fsdp", "--log-dir"]
+        + [str(tmp_path / "run"), "--", *SMALL, "--checkpoint-dir", str(checkpoints)]
+        + ["--checkpoint-pause-step", "10", "--checkpoint-pause-rank", "1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        seen = read_until(process, "[rank 1] checkpoint step 10: its files written")
+        rest, _ = interrupt(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, seen + rest
+    named = sorted(p.name for p in checkpoints.iterdir())
+    assert named == [".step-00000010.tmp", "step-00000005"], named
+    again = launch(tmp_path, "--checkpoint-dir", str(checkpoints))
+    assert again.returncode == 0, again.explain()
+    assert again.lines("resuming from") == [
+        "resuming from step 5, the newest step every rank has (rank 0 has 5; rank 1 has 5)"
+    ]
+    assert digest(again.stdout) == digest(uninterrupted.stdout)
+    assert not (checkpoints / ".step-00000010.tmp").exists()  # swept at the resume
