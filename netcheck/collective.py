@@ -24,9 +24,14 @@ from datetime import timedelta
 
 from torch_multinode.cluster.nccl_transport import (
     NCCL_TRANSPORT_ENV,
+    gpudirect,
+    hcas_used,
+    nccl_warnings,
+    peermem_loaded,
     rdma_devices,
     transport_used,
     verbs_usable,
+    with_nccl_words,
 )
 from torch_multinode.netcheck import bandwidth
 from torch_multinode.netcheck.softprobe import probe
@@ -81,20 +86,16 @@ def describe(exc: BaseException) -> str:
 
 
 def with_nccl_warnings(error: str, nccl_log: str | None, most: int = 2) -> str:
-    """`error` with NCCL's own last WARN lines from this worker's log: the cause that the first
-    line of torch's NCCL error leaves out ("unhandled system error (run with NCCL_DEBUG=INFO for
-    details)" above "socketStartConnect: Connect to 10.7.0.2<40123> failed : Connection
-    refused"). Gloo's workers have no NCCL log."""
+    """`error` with NCCL's own last WARN lines from this worker's log (cluster.nccl_transport.
+    with_nccl_words). Gloo's workers have no NCCL log."""
     if nccl_log is None:
         return error
     try:
         with open(nccl_log, errors="replace") as file:
-            said = [
-                line.split(" NCCL WARN ", 1)[1].strip() for line in file if " NCCL WARN " in line
-            ]
+            said = nccl_warnings(file.read())
     except OSError:
         return error
-    return f"{error} (NCCL: {'; '.join(said[-most:])[:400]})" if said else error
+    return with_nccl_words(error, said, most)
 
 
 def pattern(torch, count: int, device):
@@ -170,8 +171,9 @@ def log_nccl_transport(path: str) -> None:
 
 def read_transport(backend: str, log_path: str | None) -> dict:
     """What the controller needs to judge the transport: the network NCCL used (None when it did
-    not say), the node's RDMA devices, whether this process could open them; on gloo, why there
-    is nothing to judge."""
+    not say), the node's RDMA devices, whether this process could open them, the HCA ports NCCL
+    took, GPUDirect RDMA (cluster.nccl_transport.gpudirect) and whether nvidia-peermem is
+    loaded; on gloo, why there is nothing to judge."""
     hardware = rdma_devices()
     found = {"rdma": hardware, "verbs": verbs_usable() if hardware else False}
     if backend != "nccl":
@@ -183,7 +185,14 @@ def read_transport(backend: str, log_path: str | None) -> dict:
                 log = file.read()
         except OSError:
             pass
-    return {**found, "used": transport_used(log)}
+    used = transport_used(log)
+    return {
+        **found,
+        "used": used,
+        "hcas": hcas_used(log),
+        "gdr": gpudirect(log, used),
+        "peermem": peermem_loaded(),
+    }
 
 
 def nccl_group(dist, device):

@@ -535,7 +535,8 @@ def gpu_lines(config, env, shape, numerics, rate, peaks, row) -> list[str]:
     row["peak_memory_bytes"] = peaks
     if peak is None:
         lines.append(
-            f"MFU            unknown: no peak TFLOP/s known for {name} (give --peak-tflops)"
+            f"MFU            unknown: no {numerics.name} peak TFLOP/s known for {name} "
+            "(give --peak-tflops)"
         )
         return lines
     per_gpu = rate / env.world_size

@@ -7,12 +7,13 @@ Each rank runs every check on its own device (cuda:LOCAL_RANK, or the CPU with g
 prints one table (check, node, result, time, what it proves) of every rank's results, gathered
 over a gloo group. A check a CPU node cannot run (fp16 with GradScaler, DataParallel and model
 parallel over 2+ GPUs, NCCL's transport) is SKIPPED with its reason. A failed check is one
-`Error:` line naming the check, the node and the remedy, and the exit code is 1.
+`Error:` line naming the check, the node and the remedy, with NCCL's own WARN lines where it
+said any, and the exit code is 1. On a GPU each rank's NCCL log stays in the run directory
+(training.selftesting.nccl_log), its warnings on the console, all of it under DEBUG=1.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torch_multinode.cluster import nccl_transport
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.training.distributed import parallel
+from torch_multinode.training.selftesting import nccl_log
 from torch_multinode.training.selftesting.checks import (
     DATA_TIMEOUT,
     DEBUG_REMEDY,
@@ -117,6 +118,8 @@ def run_check(job: Job, name: str) -> Result:
     """One check on this rank, whatever happens in it; every rank meets after it."""
     started = time.perf_counter()
     status, detail, remedy = PASS, "", ""
+    mark = job.nccl_log.mark() if job.nccl_log is not None else 0
+    raised: BaseException | None = None
     try:
         answer = RUNS[name](job)
         status, detail = answer if isinstance(answer, tuple) else (PASS, answer or "")
@@ -131,12 +134,19 @@ def run_check(job: Job, name: str) -> Result:
     except Exception as error:  # a crash in a check is its failure, not the selftest's
         lines = traceback.format_exception_only(error)[-1].strip().splitlines()
         status, detail = FAIL, lines[0] if lines else type(error).__name__
-        remedy = DEBUG_REMEDY
+        remedy, raised = DEBUG_REMEDY, error
     if job.cuda:
         try:  # the check's kernels are done before its time is taken
             torch.cuda.synchronize(job.device)
         except RuntimeError as error:  # an asynchronous CUDA error surfaces here
             status, detail, remedy = FAIL, str(error).splitlines()[0], DEBUG_REMEDY
+            raised = error
+    if status == FAIL and job.nccl_log is not None:
+        # NCCL's own words: the cause that torch's first line leaves out.
+        explained = job.nccl_log.explain(detail, mark, raised)
+        if explained != detail:
+            detail = explained
+            remedy = f"{remedy}; NCCL's whole log: {job.nccl_log.path} on {job.node}"
     return Result(
         name, job.env.rank, job.node, status, time.perf_counter() - started, detail, remedy
     )
@@ -191,26 +201,42 @@ def problems(results: list[Result]) -> tuple[list[str], list[str]]:
     return list(errors.values()), list(warnings.values())
 
 
-def _nccl_log(env: parallel.DistEnv, directory: Path) -> Path | None:
-    """NCCL's INFO lines to a file of this rank's, set before the first communicator exists
-    (NCCL reads its environment once, at its first call)."""
-    if env.device.type != "cuda":
-        return None
-    path = directory / f"nccl-rank{env.rank}.log"
-    os.environ.update(nccl_transport.NCCL_TRANSPORT_ENV)
-    os.environ["NCCL_DEBUG_FILE"] = str(path)
-    return path
+def start_failed(job: Job, error: BaseException) -> UserError:
+    """A rank that could not join the job's process group (under NCCL: its first communicator
+    between the nodes) as one line: torch's first line, then NCCL's own words."""
+    lines = str(error).strip().splitlines()
+    detail = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    hint = DEBUG_REMEDY
+    if job.nccl_log is not None:
+        explained = job.nccl_log.explain(detail, 0, error)
+        if explained != detail:
+            detail = explained
+            hint = f"{hint}; NCCL's whole log: {job.nccl_log.path} on {job.node}"
+    return UserError(
+        f"selftest could not join the job's process group on {job.node} "
+        f"(rank {job.env.rank}): {detail}",
+        hint=hint,
+        exit_code=1,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments.selftest(argv)
     env = parallel.read_env()
     node = parallel.node_name()
-    local = Path(tempfile.mkdtemp(prefix="selftest-"))  # this rank's own: NCCL's log
+    local = Path(tempfile.mkdtemp(prefix="selftest-"))  # this rank's own
     job = Job(env, node, local, args.fail)
-    job.nccl_log = _nccl_log(env, local)
+    # Before the first communicator: NCCL reads its variables once.
+    job.nccl_log = nccl_log.place(env.device.type, env.rank, local)
+    if job.nccl_log is not None:
+        job.nccl_log.start()
     try:
-        parallel.start(env, timeout_seconds=DATA_TIMEOUT)
+        try:  # under NCCL the job's first communicator forms here (bound to the rank's GPU)
+            parallel.start(env, timeout_seconds=DATA_TIMEOUT)
+        except UserError:
+            raise
+        except Exception as error:
+            raise start_failed(job, error) from None
         if env.launched:
             job.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT))
         # One name on every rank: on storage they share, the checkpoints of every rank meet.
@@ -237,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         console.say(env, f"selftest passed on {len(set(job.nodes))} node(s)")
         return 0
     finally:
-        if env.launched and dist.is_initialized():
+        if env.launched and dist.is_initialized() and job.control is not None:
             dist.barrier(group=job.control)  # every rank is done with the files
+        if job.nccl_log is not None:
+            job.nccl_log.stop()  # the log itself stays where it is (the run directory)
         if job.scratch != local:
             shutil.rmtree(job.scratch, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.cluster.nccl_transport import transport_finding
+from torch_multinode.cluster.nccl_transport import GDR_REMEDY, transport_finding
 from torch_multinode.netcheck import bandwidth
 from torch_multinode.netcheck.checks import Collector
 from torch_multinode.netcheck.report import TRANSPORT, Finding, Link, Measurement, Status
@@ -112,8 +112,9 @@ def transport_findings(
 ) -> list[Finding]:
     """The network NCCL's collective used on each node against the node's RDMA hardware
     (cluster.nccl_transport's rule): WARN where InfiniBand/RoCE exists but NCCL fell back to TCP
-    sockets. Only on NCCL: gloo (CPU nodes) uses sockets whatever the hardware, and the report
-    says so in a line of its own (Report.transport) instead of a column."""
+    sockets, or used it without GPUDirect RDMA where its HCAs lacked nvidia-peermem or DMA-BUF.
+    Only on NCCL: gloo (CPU nodes) uses sockets whatever the hardware, and the report says so in
+    a line of its own (Report.transport) instead of a column."""
     if backend != "nccl":
         return []
     out = Collector(TRANSPORT)
@@ -125,9 +126,19 @@ def transport_findings(
             out.add(node, Status.SKIP, f"not checked: the collective did not finish on {node}")
             continue
         hardware = list(seen.get("rdma") or [])
-        status, detail = transport_finding(seen.get("used"), hardware, seen.get("verbs"))
+        gdr = seen.get("gdr") if isinstance(seen.get("gdr"), dict) else None
+        status, detail = transport_finding(
+            seen.get("used"),
+            hardware,
+            seen.get("verbs"),
+            list(seen.get("hcas") or []),
+            gdr,
+            seen.get("peermem"),
+        )
         remedy = None
-        if status == "WARN":
+        if status == "WARN" and seen.get("used") != "Socket":  # RDMA without GPUDirect RDMA
+            remedy = f"on {node}: {GDR_REMEDY}; then make netcheck again"
+        elif status == "WARN":
             remedy = (
                 f"on {node}: give NCCL the RDMA devices ({', '.join(hardware)}): "
                 + (

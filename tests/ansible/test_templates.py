@@ -1,5 +1,6 @@
-"""What the roles write, checked without a cluster: the netplan file, the /etc/hosts edit,
-GPU detection and the Docker runtime merge of the nvidia role (no GPU needed)."""
+"""What the roles write, checked without a cluster: NCCL's configuration file, the netplan file,
+the /etc/hosts edit, GPU detection and the Docker runtime merge of the nvidia role (no GPU
+needed)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ def run_local(playbook: str, variables: dict):
     )
     assert run.returncode == 0, run.describe()
     return run
+
+
+# --- nccl.conf -------------------------------------------------------------------------------
+
+
+def test_nccl_conf_names_the_training_hcas_only_where_the_inventory_does(tmp_path):
+    """NAME=VALUE lines only (NCCL documents nothing else in the file)."""
+    dest = tmp_path / "nccl.conf"
+    run_local("render_nccl_conf.yml", {"compute_interface": "ens1f0", "dest": str(dest)})
+    assert dest.read_text() == "NCCL_SOCKET_IFNAME==ens1f0\n"
+    variables = {"compute_interface": "ens1f0", "nccl_ib_hca": "=mlx5_0:1,mlx5_1:1"}
+    run_local("render_nccl_conf.yml", {**variables, "dest": str(dest)})
+    assert dest.read_text() == "NCCL_SOCKET_IFNAME==ens1f0\nNCCL_IB_HCA==mlx5_0:1,mlx5_1:1\n"
 
 
 # --- netplan ---------------------------------------------------------------------------------

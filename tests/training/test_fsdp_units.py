@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sysconfig
+import types
 
 import pytest
 import torch
@@ -81,13 +82,68 @@ def test_model_flops_per_token_count_six_per_matmul_weight_plus_attention():
 def test_mfu_is_the_models_flops_per_second_over_the_peak():
     # 100,000 tokens/s on one GPU of GPT-2 small: 85.44 TFLOP/s, of an A100's 312 in bf16.
     assert gpt.mfu(100_000, GPT2_SMALL, 312.0) == pytest.approx(85.44384 / 312, rel=1e-9)
-    assert gpt.peak_tflops("NVIDIA GeForce RTX 3090", "bf16") == 71.0
-    assert gpt.peak_tflops("NVIDIA GeForce RTX 4090", "fp32") == 82.6
-    assert gpt.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
-    assert gpt.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0  # not the SXM's
-    assert gpt.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
-    assert gpt.peak_tflops("NVIDIA H200", "bf16") == 989.4
-    assert gpt.peak_tflops("Tesla T4", "bf16") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16", "fp32"),
+    [
+        # Names as CUDA (torch.cuda.get_device_name) and nvidia-smi report them.
+        ("NVIDIA H100 80GB HBM3", 989.4, 66.9),  # SXM5
+        ("NVIDIA H100 PCIe", 756.0, 51.2),  # not the SXM's
+        ("NVIDIA H100 NVL", 835.5, 60.0),  # not the SXM's either
+        ("NVIDIA H200", 989.4, 66.9),  # read on one in this project
+        ("NVIDIA H200 NVL", 835.5, 60.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0, 19.5),
+        ("NVIDIA A100-SXM4-40GB", 312.0, 19.5),
+        ("NVIDIA A100 80GB PCIe", 312.0, 19.5),
+        ("NVIDIA A100-PCIE-40GB", 312.0, 19.5),
+        ("NVIDIA GeForce RTX 3090", 71.0, 35.6),
+        ("NVIDIA GeForce RTX 3090 Ti", 80.0, 40.0),  # not the 3090's
+        ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
+        ("NVIDIA GeForce RTX 4090 D", 147.1, 73.5),  # not the 4090's
+        ("GeForce RTX 3090", 71.0, 35.6),  # a driver before 2021 left "NVIDIA " out
+        ("  nvidia  h100  pcie ", 756.0, 51.2),  # case and spacing aside
+        ("Tesla T4", None, 8.1),  # fp16 tensor cores only
+        ("Tesla V100-SXM2-32GB", None, 15.7),
+        # Unknown: no figure rather than another GPU's.
+        ("NVIDIA RTX A1000", None, None),  # holds "A100"
+        ("NVIDIA RTX A100", None, None),
+        ("NVIDIA H100", None, None),  # no such name: which H100?
+        ("NVIDIA H20", None, None),  # a prefix of H200
+        ("NVIDIA H800 PCIe", None, None),
+        ("NVIDIA B200", None, None),
+        ("NVIDIA GeForce RTX 4090 Laptop GPU", None, None),
+    ],
+)
+def test_the_peak_is_the_gpus_own_matched_by_its_exact_name(name, bf16, fp32):
+    assert gpt.peak_tflops(name, "bf16") == bf16
+    assert gpt.peak_tflops(name, "fp32") == fp32
+    if bf16 is not None:  # fp16 and bf16 run at one rate on Ampere and later
+        assert gpt.peak_tflops(name, "fp16") == bf16
+    if "T4" in name:
+        assert gpt.peak_tflops(name, "fp16") == 65.0
+
+
+def test_an_unknown_gpu_says_so_and_reports_no_mfu(monkeypatch):
+    """training.fsdp's report on a GPU the table does not know (the RTX A1000 is not an A100):
+    no MFU figure in the line or the bench row, and --peak-tflops named."""
+    from torch_multinode.training.loop.trainer import Numerics
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A1000")
+    config = types.SimpleNamespace(run=types.SimpleNamespace(peak_tflops=None))  # none given
+    env = types.SimpleNamespace(device=torch.device("cuda:0"), world_size=1)
+    numerics = Numerics(torch.bfloat16, False, True, "bf16")
+    row: dict = {}
+    lines = fsdp.gpu_lines(config, env, GPT2_SMALL, numerics, 1000.0, [2**30], row)
+    assert lines[1] == (
+        "MFU            unknown: no bf16 peak TFLOP/s known for NVIDIA RTX A1000 (give "
+        "--peak-tflops)"
+    )
+    assert "mfu" not in row
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    lines = fsdp.gpu_lines(config, env, GPT2_SMALL, numerics, 1000.0, [2**30], row)
+    assert lines[1].startswith("MFU            ") and "of 312 TFLOP/s per GPU at bf16" in lines[1]
+    assert row["mfu"] == pytest.approx(1000 * gpt.flops_per_token(GPT2_SMALL) / 312e12)
 
 
 def test_compile_is_refused_up_front_without_a_cpp_compiler(monkeypatch):

@@ -335,9 +335,16 @@ def test_every_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
 # -- 3. --precision auto: native bf16 only, asked of the rank's own GPU --------------------------
 
 
-def test_precision_auto_is_fp32_on_a_gpu_that_only_emulates_bf16(monkeypatch):
-    FakeCuda(monkeypatch, [TURING])
-    assert resolve_numerics("auto", torch.device("cuda:0")).name == "fp32"
+@pytest.mark.parametrize("capability", [TURING, (7, 0)], ids=["turing", "volta"])
+def test_precision_auto_is_fp32_on_a_gpu_that_only_emulates_bf16(monkeypatch, capability):
+    """Not fp16, though these GPUs' tensor cores run it: auto is also training.fsdp's, which
+    has no GradScaler, and a --comm-hook powersgd beside auto cannot be refused up front."""
+    FakeCuda(monkeypatch, [capability])
+    numerics = resolve_numerics("auto", torch.device("cuda:0"))
+    assert (numerics.name, numerics.autocast_dtype, numerics.grad_scaler) == ("fp32", None, False)
+    # Asked by name, fp16 is autocast with the GradScaler.
+    fp16 = resolve_numerics("fp16", torch.device("cuda:0"))
+    assert (fp16.name, fp16.autocast_dtype, fp16.grad_scaler) == ("fp16", torch.float16, True)
 
 
 def test_precision_auto_is_bf16_on_ampere(monkeypatch):

@@ -4,6 +4,7 @@ The GPU-only decisions (NCCL's transport, the 2-GPU checks) with torch.cuda fake
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
@@ -16,9 +17,10 @@ from tests.conftest import REPO_ROOT, make
 from tests.helpers import ERROR_LINE
 from tests.training.conftest import local_nodes
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.launch import signatures
 from torch_multinode.training import selftest
 from torch_multinode.training.distributed import parallel
-from torch_multinode.training.selftesting import checks, node_gpus
+from torch_multinode.training.selftesting import checks, nccl_log, node_gpus
 from torch_multinode.training.settings import arguments
 
 GPU_ONLY = ("amp-fp16", "data-parallel", "model-parallel", "nccl-transport")
@@ -220,11 +222,12 @@ def _job(tmp_path: Path, device: str, nodes: list[str], rank: int = 0) -> checks
 
 def test_nccl_transport_is_read_from_the_ranks_own_debug_file(tmp_path, monkeypatch):
     job = _job(tmp_path, "cuda:0", ["node1", "node2"])
-    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
-    job.nccl_log = selftest._nccl_log(job.env, tmp_path)
-    assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl-rank0.log")
-    assert os.environ["NCCL_DEBUG"] == "INFO"
-    job.nccl_log.write_text("node1:1:1 [0] NCCL INFO Using network Socket\n")
+    environ = {"TMN_RUN_DIR": str(tmp_path / "run")}
+    job.nccl_log = nccl_log.place("cuda", 0, tmp_path / "scratch", environ)
+    assert environ["NCCL_DEBUG_FILE"] == str(tmp_path / "run" / "nccl-rank0.log")
+    assert (environ["NCCL_DEBUG"], environ["NCCL_DEBUG_SUBSYS"]) == ("INFO", "INIT,NET")
+    assert (tmp_path / "run").is_dir()  # made for NCCL, which makes no directory
+    job.nccl_log.path.write_text("node1:1:1 [0] NCCL INFO Using network Socket\n")
     monkeypatch.setattr(checks.nccl_transport, "rdma_devices", lambda: [])
     assert checks.check_nccl_transport(job)[0] == "PASS"
     monkeypatch.setattr(checks.nccl_transport, "rdma_devices", lambda: ["mlx5_0"])
@@ -232,7 +235,7 @@ def test_nccl_transport_is_read_from_the_ranks_own_debug_file(tmp_path, monkeypa
     assert status == "WARN" and "mlx5_0" in detail
     # No "Using network" line (a network plugin that words it otherwise): SKIPPED with why,
     # in the table's word (netcheck's SKIP was not one, and the table raised on it).
-    job.nccl_log.write_text("node1:1:1 [0] NCCL INFO Bootstrap: Using eth0\n")
+    job.nccl_log.path.write_text("node1:1:1 [0] NCCL INFO Bootstrap: Using eth0\n")
     with pytest.raises(checks.Skip, match="NCCL did not say which network it used"):
         checks.check_nccl_transport(job)
     with pytest.raises(checks.Skip, match="one node"):
@@ -241,10 +244,203 @@ def test_nccl_transport_is_read_from_the_ranks_own_debug_file(tmp_path, monkeypa
         checks.check_nccl_transport(_job(tmp_path, "cpu", ["node1", "node2"]))
 
 
-def test_no_nccl_log_is_set_up_on_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
-    assert selftest._nccl_log(_job(tmp_path, "cpu", ["a", "b"]).env, tmp_path) is None
-    assert "NCCL_DEBUG_FILE" not in os.environ
+def test_no_nccl_log_is_set_up_on_the_cpu(tmp_path):
+    environ: dict[str, str] = {}
+    assert nccl_log.place("cpu", 0, tmp_path, environ) is None
+    assert environ == {}
+
+
+# -- NCCL's own words: what an NCCL 2.30 rank writes with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET
+# (src/debug.cc's prefix "host:pid:tid [dev]", a WARN's "file:line (function)" and the blank
+# line before it; the messages' formats from NCCL 2.30.7's sources and its shipped libnccl.so.2).
+
+IB_INIT = (
+    "node1:4242:4242 [0] NCCL INFO Bootstrap: Using ens1f0:10.7.0.1<0>\n"
+    "node1:4242:4242 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO]; "
+    "OOB ens1f0:10.7.0.1<0>\n"
+    "node1:4242:4242 [0] NCCL INFO Using network IB\n"
+)
+IB_COMPLETION_ERROR = (
+    "\n[2026-11-28 10:12:31] node1:4242:4301 [0] transport/net_ib/p2p.cc:688 "
+    "(ncclIbCompletionError) NCCL WARN NET/IB: Got completion from peer 10.7.0.2<47311> with "
+    "status=IBV_WC_RETRY_EXC_ERR(12) opcode=IBV_WC_SEND(0) vendor_err=129 localGid "
+    "fe80::ba59:9f03:c2:8e0a remoteGidsfe80::ba59:9f03:c2:8e12 hca mlx5_0\n"
+    "node1:4242:4301 [0] NCCL INFO transport/net_ib/p2p.cc:744 -> 6\n"
+)
+TORCH_NCCL_ERROR = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3691, unhandled "
+    "system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.30.7\n"
+    "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or "
+    "device error. \nLast error:\nsocketStartConnect: Connect to 10.7.0.2<58123> failed : "
+    "Software caused connection abort"
+)
+
+
+class DistBackendError(RuntimeError):
+    """torch.distributed.DistBackendError's place: its message is what matters here."""
+
+
+def _gpu_job(tmp_path, monkeypatch, rank: int = 1) -> checks.Job:
+    """A rank of an NCCL job on a faked GPU (node2's), its NCCL log in the run directory."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    job = _job(tmp_path, f"cuda:{rank}", ["node1", "node2"], rank=rank)
+    (tmp_path / "run").mkdir(exist_ok=True)
+    environ = {"TMN_RUN_DIR": str(tmp_path / "run")}
+    job.nccl_log = nccl_log.place("cuda", rank, tmp_path / "scratch", environ)
+    return job
+
+
+def test_a_failed_nccl_check_shows_nccls_own_warn_lines_and_the_known_failure(
+    tmp_path, monkeypatch
+):
+    """torch's first line says only "unhandled system error"; the row, the Error line and the
+    launcher's table of known failures get NCCL's WARN line, written while the check ran."""
+    job = _gpu_job(tmp_path, monkeypatch)
+    log = job.nccl_log.path
+    log.write_text(IB_INIT + "\n[2026-11-28 10:11:02] node2:1:1 [1] misc.cc:1 NCCL WARN earlier\n")
+
+    def communicate(job):
+        with open(log, "a") as file:  # NCCL writes while the collective fails
+            file.write(IB_COMPLETION_ERROR)
+        raise DistBackendError(TORCH_NCCL_ERROR)
+
+    monkeypatch.setitem(selftest.RUNS, "comm-across-nodes", communicate)
+    result = selftest.run_check(job, "comm-across-nodes")
+    assert result.status == "FAIL"
+    assert result.detail.endswith(
+        "DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/"
+        "ProcessGroupNCCL.cpp:3691, unhandled system error (run with NCCL_DEBUG=INFO for "
+        "details), NCCL version 2.30.7 (NCCL: NET/IB: Got completion from peer 10.7.0.2<47311> "
+        "with status=IBV_WC_RETRY_EXC_ERR(12) opcode=IBV_WC_SEND(0) vendor_err=129 localGid "
+        "fe80::ba59:9f03:c2:8e0a remoteGidsfe80::ba59:9f03:c2:8e12 hca mlx5_0)"
+    ), result.detail
+    assert "earlier" not in result.detail  # a warning of an earlier check is not this one's
+    assert result.remedy.endswith(f"; NCCL's whole log: {log} on node2")
+    (error,), _ = selftest.problems([result])
+    assert error.startswith("Error: selftest check comm-across-nodes failed on node2 (rank 1): ")
+    assert "(NCCL: NET/IB: Got completion from peer 10.7.0.2<47311>" in error
+    row = [r for r in selftest.rows([result]) if r[0] == "comm-across-nodes"][0]
+    assert row[2] == "FAIL" and "NET/IB: Got completion from peer" in row[4]
+    # What the launcher's summary matches against the node's last lines.
+    known = [s.name for s in signatures.known_problems([error])]
+    assert known == ["ib-transport-error", "nccl-system-error"]
+    assert log.parent == tmp_path / "run"  # kept where the launcher copies it home from
+
+
+def test_without_warn_lines_in_the_log_the_row_carries_torchs_last_error(tmp_path, monkeypatch):
+    job = _gpu_job(tmp_path, monkeypatch)
+
+    def communicate(job):
+        raise DistBackendError(TORCH_NCCL_ERROR)
+
+    monkeypatch.setitem(selftest.RUNS, "comm-in-node", communicate)
+    result = selftest.run_check(job, "comm-in-node")
+    assert result.detail.endswith(
+        "NCCL version 2.30.7 (NCCL: socketStartConnect: Connect to 10.7.0.2<58123> failed : "
+        "Software caused connection abort)"
+    ), result.detail
+    # A check that fails on its own, NCCL silent: its row as before, no word of NCCL's log.
+    monkeypatch.setitem(selftest.RUNS, "comm-in-node", lambda job: ("PASS", "fine"))
+    job.fail = "comm-in-node"
+    plain = selftest.run_check(job, "comm-in-node")
+    assert (plain.detail, plain.remedy) == (
+        "failed on purpose (--fail, a test hook)",
+        "leaving out --fail",
+    )
+
+
+def test_a_rank_that_cannot_form_its_first_communicator_says_why_in_one_line(tmp_path, monkeypatch):
+    """Under NCCL the job's group forms at once (bound to the rank's GPU): a failure there is
+    one Error line with NCCL's own WARN lines, exit 1, not a traceback ending in torch's first
+    line."""
+    job = _gpu_job(tmp_path, monkeypatch, rank=0)
+    job.nccl_log.path.write_text(
+        "\n[2026-11-28 10:11:02] node1:7:9 [0] misc/socket.cc:568 (socketStartConnect) NCCL WARN "
+        "socketStartConnect: Connect to 10.7.0.2<58123> failed : Software caused connection "
+        "abort\n"
+    )
+    error = selftest.start_failed(job, DistBackendError(TORCH_NCCL_ERROR))
+    assert error.exit_code == 1
+    assert error.line().startswith(
+        "Error: selftest could not join the job's process group on node1 (rank 0): "
+        "DistBackendError: NCCL error in: "
+    )
+    assert "(NCCL: socketStartConnect: Connect to 10.7.0.2<58123> failed" in error.line()
+    assert error.line().endswith(f"NCCL's whole log: {job.nccl_log.path} on node1)")
+
+
+@pytest.mark.parametrize(
+    ("asked", "echoed"),
+    [
+        ({}, "warnings"),  # NCCL_DEBUG unset: what NCCL_DEBUG=WARN would print
+        ({"NCCL_DEBUG": "WARN"}, "warnings"),  # the training image's setting
+        ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}, "all"),  # DEBUG=1
+        ({"NCCL_DEBUG": "TRACE", "NCCL_DEBUG_SUBSYS": "COLL"}, "all"),
+    ],
+)
+def test_nccls_log_reaches_the_console_warnings_always_everything_under_debug(
+    tmp_path, asked, echoed
+):
+    environ = {"TMN_RUN_DIR": str(tmp_path), **asked}
+    log = nccl_log.place("cuda", 3, tmp_path / "scratch", environ)
+    assert environ["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl-rank3.log")
+    assert environ["NCCL_DEBUG"] == ("TRACE" if asked.get("NCCL_DEBUG") == "TRACE" else "INFO")
+    wanted = {"COLL": "COLL,INIT,NET"}.get(asked.get("NCCL_DEBUG_SUBSYS", ""), "INIT,NET")
+    assert environ["NCCL_DEBUG_SUBSYS"] == wanted
+    out = io.StringIO()
+    log.out = out
+    log.start()
+    log.path.write_text(IB_INIT + IB_COMPLETION_ERROR + "node1:4242:4301 [0] NCCL INFO half a li")
+    log.stop()  # its last look takes what the thread had not yet
+    printed = out.getvalue().splitlines()
+    warn = [line for line in printed if " NCCL WARN " in line]
+    assert len(warn) == 1 and "NET/IB: Got completion from peer 10.7.0.2<47311>" in warn[0]
+    assert "half a li" not in out.getvalue()  # an incomplete line waits for its end
+    if echoed == "all":
+        assert printed[:3] == IB_INIT.splitlines() and len(printed) == 5
+    else:
+        assert printed == warn
+    assert signatures.known_problems(printed)[0].name == "ib-transport-error"
+
+
+def test_the_transport_check_reports_gpudirect_rdma_from_nccls_info_lines(tmp_path, monkeypatch):
+    """Recorded lines of NCCL 2.30's formats: GDRDMA on each connection over the network, or
+    not; where NCCL found the HCAs unable (no nvidia-peermem, no DMA-BUF), a warning."""
+    job = _gpu_job(tmp_path, monkeypatch, rank=0)
+    monkeypatch.setattr(checks.nccl_transport, "rdma_devices", lambda: ["mlx5_0", "mlx5_1"])
+    monkeypatch.setattr(checks.nccl_transport, "peermem_loaded", lambda: False)
+    enabled = (
+        "node1:4242:4242 [0] NCCL INFO NET/IB : GPU Direct RDMA Enabled for HCA 0 'mlx5_0'\n"
+        "node1:4242:4242 [0] NCCL INFO DMA-BUF is available on GPU device 0\n"
+    )
+    with_gdr = (
+        "node1:4242:4300 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] [receive] via NET/IB/0/GDRDMA\n"
+        "node1:4242:4300 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/0/GDRDMA\n"
+    )
+    job.nccl_log.path.write_text(IB_INIT + enabled + with_gdr)
+    assert checks.check_nccl_transport(job) == (
+        "PASS",
+        "NCCL used IB on mlx5_0:1, mlx5_1:1, with GPUDirect RDMA",
+    )
+    disabled = (
+        "node1:4242:4242 [0] NCCL INFO NET/IB : GPU Direct RDMA Disabled for HCA 0 'mlx5_0'\n"
+        "node1:4242:4242 [0] NCCL INFO NET/IB : GPU Direct RDMA Disabled for HCA 1 'mlx5_1'\n"
+    )
+    through_host = with_gdr.replace("/GDRDMA", "")
+    job.nccl_log.path.write_text(IB_INIT + disabled + through_host)
+    status, detail = checks.check_nccl_transport(job)
+    assert status == "WARN"
+    assert detail.startswith(
+        "NCCL used IB on mlx5_0:1, mlx5_1:1 without GPUDirect RDMA: NCCL found mlx5_0, mlx5_1 "
+        "unable to reach GPU memory (nvidia-peermem is not loaded; NCCL found no DMA-BUF on the "
+        "GPU), so every transfer is copied through host memory"
+    ), detail
+    assert "modprobe nvidia-peermem" in detail
+    # The HCAs could, but NCCL chose host memory for this GPU (their distance on PCIe): no
+    # warning, said as it is.
+    job.nccl_log.path.write_text(IB_INIT + enabled + through_host)
+    status, detail = checks.check_nccl_transport(job)
+    assert status == "PASS" and "without GPUDirect RDMA: NCCL's choice" in detail
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,15 @@ class Numerics:
 
 
 def resolve_numerics(precision: str, device: torch.device) -> Numerics:
-    """What --precision means on this device; bf16/fp16 autocast and channels_last are GPU-only."""
+    """What --precision means on this device; auto never picks fp16: only ddp can scale its loss.
+
+    auto on a GPU without native bf16 (Turing's T4, Volta's V100) is fp32, although their fp16
+    tensor cores are their fast path (a T4: 65 TFLOP/s against 8.1). fp16 needs a GradScaler,
+    and auto is also training.fsdp's default, which has none (FSDP2 in fp16 unscaled loses its
+    small gradients); in training.ddp a --comm-hook powersgd beside auto cannot be refused on
+    the controller as beside fp16 is (the GPU is not known there), and an overflowing step
+    would leave NaN in PowerSGD's error feedback for good. --precision fp16 asks for it by name.
+    bf16/fp16 autocast and channels_last are GPU-only."""
     if device.type != "cuda":
         if precision in ("bf16", "fp16"):
             raise UserError(

@@ -204,19 +204,52 @@ def rank_slice(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 
 # -- model FLOPs utilisation -------------------------------------------------------------------
 
-# Dense peak TFLOP/s per GPU by the name CUDA reports, at (bf16 with fp32 accumulation, fp32).
-# bf16 is the tensor cores' rate; fp32 is the CUDA cores' (PyTorch keeps TF32 off for matmuls
-# by default). From NVIDIA's whitepapers and datasheets, without sparsity: GA102 (RTX 3090),
-# AD102 (RTX 4090), A100, H100 SXM and PCIe, H200 (the H100 SXM's compute, more memory; CUDA
-# names it "NVIDIA H200", as read on one in this project's GPU check).
-PEAK_TFLOPS = (
-    ("RTX 3090", 71.0, 35.6),
-    ("RTX 4090", 165.2, 82.6),
-    ("A100", 312.0, 19.5),
-    ("H100 PCIe", 756.0, 51.2),
-    ("H100", 989.4, 66.9),  # SXM5
-    ("H200", 989.4, 66.9),
-)
+# Dense peak TFLOP/s per GPU (no 2:4 sparsity), per precision: bf16 and fp16 are the tensor
+# cores' rate with fp32 accumulation (autocast's and FSDP2's), fp32 the CUDA cores' (PyTorch
+# keeps TF32 off for matmuls by default); None where the GPU has no such path (Volta and Turing
+# have no bf16 tensor cores). Keyed by the name CUDA reports (torch.cuda.get_device_name, as
+# nvidia-smi shows it), normalised (normal_name), and matched exactly: a substring would give
+# the RTX A1000 the A100's 312 and the H100 NVL the SXM part's figures. From NVIDIA's own
+# figures: the V100 and A100 datasheets, the H100 whitepaper (SXM5 and PCIe at their boost
+# clocks), the H100 NVL, H200 and H200 NVL datasheets (their sparse figures halved), the Turing
+# (T4), GA102 (RTX 3090) and AD102 (RTX 4090) whitepapers. The RTX 3090 Ti and 4090 D are in no
+# whitepaper: their rates are NVIDIA's published shader TFLOP/s and SM counts at the
+# whitepapers' per-SM tensor rate (GeForce: fp32 accumulation at half the fp16 rate).
+PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
+    # Volta, Turing: fp16 tensor cores only
+    "Tesla V100-SXM2-16GB": {"bf16": None, "fp16": 125.0, "fp32": 15.7},
+    "Tesla V100-SXM2-32GB": {"bf16": None, "fp16": 125.0, "fp32": 15.7},
+    "Tesla V100-PCIE-16GB": {"bf16": None, "fp16": 112.0, "fp32": 14.0},
+    "Tesla V100-PCIE-32GB": {"bf16": None, "fp16": 112.0, "fp32": 14.0},
+    "Tesla T4": {"bf16": None, "fp16": 65.0, "fp32": 8.1},
+    # Ampere
+    "NVIDIA A100-SXM4-40GB": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA A100-SXM4-80GB": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA A100-PCIE-40GB": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA A100 80GB PCIe": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA GeForce RTX 3090": {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6},
+    "NVIDIA GeForce RTX 3090 Ti": {"bf16": 80.0, "fp16": 80.0, "fp32": 40.0},
+    # Ada
+    "NVIDIA GeForce RTX 4090": {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6},
+    "NVIDIA GeForce RTX 4090 D": {"bf16": 147.1, "fp16": 147.1, "fp32": 73.5},
+    # Hopper
+    "NVIDIA H100 80GB HBM3": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},  # SXM5
+    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2},
+    "NVIDIA H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 60.0},
+    # The H100 SXM5's compute with more memory (CUDA's name read on one in this project).
+    "NVIDIA H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+    "NVIDIA H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 60.0},
+}
+
+
+def normal_name(device_name: str) -> str:
+    """A GPU's name as the peak table keys it: case and spacing aside, and the "NVIDIA " that
+    drivers before 2021 left out of GeForce names ("GeForce RTX 3090")."""
+    name = " ".join(device_name.split()).casefold()
+    return name if name.startswith(("nvidia ", "tesla ")) else f"nvidia {name}"
+
+
+_PEAKS = {normal_name(name): peaks for name, peaks in PEAK_TFLOPS.items()}
 
 
 def matmul_parameters(shape: Shape) -> int:
@@ -234,11 +267,9 @@ def flops_per_token(shape: Shape) -> int:
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
-    """The table's peak for a GPU name (the first entry it contains), or None."""
-    for name, bf16, fp32 in PEAK_TFLOPS:
-        if name in device_name:
-            return bf16 if precision == "bf16" else fp32
-    return None
+    """The table's dense peak for exactly this GPU at `precision` (bf16, fp16 or fp32), or None
+    where the table does not know the GPU, or it has no such path."""
+    return _PEAKS.get(normal_name(device_name), {}).get(precision)
 
 
 def mfu(tokens_per_second_per_gpu: float, shape: Shape, peak: float) -> float:

@@ -47,7 +47,7 @@ class Job:
         self.env, self.node, self.scratch, self.fail = env, node, scratch, fail
         self.control = None
         self.nodes: list[str] = [node]
-        self.nccl_log: Path | None = None
+        self.nccl_log = None  # this rank's NCCL log (selftesting.nccl_log.NcclLog) on a GPU
 
     @property
     def device(self) -> torch.device:
@@ -197,14 +197,21 @@ def check_comm_across_nodes(job: Job) -> str:
 
 
 def check_nccl_transport(job: Job) -> tuple[str, str]:
+    """The network NCCL used between nodes, its HCAs and GPUDirect RDMA, from this rank's NCCL
+    log (training.selftesting.nccl_log), against the node's RDMA devices."""
     if not job.cuda:
         raise Skip("no NCCL on a CPU node (gloo over TCP)")
-    found = job.nccl_log is not None and job.nccl_log.is_file()
-    log = job.nccl_log.read_text(errors="replace") if found else ""
+    log = job.nccl_log.read() if job.nccl_log is not None else ""
     used = nccl_transport.transport_used(log)
     if len(set(job.nodes)) == 1:
         raise Skip(f"one node: no traffic between nodes (NCCL's network: {used or 'not said'})")
-    status, detail = nccl_transport.transport_finding(used, nccl_transport.rdma_devices())
+    status, detail = nccl_transport.transport_finding(
+        used,
+        nccl_transport.rdma_devices(),
+        hcas=nccl_transport.hcas_used(log),
+        gdr=nccl_transport.gpudirect(log, used),
+        peermem=nccl_transport.peermem_loaded(),
+    )
     if status == "SKIP":  # netcheck's word; the table's is SKIPPED, with the reason
         raise Skip(detail)
     return status, detail
