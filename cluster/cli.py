@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torch_multinode.cluster import engine
+from torch_multinode.cluster import autodetect, engine
 from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge, shown
 from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE, GROUP_HELP
@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
         help="record each node's versions in the version lock beside the inventory",
         description="Probe every node at once and record its kernel, NVIDIA driver, Docker, "
         "training image and torch (with CUDA and NCCL) in versions.lock.json beside the "
-        "inventory, as netcheck does once it passes; make provision runs it last. make train "
+        "inventory, as netcheck does once it passes; make provision runs it last, and it says "
+        "what the nodes' auto values (compute_interface, gpus) are found to be. make train "
         "then refuses a node that changed since (ALLOW_DRIFT=1 runs anyway).",
     )
     _nodes_options(lock)
@@ -118,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         "hostfile",
         help="print the inventory as a DeepSpeed/Horovod/MPI hostfile ('name slots=N')",
         description="One 'NAME slots=N' line per node in rank order, N being its GPUs (its "
-        "cuda_visible_devices selection where set; 1 on a node without GPUs). The names are "
+        "cuda_visible_devices selection where set; 1 on a node without GPUs; asked of the node "
+        "over SSH where the inventory says gpus: auto). The names are "
         "the inventory's, which provisioning makes every node resolve to its compute address. "
         "For launchers typed by hand: deepspeed --hostfile, horovodrun -hostfile, mpirun "
         "--hostfile.",
@@ -211,10 +213,13 @@ def run(args: argparse.Namespace) -> int:
         )
         for rank, host in enumerate(hosts):
             role = "master" if rank == 0 else "worker"
+            interface, gpus = autodetect.shown(host)
             print(
                 f"  node_rank {rank}  {host.name:<16} ssh {host.ssh_address:<16} compute "
-                f"{host.compute_ip} ({host.compute_interface})  gpus {host.gpus}  {role}"
+                f"{host.compute_ip} ({interface})  gpus {gpus}  {role}"
             )
+        for line in _defaults_said(hosts, inventory.compute_subnet):
+            print(line)
         return 0
 
     if args.command == "image":
@@ -234,10 +239,10 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return 0
             tag = inventory.training_image
+            engine.require_engine()  # the build's first need, checked before the nodes are asked
+            inventory, platform = _nodes_platform(inventory, found=kind == "auto")
             if kind == "auto":
                 kind = "cuda" if any(h.gpus > 0 for h in inventory.hosts) else "cpu"
-            engine.require_engine()  # the build's first need, checked before the nodes are asked
-            platform = _nodes_platform(inventory)
         else:
             platform = None  # this machine's own, as its engine builds by default
         built = images.build(
@@ -263,8 +268,8 @@ def run(args: argparse.Namespace) -> int:
     if args.command in ("queue", "cancel"):
         return _slurm(args)
     if args.command == "hostfile":
-        inventory = inventory_module.load(args.inventory, args.group)
-        hosts = inventory.first(args.nnodes).hosts
+        inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
+        hosts = _found_on_nodes(inventory).hosts  # slots: the GPUs of a `gpus: auto` node
         for host in hosts:
             print(f"{host.name} slots={slots(host)}")
         return 0
@@ -272,18 +277,62 @@ def run(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse allows no other
 
 
-def _nodes_platform(inventory) -> str:
-    """The Docker platform the inventory's nodes share, asked over SSH (provision.platforms)."""
+def _nodes_platform(inventory, found: bool = False):
+    """The Docker platform the inventory's nodes share, asked over SSH (provision.platforms),
+    and, with `found`, the inventory with its auto values found on the nodes first (said)."""
     from torch_multinode.cluster.execution import SshNodes
     from torch_multinode.provision import platforms
 
     nodes = SshNodes(inventory)
     try:
+        if found:
+            inventory = _found_on_nodes(inventory, nodes)
         platform = platforms.nodes_platform(inventory.hosts, nodes)
     finally:
         nodes.close()
     _progress(f"The {len(inventory.hosts)} node(s) run {platform}: the image is built for it.")
-    return platform
+    return inventory, platform
+
+
+def _found_on_nodes(inventory, nodes=None):
+    """The inventory with its auto values found on the nodes (cluster.autodetect), each said on
+    standard error; the same inventory where it has none, without a word or a connection."""
+    if not inventory.unresolved:
+        return inventory
+    from torch_multinode.cluster.execution import SshNodes
+
+    own = nodes is None
+    nodes = SshNodes(inventory) if own else nodes
+    try:
+        resolved = autodetect.resolve(inventory, nodes)
+    finally:
+        if own:
+            nodes.close()
+    for line in resolved.lines():
+        _progress(line)
+    return resolved.inventory
+
+
+def _defaults_said(hosts, subnet) -> list[str]:
+    """What make check-inventory says below the hosts of the values not given as they are."""
+    lines = []
+    defaulted = [h.name for h in hosts if h.compute_ip_default]
+    if defaulted:
+        lines.append(
+            f"compute_ip of {', '.join(defaulted)}: the host's ansible_host (no compute_ip "
+            f"given, and that address is in compute_subnet {subnet})"
+        )
+    for field, what in (
+        ("compute_interface", "the interface that holds compute_ip"),
+        ("gpus", "nvidia-smi's count"),
+    ):
+        named = [h.name for h in hosts if field in h.auto]
+        if named:
+            lines.append(
+                f"{field} of {', '.join(named)}: auto, {what}, {autodetect.FOUND_AT_PROVISION} "
+                "on the node (and by netcheck and each job)"
+            )
+    return lines
 
 
 def slots(host) -> int:
@@ -395,6 +444,8 @@ def _lock(args: argparse.Namespace) -> int:
     inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
     nodes = SshNodes(inventory)
     try:
+        # make provision's last step: what its auto values are, now that the nodes are ready
+        _found_on_nodes(inventory, nodes)
         path = version_lock.lock_nodes(inventory, nodes)
     finally:
         nodes.close()

@@ -12,9 +12,12 @@ Layout (see inventory.example.yml):
             pc1:
               ansible_host: 192.168.1.10    # where SSH reaches the node
               compute_ip: 192.168.1.10      # the address training traffic uses
-              compute_interface: enp3s0
-              gpus: 1
+              compute_interface: enp3s0     # or auto: the interface that holds compute_ip
+              gpus: 1                       # or auto: nvidia-smi's count on the node
 
+compute_ip may be left out where ansible_host is an address inside compute_subnet: it is then
+that address. `auto` values are found on the node (cluster/autodetect.py) by the commands that
+reach the nodes (provision, netcheck, the launcher); the checks here leave them None.
 Variables merge the way Ansible merges them: all.vars, then nodes.vars, then the host's own.
 An inventory that only Ansible's own reading resolves (INI, group_vars/ or host_vars/ beside
 it, host ranges, groups nested in `nodes`) is read through ansible-core's inventory loader and
@@ -43,6 +46,8 @@ from pathlib import Path
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError, printable, shown
 from torch_multinode.cluster.inventory_checks import (
+    AUTO,
+    AUTO_FIELDS,
     CLUSTER_ONLY_FIELDS,
     DEFAULT_CHECKPOINT_ROOT,
     DEFAULT_DATA_ROOT,
@@ -66,6 +71,7 @@ from torch_multinode.cluster.inventory_checks import (
     _text,
     _typo_of,
     is_word,
+    nccl_ib_hca,
     parse_gpu_list,
     vars_field,
 )
@@ -105,12 +111,23 @@ class Host:
     ssh_user: str | None
     ssh_key: Path | None
     compute_ip: ipaddress.IPv4Address
-    compute_interface: str
-    gpus: int
+    compute_interface: str | None
+    """The NIC that holds compute_ip; None where the inventory says auto, until
+    cluster.autodetect.resolve has found it on the node."""
+    gpus: int | None
+    """None where the inventory says auto, until cluster.autodetect.resolve has asked the node."""
     python: str = "python3"
     """The interpreter on the node that has torch (host mode; jobs in a container use its own)."""
     visible_gpus: tuple[int, ...] | None = None
     """This node's own GPU selection (host var cuda_visible_devices), over the job's GPUS."""
+    nccl_ib_hca: str | None = None
+    """The RDMA devices NCCL may use for training (NCCL_IB_HCA's form); None: all of them."""
+    auto: frozenset[str] = frozenset()
+    """The fields the inventory leaves to the node (`auto`, of AUTO_FIELDS): None until found
+    there, then the values found, still named here for the outputs that say so."""
+    compute_ip_default: bool = False
+    """compute_ip is the host's ansible_host: the inventory gives none, and that address is in
+    compute_subnet."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +166,11 @@ class Inventory:
         """The file every SSH client of ours checks the nodes' host keys against (paramiko,
         OpenSSH for rsync, bootstrap): ssh_known_hosts_file, else ~/.ssh/known_hosts."""
         return trust.known_hosts_file(self.known_hosts)
+
+    @property
+    def unresolved(self) -> tuple[Host, ...]:
+        """The hosts with an `auto` value not yet found on the node (cluster.autodetect)."""
+        return tuple(h for h in self.hosts if h.compute_interface is None or h.gpus is None)
 
     @property
     def master(self) -> Host:
@@ -235,16 +257,20 @@ def _through_ansible(path: Path, group: str, problems: _Problems | None = None) 
 
 
 def check_group(group: object) -> str:
-    """An Ansible group name: letters, digits and underscores, not starting with a digit."""
+    """A group name as Ansible reads it in an inventory and in a host pattern (the playbook's
+    `hosts:`): letters, digits, '_', '-' and '.', starting with a letter, digit or '_'.
+    Ansible reads '-' and '.' (DeepOps' slurm-node) with a warning, which the reading passes
+    on (cluster/inventory_read.py); what a pattern or the command line would take apart
+    (',', ':', '!', '&', '*', '[', whitespace, a leading '-') is refused."""
     if not isinstance(group, str) or not _GROUP.fullmatch(group):
         raise UserError(
             f"--group {shown(group)} is not an Ansible group name",
-            hint="letters, digits and underscores, such as GROUP=gpu_nodes",
+            hint="letters, digits, '_' and '-', such as GROUP=gpu_nodes or GROUP=slurm-node",
         )
     return group
 
 
-_GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_GROUP = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 GROUP_HELP = (
     f"the inventory group whose hosts are the nodes, in rank order (default: {NODES_GROUP}; "
     "make GROUP=...)"
@@ -431,22 +457,44 @@ def _validate(
         with problems.check():
             _check_host_keys_stay_checked(values, host_where)
         missing = [field for field in REQUIRED_HOST_FIELDS if values.get(field) in (None, "")]
+        defaulted = False
         for field in missing:
             message = f"{host_where}: field '{field}' is missing"
             error = _missing(message, field, own, typos)
             if error is None and field in inherited and field not in own:
                 inherited[field][1].append(name)
                 continue
+            if error is None and field == "compute_ip":
+                # A host with one address for both: its ansible_host, where that is in the
+                # compute subnet (a typo of compute_ip, said above, never defaults).
+                address = _ipv4(values.get("ansible_host"))
+                if address is not None and subnet is not None and address in subnet:
+                    values["compute_ip"], defaulted = str(address), True
+                    continue
+                error = _no_compute_ip(message, values.get("ansible_host"), subnet)
             problems.add(error or UserError(message))
+        if defaulted:
+            missing.remove("compute_ip")
         problems.warn_unknown(own, f"{host_where}: field", skip={*merged, *typos})
-        host = _host(name, values, subnet, host_where, problems)
+        host = _host(name, values, subnet, host_where, problems, defaulted)
+        if scheduler == "slurm" and values.get("gpus") == AUTO:
+            # Slurm's configuration (ansible/roles/slurm) is written from each node's count,
+            # which the playbook does not find on the node: refused, not written as 0.
+            problems.add(
+                UserError(
+                    f"{host_where}: field 'gpus': auto is not read under scheduler: slurm, "
+                    "whose configuration needs each node's count",
+                    hint="gpus: N, the count nvidia-smi -L lists on the node",
+                )
+            )
         # Two hosts at one address are said whatever else is wrong with either of them.
         compute_ip = _ipv4(values.get("compute_ip"))
         if compute_ip is not None:
             if compute_ip in ips:
+                its = ", its ansible_host," if defaulted else ""
                 problems.add(
                     UserError(
-                        f"{host_where}: field 'compute_ip': {compute_ip} is already used by "
+                        f"{host_where}: field 'compute_ip': {compute_ip}{its} is already used by "
                         f"host '{ips[compute_ip]}'",
                         hint=f"{printable(name)}'s own address on the compute network",
                     )
@@ -516,18 +564,32 @@ def _validate(
     )
 
 
+def _no_compute_ip(message: str, address, subnet: ipaddress.IPv4Network | None) -> UserError:
+    """compute_ip is missing, and the host's ansible_host cannot stand for it: why not."""
+    if subnet is None or address in (None, ""):
+        return UserError(message)  # the subnet's or ansible_host's own error says the rest
+    if _ipv4(address) is None:
+        why = f"its ansible_host {shown(address)} is not an IPv4 address in compute_subnet"
+    else:
+        why = f"its ansible_host {_ipv4(address)} is outside compute_subnet {subnet}"
+    return UserError(f"{message}, and {why}", hint="compute_ip: its address in compute_subnet")
+
+
 def _host(
     name: str,
     values: dict,
     subnet: ipaddress.IPv4Network | None,
     where: str,
     problems: _Problems,
+    compute_ip_default: bool = False,
 ) -> Host | None:
     """The host's fields, each checked on its own: every bad one is added to `problems`, and
     None returned where any was, or where a required one is missing (said by the caller: the
-    others are checked all the same)."""
+    others are checked all the same). A field of AUTO_FIELDS that says `auto` is None in the
+    Host, to be found on the node (cluster/autodetect.py)."""
     before = len(problems.errors)
     given = {field for field in REQUIRED_HOST_FIELDS if values.get(field) not in (None, "")}
+    auto = frozenset(field for field in AUTO_FIELDS if values.get(field) == AUTO)
     compute_ip = _ipv4(values.get("compute_ip"))
     if compute_ip is None and "compute_ip" in given:
         problems.add(
@@ -543,7 +605,7 @@ def _host(
             )
         )
     interface = values.get("compute_interface")
-    if "compute_interface" in given and (
+    if "compute_interface" in given - auto and (
         not isinstance(interface, str)
         or not _IFNAME.fullmatch(interface)
         or len(interface.encode()) > IFNAME_BYTES
@@ -557,7 +619,7 @@ def _host(
         )
     gpus = values.get("gpus")
     whole = isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0
-    if "gpus" in given and not whole:
+    if "gpus" in given - auto and not whole:
         problems.add(UserError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0"))
     elif whole and gpus > MAX_GPUS:
         problems.add(
@@ -579,7 +641,9 @@ def _host(
         problems.add(
             UserError(f"{where}: field 'training_python': {shown(python)} is not a program path")
         )
-    visible = ssh_port = ssh_key = None
+    visible = ssh_port = ssh_key = ib_hca = None
+    with problems.check():
+        ib_hca = nccl_ib_hca(values.get("nccl_ib_hca"), where)
     with problems.check():
         visible = parse_gpu_list(
             values.get("cuda_visible_devices"), f"{where}: field 'cuda_visible_devices'"
@@ -599,10 +663,13 @@ def _host(
         ssh_user=user,
         ssh_key=ssh_key,
         compute_ip=compute_ip,
-        compute_interface=interface,
-        gpus=gpus,
+        compute_interface=None if "compute_interface" in auto else interface,
+        gpus=None if "gpus" in auto else gpus,
         python=python,
         visible_gpus=visible,
+        nccl_ib_hca=ib_hca,
+        auto=auto,
+        compute_ip_default=compute_ip_default,
     )
 
 

@@ -16,6 +16,7 @@ import functools
 import ipaddress
 import os
 import posixpath
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,10 @@ STORAGE_ROOTS = {
 CLUSTER_ONLY_FIELDS = (*STORAGE_ROOTS, "container_mounts")
 READ_ONLY_SUFFIX = ":ro"
 REQUIRED_HOST_FIELDS = ("ansible_host", "compute_ip", "compute_interface", "gpus")
+# Host fields that may say `auto`: found on the node itself (cluster/autodetect.py, by the
+# commands that reach the nodes), the interface that holds compute_ip and nvidia-smi's count.
+AUTO = "auto"
+AUTO_FIELDS = ("compute_interface", "gpus")
 # More GPUs than any one machine holds; also keeps counts and indices short enough to print.
 MAX_GPUS = 1024
 # Host keys are always checked (README, ansible.cfg): an inventory may not switch that off for
@@ -175,11 +180,20 @@ OPTIONAL_HOST_FIELDS = (
     "ansible_host_key_checking",
     "training_python",
     "cuda_visible_devices",
+    "nccl_ib_hca",
     *SSH_OPTION_FIELDS,
 )
-# How close a name must be to one of ours to be taken for its typo (difflib's ratio):
-# 'compute_interfce' 0.97, 'lanch_mode' 0.95, 'gpu' 0.86; 'gpu_count' (0.46) is the user's own.
+# A name is taken for a typo of one of ours only when it is a near-miss of it in both ways:
+# - difflib's ratio at least TYPO_CUTOFF: 'compute_interfce' 0.97, 'lanch_mode' 0.95, 'gpu'
+#   0.86; 'gpu_count' (0.46) and 'cpus' (0.75, to gpus) are the user's own;
+# - at most TYPO_EDITS slips of the finger over the whole name (a character added, dropped or
+#   changed, two neighbours swapped), and not our name with whole words added or dropped.
+# Other tools keep their own settings beside ours in the same group_vars: DeepOps'
+# nvidia_driver_force_install is 0.88 like nvidia_driver_install, but a word more (six
+# edits), so it is that tool's setting, never said to be a typo of ours; nor is a name of
+# ours behind another tool's prefix (kube_gpus, deepops_gpus).
 TYPO_CUTOFF = 0.8
+TYPO_EDITS = 2
 _ROLES = Path(__file__).resolve().parent.parent / "ansible" / "roles"
 
 
@@ -210,9 +224,33 @@ def _known_fields() -> frozenset[str]:
 
 
 def _close_field(name: str) -> str | None:
-    """The field of ours `name` is within a typo of, or None."""
-    found = difflib.get_close_matches(name.lower(), _our_fields(), n=1, cutoff=TYPO_CUTOFF)
-    return found[0] if found else None
+    """The field of ours `name` is within a typo of (the rule at TYPO_CUTOFF), or None."""
+    lowered = name.lower()
+    for found in difflib.get_close_matches(lowered, _our_fields(), n=3, cutoff=TYPO_CUTOFF):
+        if _edits(lowered, found) <= TYPO_EDITS and not _words_added(lowered, found):
+            return found
+    return None
+
+
+def _edits(a: str, b: str) -> int:
+    """Single-character edits from `a` to `b`: inserts, deletes, changes, and swaps of two
+    neighbours (the optimal string alignment distance)."""
+    before, row = None, list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            cost = min(row[j] + 1, current[j - 1] + 1, row[j - 1] + (x != y))
+            if before is not None and i > 1 and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                cost = min(cost, before[j - 2] + 1)
+            current.append(cost)
+        before, row = row, current
+    return row[-1]
+
+
+def _words_added(name: str, ours: str) -> bool:
+    """Whether `name` is `ours` with whole words ('_'-separated) added or dropped."""
+    theirs, mine = set(name.split("_")) - {""}, set(ours.split("_")) - {""}
+    return theirs != mine and (theirs <= mine or mine <= theirs)
 
 
 def _typo_of(field: str, values: dict) -> str | None:
@@ -396,6 +434,24 @@ def _optional_path(value, where: str, field: str) -> Path | None:
     if not isinstance(value, str) or not value.isprintable():
         raise UserError(f"{where}: field '{field}': {shown(value)} is not a file path")
     return Path(os.path.expanduser(value))
+
+
+# NCCL_IB_HCA as NCCL 2.30.7 parses it (net_ib/init.cc, misc/utils.cc): "^" to exclude, "=" for
+# exact names, then comma-separated device names, each with an optional ":port".
+_IB_HCA = re.compile(r"\^?=?[A-Za-z0-9_.-]+(?::\d+)?(?:,[A-Za-z0-9_.-]+(?::\d+)?)*")
+
+
+def nccl_ib_hca(value, where: str) -> str | None:
+    """nccl_ib_hca: the RDMA devices NCCL may use for training (NCCL_IB_HCA), or None."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not _IB_HCA.fullmatch(value):
+        raise UserError(
+            f"{where}: field 'nccl_ib_hca': {shown(value)} is not an NCCL_IB_HCA list",
+            hint="device names separated by commas, each with an optional :port, such as "
+            "=mlx5_0:1,mlx5_1:1 (= for exact names, ^ first to exclude them)",
+        )
+    return value
 
 
 def parse_gpu_list(value, where: str = "GPUS") -> tuple[int, ...] | None:

@@ -78,7 +78,10 @@ class _DuplicateKey(Exception):
 def _needs_ansible(data, group: str = NODES_GROUP) -> bool:
     """Whether a YAML inventory has what only Ansible resolves: a host range in the group of
     the nodes, or groups nested in it; or, for a group other than the default, the group not
-    directly under all.children (Ansible finds it wherever it is)."""
+    directly under all.children (Ansible finds it wherever it is); or a group name Ansible
+    reads with a warning (slurm-node), so that its warning is passed on as it reads it."""
+    if not _PLAIN_GROUP.fullmatch(group):
+        return True
     top = data.get("all") if isinstance(data, dict) else None
     children = top.get("children") if isinstance(top, dict) else None
     found = children.get(group) if isinstance(children, dict) else None
@@ -88,6 +91,9 @@ def _needs_ansible(data, group: str = NODES_GROUP) -> bool:
     return "children" in found or any(_HOST_RANGE.search(str(name)) for name in hosts)
 
 
+# A group name Ansible reads without a word (its TRANSFORM_INVALID_GROUP_CHARS rule): a Python
+# name. Others ('-', '.') it reads with a warning.
+_PLAIN_GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Ansible's host range: node[01:04], node[a:c], node[0:10:2].
 _HOST_RANGE = re.compile(r"\[[0-9A-Za-z]+:[0-9A-Za-z]+(:[0-9]+)?\]")
 
@@ -151,6 +157,12 @@ def resolve_with_ansible(
             }
             with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
                 setters = _group_setters(loader, str(path), hosts[0]) if hosts else {}
+            odd = sorted(name for name in manager.groups if not _PLAIN_GROUP.fullmatch(name))
+            problems.warnings += [
+                f"Warning: {where}: Ansible: {warning}"
+                + (f" (groups {', '.join(odd)})" if odd and "group names" in warning else "")
+                for warning in _warnings(said)
+            ]
         except AnsibleError:
             reasons = re.findall(
                 r"Failed to parse inventory with '\w+' plugin: (?:Failed to parse inventory: )?(.+)",
@@ -221,6 +233,23 @@ def resolve_with_ansible(
     if own_problems:
         problems.raise_if_any()
     return {"all": {"vars": cluster, "children": {group: {"hosts": hosts_doc}}}}
+
+
+def _warnings(said: io.StringIO) -> list[str]:
+    """Ansible's own warnings in what it printed while reading, one line each (it wraps long
+    ones), in order and each once: what ansible-playbook says of the same inventory, such as
+    "Invalid characters were found in group names but not replaced" for slurm-node."""
+    found: list[str] = []
+    warning = False  # whether the line above belongs to a warning
+    for line in said.getvalue().splitlines():
+        if line.startswith("[WARNING]:"):
+            found.append(line.removeprefix("[WARNING]:").strip())
+            warning = True
+        elif warning and line.strip() and not line.startswith("["):
+            found[-1] += " " + line.strip()  # the wrapped rest of the warning above
+        else:
+            warning = False  # a blank line, or another kind of message ([DEPRECATION ...])
+    return list(dict.fromkeys(found))
 
 
 def _group_setters(loader, source: str, host) -> dict[str, str]:

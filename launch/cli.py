@@ -15,8 +15,8 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+from torch_multinode.cluster import autodetect, sync
 from torch_multinode.cluster import inventory as inventory_module
-from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import (
     ArgumentParser,
     UserError,
@@ -26,6 +26,7 @@ from torch_multinode.cluster.errors import (
     stop_on_sigterm,
     whole_number,
 )
+from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory_checks import NODES_GROUP, parse_gpu_list
 from torch_multinode.launch import checks, record, restarts, staging
 from torch_multinode.launch.backends import backend_for
@@ -265,6 +266,7 @@ def _on_nodes(
     restarts.check_min_nodes(args.min_nodes, args.restarts, inventory)
     # The inventory's hosts the job does not use: a lost node's place, on a restart
     spares = whole.hosts[len(inventory.hosts) :] if args.restarts else ()
+    inventory, spares = _found_on_nodes(inventory, spares)
     master = inventory.master
     fitted = None  # the workload's batch against the world size: every node's processes
     if args.script is None:
@@ -292,6 +294,24 @@ def _on_nodes(
     if spec.debug:
         _emit(f"[launcher] debug logging on every node; each node's log: {spec.log_dir}/NODE.log")
     return inventory, spec, project, spares
+
+
+def _found_on_nodes(
+    inventory: inventory_module.Inventory, spares: tuple[inventory_module.Host, ...]
+) -> tuple[inventory_module.Inventory, tuple[inventory_module.Host, ...]]:
+    """The job's nodes and spares with their auto values (compute_interface, gpus) found on
+    them (cluster.autodetect), once, before the job's processes are counted or its
+    environment written; said. Nothing asked where the inventory has none."""
+    if not any(autodetect.wanted(host) for host in (*inventory.hosts, *spares)):
+        return inventory, spares
+    nodes = SshNodes(inventory)
+    try:
+        resolved = autodetect.resolve(inventory, nodes, spares)
+    finally:
+        nodes.close()
+    for line in resolved.lines():
+        _emit(f"[launcher] {line}")
+    return resolved.inventory, resolved.spares
 
 
 def run(args: argparse.Namespace) -> int:

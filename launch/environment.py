@@ -28,7 +28,8 @@ CUDA_VISIBLE_DEVICES       job_environment (the host's           Slurm's own is 
 NCCL_DEBUG, ...            debug_environment (DEBUG=)            over the job variables
 GLOO_SOCKET_IFNAME,        interface_env: netcheck's file,       over the job and debug
 NCCL_SOCKET_IFNAME,        else the inventory's                  variables (node_environment)
-NCCL_IB_DISABLE, ...       compute_interface
+NCCL_IB_DISABLE, ...       compute_interface; NCCL_IB_HCA: the
+                           inventory's nccl_ib_hca
 TMN_BACKEND                node_settings (the job's backend)     over the interface settings
 spec.extra_env             JobSpec                               over all of the above
 ENV= (secret_env)          the secrets file (staging)            over all; never reserved
@@ -121,7 +122,8 @@ def job_environment(
 def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[str, dict[str, str]]:
     """Per node of the (narrowed) inventory, the socket interface settings: netcheck's findings
     if it wrote them (`env_file`, or where netcheck writes by default), else the inventory's
-    compute_interface. Exact-match form for NCCL so 'eth1' never also means 'eth10'."""
+    compute_interface. Exact-match form for NCCL so 'eth1' never also means 'eth10'. The HCAs
+    the inventory names for training (nccl_ib_hca) as NCCL_IB_HCA, where NCCL may use RDMA."""
     from torch_multinode.netcheck import envfile
 
     found: dict[str, dict[str, str]] = {}
@@ -139,6 +141,9 @@ def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[st
             "GLOO_SOCKET_IFNAME": host.compute_interface,
             "NCCL_SOCKET_IFNAME": f"={host.compute_interface}",
         }
+        if host.nccl_ib_hca and settings[host.name].get("NCCL_IB_DISABLE") != "1":
+            # The inventory's HCAs for training, as it says now (netcheck's file may be older).
+            settings[host.name] = {**settings[host.name], "NCCL_IB_HCA": host.nccl_ib_hca}
     return settings
 
 

@@ -1,6 +1,8 @@
 """The pre-flight run: every stage on all nodes in parallel, each under a wall-clock limit.
 
-    1. ssh        batch mode, 5 s to connect
+    1. ssh        batch mode, 5 s to connect; where the inventory says `auto`
+                  (compute_interface, gpus), the same round trip finds the values on the node
+                  (cluster.autodetect), before any later stage uses them
     2. facts      one round trip: names, interfaces, routes, pings to every peer
     3. ports      listen on the rendezvous port and a random one, every peer connects
     4. raw TCP    (--sweep: around the ring; --pairwise: each pair alone)
@@ -20,10 +22,10 @@ import shlex
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from torch_multinode.cluster import sync
+from torch_multinode.cluster import autodetect, sync
 from torch_multinode.cluster.execution import Context, Nodes, context_for, python_command
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Result, on_all
@@ -143,13 +145,25 @@ def preflight(
     )
     add = report.findings.extend
 
-    # 1. SSH, in batch mode with a short connect timeout.
-    ssh = _parallel(hosts, lambda h: attempt(nodes, h, "true", SSH_TIMEOUT))
+    # 1. SSH, in batch mode with a short connect timeout; on a node whose inventory entry
+    # says auto, the same round trip finds those values (a node where one is not found is a
+    # FAIL, and is left out of the later stages like a node that does not answer).
+    ssh = _parallel(
+        hosts,
+        lambda h: attempt(
+            nodes, h, autodetect.probe_command(h) if autodetect.wanted(h) else "true", SSH_TIMEOUT
+        ),
+    )
     for host in hosts:
         a = ssh[host.name]
         add([reach.ssh_finding(host, None if a.ok else a.why(), a.seconds)])
-    up = [h for h in hosts if ssh[h.name].ok]
     down = [h.name for h in hosts if not ssh[h.name].ok]
+    found, unfound = _found_on_nodes(report, hosts, ssh)
+    if found:
+        hosts = [found[h.name].apply(h) if h.name in found else h for h in hosts]
+        inventory = replace(inventory, hosts=tuple(hosts))
+        master = inventory.master
+    up = [h for h in hosts if ssh[h.name].ok and h.name not in unfound]
 
     # 2, 3, 5. One round trip per node for names, interfaces, routes and pings.
     gathered = _parallel(
@@ -194,7 +208,7 @@ def preflight(
     # 6, 7. Raw TCP and the collective need every node, with working ports and interfaces.
     # The collective's workers also report the software facts, so that each node imports torch
     # once; where they cannot run (or did not get that far) the software probe runs alone.
-    blocked = _blocked(report, down)
+    blocked = _blocked(report, down, unfound)
     measure_tcp = (options.sweep or options.pairwise) and len(hosts) > 1
     stacks: dict[str, dict | str] = {}
     if measure_tcp and blocked:
@@ -241,6 +255,8 @@ def preflight(
             if report.cell(name, check) is None:
                 if name in down:
                     reason = f"not checked: {name} does not answer over SSH"
+                elif name in unfound:
+                    reason = f"not checked: {unfound[name]}"
                 elif len(names) == 1:
                     reason = "not checked: a single node has no peer"
                 else:
@@ -250,10 +266,47 @@ def preflight(
     return report
 
 
-def _blocked(report: Report, down: list[str]) -> str | None:
+def _found_on_nodes(
+    report: Report, hosts: list[Host], ssh: dict[str, Attempt]
+) -> tuple[dict[str, autodetect.Found], dict[str, str]]:
+    """The auto values each answering node said in the ssh stage (cluster.autodetect), and
+    the nodes where one was not found, with why (for the later stages' SKIPs). What was found
+    goes into the report; a value not found is a FAIL of that node (interfaces for
+    compute_interface, software for gpus)."""
+    found: dict[str, autodetect.Found] = {}
+    unfound: dict[str, str] = {}
+    for host in hosts:
+        wanted = autodetect.wanted(host)
+        if not wanted or not ssh[host.name].ok:
+            continue
+        answer = found[host.name] = autodetect.parse(host, ssh[host.name].result.stdout)
+        report.found[host.name] = {
+            **({"compute_interface": answer.interface} if "compute_interface" in wanted else {}),
+            **({"gpus": answer.gpus, "gpus_from": answer.gpus_from} if "gpus" in wanted else {}),
+        }
+        if answer.error is None:
+            continue
+        lost = "compute_interface" in wanted and answer.interface is None
+        check = "interfaces" if lost else "software"
+        report.findings.append(
+            Finding(
+                check,
+                host.name,
+                Status.FAIL,
+                str(answer.error).removeprefix(f"host '{host.name}': "),
+                f"on {host.name}: {answer.remedy}",
+            )
+        )
+        unfound[host.name] = f"an auto value of {host.name} was not found (see {check})"
+    return found, unfound
+
+
+def _blocked(report: Report, down: list[str], unfound: dict[str, str] | None = None) -> str | None:
     """Why the stages that need every node cannot run, or None."""
     if down:
         return f"needs every node; {', '.join(down)} does not answer over SSH"
+    if unfound:
+        return f"needs every node; {', '.join(unfound)}: auto values not found"
     failing = sorted(
         {
             f.node

@@ -95,6 +95,9 @@ class Report:
     ring: list[Link] = field(default_factory=list)
     pairwise: list[Link] = field(default_factory=list)
     nic_speed_mbps: dict[str, int | None] = field(default_factory=dict)
+    found: dict[str, dict] = field(default_factory=dict)
+    """Per node whose inventory entry says auto, what the node said (cluster.autodetect):
+    `compute_interface` (None where no interface holds compute_ip), `gpus` and `gpus_from`."""
     seconds: float = 0.0
 
     @property
@@ -166,6 +169,7 @@ class Report:
             "env": self.env,
             "env_file": self.env_file,
             "lock_file": self.lock_file,
+            "found": self.found,
             "collective": {
                 "backend": self.backend,
                 "transport": self.transport,
@@ -193,7 +197,8 @@ def human_bytes(count: int) -> str:
 
 
 def transport_line(report: Report) -> str:
-    """Which network the collective used, per node, in one line ('' when no worker said)."""
+    """Which network the collective used, per node, in one line ('' when no worker said): the
+    HCA ports NCCL took (NCCL_IB_HCA narrows them) and GPUDirect RDMA, where NCCL said."""
     if not report.transport:
         return ""
     if report.backend != "nccl":
@@ -207,9 +212,28 @@ def transport_line(report: Report) -> str:
         if seen is None:
             continue
         used = seen.get("used") or "not said"
-        rdma = seen.get("rdma") or []
-        parts.append(f"{node} {used}" + (f" ({', '.join(rdma)})" if rdma else ""))
+        rdma, hcas = seen.get("rdma") or [], seen.get("hcas") or []
+        gdr = (seen.get("gdr") or {}).get("used") if isinstance(seen.get("gdr"), dict) else None
+        where = f" on {', '.join(hcas)}" if hcas else (f" ({', '.join(rdma)})" if rdma else "")
+        direct = {True: " with GPUDirect RDMA", False: " without GPUDirect RDMA"}.get(gdr, "")
+        parts.append(f"{node} {used}{where}{direct}")
     return "NCCL transport: " + ", ".join(parts)
+
+
+def found_lines(report: Report) -> list[str]:
+    """What each node said of the values its inventory entry leaves to it (auto)."""
+    lines = []
+    for node, found in report.found.items():
+        parts = []
+        if "compute_interface" in found:
+            parts.append(f"compute_interface {found['compute_interface'] or 'not found'}")
+        if "gpus" in found:
+            gpus = found["gpus"]
+            parts.append(
+                f"gpus {gpus} ({found['gpus_from']})" if gpus is not None else "gpus not found"
+            )
+        lines.append(f"found on {node} (auto in the inventory): {', '.join(parts)}")
+    return lines
 
 
 def render(report: Report) -> str:
@@ -218,6 +242,7 @@ def render(report: Report) -> str:
         f"netcheck: {len(report.nodes)} node(s) from {report.inventory}, master {report.master}, "
         f"rendezvous {report.rendezvous}",
         f"training stack checked in {report.stack}" if report.stack else "",
+        *found_lines(report),
         "",
     ]
     checks = report.checks

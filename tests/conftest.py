@@ -55,6 +55,7 @@ _GROUPS = {
     "tests/test_projects_in_containers.py": "image",
     "tests/test_image_shipping.py": "image",  # layers through the registry, on that cluster
     "tests/launch/test_slurm_jobs.py": "image",  # Slurm on that provisioned cluster
+    "tests/launch/test_auto_fields_on_cluster.py": "image",  # its inventory saying auto
     "tests/training/test_fsdp_cluster.py": "image",
     "tests/test_hangs.py": "image",  # hung jobs on the provisioned cluster
     "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others

@@ -109,3 +109,49 @@ class FakeSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def autodetect_answer(
+    host: Host,
+    command: str,
+    interfaces: dict[str, list[str]] | None = None,
+    gpus: int | str | None = None,
+) -> str:
+    """What a node answers cluster.autodetect's probe `command` (only the parts it asks):
+    `interfaces` {name: [IPv4, ...]} as `ip -o -4 addr show` lists them (default: lo, eth0 at
+    the SSH address, eth1 at compute_ip); `gpus` nvidia-smi's count (None: no nvidia-smi on
+    the node; a string: nvidia-smi fails, saying it)."""
+    from torch_multinode.cluster.autodetect import MARK
+
+    if interfaces is None:
+        interfaces = {
+            "lo": ["127.0.0.1"],
+            "eth0": [host.ssh_address],
+            "eth1": [str(host.compute_ip)],
+        }
+    lines = [MARK]
+    if f"{MARK} addresses" in command:
+        lines.append(f"{MARK} addresses")
+        for index, (name, addresses) in enumerate(interfaces.items(), 1):
+            for address in addresses:
+                lines.append(
+                    f"{index}: {name}    inet {address}/24 brd 10.0.0.255 scope global {name}\\"
+                    "       valid_lft forever preferred_lft forever"
+                )
+        lines.append(f"{MARK} ip 0")
+    if f"{MARK} gpus" in command:
+        lines.append(f"{MARK} gpus")
+        if gpus is None:
+            lines.append(f"{MARK} nvidia-smi absent")
+        elif isinstance(gpus, str):
+            lines += [gpus, f"{MARK} nvidia-smi 9"]
+        else:
+            lines += [str(index) for index in range(gpus)] + [f"{MARK} nvidia-smi 0"]
+    return "\n".join(lines) + "\n"
+
+
+def is_autodetect_probe(command: str) -> bool:
+    """Whether `command` is cluster.autodetect's probe."""
+    from torch_multinode.cluster.autodetect import MARK
+
+    return command.startswith(f"echo {MARK};")

@@ -12,6 +12,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.nccl_transport import hcas_named
 from torch_multinode.netcheck import envfile
 from torch_multinode.netcheck.checks import Collector, reference
 from torch_multinode.netcheck.facts import FQDN, OWN, NodeFacts
@@ -117,11 +118,14 @@ class InterfaceVerdict:
     speeds: dict[str, int | None]
 
 
-def socket_env(interface: str, infiniband: list[str]) -> dict[str, str]:
-    """What NCCL and gloo need to use exactly the compute interface on one node."""
+def socket_env(interface: str, infiniband: list[str], ib_hca: str | None = None) -> dict[str, str]:
+    """What NCCL and gloo need to use exactly the compute interface on one node, and the RDMA
+    devices the inventory names for training (nccl_ib_hca) where the node has any."""
     env = {"NCCL_SOCKET_IFNAME": f"={interface}", "GLOO_SOCKET_IFNAME": interface}
     if not infiniband:
         env["NCCL_IB_DISABLE"] = "1"
+    elif ib_hca:
+        env["NCCL_IB_HCA"] = ib_hca
     return env
 
 
@@ -157,7 +161,16 @@ def interface_findings(
                 remedy = f"on {node}: bring up the compute NIC, or correct compute_interface"
             out.add(node, Status.FAIL, f"{node} has no interface {iface} (it has {have})", remedy)
             continue
-        env[node] = socket_env(iface, f.infiniband)
+        env[node] = socket_env(iface, f.infiniband, me.nccl_ib_hca)
+        if me.nccl_ib_hca and f.infiniband and not hcas_named(me.nccl_ib_hca, f.infiniband):
+            out.add(
+                node,
+                Status.WARN,
+                f"{node}'s nccl_ib_hca {me.nccl_ib_hca} leaves NCCL none of its RDMA devices "
+                f"({', '.join(f.infiniband)}): NCCL would use TCP sockets",
+                f"on {node}: nccl_ib_hca naming its training HCAs (ls /sys/class/infiniband), "
+                "or no nccl_ib_hca",
+            )
         speeds[node] = f.speed_mbps
         mtus[node] = link.mtu
         names[node] = iface

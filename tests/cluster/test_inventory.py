@@ -195,9 +195,14 @@ REJECTIONS = [
         "host 'beta': field 'compute_ip': 'pc2.lan' is not an IPv4 address",
     ),
     (
+        # Where ansible_host is in compute_subnet, it stands for a missing compute_ip
+        # (tests/cluster/test_inventory_from_other_tools.py); here it is not.
         "missing compute_ip",
-        VALID.replace("          compute_ip: 10.9.0.2\n", ""),
-        "host 'beta': field 'compute_ip' is missing",
+        VALID.replace("          compute_ip: 10.9.0.2\n", "").replace(
+            "ansible_host: 10.9.0.2", "ansible_host: 192.168.0.2"
+        ),
+        "host 'beta': field 'compute_ip' is missing, and its ansible_host 192.168.0.2 is outside "
+        "compute_subnet 10.9.0.0/24 (try compute_ip: its address in compute_subnet)",
     ),
     (
         "missing compute_interface",
@@ -643,8 +648,8 @@ def test_the_nodes_are_the_hosts_of_the_group_named_by_group(tmp_path):
     assert hostfile.stdout == "node1 slots=2\nnode2 slots=2\n"
     bad = run_cli("cluster", "check", "-i", str(ini), "--group", "gpu nodes")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
-        "Error: --group 'gpu nodes' is not an Ansible group name (try letters, digits and "
-        "underscores, such as GROUP=gpu_nodes)"
+        "Error: --group 'gpu nodes' is not an Ansible group name (try letters, digits, '_' and "
+        "'-', such as GROUP=gpu_nodes or GROUP=slurm-node)"
     ]
 
 

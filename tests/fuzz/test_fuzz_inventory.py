@@ -57,10 +57,14 @@ def assert_usable(loaded: inventory.Inventory) -> None:
         assert inventory._LABEL.fullmatch(host.name), host.name
         assert isinstance(host.compute_ip, ipaddress.IPv4Address)
         assert host.compute_ip in loaded.compute_subnet
-        assert _usable(host.compute_interface) and "/" not in host.compute_interface
-        assert ":" not in host.compute_interface
-        assert len(host.compute_interface.encode()) <= 15
-        assert 0 <= host.gpus <= inventory_checks.MAX_GPUS
+        # `auto`: None, found on the node (cluster.autodetect) before anything uses it
+        assert (host.compute_interface is None) == ("compute_interface" in host.auto)
+        assert (host.gpus is None) == ("gpus" in host.auto)
+        if host.compute_interface is not None:
+            assert _usable(host.compute_interface) and "/" not in host.compute_interface
+            assert ":" not in host.compute_interface
+            assert len(host.compute_interface.encode()) <= 15
+        assert host.gpus is None or 0 <= host.gpus <= inventory_checks.MAX_GPUS
         assert _usable(host.ssh_address) and 1 <= host.ssh_port <= 65535
         assert host.ssh_user is None or _usable(host.ssh_user)
         assert _usable(host.python)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests import helpers
-from tests.fakes import FakeNodes
+from tests.fakes import FakeNodes, autodetect_answer, is_autodetect_probe
 from tests.helpers import node
 from torch_multinode.cluster.containers import NCCL_CONF_GUARD
 from torch_multinode.cluster.inventory import Host, parse
@@ -120,6 +120,12 @@ class FakeCluster(FakeNodes):
     collective ran on NCCL. A node missing from it reports no transport."""
     infiniband: dict[str, str] = field(default_factory=dict)
     """Per node, the RDMA devices /sys/class/infiniband lists (default none)."""
+    addresses: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    """Per node, its interfaces' IPv4 addresses as cluster.autodetect's probe finds them
+    (default: lo, eth0 at the SSH address, eth1 at compute_ip)."""
+    nvidia_smi: dict[str, int | str] = field(default_factory=dict)
+    """Per node, nvidia-smi's GPU count for that probe, or what it says failing (default: no
+    nvidia-smi)."""
     calls: list[tuple[str, str]] = field(default_factory=list)
     surprises: list[str] = field(default_factory=list)
     """Commands the fake did not recognise: netcheck swallows errors, so tests check this."""
@@ -152,6 +158,8 @@ class FakeCluster(FakeNodes):
     def kind(command: str) -> str:
         if command == "true":
             return "true"
+        if is_autodetect_probe(command):
+            return "autodetect"
         if command.startswith('echo "kernel='):
             return "versions"
         if command.startswith("docker ps"):
@@ -172,6 +180,11 @@ class FakeCluster(FakeNodes):
 
     def on_true(self, host, command):
         return ""
+
+    def on_autodetect(self, host, command):
+        return autodetect_answer(
+            host, command, self.addresses.get(host.name), self.nvidia_smi.get(host.name)
+        )
 
     def on_versions(self, host, command):
         """cluster.version_lock's probe: a CPU node in host mode."""

@@ -278,6 +278,47 @@ def test_infiniband_present_leaves_ib_enabled():
     }
 
 
+def test_the_inventorys_training_hcas_reach_nccl_and_one_naming_none_is_said():
+    """nccl_ib_hca (NCCL_IB_HCA's form) goes into the env file where the node has RDMA
+    devices; one that leaves NCCL none of them (a typo, another node's names) is a warning."""
+    assert addressing.socket_env("ib0", ["mlx5_0", "mlx5_2"], "=mlx5_0:1")["NCCL_IB_HCA"] == (
+        "=mlx5_0:1"
+    )
+    assert "NCCL_IB_HCA" not in addressing.socket_env("eth1", [], "=mlx5_0")  # IB off anyway
+    named = N1.__class__(**{**N1.__dict__, "nccl_ib_hca": "=mlx5_0:1"})
+    verdict = addressing.interface_findings(
+        [named], {"node1": healthy_facts(named, infiniband="mlx5_0 mlx5_1")}, named
+    )
+    assert verdict.env["node1"]["NCCL_IB_HCA"] == "=mlx5_0:1"
+    assert [f.status for f in verdict.findings] == [Status.PASS]
+    wrong = N1.__class__(**{**N1.__dict__, "nccl_ib_hca": "^mlx5"})
+    verdict = addressing.interface_findings(
+        [wrong], {"node1": healthy_facts(wrong, infiniband="mlx5_0 mlx5_1")}, wrong
+    )
+    (warned,) = only(verdict.findings, "node1", status=Status.WARN)
+    assert warned.detail == (
+        "node1's nccl_ib_hca ^mlx5 leaves NCCL none of its RDMA devices (mlx5_0, mlx5_1): "
+        "NCCL would use TCP sockets"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "taken"),
+    [
+        ("mlx5", ["mlx5_0", "mlx5_1", "mlx5_10"]),  # a prefix
+        ("=mlx5_1", ["mlx5_1"]),  # exact: not mlx5_10
+        ("mlx5_1:1", ["mlx5_1", "mlx5_10"]),  # a port narrows ports, not devices
+        ("^=mlx5_1", ["mlx5_0", "mlx5_10", "rocep1s0f0"]),
+        ("^mlx5", ["rocep1s0f0"]),
+        ("=mlx5_0:1,rocep1s0f0", ["mlx5_0", "rocep1s0f0"]),
+        ("bnxt_re", []),
+    ],
+)
+def test_nccl_ib_hca_picks_devices_as_nccl_does(spec, taken):
+    devices = ["mlx5_0", "mlx5_1", "mlx5_10", "rocep1s0f0"]
+    assert nccl_transport.hcas_named(spec, devices) == taken
+
+
 def test_interface_down_fails_once_with_the_command():
     down = healthy_facts(
         N2,
@@ -857,11 +898,26 @@ def test_the_worker_reads_the_transport_from_its_nccl_log(tmp_path, monkeypatch)
     monkeypatch.setattr(collective, "verbs_usable", lambda: False)
     log = tmp_path / "nccl.log"
     log.write_text(nccl_log("Socket"))
+    monkeypatch.setattr(collective, "peermem_loaded", lambda: False)
     assert collective.read_transport("nccl", str(log)) == {
         "rdma": ["mlx5_0"],
         "verbs": False,
         "used": "Socket",
+        "hcas": [],
+        "gdr": {"used": None, "off": [], "dmabuf": False},
+        "peermem": False,
     }
+    # Over InfiniBand: the HCA ports NCCL took, and GPUDirect RDMA on its connections.
+    log.write_text(
+        nccl_log("IB", ("mlx5_0", "mlx5_1"))
+        + "node1:4242:4300 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/1/GDRDMA\n"
+    )
+    seen = collective.read_transport("nccl", str(log))
+    assert (seen["used"], seen["hcas"], seen["gdr"]["used"]) == (
+        "IB",
+        ["mlx5_0:1", "mlx5_1:1"],
+        True,
+    )
     # No log (NCCL never started, or wrote nowhere): nothing said, nothing invented.
     assert collective.read_transport("nccl", str(tmp_path / "absent"))["used"] is None
     gloo = collective.read_transport("gloo", None)
@@ -922,6 +978,51 @@ def test_sockets_on_a_node_with_infiniband_warn_and_name_what_is_missing():
     assert warned.status is Status.WARN and "libibverbs in the image" in warned.remedy
     # gloo on CPU nodes: nothing to judge, no column.
     assert traffic.transport_findings(hosts, results, "gloo") == []
+
+
+def test_infiniband_without_gpudirect_rdma_warns_where_the_hcas_could_not_reach_gpu_memory():
+    """NCCL over IB, every transfer through host memory, its HCAs found unable ("GPU Direct
+    RDMA Disabled for HCA", no nvidia-peermem, no DMA-BUF): a warning naming the module."""
+    hosts = list(inventory().hosts[:2])
+    off = {"used": False, "off": ["mlx5_0"], "dmabuf": False}
+    results = {
+        "node1": {
+            "ok": True,
+            "transport": {
+                **fake_transport("IB", ("mlx5_0",), verbs=True),
+                "hcas": ["mlx5_0:1"],
+                "gdr": {"used": True, "off": [], "dmabuf": True},
+                "peermem": True,
+            },
+        },
+        "node2": {
+            "ok": True,
+            "transport": {
+                **fake_transport("IB", ("mlx5_0",), verbs=True),
+                "hcas": ["mlx5_0:1"],
+                "gdr": off,
+                "peermem": False,
+            },
+        },
+    }
+    first, second = traffic.transport_findings(hosts, results, "nccl")
+    assert (first.status, first.detail) == (
+        Status.PASS,
+        "NCCL used IB on mlx5_0:1, with GPUDirect RDMA",
+    )
+    assert second.status is Status.WARN
+    assert second.detail.startswith(
+        "NCCL used IB on mlx5_0:1 without GPUDirect RDMA: NCCL found mlx5_0 unable to reach GPU "
+        "memory (nvidia-peermem is not loaded; NCCL found no DMA-BUF on the GPU)"
+    )
+    assert second.remedy.startswith("on node2: modprobe nvidia-peermem on the node")
+    report = sample_report()
+    report.backend = "nccl"
+    report.transport = {name: r["transport"] for name, r in results.items()}
+    assert (
+        "NCCL transport: node1 IB on mlx5_0:1 with GPUDirect RDMA, node2 IB on mlx5_0:1 without "
+        "GPUDirect RDMA"
+    ) in render(report)
 
 
 def test_a_nccl_run_reports_its_transport_column_line_and_json():
@@ -1006,6 +1107,7 @@ def test_the_worker_binds_its_nccl_group_to_its_gpu_and_reports_the_transport(
     monkeypatch.setattr(collective, "Watchdog", _NoWatchdog)  # its timers would os._exit
     monkeypatch.setattr(collective, "rdma_devices", lambda: ["mlx5_0"])
     monkeypatch.setattr(collective, "verbs_usable", lambda: True)
+    monkeypatch.setattr(collective, "peermem_loaded", lambda: False)
     monkeypatch.setattr(collective, "run_op", lambda *a, **k: (1e-3, 0))
     devices = []
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
@@ -1026,4 +1128,11 @@ def test_the_worker_binds_its_nccl_group_to_its_gpu_and_reports_the_transport(
     assert list(tmp_path.iterdir()) == []  # the log is removed
     lines = [json.loads(x.removeprefix("NETCHECK ")) for x in capsys.readouterr().out.splitlines()]
     assert lines[-1]["backend"] == "nccl"
-    assert lines[-1]["transport"] == {"rdma": ["mlx5_0"], "verbs": True, "used": "IB"}
+    assert lines[-1]["transport"] == {
+        "rdma": ["mlx5_0"],
+        "verbs": True,
+        "used": "IB",
+        "hcas": ["mlx5_0:1"],
+        "gdr": {"used": None, "off": [], "dmabuf": False},
+        "peermem": False,
+    }
