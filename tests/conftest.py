@@ -44,9 +44,16 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 _PREFIX = os.environ.get("SIM_TEST_PREFIX", "tmntest")
-# Under pytest-xdist every worker starts its clusters in a band of subnets of its own.
+# Under pytest-xdist every worker starts its clusters in a band of subnets of its own, the
+# octets from SIM_TEST_OCTET to 254 shared out evenly; a worker that has used its whole band
+# starts again at its beginning, past the clusters it still holds. (Fixed bands of 30 once let
+# a worker that started more clusters than that take its neighbour's names.)
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-_OCTETS = itertools.count(int(os.environ.get("SIM_TEST_OCTET", "80")) + 30 * _WORKER)
+_FIRST_OCTET = int(os.environ.get("SIM_TEST_OCTET", "80"))
+_BAND = (255 - _FIRST_OCTET) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+_OCTETS = itertools.cycle(
+    range(_FIRST_OCTET + _BAND * _WORKER, _FIRST_OCTET + _BAND * (_WORKER + 1))
+)
 # Tests that share one expensive thing run in one xdist worker, one after the other.
 _GROUPS = {
     "tests/docker/": "image",  # the training image, built once
@@ -140,11 +147,21 @@ class SimFactory:
     def __init__(self, root: Path):
         self.root = root
         self.started: list[sim.SimConfig] = []
+        self.used: list[str] = []
 
     def config(self) -> sim.SimConfig:
-        octet = next(_OCTETS)
-        name = f"{_PREFIX}{octet}"
-        return sim.SimConfig(name, f"172.29.{octet}.0/24", self.root / name, f"172.30.{octet}.0/24")
+        held = {config.name for config in self.started}
+        for _ in range(_BAND):
+            octet = next(_OCTETS)
+            name = f"{_PREFIX}{octet}"
+            if name not in held:
+                break
+        else:
+            raise RuntimeError(f"all {_BAND} simulated clusters of this worker's band are up")
+        # A name used again gets state of its own: the old nodes' host keys are not these.
+        state = self.root / f"{name}-{len(self.used)}"
+        self.used.append(name)
+        return sim.SimConfig(name, f"172.29.{octet}.0/24", state, f"172.30.{octet}.0/24")
 
     def up(
         self, nnodes: int, link: str | None = None, fresh_password: str | None = None
