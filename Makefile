@@ -13,6 +13,9 @@ FINGERPRINTS ?=
 NO_PASSWORD_LOGIN ?=
 SCRIPT    ?=
 WORKDIR   ?=
+# The project's Python dependencies (make train): empty, requirements.txt at its root, else its
+# pyproject.toml's dependencies; REQUIREMENTS=path for another file; REQUIREMENTS=none for none.
+REQUIREMENTS ?=
 ENV       ?=
 SRC       ?=
 RUN       ?=
@@ -59,7 +62,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help  ## list the targets and the knobs
 help:
 	@echo "Usage: make TARGET [INVENTORY=path.yml] [GROUP=nodes] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
-	@echo "                   [WORKDIR=dir] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2] [NPROC=2]"
+	@echo "                   [WORKDIR=dir] [REQUIREMENTS=path|none] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2] [NPROC=2]"
 	@echo "                   [DEBUG=1] [RESTARTS=1] [MIN_NODES=2] [STALL=300] [ON_HANG=wait] [ALLOW_DRIFT=1] [EXIT_CODE=.runs/exit-code] [IMAGE=torch-multinode/train:latest]"
 	@echo "                   [SRC=dataset-dir] [RUN=job-id] [SAME_OUTPUTS=1] [JOB=slurm-id]"
 	@echo
@@ -110,7 +113,7 @@ train: $(STAMP)
 	@TMN_EXIT_CODE_FILE="$(abspath $(EXIT_CODE))" $(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
 		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(strip $(MIN_NODES)),--min-nodes $(MIN_NODES)) $(if $(strip $(STALL)),--stall $(STALL)) $(if $(strip $(ON_HANG)),--on-hang $(ON_HANG)) $(if $(filter 1 yes true,$(ALLOW_DRIFT)),--allow-drift) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
-		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(ENV)),--env '$(ENV)') \
+		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(REQUIREMENTS)),--requirements "$(REQUIREMENTS)") $(if $(strip $(ENV)),--env '$(ENV)') \
 		$(if $(strip $(ARGS)),-- $(ARGS))
 
 .PHONY: selftest  ## every GPU path on every node of INVENTORY (no INVENTORY: this machine): a table; exit 1 on a failure

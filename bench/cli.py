@@ -44,6 +44,7 @@ SECTIONS = (
     "flight",
     "lock",
     "nodeloss",
+    "dependencies",
 )
 # Sections that start nodes of their own (rebuild) or need none (flight): the others share one
 # simulated cluster, brought up only when one of them runs.
@@ -206,10 +207,12 @@ def _on_the_bench_cluster(
         if "launcher" in only:
             data["launcher"] = jobs.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
         containers = None  # 2 nodes provisioned for jobs in containers, once for both
-        if {"editloop", "image"} & set(only):
+        if {"editloop", "image", "dependencies"} & set(only):
             containers = measure.provision_containers(inventory, args.training_image, progress)
         if "editloop" in only:
             data["edit_loop"] = jobs.measure_edit_loop(containers, args.reps, progress)
+        if "dependencies" in only:
+            data["dependencies"] = jobs.measure_dependencies(containers, args.reps, progress)
         if "slurm" in only:
             data["slurm"] = jobs.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
         if "fsdp" in only:

@@ -1,14 +1,17 @@
 """The bench sections that time training jobs on the bench cluster's nodes: 2 and 3. scaling
 efficiency per lever and PowerSGD's accuracy, 4. launcher overhead (make train against
 torchrun by hand), 7. the edit loop (jobs in containers), 8. Slurm against the SSH launcher,
-9. FSDP2 against DDP."""
+9. FSDP2 against DDP, 16. a project with dependencies against the same without (in
+containers)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
 
+from torch_multinode.bench import wheels
 from torch_multinode.bench.measure import (
     BIN,
     REPO_ROOT,
@@ -16,6 +19,7 @@ from torch_multinode.bench.measure import (
     Series,
     bench_rows,
     make_train_to_first_step,
+    node_containers,
     ratio_series,
     run,
     side_by_side,
@@ -28,6 +32,8 @@ from torch_multinode.cluster.inventory import Inventory, load
 from torch_multinode.launch.commands import remote_command
 from torch_multinode.launch.environment import interface_env
 from torch_multinode.launch.spec import JobSpec
+from torch_multinode.provision import dependencies
+from torch_multinode.sim import nodes as sim
 
 # -- 2 and 3. scaling efficiency per lever, auto -------------------------------------------
 
@@ -226,6 +232,124 @@ def measure_edit_loop(inventory: Path, reps: int, progress: Progress) -> dict:
         "unchanged_seconds": Series(unchanged).as_dict(),
         "ratio": ratio_series(edited, unchanged).as_dict(),
         "edit_bytes_per_node": Series(sent).as_dict(),
+    }
+
+
+# -- 16. a project's dependencies -----------------------------------------------------------
+
+# A pure-Python package the training image lacks, a wheel made here (bench/wheels.py: pip asks
+# no package index): the project's layer brings it.
+DEPENDENCIES = ("bench-dependency",)
+DEPENDENT_SCRIPT = """\
+import pathlib
+import runpy
+
+if (pathlib.Path(__file__).parent / "requirements.txt").exists():
+    import bench_dependency  # noqa: F401  (from the project's dependency layer)
+
+runpy.run_module("torch_multinode.training.ddp", run_name="__main__")
+"""
+
+
+def dependency_projects(root: Path) -> tuple[Path, Path]:
+    """Two projects alike but for a requirements.txt (DEPENDENCIES), whose script imports them
+    where the project has it: the scripts, with first."""
+    scripts = []
+    for name, requirements in (("with", DEPENDENCIES), ("without", ())):
+        project = root / name
+        project.mkdir(parents=True)
+        (project / "train.py").write_text(DEPENDENT_SCRIPT)
+        if requirements:
+            (project / "requirements.txt").write_text("".join(f"{r}\n" for r in requirements))
+        scripts.append(project / "train.py")
+    return scripts[0], scripts[1]
+
+
+def _to_first_step(inventory: Path, script: Path, pip: dict[str, str]) -> tuple[float, list[str]]:
+    """make train of `script` in containers, pip's environment `pip`: seconds to the first
+    step, and its lines."""
+    proc = subprocess.Popen(
+        train_command(inventory, EDIT_LOOP_ARGS, f"SCRIPT={script}"),
+        cwd=REPO_ROOT,
+        env={**os.environ, **pip},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    outputs: list = []
+    seconds = until_first_step([proc], 0, 900, outputs)
+    return seconds, outputs[0]
+
+
+NOTHING_BUILT = "nothing to build"
+NOTHING_SHIPPED = "nothing to ship"
+
+
+LAYER_TAG = re.compile(rf"\b({re.escape(dependencies.REPOSITORY)}:[0-9a-f]+)\b")
+
+
+def remove_layer(inventory: Path, lines: list[str]) -> None:
+    """The layer a run made or found (its tag, from its lines), off every node and this
+    machine: the image section then removes the training image from the nodes, which a layer
+    on it would keep there."""
+    for tag in sorted(set(LAYER_TAG.findall("".join(lines)))):
+        for container in node_containers(inventory).values():
+            sim.docker("exec", container, "docker", "rmi", tag, check=False)
+        sim.docker("rmi", tag, check=False)
+
+
+def reused(lines: list[str]) -> bool:
+    """Whether a run of the project with dependencies built and shipped nothing, as it says."""
+    text = "".join(lines)
+    return NOTHING_BUILT in text and NOTHING_SHIPPED in text
+
+
+def measure_dependencies(inventory: Path, reps: int, progress: Progress) -> dict:
+    """On nodes provisioned for jobs in containers: make train's time to the first step of a
+    project with a requirements.txt on its second and later runs (its layer built and shipped by
+    the first, found then: nothing built, nothing shipped), against the same project without
+    one, side by side."""
+    import tempfile
+
+    def again(script: Path) -> float:
+        seconds, lines = _to_first_step(inventory, script, pip)
+        if not reused(lines):
+            raise UserError(
+                "a run of the project with dependencies after the first built or shipped its "
+                f"layer again: {''.join(lines[-15:])}",
+                exit_code=1,
+            )
+        return seconds
+
+    with tempfile.TemporaryDirectory(prefix="bench-dependencies-") as scratch:
+        with_them, without = dependency_projects(Path(scratch))
+        for name in DEPENDENCIES:
+            wheels.wheel(Path(scratch) / "wheels", name, "1.0")
+        pip = wheels.offline_pip(Path(scratch) / "wheels")
+        first, lines = _to_first_step(inventory, with_them, pip)  # builds and ships the layer
+        progress(
+            f"dependencies: first run {first:.1f} s to the first step (the layer "
+            + ("built and shipped" if not reused(lines) else "found")
+            + ")"
+        )
+        try:
+            seconds_with, seconds_without = side_by_side(
+                reps,
+                lambda: again(with_them),
+                lambda: _to_first_step(inventory, without, pip)[0],
+                lambda rep, ours, theirs: progress(
+                    f"dependencies: rep {rep + 1}/{reps}: with {ours:.1f} s, without "
+                    f"{theirs:.1f} s to the first step"
+                ),
+            )
+        finally:
+            remove_layer(inventory, lines)
+    return {
+        "requirements": list(DEPENDENCIES),
+        "first_seconds": first,
+        "with_seconds": Series(seconds_with).as_dict(),
+        "without_seconds": Series(seconds_without).as_dict(),
+        "ratio": ratio_series(seconds_with, seconds_without).as_dict(),
     }
 
 

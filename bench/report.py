@@ -8,6 +8,7 @@ from pathlib import Path
 
 from torch_multinode.bench.flight import noise
 from torch_multinode.bench.sections import (
+    dependencies_lines,
     flight_lines,
     hang_lines,
     image_lines,
@@ -36,6 +37,11 @@ TARGETS = {
         "<= 1.10",
     ),
     "edit_kilobytes": ("KB sent per node for that one-line edit", "<= 100"),
+    "dependencies": (
+        "make train of a project with a requirements.txt, a later run (its layer built and "
+        "shipped by the first) / the same project without, time to first step",
+        "<= 1.10",
+    ),
     "fsdp_bytes": (
         "FSDP2, one rank's parameters + gradients + optimizer state / one unsharded replica's, "
         "2 nodes",
@@ -123,6 +129,7 @@ def figures(data: dict) -> dict[str, float | None]:
         ("provision", "provision"),
         ("edit_loop", "edit_loop"),
         ("slurm", "slurm"),
+        ("dependencies", "dependencies"),
     ):
         if data.get(section):
             found[key] = _median(data[section]["ratio"])
@@ -354,6 +361,8 @@ def markdown(data: dict) -> str:
         lines += lock_lines(data["lock"])
     if data.get("nodeloss"):
         lines += nodeloss_lines(data["nodeloss"], data.get("replication"))
+    if data.get("dependencies"):
+        lines += dependencies_lines(data["dependencies"])
     return "\n".join(lines) + "\n"
 
 

@@ -54,6 +54,22 @@ def nodeloss_lines(found: dict, replication: dict | None = None) -> list[str]:
     ]
 
 
+def dependencies_lines(found: dict) -> list[str]:
+    """Section 16: a project's dependency layer, once built and shipped, against no layer."""
+    return [
+        "",
+        "## 16. A project's dependencies (2 nodes, jobs in containers)",
+        "",
+        f"The same project with a requirements.txt ({', '.join(found['requirements'])}, which "
+        "the training image lacks) and without one; `make train` to the first step, side by "
+        "side. The first run with it built its layer and shipped it "
+        f"({found['first_seconds']:.1f} s); every later one said it built and shipped nothing.",
+        f"- with the dependencies, a later run: {spread(found['with_seconds'], '{:.1f}')} s",
+        f"- without: {spread(found['without_seconds'], '{:.1f}')} s",
+        f"- ratio: {spread(found['ratio'], '{:.2f}')}",
+    ]
+
+
 def lock_lines(found: dict) -> list[str]:
     """Section 14: what checking the version lock adds to make train."""
     return [

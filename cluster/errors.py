@@ -106,6 +106,7 @@ KNOBS = {
     "--script": "SCRIPT",
     "--module": "MODULE",
     "--workdir": "WORKDIR",
+    "--requirements": "REQUIREMENTS",
     "--env": "ENV",
     "--run": "RUN",
     "--rerun": "RUN",

@@ -14,6 +14,7 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch_multinode.cluster import autodetect, sync
 from torch_multinode.cluster import inventory as inventory_module
@@ -43,6 +44,9 @@ from torch_multinode.launch.spec import (
     JobSpec,
     job_module,
 )
+
+if TYPE_CHECKING:
+    from torch_multinode.provision.dependencies import Dependencies
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,6 +85,16 @@ def _parser() -> argparse.ArgumentParser:
         help="the project directory that travels to every node (default: see --script; for a "
         "--module, this project's own packages); what git ignores, .git, virtual environments "
         "and caches stay behind",
+    )
+    parser.add_argument(
+        "--requirements",
+        default=None,
+        metavar="PATH",
+        help="the project's Python dependencies: a requirements file, or a pyproject.toml's "
+        "[project] dependencies (default: requirements.txt at the project's root, else its "
+        "pyproject.toml); 'none': none. In containers they become a layer on the training "
+        "image, built once and shipped by layers; for a local job, a directory beside this "
+        "environment; torch, torchvision and the CUDA libraries stay the environment's",
     )
     parser.add_argument(
         "--env-file",
@@ -272,7 +286,9 @@ def _on_nodes(
     if args.script is None:
         world = sum(nproc_for(host, spec) for host in inventory.hosts)
         fitted = checks.workload_arguments(spec.module, list(spec.args), world, spec.workdir)
-    project = staging.plan(inventory, spec.script, spec.workdir, spec.workdir_limit)
+    project = staging.plan(
+        inventory, spec.script, spec.workdir, spec.workdir_limit, args.requirements
+    )
     resolved, notes = staging.resolve_paths(spec.args, inventory, project, run_dir(spec))
     spec = replace(spec, args=resolved)
     _emit(
@@ -314,6 +330,34 @@ def _found_on_nodes(
     return resolved.inventory, resolved.spares
 
 
+def _dependencies(
+    args: argparse.Namespace,
+    inventory: inventory_module.Inventory | None,
+    wanted: staging.Requirements | None,
+    spares: tuple[inventory_module.Host, ...] = (),
+) -> Dependencies | None:
+    """The project's dependencies made ready for the job (provision.dependencies: the layer
+    built and shipped for jobs in containers, the directory for a local job), or None: none,
+    or host mode, where each node's training_python must hold them (said, and checked on every
+    node as it is prepared). A rerun takes the recorded run's requirements, and its layer."""
+    recorded = (args.rerun_of[0] if args.rerun_of else {}).get("dependencies")
+    if recorded:
+        wanted = staging.Requirements(recorded["source"], tuple(recorded["requirements"]))
+    if wanted is None:
+        return None
+    if inventory is not None and inventory.launch_mode != "container":
+        _emit(f"[launcher] {staging.host_mode_note(wanted)}")
+        return None
+    from torch_multinode.provision import dependencies  # only for a project with requirements
+
+    def say(line: str) -> None:
+        _emit(f"[launcher] {line}")
+
+    if inventory is None:
+        return dependencies.for_this_machine(wanted.lines, wanted.source, say, recorded)
+    return dependencies.for_inventory(inventory, wanted.lines, wanted.source, say, recorded, spares)
+
+
 def run(args: argparse.Namespace) -> int:
     spec = _spec(args)
     inventory = project = None
@@ -324,9 +368,24 @@ def run(args: argparse.Namespace) -> int:
         spec = replace(spec, args=resolved)
         for note in notes:
             _emit(f"[launcher] {note}")
+        root = staging.project_root(spec.script, spec.workdir)
+        made = _dependencies(args, None, staging.requirements(root, args.requirements))
+        if made is not None and made.directory is not None:
+            spec = replace(spec, dependencies=str(made.directory))
     else:
         inventory, spec, project, spares = _on_nodes(args, spec)
-    recorder = record.Recorder(spec, args.argv, inventory, args.rerun_of, emit=_emit)
+        made = _dependencies(args, inventory, project.requirements, spares)
+        if made is not None and made.image is not None:
+            project = replace(project, image=made.image)
+    recorder = record.Recorder(
+        spec,
+        args.argv,
+        inventory,
+        args.rerun_of,
+        emit=_emit,
+        image=project.image if project is not None else None,
+        dependencies=made.record() if made is not None else None,
+    )
     backend = backend_for(
         inventory,
         spec,

@@ -47,6 +47,10 @@ process's own environment; OMP_NUM_THREADS=1 only where that does not set it; th
 job_environment (TMN_RUN_DIR, PYTHONPATH, TMN_BACKEND always, debug variables last); then ENV=
 over all, as on a node (the same names refused: parse_env). No interface settings. Its values
 reach torchrun's environment alone, never its command line; the record keeps only the names.
+PYTHONPATH there is the project, then the project's dependencies where it has requirements
+(JobSpec.dependencies: the directory provision.dependencies installed them into, never .venv
+itself), both before this environment's own packages: on a node the project comes first too,
+and the dependency layer's packages sit in the image's own.
 """
 
 from __future__ import annotations

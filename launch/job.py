@@ -96,7 +96,7 @@ class Launcher:
             inventory.rendezvous_port,
             env,
             inventory.launch_mode,
-            inventory.training_image,
+            staging.job_image(inventory, self.project),
             inventory.container_memlock,
             self.project,
             tuple(staging.mounts(inventory, self.project, run_dir(self.spec))),

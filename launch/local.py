@@ -95,6 +95,13 @@ def project_directory(spec: JobSpec) -> Path:
     return staging.project_root(spec.script, spec.workdir) or sync.TOOL_ROOT
 
 
+def environment_note(spec: JobSpec) -> str:
+    """Which Python environment a local job runs in, for its first line: this one (the .venv
+    `train` runs from), and the project's dependencies beside it, where it has them."""
+    here = f"environment {sys.prefix}"
+    return f"{here} + {spec.dependencies}" if spec.dependencies else here
+
+
 def run_directory(spec: JobSpec) -> Path:
     """The job's run directory here: its log directory, .runs/JOB-ID unless --log-dir says."""
     return (spec.log_dir or Path(".runs") / spec.run_id).resolve()
@@ -129,8 +136,10 @@ def environment(
     else:
         nproc = process_count(spec, gpus_here, f"this machine has {gpus_here}", cpu_default=2)
     # The project alone: torch_multinode comes from this environment's install (see
-    # torch_multinode/__init__.py), and this project's root would add generic names.
-    python_path = str(project_directory(spec))
+    # torch_multinode/__init__.py), and this project's root would add generic names. Its
+    # dependencies next, before this environment's own packages, as the layer's are in the
+    # image's on the nodes.
+    python_path = ":".join([str(project_directory(spec)), *filter(None, [spec.dependencies])])
     here = this_machine(gpus_here)
     backend = job_backend((here,))[0]
     env = local_environment(here, spec, str(run_directory(spec)), python_path, backend, environ)
@@ -337,8 +346,8 @@ def run_local(
         else checks.workload_arguments(spec.module, list(spec.args), nproc, spec.workdir)
     )
     emit(
-        f"[launcher] local job {spec.run_id} in {root}: {shlex.join(argv)}"
-        + (f"; {fitted}" if fitted else "")
+        f"[launcher] local job {spec.run_id} in {root} ({environment_note(spec)}): "
+        f"{shlex.join(argv)}" + (f"; {fitted}" if fitted else "")
     )
     if spec.secret_env:
         emit(

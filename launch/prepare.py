@@ -32,9 +32,11 @@ def prepare_node(
     emit: Emit = print,
 ) -> tuple[dict[str, str], list[str]]:
     """After the project's trees were sent: check this node's versions against those netcheck
-    locked (`locked`, None: no lock), its copy and image, make the directories the job writes
-    to, hand over its secrets. The node's versions and what changed in them since the lock
-    (allowed by `spec.allow_drift`, or refused), for the run's record."""
+    locked (`locked`, None: no lock), its copy and image (the project's dependency layer where
+    it has one; in host mode, that its training_python holds the project's requirements), make
+    the directories the job writes to, hand over its secrets. The node's versions and what
+    changed in them since the lock (allowed by `spec.allow_drift`, or refused), for the run's
+    record."""
     versions = lock.parse(remote.run(lock.probe_command(host, inventory), timeout=60).stdout)
     changes = lock.drift(locked, versions) if locked else []
     if changes and not spec.allow_drift:
@@ -63,8 +65,16 @@ def prepare_node(
             exit_code=1,
         )
     if image_id is not None:
-        answer = remote.run(staging.image_check_command(inventory.training_image), timeout=60)
-        problem = staging.image_mismatch(host, inventory, image_id, answer.stdout)
+        image = staging.job_image(inventory, project)
+        answer = remote.run(staging.image_check_command(image), timeout=60)
+        problem = staging.image_mismatch(host, inventory, image_id, answer.stdout, image)
+        if problem is not None:
+            message, _, hint = problem.rpartition(" (try ")
+            raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
+    wanted = project.requirements
+    if inventory.launch_mode == "host" and wanted is not None:
+        answer = remote.run(staging.requirements_check_command(host.python, wanted), timeout=60)
+        problem = staging.requirements_missing(host, wanted, answer.stdout + answer.stderr)
         if problem is not None:
             message, _, hint = problem.rpartition(" (try ")
             raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
@@ -92,7 +102,7 @@ def prepare_nodes(
     once for all: each node's versions, and what changed on those that drifted (allowed)."""
     image_id = None
     if inventory.launch_mode == "container":
-        image_id = staging.local_image_id(inventory.training_image)
+        image_id = staging.local_image_id(staging.job_image(inventory, project))
     locked = lock.load(lock.default_path(inventory.path)) or {}
     versions: dict[str, dict[str, str]] = {}
     drift: dict[str, list[str]] = {}

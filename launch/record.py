@@ -9,7 +9,10 @@ begun), each time whole or not at all. A job refused before anything of it ran l
 behind.
 
 What it holds: the command and the directory it was typed in, the backend and launch mode,
-the training image (name and ID), the inventory (path and digest) and each node's ranks, the
+the image its containers ran (name and ID: the project's dependency layer where it has one,
+else the training image), the project's dependencies (where they were read, what they resolved
+to, pip freeze's form, and the layer's tag and ID or a local job's directory: what `make
+rerun` takes again), the inventory (path and digest) and each node's ranks, the
 project's code (its git commit and a snapshot of the work tree as it was, launch.snapshot;
 the diff beside the record when the tree had changes), the names (never the values) of the
 variables passed with ENV=, start, end, duration, exit code, the node blamed, the last step
@@ -108,16 +111,18 @@ def _nodes(inventory: Inventory | None, spec: JobSpec) -> list[dict[str, Any]]:
     return nodes
 
 
-def _image(inventory: Inventory | None) -> dict[str, str | None] | None:
-    """The training image a job in containers runs: its name, and its ID in this machine's
-    engine (the nodes are checked against it before launch: launch.prepare)."""
+def _image(inventory: Inventory | None, image: str | None = None) -> dict[str, str | None] | None:
+    """The image a job in containers runs (`image`: the project's dependency layer, else the
+    training image): its name, and its ID in this machine's engine (the nodes are checked
+    against it before launch: launch.prepare)."""
     if inventory is None or inventory.launch_mode != "container":
         return None
+    name = image or inventory.training_image
     try:
-        found = staging.local_image_id(inventory.training_image)
+        found = staging.local_image_id(name)
     except UserError:
         found = None  # not here: the launch says so
-    return {"name": inventory.training_image, "id": found}
+    return {"name": name, "id": found}
 
 
 def _netcheck_file(spec: JobSpec, inventory: Inventory | None) -> Path | None:
@@ -136,10 +141,12 @@ def begin(
     inventory: Inventory | None,
     project: Path,
     origin: dict[str, Any] | None = None,
+    dependencies: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record of a job about to start, written at once (result "running"): what the
-    command line and the inventory say. Nothing is run for it: the code and the image are
-    added once the job has begun (`started`)."""
+    command line and the inventory say, and the project's dependencies as made ready for it
+    (provision.dependencies' record). Nothing is run for it: the code and the image are added
+    once the job has begun (`started`)."""
     env_file = _netcheck_file(spec, inventory)
     for place in places(spec):
         place.mkdir(parents=True, exist_ok=True)
@@ -156,6 +163,7 @@ def begin(
         else "ssh",
         "launch_mode": None if inventory is None else inventory.launch_mode,
         "image": None,  # `started`
+        "dependencies": dependencies,  # None: the project has no requirements
         "inventory": None
         if inventory is None
         else {"path": str(inventory.path), "sha256": _digest(inventory.path)},
@@ -323,9 +331,13 @@ class Recorder:
         inventory: Inventory | None,
         rerun_of: tuple[dict[str, Any], Path] | None = None,
         emit: Callable[[str], None] = print,
+        image: str | None = None,
+        dependencies: dict[str, Any] | None = None,
     ) -> None:
         self.spec, self.argv, self.inventory, self.emit = spec, argv, inventory, emit
         self.rerun_of = rerun_of  # (the record, its directory) of the run a rerun runs again
+        self.image = image  # the project's dependency layer, where the job runs in one
+        self.dependencies = dependencies
         self.project = local.project_directory(spec)
         self.record: dict[str, Any] | None = None
         self.completed = False
@@ -349,13 +361,15 @@ class Recorder:
             found = code(self.project, log_dir, spec.run_id, outside)
             if line := snapshot.said(found if found.get("repository") else None):
                 self.emit(f"[launcher] {line}")  # what it left out, or why there is none
-        self.record.update(code=found, image=_image(self.inventory))
+        self.record.update(code=found, image=_image(self.inventory, self.image))
         write(spec, self.record)
 
     def kept(self, job: Callable[[], JobResult]) -> JobResult:
         spec = self.spec
         origin = self.rerun_of[0] if self.rerun_of else None
-        self.record = begin(spec, self.argv, self.inventory, self.project, origin)
+        self.record = begin(
+            spec, self.argv, self.inventory, self.project, origin, self.dependencies
+        )
         run_dir = local.run_directory(spec) if self.inventory is None else None
         result, code = None, 1
         try:

@@ -115,6 +115,9 @@ class JobSpec:
     planned_world: int | None = None
     """The job's first world size, when a restart runs it on fewer nodes (MIN_NODES): the
     workloads keep its global batch (jobenv.PLANNED_WORLD_VARIABLE)."""
+    dependencies: str | None = None
+    """A local job's project dependencies: the directory they were installed into (pip
+    --target, provision.dependencies), on the job's import path right after the project."""
 
 
 @dataclass

@@ -15,14 +15,22 @@
   over on SSH's standard input and deleted once read: never on a command line, in `docker
   inspect`, in the launcher's output or in the saved logs. Which names --env may set, and how
   they rank against the launcher's own variables, is launch/environment.py's.
+- The project's Python dependencies: which requirements it has is decided here
+  (`requirements`: REQUIREMENTS=path, else requirements.txt at its root, else its
+  pyproject.toml's [project] dependencies; REQUIREMENTS=none, none). In containers they become
+  a layer on the training image, which the job then runs in (`Project.image`, made by
+  provision.dependencies); in host mode each node's training_python must hold them, and a node
+  that does not is named before anything starts (`requirements_missing`).
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import shlex
 import subprocess
+import tomllib
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +54,22 @@ LOCAL_ROOTS = {"checkpoint_root": "checkpoints", "data_root": "data"}
 OUTPUT_FLAGS = ("--checkpoint-dir", "--run-dir", "--out-dir", "--out")
 
 
+# The project's requirements: REQUIREMENTS=path, else these at its root; REQUIREMENTS=none: none.
+REQUIREMENTS_FILE = "requirements.txt"
+PYPROJECT_FILE = "pyproject.toml"
+NO_REQUIREMENTS = "none"
+_INCLUDE = re.compile(r"^(?:-r|--requirement)(?:\s+|=)(\S+)$")
+_HASH = re.compile(r"\s+--hash[=\s]\S+")
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """The project's requirements, as read: where from, and one requirement a line."""
+
+    source: str  # as lines name it: "requirements.txt", "pyproject.toml", the path given
+    lines: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class Project:
     """The trees a job takes to every node, where each lives there, and how the job runs."""
@@ -53,6 +77,10 @@ class Project:
     trees: tuple[tuple[sync.Tree, str], ...]  # (tree, directory on every node)
     workdir: str  # the job's working directory on the node (and in the container)
     script: str | None  # the script's path on the node, when the job runs a script
+    requirements: Requirements | None = None  # the project's Python dependencies
+    image: str | None = None
+    """The image a job in containers runs in, where not the inventory's training image: the
+    layer of the project's dependencies on it (provision.dependencies)."""
 
     @property
     def python_path(self) -> str:
@@ -83,21 +111,123 @@ def project_root(script: Path | None, workdir: Path | None) -> Path | None:
     return sync.git_root(directory) or directory
 
 
+def requirements(root: Path | None, given: str | None = None) -> Requirements | None:
+    """The project's requirements: REQUIREMENTS=path (`given`; a pyproject.toml's dependencies
+    where it is one), else requirements.txt at the project's root, else its pyproject.toml's
+    [project] dependencies; None with REQUIREMENTS=none, for this project's own packages (the
+    image is made for them) and where the project has none."""
+    if given == NO_REQUIREMENTS:
+        return None
+    if given:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise UserError(
+                f"REQUIREMENTS={given} is not a file",
+                hint="a requirements file, a pyproject.toml, or REQUIREMENTS=none",
+            )
+        if path.name == PYPROJECT_FILE:
+            return Requirements(given, pyproject_requirements(path, given))
+        return Requirements(given, read_requirements(path, given))
+    if root is None or root.resolve() == sync.TOOL_ROOT:
+        return None
+    listed = root / REQUIREMENTS_FILE
+    if listed.is_file():
+        lines = read_requirements(listed, REQUIREMENTS_FILE)
+        return Requirements(REQUIREMENTS_FILE, lines) if lines else None
+    pyproject = root / PYPROJECT_FILE
+    if pyproject.is_file():
+        lines = pyproject_requirements(pyproject, PYPROJECT_FILE)
+        return Requirements(PYPROJECT_FILE, lines) if lines else None
+    return None
+
+
+def _requirement(text: str, where: str) -> str:
+    """One requirement, checked: a name with versions and markers (PEP 508), which the layer
+    installs from the package index; a URL, a path or a pip option is refused, naming it."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    hint = "one requirement a line, a name and versions (omegaconf>=2.3); -r FILE includes one"
+    if text.startswith("-"):
+        raise UserError(
+            f"{where}: {shown(text)} is a pip option, not a requirement the layer installs",
+            hint=hint,
+        )
+    try:
+        found = Requirement(text)
+    except InvalidRequirement:
+        raise UserError(f"{where}: {shown(text)} is not a requirement", hint=hint) from None
+    if found.url:
+        raise UserError(
+            f"{where}: {shown(text)} names a URL; the project's packages come from the package "
+            "index",
+            hint=hint,
+        )
+    return text
+
+
+def read_requirements(path: Path, source: str, seen: tuple[Path, ...] = ()) -> tuple[str, ...]:
+    """A requirements file's requirements, one a line: comments, blank lines, line joins and
+    --hash options as pip reads them, `-r FILE` includes followed (relative to the file)."""
+    resolved = path.resolve()
+    if resolved in seen:
+        raise UserError(f"{source}: {path} includes itself", hint="one -r per file, no circle")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{source}: cannot read {path}: {exc}") from None
+    found: list[str] = []
+    joined = re.sub(r"\\\n", "", text)
+    for number, raw in enumerate(joined.splitlines(), 1):
+        line = re.sub(r"(^|\s)#.*$", "", raw).strip()
+        line = _HASH.sub("", line).strip()
+        if not line:
+            continue
+        include = _INCLUDE.match(line)
+        if include:
+            found += read_requirements(path.parent / include.group(1), source, (*seen, resolved))
+            continue
+        where = (
+            f"{source} line {number}" if path.name == Path(source).name else f"{path} line {number}"
+        )
+        found.append(_requirement(line, where))
+    return tuple(found)
+
+
+def pyproject_requirements(path: Path, source: str) -> tuple[str, ...]:
+    """A pyproject.toml's [project] dependencies (none where it has no such list)."""
+    try:
+        document = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"{source}: cannot read it: {exc}") from None
+    listed = (document.get("project") or {}).get("dependencies") or []
+    if not isinstance(listed, list) or not all(isinstance(item, str) for item in listed):
+        raise UserError(f"{source}: [project] dependencies is not a list of requirements")
+    return tuple(_requirement(item.strip(), f"{source} [project] dependencies") for item in listed)
+
+
+def job_image(inventory: Inventory, project: Project | None) -> str:
+    """The image a job in containers runs in: its project's dependency layer where it has one,
+    else the inventory's training image."""
+    return project.image if project is not None and project.image else inventory.training_image
+
+
 def plan(
     inventory: Inventory,
     script: Path | None,
     workdir: Path | None,
     limit: int = sync.DEFAULT_WORKDIR_LIMIT,
+    given_requirements: str | None = None,
 ) -> Project:
-    """The job's trees, listed and hashed once on the controller; a workdir over `limit` bytes
-    stops here, naming what is big."""
+    """The job's trees, listed and hashed once on the controller, and its requirements; a
+    workdir over `limit` bytes stops here, naming what is big."""
     root = project_root(script, workdir)
     tool = sync.tool_tree()
     tool_remote = sync.tool_destination(inventory)
+    wanted = requirements(root, given_requirements)
     if root is None:
         # It runs in the parent of the torch_multinode/ directory: `python -m` puts the working
         # directory on the import path, and there it adds no generic name.
-        return Project(((tool, tool_remote),), sync.tool_import_path(tool_remote), None)
+        return Project(((tool, tool_remote),), sync.tool_import_path(tool_remote), None, wanted)
     tree = sync.project_tree(root)
     sync.check_size(tree, limit)
     remote = sync.remote_dir(inventory.workdir_root, root)
@@ -111,8 +241,8 @@ def plan(
                 hint="a script that is part of the project",
             )
     if root == sync.TOOL_ROOT:
-        return Project(((tree, remote),), remote, on_node)  # this project's packages are in it
-    return Project(((tree, remote), (tool, tool_remote)), remote, on_node)
+        return Project(((tree, remote),), remote, on_node, wanted)  # our packages are in it
+    return Project(((tree, remote), (tool, tool_remote)), remote, on_node, wanted)
 
 
 def mounts(inventory: Inventory, project: Project, run_dir: str) -> list[tuple[str, bool]]:
@@ -220,6 +350,75 @@ def resolve_local_paths(
     return tuple(result), notes
 
 
+# Run by a node's training_python (host mode): the version of each named distribution there.
+_INSTALLED = """\
+import importlib.metadata as metadata, json, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        found[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        found[name] = None
+print(json.dumps(found))
+"""
+
+
+def requirements_check_command(python: str, wanted: Requirements) -> str:
+    """Asks a node's `python` which version of each requirement's distribution it holds."""
+    from packaging.requirements import Requirement
+
+    names = sorted({Requirement(line).name for line in wanted.lines})
+    return shlex.join([python, "-c", _INSTALLED, *names])
+
+
+def requirements_missing(host: Host, wanted: Requirements, answer: str) -> str | None:
+    """Why a node's training_python cannot run the project (host mode: the launcher installs
+    nothing there): the first requirement it lacks, or holds at a version the requirement
+    excludes; None when it holds them all."""
+    from packaging.requirements import Requirement
+    from packaging.version import InvalidVersion, Version
+
+    fix = (
+        f"pip install -r {wanted.source} with {host.python} on {host.name}: in host mode jobs run "
+        "each node's own Python, which the launcher never changes"
+    )
+    try:
+        found = json.loads(answer.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        said = printable((answer.strip().splitlines() or ["no answer"])[-1])
+        return (
+            f"on {host.name}: cannot ask {host.python} which packages it holds: {said} (try {fix})"
+        )
+    for line in wanted.lines:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        have = found.get(requirement.name)
+        if have is None:
+            return (
+                f"on {host.name}: {host.python} lacks {requirement.name}, which {wanted.source} "
+                f"asks for ({line}) (try {fix})"
+            )
+        try:
+            agrees = requirement.specifier.contains(Version(have), prereleases=True)
+        except InvalidVersion:
+            agrees = True  # not a version pip reads: nothing to compare
+        if not agrees:
+            return (
+                f"on {host.name}: {host.python} holds {requirement.name} {have}, but "
+                f"{wanted.source} asks for {line} (try {fix})"
+            )
+    return None
+
+
+def host_mode_note(wanted: Requirements) -> str:
+    """What a job in host mode says of the project's requirements."""
+    return (
+        f"launch_mode: host: {wanted.source} is not installed by the launcher; each node's "
+        "training_python must hold it (checked on every node before the job starts)"
+    )
+
+
 def secrets_dir(run_id: str) -> str:
     return f"{REMOTE_SECRETS_ROOT}/{run_id}"
 
@@ -279,41 +478,48 @@ def image_check_command(image: str) -> str:
     )
 
 
-def image_mismatch(host: Host, inventory: Inventory, wanted: str, answer: str) -> str | None:
-    """Why this node cannot run the job's image (not the controller's, missing, no engine, or a
-    torch older than the project's minimum), or None."""
+def image_mismatch(
+    host: Host, inventory: Inventory, wanted: str, answer: str, image: str | None = None
+) -> str | None:
+    """Why this node cannot run the job's image (`image`: the project's dependency layer, else
+    the training image) (not the controller's, missing, no engine, or a torch older than the
+    project's minimum), or None."""
     found = answer.strip()
-    image = inventory.training_image
+    image = image or inventory.training_image
     fix = f"make ship INVENTORY={inventory.path}"
+    named = f"the training image {image}"
+    if image != inventory.training_image:  # the project's layer: the launch ships it first
+        fix = f"make train again: it ships {image} to the nodes before the job"
+        named = f"the project's image {image}"
     identity, _, torch = found.partition(" torch=")
     if identity == wanted:
         if torch in ("", "<no value>"):
             return (
-                f"on {host.name}: the training image {image} does not say which torch it carries "
+                f"on {host.name}: {named} does not say which torch it carries "
                 f"(built by hand, or before torch-multinode recorded it) (try make image, then "
                 f"{fix})"
             )
         if not torch_meets_minimum(torch):
             return (
-                f"on {host.name}: the training image {image} carries torch {torch}, older than "
+                f"on {host.name}: {named} carries torch {torch}, older than "
                 f"the {minimum_shown()} this project needs (try make image, which installs the "
                 f"pinned torch, then {fix})"
             )
         return None
     if identity.startswith("sha256:"):
         return (
-            f"on {host.name}: the training image {image} is "
+            f"on {host.name}: {named} is "
             f"{identity[7:19]}, not this machine's {wanted[7:19]} (try {fix})"
         )
     if "No such" in found or "no such" in found:
-        return f"on {host.name}: the training image {image} is missing (try {fix})"
+        return f"on {host.name}: {named} is missing (try {fix})"
     if "Cannot connect to the Docker daemon" in found:
         return (
             f"on {host.name}: its Docker engine did not answer within {ENGINE_WAIT} s (try "
             f"'sudo systemctl start docker' there, or make provision INVENTORY={inventory.path})"
         )
     return (
-        f"on {host.name}: cannot ask Docker about the training image: "
+        f"on {host.name}: cannot ask Docker about {named}: "
         f"{printable(found.splitlines()[-1] if found else 'no answer')} (try {fix})"
     )
 

@@ -512,6 +512,12 @@ def _docker_build(
         )
 
 
+def build_from(arguments: list[str], tag: str, progress: Progress, context: Path) -> None:
+    """`docker build` of `tag` with `arguments` on `context`, its progress shown as the
+    training image's is (a project's dependency layer: provision.dependencies)."""
+    _docker_build(arguments, tag, progress, None, None, context)
+
+
 def plain_progress(help_text: str) -> list[str]:
     """`--progress plain` where the `docker build` that runs takes it (BuildKit, buildx: its
     `--help` lists the option), else nothing: the legacy builder of a current client refuses

@@ -21,7 +21,11 @@
 - a node killed mid-checkpoint, Ctrl-C during a checkpoint write, a full or read-only
   checkpoint directory: as README's table of faults says (what a failed job wrote comes back);
 - an NCCL job on nodes whose GPUs do not answer stops at start naming the node, and model
-  parallel on 1-GPU nodes is refused before anything starts.
+  parallel on 1-GPU nodes is refused before anything starts;
+- a project whose requirements.txt names packages the image lacks (wheels made here) trains in a layer of its own,
+  built and shipped once; the same requirements again build and ship nothing; one more
+  requirement ships one new layer; another torch is refused before any build; the record holds
+  what was resolved; a local job of the project gets the same packages beside .venv.
 
 Every test runs on the one provisioned cluster of the `provisioned` fixture and leaves it as
 it found it.
@@ -63,6 +67,7 @@ from tests.training.conftest import (
     max_difference,
     reference_run,
 )
+from torch_multinode.bench.wheels import offline_pip, wheel
 from torch_multinode.cluster import version_lock
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import load
@@ -984,3 +989,198 @@ def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configurati
         # Read-only in the container: a job cannot change what every NCCL process reads.
         wanted = f"sum 3 nccl.conf NCCL_SOCKET_IFNAME=={host.compute_interface}; Read-only"
         assert wanted in output, output
+
+
+DEPENDENT = '''\
+"""A project that imports what the training image lacks, from its requirements.txt."""
+import importlib.metadata
+import os
+import sys
+
+
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+import demo_config  # noqa: E402  (the project's own dependency)
+
+said = f"demo-config {version('demo-config')} demo-progress {version('demo-progress')}"
+rank = os.environ["RANK"]
+if sys.argv[1:] == ["--versions-only"]:  # a run that proves its environment, no torch import
+    print(f"rank {rank}: {said}", flush=True)
+    sys.exit(0)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+dist.init_process_group("gloo")
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=demo_config.LR)
+for step in range(2):
+    loss = model(torch.ones(4, 2)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    optimizer.step()
+print(f"rank {rank}: {said}; trained 2 steps, loss {loss.item():.4f}", flush=True)
+dist.destroy_process_group()
+'''
+LAYER_LINE = re.compile(r"dependencies: built (torch-multinode/deps:[0-9a-f]+) \(")
+SHIPPED = re.compile(
+    r"dependencies: Done: (\S+) \(\w+\) on every node, through the registry in .*? \((.*)\)\.$",
+    re.M,
+)
+SIZE = re.compile(r"(node\d) ([\d.]+) (B|KB|MB|GB)")
+
+
+def _layers(image: str) -> list[str]:
+    found = sim.docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", image)
+    return json.loads(found.stdout)
+
+
+def _versions(output: str, rank: str) -> str:
+    """What `rank` said of its demo-config and demo-progress, from a job's output ([node]
+    prefix or not)."""
+    return re.search(rf"rank {rank}: (demo-config \S+ demo-progress [^\s;]+)", output).group(1)
+
+
+def test_a_projects_requirements_are_one_layer_built_once_shipped_by_layers_and_the_same_here(
+    provisioned, tmp_path
+):
+    """Issue 50: a project whose requirements.txt names packages the image lacks trains on both
+    nodes in a layer on the training image, built and shipped by the first run; a run with the
+    same requirements builds and ships nothing, and says so; one more requirement makes one new
+    layer on the same base, and only it travels; a requirement of another torch is refused
+    before anything is built, in one line; each run's record holds what was resolved; a local
+    job of the project runs with the same packages, beside .venv, which stays as it was. The
+    packages are wheels made here, and pip takes them from here alone (the network rule)."""
+    index = tmp_path / "index"
+    wheel(index, "demo-config", "2.3.0", module="LR = 0.5\n")
+    wheel(index, "demo-progress", "4.67.1")
+    offline = offline_pip(index)
+    project = tmp_path / "dependent"
+    project.mkdir()
+    script = project / "train.py"
+    script.write_text(DEPENDENT)
+    wanted = project / "requirements.txt"
+    wanted.write_text("demo-config\n")
+    base = _layers(TEST_IMAGE)
+    made: list[str] = []
+    runs: list[str] = []
+    try:
+        # The first run: resolved here, built, shipped, trained on both nodes.
+        first = _train(provisioned, f"SCRIPT={script}", env=offline)
+        out = first.stdout
+        assert first.returncode == 0, out[-3000:] + first.stderr
+        runs.append(run_id_in(out))
+        layer = LAYER_LINE.search(out).group(1)
+        made.append(layer)
+        assert f"[launcher] dependencies: building {layer}, one layer on {TEST_IMAGE} (" in out
+        assert _layers(layer) == [*base, _layers(layer)[-1]]  # one layer on the base
+        for node, rank in (("node1", "0"), ("node2", "1")):
+            assert re.search(
+                rf"^\[{node}\] rank {rank}: demo-config 2.3.0 demo-progress none; trained 2 ",
+                out,
+                re.M,
+            ), out[-3000:]
+        config_version = _versions(out, "0").split()[1]
+        recorded = run_record(runs[0])
+        assert recorded["dependencies"]["source"] == "requirements.txt"
+        assert recorded["dependencies"]["requirements"] == ["demo-config"]
+        assert recorded["dependencies"]["resolved"] == ["demo-config==2.3.0"]
+        assert recorded["dependencies"]["image"]["tag"] == layer
+        assert recorded["image"]["name"] == layer  # the job ran in the layer
+        # The same requirements again: nothing built, nothing shipped, said so.
+        second = _train(provisioned, f"SCRIPT={script}", "ARGS=--versions-only", env=offline)
+        out = second.stdout
+        assert second.returncode == 0, out[-3000:] + second.stderr
+        runs.append(run_id_in(out))
+        assert (
+            f"[launcher] dependencies: {layer} holds requirements.txt's "
+            f"{len(recorded['dependencies']['resolved'])} package(s) on {TEST_IMAGE} already: "
+            "nothing to build"
+        ) in out.splitlines()
+        assert re.search(
+            rf"^\[launcher\] dependencies: every node holds {re.escape(layer)} \(\w+\) "
+            "already: nothing to ship$",
+            out,
+            re.M,
+        ), out[-3000:]
+        assert "Step 1/" not in out and "Shipping" not in out
+        assert _versions(out, "1") == f"demo-config {config_version} demo-progress none"
+        # One more requirement: one new layer on the same base, and only that layer travels.
+        wanted.write_text("demo-config\ndemo-progress\n")
+        third = _train(provisioned, f"SCRIPT={script}", "ARGS=--versions-only", env=offline)
+        out = third.stdout
+        assert third.returncode == 0, out[-3000:] + third.stderr
+        runs.append(run_id_in(out))
+        changed = LAYER_LINE.search(out).group(1)
+        made.append(changed)
+        assert changed != layer
+        assert _layers(changed)[:-1] == base  # on the training image, not on the first layer
+        shipped = SHIPPED.search(out)
+        assert shipped is not None and shipped.group(1) == changed, out[-3000:]
+        sizes = {
+            node: float(value) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+            for node, value, unit in SIZE.findall(shipped.group(2))
+        }
+        assert set(sizes) == {"node1", "node2"} and max(sizes.values()) < 20e6, shipped.group(0)
+        on_nodes = _versions(out, "0")
+        assert on_nodes == f"demo-config {config_version} demo-progress 4.67.1"
+        assert _versions(out, "1") == on_nodes
+        resolved = run_record(runs[-1])["dependencies"]["resolved"]
+        assert resolved == ["demo-config==2.3.0", "demo-progress==4.67.1"]
+        # Another torch: refused before anything is resolved or built, in one line.
+        wanted.write_text("demo-config\ndemo-progress\ntorch==2.13.0\n")
+        refused = _train(provisioned, f"SCRIPT={script}", env=offline)
+        assert _exit_code(refused.returncode, refused.stderr) == 2, refused.stdout[-3000:]
+        assert refused.stderr.splitlines()[0] == (
+            f"Error: requirements.txt: torch==2.13.0, which would replace the torch 2.14.1 of "
+            f"the training image {TEST_IMAGE} (try leaving torch out of requirements.txt, or a "
+            "range that holds 2.14.1: jobs run with the torch, torchvision and CUDA libraries of "
+            "the environment they run in)"
+        ), refused.stderr
+        assert "dependencies: resolving" not in refused.stdout and "Step 1/" not in refused.stdout
+        assert "[node1]" not in refused.stdout and "[node2]" not in refused.stdout
+        # The same project here, with the third run's requirements: the same packages, in a
+        # directory beside .venv, named on the job's first line; .venv has none of them.
+        wanted.write_text("demo-config\ndemo-progress\n")
+        here = make(
+            "train",
+            f"SCRIPT={script}",
+            "NPROC=1",
+            "ARGS=--versions-only",
+            timeout=600,
+            env=offline,
+        )
+        assert here.returncode == 0, here.stdout[-3000:] + here.stderr
+        runs.append(re.search(r"\[launcher\] local job (tmn-\w+) in ", here.stdout).group(1))
+        header = next(line for line in here.stdout.splitlines() if "] local job " in line)
+        assert re.search(
+            r"\(environment \S+ \+ \S+/\.cache/torch-multinode/deps/[0-9a-f]+/site\)", header
+        ), header
+        assert _versions(here.stdout, "0") == on_nodes
+        local_record = run_record(runs[-1])["dependencies"]
+        assert local_record["image"] is None and local_record["directory"].endswith("/site")
+        venv = subprocess.run(
+            [
+                str(VENV_BIN / "python"),
+                "-c",
+                "import importlib.util as u; print(u.find_spec('demo_config'))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert venv.stdout.strip() == "None"
+    finally:
+        for tag in made:
+            for index in (1, 2):
+                on_node(provisioned.cluster, index, f"docker rmi {tag}", check=False)
+            sim.docker("rmi", tag, check=False)
+        for run in runs:
+            shutil.rmtree(REPO_ROOT / ".runs" / run, ignore_errors=True)

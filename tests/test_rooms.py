@@ -13,8 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "torch_multinode"
 ROOMS = ("cluster", "provision", "sim", "netcheck", "launch", "training", "bench")
 # Each room may import itself and these (bench, a tool over all of them, may import anything);
-# a room's cli.py is the edge of the commands it fronts (`cluster image`, `cluster ship`, ...).
-EDGES = {"cluster.cli": {"provision"}}
+# a room's cli.py is the edge of the commands it fronts (`cluster image`, `cluster ship`, ...;
+# `train`, which builds and ships a project's dependency layer: provision.dependencies).
+EDGES = {"cluster.cli": {"provision"}, "launch.cli": {"provision"}}
 MAY_IMPORT = {
     "cluster": set(),
     "provision": {"cluster"},

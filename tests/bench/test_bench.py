@@ -207,6 +207,65 @@ def test_the_edit_loop_reads_what_the_projects_sync_sent_each_node(tmp_path):
     assert report.meets("edit_kilobytes", 120.0) == "MISSES"
 
 
+def test_the_dependencies_figure_is_a_later_run_with_them_over_the_same_project_without(
+    tmp_path, monkeypatch
+):
+    with_them, without = jobs.dependency_projects(tmp_path)
+    assert (with_them.parent / "requirements.txt").read_text() == "bench-dependency\n"
+    assert not (without.parent / "requirements.txt").exists()
+    assert with_them.read_text() == without.read_text() == jobs.DEPENDENT_SCRIPT
+    layer = "torch-multinode/deps:0123456789abcdef0123"
+    later = [
+        f"[launcher] dependencies: {layer} holds requirements.txt's 1 package(s) on "
+        "torch-multinode/train:test already: nothing to build\n",
+        f"[launcher] dependencies: every node holds {layer} (aaaaaaaaaaaa) already: "
+        "nothing to ship\n",
+    ]
+    assert jobs.reused(later) and not jobs.reused(later[:1])
+    # The layer the section made leaves every node and this machine again.
+    removed = []
+    monkeypatch.setattr(jobs, "node_containers", lambda inventory: {"node1": "c1", "node2": "c2"})
+    monkeypatch.setattr(jobs.sim, "docker", lambda *args, check=True: removed.append(args))
+    jobs.remove_layer(tmp_path / "inventory.yml", later)
+    assert removed == [
+        ("exec", "c1", "docker", "rmi", layer),
+        ("exec", "c2", "docker", "rmi", layer),
+        ("rmi", layer),
+    ]
+    data = {
+        **bench_data(),
+        "dependencies": {
+            "requirements": ["bench-dependency"],
+            "first_seconds": 41.0,
+            "with_seconds": spread(10.4, 10.6, 10.2),
+            "without_seconds": spread(10.0, 10.0, 10.0),
+            "ratio": spread(1.04, 1.06, 1.02),
+        },
+    }
+    found = report.figures(data)
+    assert found["dependencies"] == pytest.approx(1.04)
+    assert report.meets("dependencies", found["dependencies"]) == "meets"
+    assert report.meets("dependencies", 1.2) == "MISSES"
+    text = report.markdown(data)
+    assert (
+        "| make train of a project with a requirements.txt, a later run (its layer built and "
+        "shipped by the first) / the same project without, time to first step | 1.04 | <= 1.10 "
+        "| meets |" in text
+    )
+    section = text.split("## 16. A project's dependencies (2 nodes, jobs in containers)\n", 1)[1]
+    assert section.splitlines() == [
+        "",
+        "The same project with a requirements.txt (bench-dependency, which the training image lacks) and "
+        "without one; `make train` to the first step, side by side. The first run with it "
+        "built its layer and shipped it (41.0 s); every later one said it built and shipped "
+        "nothing.",
+        "- with the dependencies, a later run: 10.4 (10.2 to 10.6, n=3) s",
+        "- without: 10.0 (10.0 to 10.0, n=3) s",
+        "- ratio: 1.04 (1.02 to 1.06, n=3)",
+    ]
+    assert "## 16." not in report.markdown(bench_data())  # not measured: no section
+
+
 def test_ratios_pair_the_repetitions_and_keep_the_spread():
     series = measure.ratio_series([12.0, 6.0, 9.0], [6.0, 6.0, 3.0])
     assert series.values == [2.0, 1.0, 3.0]
