@@ -326,7 +326,7 @@ def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(s
             process.kill()
     assert process.returncode == 130, seen + rest
     named = sorted(p.name for p in checkpoints.iterdir())
-    assert named == [".step-00000010.tmp", "step-00000005"], named
+    assert named == [".paused-step-00000010-rank-1", ".step-00000010.tmp", "step-00000005"], named
     again = launch(tmp_path, "--checkpoint-dir", str(checkpoints))
     assert again.returncode == 0, again.explain()
     assert again.lines("resuming from") == [

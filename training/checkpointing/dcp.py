@@ -255,6 +255,22 @@ class Checkpoints:
 
     # -- saving ------------------------------------------------------------------------------
 
+    def _pausing(self, step: int) -> bool:
+        """Whether this rank pauses in the write of `step` (--checkpoint-pause-step): once per
+        checkpoint directory, so that a restart of a job killed there writes on. The marker
+        it leaves is a dot file beside the steps, which nothing else reads."""
+        if (
+            self.pause is None
+            or self.pause[0] != step
+            or self.pause[1] not in (None, self.env.rank)
+        ):
+            return False
+        marker = self.directory / f".paused-{step_name(step)}-rank-{self.env.rank}"
+        if marker.exists():
+            return False
+        marker.touch()
+        return True
+
     def save(self, step: int, model: nn.Module, optimizer, own: dict[str, Any], info: dict) -> str:
         """Write step `step` (collective): the shards through DCP, each rank's own file, then
         the manifest, and the rename that makes it complete. The line to print."""
@@ -277,7 +293,7 @@ class Checkpoints:
                 hint="freeing space there, or another --checkpoint-dir",
                 exit_code=1,
             )
-        if self.pause is not None and self.pause[0] == step and self.pause[1] in (None, env.rank):
+        if self._pausing(step):
             console.say_every_rank(
                 env,
                 f"checkpoint step {step}: its files written to {temporary.name}, pausing "

@@ -122,7 +122,8 @@ class DCPConfig:
     )
     checkpoint_pause_step: int | None = doc(
         "test hook: the checkpoint of this step pauses 120 s once this rank's files are "
-        "written, before the step directory takes its name (a write to kill a node in)"
+        "written, before the step directory takes its name (a write to kill a node in); once "
+        "per checkpoint directory, so that a restart writes on"
     )
     checkpoint_pause_rank: int | None = doc(
         "test hook: only this rank pauses in --checkpoint-pause-step (default: every rank)"
