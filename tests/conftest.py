@@ -4,8 +4,9 @@ In CI (CI=true) the simulated cluster is required: a missing Docker engine fails
 Elsewhere, tests marked `sim` skip with the reason when no engine answers.
 
 Every cluster a test run starts gets its own name and /24 subnet, so several test runs (or a
-developer's own `make sim-up` cluster) never share containers. SIM_TEST_PREFIX and
-SIM_TEST_OCTET move a whole run elsewhere when two runs must go on side by side.
+developer's own `make sim-up` cluster) never share containers. SIM_TEST_PREFIX, SIM_TEST_OCTET
+and SIM_TEST_LAST_OCTET (80 and 254 by default) move a whole run elsewhere when two runs must go
+on side by side.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 _PREFIX = os.environ.get("SIM_TEST_PREFIX", "tmntest")
 # Under pytest-xdist every worker starts its clusters in a band of subnets of its own, the
-# octets from SIM_TEST_OCTET to 254 shared out evenly; a worker that has used its whole band
-# starts again at its beginning, past the clusters it still holds. (Fixed bands of 30 once let
-# a worker that started more clusters than that take its neighbour's names.)
+# octets from SIM_TEST_OCTET to SIM_TEST_LAST_OCTET shared out evenly; a worker that has used
+# its whole band starts again at its beginning, past the clusters it still holds. (Fixed bands
+# of 30 once let a worker that started more clusters than that take its neighbour's names.)
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
 _FIRST_OCTET = int(os.environ.get("SIM_TEST_OCTET", "80"))
-_BAND = (255 - _FIRST_OCTET) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+_LAST_OCTET = int(os.environ.get("SIM_TEST_LAST_OCTET", "254"))
+_BAND = (_LAST_OCTET + 1 - _FIRST_OCTET) // max(
+    1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+)
 _OCTETS = itertools.cycle(
     range(_FIRST_OCTET + _BAND * _WORKER, _FIRST_OCTET + _BAND * (_WORKER + 1))
 )
@@ -104,11 +108,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# The groups whose tests run one after the other for longest (CI run 16: `image` about 3,000 s
-# of worker time, `provisioning` 2,300, `node_loss` 1,400), each to a worker of its own at the
-# start. `make test` keeps this order (--no-loadscope-reorder): xdist's own order, by the number
-# of tests in a group, queued `node_loss` (4 tests) behind `provisioning` on one worker, and
-# that worker's 3,500 s were the run's length.
+# The groups whose tests run one after the other for longest, each to a worker of its own at
+# the start. `make test` keeps this order (--no-loadscope-reorder): xdist's own order, by the
+# number of tests in a group, queued `node_loss` (4 tests, at least 1,260 s in CI run 21) behind
+# `provisioning` (at least 2,170 s) on one worker, which set the run's length (docs/ci-time.md).
 _LONG_GROUPS = ("image", "provisioning", "node_loss")
 _QUEUED_BEHIND_THEM = 3  # single tests, so that no group waits behind a long one
 
