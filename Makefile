@@ -202,7 +202,7 @@ lint: $(STAMP)
 # A crashed worker ends the run: xdist's replacement worker left a grouped run waiting forever.
 .PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 --durations=25
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0 --durations=25
 
 .PHONY: test-e2e  ## only the whole flows (part of make test): bootstrap, provision fresh nodes, netcheck and train in the image
 test-e2e: $(STAMP)

@@ -97,7 +97,6 @@ def pytest_collection_modifyitems(config, items):
         for prefix, group in _GROUPS.items():
             if path.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
-    _start_the_long_groups_first(items)
     # In CI nothing is skipped: the sim_factory fixture fails the run instead.
     ok, why = engine.engine_available()
     if ok or os.environ.get("CI"):
@@ -106,28 +105,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "sim" in item.keywords:
             item.add_marker(skip)
-
-
-# The groups whose tests run one after the other for longest, each to a worker of its own at
-# the start. `make test` keeps this order (--no-loadscope-reorder): xdist's own order, by the
-# number of tests in a group, queued `node_loss` (4 tests, at least 1,260 s in CI run 21) behind
-# `provisioning` (at least 2,170 s) on one worker, which set the run's length (docs/ci-time.md).
-_LONG_GROUPS = ("image", "provisioning", "node_loss")
-_QUEUED_BEHIND_THEM = 3  # single tests, so that no group waits behind a long one
-
-
-def _start_the_long_groups_first(items: list) -> None:
-    """Items in the order xdist hands them out: each long group whole, then a few single
-    tests (each worker holds two pieces of work at once), then the rest as collected."""
-
-    def group(item) -> str | None:
-        marker = item.get_closest_marker("xdist_group")
-        return marker.args[0] if marker is not None else None
-
-    first = [i for name in _LONG_GROUPS for i in items if group(i) == name]
-    singles = [i for i in items if group(i) is None][:_QUEUED_BEHIND_THEM]
-    taken = {id(i) for i in first + singles}
-    items[:] = first + singles + [i for i in items if id(i) not in taken]
 
 
 _UNGROUPED = pytest.StashKey[set]()
