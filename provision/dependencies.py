@@ -718,6 +718,18 @@ class Dependencies:
             "directory": None if self.directory is None else str(self.directory),
         }
 
+    @classmethod
+    def recorded(cls, recorded: dict[str, Any], **where: Any) -> Dependencies:
+        """What a run's record kept (`record`'s dict), with `where` it is ready now: the
+        layer's fields or a local job's directory."""
+        return cls(
+            str(recorded.get("source")),
+            tuple(recorded.get("requirements") or ()),
+            str(recorded.get("digest")),
+            tuple(recorded.get("resolved") or ()),
+            **where,
+        )
+
 
 def _image_id(image: str) -> str:
     return docker("image", "inspect", "--format", "{{.Id}}", image, check=False).stdout.strip()
@@ -739,15 +751,8 @@ def _recorded_layer(recorded: dict[str, Any] | None, emit: Emit) -> Dependencies
     if _image_id(tag) != wanted:
         docker("tag", wanted, tag)
     emit(f"dependencies: the run's own layer {tag} ({wanted[7:19]}): nothing to build")
-    return Dependencies(
-        str(recorded.get("source")),
-        tuple(recorded.get("requirements") or ()),
-        str(recorded.get("digest")),
-        tuple(recorded.get("resolved") or ()),
-        tag,
-        wanted,
-        image.get("base"),
-        image.get("base_id"),
+    return Dependencies.recorded(
+        recorded, image=tag, image_id=wanted, base=image.get("base"), base_id=image.get("base_id")
     )
 
 
@@ -889,13 +894,7 @@ def for_this_machine(
     directory = Path((recorded or {}).get("directory") or "/nonexistent")
     if recorded and directory.is_dir():
         emit(f"dependencies: the run's own packages in {directory}: nothing to install")
-        return Dependencies(
-            str(recorded.get("source")),
-            tuple(recorded.get("requirements") or ()),
-            str(recorded.get("digest")),
-            tuple(recorded.get("resolved") or ()),
-            directory=directory,
-        )
+        return Dependencies.recorded(recorded, directory=directory)
     environment = probe_here()
     refused = refusal(requirements, source, environment)
     if refused is not None:
