@@ -242,6 +242,47 @@ def relay(
         tail.append(text)
 
 
+class _Relaying:
+    """`relay` in a thread of its own while the main thread waits in short steps: a Ctrl-C or
+    SIGTERM that the kernel hands to another thread (the hang watch's) is then acted on at once,
+    where a main thread blocked in a read of a silent job (a rank paused or hung) would only see
+    it at the job's next line."""
+
+    def __init__(self, stream, out, tail: collections.deque, log, observe) -> None:
+        self.stream, self.raised = stream, []
+        self.thread = threading.Thread(
+            target=self._run, args=(stream, out, tail, log, observe), daemon=True
+        )
+
+    def _run(self, *args) -> None:
+        try:
+            relay(*args)
+        except BaseException as raised:  # e.g. a closed terminal: raised in the main thread
+            self.raised.append(raised)
+
+    def follow(self) -> None:
+        """Until the job's output ends; what relay raised, raised here."""
+        self.thread.start()
+        while self.thread.is_alive():
+            self.thread.join(0.2)
+        if self.raised:
+            raise self.raised[0]
+
+    def finish(self, seconds: float) -> None:
+        """After the job was stopped: its last lines, for up to `seconds` (a rank that outlived
+        torchrun may hold its output open)."""
+        if self.thread.ident is not None:
+            self.thread.join(seconds)
+
+    def close(self) -> bool:
+        """The job's output closed, unless the relay still reads it (then it is left to the
+        exit); whether the relay is done with the log."""
+        if self.thread.is_alive():
+            return False
+        self.stream.close()
+        return True
+
+
 def _write(data: bytes, out, log) -> None:
     if not data:
         return
@@ -373,12 +414,13 @@ def run_local(
         stderr=subprocess.STDOUT,
     )
     log = (run_dir / f"{socket.gethostname()}.log").open("ab")  # NODE.log, as on the nodes
+    relaying = _Relaying(process.stdout, out or sys.stdout.buffer, tail, log, progress.note)
     try:
         if started is not None:
             started()
         if spec.stall != 0:  # --stall 0: never a hang
             watcher.start()
-        relay(process.stdout, out or sys.stdout.buffer, tail, log, progress.note)
+        relaying.follow()
         code = process.wait()
     except KeyboardInterrupt as signalled:
         terminated = isinstance(signalled, Terminated)
@@ -389,11 +431,12 @@ def run_local(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        relaying.finish(STOP_GRACE)  # the lines the job said as it stopped
         return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
     finally:
         done.set()
-        process.stdout.close()
-        log.close()
+        if relaying.close():
+            log.close()
     if watcher.is_alive():  # a report or a stop under way: its lines come before the summary
         watcher.join(hang.STACKS_TIMEOUT + STOP_TIMEOUT)
     cause, before = hung[0] if hung else (None, list(tail))

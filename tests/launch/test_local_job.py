@@ -9,6 +9,8 @@ import io
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 from tests.conftest import REPO_ROOT, run_cli
 from torch_multinode.launch import local
@@ -139,3 +141,47 @@ def test_the_relay_hides_heartbeats_however_the_output_is_cut(monkeypatch):
     finally:
         os.close(write)
     assert out.getvalue() == b"".join(written)
+
+
+# A local job that says one line, then nothing for ten minutes; Ctrl-C reaches the launcher in
+# a thread other than its main one (the kernel may hand a process's signal to any thread).
+_CTRL_C_ELSEWHERE = """
+import signal, sys, threading
+from pathlib import Path
+from torch_multinode.launch import local
+from torch_multinode.launch.spec import JobSpec
+
+local.command = lambda spec, nproc: ["sh", "-c", "echo ready; exec sleep 600"]
+said = threading.Event()
+
+class Out:
+    def write(self, data):
+        if b"ready" in data:
+            said.set()
+    def flush(self):
+        pass
+
+def press():
+    said.wait()
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # to this thread, not the main
+
+threading.Thread(target=press, daemon=True).start()
+spec = JobSpec(module="training.ddp", log_dir=Path(sys.argv[1]), stall=0)
+print("exit", local.run_local(spec, emit=lambda line: print(line, flush=True), out=Out()))
+"""
+
+
+def test_ctrl_c_handed_to_another_thread_stops_a_silent_local_job(tmp_path):
+    """The main thread never blocks on a job's silence: a Ctrl-C that lands in another thread is
+    acted on though the job says nothing more (CI once waited out a paused rank's 120 s)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_ELSEWHERE, str(tmp_path / "run")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,  # the job itself would take 600 s
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-2:] == ["[launcher] Ctrl-C: stopping the local job...", "exit 130"], lines
+    assert (tmp_path / "run").is_dir()

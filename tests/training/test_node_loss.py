@@ -307,11 +307,18 @@ def test_fsdp_goes_on_from_the_newest_complete_step_when_a_node_dies_while_its_c
     assert process.returncode == 0, output.stamped[-4000:]
     assert re.search(r"\[launcher\] node3 lost at restart 1 after step 1[0-9]: dropped", text)
     rest = text[text.index(f"job {first}-r1:") :]
-    # The first run's summary names what the survivors' errors are, from the table of known
-    # failures, on the lines gloo really printed: a knock-on of the lost node.
+    # The first run's summary blames node3; where a survivor's gloo saw node3's connection go
+    # before the launcher stopped it (a race: the launcher stops the rest as soon as it sees
+    # node3's session end, CI once saw it first), the summary names that error, from the table
+    # of known failures, on the lines gloo really printed: a knock-on of the lost node.
     failed = text[: text.index(f"job {first}-r1:")]
     assert f"Job {first} FAILED on node3" in failed, failed[-3000:]
-    assert _known("peer-reset") in failed.splitlines(), failed[-3000:]
+    before_summary = failed[: failed.index(f"Job {first} FAILED")].splitlines()
+    gloo = re.compile(r"^\[node[12]\] .*gloo.*(Connection reset by peer|Connection closed by peer)")
+    if any(gloo.search(line) for line in before_summary):
+        assert _known("peer-reset") in failed.splitlines(), failed[-3000:]
+    else:
+        assert "[launcher] node3 failed: stopping the job on every node..." in before_summary
     lines = rest.splitlines()
     # node3's shards of step 10 live on in node1's replica: both survivors get every file and
     # reshard 3 -> 2. Step 15's manifest is on both, its files are not: said, never loaded.
