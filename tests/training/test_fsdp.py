@@ -14,8 +14,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,10 @@ import torch
 from tests.helpers import interrupt, read_until
 from tests.training.conftest import (
     fsdp_nodes,
+    kill_local_node,
     load_state,
+    local_nodes,
+    local_ranks,
     max_difference,
     run_command,
     torchrun_command,
@@ -334,3 +339,53 @@ def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(s
     ]
     assert digest(again.stdout) == digest(uninterrupted.stdout)
     assert not (checkpoints / ".step-00000010.tmp").exists()  # swept at the resume
+
+
+def test_nodes_killed_before_their_first_checkpoint_start_again_from_step_0(straight, tmp_path):
+    """The data-safety matrix's FSDP2 node-local x a node killed before the first checkpoint
+    exists: two local "nodes", each its own disk (replicas on); node-1 pauses inside the write
+    of step 5, the first checkpoint (the test hook), and is killed there. No step is complete
+    anywhere, so the next run says it starts from step 0, sweeps the half-written step, loads
+    nothing, and ends bit for bit where the uninterrupted run does."""
+    disks = [tmp_path / "disk-0", tmp_path / "disk-1"]
+    marker = disks[1] / ".paused-step-00000005-rank-1"  # written as the pause begins
+
+    def kill_in_the_pause(processes: list[subprocess.Popen]) -> None:
+        deadline = time.monotonic() + 150
+        while not marker.exists():
+            assert time.monotonic() < deadline, "node-1 never paused in step 5's write"
+            time.sleep(0.05)
+        kill_local_node(processes[1])
+        deadline = time.monotonic() + 120
+        while local_ranks(processes[0]):  # node-0's rank gives up (--collective-timeout)
+            assert time.monotonic() < deadline, "node-0's rank did not end"
+            time.sleep(0.2)
+        kill_local_node(processes[0])  # its torchrun waits for the dead one's at the exit
+
+    pause = ["--checkpoint-pause-step", "5", "--checkpoint-pause-rank", "1"]
+    first = local_nodes(
+        tmp_path,
+        "torch_multinode.training.fsdp",
+        2,
+        lambda i: [*SMALL, "--collective-timeout", "30", *pause, "--checkpoint-dir", str(disks[i])],
+        lambda i: {},
+        kill_in_the_pause,
+    )
+    assert first[1].returncode == -signal.SIGKILL, first[1].explain()
+    held = {disk.name: sorted(p.name for p in disk.iterdir()) for disk in disks}
+    assert not any(name.startswith("step-") for names in held.values() for name in names), held
+    assert ".step-00000005.tmp" in held["disk-1"], held
+
+    again = local_nodes(
+        tmp_path,
+        "torch_multinode.training.fsdp",
+        2,
+        lambda i: [*SMALL, "--checkpoint-dir", str(disks[i])],
+        lambda i: {},
+    )
+    assert all(run.returncode == 0 for run in again), again[0].explain() + again[1].explain()
+    assert again[0].lines("no checkpoints in") == [
+        f"no checkpoints in {disks[0]}: starting from step 0"
+    ], again[0].explain()
+    assert not list(disks[1].glob(".step-*.tmp"))  # the half-written step swept
+    assert digest(again[0].stdout) == digest(straight[1].stdout)
