@@ -341,20 +341,40 @@ def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(s
     assert not (checkpoints / ".step-00000010.tmp").exists()  # swept at the resume
 
 
-def test_nodes_killed_before_their_first_checkpoint_start_again_from_step_0(straight, tmp_path):
-    """The data-safety matrix's FSDP2 node-local x a node killed before the first checkpoint
-    exists: two local "nodes", each its own disk (replicas on); node-1 pauses inside the write
-    of step 5, the first checkpoint (the test hook), and is killed there. No step is complete
-    anywhere, so the next run says it starts from step 0, sweeps the half-written step, loads
-    nothing, and ends bit for bit where the uninterrupted run does."""
-    disks = [tmp_path / "disk-0", tmp_path / "disk-1"]
-    marker = disks[1] / ".paused-step-00000005-rank-1"  # written as the pause begins
+# The moments of the data-safety matrix a node is killed at, in its pause inside a step's write
+# (the test hook), and where each rank writes: "node-local", a directory per node; "shared", one
+# directory both see (as /shared is).
+_KILLED_AT = [
+    pytest.param("node-local", 5, id="node-local-before-the-first-checkpoint"),
+    pytest.param("shared", 5, id="shared-before-the-first-checkpoint"),
+    pytest.param("shared", 10, id="shared-during-a-checkpoint-write"),
+]
+
+
+@pytest.mark.parametrize(("layout", "paused"), _KILLED_AT)
+def test_a_node_killed_in_a_checkpoint_write_loses_no_complete_step(
+    straight, tmp_path, layout, paused
+):
+    """The data-safety matrix's FSDP2 x a node killed before the first checkpoint exists (paused
+    in the write of step 5, the first) or during a later write (step 10): two local "nodes",
+    one rank each; node-1 is killed in its pause, node-0's rank gives up on its collective.
+    The step being written never takes its name; every complete step stays byte for byte;
+    the next run says where it starts (step 0, or the newest complete step), sweeps the
+    half-written step, and ends bit for bit where the uninterrupted run does."""
+    if layout == "node-local":
+        disks = [tmp_path / "disk-0", tmp_path / "disk-1"]
+    else:
+        disks = [tmp_path / "shared"] * 2
+    marker = disks[1] / f".paused-step-{paused:08d}-rank-1"  # written as the pause begins
+    complete = [f"step-{step:08d}" for step in range(5, paused, 5)]
+    before: dict[Path, dict[str, str]] = {}  # each complete step's files, as the kill found them
 
     def kill_in_the_pause(processes: list[subprocess.Popen]) -> None:
         deadline = time.monotonic() + 150
         while not marker.exists():
-            assert time.monotonic() < deadline, "node-1 never paused in step 5's write"
+            assert time.monotonic() < deadline, f"node-1 never paused in step {paused}'s write"
             time.sleep(0.05)
+        before.update({disk / name: _digests(disk / name) for disk in disks for name in complete})
         kill_local_node(processes[1])
         deadline = time.monotonic() + 120
         while local_ranks(processes[0]):  # node-0's rank gives up (--collective-timeout)
@@ -362,7 +382,7 @@ def test_nodes_killed_before_their_first_checkpoint_start_again_from_step_0(stra
             time.sleep(0.2)
         kill_local_node(processes[0])  # its torchrun waits for the dead one's at the exit
 
-    pause = ["--checkpoint-pause-step", "5", "--checkpoint-pause-rank", "1"]
+    pause = ["--checkpoint-pause-step", str(paused), "--checkpoint-pause-rank", "1"]
     first = local_nodes(
         tmp_path,
         "torch_multinode.training.fsdp",
@@ -372,9 +392,10 @@ def test_nodes_killed_before_their_first_checkpoint_start_again_from_step_0(stra
         kill_in_the_pause,
     )
     assert first[1].returncode == -signal.SIGKILL, first[1].explain()
-    held = {disk.name: sorted(p.name for p in disk.iterdir()) for disk in disks}
-    assert not any(name.startswith("step-") for names in held.values() for name in names), held
-    assert ".step-00000005.tmp" in held["disk-1"], held
+    held = [sorted(p.name for p in disk.glob("step-*")) for disk in disks]
+    assert held == [complete, complete], held
+    assert (disks[1] / f".step-{paused:08d}.tmp").is_dir()
+    assert {step: _digests(step) for step in before} == before  # byte for byte
 
     again = local_nodes(
         tmp_path,
@@ -384,8 +405,13 @@ def test_nodes_killed_before_their_first_checkpoint_start_again_from_step_0(stra
         lambda i: {},
     )
     assert all(run.returncode == 0 for run in again), again[0].explain() + again[1].explain()
-    assert again[0].lines("no checkpoints in") == [
-        f"no checkpoints in {disks[0]}: starting from step 0"
-    ], again[0].explain()
+    if complete:
+        assert again[0].lines("resuming from") == [
+            "resuming from step 5, the newest step every rank has (rank 0 has 5; rank 1 has 5)"
+        ], again[0].explain()
+    else:
+        assert again[0].lines("no checkpoints in") == [
+            f"no checkpoints in {disks[0]}: starting from step 0"
+        ], again[0].explain()
     assert not list(disks[1].glob(".step-*.tmp"))  # the half-written step swept
     assert digest(again[0].stdout) == digest(straight[1].stdout)
