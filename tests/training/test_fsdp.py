@@ -32,6 +32,7 @@ from tests.training.conftest import (
     local_ranks,
     max_difference,
     run_command,
+    stop_local_nodes,
     torchrun_command,
 )
 from tests.training.references import SMALL, STEPS, bench_row, digest, progress, reference
@@ -341,26 +342,29 @@ def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(s
     assert not (checkpoints / ".step-00000010.tmp").exists()  # swept at the resume
 
 
-# The moments of the data-safety matrix a node is killed at, in its pause inside a step's write
-# (the test hook), and where each rank writes: "node-local", a directory per node; "shared", one
-# directory both see (as /shared is).
+# The moments of the data-safety matrix, in node-1's pause inside a step's write (the test
+# hook): where each rank writes ("node-local", a directory per node; "shared", one directory
+# both see, as /shared is), the step paused in, and what happens there: node-1 "killed", or the
+# job "stopped" on every node as the launcher's Ctrl-C stops it (TERM, a grace, then KILL).
 _KILLED_AT = [
-    pytest.param("node-local", 5, id="node-local-before-the-first-checkpoint"),
-    pytest.param("shared", 5, id="shared-before-the-first-checkpoint"),
-    pytest.param("shared", 10, id="shared-during-a-checkpoint-write"),
+    pytest.param("node-local", 5, "killed", id="node-local-killed-before-the-first-checkpoint"),
+    pytest.param("shared", 5, "killed", id="shared-killed-before-the-first-checkpoint"),
+    pytest.param("shared", 10, "killed", id="shared-killed-during-a-checkpoint-write"),
+    pytest.param("node-local", 10, "stopped", id="node-local-ctrl-c-during-a-checkpoint-write"),
 ]
 
 
-@pytest.mark.parametrize(("layout", "paused"), _KILLED_AT)
+@pytest.mark.parametrize(("layout", "paused", "fault"), _KILLED_AT)
 def test_a_node_killed_in_a_checkpoint_write_loses_no_complete_step(
-    straight, tmp_path, layout, paused
+    straight, tmp_path, layout, paused, fault
 ):
     """The data-safety matrix's FSDP2 x a node killed before the first checkpoint exists (paused
-    in the write of step 5, the first) or during a later write (step 10): two local "nodes",
-    one rank each; node-1 is killed in its pause, node-0's rank gives up on its collective.
-    The step being written never takes its name; every complete step stays byte for byte;
-    the next run says where it starts (step 0, or the newest complete step), sweeps the
-    half-written step, and ends bit for bit where the uninterrupted run does."""
+    in the write of step 5, the first) or during a later write (step 10), and x Ctrl-C on
+    node-local disks: two local "nodes", one rank each; node-1 is killed in its pause (node-0's
+    rank gives up on its collective), or both are stopped. The step being written never takes
+    its name; every complete step stays byte for byte; the next run says where it starts
+    (step 0, or the newest complete step), sweeps the half-written step, and ends bit for bit
+    where the uninterrupted run does."""
     if layout == "node-local":
         disks = [tmp_path / "disk-0", tmp_path / "disk-1"]
     else:
@@ -375,6 +379,9 @@ def test_a_node_killed_in_a_checkpoint_write_loses_no_complete_step(
             assert time.monotonic() < deadline, f"node-1 never paused in step {paused}'s write"
             time.sleep(0.05)
         before.update({disk / name: _digests(disk / name) for disk in disks for name in complete})
+        if fault == "stopped":
+            stop_local_nodes(processes)
+            return
         kill_local_node(processes[1])
         deadline = time.monotonic() + 120
         while local_ranks(processes[0]):  # node-0's rank gives up (--collective-timeout)
@@ -391,7 +398,8 @@ def test_a_node_killed_in_a_checkpoint_write_loses_no_complete_step(
         lambda i: {},
         kill_in_the_pause,
     )
-    assert first[1].returncode == -signal.SIGKILL, first[1].explain()
+    if fault == "killed":
+        assert first[1].returncode == -signal.SIGKILL, first[1].explain()
     held = [sorted(p.name for p in disk.glob("step-*")) for disk in disks]
     assert held == [complete, complete], held
     assert (disks[1] / f".step-{paused:08d}.tmp").is_dir()

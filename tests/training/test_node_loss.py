@@ -19,7 +19,7 @@ import pytest
 
 from tests.ansible.conftest import ansible_playbook, read_inventory, write_inventory
 from tests.conftest import REPO_ROOT, TEST_IMAGE, build_training_image
-from tests.helpers import leftovers, no_containers_left, run_id_in
+from tests.helpers import known_line, leftovers, no_containers_left, run_id_in
 from tests.shared_layers import link_image
 from tests.training.conftest import (
     REFERENCE_STEPS,
@@ -35,7 +35,6 @@ from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT
-from torch_multinode.launch.signatures import SIGNATURES
 from torch_multinode.provision import ship
 from torch_multinode.sim import nodes as sim
 
@@ -249,11 +248,6 @@ FSDP = _with(SMALL, global_batch_size="6", steps=str(STEPS))
 _FSDP_LOSS = re.compile(r"^\[node1\] step +(\d+)/\d+  loss ([\d.]+)", re.M)
 
 
-def _known(name: str) -> str:
-    """The `Known problem:` line of the launcher's signature `name` (launch/signatures.py)."""
-    return next(signature for signature in SIGNATURES if signature.name == name).line()
-
-
 def _digests(cluster, index: int, directory: str) -> dict[str, str]:
     """name -> sha256 of every file in a directory of node `index` ({} where there is none)."""
     listed = _on_node(
@@ -316,7 +310,7 @@ def test_fsdp_goes_on_from_the_newest_complete_step_when_a_node_dies_while_its_c
     before_summary = failed[: failed.index(f"Job {first} FAILED")].splitlines()
     gloo = re.compile(r"^\[node[12]\] .*gloo.*(Connection reset by peer|Connection closed by peer)")
     if any(gloo.search(line) for line in before_summary):
-        assert _known("peer-reset") in failed.splitlines(), failed[-3000:]
+        assert known_line("peer-reset") in failed.splitlines(), failed[-3000:]
     else:
         assert "[launcher] node3 failed: stopping the job on every node..." in before_summary
     lines = rest.splitlines()
