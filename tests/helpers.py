@@ -298,3 +298,10 @@ def git_repository(root: Path, files: dict[str, str | bytes]) -> list[str]:
     for step in (["init", "-q"], ["add", "."], ["commit", "-qm", "first"]):
         subprocess.run([*git, *step], check=True, capture_output=True)
     return git
+
+
+def known_line(name: str) -> str:
+    """The `Known problem:` line of the launcher's signature `name` (launch/signatures.py)."""
+    from torch_multinode.launch.signatures import SIGNATURES
+
+    return next(signature for signature in SIGNATURES if signature.name == name).line()
