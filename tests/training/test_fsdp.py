@@ -308,6 +308,63 @@ def test_a_full_disk_is_one_error_line_and_the_complete_step_before_stays_loadab
         subprocess.run(["umount", str(small)], check=False)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
+def test_a_full_node_local_disk_is_one_error_line_and_every_nodes_step_before_stays(
+    straight, tmp_path
+):
+    """The data-safety matrix's FSDP2 node-local x full disk: two local "nodes", each its own
+    directory holding step 10; node-1's is a small filesystem, filled up. The write of step 15
+    fails on node-1 and every rank says so in one line naming node-1's directory; step 10 is
+    byte for byte as it was on both disks, and once there is room again the run resumes from
+    it and ends bit for bit where the uninterrupted one does."""
+    directory, uninterrupted = straight
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    try:
+        disks = [tmp_path / "disk-0", small / "checkpoints"]
+        for disk in disks:  # each node's disk with every rank's files of step 10
+            copy_step(directory / "checkpoints", 10, disk)
+        before = [_digests(disk) for disk in disks]
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
+            capture_output=True,
+            check=False,
+        )
+
+        def job() -> list:
+            return local_nodes(
+                tmp_path,
+                "torch_multinode.training.fsdp",
+                2,
+                lambda i: [*SMALL, "--checkpoint-dir", str(disks[i])],
+                lambda i: {},
+            )
+
+        full = job()
+        assert all(run.returncode != 0 for run in full), full[0].explain() + full[1].explain()
+        for run in full:  # every rank says node-1's error: the ranks agree on it
+            said = [line for line in run.stderr.splitlines() if line.startswith("Error: ")]
+            assert len(said) == 1, run.explain()
+            assert said == [
+                f"Error: cannot write checkpoint step 15 to {disks[1]} on node-1: No space left "
+                "on device (try freeing space there, or another --checkpoint-dir)"
+            ], run.explain()
+        # What was complete stays complete, on both disks; the half-written 15 never named.
+        for disk, digests in zip(disks, before, strict=True):
+            assert {k: v for k, v in _digests(disk).items() if k in digests} == digests, disk
+            assert sorted(p.name for p in disk.glob("step-*")) == ["step-00000010"], disk
+        (small / "filler").unlink()
+        again = job()
+        assert all(run.returncode == 0 for run in again), again[0].explain() + again[1].explain()
+        assert again[0].lines("resuming from") == [
+            "resuming from step 10, the newest step every rank has (rank 0 has 10; rank 1 has 10)"
+        ], again[0].explain()
+        assert digest(again[0].stdout) == digest(uninterrupted.stdout)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
 def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(straight, tmp_path):
     """The data-safety matrix's FSDP2 x Ctrl-C: a local job (`train`, no inventory) paused in
     its write of step 10 (the test hook) gets Ctrl-C: exit 130, step 10 never takes its name,

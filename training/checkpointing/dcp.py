@@ -136,16 +136,17 @@ def sharded_paths(rest: Any, path: tuple = ()) -> set[str]:
     return set().union(*(sharded_paths(value, (*path, key)) for key, value in items))
 
 
-def agree(env: parallel.DistEnv, error: UserError | None) -> None:
+def agree(env: parallel.DistEnv, error: UserError | None, own: bool = True) -> None:
     """Raise on every rank the lowest rank's error, if any rank had one: a rank that raised
-    alone would leave the others waiting in their next collective."""
+    alone would leave the others waiting in their next collective. An error that is not the
+    rank's `own` (it only heard of another rank's failure) is said only when no rank has one."""
     found = parallel.all_gather(
-        None if error is None else (str(error), error.hint, error.exit_code), env
+        None if error is None else (not own, str(error), error.hint, error.exit_code), env
     )
-    for entry in found:
-        if entry is not None:
-            message, hint, code = entry
-            raise UserError(message, hint=hint, exit_code=code)
+    entries = sorted((entry for entry in found if entry is not None), key=lambda e: e[0])
+    if entries:
+        _, message, hint, code = entries[0]  # sorted() keeps the ranks' order among equals
+        raise UserError(message, hint=hint, exit_code=code)
 
 
 # What a failed read or write raises: DCP gathers every rank's exception into one
@@ -255,6 +256,25 @@ class Checkpoints:
 
     # -- saving ------------------------------------------------------------------------------
 
+    def _write_error(self, step: int, raised: BaseException) -> tuple[UserError, bool]:
+        """A failed write's line, and whether the failure is this rank's own. DCP raises every
+        rank's failures on every rank; the line the ranks agree on is the failing rank's, naming
+        its directory, and its node where nodes do not share the directory (node-local disks)."""
+        failures = raised.failures if isinstance(raised, CheckpointException) else {}
+        mine = not failures or self.env.rank in failures
+        if failures and mine:
+            raised = failures[self.env.rank][0]
+        where = str(self.directory)
+        layout = self.layout
+        if layout is not None and len(layout.visible) < self.env.world_size:
+            where += f" on {self.node}"
+        error = UserError(
+            f"cannot write checkpoint step {step} to {where}: {_reason(raised)}",
+            hint="freeing space there, or another --checkpoint-dir",
+            exit_code=1,
+        )
+        return error, mine
+
     def _pausing(self, step: int) -> bool:
         """Whether this rank pauses in the write of `step` (--checkpoint-pause-step): once per
         checkpoint directory, so that a restart of a job killed there writes on. The marker
@@ -281,18 +301,14 @@ class Checkpoints:
         temporary = self.directory / f".{final.name}.tmp"
         model_state, optimizer_state = get_state_dict(model, optimizer)
         rest, sharded = split({"model": model_state, "optimizer": optimizer_state})
-        error = None
+        error, mine = None, True
         try:
             temporary.mkdir(parents=True, exist_ok=True)
             if sharded:
                 dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temporary))
             durable.write_synced(temporary / rank_file(env.rank), {"rest": rest, "own": own})
         except FAILURES as raised:
-            error = UserError(
-                f"cannot write checkpoint step {step} to {self.directory}: {_reason(raised)}",
-                hint="freeing space there, or another --checkpoint-dir",
-                exit_code=1,
-            )
+            error, mine = self._write_error(step, raised)
         if self._pausing(step):
             console.say_every_rank(
                 env,
@@ -300,7 +316,7 @@ class Checkpoints:
                 f"{PAUSE_SECONDS:.0f} s before the rename (--checkpoint-pause-step)",
             )
             time.sleep(PAUSE_SECONDS)
-        agree(env, error)  # also: every rank's files are written
+        agree(env, error, own=mine)  # also: every rank's files are written
         index = (temporary / METADATA).read_bytes() if env.is_main and sharded else None
         index = parallel.all_gather(index, env)[0]
         # Every file with the size it was written with: what `complete` checks at a resume.
