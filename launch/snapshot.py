@@ -42,8 +42,13 @@ _IDENTITY = {
 
 
 def _git(
-    directory: Path, *args: str, env: dict[str, str] | None = None, stdin: str | None = None
+    directory: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
+    why: list[str] | None = None,
 ) -> str | None:
+    """git's output, or None where it failed (its last line of error then added to `why`)."""
     try:
         done = subprocess.run(
             ["git", "-C", str(directory), *args],
@@ -54,9 +59,16 @@ def _git(
             input=stdin,
             env={**os.environ, **(env or {})},
         )
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired) as failed:
+        if why is not None:
+            why.append(str(failed))
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
+    if done.returncode != 0:
+        if why is not None:
+            lines = done.stderr.strip().splitlines()
+            why.append(lines[-1] if lines else f"git {args[0]}: exit {done.returncode}")
+        return None
+    return done.stdout.strip()
 
 
 @dataclass
@@ -108,21 +120,25 @@ def untracked(
 
 
 def work_tree(
-    top: Path, head: str | None, outside: tuple[str, ...] = (), limit: int | None = None
+    top: Path,
+    head: str | None,
+    outside: tuple[str, ...] = (),
+    limit: int | None = None,
+    why: list[str] | None = None,
 ) -> tuple[str | None, Untracked, int]:
     """The git tree of the work tree at `top` as it is now: HEAD's files as they are now, and
     the files not committed that are code (`untracked`), written with a temporary index; the
     split of the files not committed, and how many files the tree holds. None for the tree
     where git could not write it, or where the code not committed is over `limit` bytes (then
-    nothing is written into the repository)."""
+    nothing is written into the repository); where git failed, its words are added to `why`."""
     with tempfile.TemporaryDirectory(prefix="tmn-index-") as scratch:
         index = {"GIT_INDEX_FILE": str(Path(scratch) / "index")}
-        if head is not None and _git(top, "read-tree", head, env=index) is None:
+        if head is not None and _git(top, "read-tree", head, env=index, why=why) is None:
             return None, Untracked(), 0
         split = untracked(top, outside, index)
         if limit is not None and split.kept_bytes > limit:
             return None, split, 0
-        if _git(top, "add", "--update", "--", ".", env=index) is None:  # HEAD's, as they are
+        if _git(top, "add", "--update", "--", ".", env=index, why=why) is None:  # as they are
             return None, split, 0
         if split.kept and (
             _git(
@@ -132,12 +148,13 @@ def work_tree(
                 "--pathspec-file-nul",
                 env={**index, "GIT_LITERAL_PATHSPECS": "1"},
                 stdin="\0".join(split.kept),
+                why=why,
             )
             is None
         ):
             return None, split, 0
         listed = _git(top, "ls-files", "-z", env=index)
-        tree = _git(top, "write-tree", env=index)
+        tree = _git(top, "write-tree", env=index, why=why)
     return tree, split, len(list(filter(None, (listed or "").split("\0"))))
 
 
@@ -160,9 +177,9 @@ def take(
     """The snapshot of the git work tree holding `project`: the repository, the project's
     place in it, HEAD's commit (None before the first), the snapshot's commit, whether the
     tree differed from HEAD, how many files it holds, and what was left out (`outside`: the
-    places the run writes). None outside git, or where git could not make it. Untracked code
-    over `limit` bytes in all (UNTRACKED_LIMIT) is not copied into the user's repository: no snapshot then, and
-    the record says why."""
+    places the run writes). None outside git. No snapshot, and why, where git could not make
+    it (its own words) or where untracked code is over `limit` bytes in all (UNTRACKED_LIMIT,
+    then nothing is copied into the user's repository)."""
     top = _git(project, "rev-parse", "--show-toplevel")
     if top is None:
         return None
@@ -170,7 +187,8 @@ def take(
     head = _git(project, "rev-parse", "--verify", "--quiet", "HEAD")
     prefix = _git(project, "rev-parse", "--show-prefix") or ""
     inside = places_in(Path(top), list(outside))
-    tree, split, count = work_tree(Path(top), head, inside, limit)
+    why: list[str] = []  # git's words where it failed (a full disk, a repository it cannot write)
+    tree, split, count = work_tree(Path(top), head, inside, limit, why)
     found: dict[str, Any] = {
         "repository": top,
         "prefix": prefix.rstrip("/"),
@@ -191,10 +209,8 @@ def take(
             f"(over {limit / 1e6:.0f} MB with outputs and large binaries left out): add them to "
             ".gitignore, or commit them",
         }
-    if tree is None:
-        return None
     parents = ["-p", head] if head else []
-    commit = _git(
+    commit = tree and _git(
         Path(top),
         "commit-tree",
         tree,
@@ -202,9 +218,18 @@ def take(
         "-m",
         f"torch-multinode run {run_id}",
         env=_IDENTITY,
+        why=why,
     )
-    if commit is None or _git(Path(top), "update-ref", REF.format(run_id=run_id), commit) is None:
-        return None
+    ref = REF.format(run_id=run_id)
+    if not commit or _git(Path(top), "update-ref", ref, commit, why=why) is None:
+        # Never silence: the launch says it, the record keeps why, a rerun refuses with it.
+        reason = why[-1] if why else "git failed"
+        return {
+            **found,
+            "snapshot": None,
+            "dirty": None,
+            "why": f"git could not write it ({reason})",
+        }
     head_tree = _git(Path(top), "rev-parse", f"{head}^{{tree}}") if head else None
     return {**found, "snapshot": commit, "files": count, "dirty": tree != head_tree}
 

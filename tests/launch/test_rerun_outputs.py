@@ -276,6 +276,64 @@ def test_the_launch_says_what_the_snapshot_left_out_or_why_there_is_none(tmp_pat
     ), said
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
+def test_a_snapshot_on_a_full_disk_is_said_and_leaves_the_repository_as_it_was(
+    tmp_path, monkeypatch
+):
+    """The data-safety matrix's code snapshot x a full disk: the user's repository on a small
+    filesystem of its own, filled, with new code git must write: the launch says in one line
+    that there is no snapshot and git's reason, the record keeps why (a rerun refuses with it),
+    and the user's files, HEAD, index and refs are as they were."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    try:
+        top = small / "repo"
+        git = _repository(top)
+        (top / "code.py").write_text("print('v2')\n" * 50)  # an edit: a new blob to write
+        (top / "helper.py").write_text("X = 2\n" * 50)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
+            capture_output=True,
+            check=False,
+        )
+
+        def state() -> tuple[str, ...]:
+            return tuple(
+                subprocess.run([*git, *args], capture_output=True, text=True).stdout
+                for args in (
+                    ["status", "--porcelain"],
+                    ["rev-parse", "HEAD"],
+                    ["for-each-ref"],
+                    ["ls-files", "--stage"],
+                )
+            ) + tuple((top / name).read_text() for name in ("code.py", "helper.py"))
+
+        before = state()
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(record, "RUNS_ROOT", tmp_path / ".runs")  # the record has room
+        said: list[str] = []
+        spec = JobSpec(run_id="tmn-f1", script=top / "code.py")
+        recorder = record.Recorder(spec, [], None, emit=said.append)
+
+        def job() -> JobResult:
+            recorder.started()
+            return JobResult("tmn-f1", {"h": NodeOutcome("h", exit_code=0)}, None, False, 1.0)
+
+        recorder.kept(job)
+        assert len(said) == 1, said
+        assert said[0].startswith(
+            "[launcher] no code snapshot for make rerun: git could not write it ("
+        ), said
+        assert said[0].endswith(": No space left on device)"), said  # git's own words
+        kept = json.loads((tmp_path / ".runs" / "tmn-f1" / record.RECORD).read_text())
+        assert kept["code"]["snapshot"] is None
+        assert kept["code"]["why"].startswith("git could not write it ("), kept["code"]
+        assert state() == before  # the user's repository as it was
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
 def test_a_rerun_of_our_workload_on_a_checkout_changed_since_is_refused(tmp_path, monkeypatch):
     """`make rerun` of one of our workloads (a module, no --script or --workdir) runs this
     checkout as it is: refused when its code changed since the run; outputs written since
