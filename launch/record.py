@@ -24,6 +24,7 @@ locked them."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -354,22 +355,35 @@ class Recorder:
         self.completed = True
         spec = self.spec
         log_dir = places(spec)[0]
-        if self.rerun_of:
-            found = _origin_code(*self.rerun_of, log_dir)
-        else:
-            outside = _outside(spec, self.project, here=self.inventory is None)
-            found = code(self.project, log_dir, spec.run_id, outside)
-            if line := snapshot.said(found if found.get("repository") else None):
-                self.emit(f"[launcher] {line}")  # what it left out, or why there is none
-        self.record.update(code=found, image=_image(self.inventory, self.image))
-        write(spec, self.record)
+        try:
+            if self.rerun_of:
+                found = _origin_code(*self.rerun_of, log_dir)
+            else:
+                outside = _outside(spec, self.project, here=self.inventory is None)
+                found = code(self.project, log_dir, spec.run_id, outside)
+                if line := snapshot.said(found if found.get("repository") else None):
+                    self.emit(f"[launcher] {line}")  # what it left out, or why there is none
+            self.record.update(code=found, image=_image(self.inventory, self.image))
+            write(spec, self.record)
+        except OSError as failed:  # the job goes on: its record is the one begun
+            self.emit(f"[launcher] {_not_written(spec, failed, 'its code')}")
 
     def kept(self, job: Callable[[], JobResult]) -> JobResult:
         spec = self.spec
         origin = self.rerun_of[0] if self.rerun_of else None
-        self.record = begin(
-            spec, self.argv, self.inventory, self.project, origin, self.dependencies
-        )
+        try:
+            self.record = begin(
+                spec, self.argv, self.inventory, self.project, origin, self.dependencies
+            )
+        except OSError as failed:  # no job without its record: nothing has started
+            for place in places(spec):  # nor a run directory left empty for `make runs`
+                with contextlib.suppress(OSError):
+                    place.rmdir()
+            raise UserError(
+                f"cannot write the run record in {places(spec)[0]}: {failed.strerror or failed}",
+                hint="freeing space there",
+                exit_code=1,
+            ) from None
         run_dir = local.run_directory(spec) if self.inventory is None else None
         result, code = None, 1
         try:
@@ -389,7 +403,20 @@ class Recorder:
                 for place in places(spec):  # refused before it started: no run
                     shutil.rmtree(place, ignore_errors=True)
             else:
-                finish(self.record, spec, result, code, run_dir)
+                try:
+                    finish(self.record, spec, result, code, run_dir)
+                except OSError as failed:  # the job's own result stands; said, not a traceback
+                    self.emit(f"[launcher] {_not_written(spec, failed, 'how it ended')}")
+
+
+def _not_written(spec: JobSpec, failed: OSError, what: str) -> str:
+    """The launcher's line for a record its disk refused (full, read-only): the record on disk
+    stays whole as last written, without `what`."""
+    return (
+        f"the run record {places(spec)[0] / RECORD} was not updated with {what}: "
+        f"{failed.strerror or failed}; it stays as last written (free space there for the "
+        "next run's)"
+    )
 
 
 def _result(result: JobResult | None, exit_code: int) -> str:

@@ -334,6 +334,53 @@ def test_a_snapshot_on_a_full_disk_is_said_and_leaves_the_repository_as_it_was(
         subprocess.run(["umount", str(small)], check=False)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
+def test_a_full_disk_never_breaks_a_run_record_nor_the_run(tmp_path, monkeypatch):
+    """The data-safety matrix's run record x a full disk: the disk of .runs/ fills while the
+    job runs: the job's result stands, the launcher says in one line that the record was not
+    updated, and the record is whole as last written (its begun form, its code), with no
+    temporary file beside it. Full before the job: one error line, and no job starts."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(record, "RUNS_ROOT", small / ".runs")
+        said: list[str] = []
+        spec = JobSpec(run_id="tmn-r1", script=None)
+        recorder = record.Recorder(spec, [], None, emit=said.append)
+
+        def job() -> JobResult:
+            recorder.started()
+            subprocess.run(
+                ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
+                capture_output=True,
+                check=False,
+            )
+            return JobResult("tmn-r1", {"h": NodeOutcome("h", exit_code=0)}, None, False, 1.0)
+
+        assert recorder.kept(job).exit_code == 0  # the job's own result
+        path = small / ".runs" / "tmn-r1" / record.RECORD
+        assert said == [
+            f"[launcher] the run record {path} was not updated with how it ended: No space left "
+            "on device; it stays as last written (free space there for the next run's)"
+        ]
+        kept = json.loads(path.read_text())  # whole
+        assert (kept["id"], kept["result"], kept["ended"]) == ("tmn-r1", "running", None)
+        assert not [p.name for p in path.parent.iterdir() if p.name.startswith(".")]
+
+        ran: list[str] = []
+        spec = JobSpec(run_id="tmn-r2", script=None)
+        with pytest.raises(UserError) as refused:
+            record.Recorder(spec, [], None, emit=said.append).kept(lambda: ran.append("job"))
+        assert str(refused.value) == (
+            f"cannot write the run record in {small / '.runs' / 'tmn-r2'}: No space left on device"
+        )
+        assert ran == [] and not (small / ".runs" / "tmn-r2").exists()
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
 def test_a_rerun_of_our_workload_on_a_checkout_changed_since_is_refused(tmp_path, monkeypatch):
     """`make rerun` of one of our workloads (a module, no --script or --workdir) runs this
     checkout as it is: refused when its code changed since the run; outputs written since
