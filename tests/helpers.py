@@ -305,3 +305,50 @@ def known_line(name: str) -> str:
     from torch_multinode.launch.signatures import SIGNATURES
 
     return next(signature for signature in SIGNATURES if signature.name == name).line()
+
+
+# A project that imports what the training image lacks (demo-config, from wheels a test makes:
+# bench.wheels), for the jobs of issue 50 over SSH and under Slurm.
+DEPENDENT = '''\
+"""A project that imports what the training image lacks, from its requirements.txt."""
+import importlib.metadata
+import os
+import sys
+
+
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+import demo_config  # noqa: E402  (the project's own dependency)
+
+said = f"demo-config {version('demo-config')} demo-progress {version('demo-progress')}"
+rank = os.environ["RANK"]
+if sys.argv[1:] == ["--versions-only"]:  # a run that proves its environment, no torch import
+    print(f"rank {rank}: {said}", flush=True)
+    sys.exit(0)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+dist.init_process_group("gloo")
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=demo_config.LR)
+for step in range(2):
+    loss = model(torch.ones(4, 2)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    optimizer.step()
+print(f"rank {rank}: {said}; trained 2 steps, loss {loss.item():.4f}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def dependent_versions(output: str, rank: str) -> str:
+    """What `rank` of DEPENDENT said of its demo-config and demo-progress, from a job's output
+    ([node] prefix or not)."""
+    return re.search(rf"rank {rank}: (demo-config \S+ demo-progress [^\s;]+)", output).group(1)

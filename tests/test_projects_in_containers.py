@@ -48,7 +48,9 @@ import yaml
 
 from tests.conftest import REPO_ROOT, TEST_IMAGE, VENV_BIN, make
 from tests.helpers import (
+    DEPENDENT,
     check_namesake_project_runs,
+    dependent_versions,
     interrupt,
     leftovers,
     namesake_project,
@@ -73,6 +75,7 @@ from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
+from torch_multinode.launch.staging import REMOTE_RUN_ROOT
 from torch_multinode.provision import images
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.checkpointing.checkpoint import file_name
@@ -758,6 +761,13 @@ def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_
         assert (remembered["result"], remembered["exit_code"]) == ("interrupted", 130)
         assert leftovers(load(provisioned.inventory), run_id) == {"node1": "", "node2": ""}
         no_containers_left(provisioned.cluster, (1, 2))
+        # The master's run directory is not copied home after Ctrl-C (stopped now, as asked):
+        # said, and it stays on the master, where the line says.
+        where = f"{REMOTE_RUN_ROOT}/{run_id}"
+        assert (
+            f"Run directory of node1: not copied (interrupted): it stays in node1:{where}"
+        ) in rest.splitlines(), rest[-3000:]
+        assert on_node(provisioned.cluster, 1, f"test -d {where} && echo kept").strip() == "kept"
         # Step 4 is complete on each node's disk; step 8 never got its name.
         for index, rank in ((1, 0), (2, 1)):
             written = sorted(on_node(provisioned.cluster, index, f"ls -A {directory}").split())
@@ -991,43 +1001,6 @@ def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configurati
         assert wanted in output, output
 
 
-DEPENDENT = '''\
-"""A project that imports what the training image lacks, from its requirements.txt."""
-import importlib.metadata
-import os
-import sys
-
-
-def version(name):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
-
-
-import demo_config  # noqa: E402  (the project's own dependency)
-
-said = f"demo-config {version('demo-config')} demo-progress {version('demo-progress')}"
-rank = os.environ["RANK"]
-if sys.argv[1:] == ["--versions-only"]:  # a run that proves its environment, no torch import
-    print(f"rank {rank}: {said}", flush=True)
-    sys.exit(0)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-dist.init_process_group("gloo")
-model = torch.nn.Linear(2, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=demo_config.LR)
-for step in range(2):
-    loss = model(torch.ones(4, 2)).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
-    optimizer.step()
-print(f"rank {rank}: {said}; trained 2 steps, loss {loss.item():.4f}", flush=True)
-dist.destroy_process_group()
-'''
 LAYER_LINE = re.compile(r"dependencies: built (torch-multinode/deps:[0-9a-f]+) \(")
 SHIPPED = re.compile(
     r"dependencies: Done: (\S+) \(\w+\) on every node, through the registry in .*? \((.*)\)\.$",
@@ -1039,12 +1012,6 @@ SIZE = re.compile(r"(node\d) ([\d.]+) (B|KB|MB|GB)")
 def _layers(image: str) -> list[str]:
     found = sim.docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", image)
     return json.loads(found.stdout)
-
-
-def _versions(output: str, rank: str) -> str:
-    """What `rank` said of its demo-config and demo-progress, from a job's output ([node]
-    prefix or not)."""
-    return re.search(rf"rank {rank}: (demo-config \S+ demo-progress [^\s;]+)", output).group(1)
 
 
 def test_a_projects_requirements_are_one_layer_built_once_shipped_by_layers_and_the_same_here(
@@ -1086,7 +1053,7 @@ def test_a_projects_requirements_are_one_layer_built_once_shipped_by_layers_and_
                 out,
                 re.M,
             ), out[-3000:]
-        config_version = _versions(out, "0").split()[1]
+        config_version = dependent_versions(out, "0").split()[1]
         recorded = run_record(runs[0])
         assert recorded["dependencies"]["source"] == "requirements.txt"
         assert recorded["dependencies"]["requirements"] == ["demo-config"]
@@ -1110,7 +1077,7 @@ def test_a_projects_requirements_are_one_layer_built_once_shipped_by_layers_and_
             re.M,
         ), out[-3000:]
         assert "Step 1/" not in out and "Shipping" not in out
-        assert _versions(out, "1") == f"demo-config {config_version} demo-progress none"
+        assert dependent_versions(out, "1") == f"demo-config {config_version} demo-progress none"
         # One more requirement: one new layer on the same base, and only that layer travels.
         wanted.write_text("demo-config\ndemo-progress\n")
         third = _train(provisioned, f"SCRIPT={script}", "ARGS=--versions-only", env=offline)
@@ -1128,9 +1095,9 @@ def test_a_projects_requirements_are_one_layer_built_once_shipped_by_layers_and_
             for node, value, unit in SIZE.findall(shipped.group(2))
         }
         assert set(sizes) == {"node1", "node2"} and max(sizes.values()) < 20e6, shipped.group(0)
-        on_nodes = _versions(out, "0")
+        on_nodes = dependent_versions(out, "0")
         assert on_nodes == f"demo-config {config_version} demo-progress 4.67.1"
-        assert _versions(out, "1") == on_nodes
+        assert dependent_versions(out, "1") == on_nodes
         resolved = run_record(runs[-1])["dependencies"]["resolved"]
         assert resolved == ["demo-config==2.3.0", "demo-progress==4.67.1"]
         # Another torch: refused before anything is resolved or built, in one line.
@@ -1162,7 +1129,7 @@ def test_a_projects_requirements_are_one_layer_built_once_shipped_by_layers_and_
         assert re.search(
             r"\(environment \S+ \+ \S+/\.cache/torch-multinode/deps/[0-9a-f]+/site\)", header
         ), header
-        assert _versions(here.stdout, "0") == on_nodes
+        assert dependent_versions(here.stdout, "0") == on_nodes
         local_record = run_record(runs[-1])["dependencies"]
         assert local_record["image"] is None and local_record["directory"].endswith("/site")
         venv = subprocess.run(

@@ -23,7 +23,9 @@ import yaml
 from tests.ansible.conftest import ansible_playbook
 from tests.conftest import REPO_ROOT, VENV_BIN, make
 from tests.helpers import (
+    DEPENDENT,
     check_namesake_project_runs,
+    dependent_versions,
     leftovers,
     namesake_project,
     on_node,
@@ -33,6 +35,7 @@ from tests.helpers import (
     start_train,
 )
 from tests.training.conftest import SMALL_JOB
+from torch_multinode.bench.wheels import offline_pip, wheel
 from torch_multinode.cluster.inventory import load
 from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT as CHECKPOINT_ROOT
 
@@ -231,6 +234,51 @@ def test_a_project_with_packages_named_like_ours_runs_unchanged_under_slurm(
     cluster/ and launch/ packages and ours stay apart."""
     root = namesake_project(tmp_path / "namesake")
     check_namesake_project_runs(lambda *variables: _train(slurm_inventory, *variables), root)
+
+
+def test_a_project_with_requirements_runs_in_its_layer_under_slurm(
+    slurm_inventory, provisioned, tmp_path
+):
+    """Issue 50 under Slurm: the project's requirements.txt makes the same layer on the
+    training image as over SSH (built and shipped through the registry here, from wheels made
+    here), and the batch script runs the job in it on both nodes; the record names it."""
+    index = tmp_path / "index"
+    wheel(index, "demo-config", "2.3.0", module="LR = 0.5\n")
+    project = tmp_path / "dependent"
+    project.mkdir()
+    (project / "train.py").write_text(DEPENDENT)
+    (project / "requirements.txt").write_text("demo-config\n")
+    layer = None
+    try:
+        done = _train(
+            slurm_inventory,
+            f"SCRIPT={project / 'train.py'}",
+            "ARGS=--versions-only",
+            env=offline_pip(index),
+        )
+        out = done.stdout
+        assert done.returncode == 0, out[-3000:] + done.stderr
+        layer = re.search(
+            r"^\[launcher\] dependencies: .*?(torch-multinode/deps:[0-9a-f]+)", out, re.M
+        )
+        assert layer is not None, out[-3000:]
+        layer = layer.group(1)
+        assert re.search(r"\[launcher\] Slurm job \d+ submitted", out), out[-3000:]
+        for node, rank in (("node1", "0"), ("node2", "1")):
+            assert re.search(rf"^\[{node}\] rank {rank}: demo-config 2.3.0 ", out, re.M), out
+        assert dependent_versions(out, "0") == "demo-config 2.3.0 demo-progress none"
+        run_id = run_id_in(out)
+        script = (REPO_ROOT / ".runs" / run_id / "job.sbatch").read_text()
+        assert "docker run" in script and layer in script, script
+        recorded = run_record(run_id)
+        assert recorded["image"]["name"] == layer
+        assert recorded["dependencies"]["resolved"] == ["demo-config==2.3.0"]
+        _nothing_left(provisioned, slurm_inventory, run_id)
+    finally:
+        if layer is not None:
+            for node in (1, 2):
+                on_node(provisioned.cluster, node, f"docker rmi {layer}", check=False)
+            subprocess.run(["docker", "rmi", layer], capture_output=True, check=False)
 
 
 def test_a_second_job_waits_in_the_queue_and_runs_once_ctrl_c_cancels_the_first(
