@@ -447,9 +447,23 @@ def _run_rsync(command: list[str], host: Host, emit: Emit, label: str) -> tuple[
     code = process.wait()
     reader.join(5)
     if code != 0:
-        last = next((line.strip() for line in reversed(errors) if line.strip()), f"exit {code}")
-        return stats, last
+        return stats, rsync_error(errors, code)
     return stats, ""
+
+
+def rsync_error(stderr: list[str], code: int) -> str:
+    """The line of a failed rsync's error output that says why: the first one (ssh's refusal,
+    the receiver's "write failed ...: No space left on device (28)"), not the consequences it
+    reports after it (the other side's broken pipe, the "rsync error: ... (code 11)" summary);
+    a node without rsync first of all."""
+    lines = [line.strip() for line in stderr if line.strip()]
+    missing = next((line for line in lines if _NO_RSYNC.search(line)), None)
+    cause = next((line for line in lines if not _CONSEQUENCE.search(line)), None)
+    return missing or cause or (lines[-1] if lines else f"rsync exit {code}")
+
+
+_NO_RSYNC = re.compile(r"rsync: (command )?not found")  # the node's shell: no rsync there
+_CONSEQUENCE = re.compile(r"^rsync error: |Broken pipe|connection unexpectedly closed")
 
 
 def push(

@@ -547,8 +547,7 @@ def fetch_run_dir(
     except (OSError, subprocess.TimeoutExpired) as exc:
         return 0, str(exc)
     if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        return 0, lines[-1] if lines else f"rsync exit {done.returncode}"
+        return 0, sync.rsync_error(done.stderr.splitlines(), done.returncode)
     found = re.search(r"Number of regular files transferred: ([\d,]+)", done.stdout)
     return (int(found.group(1).replace(",", "")) if found else 0), None
 

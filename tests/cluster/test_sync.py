@@ -327,3 +327,41 @@ def test_only_what_runs_on_a_node_arrives_alone_on_the_import_path(tmp_path):
     assert {"cluster/errors.py", "netcheck/collective.py", "training/ddp.py"} <= set(arrived)
     assert not {"cluster/inventory.py", "cluster/sync.py", "netcheck/preflight.py"} & set(arrived)
     sync.verify(_Node(Path(destination)), tree, destination)
+
+
+def test_a_failed_rsync_is_said_by_its_cause_not_its_consequences():
+    # rsync 3.2's own lines, as it printed them here and in CI
+    assert (
+        sync.rsync_error(
+            [
+                "rsync: [sender] write error: Broken pipe (32)",
+                'rsync: [receiver] write failed on "/x/e2.bin": No space left on device (28)',
+                "rsync error: error in file IO (code 11) at receiver.c(657) [receiver=3.5.0]",
+            ],
+            11,
+        )
+        == 'rsync: [receiver] write failed on "/x/e2.bin": No space left on device (28)'
+    )
+    assert (
+        sync.rsync_error(
+            [
+                "ssh: connect to host 10.0.0.1 port 22: Connection refused",
+                "rsync: connection unexpectedly closed (0 bytes received so far) [Receiver]",
+                "rsync error: unexplained error (code 255) at io.c(232) [Receiver=3.2.7]",
+            ],
+            255,
+        )
+        == "ssh: connect to host 10.0.0.1 port 22: Connection refused"
+    )
+    missing = sync.rsync_error(
+        [
+            "rsync: connection unexpectedly closed (0 bytes received so far) [sender]",
+            "bash: line 1: rsync: command not found",
+        ],
+        12,
+    )
+    assert sync._rsync_reason(missing) == "rsync is not installed on the node"
+    assert sync.rsync_error(["rsync error: timeout in data send/receive (code 30)"], 30) == (
+        "rsync error: timeout in data send/receive (code 30)"
+    )
+    assert sync.rsync_error([], 255) == "rsync exit 255"

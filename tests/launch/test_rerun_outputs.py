@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import VENV_BIN
-from tests.helpers import git_repository
+from tests.helpers import git_repository, inventory_text, node
+from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.launch import cli, record, runs, snapshot, staging
+from torch_multinode.cluster.inventory import parse
+from torch_multinode.launch import cli, ending, record, runs, snapshot, staging
+from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
 
 
@@ -472,3 +476,42 @@ def test_make_runs_into_a_reader_that_stopped_ends_quietly(tmp_path):
     finally:
         os.close(writer)
     assert (listed.returncode, listed.stderr) == (0, "")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
+def test_a_full_disk_here_leaves_the_masters_run_directory_where_it_is(tmp_path, monkeypatch):
+    """The data-safety matrix's run directory brought home x a full disk: the master's run
+    directory comes home by rsync (a stand-in for ssh runs it on this machine) into a log
+    directory on a small filesystem that cannot hold it: one line says it was not copied and
+    why, the master's files are as they were, and no half-copied file lies here."""
+
+    inventory = parse(inventory_text({"n1": node(1)}, ansible_user="trainer"))
+    master = inventory.hosts[0]
+    rsh = tmp_path / "rsh"  # ssh's place: drops `-l user` and the host, runs the rest here
+    rsh.write_text('#!/bin/sh\nwhile [ "$1" = "-l" ]; do shift 2; done\nshift\nexec sh -c "$*"\n')
+    rsh.chmod(0o755)
+    monkeypatch.setattr(trust, "openssh_command", lambda inventory, host: [str(rsh)])
+    spec = JobSpec(run_id=f"tmn-home-{os.getpid()}", log_dir=tmp_path / "small" / "logs")
+    remote = Path(run_dir(spec))  # the master's run directory, on this machine here
+    remote.mkdir(parents=True)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        for index in range(4):  # 1.6 MB in all: more than the 1 MB here
+            (remote / f"events-{index}.bin").write_bytes(os.urandom(400_000))
+        before = {p.name: p.read_bytes() for p in remote.iterdir()}
+        said: list[str] = []
+        result = JobResult(spec.run_id, {master.name: NodeOutcome(master.name, 0)}, None, False, 1)
+        ending.bring_back(inventory, master, spec, result, said.append)
+        where = f"{master.name}:{remote}"
+        assert result.brought_back.startswith(f"not copied from {where}: "), result.brought_back
+        assert "No space left on device" in result.brought_back, result.brought_back
+        assert said == [f"[launcher] the run directory {where} was {result.brought_back}"]
+        assert {p.name: p.read_bytes() for p in remote.iterdir()} == before  # as it was
+        here = list(spec.log_dir.iterdir())
+        assert not [p.name for p in here if p.name.startswith(".")], here  # no half file
+        assert all(p.read_bytes() == before[p.name] for p in here)  # what came is whole
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+        shutil.rmtree(remote, ignore_errors=True)
