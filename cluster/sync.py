@@ -452,14 +452,15 @@ def _run_rsync(command: list[str], host: Host, emit: Emit, label: str) -> tuple[
 
 
 def rsync_error(stderr: list[str], code: int) -> str:
-    """The line of a failed rsync's error output that says why: the first one (ssh's refusal,
-    the receiver's "write failed ...: No space left on device (28)"), not the consequences it
-    reports after it (the other side's broken pipe, the "rsync error: ... (code 11)" summary);
-    a node without rsync first of all."""
+    """Why a rsync failed, from its error output: a node without rsync first of all, else the
+    first line (ssh's refusal, the receiver's "write failed ...: No space left on device
+    (28)"), not the consequences reported after it (the other side's broken pipe, the "rsync
+    error: ... (code 11)" summary)."""
     lines = [line.strip() for line in stderr if line.strip()]
-    missing = next((line for line in lines if _NO_RSYNC.search(line)), None)
+    if any(_NO_RSYNC.search(line) for line in lines):
+        return "rsync is not installed on the node"
     cause = next((line for line in lines if not _CONSEQUENCE.search(line)), None)
-    return missing or cause or (lines[-1] if lines else f"rsync exit {code}")
+    return cause or (lines[-1] if lines else f"rsync exit {code}")
 
 
 _NO_RSYNC = re.compile(r"rsync: (command )?not found")  # the node's shell: no rsync there
@@ -512,7 +513,7 @@ def push_each(
             command = rsync_command(inventory, host, tree, destination, exclude_file)
             stats, error = _run_rsync(command, host, emit, label)
             if error:
-                return _rsync_reason(error)
+                return error
             return Sent(
                 host.name,
                 stats.get("Number of regular files transferred", 0),
@@ -530,12 +531,6 @@ def summary_line(tree: Tree, destination: str, sent: dict[str, Sent]) -> str:
         for name, done in sent.items()
     )
     return f"{tree.root} ({len(tree.files)} files, {human(tree.size)}) -> {destination}: {each}"
-
-
-def _rsync_reason(stderr_line: str) -> str:
-    if "command not found" in stderr_line or "rsync: not found" in stderr_line:
-        return "rsync is not installed on the node"
-    return stderr_line
 
 
 def verify(remote: Remote, tree: Tree, destination: str) -> None:

@@ -345,22 +345,20 @@ def test_a_failed_rsync_is_said_by_its_cause_not_its_consequences():
     assert (
         sync.rsync_error(
             [
-                "ssh: connect to host 10.0.0.1 port 22: Connection refused",
+                "ssh: connect to host 192.0.2.1 port 22: Connection refused",
                 "rsync: connection unexpectedly closed (0 bytes received so far) [Receiver]",
                 "rsync error: unexplained error (code 255) at io.c(232) [Receiver=3.2.7]",
             ],
             255,
         )
-        == "ssh: connect to host 10.0.0.1 port 22: Connection refused"
+        == "ssh: connect to host 192.0.2.1 port 22: Connection refused"
     )
-    missing = sync.rsync_error(
-        [
+    for shell in ("bash: line 1: rsync: command not found", "sh: 1: rsync: not found"):
+        missing = [
             "rsync: connection unexpectedly closed (0 bytes received so far) [sender]",
-            "bash: line 1: rsync: command not found",
-        ],
-        12,
-    )
-    assert sync._rsync_reason(missing) == "rsync is not installed on the node"
+            shell,
+        ]
+        assert sync.rsync_error(missing, 12) == "rsync is not installed on the node"
     assert sync.rsync_error(["rsync error: timeout in data send/receive (code 30)"], 30) == (
         "rsync error: timeout in data send/receive (code 30)"
     )
