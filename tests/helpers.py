@@ -4,12 +4,14 @@ tests/fakes.py and the conftest files), never from each other."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
@@ -352,3 +354,24 @@ def dependent_versions(output: str, rank: str) -> str:
     """What `rank` of DEPENDENT said of its demo-config and demo-progress, from a job's output
     ([node] prefix or not)."""
     return re.search(rf"rank {rank}: (demo-config \S+ demo-progress [^\s;]+)", output).group(1)
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's form: 1m, 2m) mounted at `path` for the block: a disk to
+    fill (needs root, as CI has)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def fill(filesystem: Path) -> Path:
+    """`filesystem` full: a file of zeros (`filler`, returned: unlink it for room again)."""
+    filler = filesystem / "filler"
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True, check=False
+    )
+    return filler

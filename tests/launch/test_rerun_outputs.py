@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VENV_BIN
-from tests.helpers import git_repository, inventory_text, node
+from tests.helpers import fill, git_repository, inventory_text, node, small_filesystem
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import parse
@@ -288,19 +288,12 @@ def test_a_snapshot_on_a_full_disk_is_said_and_leaves_the_repository_as_it_was(
     filesystem of its own, filled, with new code git must write: the launch says in one line
     that there is no snapshot and git's reason, the record keeps why (a rerun refuses with it),
     and the user's files, HEAD, index and refs are as they were."""
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
-    try:
+    with small_filesystem(tmp_path / "small", "2m") as small:
         top = small / "repo"
         git = _repository(top)
         (top / "code.py").write_text("print('v2')\n" * 50)  # an edit: a new blob to write
         (top / "helper.py").write_text("X = 2\n" * 50)
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
-            capture_output=True,
-            check=False,
-        )
+        fill(small)
 
         def state() -> tuple[str, ...]:
             return tuple(
@@ -334,8 +327,6 @@ def test_a_snapshot_on_a_full_disk_is_said_and_leaves_the_repository_as_it_was(
         assert kept["code"]["snapshot"] is None
         assert kept["code"]["why"].startswith("git could not write it ("), kept["code"]
         assert state() == before  # the user's repository as it was
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
@@ -344,10 +335,7 @@ def test_a_full_disk_never_breaks_a_run_record_nor_the_run(tmp_path, monkeypatch
     job runs: the job's result stands, the launcher says in one line that the record was not
     updated, and the record is whole as last written (its begun form, its code), with no
     temporary file beside it. Full before the job: one error line, and no job starts."""
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
-    try:
+    with small_filesystem(tmp_path / "small", "1m") as small:
         monkeypatch.chdir(tmp_path)
         monkeypatch.setattr(record, "RUNS_ROOT", small / ".runs")
         said: list[str] = []
@@ -356,11 +344,7 @@ def test_a_full_disk_never_breaks_a_run_record_nor_the_run(tmp_path, monkeypatch
 
         def job() -> JobResult:
             recorder.started()
-            subprocess.run(
-                ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
-                capture_output=True,
-                check=False,
-            )
+            fill(small)
             return JobResult("tmn-r1", {"h": NodeOutcome("h", exit_code=0)}, None, False, 1.0)
 
         assert recorder.kept(job).exit_code == 0  # the job's own result
@@ -381,8 +365,6 @@ def test_a_full_disk_never_breaks_a_run_record_nor_the_run(tmp_path, monkeypatch
             f"cannot write the run record in {small / '.runs' / 'tmn-r2'}: No space left on device"
         )
         assert ran == [] and not (small / ".runs" / "tmn-r2").exists()
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_a_rerun_of_our_workload_on_a_checkout_changed_since_is_refused(tmp_path, monkeypatch):
@@ -484,7 +466,6 @@ def test_a_full_disk_here_leaves_the_masters_run_directory_where_it_is(tmp_path,
     directory comes home by rsync (a stand-in for ssh runs it on this machine) into a log
     directory on a small filesystem that cannot hold it: one line says it was not copied and
     why, the master's files are as they were, and no half-copied file lies here."""
-
     inventory = parse(inventory_text({"n1": node(1)}, ansible_user="trainer"))
     master = inventory.hosts[0]
     rsh = tmp_path / "rsh"  # ssh's place: drops `-l user` and the host, runs the rest here
@@ -494,24 +475,23 @@ def test_a_full_disk_here_leaves_the_masters_run_directory_where_it_is(tmp_path,
     spec = JobSpec(run_id=f"tmn-home-{os.getpid()}", log_dir=tmp_path / "small" / "logs")
     remote = Path(run_dir(spec))  # the master's run directory, on this machine here
     remote.mkdir(parents=True)
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
     try:
-        for index in range(4):  # 1.6 MB in all: more than the 1 MB here
-            (remote / f"events-{index}.bin").write_bytes(os.urandom(400_000))
-        before = {p.name: p.read_bytes() for p in remote.iterdir()}
-        said: list[str] = []
-        result = JobResult(spec.run_id, {master.name: NodeOutcome(master.name, 0)}, None, False, 1)
-        ending.bring_back(inventory, master, spec, result, said.append)
-        where = f"{master.name}:{remote}"
-        assert result.brought_back.startswith(f"not copied from {where}: "), result.brought_back
-        assert "No space left on device" in result.brought_back, result.brought_back
-        assert said == [f"[launcher] the run directory {where} was {result.brought_back}"]
-        assert {p.name: p.read_bytes() for p in remote.iterdir()} == before  # as it was
-        here = list(spec.log_dir.iterdir())
-        assert not [p.name for p in here if p.name.startswith(".")], here  # no half file
-        assert all(p.read_bytes() == before[p.name] for p in here)  # what came is whole
+        with small_filesystem(tmp_path / "small", "1m"):
+            for index in range(4):  # 1.6 MB in all: more than the 1 MB here
+                (remote / f"events-{index}.bin").write_bytes(os.urandom(400_000))
+            before = {p.name: p.read_bytes() for p in remote.iterdir()}
+            said: list[str] = []
+            result = JobResult(
+                spec.run_id, {master.name: NodeOutcome(master.name, 0)}, None, False, 1
+            )
+            ending.bring_back(inventory, master, spec, result, said.append)
+            where = f"{master.name}:{remote}"
+            assert result.brought_back.startswith(f"not copied from {where}: "), result.brought_back
+            assert "No space left on device" in result.brought_back, result.brought_back
+            assert said == [f"[launcher] the run directory {where} was {result.brought_back}"]
+            assert {p.name: p.read_bytes() for p in remote.iterdir()} == before  # as it was
+            here = list(spec.log_dir.iterdir())
+            assert not [p.name for p in here if p.name.startswith(".")], here  # no half file
+            assert all(p.read_bytes() == before[p.name] for p in here)  # what came is whole
     finally:
-        subprocess.run(["umount", str(small)], check=False)
         shutil.rmtree(remote, ignore_errors=True)

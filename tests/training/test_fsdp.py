@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import interrupt, read_until
+from tests.helpers import fill, interrupt, read_until, small_filesystem
 from tests.training.conftest import (
     fsdp_nodes,
     kill_local_node,
@@ -270,18 +270,11 @@ def test_a_full_disk_is_one_error_line_and_the_complete_step_before_stays_loadab
     with one line naming the directory, step 10 is byte for byte as it was, and once there is
     room again the run resumes from it and ends bit for bit where the uninterrupted one does."""
     directory, uninterrupted = straight
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
-    try:
+    with small_filesystem(tmp_path / "small", "2m") as small:
         checkpoints = small / "checkpoints"
         shutil.copytree(directory / "checkpoints" / "step-00000010", checkpoints / "step-00000010")
         before = _digests(checkpoints)
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
-            capture_output=True,
-            check=False,
-        )
+        filler = fill(small)
         full = launch(tmp_path, "--checkpoint-dir", str(checkpoints))
         assert full.returncode != 0, full.explain()
         said = [line for line in full.stderr.splitlines() if line.startswith("Error: ")]
@@ -297,15 +290,13 @@ def test_a_full_disk_is_one_error_line_and_the_complete_step_before_stays_loadab
         assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == [
             "step-00000010"
         ]
-        (small / "filler").unlink()
+        filler.unlink()
         again = launch(tmp_path, "--checkpoint-dir", str(checkpoints))
         assert again.returncode == 0, again.explain()
         assert again.lines("resuming from") == [
             "resuming from step 10, the newest step every rank has (rank 0 has 10; rank 1 has 10)"
         ]
         assert digest(again.stdout) == digest(uninterrupted.stdout)
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
@@ -318,19 +309,12 @@ def test_a_full_node_local_disk_is_one_error_line_and_every_nodes_step_before_st
     byte for byte as it was on both disks, and once there is room again the run resumes from
     it and ends bit for bit where the uninterrupted one does."""
     directory, uninterrupted = straight
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
-    try:
+    with small_filesystem(tmp_path / "small", "2m") as small:
         disks = [tmp_path / "disk-0", small / "checkpoints"]
         for disk in disks:  # each node's disk with every rank's files of step 10
             copy_step(directory / "checkpoints", 10, disk)
         before = [_digests(disk) for disk in disks]
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={small / 'filler'}", "bs=4k"],
-            capture_output=True,
-            check=False,
-        )
+        filler = fill(small)
 
         def job() -> list:
             return local_nodes(
@@ -354,15 +338,13 @@ def test_a_full_node_local_disk_is_one_error_line_and_every_nodes_step_before_st
         for disk, digests in zip(disks, before, strict=True):
             assert {k: v for k, v in _digests(disk).items() if k in digests} == digests, disk
             assert sorted(p.name for p in disk.glob("step-*")) == ["step-00000010"], disk
-        (small / "filler").unlink()
+        filler.unlink()
         again = job()
         assert all(run.returncode == 0 for run in again), again[0].explain() + again[1].explain()
         assert again[0].lines("resuming from") == [
             "resuming from step 10, the newest step every rank has (rank 0 has 10; rank 1 has 10)"
         ], again[0].explain()
         assert digest(again[0].stdout) == digest(uninterrupted.stdout)
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(straight, tmp_path):
