@@ -325,6 +325,23 @@ def kill_local_node(node: subprocess.Popen) -> None:
         os.killpg(node.pid, signal.SIGKILL)
 
 
+def kill_node_1_then_node_0(nodes: list[subprocess.Popen]) -> None:
+    """Node-1 of local_nodes killed; node-0's rank then ends (its peer's connection is gone, or
+    its collective times out) and node-0 is killed too, its torchrun otherwise waiting for the
+    dead one's at the exit."""
+    kill_local_node(nodes[1])
+    wait_until(lambda: not local_ranks(nodes[0]), 120, "node-0's rank did not end")
+    kill_local_node(nodes[0])
+
+
+def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    """`condition()` true within `seconds` (polled), else AssertionError `what`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def stop_local_nodes(nodes: list[subprocess.Popen], grace: float = STOP_GRACE) -> None:
     """The job of local_nodes stopped on every "node" as the launcher's stop does on the nodes
     (launch.commands.stop_command): TERM to every rank and torchrun, a grace period, then KILL."""

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,14 @@ import torch
 from tests.helpers import fill, interrupt, read_until, small_filesystem
 from tests.training.conftest import (
     fsdp_nodes,
-    kill_local_node,
+    kill_node_1_then_node_0,
     load_state,
     local_nodes,
-    local_ranks,
     max_difference,
     run_command,
     stop_local_nodes,
     torchrun_command,
+    wait_until,
 )
 from tests.training.references import SMALL, STEPS, bench_row, digest, progress, reference
 from torch_multinode.training.modeling import gpt
@@ -413,20 +412,12 @@ def test_a_node_killed_in_a_checkpoint_write_loses_no_complete_step(
     before: dict[Path, dict[str, str]] = {}  # each complete step's files, as the kill found them
 
     def kill_in_the_pause(processes: list[subprocess.Popen]) -> None:
-        deadline = time.monotonic() + 150
-        while not marker.exists():
-            assert time.monotonic() < deadline, f"node-1 never paused in step {paused}'s write"
-            time.sleep(0.05)
+        wait_until(marker.exists, 150, f"node-1 never paused in step {paused}'s write")
         before.update({disk / name: _digests(disk / name) for disk in disks for name in complete})
         if fault == "stopped":
             stop_local_nodes(processes)
-            return
-        kill_local_node(processes[1])
-        deadline = time.monotonic() + 120
-        while local_ranks(processes[0]):  # node-0's rank gives up (--collective-timeout)
-            assert time.monotonic() < deadline, "node-0's rank did not end"
-            time.sleep(0.2)
-        kill_local_node(processes[0])  # its torchrun waits for the dead one's at the exit
+        else:
+            kill_node_1_then_node_0(processes)
 
     pause = ["--checkpoint-pause-step", str(paused), "--checkpoint-pause-rank", "1"]
     first = local_nodes(

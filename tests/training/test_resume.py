@@ -6,20 +6,19 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
 
 import pytest
 
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
-    kill_local_node,
+    kill_node_1_then_node_0,
     load_state,
     local_nodes,
-    local_ranks,
     max_difference,
     run_command,
     torchrun_command,
+    wait_until,
 )
 from torch_multinode.training.checkpointing.checkpoint import file_name
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
@@ -122,16 +121,11 @@ def test_a_node_killed_in_the_first_checkpoint_write_loses_nothing_and_starts_ag
     pause = ("--checkpoint-pause-step", "4", "--checkpoint-pause-rank", "1")
 
     def kill_in_the_write(processes: list[subprocess.Popen]) -> None:
-        deadline = time.monotonic() + 150
-        while not list(disks[1].glob(f".{file_name(4, 1)}.*.tmp")):
-            assert time.monotonic() < deadline, "node-1 never began its write of step 4"
-            time.sleep(0.05)
-        kill_local_node(processes[1])
-        deadline = time.monotonic() + 120
-        while local_ranks(processes[0]):  # node-0's rank: its peer's connection is gone
-            assert time.monotonic() < deadline, "node-0's rank did not end"
-            time.sleep(0.2)
-        kill_local_node(processes[0])  # its torchrun waits for the dead one's at the exit
+        def began() -> bool:
+            return bool(list(disks[1].glob(f".{file_name(4, 1)}.*.tmp")))
+
+        wait_until(began, 150, "node-1 never began its write of step 4")
+        kill_node_1_then_node_0(processes)
 
     def job(extra: tuple[str, ...], during=None) -> list:
         return local_nodes(
