@@ -325,21 +325,30 @@ def kill_local_node(node: subprocess.Popen) -> None:
         os.killpg(node.pid, signal.SIGKILL)
 
 
-def kill_node_1_then_node_0(nodes: list[subprocess.Popen]) -> None:
-    """Node-1 of local_nodes killed; node-0's rank then ends (its peer's connection is gone, or
-    its collective times out) and node-0 is killed too, its torchrun otherwise waiting for the
-    dead one's at the exit."""
-    kill_local_node(nodes[1])
-    wait_until(lambda: not local_ranks(nodes[0]), 120, "node-0's rank did not end")
-    kill_local_node(nodes[0])
+def kill_node_then_the_others(nodes: list[subprocess.Popen], index: int) -> None:
+    """Node `index` of local_nodes killed, as a node dies; the others' ranks then end by
+    themselves (their peer's connection is gone, or a collective times out), and their
+    torchruns, which would wait for the dead one's at the exit (a static rendezvous: 5 minutes),
+    are killed then, as the launcher stops the other nodes of a job that lost one."""
+    kill_local_node(nodes[index])
+    others = [node for i, node in enumerate(nodes) if i != index]
+    wait_until(
+        lambda: not any(local_ranks(node) for node in others),
+        120,
+        "the other nodes' ranks did not end",
+    )
+    for node in others:  # in a store wait, where it handles no SIGTERM
+        kill_local_node(node)
 
 
-def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    """`condition()` true within `seconds` (polled), else AssertionError `what`."""
+def wait_until(
+    condition: Callable[[], bool], seconds: float, what: str, every: float = 0.05
+) -> None:
+    """`condition()` true within `seconds` (asked `every` seconds), else AssertionError `what`."""
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def stop_local_nodes(nodes: list[subprocess.Popen], grace: float = STOP_GRACE) -> None:

@@ -25,7 +25,7 @@ import torch
 from tests.helpers import fill, interrupt, read_until, small_filesystem
 from tests.training.conftest import (
     fsdp_nodes,
-    kill_node_1_then_node_0,
+    kill_node_then_the_others,
     load_state,
     local_nodes,
     max_difference,
@@ -417,7 +417,7 @@ def test_a_node_killed_in_a_checkpoint_write_loses_no_complete_step(
         if fault == "stopped":
             stop_local_nodes(processes)
         else:
-            kill_node_1_then_node_0(processes)
+            kill_node_then_the_others(processes, 1)
 
     pause = ["--checkpoint-pause-step", str(paused), "--checkpoint-pause-rank", "1"]
     first = local_nodes(

@@ -13,14 +13,13 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.training.conftest import kill_local_node, local_nodes, local_ranks
+from tests.training.conftest import kill_node_then_the_others, local_nodes, wait_until
 from tests.training.references import SMALL, STEPS, progress
 from torch_multinode.training.checkpointing import replicate, transfer
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
@@ -64,31 +63,19 @@ def nodes(
 
 
 def _killed_mid_copy(directory: Path, index: int) -> Callable[[list[subprocess.Popen]], None]:
-    """Kills node `index` (its torchrun and rank) once the next node has begun to receive one
-    of its files into `directory` (a temporary file of that name there), as a node dies. The
-    others' ranks then end by themselves; their torchruns, which would wait for the dead one's
-    at the exit (a static rendezvous: 5 minutes), are killed then, as the launcher stops the
-    other nodes of a job that lost one."""
+    """Kills node `index` (its torchrun and rank), and then the others
+    (kill_node_then_the_others), once the next node has begun to receive one of its files into
+    `directory` (a temporary file of that name there)."""
+    prefixes = (f".__{index}_0.distcp.", f".rank-{index:05d}.pt.")
+
+    def copy_began() -> bool:
+        return directory.is_dir() and any(
+            p.name.startswith(prefixes) and p.name.endswith(".tmp") for p in directory.iterdir()
+        )
 
     def watch(processes: list[subprocess.Popen]) -> None:
-        prefixes = (f".__{index}_0.distcp.", f".rank-{index:05d}.pt.")
-        deadline = time.monotonic() + 150
-        while not (
-            directory.is_dir()
-            and any(
-                p.name.startswith(prefixes) and p.name.endswith(".tmp") for p in directory.iterdir()
-            )
-        ):
-            assert time.monotonic() < deadline, f"no copy of node-{index}'s files began"
-            time.sleep(0.01)
-        kill_local_node(processes[index])
-        others = [process for i, process in enumerate(processes) if i != index]
-        deadline = time.monotonic() + 120
-        while any(local_ranks(process) for process in others):
-            assert time.monotonic() < deadline, "the other nodes' ranks did not end"
-            time.sleep(0.2)
-        for process in others:  # in a store wait, where it handles no SIGTERM
-            kill_local_node(process)
+        wait_until(copy_began, 150, f"no copy of node-{index}'s files began", every=0.01)
+        kill_node_then_the_others(processes, index)
 
     return watch
 

@@ -12,7 +12,7 @@ import pytest
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
-    kill_node_1_then_node_0,
+    kill_node_then_the_others,
     load_state,
     local_nodes,
     max_difference,
@@ -125,7 +125,7 @@ def test_a_node_killed_in_the_first_checkpoint_write_loses_nothing_and_starts_ag
             return bool(list(disks[1].glob(f".{file_name(4, 1)}.*.tmp")))
 
         wait_until(began, 150, "node-1 never began its write of step 4")
-        kill_node_1_then_node_0(processes)
+        kill_node_then_the_others(processes, 1)
 
     def job(extra: tuple[str, ...], during=None) -> list:
         return local_nodes(
