@@ -22,5 +22,6 @@ torchrun's part of them) lives in training/.
     slurm_state   Slurm's answers read: a job's state, its place in the queue
     ending      the summary, and the master's run directory brought back
     local       a job with no inventory, on this machine
+    relay       its output as it comes, from a thread of its own (Ctrl-C stays with the main)
     node_output one node's output as the launcher shows it
 """

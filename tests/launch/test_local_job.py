@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from tests.conftest import REPO_ROOT, run_cli
-from torch_multinode.launch import local
+from torch_multinode.launch import local, relay
 from torch_multinode.launch.progress import HEARTBEAT
 from torch_multinode.launch.spec import JobSpec
 
@@ -124,7 +124,7 @@ def test_the_relay_hides_heartbeats_however_the_output_is_cut(monkeypatch):
 
     try:
         with os.fdopen(read, "rb", buffering=0) as stream:
-            local.relay(stream, out, tail, log, observe)
+            relay.relay(stream, out, tail, log, observe)
     finally:
         os.close(write)
     shown = b"step 1/2\n10%\r20%\r\n[tmn] hello\nlast words"
@@ -137,7 +137,7 @@ def test_the_relay_hides_heartbeats_however_the_output_is_cut(monkeypatch):
     read, write = os.pipe()
     try:
         with os.fdopen(read, "rb", buffering=0) as stream:
-            local.relay(stream, out, tail)
+            relay.relay(stream, out, tail)
     finally:
         os.close(write)
     assert out.getvalue() == b"".join(written)
@@ -148,7 +148,7 @@ def test_the_relay_hides_heartbeats_however_the_output_is_cut(monkeypatch):
 _CTRL_C_ELSEWHERE = """
 import signal, sys, threading
 from pathlib import Path
-from torch_multinode.launch import local
+from torch_multinode.launch import local, relay
 from torch_multinode.launch.spec import JobSpec
 
 local.command = lambda spec, nproc: ["sh", "-c", "echo ready; exec sleep 600"]
