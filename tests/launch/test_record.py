@@ -243,7 +243,7 @@ def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(
 
     again = _runs(tmp_path, "--rerun", first)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "version v2" in again.stdout and "v3" not in again.stdout, again.stdout
+    assert "version v2" in again.stdout and "version v3" not in again.stdout, again.stdout
     assert again.stdout.startswith(f"[rerun] {first}: its code snapshot ")
     ran_again = json.loads(_runs(tmp_path, "--json").stdout)[0]["id"]
     own = tmp_path / "checkpoints" / f"ckpt1-rerun-{ran_again}" / "model.pt"
@@ -272,7 +272,7 @@ def test_a_rerun_runs_the_recorded_snapshot_not_the_edit_and_fails_the_same_way(
     ).read_text()
     twice = _runs(tmp_path, "--rerun", rerun["id"])
     assert twice.returncode == 0, twice.stdout + twice.stderr
-    assert "version v2" in twice.stdout and "v3" not in twice.stdout, twice.stdout
+    assert "version v2" in twice.stdout and "version v3" not in twice.stdout, twice.stdout
     third = json.loads(_runs(tmp_path, "--json").stdout)[0]["id"]
     assert f"checkpoints/ckpt1-rerun-{third}/model.pt\n" in twice.stdout, twice.stdout
     assert "resumed" not in twice.stdout and own.read_text().startswith("v2 ")
