@@ -2,26 +2,42 @@
 typed, and reaches the nodes only over SSH. What runs on the nodes (the workloads, and
 torchrun's part of them) lives in training/.
 
-    cli         `train`: arguments, checks, then the backend's run (thin)
-    backends    the one interface for a job's runs: SshBackend, SlurmBackend, LocalBackend
-    restarts    the one restart loop (run_with_restarts); waiting for the nodes to answer
-    running     what a run's runners, watchers and stop share (RunningJob)
-    spec        what a job is (JobSpec) and what became of it (NodeOutcome, JobResult)
-    nodes       per-node decisions: GPUs, process counts, backend, environment
-    commands    the shell commands sent to the nodes, as pure functions
-    job         one run on the nodes: prepare, start, conclude (Launcher)
-    prepare     the nodes readied: the port lock, each node's GPUs, copy, image, secrets
-    watch       the watchers of a running job: liveness, the compute link, the stall
-    progress    the stall clock: step lines, heartbeats, output
-    hang        a hang's report from every rank's stacks (py-spy)
-    flight      the Flight Recorder's part of it: each rank's last collective, a mismatch
-    blame       which node caused a failure
-    stop        stopping a job on every node
-    slurm       one run of the job through Slurm (SlurmAttempt)
+    cli           `train`: arguments, checks, the run's record, the backend handed to the
+                  restart loop (thin)
+    checks        what `train` checks before anything starts: the workload's arguments, a
+                  local job's module
+    spec          what a job is (JobSpec) and what became of it (NodeOutcome, JobResult)
+    backends      the one interface for a job's runs: SshBackend, SlurmBackend, LocalBackend
+    restarts      the restart policy: the one restart loop (run_with_restarts), waiting for the
+                  nodes, survivors and spares
+    staging       what a job takes to the nodes and what comes back: the project, its mounts
+                  and paths, the secrets file, which requirements it has
+    environment   the job's environment variables: every one any backend sets, which source
+                  wins, the names ENV= may not set
+    nodes         per-node decisions: GPUs, process counts, the job's backend, what torchrun runs
+    commands      the shell commands sent to the nodes, as pure functions: torchrun, the job's
+                  `docker run` (on cluster.containers' options), the port lock, the link probe,
+                  the stop
+    job           one run over SSH (Launcher): prepare, start, conclude
+    prepare       the nodes readied: the port lock, each node's GPUs, copy, directories, image,
+                  secrets, and its versions against the version lock
+    running       what a run's runners, watchers and stop share (RunningJob)
+    watch         the watchers of a running job: liveness, the compute link, the stall
+    progress      the stall clock: step lines, heartbeats, output, and when a job is stalled
+    hang          a hang's report from every rank's stacks (py-spy)
+    flight        the Flight Recorder's part of it: each rank's last collective, a mismatch
+    blame         which node caused a failure
+    stop          stopping a job on every node
+    ending        the summary, the master's run directory brought back, the exit code's file
+    signatures    known failure signatures: an error's usual cause and remedy, in the summary
+    node_output   one node's output as the launcher shows it
+    slurm         one run of the job through Slurm (SlurmAttempt): submit or requeue, cancel
     slurm_script  the batch script, its paths, the follower of a node's output
     slurm_state   Slurm's answers read: a job's state, its place in the queue
-    ending      the summary, and the master's run directory brought back
-    local       a job with no inventory, on this machine
-    relay       its output as it comes, from a thread of its own (Ctrl-C stays with the main)
-    node_output one node's output as the launcher shows it
+    local         a job with no inventory, on this machine
+    relay         a local job's output as it comes, from a thread of its own (Ctrl-C stays with
+                  the main one)
+    record        the run's record (.runs/ID/run.json), the same for every backend
+    snapshot      the project's code as a run saw it, kept for `make rerun`
+    runs          `make runs` and `make rerun`
 """

@@ -1,5 +1,10 @@
-"""The process group and what runs over it: parallel reads the job's environment (RANK, LOCAL_RANK,
-WORLD_SIZE, the backend), binds each rank to its device, starts and stops the group and wraps a
-model in DDP; levers picks and applies the all-reduce levers (comm hooks, `--comm-hook auto`,
-no_sync accumulation). Every workload starts its ranks through parallel.
+"""The process group and what runs over it. Every workload starts its ranks through parallel, and
+its all-reduce through DDP or by hand over the same group.
+
+    parallel  the job's environment read (RANK, LOCAL_RANK, WORLD_SIZE, TMN_BACKEND), each rank
+              bound to its device, the group started and stopped, a model wrapped in DDP
+    levers    the all-reduce levers: comm hooks, `--comm-hook auto` picked by measuring, no_sync
+              accumulation
+    flight    a rank's Flight Recorder trace, written when the launcher asks (a hang) or when the
+              rank dies of an uncaught exception; parallel.start starts it
 """

@@ -1,5 +1,9 @@
-"""The training loop of ddp and manual_dp and what feeds and watches it: trainer (steps, precision,
-resume, evaluation), data (data sets, synthetic and real, and their distributed samplers),
-metrics (TensorBoard scalars and the profiler) and virtual_ranks (which planned ranks a rank plays
-where a job continues on fewer ranks than it was planned for).
+"""The training loop of ddp and manual_dp and what feeds and watches it; fsdp takes its numerics
+and learning rate from trainer, model_parallel and pipeline their synthetic images from data.
+
+    trainer        steps, numerics, checkpoint and resume, validation, a slow rank named
+    data           the data sets, synthetic and real, and their per-rank resumable samplers
+    metrics        progress lines, TensorBoard scalars and the profiler
+    virtual_ranks  which planned ranks a rank plays where a job continues on fewer ranks than it
+                   was planned for (TMN_PLANNED_WORLD_SIZE)
 """
