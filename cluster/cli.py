@@ -81,8 +81,10 @@ def _parser() -> argparse.ArgumentParser:
         help="copy a dataset directory into every node's data_root",
         description="Mirror a dataset directory into DATA_ROOT/NAME on every node (NAME: the "
         "directory's own name), all nodes at once; only what changed travels, so a second run "
-        "with nothing changed sends no file. Jobs then use --data-dir NAME (relative paths "
-        "resolve under data_root, on the nodes and in the containers).",
+        "with nothing changed sends no file. On each node the changed files are put in place "
+        "only once all have arrived (they need their size free beside the copy), so a copy "
+        "stopped part way leaves the node's previous copy as it was. Jobs then use --data-dir "
+        "NAME (relative paths resolve under data_root, on the nodes and in the containers).",
     )
     _nodes_options(data)
     data.add_argument("source", nargs="?", help="the dataset directory (make data SRC=dir)")
@@ -467,8 +469,8 @@ def _data(args: argparse.Namespace) -> int:
         f"{destination} on {len(hosts)} node(s)...",
         flush=True,
     )
-    sent = sync.push(
-        inventory, hosts, tree, destination, lambda line: print(line, flush=True), label="data"
+    sent = sync.push_dataset(
+        inventory, hosts, tree, destination, lambda line: print(line, flush=True)
     )
     for name, done in sent.items():
         print(

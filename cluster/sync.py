@@ -380,10 +380,19 @@ def remote_target(host: Host, path: str) -> str:
 
 
 def rsync_command(
-    inventory: Inventory, host: Host, tree: Tree, destination: str, exclude_file: Path | None
+    inventory: Inventory,
+    host: Host,
+    tree: Tree,
+    destination: str,
+    exclude_file: Path | None,
+    all_at_once: bool = False,
 ) -> list[str]:
     """Mirror `tree` into `destination` on `host`: changed files by delta, files gone here
-    removed there, excluded paths (ignored outputs, caches) neither sent nor removed."""
+    removed there, excluded paths (ignored outputs, caches) neither sent nor removed.
+    `all_at_once` (a dataset's copy): the changed files wait in DESTINATION/.~tmp~ until every
+    one has arrived, then are renamed into place and the files gone here removed, so a copy
+    stopped part way (Ctrl-C, a full disk, a lost link) leaves the node's previous copy as it
+    was, not a mix of old and new files. It needs the changed files' size free beside them."""
     command = [
         "rsync",
         "--recursive",
@@ -391,6 +400,7 @@ def rsync_command(
         "--perms",
         "--times",
         "--delete",
+        *(["--delay-updates", "--delete-delay"] if all_at_once else []),
         "--stats",
         "--info=progress2",
         "--no-inc-recursive",
@@ -478,15 +488,23 @@ def push(
     """Mirror `tree` to `destination` on every host at once. A node that fails is one
     UserError naming it (the first such, after every transfer has ended)."""
     done = push_each(inventory, hosts, tree, destination, emit, label)
+    _raise_first_failure(done, tree, destination)
+    return done  # type: ignore[return-value]
+
+
+def _raise_first_failure(
+    done: dict[str, Sent | str], tree: Tree, destination: str, after: str = ""
+) -> None:
     for name, outcome in done.items():
         if isinstance(outcome, str):
             raise UserError(
-                f"on {name}: copying {tree.root} to {destination} failed: {outcome}",
-                hint="'make provision' (it installs rsync and makes the directories), or "
+                f"on {name}: copying {tree.root} to {destination} failed: {outcome}{after}",
+                hint=f"freeing space on {name}, then the same command again"
+                if "No space left on device" in outcome
+                else "'make provision' (it installs rsync and makes the directories), or "
                 "'make netcheck' if the node is unreachable",
                 exit_code=1,
             )
-    return done  # type: ignore[return-value]
 
 
 def push_each(
@@ -496,6 +514,7 @@ def push_each(
     destination: str,
     emit: Emit = print,
     label: str = "sync",
+    all_at_once: bool = False,
 ) -> dict[str, Sent | str]:
     """Like `push`, but a node that fails gets the reason instead of its Sent."""
     if shutil.which("rsync") is None:
@@ -510,7 +529,7 @@ def push_each(
 
         def one(host: Host) -> Sent | str:
             started = time.monotonic()
-            command = rsync_command(inventory, host, tree, destination, exclude_file)
+            command = rsync_command(inventory, host, tree, destination, exclude_file, all_at_once)
             stats, error = _run_rsync(command, host, emit, label)
             if error:
                 return error
@@ -522,6 +541,40 @@ def push_each(
             )
 
         return on_all(list(hosts), one)
+
+
+def push_dataset(
+    inventory: Inventory,
+    hosts: tuple[Host, ...] | list[Host],
+    tree: Tree,
+    destination: str,
+    emit: Emit = print,
+) -> dict[str, Sent]:
+    """`make data`: `tree` mirrored to `destination` on every host, all at once on each (see
+    rsync_command). A node whose copy fails keeps the copy it had, said with the nodes that got
+    the new one; Ctrl-C says which copy each node may hold before it ends the command."""
+    try:
+        done = push_each(inventory, hosts, tree, destination, emit, "data", all_at_once=True)
+    except KeyboardInterrupt:
+        emit(
+            f"[data] stopped: each node's {destination} is the new copy where its transfer had "
+            "ended, else the one it had before (the new files are put in place only once all "
+            f"have arrived; those that did wait in {destination}/{PARTIAL_DIR}): run the same "
+            "command again before a job reads it"
+        )
+        raise
+    failed = [name for name, outcome in done.items() if isinstance(outcome, str)]
+    new = [name for name in done if name not in failed]
+    after = f". {', '.join(failed)} kept the copy {'it' if len(failed) == 1 else 'they'} had"
+    after += f" (the new files wait in {destination}/{PARTIAL_DIR}, put in place only once all"
+    after += " have arrived)"
+    if new:
+        after += f"; {', '.join(new)} got the new one: the nodes differ until it succeeds"
+    _raise_first_failure(done, tree, destination, after)
+    return done  # type: ignore[return-value]
+
+
+PARTIAL_DIR = ".~tmp~"  # rsync's holding directory under --delay-updates
 
 
 def summary_line(tree: Tree, destination: str, sent: dict[str, Sent]) -> str:
