@@ -80,6 +80,7 @@ class Setup:
         self.inventory = tmp_path / "inventory.yml"
         self.inventory.write_text(inventory_text(hosts, data_root=PLACEHOLDER))
         self.dataset = tmp_path / "ds"
+        self.started: list[subprocess.Popen] = []
         self.paused = tmp_path / "paused"
         self.env = {
             **os.environ,
@@ -93,7 +94,18 @@ class Setup:
     def copy_on(self, address: str) -> Path:
         return self.roots / address / "ds"
 
+    def stop_all(self) -> None:
+        """Whatever a failed test left running (its rsync and the stand-in), killed."""
+        for process in self.started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
     def data(self, **env: str) -> subprocess.Popen:
+        self.started.append(process := self._data(env))
+        return process
+
+    def _data(self, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "torch_multinode.cluster.cli", "data"]
             + ["--inventory", str(self.inventory), str(self.dataset)],
@@ -125,8 +137,17 @@ def _write(dataset: Path, version: str, big: int = 0) -> dict[str, bytes]:
     return _files(dataset)
 
 
-def test_ctrl_c_part_way_through_make_data_leaves_the_nodes_copy_as_it_was(tmp_path):
-    setup = Setup(tmp_path, ["192.0.2.1"])
+@pytest.fixture
+def nodes_here(tmp_path):
+    """Setup(addresses): the stand-in and inventory for those "nodes"; nothing left running."""
+    made: list[Setup] = []
+    yield lambda addresses: made.append(Setup(tmp_path, addresses)) or made[-1]
+    for setup in made:
+        setup.stop_all()
+
+
+def test_ctrl_c_part_way_through_make_data_leaves_the_nodes_copy_as_it_was(nodes_here):
+    setup = nodes_here(["192.0.2.1"])
     v1 = _write(setup.dataset, "v1")
     first = setup.data()
     out, err = first.communicate(timeout=120)
@@ -135,13 +156,9 @@ def test_ctrl_c_part_way_through_make_data_leaves_the_nodes_copy_as_it_was(tmp_p
 
     v2 = _write(setup.dataset, "v2", big=30_000_000)
     stopped = setup.data(PAUSE_AFTER="ds/.~tmp~/a.bin")  # v2's a.bin whole, z.bin on its way
-    try:
-        wait_until(setup.paused.exists, 120, "the copy never reached its pause")
-        os.killpg(stopped.pid, signal.SIGINT)  # Ctrl-C in the terminal
-        out, err = stopped.communicate(timeout=60)
-    finally:
-        if stopped.poll() is None:
-            os.killpg(stopped.pid, signal.SIGKILL)
+    wait_until(setup.paused.exists, 120, "the copy never reached its pause")
+    os.killpg(stopped.pid, signal.SIGINT)  # Ctrl-C in the terminal
+    out, err = stopped.communicate(timeout=60)
     assert stopped.returncode == 130, out + err
     assert err.splitlines()[-1] == "Interrupted.", err
     destination = f"{PLACEHOLDER}/ds"
@@ -161,8 +178,8 @@ def test_ctrl_c_part_way_through_make_data_leaves_the_nodes_copy_as_it_was(tmp_p
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
-def test_a_full_disk_on_one_node_keeps_its_copy_and_says_the_nodes_differ(tmp_path):
-    setup = Setup(tmp_path, ["192.0.2.1", "192.0.2.2"])
+def test_a_full_disk_on_one_node_keeps_its_copy_and_says_the_nodes_differ(nodes_here):
+    setup = nodes_here(["192.0.2.1", "192.0.2.2"])
     (setup.roots / "192.0.2.1").mkdir()
     with small_filesystem(setup.roots / "192.0.2.2", "2m"):
         v1 = _write(setup.dataset, "v1")
