@@ -76,6 +76,21 @@ def no_fetch(monkeypatch):
     monkeypatch.setattr(ending.staging, "fetch_run_dir", lambda *args: NO_FETCH)
 
 
+def fetching(monkeypatch, cluster: Cluster) -> list[tuple[str, str]]:
+    """The master's run directory "brought back" after each run: (node, run directory) as
+    asked, 2 files from a node that answers, ssh's refusal from one that is down."""
+    asked: list[tuple[str, str]] = []
+
+    def fetch(inventory, master, run_dir, local):
+        asked.append((master.name, run_dir))
+        if master.name in cluster.nodes.down:
+            return 0, f"ssh: connect to host {master.ssh_address} port 22: Connection timed out"
+        return 2, None
+
+    monkeypatch.setattr(ending.staging, "fetch_run_dir", fetch)
+    return asked
+
+
 def _backend(job, cluster: Cluster, said: list[str], log_dir: Path, min_nodes=2) -> SshBackend:
     spec = JobSpec(run_id="tmn-e", log_dir=log_dir)
     return SshBackend(
@@ -180,13 +195,16 @@ def test_a_probe_that_fails_names_what_the_check_said_not_its_whole_command():
 
 
 def test_the_master_silent_for_a_moment_is_waited_for_and_the_job_goes_on_on_the_survivors(
-    tmp_path, no_fetch
+    tmp_path, monkeypatch
 ):
     """node3 killed before any output, and node1 (the master) not answering the restart's first
     probe: it answers within the wait, node3 is dropped, and restart 1 runs on node1 and
-    node2, node1 still the master, from no checkpoint (no step to name)."""
+    node2, node1 still the master, from no checkpoint (no step to name). The data-safety
+    matrix's run directory brought home x a node killed before the first checkpoint: the
+    master's run directory of each run comes home, the failed one's and the restart's."""
     job = _three()
     cluster = _cluster(job)
+    fetched = fetching(monkeypatch, cluster)
     said: list[str] = []
     backend = _backend(job, cluster, said, tmp_path / "tmn-e")
     probed: list[str] = []
@@ -211,11 +229,20 @@ def test_the_master_silent_for_a_moment_is_waited_for_and_the_job_goes_on_on_the
     )
     second = [c for _, c in cluster.nodes.commands if "TMN_RUN_ID=tmn-e-r1" in c]
     assert second and all("10.7.0.1:29400" in c for c in second), second  # n1's compute IP
+    runs = staging.REMOTE_RUN_ROOT
+    assert fetched == [("n1", f"{runs}/tmn-e"), ("n1", f"{runs}/tmn-e-r1")]  # both runs'
+    assert result.brought_back == f"2 file(s) from n1:{runs}/tmn-e-r1"
+    assert not [line for line in said if line.startswith("[launcher] the run directory")]
 
 
-def test_the_master_lost_for_good_makes_the_next_node_the_master_of_the_restart(tmp_path, no_fetch):
+def test_the_master_lost_for_good_makes_the_next_node_the_master_of_the_restart(
+    tmp_path, monkeypatch
+):
+    """And its run directory: not brought home from the lost master, said with ssh's cause;
+    the restart's, from its new master, is."""
     job = _three()
     cluster = _cluster(job, then={"n1"})  # n1 and n3 gone as the first run ends
+    fetched = fetching(monkeypatch, cluster)
     said: list[str] = []
     backend = _backend(job, cluster, said, tmp_path / "tmn-e", min_nodes=1)
     result = run_with_restarts(backend, backend.spec, 1, said.append)
@@ -227,6 +254,14 @@ def test_the_master_lost_for_good_makes_the_next_node_the_master_of_the_restart(
         "n3 lost at restart 1: dropped",
         "continuing on n2: 1 of 3 nodes (--min-nodes 1)",
     )
+    runs = staging.REMOTE_RUN_ROOT
+    assert fetched == [("n1", f"{runs}/tmn-e"), ("n2", f"{runs}/tmn-e-r1")]
+    lost = (
+        f"not copied from n1:{runs}/tmn-e: ssh: connect to host 10.1.0.1 port 22: Connection "
+        "timed out"
+    )
+    assert f"[launcher] the run directory n1:{runs}/tmn-e was {lost}" in said
+    assert result.brought_back == f"2 file(s) from n2:{runs}/tmn-e-r1"
 
 
 @dataclass
