@@ -145,6 +145,10 @@ _KNOCK_ON = re.compile(
     r"|got signal: 15|SignalException|Signals\.SIGTERM|Watchdog caught collective"
 )
 _RANK = re.compile(r"^\[(?:default)?rank(\d+)\]:\s?")
+# Where a rank's prefixed line begins in the middle of another's: ranks share one output, and
+# a line written in two pieces (print under PYTHONUNBUFFERED: the text, then its newline) can
+# take another rank's in between ("rank 0 ready[rank1]: Traceback ..."; seen in CI run 25).
+_GLUED = re.compile(r"(?<=.)(?=\[(?:default)?rank\d+\]: )")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _RAISED = re.compile(r"^(?P<kind>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
@@ -177,7 +181,7 @@ def exceptions(lines: list[str]) -> list[Raised]:
     frames: dict[str | None, list[tuple[str, str]] | None] = {}
     found: list[Raised] = []
     chained: set[str | None] = set()
-    for raw in lines:
+    for raw in (part for glued in lines for part in _GLUED.split(glued)):
         match = _RANK.match(raw)
         rank, line = (match.group(1), raw[match.end() :]) if match else (None, raw)
         if line.startswith("Traceback (most recent call last):"):

@@ -58,6 +58,18 @@ def test_a_local_summary_leads_with_the_rank_that_raised_not_the_peer_that_print
     assert lines[3] == "Last lines:"
 
 
+def test_a_traceback_whose_first_line_was_glued_to_another_ranks_still_leads():
+    """CI run 25: rank 0's "rank 0 ready" went out as its text, then its newline, and rank 1's
+    first traceback line came in between: rank 1's ValueError is still the cause."""
+    glued = ["rank 1 ready", "rank 0 ready[rank1]: Traceback (most recent call last):"]
+    tail = glued + TAIL[3:]
+    lines = local.summary("tmn-1", 1, 40.5, tail)
+    assert lines[:2] == [
+        "Job tmn-1 FAILED on this machine after 40.5 s (rank 1; rank 0 exited first, exit 1).",
+        "Cause: rank 1 raised ValueError: bad batch shape (3, 5) (at /work/main/train.py:17)",
+    ]
+
+
 def test_exceptions_keep_a_chains_last_and_leave_out_torchruns_own_report():
     lines = [
         "Traceback (most recent call last):",
