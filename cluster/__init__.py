@@ -19,6 +19,7 @@ nccl_transport and versions also run on the nodes (cluster.sync.NODE_SIDE).
     engine            the controller's Docker engine: the one way `docker` is called, Debian bases
     sync              a project, a dataset or our node-side code sent to the nodes (rsync over
                       SSH), and each node's copy checked
+    datasets          `make data`: each node's copy of a dataset replaced all at once
     files             the controller's files written whole or not at all (beside the inventory,
                       in the run directories)
     slurm             Slurm's queue seen and changed from the controller (squeue, scancel)

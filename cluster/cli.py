@@ -456,7 +456,7 @@ def _lock(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from torch_multinode.cluster import sync
+    from torch_multinode.cluster import datasets, sync
 
     if not args.source:
         raise UserError("no dataset directory given", hint="make data SRC=path/to/dataset")
@@ -469,7 +469,7 @@ def _data(args: argparse.Namespace) -> int:
         f"{destination} on {len(hosts)} node(s)...",
         flush=True,
     )
-    sent = sync.push_dataset(
+    sent = datasets.push_dataset(
         inventory, hosts, tree, destination, lambda line: print(line, flush=True)
     )
     for name, done in sent.items():

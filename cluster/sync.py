@@ -488,13 +488,14 @@ def push(
     """Mirror `tree` to `destination` on every host at once. A node that fails is one
     UserError naming it (the first such, after every transfer has ended)."""
     done = push_each(inventory, hosts, tree, destination, emit, label)
-    _raise_first_failure(done, tree, destination)
+    raise_first_failure(done, tree, destination)
     return done  # type: ignore[return-value]
 
 
-def _raise_first_failure(
+def raise_first_failure(
     done: dict[str, Sent | str], tree: Tree, destination: str, after: str = ""
 ) -> None:
+    """push_each's first failed node as one UserError: rsync's cause, then `after`."""
     for name, outcome in done.items():
         if isinstance(outcome, str):
             raise UserError(
@@ -541,40 +542,6 @@ def push_each(
             )
 
         return on_all(list(hosts), one)
-
-
-def push_dataset(
-    inventory: Inventory,
-    hosts: tuple[Host, ...] | list[Host],
-    tree: Tree,
-    destination: str,
-    emit: Emit = print,
-) -> dict[str, Sent]:
-    """`make data`: `tree` mirrored to `destination` on every host, all at once on each (see
-    rsync_command). A node whose copy fails keeps the copy it had, said with the nodes that got
-    the new one; Ctrl-C says which copy each node may hold before it ends the command."""
-    try:
-        done = push_each(inventory, hosts, tree, destination, emit, "data", all_at_once=True)
-    except KeyboardInterrupt:
-        emit(
-            f"[data] stopped: each node's {destination} is the new copy where its transfer had "
-            "ended, else the one it had before (the new files are put in place only once all "
-            f"have arrived; those that did wait in {destination}/{PARTIAL_DIR}): run the same "
-            "command again before a job reads it"
-        )
-        raise
-    failed = [name for name, outcome in done.items() if isinstance(outcome, str)]
-    new = [name for name in done if name not in failed]
-    after = f". {', '.join(failed)} kept the copy {'it' if len(failed) == 1 else 'they'} had"
-    after += f" (the new files wait in {destination}/{PARTIAL_DIR}, put in place only once all"
-    after += " have arrived)"
-    if new:
-        after += f"; {', '.join(new)} got the new one: the nodes differ until it succeeds"
-    _raise_first_failure(done, tree, destination, after)
-    return done  # type: ignore[return-value]
-
-
-PARTIAL_DIR = ".~tmp~"  # rsync's holding directory under --delay-updates
 
 
 def summary_line(tree: Tree, destination: str, sent: dict[str, Sent]) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes import FakeNodes
-from tests.helpers import inventory, inventory_text, node
+from tests.helpers import MANAGEMENT_NET, inventory, inventory_text, node
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Result
 from torch_multinode.launch import backends, cli, ending, record, staging
@@ -257,8 +257,8 @@ def test_the_master_lost_for_good_makes_the_next_node_the_master_of_the_restart(
     runs = staging.REMOTE_RUN_ROOT
     assert fetched == [("n1", f"{runs}/tmn-e"), ("n2", f"{runs}/tmn-e-r1")]
     lost = (
-        f"not copied from n1:{runs}/tmn-e: ssh: connect to host 10.1.0.1 port 22: Connection "
-        "timed out"
+        f"not copied from n1:{runs}/tmn-e: ssh: connect to host {MANAGEMENT_NET}.1 port 22: "
+        "Connection timed out"
     )
     assert f"[launcher] the run directory n1:{runs}/tmn-e was {lost}" in said
     assert result.brought_back == f"2 file(s) from n2:{runs}/tmn-e-r1"
