@@ -2,7 +2,7 @@
 nodes equal one plain process (within 1e-5, as on one machine) with each rank holding half a
 replica; a rank killed while writing a checkpoint and RESTARTS=1 ends bit for bit where the
 uninterrupted run does; the uninterrupted run, saved on 2 nodes to /shared, resumes on 1;
-node-local checkpoints refuse to be resharded."""
+node-local checkpoints refuse to be resharded; a full node-local disk is one line naming its node."""
 
 from __future__ import annotations
 
@@ -168,3 +168,36 @@ def test_node_local_checkpoints_are_not_resharded(provisioned):
         r"node-local disks .*resharding needs storage every node sees",
         refused.stdout,
     ), refused.stdout
+
+
+def test_a_full_node_local_disk_in_containers_is_one_error_line_naming_the_node(provisioned):
+    """The data-safety matrix's FSDP2 node-local x full disk, in the training containers: node2's
+    checkpoint directory is a small filesystem of its own, mounted on the node before the job
+    (the container sees it through its mount of checkpoint_root) and filled up. The first write
+    fails there, every rank says the same one line naming node2's directory and node2, and
+    nothing under a step's name is left on either node."""
+    name = f"fsdp-full-{uuid.uuid4().hex[:8]}"
+    directory = f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
+    on_node(
+        provisioned.cluster,
+        2,
+        f"mkdir -p {directory} && mount -t tmpfs -o size=64k tmpfs {directory} && "
+        f"(dd if=/dev/zero of={directory}/filler bs=4k 2>/dev/null; true)",
+    )
+    try:
+        args = _args("--checkpoint-dir", name).replace("--steps 20", "--steps 5")
+        full = _train(provisioned, args)
+        assert full.returncode != 0, full.stdout[-3000:]
+        error = (
+            f"Error: cannot write checkpoint step 5 to {directory} on node2: No space left on "
+            "device (try freeing space there, or another --checkpoint-dir)"
+        )
+        lines = full.stdout.splitlines()
+        for node in ("node1", "node2"):  # the ranks agree on node2's failure
+            assert f"[{node}] {error}" in lines, full.stdout[-3000:]
+        for index in (1, 2):
+            steps = on_node(provisioned.cluster, index, f"ls -A {directory} | grep '^step-'; true")
+            assert steps.split() == [], (index, steps)
+    finally:
+        on_node(provisioned.cluster, 2, f"umount {directory}; rm -rf {directory}", check=False)
+        on_node(provisioned.cluster, 1, f"rm -rf {directory}", check=False)
