@@ -1,7 +1,7 @@
 """What every room shares: the one inventory, SSH to the nodes and what runs over it, the
 training container's options, Docker, Slurm's queue, errors, versions and the version lock.
-The simulated cluster is sim/'s, not this room's. Runs on the controller; errors, jobenv,
-nccl_transport and versions also run on the nodes (cluster.sync.NODE_SIDE).
+The simulated cluster is sim/'s, not this room's. Runs on the controller; durable, errors,
+jobenv, nccl_transport and versions also run on the nodes (cluster.sync.NODE_SIDE).
 
     inventory         the one inventory: Host, Inventory, load, parse, a checked one assembled
     inventory_read    an inventory file read into the document the checks run on (YAML, or
@@ -20,6 +20,7 @@ nccl_transport and versions also run on the nodes (cluster.sync.NODE_SIDE).
     sync              a project, a dataset or our node-side code sent to the nodes (rsync over
                       SSH), and each node's copy checked
     datasets          `make data`: each node's copy of a dataset replaced all at once
+    durable           the one durable write: temp file, fsync, rename, directory fsync
     files             the controller's files written whole or not at all (beside the inventory,
                       in the run directories)
     slurm             Slurm's queue seen and changed from the controller (squeue, scancel)

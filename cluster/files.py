@@ -1,14 +1,15 @@
 """Files the controller keeps beside the inventory and in the run directories, written whole or
-not at all: a reader (the launcher, a script, a second make) never finds half of one."""
+not at all (cluster.durable's write): a reader (the launcher, a script, a second make) never
+finds half of one."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
-import tempfile
 from pathlib import Path
 
+from torch_multinode.cluster import durable
 from torch_multinode.cluster.errors import UserError
 
 
@@ -19,20 +20,9 @@ def beside_inventory(inventory_path: str | os.PathLike, name: str) -> Path:
     return (inventory if inventory.is_dir() else inventory.parent) / name
 
 
-def write_atomically(path: str | os.PathLike, text: str) -> None:
-    """`text` as the whole of `path` (readable by all), through a temporary file beside it
-    that takes its name at once; nothing is left behind when writing fails."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+# `text` as the whole of `path`, durably (readable by all, fsynced, renamed into place): the one
+# durable write, cluster.durable's.
+write_atomically = durable.write_atomically
 
 
 def write_nodes(path: str | os.PathLike, nodes: dict, what: str, hint: str) -> Path:

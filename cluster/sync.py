@@ -62,7 +62,7 @@ RSYNC_TIMEOUT = 30  # rsync's own I/O timeout: a node that stops answering ends 
 # workloads import cluster's stdlib-only node side. tests/test_rooms.py holds these modules to
 # their import rules and checks that everything they import travels with them.
 NODE_SIDE: dict[str, tuple[str, ...] | None] = {
-    "cluster": ("errors", "jobenv", "nccl_transport", "versions"),
+    "cluster": ("durable", "errors", "jobenv", "nccl_transport", "versions"),
     "netcheck": ("bandwidth", "collective", "softprobe"),
     "training": None,
 }

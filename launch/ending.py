@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch_multinode.cluster import durable
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.launch import staging
 from torch_multinode.launch.commands import run_dir
@@ -273,9 +274,6 @@ def record_exit_code(code: int, environ=os.environ) -> None:
         return
     target = Path(path)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}")
-        partial.write_text(f"{code}\n")
-        partial.replace(target)  # whole or absent, never half-written
+        durable.write_atomically(target, f"{code}\n")  # whole or absent, never half-written
     except OSError as exc:
         print(f"[launcher] could not write the exit code to {path}: {exc}", file=sys.stderr)

@@ -1,12 +1,11 @@
 """Files between two ranks over a gloo group (replicate's copies): every file's size, then its
 bytes in pieces of CHUNK bytes as CPU tensors, received into a temporary name beside the file,
-fsynced and renamed into place once whole (AtomicFile), paced to a bandwidth cap.
+fsynced and renamed into place once whole (cluster.durable's AtomicFile), paced to a bandwidth
+cap.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,34 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torch_multinode.training.checkpointing import durable
+from torch_multinode.cluster.durable import AtomicFile  # each received file, written whole
 
 CHUNK = 4 << 20  # bytes per message
-
-
-class AtomicFile:
-    """A file received in pieces: written under a temporary name beside `path`, which takes
-    the name only at commit(), fsynced; aborted, or never committed, `path` is untouched."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        descriptor, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(descriptor, durable.FILE_MODE)  # as the sender's file, not mkstemp's 0600
-        self.temporary, self.file = Path(name), os.fdopen(descriptor, "wb")
-
-    def write(self, data: bytes) -> None:
-        self.file.write(data)
-
-    def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.temporary, self.path)
-        durable.sync_directory(self.path.parent)
-
-    def abort(self) -> None:
-        self.file.close()
-        self.temporary.unlink(missing_ok=True)
 
 
 # -- the stream: sizes, then every file's bytes in pieces --------------------------------------

@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from torch_multinode.cluster import durable
 from torch_multinode.cluster.jobenv import (
     FLIGHT_BUFFER_VARIABLE,
     FLIGHT_DUMP,
@@ -56,10 +57,7 @@ def trace_json(backend: str | None = None) -> bytes:
 
 def write(out: Path, backend: str | None = None) -> None:
     """The trace into `out`, whole or not at all (a reader never sees half of it)."""
-    data = trace_json(backend)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_bytes(data)
-    os.replace(partial, out)
+    durable.write_atomically(out, trace_json(backend))
 
 
 def _serve(request: Path, out: Path, poll: float) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_multinode.cluster import durable
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.settings import console
 
@@ -261,10 +262,7 @@ def remember(cache: Cache, timings: dict[str, float], now: float) -> None:
     entries = [e for e in entries if not (isinstance(e, dict) and e.get("key") == cache.key)]
     entries.append({"key": cache.key, "measured_at": now, "timings": timings})
     try:
-        cache.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = cache.path.with_name(f".{cache.path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(entries, indent=1) + "\n", encoding="utf-8")
-        os.replace(temporary, cache.path)
+        durable.write_atomically(cache.path, json.dumps(entries, indent=1) + "\n")
     except OSError as error:
         console.emit(f"warning: cannot write the comm-hook cache {cache.path}: {error.strerror}")
 

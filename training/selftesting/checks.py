@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_multinode.cluster import nccl_transport
+from torch_multinode.cluster import durable, nccl_transport
 from torch_multinode.training.checkpointing import checkpoint
 from torch_multinode.training.distributed import flight, parallel
 
@@ -392,9 +392,7 @@ def _dcp_index(job: Job, directory: Path) -> None:
     data = index.read_bytes() if job.env.is_main else None
     data = job.gather(data)[0]
     if not index.exists():  # several ranks of a node may copy it: each renames a whole file
-        copy = directory / f".metadata.rank{job.env.rank}"
-        copy.write_bytes(data)
-        os.replace(copy, index)
+        durable.write_atomically(index, data)
 
 
 def check_fsdp2_dcp(job: Job) -> str:
