@@ -14,8 +14,8 @@ jobenv, nccl_transport and versions also run on the nodes (cluster.sync.NODE_SID
     remote            every SSH connection (Fabric, paramiko), host keys checked by trust's policy
     execution         how netcheck and the launcher reach the nodes (Nodes, SshNodes) and where
                       the training stack lives there (HostContext, ContainerContext)
-    containers        the training container's `docker run` options, shared by jobs and
-                      netcheck's probes
+    containers        every container command line: the job's `docker run` and netcheck's
+                      probes', on one set of options (RDMA devices, NCCL's configuration)
     engine            the controller's Docker engine: the one way `docker` is called, Debian bases
     sync              a project, a dataset or our node-side code sent to the nodes (rsync over
                       SSH), and each node's copy checked

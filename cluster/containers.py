@@ -1,5 +1,19 @@
-"""How a training container is started on a node: one definition for the launcher's jobs and
-for netcheck's probes, so netcheck checks exactly the environment jobs get."""
+"""Every container command line, in one file: the `docker run` of the launcher's jobs and of
+netcheck's probes, built from one set of options, so netcheck checks exactly the environment
+jobs get. launch.commands and cluster.execution only call it: no option of a job's or a
+probe's container is written anywhere else.
+
+- `job_container_command`: a job's container on one node (its whole lifetime), with the job's
+  mounts, working directory, variables, ptrace and name (`container_name`).
+- `probe_container_command`: netcheck's probe container, with its own label and, where
+  netcheck's code was sent, that code mounted and on the import path.
+- `training_container_options`: the options both start with (network, IPC, ulimits, GPUs,
+  NCCL's configuration, label); `container_command`: the line from options, image, command,
+  with the node's RDMA options (`rdma_options`) between them.
+- `NCCL_CONF_GUARD`: the shell test both lines are prefixed with.
+
+Callers pass plain values (run ID, node name, label), never a launch.spec.JobSpec: cluster/
+imports nothing of launch/."""
 
 from __future__ import annotations
 
@@ -86,3 +100,61 @@ def training_container_options(host: Host, memlock: str, label: str) -> list[str
     if host.gpus > 0:
         options += ["--gpus", "all"]
     return options
+
+
+def job_container_command(
+    host: Host,
+    run_id: str,
+    label: str,
+    image: str,
+    env: dict[str, str],
+    workdir: str,
+    command: list[str],
+    memlock: str = "unlimited",
+    mounts: list[tuple[str, bool]] | None = None,
+) -> str:
+    """The training container for one node, as shell text: NCCL_CONF_GUARD, then the shell
+    gives way (exec) to a `docker run` that lasts the job's whole lifetime, removed when it
+    ends. Labelled `label` (the launcher's run label, which its stop filters on), named
+    container_name(run_id, host.name). Every node directory the job reads or writes, `mounts`
+    (path, read-only), is mounted at the same path, each path once (its first entry decides);
+    the job runs in `workdir` with `env`. The node's RDMA devices are passed where it has them
+    (container_command)."""
+    options = training_container_options(host, memlock, label)
+    # py-spy reads the ranks' stacks when the job hangs (launch/hang.py): ptrace within the
+    # container's own PID namespace, where Yama (Ubuntu's default) asks for the capability.
+    options += ["--cap-add", "SYS_PTRACE", "--name", container_name(run_id, host.name)]
+    seen: set[str] = set()
+    for path, read_only in mounts or []:
+        if path not in seen:
+            seen.add(path)
+            options += ["-v", f"{path}:{path}" + (":ro" if read_only else "")]
+    options += ["-w", workdir]
+    for key, value in env.items():
+        options += ["-e", f"{key}={value}"]
+    return f"{NCCL_CONF_GUARD} && exec {container_command(options, image, command)}"
+
+
+def container_name(run_id: str, node: str) -> str:
+    """The job's container on `node`."""
+    return f"{run_id}-{node}"
+
+
+def probe_container_command(
+    host: Host,
+    image: str,
+    memlock: str,
+    label: str,
+    command: str,
+    code_dir: str | None = None,
+    python_path: str | None = None,
+) -> str:
+    """netcheck's probe container on one node, as shell text: NCCL_CONF_GUARD, then a `docker
+    run` of the job's own options (training_container_options, the node's RDMA options) that
+    runs `command` with sh, labelled `label` (what netcheck's cleanup filters on). The image
+    holds no project code: where netcheck's code was sent to `code_dir`, it is mounted
+    read-only at the same path and `python_path` (its import path) is the PYTHONPATH."""
+    options = training_container_options(host, memlock, label)
+    if code_dir:
+        options += ["-v", f"{code_dir}:{code_dir}:ro", "-e", f"PYTHONPATH={python_path}"]
+    return f"{NCCL_CONF_GUARD} && " + container_command(options, image, ["sh", "-c", command])

@@ -13,7 +13,7 @@ plain code that tests drive with one fake (tests/fakes.py).
 
 `Context` says where the training stack lives on a node, as the inventory's launch_mode says:
 on the host itself (`HostContext`, training_python) or inside the training image
-(`ContainerContext`, started as the launcher starts a job, through cluster.containers).
+(`ContainerContext`, started as the launcher starts a job: cluster.containers writes both).
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ import socket
 import threading
 from typing import Protocol
 
-from torch_multinode.cluster.containers import (
-    NCCL_CONF_GUARD,
-    container_command,
-    training_container_options,
-)
+from torch_multinode.cluster.containers import probe_container_command
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import Remote, Result
 
@@ -198,7 +194,8 @@ NETCHECK_LABEL = "torch-multinode.netcheck"
 
 class ContainerContext:
     """Jobs run in the training image (launch_mode: container), so the probes run there too,
-    started exactly the way the launcher starts a job (cluster.containers)."""
+    started exactly the way the launcher starts a job (cluster.containers'
+    probe_container_command)."""
 
     name = "container"
     PYTHON = "python3"  # the image's PATH puts its own torch-carrying interpreter first
@@ -215,16 +212,14 @@ class ContainerContext:
         return f"the training image {self.image}"
 
     def wrap(self, host: Host, command: str, token: str) -> str:
-        options = training_container_options(host, self.memlock, f"{NETCHECK_LABEL}={token}")
-        if self.code_dir:
-            options += [
-                "-v",
-                f"{self.code_dir}:{self.code_dir}:ro",
-                "-e",
-                f"PYTHONPATH={_import_path(self.code_dir)}",
-            ]
-        return f"{NCCL_CONF_GUARD} && " + container_command(
-            options, self.image, ["sh", "-c", command]
+        return probe_container_command(
+            host,
+            self.image,
+            self.memlock,
+            f"{NETCHECK_LABEL}={token}",
+            command,
+            self.code_dir,
+            _import_path(self.code_dir) if self.code_dir else None,
         )
 
     def cleanup(self, token: str) -> str | None:

@@ -16,8 +16,8 @@ torchrun's part of them) lives in training/.
                   wins, the names ENV= may not set
     nodes         per-node decisions: GPUs, process counts, the job's backend, what torchrun runs
     commands      the shell commands sent to the nodes, as pure functions: torchrun, the job's
-                  `docker run` (on cluster.containers' options), the port lock, the link probe,
-                  the stop
+                  command (its `docker run` is cluster.containers'), the port lock, the link
+                  probe, the stop
     job           one run over SSH (Launcher): prepare, start, conclude
     prepare       the nodes readied: the port lock, each node's GPUs, copy, directories, image,
                   secrets, and its versions against the version lock

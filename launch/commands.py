@@ -1,16 +1,13 @@
 """The shell commands sent to the nodes, as pure functions of the job and the node: the
-torchrun, the container around it, the port lock, the link probe and the stop."""
+torchrun, the container around it (its `docker run` written by cluster.containers), the port
+lock, the link probe and the stop."""
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import replace
 
-from torch_multinode.cluster.containers import (
-    NCCL_CONF_GUARD,
-    container_command,
-    training_container_options,
-)
+from torch_multinode.cluster.containers import job_container_command
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import staging
 from torch_multinode.launch.environment import node_environment
@@ -73,7 +70,8 @@ def remote_command(
     """The one shell command that runs a node's part of the job, in launch mode `mode`: in the
     project's directory with the project on the import path (without a project: in the run
     directory, as torchrun by hand would), secrets read from their file (and the file deleted)
-    before anything else starts. A container sees `mounts` (path, read-only) at the same paths."""
+    before anything else starts. A container sees `mounts` (path, read-only) at the same paths
+    (cluster.containers.job_container_command)."""
     directory = run_dir(spec)
     workdir = project.workdir if project is not None else directory
     entry = entry_point(spec, project if project is not None else directory)
@@ -102,49 +100,24 @@ def remote_command(
         mounted = [(directory, False), *mounts]
         if spec.secret_env:
             mounted.append((staging.secrets_dir(spec.run_id), False))
-        command = docker_run_command(
-            host, spec, image or "", variables, workdir, torchrun, memlock, mounted
+        container = job_container_command(
+            host,
+            spec.run_id,
+            f"{RUN_LABEL}={spec.run_id}",
+            image or "",
+            variables,
+            workdir,
+            torchrun,
+            memlock,
+            mounted,
         )
-        return f"mkdir -p {shlex.quote(directory)} && {NCCL_CONF_GUARD} && exec {command}"
+        return f"mkdir -p {shlex.quote(directory)} && {container}"
     command = with_secrets(torchrun_command(host, master, nnodes, spec, port, entry))
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
     return (
         f"mkdir -p {shlex.quote(directory)} && cd {shlex.quote(workdir)} && "
         f"exec env {assignments} {shlex.join(command)}"
     )
-
-
-def docker_run_command(
-    host: Host,
-    spec: JobSpec,
-    image: str,
-    env: dict[str, str],
-    workdir: str,
-    command: list[str],
-    memlock: str = "unlimited",
-    mounts: list[tuple[str, bool]] | None = None,
-) -> str:
-    """The training container for one node, as shell text: the job's whole lifetime, removed
-    when it ends. Every node directory the job reads or writes is mounted at the same path; the
-    node's RDMA devices are passed where it has them (cluster.containers.container_command)."""
-    options = training_container_options(host, memlock, f"{RUN_LABEL}={spec.run_id}")
-    # py-spy reads the ranks' stacks when the job hangs (launch/hang.py): ptrace within the
-    # container's own PID namespace, where Yama (Ubuntu's default) asks for the capability.
-    options += ["--cap-add", "SYS_PTRACE", "--name", container_name(spec.run_id, host.name)]
-    seen: set[str] = set()
-    for path, read_only in mounts or []:
-        if path not in seen:
-            seen.add(path)
-            options += ["-v", f"{path}:{path}" + (":ro" if read_only else "")]
-    options += ["-w", workdir]
-    for key, value in env.items():
-        options += ["-e", f"{key}={value}"]
-    return container_command(options, image, command)
-
-
-def container_name(run_id: str, node: str) -> str:
-    """The job's container on `node`."""
-    return f"{run_id}-{node}"
 
 
 def lock_command(run_id: str, port: int) -> str:

@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import flight, hang
 from torch_multinode.launch.blame import cut_off
-from torch_multinode.launch.commands import container_name, link_probe_command, run_dir
+from torch_multinode.launch.commands import link_probe_command, run_dir
 from torch_multinode.launch.progress import Progress
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
