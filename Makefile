@@ -195,6 +195,7 @@ format: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m tests.import_graph
 	$(BIN)/hadolint docker/Dockerfile docker/sim-node/Dockerfile
 	$(BIN)/yamllint ansible
 	cd ansible && PATH="$(abspath $(BIN)):$$PATH" ansible-lint --profile production

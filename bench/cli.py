@@ -25,7 +25,7 @@ from torch_multinode.bench import (
 )
 from torch_multinode.cluster import engine
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.sim import nodes as sim
 
 SECTIONS = (

@@ -28,7 +28,8 @@ from torch_multinode.bench.measure import (
 )
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import Inventory, load
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.launch.commands import remote_command
 from torch_multinode.launch.environment import interface_env
 from torch_multinode.launch.spec import JobSpec

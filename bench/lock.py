@@ -15,7 +15,7 @@ from pathlib import Path
 from torch_multinode.bench.measure import Progress, Series
 from torch_multinode.cluster import version_lock
 from torch_multinode.cluster.execution import SshNodes
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.cluster.remote import on_all
 
 LOCK_NODES = 4

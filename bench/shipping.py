@@ -18,7 +18,8 @@ from torch_multinode.bench.measure import (
     side_by_side,
 )
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import Inventory, load
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import images
 from torch_multinode.sim import nodes as sim
 

@@ -10,11 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from torch_multinode.cluster import autodetect, engine
-from torch_multinode.cluster import inventory as inventory_module
+from torch_multinode.cluster import autodetect, engine, inventory_read
 from torch_multinode.cluster.errors import ArgumentParser, UserError, at_the_edge, shown
-from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE, GROUP_HELP
-from torch_multinode.cluster.inventory_checks import NODES_GROUP, is_word
+from torch_multinode.cluster.inventory import DEFAULT_TRAINING_IMAGE, NODES_GROUP
+from torch_multinode.cluster.inventory_checks import GROUP_HELP, is_word
 
 INVENTORY_HELP = (
     "the Ansible inventory: a YAML or INI file (group_vars/ and host_vars/ beside it count) or "
@@ -206,7 +205,7 @@ def _progress(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "check":
-        inventory = inventory_module.load(args.inventory, args.group)
+        inventory = inventory_read.load(args.inventory, args.group)
         hosts = inventory.first(args.nnodes).hosts
         print(
             f"inventory {inventory.path}: valid, {len(inventory.hosts)} host(s), "
@@ -233,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         if args.base_image is not None and not is_word(args.base_image):
             raise UserError(f"--base-image {shown(args.base_image)} is not an image name")
         if args.inventory:
-            inventory = inventory_module.load(args.inventory, args.group)
+            inventory = inventory_read.load(args.inventory, args.group)
             if inventory.launch_mode != "container":
                 print(
                     f"inventory {inventory.path}: launch_mode {inventory.launch_mode}, no "
@@ -270,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command in ("queue", "cancel"):
         return _slurm(args)
     if args.command == "hostfile":
-        inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
+        inventory = inventory_read.load(args.inventory, args.group).first(args.nnodes)
         hosts = _found_on_nodes(inventory).hosts  # slots: the GPUs of a `gpus: auto` node
         for host in hosts:
             print(f"{host.name} slots={slots(host)}")
@@ -350,7 +349,7 @@ def _slurm(args: argparse.Namespace) -> int:
 
     if args.command == "cancel" and not args.job:
         raise UserError("no job given", hint="make cancel JOB=<an ID from make queue>")
-    inventory = inventory_module.load(args.inventory, args.group)
+    inventory = inventory_read.load(args.inventory, args.group)
     slurm.require(inventory)
     nodes = SshNodes(inventory)
     try:
@@ -366,7 +365,7 @@ def _slurm(args: argparse.Namespace) -> int:
 def _ready(args: argparse.Namespace) -> int:
     from torch_multinode.provision import bootstrap
 
-    inventory = inventory_module.load(args.inventory, args.group)
+    inventory = inventory_read.load(args.inventory, args.group)
     missing = bootstrap.not_ready(inventory, sudo_without_password=not args.ask_become_pass)
     group = f" GROUP={args.group}" if args.group != NODES_GROUP else ""
     for host in inventory.hosts:
@@ -386,7 +385,7 @@ def _ready(args: argparse.Namespace) -> int:
 def _bootstrap(args: argparse.Namespace) -> int:
     from torch_multinode.provision import bootstrap, keys
 
-    inventory = inventory_module.load(args.inventory, args.group)
+    inventory = inventory_read.load(args.inventory, args.group)
     fingerprints = Path(args.fingerprints) if args.fingerprints else None
     prompter = keys.Prompter(password_stdin=args.password_stdin)
     print(f"Bootstrap of {len(inventory.hosts)} node(s) of {inventory.path}:", flush=True)
@@ -428,7 +427,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
 def _ship(args: argparse.Namespace) -> int:
     from torch_multinode.provision import ship, ship_progress
 
-    inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
+    inventory = inventory_read.load(args.inventory, args.group).first(args.nnodes)
     if inventory.launch_mode != "container" and args.image is None:
         print(f"Jobs of {inventory.path} run on the hosts (launch_mode: host): no image to ship.")
         return 0
@@ -443,7 +442,7 @@ def _lock(args: argparse.Namespace) -> int:
     from torch_multinode.cluster import version_lock
     from torch_multinode.cluster.execution import SshNodes
 
-    inventory = inventory_module.load(args.inventory, args.group).first(args.nnodes)
+    inventory = inventory_read.load(args.inventory, args.group).first(args.nnodes)
     nodes = SshNodes(inventory)
     try:
         # make provision's last step: what its auto values are, now that the nodes are ready
@@ -460,7 +459,7 @@ def _data(args: argparse.Namespace) -> int:
 
     if not args.source:
         raise UserError("no dataset directory given", hint="make data SRC=path/to/dataset")
-    inventory = inventory_module.load(args.inventory, args.group)
+    inventory = inventory_read.load(args.inventory, args.group)
     hosts = inventory.first(args.nnodes).hosts
     tree = sync.data_tree(Path(args.source))
     destination = f"{inventory.data_root}/{sync.safe_name(tree.root.name)}"

@@ -1,11 +1,13 @@
 """What a valid inventory field is: the field vocabulary that the checks and the reading share
-(the nodes' default group, field names, node directories and their defaults, limits), each
-value's check with the message that names the fix, the typo help (a name within a typo of one
-the project reads), and _Problems, which gathers every error and warning of one pass so they
-are raised together (InventoryErrors where there are several).
+(field names, node directories and their defaults, limits), each value's check with the
+message that names the fix, the group name's check, the typo help (a name within a typo of
+one the project reads), and _Problems, which gathers every error and warning of one pass so
+they are raised together (InventoryErrors where there are several).
 
-cluster/inventory.py assembles Host and Inventory from these checks; cluster/inventory_read.py
-turns a file into the document they are run on.
+The inventory flows read -> check -> model: this module imports the model
+(cluster/inventory.py: the defaults, Mount), never the reading; cluster/inventory_validate.py
+assembles Host and Inventory from these checks; cluster/inventory_read.py turns a file into the
+document they are run on.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import posixpath
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -26,14 +27,15 @@ import yaml
 
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError, printable, shown
+from torch_multinode.cluster.inventory import (
+    DEFAULT_CHECKPOINT_ROOT,
+    DEFAULT_DATA_ROOT,
+    DEFAULT_WORKDIR_ROOT,
+    NODES_GROUP,
+    Mount,
+)
 
-# The group whose hosts are the nodes unless --group names another.
-NODES_GROUP = "nodes"
-# Node-local directories a job keeps, the same on every node and mounted at the same path in
-# its container (ansible/roles/job_storage makes them; a test keeps its defaults equal).
-DEFAULT_CHECKPOINT_ROOT = "/var/lib/torch-multinode/checkpoints"
-DEFAULT_DATA_ROOT = "/var/lib/torch-multinode/data"
-DEFAULT_WORKDIR_ROOT = "/var/lib/torch-multinode/work"
+# The node-local directories a job keeps (cluster/inventory.py), each with its default.
 STORAGE_ROOTS = {
     "checkpoint_root": DEFAULT_CHECKPOINT_ROOT,
     "data_root": DEFAULT_DATA_ROOT,
@@ -59,14 +61,6 @@ SSH_OPTION_FIELDS = (
     "ansible_scp_extra_args",
     "ansible_sftp_extra_args",
 )
-
-
-@dataclass(frozen=True)
-class Mount:
-    """A node directory mounted into every job's container at the same path."""
-
-    path: str
-    read_only: bool = False
 
 
 # Ansible's own variables, which every host has and no check reads.
@@ -281,6 +275,27 @@ def vars_field(where: str, group: str) -> str:
     if group == "all":
         return f"{where}: cluster field"
     return f"{where}: vars of group '{printable(group)}': field"
+
+
+def check_group(group: object) -> str:
+    """A group name as Ansible reads it in an inventory and in a host pattern (the playbook's
+    `hosts:`): letters, digits, '_', '-' and '.', starting with a letter, digit or '_'.
+    Ansible reads '-' and '.' (DeepOps' slurm-node) with a warning, which the reading passes
+    on (cluster/inventory_read.py); what a pattern or the command line would take apart
+    (',', ':', '!', '&', '*', '[', whitespace, a leading '-') is refused."""
+    if not isinstance(group, str) or not _GROUP.fullmatch(group):
+        raise UserError(
+            f"--group {shown(group)} is not an Ansible group name",
+            hint="letters, digits, '_' and '-', such as GROUP=gpu_nodes or GROUP=slurm-node",
+        )
+    return group
+
+
+_GROUP = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+GROUP_HELP = (
+    f"the inventory group whose hosts are the nodes, in rank order (default: {NODES_GROUP}; "
+    "make GROUP=...)"
+)
 
 
 def is_word(value) -> bool:

@@ -1,9 +1,14 @@
-"""Reading an inventory into the document the checks run on: its YAML (each duplicate key
-refused, the rest still checked; errors with line numbers), whether only Ansible resolves it
-(INI, group_vars/ and host_vars/, host ranges, nested groups), the values ansible-core's
-inventory loader and variable manager give its hosts (and the group whose variables set each
-cluster-wide one), and a host defined twice with values that disagree (YAML groups, INI lines,
-files of a directory).
+"""Reading an inventory, and where one is loaded (load, parse): a file read into the document
+the checks run on, its YAML (each duplicate key refused, the rest still checked; errors with
+line numbers), whether only Ansible resolves it (INI, group_vars/ and host_vars/, host ranges,
+nested groups), the values ansible-core's inventory loader and variable manager give its hosts
+(and the group whose variables set each cluster-wide one), and a host defined twice with
+values that disagree (YAML groups, INI lines, files of a directory).
+
+The inventory flows read -> check -> model: this module imports the checks
+(cluster/inventory_validate.py, cluster/inventory_checks.py) and the model
+(cluster/inventory.py), and nothing there imports it. Whoever loads an inventory imports this
+module; whoever only needs a Host or an Inventory, the model alone.
 """
 
 from __future__ import annotations
@@ -18,14 +23,82 @@ from pathlib import Path
 import yaml
 
 from torch_multinode.cluster.errors import UserError, printable, shown
+from torch_multinode.cluster.inventory import NODES_GROUP, Inventory
 from torch_multinode.cluster.inventory_checks import (
     _ANSIBLE_MAGIC,
     CLUSTER_FIELDS,
-    NODES_GROUP,
     _known_fields,
     _Problems,
     _text,
+    check_group,
 )
+from torch_multinode.cluster.inventory_validate import _validate
+
+
+def load(path: str | os.PathLike | None, group: str = NODES_GROUP) -> Inventory:
+    """Read and validate an inventory file; the nodes are the hosts of `group`. Raises
+    UserError (InventoryErrors, all of them, where there are several) after checking it all."""
+    check_group(group)
+    if path is None or str(path).strip() == "":
+        raise UserError(
+            "no inventory given",
+            hint="INVENTORY=path/to/inventory.yml (see inventory.example.yml), or "
+            "'make sim-up' and INVENTORY=.sim/inventory.yml for the simulated cluster",
+        )
+    path = Path(path)
+    if path.is_dir():
+        # A directory, as Ansible takes one: every inventory file in it, with the group_vars/
+        # and host_vars/ it holds.
+        return _through_ansible(path, group)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(
+            f"inventory {path} does not exist", hint="a path to an existing file"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"inventory {path} cannot be read: {exc}") from None
+    except ValueError as exc:  # a NUL in the path, possible only from inside Python
+        raise UserError(f"inventory {shown(str(path))} cannot be read: {exc}") from None
+    # Only Ansible's own reading gives the values of an inventory with group_vars/ or
+    # host_vars/ beside it, in INI, with a host range (node[01:04]) or groups inside the nodes
+    # group. A plain YAML file reads the same either way, and reading it directly keeps its
+    # errors precise (line numbers, duplicate keys).
+    if any((path.parent / name).is_dir() for name in ("group_vars", "host_vars")):
+        return _through_ansible(path, group)
+    yaml_file = path.suffix.lower() in YAML_SUFFIXES
+    problems = _Problems()  # a duplicate key is one of them: the rest is checked too
+    try:
+        data = _yaml(text, f"inventory {path}", problems)
+    except UserError:
+        if yaml_file:
+            raise
+        return _through_ansible(path, group)
+    if (not isinstance(data, dict) and not yaml_file) or _needs_ansible(data, group):
+        return _through_ansible(path, group, problems)
+    _check_defined_once([(path, data)], f"inventory {path}", problems)
+    return _validate(data, path, group, problems)
+
+
+def _through_ansible(path: Path, group: str, problems: _Problems | None = None) -> Inventory:
+    problems = problems if problems is not None else _Problems()
+    _check_defined_once(_sources(path), f"inventory {path}", problems)
+    origins: dict[str, str] = {}
+    document = resolve_with_ansible(path, group, problems, origins)
+    return _validate(document, path, group, problems, origins)
+
+
+YAML_SUFFIXES = (".yml", ".yaml", ".json")
+
+
+def parse(text: str, path: Path | str = "<inventory>", group: str = NODES_GROUP) -> Inventory:
+    """An inventory in the plain YAML layout, from its text."""
+    path = Path(path)
+    problems = _Problems()
+    data = _yaml(text, f"inventory {path}", problems)
+    group = check_group(group)
+    _check_defined_once([(path, data)], f"inventory {path}", problems)
+    return _validate(data, path, group, problems)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -131,6 +204,37 @@ def resolve_with_ansible(
     where = f"inventory {path}"
     own_problems = problems is None
     problems = _Problems() if problems is None else problems
+    resolved, setters = _ansible_hosts(path, group, where, problems)
+    if not resolved:
+        problems.fatal(
+            UserError(
+                f"{where}: no hosts in group '{group}' as Ansible reads it",
+                hint=f"listing the nodes in a group named {group} (inventory.example.yml)",
+            )
+        )
+    cluster = _cluster_wide(resolved, where, problems)
+    hosts_doc = {
+        name: {key: value for key, value in own.items() if key not in CLUSTER_FIELDS}
+        for name, own in resolved.items()
+    }
+    hosts_doc = {
+        name: {key: value for key, value in own.items() if key not in cluster}
+        for name, own in hosts_doc.items()
+    }
+    if origins is not None:
+        origins.update({key: setters.get(key, "all") for key in cluster})
+    if own_problems:
+        problems.raise_if_any()
+    return {"all": {"vars": cluster, "children": {group: {"hosts": hosts_doc}}}}
+
+
+def _ansible_hosts(
+    path: Path, group: str, where: str, problems: _Problems
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """The hosts of `group` as ansible-core resolves them, in order, each with its variables
+    (Ansible's magic ones left out), and the group whose variables set each of the first
+    host's (_group_setters). Ansible's own warnings are added to `problems`; a file it cannot
+    read ends the pass."""
     saved = {key: os.environ.get(key) for key in _ANSIBLE_SETTINGS}
     os.environ.update(_ANSIBLE_SETTINGS)
     try:
@@ -182,13 +286,13 @@ def resolve_with_ansible(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    if not resolved:
-        problems.fatal(
-            UserError(
-                f"{where}: no hosts in group '{group}' as Ansible reads it",
-                hint=f"listing the nodes in a group named {group} (inventory.example.yml)",
-            )
-        )
+    return resolved, setters
+
+
+def _cluster_wide(resolved: dict[str, dict], where: str, problems: _Problems) -> dict:
+    """The cluster-wide fields, once: each the same on every host (a host that differs, or
+    lacks it, is refused), and the variables the project does not read that every host has
+    alike (a typo in one is then said once, not per host)."""
     cluster: dict = {}
     first_name = next(iter(resolved))
     for field in CLUSTER_FIELDS:
@@ -220,19 +324,7 @@ def resolve_with_ansible(
             and all(key in own and repr(own[key]) == repr(value) for own in resolved.values())
         ):
             cluster[key] = value
-    hosts_doc = {
-        name: {key: value for key, value in own.items() if key not in CLUSTER_FIELDS}
-        for name, own in resolved.items()
-    }
-    hosts_doc = {
-        name: {key: value for key, value in own.items() if key not in cluster}
-        for name, own in hosts_doc.items()
-    }
-    if origins is not None:
-        origins.update({key: setters.get(key, "all") for key in cluster})
-    if own_problems:
-        problems.raise_if_any()
-    return {"all": {"vars": cluster, "children": {group: {"hosts": hosts_doc}}}}
+    return cluster
 
 
 def _warnings(said: io.StringIO) -> list[str]:

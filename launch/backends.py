@@ -10,7 +10,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, UserError
 from torch_multinode.cluster.execution import Nodes, SshNodes
@@ -19,51 +18,48 @@ from torch_multinode.launch import staging, stop
 from torch_multinode.launch.ending import bring_back, summary
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.local import run_local
-from torch_multinode.launch.restarts import LostNodes, wait_for_nodes
+from torch_multinode.launch.restarts import Backend, LostNodes, wait_for_nodes
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.slurm import SlurmAttempt, cancel
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, Emit, JobResult, JobSpec, NodeOutcome
 from torch_multinode.launch.staging import Project
+
+# Slurm takes a node back once its slurmd registers: under Slurm a node answers a restart's
+# probe only where its slurmd runs (LostNodes' `also`).
+SLURMD_RUNS = "pgrep -x slurmd >/dev/null || { echo 'its slurmd does not run'; exit 1; }"
 
 
 def _nothing() -> None:
     return None
 
 
-class Backend(Protocol):
-    restart_note: str
-    """How a restart happens, for the job's first lines."""
-    started: Callable[[], None]
-    """Called as each run has begun (the run's record takes the code then: launch.record)."""
-
-    def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
-        """One run of the job, to its end (its own summary not yet said)."""
-
-    def ended(self, spec: JobSpec, result: JobResult) -> None:
-        """After each run: what it left to bring back (the master's run directory)."""
-
-    def can_restart(self) -> bool:
-        """Whether a failed run can be run again at all."""
-
-    def before_restart(
-        self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
-    ) -> JobSpec:
-        """Until the next run may start: the spec it runs with."""
-
-    def summary(self, result: JobResult) -> list[str]:
-        """Why a run ended as it did (after each failed run that is restarted, and at the end)."""
-
-    def closing(self, result: JobResult) -> list[str]:
-        """Where the job's logs and run directory are, once it is over."""
-
-
-class _OnNodes(LostNodes):
+class _OnNodes:
     """What the SSH and Slurm backends share: the master's run directory brought back after
-    each run, the nodes' summary, and what a restart does with a lost node (LostNodes)."""
+    each run, the nodes' summary, and what a restart does with a lost node (their LostNodes,
+    `lost`, asked with the nodes the job runs on now)."""
 
     inventory: Inventory
     spec: JobSpec
     emit: Emit
+    nodes: Nodes | None
+    restart_wait: float
+    lost: LostNodes
+
+    @property
+    def nodes_changed(self) -> list[str]:
+        """What became of each lost node so far, restart after restart."""
+        return self.lost.changed
+
+    def _survivors(self, failed: JobSpec, restart: int) -> tuple[Inventory, float]:
+        return self.lost.survivors(
+            self.inventory, failed, restart, self.restart_wait, self.emit, self.nodes
+        )
+
+    def _next_spec(self, first: JobSpec, restart: int) -> JobSpec:
+        return self.lost.next_spec(self.inventory, first, restart)
+
+    def _said_restart(self, attempt: JobSpec, restart: int, restarts: int, waited: float) -> None:
+        self.emit(self.lost.restart_line(self.inventory, attempt, restart, restarts, waited))
 
     def ended(self, spec: JobSpec, result: JobResult) -> None:
         bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
@@ -93,7 +89,7 @@ class SshBackend(_OnNodes):
     restart_wait: float = DEFAULT_RESTART_WAIT
     nodes: Nodes | None = None
     started: Callable[[], None] = _nothing
-    spares: tuple[Host, ...] = ()
+    spares: tuple[Host, ...] = ()  # as the job started (self.lost keeps those still unused)
     min_nodes: int | None = None  # None: every node of the job
 
     def __post_init__(self) -> None:
@@ -103,7 +99,10 @@ class SshBackend(_OnNodes):
             self.project = staging.plan(
                 self.inventory, spec.script, spec.workdir, spec.workdir_limit
             )
-        lost = self._lost_nodes_policy()
+        self.lost = LostNodes(
+            self.inventory, self.spec, self.restart_wait, self.spares, self.min_nodes
+        )
+        lost = self.lost.note
         wait = f"--restart-wait {self.restart_wait:g} s"
         self.restart_note = (
             f"each on {lost}" if lost else f"each once every node answers again ({wait})"
@@ -124,9 +123,13 @@ class SshBackend(_OnNodes):
     ) -> JobSpec:
         self.emit(
             f"[launcher] restart {restart} of {restarts}: waiting up to {self.restart_wait:g} s "
-            + ("for the nodes to answer..." if self.flexible else "for every node to answer...")
+            + (
+                "for the nodes to answer..."
+                if self.lost.flexible
+                else "for every node to answer..."
+            )
         )
-        if self.flexible:
+        if self.lost.flexible:
             inventory, waited = self._survivors(failed, restart)
         else:
             inventory = self.inventory
@@ -160,12 +163,20 @@ class SlurmBackend(_OnNodes):
     job_id: str | None = None  # once submitted
     started: Callable[[], None] = _nothing
     restart_wait: float = DEFAULT_RESTART_WAIT
-    spares: tuple[Host, ...] = ()
+    spares: tuple[Host, ...] = ()  # as the job started (self.lost keeps those still unused)
     min_nodes: int | None = None  # None: every node of the job
 
     def __post_init__(self) -> None:
         self.nodes = self.nodes or SshNodes(self.inventory)
-        lost = self._lost_nodes_policy()
+        self.lost = LostNodes(
+            self.inventory,
+            self.spec,
+            self.restart_wait,
+            self.spares,
+            self.min_nodes,
+            also=(SLURMD_RUNS,),
+        )
+        lost = self.lost.note
         self.restart_note = "each a requeue of the job in Slurm" + (
             f", or a new job on {lost} once a node is lost" if lost else ""
         )
@@ -188,7 +199,7 @@ class SlurmBackend(_OnNodes):
     def before_restart(
         self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
     ) -> JobSpec:
-        if self.flexible:
+        if self.lost.flexible:
             self.emit(
                 f"[launcher] restart {restart} of {restarts}: waiting up to "
                 f"{self.restart_wait:g} s for the nodes to answer..."

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch_multinode.cluster import autodetect, sync
+from torch_multinode.cluster import autodetect, inventory_read, sync
 from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster.errors import (
     ArgumentParser,
@@ -28,7 +28,8 @@ from torch_multinode.cluster.errors import (
     whole_number,
 )
 from torch_multinode.cluster.execution import SshNodes
-from torch_multinode.cluster.inventory_checks import NODES_GROUP, parse_gpu_list
+from torch_multinode.cluster.inventory import NODES_GROUP
+from torch_multinode.cluster.inventory_checks import GROUP_HELP, parse_gpu_list
 from torch_multinode.launch import checks, record, restarts, staging
 from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the Ansible inventory, YAML or INI, or a directory (default: run locally)",
     )
     parser.add_argument("-n", "--nnodes", default=None, help="use the first N hosts (default: all)")
-    parser.add_argument("--group", default=NODES_GROUP, help=inventory_module.GROUP_HELP)
+    parser.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
         "--script",
@@ -275,7 +276,7 @@ def _on_nodes(
 ) -> tuple[inventory_module.Inventory, JobSpec, staging.Project, tuple[inventory_module.Host, ...]]:
     """The job's nodes (narrowed once), project and paths on the nodes, and the spares (with
     --restarts), decided and said before any node is touched."""
-    whole = inventory_module.load(args.inventory, args.group)
+    whole = inventory_read.load(args.inventory, args.group)
     inventory = whole.first(args.nnodes)
     restarts.check_min_nodes(args.min_nodes, args.restarts, inventory)
     # The inventory's hosts the job does not use: a lost node's place, on a restart

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch_multinode.cluster.errors import UserError, positive_number, whole_number
 from torch_multinode.cluster.execution import Nodes, SshNodes
@@ -27,8 +28,35 @@ from torch_multinode.launch.spec import (
     JobSpec,
 )
 
-if TYPE_CHECKING:
-    from torch_multinode.launch.backends import Backend
+
+class Backend(Protocol):
+    """What the restart loop (run_with_restarts) asks of a way to run a job; launch.backends
+    has the three (SSH, Slurm, this machine), and this module imports none of them."""
+
+    restart_note: str
+    """How a restart happens, for the job's first lines."""
+    started: Callable[[], None]
+    """Called as each run has begun (the run's record takes the code then: launch.record)."""
+
+    def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
+        """One run of the job, to its end (its own summary not yet said)."""
+
+    def ended(self, spec: JobSpec, result: JobResult) -> None:
+        """After each run: what it left to bring back (the master's run directory)."""
+
+    def can_restart(self) -> bool:
+        """Whether a failed run can be run again at all."""
+
+    def before_restart(
+        self, first: JobSpec, failed: JobSpec, restart: int, restarts: int
+    ) -> JobSpec:
+        """Until the next run may start: the spec it runs with."""
+
+    def summary(self, result: JobResult) -> list[str]:
+        """Why a run ended as it did (after each failed run that is restarted, and at the end)."""
+
+    def closing(self, result: JobResult) -> list[str]:
+        """Where the job's logs and run directory are, once it is over."""
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -98,10 +126,12 @@ def answering(
     emit: Emit = print,
     nodes: Nodes | None = None,
     poll: float = RESTART_POLL,
+    also: tuple[str, ...] = (),
 ) -> tuple[list[Host], dict[str, str], float]:
     """Until every one of `hosts` answers over SSH (a command run, not only a port open; in
-    container mode its Docker engine too), or `wait` seconds have passed (0: one look): those
-    that answer in their order, why each other one's last probe failed, and the seconds taken."""
+    container mode its Docker engine too; and each shell check of `also`, a backend's own, such
+    as Slurm's slurmd), or `wait` seconds have passed (0: one look): those that answer in their
+    order, why each other one's last probe failed, and the seconds taken."""
     nodes = nodes or SshNodes(inventory)
     started = time.monotonic()
     missing = {host.name: host for host in hosts}
@@ -112,8 +142,7 @@ def answering(
         checks.append(
             "docker info >/dev/null 2>&1 || { echo 'its Docker engine does not answer yet'; exit 1; }"
         )
-    if inventory.scheduler == "slurm":  # Slurm takes a node back once its slurmd registers
-        checks.append("pgrep -x slurmd >/dev/null || { echo 'its slurmd does not run'; exit 1; }")
+    checks += also
     command = " && ".join(checks)
 
     def probe(host: Host) -> str | None:
@@ -214,17 +243,18 @@ def survivors(
     nodes: Nodes | None = None,
     poll: float = RESTART_POLL,
     after: str = "",
+    also: tuple[str, ...] = (),
 ) -> Survivors:
     """The job's nodes for its next run (see Survivors): a node silent for `wait` seconds is
     lost; spares get one look each. Fewer than `min_nodes` is a UserError naming the lost nodes.
-    `after` says where the failed run had got to, for the changes' lines."""
+    `after` says where the failed run had got to, for the changes' lines; `also`: see answering."""
     hosts = list(inventory.hosts)
-    found, silent, waited = answering(inventory, hosts, wait, emit, nodes, poll)
+    found, silent, waited = answering(inventory, hosts, wait, emit, nodes, poll, also)
     if not silent:
         return Survivors(hosts, list(spares), [], waited)
     ready: list[Host] = []
     if spares:
-        ready, _, _ = answering(inventory, list(spares), 0, emit, nodes, poll)
+        ready, _, _ = answering(inventory, list(spares), 0, emit, nodes, poll, also)
     changes, chosen = [], []
     for host in hosts:
         if host.name not in silent:
@@ -269,74 +299,95 @@ def _enough(chosen: list[Host], min_nodes: int, silent: dict[str, str], wait: fl
 
 
 class LostNodes:
-    """What a restart does with a node lost for good, for the SSH and Slurm backends: with
-    `spares` (inventory hosts the job does not use) or `min_nodes` below the job's node count, a
-    node still silent after the wait is replaced by a spare, or dropped while at least
-    `min_nodes` remain (survivors), the next run keeping the first run's world size."""
+    """What a restart does with a node lost for good, for the backends that run a job on the
+    inventory's nodes (SSH, Slurm): with `spares` (inventory hosts the job does not use) or
+    `min_nodes` below the job's node count, a node still silent after the wait is replaced by a
+    spare, or dropped while at least `min_nodes` remain (survivors), the next run keeping the
+    first run's world size. A backend holds one, made from its first run's nodes, and hands it
+    what it runs on now at each restart: the policy keeps its own state and knows no backend.
+    `also`: the shell checks a node must pass besides answering (a backend's own: answering)."""
 
-    inventory: Inventory
-    spec: JobSpec
-    emit: Emit
-    nodes: Nodes | None
-    restart_wait: float
-    spares: tuple[Host, ...]
-    min_nodes: int | None
+    def __init__(
+        self,
+        inventory: Inventory,
+        spec: JobSpec,
+        restart_wait: float,
+        spares: tuple[Host, ...] = (),
+        min_nodes: int | None = None,
+        also: tuple[str, ...] = (),
+    ) -> None:
+        count = len(inventory.hosts)
+        self.spares = spares
+        self.min_nodes = count if min_nodes is None else min_nodes
+        self.also = also
+        self.planned_world = sum(nproc_for(host, spec) for host in inventory.hosts)
+        self.changed: list[str] = []  # what became of each lost node, restart after restart
+        self.flexible = self.min_nodes < count or bool(spares)
+        self.note = self._note(count, restart_wait)  # said once, in the job's first lines
 
-    def _lost_nodes_policy(self) -> str:
-        """Set up once; the restart note's part about lost nodes ("" when a restart waits for
-        every node of the job)."""
-        count = len(self.inventory.hosts)
-        self.min_nodes = count if self.min_nodes is None else self.min_nodes
-        self.planned_world = sum(nproc_for(host, self.spec) for host in self.inventory.hosts)
-        self.nodes_changed: list[str] = []
-        self.flexible = self.min_nodes < count or bool(self.spares)
+    def _note(self, count: int, restart_wait: float) -> str:
+        """The restart note's part about lost nodes ("" when a restart waits for every node of
+        the job)."""
         if not self.flexible:
             return ""
         spare = f"a spare of {len(self.spares)} in a lost node's place" if self.spares else ""
         fewer = f"at least {self.min_nodes} of {count} nodes" if self.min_nodes < count else ""
         return (
-            f"the nodes that answer within --restart-wait {self.restart_wait:g} s ("
+            f"the nodes that answer within --restart-wait {restart_wait:g} s ("
             + "; ".join(filter(None, [spare, fewer]))
             + ")"
         )
 
-    def _survivors(self, failed: JobSpec, restart: int) -> tuple[Inventory, float]:
-        """The job's nodes for restart `restart`, lost ones replaced or dropped and said; the
-        seconds the wait took."""
+    def survivors(
+        self,
+        inventory: Inventory,
+        failed: JobSpec,
+        restart: int,
+        restart_wait: float,
+        emit: Emit,
+        nodes: Nodes | None,
+    ) -> tuple[Inventory, float]:
+        """The job's nodes (now `inventory`) for restart `restart`, lost ones replaced or
+        dropped and said; the seconds the wait took."""
         step = last_step_number(failed.log_dir)
         after = f" after step {step}" if step is not None else ""
         found = survivors(
-            self.inventory,
+            inventory,
             list(self.spares),
             self.min_nodes,
-            self.restart_wait,
-            self.emit,
-            self.nodes,
+            restart_wait,
+            emit,
+            nodes,
             after=f" at restart {restart}{after}",
+            also=self.also,
         )
         for change in found.changes:
-            self.emit(f"[launcher] {change}")
-        self.nodes_changed += found.changes
+            emit(f"[launcher] {change}")
+        self.changed += found.changes
         self.spares = tuple(found.spares)
-        return replace(self.inventory, hosts=tuple(found.hosts)), found.waited
+        return replace(inventory, hosts=tuple(found.hosts)), found.waited
 
-    def _next_spec(self, first: JobSpec, restart: int) -> JobSpec:
-        """The next run's spec: its own run ID and, on another world size than the first run's,
-        that world (TMN_PLANNED_WORLD_SIZE: the workloads keep its global batch)."""
-        world = sum(nproc_for(host, first) for host in self.inventory.hosts)
+    def next_spec(self, inventory: Inventory, first: JobSpec, restart: int) -> JobSpec:
+        """The next run's spec, on the nodes of `inventory`: its own run ID and, on another
+        world size than the first run's, that world (TMN_PLANNED_WORLD_SIZE: the workloads keep
+        its global batch)."""
+        world = sum(nproc_for(host, first) for host in inventory.hosts)
         return replace(
             first,
             run_id=f"{first.run_id}-r{restart}",
             planned_world=self.planned_world if world != self.planned_world else None,
         )
 
-    def _said_restart(self, attempt: JobSpec, restart: int, restarts: int, waited: float) -> None:
-        answers = "every node answers" if not self.nodes_changed else "the nodes answer"
-        self.emit(
+    def restart_line(
+        self, inventory: Inventory, attempt: JobSpec, restart: int, restarts: int, waited: float
+    ) -> str:
+        """What the launcher says as the restart on the nodes of `inventory` begins."""
+        answers = "every node answers" if not self.changed else "the nodes answer"
+        return (
             f"[launcher] job {attempt.run_id}: {answers} (waited {waited:.0f} s); "
             f"restart {restart} of {restarts}"
             + (
-                f" on {len(self.inventory.hosts)} node(s), keeping the first run's world of "
+                f" on {len(inventory.hosts)} node(s), keeping the first run's world of "
                 f"{self.planned_world} process(es)"
                 if attempt.planned_world
                 else ""

@@ -11,11 +11,12 @@ import argparse
 import json
 import sys
 
-from torch_multinode.cluster import inventory as inventory_module
+from torch_multinode.cluster import inventory_read
 from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import ArgumentParser, at_the_edge, positive_number
 from torch_multinode.cluster.execution import SshNodes
-from torch_multinode.cluster.inventory_checks import NODES_GROUP
+from torch_multinode.cluster.inventory import NODES_GROUP
+from torch_multinode.cluster.inventory_checks import GROUP_HELP
 from torch_multinode.netcheck import envfile
 from torch_multinode.netcheck.preflight import (
     DEFAULT_SWEEP_TIMEOUT,
@@ -64,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="INVENTORY",
         help="the cluster's Ansible inventory, YAML or INI, or a directory (required)",
     )
-    p.add_argument("--group", default=NODES_GROUP, help=inventory_module.GROUP_HELP)
+    p.add_argument("--group", default=NODES_GROUP, help=GROUP_HELP)
     p.add_argument(
         "-n",
         "--nnodes",
@@ -103,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    inventory = inventory_module.load(args.inventory, args.group)
+    inventory = inventory_read.load(args.inventory, args.group)
     nnodes = None
     if args.nnodes not in (None, ""):
         nnodes = len(inventory.first(args.nnodes).hosts)  # validates: one Error line, exit 2

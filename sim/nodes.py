@@ -26,7 +26,8 @@ import yaml
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.engine import Progress, docker, require_engine
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import Inventory, load
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.cluster.remote import Remote
 from torch_multinode.cluster.sync import TOOL_ROOT
 from torch_multinode.sim.node_image import (

@@ -17,7 +17,8 @@ from pathlib import Path
 import paramiko
 import yaml
 
-from torch_multinode.cluster.inventory import Inventory, parse
+from torch_multinode.cluster.inventory import Inventory
+from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.cluster.remote import Remote, on_all
 from torch_multinode.sim import nodes as sim
 

@@ -29,7 +29,7 @@ import yaml
 from tests.conftest import REPO_ROOT, VENV_BIN, console_fingerprint, make
 from tests.helpers import password_in_node_files, password_login
 from tests.terminal import Terminal
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import bootstrap
 from torch_multinode.sim import nodes as sim
 

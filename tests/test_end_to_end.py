@@ -32,7 +32,7 @@ from tests.ansible.conftest import recap_of
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import password_in_node_files, password_login
 from torch_multinode.cluster.engine import docker
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import platforms
 
 SCRIPT = REPO_ROOT / "tests" / "training" / "launcher_scripts" / "tutorial_ddp.py"

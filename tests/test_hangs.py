@@ -27,7 +27,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.launch.signatures import SIGNATURES
 from torch_multinode.launch.spec import RUN_LABEL
 

@@ -72,8 +72,8 @@ from tests.training.conftest import (
 from torch_multinode.bench.wheels import offline_pip, wheel
 from torch_multinode.cluster import version_lock
 from torch_multinode.cluster.execution import SshNodes
-from torch_multinode.cluster.inventory import load
-from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
 from torch_multinode.launch.staging import REMOTE_RUN_ROOT
 from torch_multinode.provision import images
@@ -946,7 +946,7 @@ def test_a_torchrun_typed_by_hand_in_a_training_container_sees_nccls_configurati
     interface. (gloo, the only backend without GPUs, does not read it: it is given its
     interface here as a user would.) NCCL itself cannot run here: no GPU."""
     from torch_multinode.cluster.containers import NCCL_CONF_GUARD, training_container_options
-    from torch_multinode.cluster.inventory import load
+    from torch_multinode.cluster.inventory_read import load
 
     inventory = load(provisioned.inventory)
     master = inventory.hosts[0]

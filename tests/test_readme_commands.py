@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, make
-from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_DATA_ROOT
 from torch_multinode.sim import nodes as sim
 
 README = REPO_ROOT / "README.md"

@@ -31,7 +31,7 @@ from tests.fuzz.guard import Reached, call
 from tests.netcheck.netcheck_fakes import INVENTORY as FAKE_INVENTORY
 from tests.netcheck.netcheck_fakes import FakeCluster
 from torch_multinode.cluster import cli as cluster_cli
-from torch_multinode.cluster import inventory, remote
+from torch_multinode.cluster import inventory, inventory_read, remote
 from torch_multinode.cluster.containers import training_container_options
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import ContainerContext
@@ -169,7 +169,7 @@ def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
     # every ssh the controller starts (rsync, the image stream of cluster ship) is cluster.trust's
     from torch_multinode.cluster import trust
 
-    hosts = inventory.parse(
+    hosts = inventory_read.parse(
         "all:\n  vars: {compute_subnet: 10.7.0.0/24}\n  children:\n    nodes:\n      hosts:\n"
         "        n1: {ansible_host: 10.1.0.1, compute_ip: 10.7.0.1, compute_interface: eth1, "
         "gpus: 0}\n"
@@ -180,7 +180,7 @@ def test_ansible_checks_host_keys_and_so_do_the_nodes_among_themselves():
 
 def test_the_simulated_clusters_inventory_checks_host_keys(tmp_path):
     config = sim.SimConfig("sectest", "172.29.250.0/24", tmp_path, "172.30.250.0/24")
-    written = inventory.load(sim.write_inventory(config, 2))
+    written = inventory_read.load(sim.write_inventory(config, 2))
     args = yaml.safe_load(written.path.read_text())["all"]["vars"]["ansible_ssh_common_args"]
     assert "-o StrictHostKeyChecking=yes" in args
     assert f"-o UserKnownHostsFile={config.known_hosts_path.resolve()}" in args
@@ -200,7 +200,7 @@ def test_an_inventory_that_turns_host_key_checks_off_is_refused(variable, value)
     text = yaml.safe_load((REPO / "inventory.example.yml").read_text())
     text["all"]["children"]["nodes"]["hosts"]["pc2"][variable] = value
     with pytest.raises(UserError) as refused:
-        inventory.parse(yaml.safe_dump(text), "inv.yml")
+        inventory_read.parse(yaml.safe_dump(text), "inv.yml")
     assert refused.value.line().startswith(
         f"Error: inventory inv.yml: host 'pc2': field '{variable}'"
     )
@@ -484,7 +484,7 @@ def keyed_inventory(tmp_path) -> tuple[Path, Path]:
             f"    ansible_ssh_private_key_file: {key}\n    ssh_known_hosts_file: {tmp_path}/known\n",
         )
     )
-    assert [h.ssh_key for h in inventory.load(path).hosts] == [key] * 3
+    assert [h.ssh_key for h in inventory_read.load(path).hosts] == [key] * 3
     return path, key
 
 

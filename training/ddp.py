@@ -199,4 +199,4 @@ def finish(config, env, model: nn.Module, result: TrainResult) -> None:
 
 
 if __name__ == "__main__":
-    console.run(main)
+    parallel.run(main)

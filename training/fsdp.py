@@ -550,4 +550,4 @@ def gpu_lines(config, env, shape, numerics, rate, peaks, row) -> list[str]:
 
 
 if __name__ == "__main__":
-    console.run(main)
+    parallel.run(main)

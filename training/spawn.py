@@ -20,7 +20,6 @@ import torch.multiprocessing as mp
 
 from torch_multinode.training import ddp
 from torch_multinode.training.distributed import parallel
-from torch_multinode.training.settings import console
 
 LOOPBACK = "127.0.0.1"
 
@@ -40,7 +39,7 @@ def worker(rank: int, world_size: int, port: int, argv: list[str]) -> None:
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
     )
-    code = console.call(functools.partial(_join_and_train, port), argv)
+    code = parallel.call(functools.partial(_join_and_train, port), argv)
     if code:
         sys.exit(code)
 

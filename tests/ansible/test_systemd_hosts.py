@@ -31,7 +31,7 @@ import yaml
 from tests.ansible.conftest import PLAYBOOKS, ansible_playbook, node_sh
 from tests.conftest import REPO_ROOT
 from tests.helpers import bootstrap_unattended, password_login
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import bootstrap
 from torch_multinode.sim import node_image
 from torch_multinode.sim import nodes as sim

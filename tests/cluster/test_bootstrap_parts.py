@@ -12,7 +12,7 @@ import yaml
 
 from tests.conftest import VENV_BIN, run_cli
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import bootstrap, keys
 from torch_multinode.sim import nodes as sim
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, run_cli
-from torch_multinode.cluster import inventory, inventory_checks, inventory_read
+from torch_multinode.cluster import inventory, inventory_checks, inventory_read, inventory_validate
 from torch_multinode.cluster.errors import UserError
 
 VALID = """\
@@ -46,7 +46,7 @@ def check(path: Path, *extra: str):
 
 
 def test_valid_inventory_is_read_in_rank_order(tmp_path):
-    loaded = inventory.load(write(tmp_path, VALID))
+    loaded = inventory_read.load(write(tmp_path, VALID))
     assert [h.name for h in loaded.hosts] == ["alpha", "beta"]
     assert loaded.master.name == "alpha"
     assert loaded.compute_subnet == ipaddress.IPv4Network("10.9.0.0/24")
@@ -68,7 +68,7 @@ def test_host_vars_override_cluster_vars(tmp_path):
         "    rendezvous_port: 29511\n", "    rendezvous_port: 29511\n    gpus: 4\n"
     )
     text = text.replace("          gpus: 0\n", "")
-    loaded = inventory.load(write(tmp_path, text))
+    loaded = inventory_read.load(write(tmp_path, text))
     assert [h.gpus for h in loaded.hosts] == [2, 4]
 
 
@@ -79,15 +79,11 @@ def with_cluster_vars(*lines: str) -> str:
 
 
 def test_storage_roots_default_to_var_lib_and_no_mounts(tmp_path):
-    loaded = inventory.load(write(tmp_path, VALID))
-    assert loaded.checkpoint_root == inventory_checks.DEFAULT_CHECKPOINT_ROOT
+    loaded = inventory_read.load(write(tmp_path, VALID))
+    assert loaded.checkpoint_root == inventory.DEFAULT_CHECKPOINT_ROOT
     assert loaded.checkpoint_root == "/var/lib/torch-multinode/checkpoints"
-    assert loaded.data_root == inventory_checks.DEFAULT_DATA_ROOT == "/var/lib/torch-multinode/data"
-    assert (
-        loaded.workdir_root
-        == inventory_checks.DEFAULT_WORKDIR_ROOT
-        == "/var/lib/torch-multinode/work"
-    )
+    assert loaded.data_root == inventory.DEFAULT_DATA_ROOT == "/var/lib/torch-multinode/data"
+    assert loaded.workdir_root == inventory.DEFAULT_WORKDIR_ROOT == "/var/lib/torch-multinode/work"
     assert loaded.container_mounts == ()
 
 
@@ -98,22 +94,22 @@ def test_storage_fields_are_read_and_nodes_vars_win_over_all_vars(tmp_path):
         "workdir_root: /srv/work",
         "container_mounts: [/mnt/datasets:ro, /scratch]",
     ).replace("    nodes:\n", "    nodes:\n      vars:\n        data_root: /data\n")
-    loaded = inventory.load(write(tmp_path, text))
+    loaded = inventory_read.load(write(tmp_path, text))
     assert (loaded.checkpoint_root, loaded.data_root, loaded.workdir_root) == (
         "/srv/ckpt",
         "/data",
         "/srv/work",
     )
     assert loaded.container_mounts == (
-        inventory_checks.Mount("/mnt/datasets", read_only=True),
-        inventory_checks.Mount("/scratch", read_only=False),
+        inventory.Mount("/mnt/datasets", read_only=True),
+        inventory.Mount("/scratch", read_only=False),
     )
 
 
 def test_container_mounts_left_empty_means_none(tmp_path):
-    loaded = inventory.load(write(tmp_path, with_cluster_vars("container_mounts:")))
+    loaded = inventory_read.load(write(tmp_path, with_cluster_vars("container_mounts:")))
     assert loaded.container_mounts == ()
-    loaded = inventory.load(write(tmp_path, with_cluster_vars("container_mounts: []")))
+    loaded = inventory_read.load(write(tmp_path, with_cluster_vars("container_mounts: []")))
     assert loaded.container_mounts == ()
 
 
@@ -130,9 +126,9 @@ def test_job_storage_role_defaults_to_the_inventory_defaults():
         assert match, template
         found[match.group(1)] = match.group(2)
     assert found == {
-        "checkpoint_root": inventory_checks.DEFAULT_CHECKPOINT_ROOT,
-        "data_root": inventory_checks.DEFAULT_DATA_ROOT,
-        "workdir_root": inventory_checks.DEFAULT_WORKDIR_ROOT,
+        "checkpoint_root": inventory.DEFAULT_CHECKPOINT_ROOT,
+        "data_root": inventory.DEFAULT_DATA_ROOT,
+        "workdir_root": inventory.DEFAULT_WORKDIR_ROOT,
     }
 
 
@@ -454,12 +450,12 @@ def test_make_stops_before_touching_anything_on_a_bad_inventory(tmp_path):
 
 
 def test_example_inventory_is_valid_documentation():
-    loaded = inventory.load(REPO_ROOT / "inventory.example.yml")
+    loaded = inventory_read.load(REPO_ROOT / "inventory.example.yml")
     assert [h.name for h in loaded.hosts] == ["pc1", "pc2"]
 
 
 def test_first_narrows_the_inventory_once_in_rank_order(tmp_path):
-    loaded = inventory.load(write(tmp_path, VALID))
+    loaded = inventory_read.load(write(tmp_path, VALID))
     narrowed = loaded.first(1)
     assert [h.name for h in narrowed.hosts] == ["alpha"] and narrowed.master.name == "alpha"
     # Everything else is the same inventory; no count means every node.
@@ -539,7 +535,7 @@ def _ini_cluster(tmp_path: Path) -> Path:
 
 
 def test_an_ini_inventory_with_group_and_host_vars_ranges_and_nested_groups(tmp_path):
-    loaded = inventory.load(_ini_cluster(tmp_path))
+    loaded = inventory_read.load(_ini_cluster(tmp_path))
     assert [(h.name, h.ssh_address, str(h.compute_ip), h.gpus) for h in loaded.hosts] == [
         ("node1", "10.9.0.1", "10.9.0.1", 2),
         ("node2", "10.9.0.2", "10.9.0.2", 2),
@@ -554,8 +550,8 @@ def test_an_inventory_directory_reads_as_ansible_reads_it(tmp_path):
     group_vars/ and host_vars/; netcheck's environment file goes inside it."""
     from torch_multinode.netcheck import envfile
 
-    in_file = inventory.load(_ini_cluster(tmp_path))
-    in_directory = inventory.load(tmp_path)
+    in_file = inventory_read.load(_ini_cluster(tmp_path))
+    in_directory = inventory_read.load(tmp_path)
     assert in_directory.hosts == in_file.hosts and in_directory.path == tmp_path
     assert in_directory.rendezvous_port == in_file.rendezvous_port == 29611
     assert envfile.default_path(tmp_path) == tmp_path.resolve() / envfile.FILENAME
@@ -570,7 +566,7 @@ def test_a_value_only_in_group_vars_beside_a_yaml_inventory_is_seen(tmp_path):
     (tmp_path / "group_vars" / "all.yml").write_text(
         "rendezvous_port: 29777\ntraining_image: mine:1\n"
     )
-    loaded = inventory.load(path)
+    loaded = inventory_read.load(path)
     assert (loaded.rendezvous_port, loaded.training_image) == (29777, "mine:1")
     assert [h.name for h in loaded.hosts] == ["alpha", "beta"]
 
@@ -578,8 +574,8 @@ def test_a_value_only_in_group_vars_beside_a_yaml_inventory_is_seen(tmp_path):
 @pytest.mark.parametrize("example", ["inventory.example.yml", "VALID"])
 def test_the_plain_layout_reads_the_same_through_ansible(tmp_path, example):
     path = REPO_ROOT / example if example != "VALID" else write(tmp_path, VALID)
-    direct = inventory.load(path)
-    through_ansible = inventory._validate(inventory_read.resolve_with_ansible(path), path)
+    direct = inventory_read.load(path)
+    through_ansible = inventory_validate._validate(inventory_read.resolve_with_ansible(path), path)
     assert through_ansible == direct
 
 
@@ -589,7 +585,7 @@ def test_a_cluster_field_two_hosts_disagree_on_is_named(tmp_path):
         "ansible_host: 10.9.0.3\ncompute_ip: 10.9.0.3\ndata_root: /elsewhere\n"
     )
     with pytest.raises(UserError) as raised:
-        inventory.load(path)
+        inventory_read.load(path)
     assert raised.value.line() == (
         f"Error: inventory {path}: host 'node3': field 'data_root' is cluster-wide: the same on "
         "every node ('/elsewhere' here, unset on 'node1') (try setting it once, for all "
@@ -621,9 +617,9 @@ def test_the_nodes_are_the_hosts_of_the_group_named_by_group(tmp_path):
     groups) and in the plain YAML layout alike; every tool takes it, and a bad name or an
     absent group is one line."""
     ini = _ini_cluster(tmp_path)
-    gpu_only = inventory.load(ini, "gpu")
+    gpu_only = inventory_read.load(ini, "gpu")
     assert [h.name for h in gpu_only.hosts] == ["node1", "node2"] and gpu_only.group == "gpu"
-    assert inventory.load(ini).group == "nodes"
+    assert inventory_read.load(ini).group == "nodes"
 
     (tmp_path / "lab").mkdir()  # away from the INI's group_vars/
     yaml_path = tmp_path / "lab" / "lab.yml"
@@ -631,11 +627,11 @@ def test_the_nodes_are_the_hosts_of_the_group_named_by_group(tmp_path):
     nodes = example["all"]["children"].pop("nodes")
     example["all"]["children"]["workstations"] = {"children": {"gpu_boxes": nodes}}
     yaml_path.write_text(yaml.safe_dump(example))
-    nested = inventory.load(yaml_path, "gpu_boxes")  # found where Ansible finds it
+    nested = inventory_read.load(yaml_path, "gpu_boxes")  # found where Ansible finds it
     assert [h.name for h in nested.hosts] == list(nodes["hosts"])
     example["all"]["children"] = {"gpu_boxes": nodes}
     yaml_path.write_text(yaml.safe_dump(example))
-    assert inventory.load(yaml_path, "gpu_boxes").hosts == nested.hosts
+    assert inventory_read.load(yaml_path, "gpu_boxes").hosts == nested.hosts
 
     for command in (["cluster", "check"], ["cluster", "hostfile"], ["netcheck"], ["train"]):
         done = run_cli(*command, "-i", str(ini), "--group", "nope", timeout=60)
@@ -661,7 +657,7 @@ def test_the_scheduler_is_ssh_unless_the_inventory_says_slurm():
     assert built(hosts).scheduler == "ssh"
     assert built(hosts, scheduler="slurm").scheduler == "slurm"
     with pytest.raises(UserError) as caught:
-        inventory.parse(inventory_text(hosts, scheduler="pbs"), "inv.yml")
+        inventory_read.parse(inventory_text(hosts, scheduler="pbs"), "inv.yml")
     assert str(caught.value) == (
         "inventory inv.yml: cluster field 'scheduler': 'pbs' is not one of ssh, slurm"
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from torch_multinode.cluster import inventory, inventory_checks
+from torch_multinode.cluster import inventory_checks, inventory_read
 from torch_multinode.cluster.errors import UserError
 
 # DeepOps' example inventory (config.example/inventory), its hosts filled in.
@@ -194,7 +194,7 @@ def test_deepops_inventory_with_auto_and_no_compute_ip_passes_found_at_provision
         "gpus of gpu01, gpu02: auto, nvidia-smi's count, found at provision on the node (and by "
         "netcheck and each job)",
     ]
-    loaded = inventory.load(path, "slurm-node")
+    loaded = inventory_read.load(path, "slurm-node")
     assert [(h.compute_ip_default, h.auto) for h in loaded.hosts] == [
         (True, {"compute_interface", "gpus"})
     ] * 2
@@ -242,7 +242,7 @@ def test_a_plain_yaml_inventory_with_a_dashed_group_reads_as_ansible_reads_it(tm
         f"Warning: inventory {path}: Ansible: Invalid characters were found in group names but "
         "not replaced, use -vvvv to see details (groups gpu-nodes)"
     ]
-    loaded = inventory.load(path, "gpu-nodes")
+    loaded = inventory_read.load(path, "gpu-nodes")
     assert [(h.compute_interface, h.gpus) for h in loaded.hosts] == [(None, 2), ("eth1", None)]
 
 
@@ -250,7 +250,7 @@ def test_a_plain_yaml_inventory_with_a_dashed_group_reads_as_ansible_reads_it(tm
     "group", ["slurm-node", "kube_node", "gpu.nodes", "1st_rack", "nodes", "all", "a-b_c.d"]
 )
 def test_group_names_ansible_reads_are_accepted(group):
-    assert inventory.check_group(group) == group
+    assert inventory_checks.check_group(group) == group
 
 
 @pytest.mark.parametrize(
@@ -258,7 +258,7 @@ def test_group_names_ansible_reads_are_accepted(group):
 )
 def test_what_a_host_pattern_or_the_command_line_would_take_apart_is_refused(group):
     with pytest.raises(UserError) as raised:
-        inventory.check_group(group)
+        inventory_checks.check_group(group)
     assert raised.value.line().endswith(
         "is not an Ansible group name (try letters, digits, '_' and '-', such as "
         "GROUP=gpu_nodes or GROUP=slurm-node)"

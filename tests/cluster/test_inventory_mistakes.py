@@ -10,7 +10,7 @@ from pathlib import Path
 import ansible.constants
 
 from tests.conftest import run_cli
-from torch_multinode.cluster import inventory, inventory_checks
+from torch_multinode.cluster import inventory_checks, inventory_read
 
 VALID = """\
 all:
@@ -123,7 +123,7 @@ def test_several_errors_are_all_reported_one_line_each(tmp_path):
 def test_the_raised_error_carries_every_problem(tmp_path):
     text = VALID.replace("          gpus: 1\n", "          gpus: x\n")
     try:
-        inventory.load(write(tmp_path, text))
+        inventory_read.load(write(tmp_path, text))
     except inventory_checks.InventoryErrors as caught:
         assert [str(error).rsplit(": ", 2)[-2] for error in caught.errors] == ["field 'gpus'"] * 2
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from torch_multinode.cluster import inventory
+from torch_multinode.cluster import inventory_read
 from torch_multinode.cluster.errors import UserError
 
 VALID = """\
@@ -48,7 +48,7 @@ def write(tmp_path: Path, text: str, name: str = "inventory.yml") -> Path:
 def problems(path: Path) -> tuple[list[str], list[str]]:
     """The `Error:` lines load raises, and the `Warning:` lines it prints."""
     with pytest.raises(UserError) as raised:
-        inventory.load(path)
+        inventory_read.load(path)
     return raised.value.lines()
 
 
@@ -120,7 +120,7 @@ def test_nodes_sharing_an_address_on_their_own_ports_are_accepted(tmp_path):
     text = VALID.replace(
         "ansible_host: 10.9.0.2", "ansible_host: 10.9.0.1\n          ansible_port: 2202"
     )
-    assert [h.ssh_port for h in inventory.load(write(tmp_path, text)).hosts] == [22, 2202, 22]
+    assert [h.ssh_port for h in inventory_read.load(write(tmp_path, text)).hosts] == [22, 2202, 22]
 
 
 def test_a_host_missing_a_field_has_its_other_fields_checked(tmp_path):
@@ -209,7 +209,7 @@ def test_a_typo_in_group_vars_files_and_yaml_group_vars_is_said_for_its_group(tm
 def test_a_typo_in_a_groups_vars_that_every_host_overrides_is_a_warning(tmp_path, capsys):
     text = INI.replace(" gpus=1", " gpus=1 compute_interface=eth1")
     path = write(tmp_path, text, "cluster.ini")
-    assert [h.compute_interface for h in inventory.load(path).hosts] == ["eth1"] * 3
+    assert [h.compute_interface for h in inventory_read.load(path).hosts] == ["eth1"] * 3
     assert capsys.readouterr().err.splitlines() == [
         f"Warning: inventory {path}: vars of group 'nodes': field 'compute_interfce' is not "
         "one the project reads; did you mean 'compute_interface'?",

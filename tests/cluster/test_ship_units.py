@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.helpers import REPO_ROOT, inventory_text, node
-from torch_multinode.cluster.inventory import parse
+from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.provision import platforms, ship, ship_progress
 
 

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import run_cli
 from torch_multinode.cluster import engine
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import load
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.cluster.remote import Remote, on_all
 from torch_multinode.sim import nodes as sim
 

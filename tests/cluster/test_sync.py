@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import inventory_text, node
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import parse
+from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.launch import environment, staging
 
 
@@ -261,7 +261,7 @@ class _Node:
     """A stand-in for cluster.remote.Remote that runs the node's commands here."""
 
     def __init__(self, root: Path):
-        from torch_multinode.cluster.inventory import parse as parse_inventory
+        from torch_multinode.cluster.inventory_read import parse as parse_inventory
 
         self.host = parse_inventory(INVENTORY).hosts[0]
         self.root = root

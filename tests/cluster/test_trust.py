@@ -14,7 +14,8 @@ import pytest
 from tests.helpers import inventory_text, node
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import Host, parse
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.inventory_read import parse
 
 
 def _host(port: int = 22, key: Path | None = None, address: str = "10.1.0.1") -> Host:

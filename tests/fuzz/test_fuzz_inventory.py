@@ -23,14 +23,14 @@ from tests.fuzz.strategies import (
     near_valid_inventories,
     yaml_values,
 )
-from torch_multinode.cluster import inventory, inventory_checks
+from torch_multinode.cluster import inventory, inventory_checks, inventory_read, inventory_validate
 from torch_multinode.cluster.errors import UserError
 
 
 def parse_or_error(text: str) -> inventory.Inventory | None:
     """The loader's contract: an Inventory, or a UserError of one line, exit code 2."""
     try:
-        return inventory.parse(text, "fuzz.yml")
+        return inventory_read.parse(text, "fuzz.yml")
     except UserError as error:
         line = error.line()
         assert line.startswith("Error: inventory fuzz.yml"), line
@@ -54,7 +54,7 @@ def assert_usable(loaded: inventory.Inventory) -> None:
     assert len(set(names)) == len(names)
     assert len({h.compute_ip for h in loaded.hosts}) == len(loaded.hosts)
     for host in loaded.hosts:
-        assert inventory._LABEL.fullmatch(host.name), host.name
+        assert inventory_validate._LABEL.fullmatch(host.name), host.name
         assert isinstance(host.compute_ip, ipaddress.IPv4Address)
         assert host.compute_ip in loaded.compute_subnet
         # `auto`: None, found on the node (cluster.autodetect) before anything uses it
@@ -144,7 +144,7 @@ def test_files_of_arbitrary_bytes(tmp_path, data):
     path = tmp_path / "inventory.yml"
     path.write_bytes(data)
     try:
-        loaded = inventory.load(path)
+        loaded = inventory_read.load(path)
     except UserError as error:
         assert error.line().startswith(f"Error: inventory {path}"), error.line()
         assert "\n" not in error.line()
@@ -163,7 +163,7 @@ def _with_host(**fields) -> str:
 
 def _error(text: str) -> str:
     with pytest.raises(UserError) as caught:
-        inventory.parse(text, "inv.yml")
+        inventory_read.parse(text, "inv.yml")
     return caught.value.line()
 
 
@@ -288,7 +288,7 @@ def test_what_fuzzing_found_is_one_error_line(text, line):
 def test_ssh_options_of_any_type_are_read_for_host_key_switches_without_a_crash():
     """The host-key check reads these as text; str() of an int too long to convert raises."""
     for value in (HugeInt(), ["-o", "X=y"], 3):
-        loaded = inventory.parse(_with_host(ansible_ssh_common_args=value), "inv.yml")
+        loaded = inventory_read.parse(_with_host(ansible_ssh_common_args=value), "inv.yml")
         assert loaded.hosts[1].name == "node2"
     assert "turns off SSH host-key checking" in _error(
         _with_host(ansible_ssh_common_args=["-o", "StrictHostKeyChecking=no"])
@@ -297,7 +297,7 @@ def test_ssh_options_of_any_type_are_read_for_host_key_switches_without_a_crash(
 
 def test_a_nul_in_the_inventory_path_is_an_error_line():
     with pytest.raises(UserError) as caught:
-        inventory.load("inv\x00.yml")
+        inventory_read.load("inv\x00.yml")
     assert caught.value.line() == (
         "Error: inventory 'inv\\x00.yml' cannot be read: embedded null byte"
     )

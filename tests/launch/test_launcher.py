@@ -23,7 +23,7 @@ from tests.helpers import SCRIPTS, inventory_text, leftovers, node, run_id_in
 from tests.training.conftest import kill_node
 from torch_multinode.cluster.containers import NCCL_CONF_GUARD, rdma_options
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import load, parse
+from torch_multinode.cluster.inventory_read import load, parse
 from torch_multinode.launch import stop
 from torch_multinode.launch.backends import SshBackend
 from torch_multinode.launch.commands import remote_command, stop_command, torchrun_command

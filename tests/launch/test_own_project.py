@@ -21,7 +21,7 @@ from tests.conftest import REPO_ROOT, make, run_cli
 from tests.fakes import FakeNodes
 from tests.helpers import inventory_text, node, run_id_in
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import parse
+from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.cluster.remote import Result
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.spec import LOCK_BUSY_EXIT, JobSpec

@@ -19,7 +19,7 @@ from tests.conftest import VENV_BIN
 from tests.helpers import fill, git_repository, inventory_text, node, small_filesystem
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.inventory import parse
+from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.launch import cli, ending, record, runs, snapshot, staging
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome

@@ -36,8 +36,8 @@ from tests.helpers import (
 )
 from tests.training.conftest import SMALL_JOB
 from torch_multinode.bench.wheels import offline_pip, wheel
-from torch_multinode.cluster.inventory import load
-from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT as CHECKPOINT_ROOT
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT as CHECKPOINT_ROOT
+from torch_multinode.cluster.inventory_read import load
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 

@@ -15,7 +15,8 @@ from tests import helpers
 from tests.fakes import FakeNodes, autodetect_answer, is_autodetect_probe
 from tests.helpers import node
 from torch_multinode.cluster.containers import NCCL_CONF_GUARD
-from torch_multinode.cluster.inventory import Host, parse
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.cluster.remote import Result
 from torch_multinode.netcheck import preflight, slurm
 

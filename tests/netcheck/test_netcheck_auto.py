@@ -11,7 +11,7 @@ import json
 from tests import helpers
 from tests.helpers import node
 from tests.netcheck.netcheck_fakes import FakeCluster
-from torch_multinode.cluster.inventory import parse
+from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.netcheck import cli, preflight
 from torch_multinode.netcheck.report import Status, render
 

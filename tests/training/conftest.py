@@ -482,9 +482,9 @@ def reference_run(directory: Path) -> ReferenceRun:
 
 def run_main(main, argv: list[str], capsys) -> tuple[int, str, str]:
     """A workload's CLI entry, in this process: (exit code, stdout, stderr)."""
-    from torch_multinode.training.settings import console
+    from torch_multinode.training.distributed import parallel
 
     with pytest.raises(SystemExit) as exited:
-        console.run(main, argv)
+        parallel.run(main, argv)
     captured = capsys.readouterr()
     return exited.value.code, captured.out, captured.err

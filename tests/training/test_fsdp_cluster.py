@@ -16,7 +16,7 @@ from tests.conftest import REPO_ROOT, make
 from tests.helpers import known_line, on_node, run_id_in, start_train
 from tests.training.conftest import load_state, max_difference
 from tests.training.references import SMALL, bench_row, digest, progress, reference
-from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 TOLERANCE = 1e-5  # as tests/training/test_fsdp.py states for 2 ranks against one process

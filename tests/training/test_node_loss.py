@@ -33,8 +33,8 @@ from tests.training.conftest import (
 )
 from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
-from torch_multinode.cluster.inventory import load
-from torch_multinode.cluster.inventory_checks import DEFAULT_CHECKPOINT_ROOT
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
+from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import ship
 from torch_multinode.sim import nodes as sim
 

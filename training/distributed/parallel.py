@@ -16,6 +16,8 @@ import hashlib
 import io
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -27,6 +29,7 @@ from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
 from torch_multinode.training.distributed import flight
 from torch_multinode.training.settings.config import batch_fits
+from torch_multinode.training.settings.console import emit
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("nccl", "gloo")
@@ -186,6 +189,25 @@ def stop(synchronize: bool = False) -> None:
             dist.barrier()
         dist.destroy_process_group()
     gc.collect()  # also after a workload that destroyed the group itself
+
+
+def call(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """Call `main` and leave the process group either way (a rank that exits with gloo still up
+    can abort at exit, "terminate called without an active exception"); a UserError becomes
+    one `Error: ...` line and its exit code."""
+    try:
+        code = main(argv)
+        stop(synchronize=True)
+    except UserError as error:
+        emit(error.line(), sys.stderr)
+        code = error.exit_code
+        stop()
+    return code or 0
+
+
+def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
+    """`call`, then exit with its code: the edge of every workload's `python -m`."""
+    sys.exit(call(main, argv))
 
 
 def barrier(env: DistEnv) -> None:

@@ -1,13 +1,14 @@
 """The edge of every workload: printing on the right rank, and errors as one `Error:` line.
 
 Torch-free: the argument checks the launcher runs on the controller use it (training.settings.arguments).
+It imports nothing of training.distributed (only its types): a workload's run to its end, the
+process group left either way, is training.distributed.parallel's (run, call).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from torch_multinode.cluster.errors import UserError, usage_error
@@ -54,24 +55,3 @@ def say(env: parallel.DistEnv, *lines: str) -> None:
 
 def say_every_rank(env: parallel.DistEnv, line: str) -> None:
     emit((f"[rank {env.rank}] " if env.launched else "") + line)
-
-
-def call(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Call `main` and leave the process group either way (a rank that exits with gloo still up
-    can abort at exit, "terminate called without an active exception"); a UserError becomes
-    one `Error: ...` line and its exit code."""
-    from torch_multinode.training.distributed import parallel
-
-    try:
-        code = main(argv)
-        parallel.stop(synchronize=True)
-    except UserError as error:
-        emit(error.line(), sys.stderr)
-        code = error.exit_code
-        parallel.stop()
-    return code or 0
-
-
-def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
-    """`call`, then exit with its code: the edge of every workload's `python -m`."""
-    sys.exit(call(main, argv))
