@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -336,27 +337,30 @@ def _dependencies(
     inventory: inventory_module.Inventory | None,
     wanted: staging.Requirements | None,
     spares: tuple[inventory_module.Host, ...] = (),
-) -> Dependencies | None:
+) -> tuple[Dependencies | None, Callable[[], None] | None]:
     """The project's dependencies made ready for the job (provision.dependencies: the layer
-    built and shipped for jobs in containers, the directory for a local job), or None: none,
-    or host mode, where each node's training_python must hold them (said, and checked on every
-    node as it is prepared). A rerun takes the recorded run's requirements, and its layer."""
+    built for jobs in containers, the directory for a local job), or None: none, or host mode,
+    where each node's training_python must hold them (said, and checked on every node as it is
+    prepared). A rerun takes the recorded run's requirements, and its layer. With it, what
+    makes the layer ready on the nodes, which the job calls before it checks their images."""
     recorded = (args.rerun_of[0] if args.rerun_of else {}).get("dependencies")
     if recorded:
         wanted = staging.Requirements(recorded["source"], tuple(recorded["requirements"]))
     if wanted is None:
-        return None
+        return None, None
     if inventory is not None and inventory.launch_mode != "container":
         _emit(f"[launcher] {staging.host_mode_note(wanted)}")
-        return None
+        return None, None
     from torch_multinode.provision import dependencies  # only for a project with requirements
 
     def say(line: str) -> None:
         _emit(f"[launcher] {line}")
 
     if inventory is None:
-        return dependencies.for_this_machine(wanted.lines, wanted.source, say, recorded)
-    return dependencies.for_inventory(inventory, wanted.lines, wanted.source, say, recorded, spares)
+        return dependencies.for_this_machine(wanted.lines, wanted.source, say, recorded), None
+    return dependencies.begin_for_inventory(
+        inventory, wanted.lines, wanted.source, say, recorded, spares
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -370,14 +374,14 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             _emit(f"[launcher] {note}")
         root = staging.project_root(spec.script, spec.workdir)
-        made = _dependencies(args, None, staging.requirements(root, args.requirements))
+        made, _ = _dependencies(args, None, staging.requirements(root, args.requirements))
         if made is not None and made.directory is not None:
             spec = replace(spec, dependencies=str(made.directory))
     else:
         inventory, spec, project, spares = _on_nodes(args, spec)
-        made = _dependencies(args, inventory, project.requirements, spares)
+        made, ready = _dependencies(args, inventory, project.requirements, spares)
         if made is not None and made.image is not None:
-            project = replace(project, image=made.image)
+            project = replace(project, image=made.image, image_ready=ready)
     recorder = record.Recorder(
         spec,
         args.argv,

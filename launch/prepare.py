@@ -101,6 +101,8 @@ def prepare_nodes(
     first refusal once all have ended), the controller's image ID and the version lock read
     once for all: each node's versions, and what changed on those that drifted (allowed)."""
     image_id = None
+    if project.image_ready is not None:  # the dependency layer, looked for on the nodes meanwhile
+        project.image_ready()
     if inventory.launch_mode == "container":
         image_id = staging.local_image_id(staging.job_image(inventory, project))
     locked = lock.load(lock.default_path(inventory.path)) or {}

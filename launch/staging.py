@@ -31,8 +31,8 @@ import re
 import shlex
 import subprocess
 import tomllib
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch_multinode.cluster import sync, trust
@@ -81,6 +81,9 @@ class Project:
     image: str | None = None
     """The image a job in containers runs in, where not the inventory's training image: the
     layer of the project's dependencies on it (provision.dependencies)."""
+    image_ready: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    """What makes that layer ready on the nodes (provision.dependencies.begin_for_inventory's
+    second half), called before their images are checked."""
 
     @property
     def python_path(self) -> str:

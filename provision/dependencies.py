@@ -48,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_multinode.cluster import files
-from torch_multinode.cluster.engine import docker, image_exists
+from torch_multinode.cluster.engine import docker
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.sync import TOOL_ROOT
@@ -735,6 +736,20 @@ def _image_id(image: str) -> str:
     return docker("image", "inspect", "--format", "{{.Id}}", image, check=False).stdout.strip()
 
 
+# An image's ID and labels in one `docker image inspect`: a later run's layer is found with
+# one call of the engine, not four (its time to the first step is measured, bench section 16).
+_ID_AND_LABELS = '{{.Id}}{{"\\t"}}{{json .Config.Labels}}'
+
+
+def _id_and_labels(image: str) -> tuple[str, dict[str, str]] | None:
+    """The image's ID and its labels, or None where this machine has no such image."""
+    answer = docker("image", "inspect", "--format", _ID_AND_LABELS, image, check=False)
+    identity, _, labels = answer.stdout.strip().partition("\t")
+    if answer.returncode != 0 or not identity:
+        return None
+    return identity, json.loads(labels or "null") or {}
+
+
 def _recorded_layer(recorded: dict[str, Any] | None, emit: Emit) -> Dependencies | None:
     """The layer a recorded run ran in (`make rerun`), where this machine still has it, under
     its tag again; None where it has not (then it is made again from the same requirements)."""
@@ -784,13 +799,14 @@ def prepare_layer(
     digest = layer_digest(requirements, base_id, constraints(environment))
     tag = layer_tag(digest)
     common = (source, tuple(requirements), digest)
-    if image_exists(tag) and images.image_label(tag, DIGEST_LABEL) == digest:
-        packages = tuple(images.image_label(tag, RESOLVED_LABEL).split())
+    found = _id_and_labels(tag)
+    if found is not None and found[1].get(DIGEST_LABEL) == digest:
+        packages = tuple(found[1].get(RESOLVED_LABEL, "").split())
         emit(
             f"dependencies: {tag} holds {source}'s {len(packages)} package(s) on {base} "
             "already: nothing to build"
         )
-        return Dependencies(*common, packages, tag, _image_id(tag), base, base_id)
+        return Dependencies(*common, packages, tag, found[0], base, base_id)
     packages = resolve(requirements, source, environment, CACHE / digest, emit)
     if not packages:
         emit(f"dependencies: {base} holds everything {source} asks for: no layer to build")
@@ -837,12 +853,20 @@ def build_layer(
             )
 
 
-def ship_layer(inventory: Inventory, dependencies: Dependencies, emit: Emit) -> None:
+def ship_layer(
+    inventory: Inventory,
+    dependencies: Dependencies,
+    emit: Emit,
+    looked: dict[str, tuple[str, str]] | None = None,
+) -> None:
     """The layer onto every node that lacks it, by layers (provision.ship): a node that holds
-    its base fetches the one layer; one that holds the layer gets nothing, said."""
+    its base fetches the one layer; one that holds the layer gets nothing, said. `looked`: the
+    nodes' answers to ship.node_images, where they were asked already."""
     if dependencies.image is None:
         return
-    shipment = ship.ship(inventory, dependencies.image, emit=emit)
+    shipment = ship.ship(
+        inventory, dependencies.image, emit=emit, known_id=dependencies.image_id, looked=looked
+    )
     if not shipment.via:
         emit(
             f"dependencies: every node holds {dependencies.image} "
@@ -863,8 +887,77 @@ def for_inventory(
     """A job in containers: the layer ready here and on every node of the (narrowed)
     inventory; then on its `spares` (RESTARTS=: a lost node's place) as far as they answer,
     said where one does not (a restart onto it would then refuse it, naming it)."""
+    found, ready = begin_for_inventory(inventory, requirements, source, emit, recorded, spares)
+    ready()
+    return found
+
+
+class _Look:
+    """ship.node_images of a layer, asked in a thread of its own: the nodes answer while the
+    launcher goes on here (it connects and sends the project), not before it starts."""
+
+    def __init__(self, inventory: Inventory, image: str) -> None:
+        self._answer: dict[str, tuple[str, str]] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._ask, args=(inventory, image), name="tmn-layer-look", daemon=True
+        )
+        self._thread.start()
+
+    def _ask(self, inventory: Inventory, image: str) -> None:
+        try:
+            self._answer = ship.node_images(inventory, image)
+        except BaseException as error:  # raised where the answer is wanted
+            self._error = error
+
+    def answer(self) -> dict[str, tuple[str, str]]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer
+
+
+def begin_for_inventory(
+    inventory: Inventory,
+    requirements: Sequence[str],
+    source: str,
+    emit: Emit,
+    recorded: dict[str, Any] | None = None,
+    spares: Sequence[Host] = (),
+) -> tuple[Dependencies, Callable[[], None]]:
+    """for_inventory in two halves: the layer ready here (built where it must be), and a
+    function that makes it ready on the nodes, to be called before their images are checked.
+    A layer found ready here is looked for on the nodes meanwhile, in a thread (a later run's
+    usual case: every node holds it, and the look costs the job no time); a layer just built
+    is shipped by the second half, which shows its progress."""
     found = prepare_layer(inventory.training_image, requirements, source, emit, recorded)
-    ship_layer(inventory, found, emit)
+    look = None
+    if found.image is not None and not found.built:
+        look = _Look(inventory, found.image)
+    done: list[BaseException | None] = []
+
+    def ready() -> None:
+        if not done:
+            try:
+                _ready_on_nodes(inventory, found, emit, spares, look)
+                done.append(None)
+            except BaseException as error:
+                done.append(error)
+        if done[0] is not None:
+            raise done[0]
+
+    return found, ready
+
+
+def _ready_on_nodes(
+    inventory: Inventory,
+    found: Dependencies,
+    emit: Emit,
+    spares: Sequence[Host],
+    look: _Look | None,
+) -> None:
+    ship_layer(inventory, found, emit, looked=look.answer() if look is not None else None)
     if spares and found.image is not None:
         try:
             ship_layer(replace(inventory, hosts=tuple(spares)), found, emit)
@@ -873,7 +966,6 @@ def for_inventory(
                 f"dependencies: the spare node(s) {', '.join(h.name for h in spares)} did not "
                 f"take {found.image}: {error}"
             )
-    return found
 
 
 def _environment_key(environment: Environment) -> str:

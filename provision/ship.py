@@ -409,15 +409,18 @@ def ship(
     image: str | None = None,
     via: str = "auto",
     emit: Emit = print,
+    known_id: str | None = None,
+    looked: dict[str, tuple[str, str]] | None = None,
 ) -> Shipment:
     """Bring `image` (the inventory's training image) to every node lacking the controller's
     ID for it; `via`: 'auto' (the registry when it answers, else the stream, said so),
-    'registry' (refuse without one) or 'stream'."""
+    'registry' (refuse without one) or 'stream'. `known_id`: that ID, and `looked`: what
+    node_images answered, where the caller has them already."""
     image = image or inventory.training_image
-    wanted = image_id(image)
+    wanted = known_id or image_id(image)
     reason = ""
     started = time.monotonic()
-    found = node_images(inventory, image)
+    found = looked if looked is not None else node_images(inventory, image)
     held = {name: identity for name, (identity, _) in found.items()}
     lacking = [host for host in inventory.hosts if held[host.name] != wanted]
     shipment = Shipment(image, wanted, "", already=[n for n, i in held.items() if i == wanted])

@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from torch_multinode.provision import dependencies, images, ship
 from torch_multinode.provision.ship_progress import Shipment
 
 BASE = "torch-multinode/train:latest"
+WHERE = types.SimpleNamespace(training_image=BASE)  # an inventory, as far as the layer asks
 BASE_ID = "sha256:" + "b" * 64
 TAGS = [
     "cp311-cp311-manylinux_2_36_x86_64",
@@ -72,6 +75,9 @@ class FakeEngine:
             found = self.find(args[-1])
             if found is None:
                 return subprocess.CompletedProcess(args, 1, "", f"Error: No such image: {args[-1]}")
+            if "json .Config.Labels" in args[3]:  # the ID and the labels, tab between
+                answer = f"{found[0]}\t{json.dumps(found[1] or None)}\n"
+                return subprocess.CompletedProcess(args, 0, answer, "")
             return subprocess.CompletedProcess(args, 0, found[0] + "\n", "")
         if args[0] == "run":
             assert "--network" in args and args[args.index("--entrypoint") + 1] == "python3"
@@ -80,9 +86,6 @@ class FakeEngine:
             self.images[args[2]] = self.find(args[1])
             return subprocess.CompletedProcess(args, 0, "", "")
         raise AssertionError(f"unexpected docker {args}")
-
-    def exists(self, name: str) -> bool:
-        return self.find(name) is not None
 
     def label(self, tag: str, name: str) -> str:
         return self.find(tag)[1].get(name, "")
@@ -102,7 +105,6 @@ def engine(monkeypatch, tmp_path) -> FakeEngine:
     fake = FakeEngine()
     monkeypatch.setattr(dependencies, "CACHE", tmp_path / "cache")
     monkeypatch.setattr(dependencies, "docker", fake.docker)
-    monkeypatch.setattr(dependencies, "image_exists", fake.exists)
     monkeypatch.setattr(images, "image_label", fake.label)
     monkeypatch.setattr(images, "build_from", fake.build_from)
 
@@ -491,6 +493,9 @@ def test_the_images_probe_is_asked_once_per_image_id(engine):
 
 
 def test_a_layer_every_node_holds_ships_nothing_and_says_so(monkeypatch):
+    """A layer found ready here (a later run's case) is looked for on the nodes in a thread,
+    while the launcher goes on: the first half returns before the nodes have answered, and the
+    second ships nothing with their answer, once however often it is called."""
     made = dependencies.Dependencies(
         SOURCE,
         ("tqdm",),
@@ -499,20 +504,55 @@ def test_a_layer_every_node_holds_ships_nothing_and_says_so(monkeypatch):
         "torch-multinode/deps:abc",
         "sha256:" + "e" * 64,
     )
+    monkeypatch.setattr(dependencies, "prepare_layer", lambda *args: made)
+    answer = {"node1": ("sha256:" + "e" * 64, "x86_64"), "node2": ("sha256:" + "e" * 64, "x86_64")}
+    asked, go = threading.Event(), threading.Event()
+
+    def node_images(inventory, image):
+        assert image == "torch-multinode/deps:abc"
+        asked.set()
+        assert go.wait(10)
+        return answer
+
     shipped: list[str] = []
 
-    def shipping(inventory, image, via="auto", emit=print):
+    def shipping(inventory, image, via="auto", emit=print, known_id=None, looked=None):
+        assert known_id == "sha256:" + "e" * 64  # the ID just read: no second look
+        assert looked is answer  # the thread's answer: the nodes asked once
         shipped.append(image)
         return Shipment(image, "sha256:" + "e" * 64, "", already=["node1", "node2"])
 
+    monkeypatch.setattr(ship, "node_images", node_images)
     monkeypatch.setattr(ship, "ship", shipping)
     lines: list[str] = []
-    dependencies.ship_layer(object(), made, lines.append)
+    found, ready = dependencies.begin_for_inventory(WHERE, ["tqdm"], SOURCE, lines.append)
+    assert found is made and asked.wait(10) and shipped == []  # the nodes not yet answered
+    go.set()
+    ready()
+    ready()
     assert shipped == ["torch-multinode/deps:abc"]
     assert lines == [
         "dependencies: every node holds torch-multinode/deps:abc (eeeeeeeeeeee) already: "
         "nothing to ship"
     ]
+
+
+def test_a_look_that_fails_is_said_where_the_layer_is_wanted_each_time(monkeypatch):
+    made = dependencies.Dependencies(
+        SOURCE, ("tqdm",), "d" * 64, ("tqdm==4.70.1",), "deps:abc", "sha256:" + "e" * 64
+    )
+    monkeypatch.setattr(dependencies, "prepare_layer", lambda *args: made)
+    failure = UserError("node2 did not answer over SSH", hint="make netcheck", exit_code=1)
+
+    def node_images(inventory, image):
+        raise failure
+
+    monkeypatch.setattr(ship, "node_images", node_images)
+    _, ready = dependencies.begin_for_inventory(WHERE, ["tqdm"], SOURCE, print)
+    for _ in range(2):  # a restart's second call says the same
+        with pytest.raises(UserError) as raised:
+            ready()
+        assert raised.value is failure
 
 
 def test_a_rerun_takes_the_recorded_layer_where_this_machine_still_has_it(engine, monkeypatch):
@@ -609,8 +649,11 @@ def test_the_layer_goes_to_the_jobs_nodes_then_to_its_spares_as_far_as_they_answ
     cluster = inventory({"node1": node(1), "node2": node(2), "node3": node(3)})
     job, spares = cluster.first(2), cluster.hosts[2:]
     shipped: list[tuple[str, ...]] = []
+    ids: list[str | None] = []
 
-    def shipping(where, image, via="auto", emit=print):
+    def shipping(where, image, via="auto", emit=print, known_id=None, looked=None):
+        assert looked is None  # a layer built here is not looked for before it is shipped
+        ids.append(known_id)
         shipped.append(tuple(host.name for host in where.hosts))
         if where.hosts[0].name == "node3":
             raise UserError("node3 did not answer over SSH", hint="make netcheck", exit_code=1)
@@ -621,6 +664,7 @@ def test_the_layer_goes_to_the_jobs_nodes_then_to_its_spares_as_far_as_they_answ
     lines: list[str] = []
     made = dependencies.for_inventory(job, ["tqdm"], SOURCE, lines.append, None, spares)
     assert shipped == [("node1", "node2"), ("node3",)]
+    assert ids == [made.image_id, made.image_id] and made.image_id  # read once, here
     assert lines[-1] == (
         f"dependencies: the spare node(s) node3 did not take {made.image}: node3 did not answer "
         "over SSH"

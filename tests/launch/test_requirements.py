@@ -190,20 +190,26 @@ def _args(**fields) -> argparse.Namespace:
 def test_the_launcher_makes_them_ready_where_the_job_runs(monkeypatch, capsys):
     calls = []
     made = dependencies.Dependencies("requirements.txt", ("tqdm",), "d", ("tqdm==4.70.1",))
+
+    def ready() -> None:  # the layer made ready on the nodes, by the job before it checks them
+        calls.append(("ready",))
+
     monkeypatch.setattr(
         dependencies, "for_this_machine", lambda *a: calls.append(("here", *a)) or made
     )
     monkeypatch.setattr(
-        dependencies, "for_inventory", lambda *a: calls.append(("nodes", *a)) or made
+        dependencies,
+        "begin_for_inventory",
+        lambda *a: calls.append(("nodes", *a)) or (made, ready),
     )
     wanted = staging.Requirements("requirements.txt", ("tqdm",))
-    assert cli._dependencies(_args(), None, wanted) is made
-    assert cli._dependencies(_args(), _cluster(), wanted) is made
-    assert [call[0] for call in calls] == ["here", "nodes"]
+    assert cli._dependencies(_args(), None, wanted) == (made, None)
+    assert cli._dependencies(_args(), _cluster(), wanted) == (made, ready)
+    assert [call[0] for call in calls] == ["here", "nodes"]  # the nodes' half left to the job
     assert calls[0][1:3] == (("tqdm",), "requirements.txt") and calls[0][4] is None
-    assert cli._dependencies(_args(), _cluster(), None) is None
+    assert cli._dependencies(_args(), _cluster(), None) == (None, None)
     # Host mode: nothing made; said.
-    assert cli._dependencies(_args(), _cluster(launch_mode="host"), wanted) is None
+    assert cli._dependencies(_args(), _cluster(launch_mode="host"), wanted) == (None, None)
     assert capsys.readouterr().out.splitlines()[-1] == (
         "[launcher] launch_mode: host: requirements.txt is not installed by the launcher; each "
         "node's training_python must hold it (checked on every node before the job starts)"
@@ -239,3 +245,35 @@ def test_the_record_keeps_the_dependencies_and_names_the_layer_as_the_image(tmp_
         "id": "id-of-torch-multinode/deps:dddd",
     }
     assert record._image(_cluster())["name"] == "torch-multinode/train:latest"
+
+
+def test_the_job_makes_the_layer_ready_on_the_nodes_before_it_checks_their_images(monkeypatch):
+    """The layer's second half (begin_for_inventory's `ready`) runs once the job has connected
+    and sent the project, and before the controller's image ID is read or any node prepared."""
+    from torch_multinode.launch import prepare
+
+    order: list[str] = []
+    cluster = _cluster(launch_mode="container")
+    project = staging.Project(
+        (), "/work", None, image="deps:abc", image_ready=lambda: order.append("ready")
+    )
+    monkeypatch.setattr(prepare.lock, "load", lambda path: None)
+    monkeypatch.setattr(
+        staging, "local_image_id", lambda image: order.append(f"id of {image}") or "sha256:e"
+    )
+
+    def prepare_node(remote, host, *rest):
+        order.append(f"prepare {host.name}")
+        return {}, []
+
+    monkeypatch.setattr(prepare, "prepare_node", prepare_node)
+    prepare.prepare_nodes(
+        {host.name: None for host in cluster.hosts},
+        cluster,
+        JobSpec(script=Path("train.py")),
+        project,
+        "gloo",
+        print,
+        lambda work: [work(host) for host in cluster.hosts],
+    )
+    assert order == ["ready", "id of deps:abc", "prepare node1", "prepare node2"]
