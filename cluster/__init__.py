@@ -3,9 +3,12 @@ training container's options, Docker, Slurm's queue, errors, versions and the ve
 The simulated cluster is sim/'s, not this room's. Runs on the controller; durable, errors,
 jobenv, nccl_transport and versions also run on the nodes (cluster.sync.NODE_SIDE).
 
-    inventory         the one inventory: Host, Inventory, load, parse, a checked one assembled
-    inventory_read    an inventory file read into the document the checks run on (YAML, or
-                      ansible-core where only Ansible resolves it)
+    inventory         the one inventory's model: Host, Inventory, their defaults (it imports
+                      neither reading nor checking: read -> check -> model, one way)
+    inventory_read    where an inventory is loaded (load, parse): the file read into the
+                      document the checks run on (YAML, or ansible-core where only Ansible
+                      resolves it), then validated
+    inventory_validate  a document checked whole into an Inventory, one named check at a time
     inventory_checks  the field vocabulary, each value's check and its message, the typo help
     autodetect        the `auto` values (compute_interface, gpus), found on the nodes once per
                       command

@@ -2,7 +2,8 @@
 its all-reduce through DDP or by hand over the same group.
 
     parallel  the job's environment read (RANK, LOCAL_RANK, WORLD_SIZE, TMN_BACKEND), each rank
-              bound to its device, the group started and stopped, a model wrapped in DDP
+              bound to its device, the group started and stopped, a model wrapped in DDP; a
+              workload's main run through it (`run`, `call`: its errors said as one line)
     levers    the all-reduce levers: comm hooks, `--comm-hook auto` picked by measuring, no_sync
               accumulation
     flight    a rank's Flight Recorder trace, written when the launcher asks (a hang) or when the
