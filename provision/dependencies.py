@@ -935,14 +935,14 @@ def begin_for_inventory(
     look = None
     if found.image is not None and not found.built:
         look = _Look(inventory, found.image)
-    done: list[BaseException | None] = []
+    done: list[Exception | None] = []  # once: a restart's second call says the same
 
     def ready() -> None:
         if not done:
             try:
                 _ready_on_nodes(inventory, found, emit, spares, look)
                 done.append(None)
-            except BaseException as error:
+            except Exception as error:  # Ctrl-C goes on up, unremembered
                 done.append(error)
         if done[0] is not None:
             raise done[0]
