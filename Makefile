@@ -191,10 +191,11 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-.PHONY: lint  ## ruff, hadolint, yamllint and ansible-lint (production profile)
+.PHONY: lint  ## ruff, mypy, the import-graph check, hadolint, yamllint and ansible-lint (production profile)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m tests.import_graph
 	$(BIN)/hadolint docker/Dockerfile docker/sim-node/Dockerfile
 	$(BIN)/yamllint ansible

@@ -210,8 +210,10 @@ def _on_the_bench_cluster(
         if {"editloop", "image", "dependencies"} & set(only):
             containers = measure.provision_containers(inventory, args.training_image, progress)
         if "editloop" in only:
+            assert containers is not None  # provisioned above for this section
             data["edit_loop"] = jobs.measure_edit_loop(containers, args.reps, progress)
         if "dependencies" in only:
+            assert containers is not None  # provisioned above for this section
             data["dependencies"] = jobs.measure_dependencies(containers, args.reps, progress)
         if "slurm" in only:
             data["slurm"] = jobs.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
@@ -219,6 +221,7 @@ def _on_the_bench_cluster(
             steps = FSDP_STEPS_QUICK if args.quick else FSDP_STEPS
             data["fsdp"] = jobs.measure_fsdp(inventory, steps, args.reps, progress)
         if "image" in only:
+            assert containers is not None  # provisioned above for this section
             image = load(containers).training_image
             data["image"] = shipping.measure_image(containers, image, args.image_reps, progress)
         four = None  # 4 nodes provisioned for jobs in containers

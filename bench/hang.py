@@ -68,6 +68,7 @@ def _timed_train(inventory: Path, nodes: int, script: Path) -> list[tuple[float,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert proc.stdout is not None  # stdout=PIPE
     lines = [(time.monotonic(), line) for line in proc.stdout]
     proc.wait(timeout=120)
     return lines

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.sim import nodes as sim
@@ -35,6 +36,7 @@ BENCH_PREFIX = "BENCH "
 FIRST_STEP = re.compile(r"\bstep 1/\d+\b")
 
 Progress = Callable[[str], None]
+Measured = TypeVar("Measured")  # what side_by_side's two measurements return (a float, a row)
 
 
 @dataclass
@@ -113,6 +115,7 @@ def until_first_step(
     outputs[:] = [[] for _ in processes]
 
     def read(index: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             outputs[index].append(line)
             if index == watch and FIRST_STEP.search(line) and not seen.is_set():
@@ -167,13 +170,14 @@ def make_train_to_first_step(inventory: Path, args: list[str]) -> float:
 
 def side_by_side(
     reps: int,
-    ours: Callable[[], float],
-    theirs: Callable[[], float],
-    said: Callable[[int, float, float], None],
-) -> tuple[list[float], list[float]]:
+    ours: Callable[[], Measured],
+    theirs: Callable[[], Measured],
+    said: Callable[[int, Measured, Measured], None],
+) -> tuple[list[Measured], list[Measured]]:
     """`reps` pairs of measurements, alternating which goes first so that warm caches on the
     nodes favour neither; `said(rep, ours, theirs)` after each pair."""
-    first, second = [], []
+    first: list[Measured] = []
+    second: list[Measured] = []
     for rep in range(reps):
         ours_first = rep % 2 == 1
         if ours_first:

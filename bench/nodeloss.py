@@ -109,6 +109,7 @@ def _one_job(train: Path, inventory: Path, replicas: bool) -> list[tuple[float, 
         text=True,
     )
     started = time.monotonic()
+    assert proc.stdout is not None  # stdout=PIPE
     lines = [(time.monotonic() - started, line) for line in proc.stdout]
     proc.wait()
     if proc.returncode != 0:
@@ -183,6 +184,7 @@ def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple
         text=True,
     )
     before: list[str] = []
+    assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         before.append(line)
         if KILL_AFTER.search(line):
@@ -194,6 +196,7 @@ def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple
     killed = time.monotonic()
 
     def read() -> None:
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             lines.append((time.monotonic() - killed, line))
 

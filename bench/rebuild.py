@@ -36,8 +36,9 @@ def scratch_checkout(destination: Path) -> Path:
     """A checkout of this repository for the bench to edit as a user edits theirs: its files
     (tracked, and untracked ones git does not ignore) copied as they are now, so that edits
     made here meanwhile never reach it; docker/wheels hard-linked (3 GB that never change, cost
-    nothing to "copy"); the venv linked. Editing a file there (edit_line) never touches this
-    checkout, which tests may read."""
+    nothing to "copy"); the venv linked; its symlinks (torch_multinode/'s to the rooms) made
+    anew with the same relative targets, so they point into the copy. Editing a file there
+    (edit_line) never touches this checkout, which tests may read."""
     destination.mkdir(parents=True)
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -48,7 +49,10 @@ def scratch_checkout(destination: Path) -> Path:
     ).stdout.split("\0")
     for name in filter(None, listed):
         source = REPO_ROOT / name
-        if source.is_file() and not source.is_symlink():
+        if source.is_symlink():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            (destination / name).symlink_to(source.readlink())
+        elif source.is_file():
             (destination / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, destination / name)
     if images.WHEELS_DIR.is_dir():
@@ -110,6 +114,7 @@ def make_provision_in(checkout: Path, inventory: Path) -> tuple[float, str, dict
     timer = threading.Timer(REBUILD_TIMEOUT, proc.kill)
     timer.start()
     try:
+        assert proc.stdout is not None  # stdout=PIPE
         lines = [(time.monotonic() - started, line) for line in proc.stdout]
         returncode = proc.wait()
     finally:

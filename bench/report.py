@@ -117,12 +117,13 @@ def figures(data: dict) -> dict[str, float | None]:
         fixed = {k: v for k, v in scaling["levers"].items() if k in FIXED_LEVERS}
         if fixed:
             found["best_efficiency"] = max(v["efficiency"]["median"] for v in fixed.values())
-            best_rate = max(_rate(scaling, k) for k in fixed)
+            best_rate = max(v["samples_per_second"]["median"] for v in fixed.values())
             auto = _rate(scaling, "auto")
             if auto is not None:
                 found["auto_vs_best"] = auto / best_rate
-                if _rate(scaling, "none"):
-                    found["auto_vs_plain"] = auto / _rate(scaling, "none")
+                plain = _rate(scaling, "none")
+                if plain:
+                    found["auto_vs_plain"] = auto / plain
     for key, section in (
         ("launcher", "launcher"),
         ("netcheck", "netcheck"),
@@ -155,7 +156,7 @@ def figures(data: dict) -> dict[str, float | None]:
         found["flight_step"] = _median(data["flight"]["step_ratio"])
         found["flight_collective"] = _median(data["flight"]["collective_ratio"])
     if data.get("edit_loop"):
-        found["edit_kilobytes"] = _median(data["edit_loop"]["edit_bytes_per_node"]) / 1000
+        found["edit_kilobytes"] = data["edit_loop"]["edit_bytes_per_node"]["median"] / 1000
     return found
 
 

@@ -97,7 +97,7 @@ def training_container_options(host: Host, memlock: str, label: str) -> list[str
         "-v",
         f"{NCCL_CONF}:{NCCL_CONF}:ro",
     ]
-    if host.gpus > 0:
+    if host.gpu_count > 0:
         options += ["--gpus", "all"]
     return options
 

@@ -33,6 +33,11 @@ SSH_CONNECT_TIMEOUT = 5.0
 class Session(Protocol):
     """One connection to one node (cluster.remote.Remote is the real one)."""
 
+    @property
+    def host(self) -> Host:
+        """The node it connects to."""
+        ...
+
     def connect(self) -> None: ...
 
     def run(

@@ -91,6 +91,13 @@ class Host:
     """compute_ip is the host's ansible_host: the inventory gives none, and that address is in
     compute_subnet."""
 
+    @property
+    def gpu_count(self) -> int:
+        """gpus, once known: what counts a node's GPUs (a job, netcheck's later stages) runs
+        after cluster.autodetect has found those the inventory leaves to the node."""
+        assert self.gpus is not None, f"host '{self.name}': gpus read before it was found"
+        return self.gpus
+
 
 @dataclass(frozen=True)
 class Inventory:

@@ -21,7 +21,7 @@ import posixpath
 import re
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeGuard
 
 import yaml
 
@@ -298,7 +298,7 @@ GROUP_HELP = (
 )
 
 
-def is_word(value) -> bool:
+def is_word(value) -> TypeGuard[str]:
     """A non-empty string with no whitespace or control character: an address, a path, a
     user, an image name. Such values reach command lines and environment variables."""
     return (

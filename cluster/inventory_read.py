@@ -106,12 +106,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     (`duplicates`), and the last value kept, as Ansible keeps it, so that the rest of the file
     is still checked in the same pass."""
 
-    def __init__(self, stream):
+    def __init__(self, stream) -> None:
         super().__init__(stream)
         self.duplicates: list[_DuplicateKey] = []
         self._host_maps: set[int] = set()  # the mappings under a `hosts:` key
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node, deep: bool = False):
         seen: dict[object, int] = {}
         for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -160,7 +160,9 @@ def _needs_ansible(data, group: str = NODES_GROUP) -> bool:
     found = children.get(group) if isinstance(children, dict) else None
     if not isinstance(found, dict):
         return group != NODES_GROUP and isinstance(top, dict)
-    hosts = found.get("hosts") if isinstance(found.get("hosts"), dict) else {}
+    hosts = found.get("hosts")
+    if not isinstance(hosts, dict):
+        hosts = {}
     return "children" in found or any(_HOST_RANGE.search(str(name)) for name in hosts)
 
 
@@ -382,10 +384,11 @@ def _yaml(text: str, where: str, problems: _Problems | None = None):
         finally:
             loader.dispose()
         duplicates = sorted(loader.duplicates, key=lambda found: found.line)
-        if duplicates and problems is None:
-            raise duplicates[0]
-        for duplicate in duplicates:
-            problems.add(duplicate.error(where))
+        if duplicates:
+            if problems is None:
+                raise duplicates[0]
+            for duplicate in duplicates:
+                problems.add(duplicate.error(where))
         return document
     except _DuplicateKey as dup:
         raise dup.error(where) from None
@@ -406,14 +409,14 @@ def _yaml(text: str, where: str, problems: _Problems | None = None):
 
 def _sources(path: Path) -> list[tuple[Path, object]]:
     """The inventory files Ansible reads for `path` (the file, or each file of a directory but
-    group_vars/ and host_vars/), each with its YAML document, or None where it is not YAML
+    group_vars/ and host_vars/), each with its YAML mapping, or its text where it holds none
     (then INI)."""
     files = (
         [path]
         if not path.is_dir()
         else sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
     )
-    found = []
+    found: list[tuple[Path, object]] = []
     for file in files:
         try:
             text = file.read_text(encoding="utf-8")

@@ -96,6 +96,11 @@ def _validate(
     memlock = _memlock(merged, where, problems)
     _warn_unknown_cluster_fields(merged, where, origins, typos, problems, cluster_warnings_at)
     problems.raise_if_any()
+    # Every check passed: each field of `cluster` holds a value, the names are strings.
+    assert cluster.subnet is not None and cluster.port is not None
+    assert cluster.registry is not None and cluster.base_from_nodes is not None
+    assert cluster.registry_port is not None and isinstance(cluster.image, str)
+    assert isinstance(cluster.launch_mode, str) and isinstance(cluster.scheduler, str)
     return Inventory(
         path,
         tuple(hosts.valid),
@@ -509,6 +514,8 @@ def _host(
         )
     if len(problems.errors) > before or len(given) < len(REQUIRED_HOST_FIELDS):
         return None
+    # Every required field is given and passed its check (else a problem was added above).
+    assert is_word(address) and compute_ip is not None
     return Host(
         name=name,
         ssh_address=address,
@@ -572,10 +579,12 @@ def _interface(values: dict, named: bool, where: str, problems: _Problems):
 def _gpus(values: dict, counted: bool, where: str, problems: _Problems):
     """gpus: a whole number, where one is `counted` (not `auto`), at most MAX_GPUS."""
     gpus = values.get("gpus")
-    whole = isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0
-    if counted and not whole:
-        problems.add(UserError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0"))
-    elif whole and gpus > MAX_GPUS:
+    if not (isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0):
+        if counted:
+            problems.add(
+                UserError(f"{where}: field 'gpus': {shown(gpus)} is not a whole number >= 0")
+            )
+    elif gpus > MAX_GPUS:
         problems.add(
             UserError(
                 f"{where}: field 'gpus': {shown(gpus)} is more than one node holds (at most "

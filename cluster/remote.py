@@ -74,7 +74,7 @@ class Remote:
         return self._connection
 
     def _connect(self) -> Connection:
-        connect_kwargs = {
+        connect_kwargs: dict[str, object] = {
             # here, not as fabric's connect_timeout, which fabric rounds down to whole seconds
             "timeout": self.connect_timeout,
             "allow_agent": False,

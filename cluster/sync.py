@@ -26,11 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch_multinode.cluster import trust
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.cluster.remote import Remote, on_all
+from torch_multinode.cluster.remote import on_all
+
+if TYPE_CHECKING:
+    from torch_multinode.cluster.execution import Session
 
 Emit = Callable[[str], None]
 
@@ -430,14 +434,16 @@ def _run_rsync(command: list[str], host: Host, emit: Emit, label: str) -> tuple[
         text=True,
         bufsize=1,
     )
+    stdout, stderr = process.stdout, process.stderr
+    assert stdout is not None and stderr is not None  # both PIPE
     errors: list[str] = []
-    reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
+    reader = threading.Thread(target=lambda: errors.extend(stderr), daemon=True)
     reader.start()
     stats: dict[str, int] = {}
     shown = time.monotonic()
     pending = ""
     while True:
-        chunk = process.stdout.read(256)
+        chunk = stdout.read(256)
         if not chunk:
             break
         pending += chunk
@@ -553,7 +559,7 @@ def summary_line(tree: Tree, destination: str, sent: dict[str, Sent]) -> str:
     return f"{tree.root} ({len(tree.files)} files, {human(tree.size)}) -> {destination}: {each}"
 
 
-def verify(remote: Remote, tree: Tree, destination: str) -> None:
+def verify(remote: Session, tree: Tree, destination: str) -> None:
     """The node's copy must hold exactly the controller's files: a UserError naming the
     node and the first file that differs otherwise."""
     listing = "\0".join(tree.files)

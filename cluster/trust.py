@@ -151,14 +151,14 @@ def checking_client(known_hosts: Path) -> paramiko.SSHClient:
 # --- refusals ------------------------------------------------------------------------------------
 
 
-def is_changed_key(exc: BaseException) -> bool:
+def is_changed_key(exc: BaseException | None) -> bool:
     """paramiko refused the node: its key is not the one recorded for it."""
     import paramiko
 
     return isinstance(exc, paramiko.BadHostKeyException)
 
 
-def is_unknown_key(exc: BaseException) -> bool:
+def is_unknown_key(exc: BaseException | None) -> bool:
     """paramiko refused the node: no key is recorded for it."""
     import paramiko
 

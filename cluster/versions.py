@@ -81,8 +81,9 @@ def project_version() -> str:
     try:
         from torch_multinode import cluster
     except ImportError:
-        cluster = None
-    version = getattr(cluster, "__version__", None)
+        version = None
+    else:
+        version = getattr(cluster, "__version__", None)
     return version or os.environ.get(PROJECT_VERSION_VARIABLE) or "unknown"
 
 
@@ -183,7 +184,8 @@ def _cudnn_engines() -> str:
         found = {
             Path(str(f)).name
             for f in distribution.files or ()
-            if Path(str(f)).name in CUDNN_ENGINES and Path(distribution.locate_file(f)).exists()
+            if Path(str(f)).name in CUDNN_ENGINES
+            and Path(str(distribution.locate_file(f))).exists()
         }
         return "present" if found == set(CUDNN_ENGINES) else "absent"
     for directory in _system_library_directories():

@@ -134,6 +134,7 @@ class SshBackend(_OnNodes):
         else:
             inventory = self.inventory
             waited = wait_for_nodes(inventory, self.restart_wait, self.emit, self.nodes)
+        assert self.nodes is not None  # made in __post_init__
         left = RunningJob(
             failed,
             inventory.hosts,
@@ -182,6 +183,7 @@ class SlurmBackend(_OnNodes):
         )
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
+        assert self.nodes is not None  # made in __post_init__
         run = SlurmAttempt(
             self.inventory, spec, self.emit, self.project, self.nodes, self.job_id, restarts_left
         )
@@ -216,6 +218,8 @@ class SlurmBackend(_OnNodes):
                         exit_code=1,
                     )
                 self.emit(f"[launcher] cancelling Slurm job {self.job_id} (it holds a lost node)")
+                # a restart follows a submitted job (can_restart); nodes: made in __post_init__
+                assert self.nodes is not None and self.job_id is not None
                 cancel(self.nodes, controller, self.job_id)
                 self.job_id, self.inventory = None, inventory
                 attempt = self._next_spec(first, restart)

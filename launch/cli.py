@@ -299,10 +299,11 @@ def _on_nodes(
         + ("script " + str(spec.script) if spec.script else f"module {spec.module}")
         + (f", {fitted}" if fitted else "")
     )
-    said = [rank_order_warning(inventory.hosts)]  # None when the order is fine
+    said: list[str | None] = [rank_order_warning(inventory.hosts)]  # None: the order is fine
     if flag := spec.local_rank_flag:
+        assert spec.script is not None  # the flag is read from the script (nodes.legacy_flag)
         said.append(f"{spec.script.name} parses {flag}: passing it the local rank")
-    for note in filter(None, said + notes):
+    for note in filter(None, [*said, *notes]):
         _emit(f"[launcher] {note}")
     if spec.secret_env:
         _emit(

@@ -58,6 +58,7 @@ def _why(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
     """The failed node's own exception, then every rank's error that follows from it (on that
     node or another) marked as its consequence."""
     failed = result.failed_node
+    assert failed is not None  # asked of a failed run only (summary)
     cause, knock_ons = cause_and_knock_ons(exceptions(list(result.outcomes[failed].tail)))
     marked = [(failed, r) for r in knock_ons]
     for host in hosts:

@@ -110,7 +110,7 @@ def job_environment(
         variables["PYTHONPATH"] = python_path
     if backend is not None:
         variables[BACKEND_VARIABLE] = backend
-    if host.gpus > 0:
+    if host.gpu_count > 0:
         # GPU indices as nvidia-smi numbers them (CUDA's default puts the fastest first), so
         # GPUS=0,2 names the cards the user saw in nvidia-smi.
         variables["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -141,10 +141,14 @@ def interface_env(inventory: Inventory, env_file: Path | None = None) -> dict[st
         found = envfile.load(path)
     settings = {}
     for host in inventory.hosts:
-        settings[host.name] = found.get(host.name) or {
-            "GLOO_SOCKET_IFNAME": host.compute_interface,
-            "NCCL_SOCKET_IFNAME": f"={host.compute_interface}",
-        }
+        own = found.get(host.name)
+        if not own:
+            assert host.compute_interface is not None  # found on the node before a job (autodetect)
+            own = {
+                "GLOO_SOCKET_IFNAME": host.compute_interface,
+                "NCCL_SOCKET_IFNAME": f"={host.compute_interface}",
+            }
+        settings[host.name] = own
         if host.nccl_ib_hca and settings[host.name].get("NCCL_IB_DISABLE") != "1":
             # The inventory's HCAs for training, as it says now (netcheck's file may be older).
             settings[host.name] = {**settings[host.name], "NCCL_IB_HCA": host.nccl_ib_hca}

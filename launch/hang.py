@@ -214,6 +214,7 @@ def _where(stacks: RankStacks, found: Place, workdir: str | None) -> str:
         return f"{who}: waits for its GPU (a collective or kernel queued there){called}"
     if found.kind == "backward":
         return f"{who}: in backward (DDP's gradient all_reduce waits there){called}"
+    assert at is not None  # every place but "unknown" has its innermost frame
     inner = found.innermost
     deeper = f" (inside {inner.shown(workdir)})" if inner is not None and inner != at else ""
     return f"{who}: not in a collective, at {at.shown(workdir)}{deeper}"

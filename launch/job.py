@@ -88,6 +88,7 @@ class Launcher:
 
     def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
         inventory = self.inventory
+        assert self.project is not None  # planned (_send_project) before any command
         return remote_command(
             host,
             master,
@@ -102,8 +103,9 @@ class Launcher:
             tuple(staging.mounts(inventory, self.project, run_dir(self.spec))),
         )
 
-    def _parallel(self, work: Callable[[Host], None]) -> None:
-        """`work` on every host at once; the first UserError raised, after all have ended."""
+    def _parallel(self, work: Callable[[Host], object]) -> None:
+        """`work` on every host at once (what it returns unused); the first UserError raised,
+        after all have ended."""
         errors: list[UserError] = []
 
         def guarded(host: Host) -> None:

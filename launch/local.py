@@ -202,7 +202,9 @@ def _stacks(
     command, run here), then judged, printed and saved in the run directory (launch.watch);
     the ranks' PIDs into `ranks`."""
     directory = run_directory(spec)
-    command = watch.collection_command(spec.run_id, str(directory), _PY_SPY, native=here.gpus > 0)
+    command = watch.collection_command(
+        spec.run_id, str(directory), _PY_SPY, native=here.gpu_count > 0
+    )
     texts: dict[str, str] = {}
     silent: dict[str, str] = {}
     try:

@@ -128,6 +128,7 @@ class NodeOutput:
         self.text = ""
 
     def _end_line(self) -> None:
+        final: str | None
         try:
             if self.text.strip():
                 self._show_wiped()
@@ -147,6 +148,7 @@ class NodeOutput:
     def _show_wiped(self) -> None:
         """Before new text replaces a wiped state that was never shown, show it."""
         if self._wiped_unshown() and self.state != self.text:
+            assert self.state is not None  # wiped: there was a state
             self._show(self.state)
 
     def _show_if_due(self, state: str | None) -> None:

@@ -32,11 +32,11 @@ def visible_gpus(host: Host, spec: JobSpec) -> tuple[int, ...] | None:
             f"GPUS={shown} but node '{host.name}' has no GPU (inventory gpus: 0)",
             hint="leaving GPUS unset on CPU nodes; NPROC= sets the process count",
         )
-    missing = [index for index in selected if index >= host.gpus]
+    missing = [index for index in selected if index >= host.gpu_count]
     if missing:
         raise UserError(
             f"GPUS={shown} asks for GPU {missing[0]}, but node '{host.name}' has {host.gpus} "
-            f"GPU(s) (0-{host.gpus - 1})",
+            f"GPU(s) (0-{host.gpu_count - 1})",
         )
     return selected
 
@@ -48,7 +48,7 @@ def gpus_per_process(spec: JobSpec) -> int:
 def nproc_for(host: Host, spec: JobSpec) -> int:
     """Processes on this node (see process_count)."""
     selected = visible_gpus(host, spec)
-    gpus = len(selected) if selected is not None else host.gpus
+    gpus = len(selected) if selected is not None else host.gpu_count
     given = f"GPUS={','.join(map(str, selected))}" if selected else f"inventory gpus: {host.gpus}"
     return process_count(spec, gpus, f"node '{host.name}' has {gpus} for the job ({given})")
 
@@ -97,7 +97,7 @@ def job_backend(hosts: tuple[Host, ...]) -> tuple[str, str | None]:
 def gpu_problem(host: Host, spec: JobSpec, answer: str, ok: bool) -> str | None:
     """Why this node's GPUs cannot take an NCCL job (from GPU_PROBE's answer), or None."""
     selected = visible_gpus(host, spec)
-    needed = (max(selected) + 1) if selected else host.gpus
+    needed = (max(selected) + 1) if selected else host.gpu_count
     indices = [line.strip() for line in answer.splitlines() if line.strip().isdigit()]
     if ok and len(indices) >= needed:
         return None
@@ -132,6 +132,7 @@ def entry_point(spec: JobSpec, where: Project | str) -> list[str]:
     if spec.script is None:
         return ["-m", job_module(spec)]
     script = where.script if isinstance(where, Project) else f"{where}/{spec.script.name}"
+    assert script is not None  # a project planned for a script has its path (staging.plan)
     if spec.local_rank_flag:
         return ["-m", LEGACY_SHIM, f"--flag={spec.local_rank_flag}", script]
     return [script]

@@ -69,7 +69,8 @@ class Relaying:
     it at the job's next line."""
 
     def __init__(self, stream, out, tail: collections.deque, log, observe) -> None:
-        self.stream, self.raised = stream, []
+        self.stream = stream
+        self.raised: list[BaseException] = []
         self.thread = threading.Thread(
             target=self._run, args=(stream, out, tail, log, observe), daemon=True
         )

@@ -35,8 +35,11 @@ class Backend(Protocol):
 
     restart_note: str
     """How a restart happens, for the job's first lines."""
-    started: Callable[[], None]
-    """Called as each run has begun (the run's record takes the code then: launch.record)."""
+
+    @property
+    def started(self) -> Callable[[], None]:
+        """Called as each run has begun (the run's record takes the code then: launch.record).
+        Read-only here: a backend's own field, which nothing outside it sets."""
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
         """One run of the job, to its end (its own summary not yet said)."""

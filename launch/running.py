@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from torch_multinode.cluster.execution import Nodes, Session
 from torch_multinode.cluster.inventory import Host
@@ -26,7 +25,7 @@ class RunningJob:
     emit: Emit
     rendezvous_port: int
     container: bool  # launch_mode: container (the ranks run in the training image)
-    workdir: Path | None = None  # the user's project on this machine, once known
+    workdir: str | None = None  # the job's directory on the nodes (Project.workdir), once known
     outcomes: dict[str, NodeOutcome] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     stopping: threading.Event = field(default_factory=threading.Event)  # the stop has begun

@@ -90,6 +90,7 @@ class SlurmAttempt(Launcher):
         return answer.stdout
 
     def _look(self) -> JobState | None:
+        assert self.job_id is not None  # submitted (or requeued) before it is looked at
         return look(self.nodes, self.inventory.master, self.job_id)
 
     def _submit(self, commands: dict[str, str]) -> None:
@@ -130,6 +131,7 @@ class SlurmAttempt(Launcher):
                 )
             if state is not None and state.state == "PENDING":
                 listing = self.nodes.run(self.inventory.master, SQUEUE_ORDER, SLURM_TIMEOUT)
+                assert self.job_id is not None  # submitted: _look found it
                 where = queue_position(listing.stdout, self.job_id)
                 if where is not None and where[0] > 1 and where != shown:
                     shown = where

@@ -126,7 +126,7 @@ def _gpu_request(inventory: Inventory, spec: JobSpec) -> str:
     counts = []
     for host in inventory.hosts:
         selected = visible_gpus(host, spec)
-        counts.append(len(selected) if selected is not None else host.gpus)
+        counts.append(len(selected) if selected is not None else host.gpu_count)
     if not all(counts):
         return ""
     line = f"#SBATCH --gres=gpu:{min(counts)}\n"

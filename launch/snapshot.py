@@ -283,6 +283,7 @@ def restore(code: dict[str, Any], into: Path) -> Path:
     archive = subprocess.Popen(
         ["git", "-C", str(repository), "archive", "--format=tar", commit], stdout=subprocess.PIPE
     )
+    assert archive.stdout is not None  # stdout=PIPE
     unpacked = subprocess.run(["tar", "-x", "-C", str(into)], stdin=archive.stdout, check=False)
     archive.stdout.close()
     if archive.wait(timeout=600) != 0 or unpacked.returncode != 0:

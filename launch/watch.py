@@ -37,7 +37,7 @@ TRACES_TIMEOUT = 15  # seconds a node gets to print the traces its failed ranks 
 
 def liveness(job: RunningJob) -> None:
     """A node that stops answering is failed within a few seconds, not at TCP's leisure."""
-    misses = collections.Counter()
+    misses: collections.Counter[str] = collections.Counter()
     while not job.done.wait(LIVENESS_INTERVAL):
         for host in job.hosts:
             if job.outcomes[host.name].exit_code is not None:
@@ -217,7 +217,7 @@ def report(job: RunningJob) -> hang.Verdict:
             directory,
             "py-spy" if container else py_spy,
             container_name(job.spec.run_id, host.name) if container else None,
-            native=host.gpus > 0,  # a rank waiting for its GPU is in libcuda
+            native=host.gpu_count > 0,  # a rank waiting for its GPU is in libcuda
         )
 
     texts, silent = _on_every_node(job, command, hang.STACKS_TIMEOUT)

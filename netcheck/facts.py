@@ -80,6 +80,7 @@ def script(host: Host, hosts: list[Host], rendezvous: str) -> str:
     """The shell script run on `host`; `hosts` are all nodes checked (including `host`)."""
     q = shlex.quote
     peers = [h for h in hosts if h.name != host.name]
+    assert host.compute_interface is not None  # found on the node (the ssh stage) before this
     iface = q(host.compute_interface)
     lines = [
         "export LC_ALL=C",

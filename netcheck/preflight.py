@@ -80,6 +80,12 @@ class Attempt:
     def ok(self) -> bool:
         return self.error is None and self.result is not None and self.result.ok
 
+    @property
+    def stdout(self) -> str:
+        """What the command printed; asked of one that ran (`ok`)."""
+        assert self.result is not None, "the command did not run"
+        return self.result.stdout
+
     def why(self) -> str:
         """Why the command did not succeed, in one line."""
         if self.error is not None:
@@ -172,7 +178,7 @@ def preflight(
     node_facts: dict[str, facts.NodeFacts] = {}
     for name, a in gathered.items():
         if a.ok:
-            node_facts[name] = facts.parse(a.result.stdout)
+            node_facts[name] = facts.parse(a.stdout)
         else:
             for check in ("ping", "names", "interfaces"):
                 add(
@@ -279,7 +285,7 @@ def _found_on_nodes(
         wanted = autodetect.wanted(host)
         if not wanted or not ssh[host.name].ok:
             continue
-        answer = found[host.name] = autodetect.parse(host, ssh[host.name].result.stdout)
+        answer = found[host.name] = autodetect.parse(host, ssh[host.name].stdout)
         report.found[host.name] = {
             **({"compute_interface": answer.interface} if "compute_interface" in wanted else {}),
             **({"gpus": answer.gpus, "gpus_from": answer.gpus_from} if "gpus" in wanted else {}),
@@ -480,9 +486,11 @@ def _tcp(
             ring = list(sent.values())
         for first, second in pairs:
             peer = {first.name: second, second.name: first}
-            both = on_all(
-                [first, second], lambda h, peer=peer: send(h, peer[h.name], options.pairwise_bytes)
-            )
+
+            def to_peer(h: Host, peer: dict[str, Host] = peer) -> Link:
+                return send(h, peer[h.name], options.pairwise_bytes)
+
+            both = on_all([first, second], to_peer)
             pairwise += [both[first.name], both[second.name]]
     finally:
         _parallel(
@@ -518,7 +526,7 @@ def worker_command(
         str(hosts[0].compute_ip),
         "--master-port",
         str(master_port),
-        *(["--allow-nccl"] if all(h.gpus > 0 for h in hosts) else []),
+        *(["--allow-nccl"] if all(h.gpu_count > 0 for h in hosts) else []),
         "--sizes",
         bandwidth.sizes_text(sizes),
         "--timeout",
@@ -549,7 +557,7 @@ def _slurm(
         inventory,
         up,
         master,
-        (sinfo.result.stdout, None) if sinfo.ok else (None, sinfo.why()),
+        (sinfo.stdout, None) if sinfo.ok else (None, sinfo.why()),
         {name: None if a.ok else a.why() for name, a in munge.items()},
     )
     down = [h.name for h in hosts if h not in up]

@@ -202,10 +202,10 @@ def transport_line(report: Report) -> str:
     if not report.transport:
         return ""
     if report.backend != "nccl":
-        reasons = {t.get("reason") for t in report.transport.values() if t.get("reason")}
+        reasons = {reason for t in report.transport.values() if (reason := t.get("reason"))}
         rdma = sorted({d for t in report.transport.values() for d in t.get("rdma") or []})
-        seen = f"; RDMA devices here ({', '.join(rdma)}) are for NCCL on GPUs" if rdma else ""
-        return f"transport: not checked ({'; '.join(sorted(reasons)) or report.backend}){seen}"
+        rdma_note = f"; RDMA devices here ({', '.join(rdma)}) are for NCCL on GPUs" if rdma else ""
+        return f"transport: not checked ({'; '.join(sorted(reasons)) or report.backend}){rdma_note}"
     parts = []
     for node in report.nodes:
         seen = report.transport.get(node)
@@ -215,7 +215,8 @@ def transport_line(report: Report) -> str:
         rdma, hcas = seen.get("rdma") or [], seen.get("hcas") or []
         gdr = (seen.get("gdr") or {}).get("used") if isinstance(seen.get("gdr"), dict) else None
         where = f" on {', '.join(hcas)}" if hcas else (f" ({', '.join(rdma)})" if rdma else "")
-        direct = {True: " with GPUDirect RDMA", False: " without GPUDirect RDMA"}.get(gdr, "")
+        said: dict[object, str] = {True: " with GPUDirect RDMA", False: " without GPUDirect RDMA"}
+        direct = said.get(gdr, "")
         parts.append(f"{node} {used}{where}{direct}")
     return "NCCL transport: " + ", ".join(parts)
 

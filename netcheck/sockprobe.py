@@ -58,7 +58,7 @@ def holders(port: int) -> list:
                 and int(fields[1].rsplit(":", 1)[1], 16) == port
             ):
                 inodes.add(f"socket:[{fields[9]}]")
-    found = []
+    found: list[dict] = []
     if not inodes:
         return found
     for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):

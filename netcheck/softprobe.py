@@ -17,7 +17,7 @@ import sys
 
 
 def probe() -> dict:
-    found = {"python": platform.python_version(), "executable": sys.executable}
+    found: dict[str, object] = {"python": platform.python_version(), "executable": sys.executable}
     try:
         import torch
         import torch.distributed as dist

@@ -374,6 +374,7 @@ def bootstrap(
             password = prompter.password(
                 f"\nLogin password of {' / '.join(users)} on the nodes (typed once, not shown): "
             )
+            assert password is not None  # None only where a retry is asked (Prompter.password)
         try:
             _with_password(report, user, known_hosts, public_key, password, prompter, say)
         except NodeFailed as failed:

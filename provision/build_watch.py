@@ -136,6 +136,7 @@ class BuildWatch:
             else:
                 what = rest.removeprefix("[internal] ")
                 self.phase, shown = _Phase(_clean(what), now, next_tick=now + self.every), []
+            assert self.phase is not None  # begun on either branch
             self._open[number] = self.phase
             return shown
         phase = self._open[number]

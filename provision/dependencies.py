@@ -473,6 +473,7 @@ def _pip(arguments: list[str], emit: Emit | None = None, what: str = "") -> tupl
     started = shown = time.monotonic()
     lines: list[str] = []
     try:
+        assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:
             lines.append(line)
             now = time.monotonic()
@@ -753,7 +754,9 @@ def _id_and_labels(image: str) -> tuple[str, dict[str, str]] | None:
 def _recorded_layer(recorded: dict[str, Any] | None, emit: Emit) -> Dependencies | None:
     """The layer a recorded run ran in (`make rerun`), where this machine still has it, under
     its tag again; None where it has not (then it is made again from the same requirements)."""
-    image = (recorded or {}).get("image") or {}
+    if recorded is None:
+        return None
+    image = recorded.get("image") or {}
     tag, wanted = image.get("tag"), image.get("id")
     if not tag or not wanted:
         return None

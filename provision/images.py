@@ -496,6 +496,7 @@ def _docker_build(
         text=True,
         errors="replace",
     )
+    assert process.stdout is not None  # stdout=PIPE
     try:
         watched = build_watch.watch(build_watch.build_events(process.stdout), progress)
     except BaseException:  # Ctrl-C: the build stops with us

@@ -102,8 +102,8 @@ def nodes_platform(hosts: Sequence[Host], nodes: Nodes) -> str:
         on_all,  # fabric and paramiko, only when nodes are asked
     )
 
-    answers = on_all(list(hosts), ask)
-    for answer in answers.values():
+    platforms: dict[str, str] = {}
+    for name, answer in on_all(list(hosts), ask).items():
         if isinstance(answer, UserError):
             raise UserError(
                 f"cannot learn the nodes' architecture, which the image is built for: {answer}",
@@ -111,7 +111,8 @@ def nodes_platform(hosts: Sequence[Host], nodes: Nodes) -> str:
                 "machine's platform",
                 exit_code=1,
             )
-    return one_platform(answers)
+        platforms[name] = answer
+    return one_platform(platforms)
 
 
 def one_platform(platforms: dict[str, str]) -> str:

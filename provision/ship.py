@@ -204,6 +204,7 @@ def push(image: str, registry: Registry, emit: Emit) -> int:
 def _follow(process: subprocess.Popen, meter: Meter) -> tuple[int, str]:
     """An engine request's progress read as it comes, shown by `meter`: the bytes it moved,
     and why it failed ('' when it did not)."""
+    assert process.stdout is not None and process.stderr is not None  # both PIPE
     progress = LayerProgress()
     for message in engine_lines(process.stdout):
         phase = progress.feed(message)
@@ -311,7 +312,11 @@ def _rewrite(archive, outputs: dict[str, _Counted], skip: dict[str, set[str]]) -
     layer's file only otherwise. A layer file is known by its content's digest (its diff ID),
     so each is spooled here while it is hashed, then sent to the nodes that lack it. The nodes
     whose input broke, with why."""
-    writers = {name: tarfile.open(fileobj=out, mode="w|") for name, out in outputs.items()}
+    writers = {
+        # a stream ("w|") only writes to its file; typeshed asks for a seekable one
+        name: tarfile.open(fileobj=out, mode="w|")  # type: ignore[call-overload]
+        for name, out in outputs.items()
+    }
     broken: dict[str, str] = {}
 
     def add(name: str, member: tarfile.TarInfo, data) -> None:
@@ -373,6 +378,7 @@ def stream(inventory: Inventory, hosts: list[Host], image: str, emit: Emit) -> d
         return _Counted(loads[name].stdin, on_sent)
 
     save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    assert save.stdout is not None  # stdout=PIPE
     outputs = {name: counted(name) for name in loads}
     if any(held.values()):
         skip = {name: set(layers[: held[name]]) - set(layers[held[name] :]) for name in loads}
@@ -388,6 +394,7 @@ def stream(inventory: Inventory, hosts: list[Host], image: str, emit: Emit) -> d
                         broken[name] = f"the connection ended early ({exc.strerror or exc})"
     failures = []
     for name, load in loads.items():
+        assert load.stdin is not None  # stdin=PIPE
         try:
             load.stdin.close()
         except OSError:
@@ -456,6 +463,7 @@ def ship(
         )
         on_all(lacking, lambda host: engine_pull(inventory, host, base, emit))
         via, reason = "stream", f"the base came from each node's own pull of {base}"
+    registries: dict[str, Registry]
     if via == "stream":
         registries, reason = {}, reason or "asked for the stream"
     else:

@@ -388,6 +388,7 @@ def up(
             )
             _start_node(config, index, public_key)
             if fresh:
+                assert fresh_password is not None  # new fresh nodes need one (refused above)
                 _set_password(config.container(index), fresh_password, ssh_timeout)
     else:
         progress(f"Reusing the {nnodes} running node(s) of '{config.name}'.")

@@ -5,6 +5,7 @@ there whole, and no import circle among modules at import time."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 from torch_multinode.cluster import sync
@@ -237,3 +238,23 @@ def test_only_cluster_trust_spells_the_ssh_trust_options():
         for word in TRUST_WORDS
     }
     assert spelled == {word: ["cluster/trust.py"] for word in TRUST_WORDS}
+
+
+def test_every_room_is_a_subpackage_through_a_relative_symlink():
+    """torch_multinode/<room> -> ../<room> for every room, beside a plain __init__.py: the
+    layout Python, the editable install, mypy and editors all follow (issue 53)."""
+    package = REPO / PACKAGE
+    found = {entry.name for entry in package.iterdir() if entry.name != "__pycache__"}
+    assert found == {"__init__.py", *ROOMS}
+    for room in ROOMS:
+        link = package / room
+        assert link.is_symlink() and os.readlink(link) == f"../{room}", link
+    tree = ast.parse((package / "__init__.py").read_text())
+    assigned = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    assert "__path__" not in assigned  # no import-time trick that tools cannot follow

@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as raised:
             error = raised
     agree(env, error)
+    assert source is not None  # built, or agree raised on every rank
     node = parallel.node_name()
     copies = parallel.all_gather((node, source.fingerprint()), env)
     if len({found for _, found in copies}) > 1:  # the ranks would build different models

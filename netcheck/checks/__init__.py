@@ -17,12 +17,13 @@ themselves, in the order netcheck.preflight runs them:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torch_multinode.netcheck.report import Finding, Status
 
 
-def reference(values: dict[str, object], master: str) -> object:
+def reference(values: Mapping[str, object], master: str) -> object:
     """The value most nodes share; on a tie, the master's."""
     counts = Counter(values.values())
     top = max(counts.values())

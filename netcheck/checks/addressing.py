@@ -143,6 +143,7 @@ def interface_findings(
     for node, f in facts.items():
         me = by_name[node]
         iface, ip = me.compute_interface, str(me.compute_ip)
+        assert iface is not None  # found on the node (the ssh stage) before its facts are read
         for error in f.errors:
             out.add(node, Status.FAIL, error, f"on {node}: install iproute2 (ip -j needs 4.14+)")
             broken.add(node)
@@ -240,8 +241,8 @@ def interface_findings(
                     f"{node} reaches {host.name} from {route.source}, not {ip}",
                     f"on {node}: make {ip} the primary address of {iface}",
                 )
-        speed = f"{f.speed_mbps / 1000:g} Gbit/s" if f.speed_mbps else "speed unknown"
-        passed[node] = f"{iface} up, mtu {link.mtu}, {speed}, routes to peers through {iface}"
+        shown_speed = f"{f.speed_mbps / 1000:g} Gbit/s" if f.speed_mbps else "speed unknown"
+        passed[node] = f"{iface} up, mtu {link.mtu}, {shown_speed}, routes to peers through {iface}"
 
     if len(set(mtus.values())) > 1:
         common = reference(mtus, master.name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Set
 from dataclasses import dataclass
 
 from torch_multinode.cluster.inventory import Host
@@ -61,7 +62,7 @@ def ping_findings(
     facts: dict[str, NodeFacts],
     broken: set[str],
     subnet: str,
-    down: set[str] = frozenset(),
+    down: Set[str] = frozenset(),
 ) -> list[Finding]:
     """Pings from every node with facts to every other node; `down`: nodes SSH did not reach."""
     by_name = {h.name: h for h in hosts}

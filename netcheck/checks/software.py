@@ -97,6 +97,7 @@ def software_findings(
             if archs and not gpu_runs(archs, capability)
         ]
         if unable:
+            assert archs  # a GPU is unable only against the architectures torch lists
             oldest = oldest_capability(archs)
             out.add(
                 node,
@@ -111,7 +112,7 @@ def software_findings(
             out.add(node, Status.FAIL, f"netcheck is not importable in {where}", install)
         if not probe.get("gloo"):
             out.add(node, Status.FAIL, f"torch in {where} has no gloo backend", install)
-        want = by_name[node].gpus
+        want = by_name[node].gpu_count
         seen = probe.get("gpus", 0)
         smi = probe.get("nvidia_smi_gpus")
         if seen != want:

@@ -6,6 +6,7 @@ bandwidth against the collective's bus bandwidth and the other links. No I/O her
 from __future__ import annotations
 
 import statistics
+from typing import cast
 
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.cluster.nccl_transport import GDR_REMEDY, transport_finding
@@ -185,10 +186,14 @@ def bandwidth_findings(
                 f"on {master.name}: check CPU load and that the socket interface variables "
                 f"name the compute NIC on every node",
             )
-    good = [link for link in pairwise if link.gbps]
+    good = [link for link in pairwise if link.gbps]  # measured: their gbps is a float
     if len(good) >= 2:
-        median = statistics.median(link.gbps for link in good)
-        slow = {(link.source, link.target) for link in good if link.gbps < SLOW_LINK_RATIO * median}
+        median = statistics.median(cast(float, link.gbps) for link in good)
+        slow = {
+            (link.source, link.target)
+            for link in good
+            if cast(float, link.gbps) < SLOW_LINK_RATIO * median
+        }
         outgoing: dict[str, list[Link]] = {}
         incoming: dict[str, list[Link]] = {}
         for link in good:
@@ -219,7 +224,7 @@ def bandwidth_findings(
         speed = speeds.get(host.name)
         nominal = f", NIC {speed / 1000:g} Gbit/s nominal" if speed else ""
         if mine:
-            best = max(link.gbps for link in mine)
+            best = max(cast(float, link.gbps) for link in mine)  # measured ones only
             passed[host.name] = f"raw TCP out up to {best:.3f} GB/s{nominal}"
         else:
             passed[host.name] = f"not measured from {host.name}{nominal}"

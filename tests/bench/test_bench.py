@@ -511,6 +511,8 @@ def test_the_rebuild_edits_a_scratch_checkout_never_this_one(tmp_path):
     ).stat().st_mode  # still executable
     assert (checkout / ".venv").resolve() == (measure.REPO_ROOT / ".venv").resolve()
     assert (checkout / "Makefile").is_file() and (checkout / "provision" / "images.py").is_file()
+    # torch_multinode/'s symlinks lead to the copy's rooms, not to this checkout's
+    assert (checkout / "torch_multinode" / "cluster").resolve() == (checkout / "cluster").resolve()
     # the code is copied, not linked: edits made meanwhile in this checkout never reach it
     code = checkout / "provision" / "images.py"
     assert code.stat().st_ino != (measure.REPO_ROOT / "provision" / "images.py").stat().st_ino

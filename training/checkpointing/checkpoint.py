@@ -163,7 +163,7 @@ class CheckpointStore:
         return len(steps)
 
 
-def _os_error(error: BaseException) -> OSError | None:
+def _os_error(error: BaseException | None) -> OSError | None:
     """The OSError behind `error`: itself, or what it was raised from or during."""
     seen = set()
     while error is not None and id(error) not in seen:

@@ -39,7 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -53,6 +53,9 @@ from torch_multinode.training.checkpointing import checkpoint, complete, durable
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.settings import console
 from torch_multinode.training.settings.console import say
+
+if TYPE_CHECKING:
+    from torch_multinode.training.checkpointing.replicate import Replication
 
 FORMAT = 1
 MANIFEST = "manifest.pt"
@@ -110,7 +113,7 @@ def split(state: Any, path: tuple = ()) -> tuple[Any, dict[str, DTensor]]:
             rest[key], found = split(value, (*path, key))
             sharded.update(found)
         if not isinstance(state, dict):
-            rest = type(state)(rest[index] for index in range(len(state)))
+            return type(state)(rest[index] for index in range(len(state))), sharded
         return rest, sharded
     return state, {}
 
@@ -198,7 +201,7 @@ class Checkpoints:
         self.directory, self.env, self.keep, self.node = Path(directory), env, keep, node
         self.pause = pause
         self.layout: Layout | None = None
-        self.replication = None  # replicate.Replication, on node-local disks
+        self.replication: Replication | None = None  # on node-local disks
 
     def path(self, step: int) -> Path:
         return self.directory / step_name(step)
@@ -295,6 +298,7 @@ class Checkpoints:
         """Write step `step` (collective): the shards through DCP, each rank's own file, then
         the manifest, and the rename that makes it complete. The line to print."""
         env, layout = self.env, self.layout
+        assert layout is not None  # resume looked, as the job began
         if self.replication is not None:
             self.replication.wait()  # the previous step's copy, before anything is pruned
         final = self.path(step)
@@ -443,6 +447,7 @@ class Checkpoints:
         except (*FAILURES, EOFError, pickle.UnpicklingError) as raised:
             error = self._unreadable(step, raised)
         agree(env, error)
+        assert saved is not None  # read, or agree raised on every rank
         try:
             if sharded:  # DCP raises a rank's failure on every rank
                 dcp.load(sharded, storage_reader=dcp.FileSystemReader(directory))
@@ -522,6 +527,7 @@ class Checkpoints:
             manifest = self._manifest(newest)
             if manifest["world_size"] != self.env.world_size:
                 blind = [r for r, steps in enumerate(held) if newest not in steps]
+                assert self.layout is not None  # resume looked before this
                 nodes = sorted({self.layout.nodes[r] for r in blind})
                 error = self._resharding_error(
                     newest, manifest, f"{', '.join(nodes)} holds none of it"

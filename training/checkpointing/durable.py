@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -16,7 +16,7 @@ from torch_multinode.cluster import durable
 sync_directory = durable.sync_directory  # dcp's and replicate's renamed step directories
 
 
-def _saving(payload: Any) -> Callable[[BinaryIO], None]:
+def _saving(payload: Any) -> durable.Writer:
     """The writer of `payload`: bytes as they are, anything else torch.saved into the file."""
     if isinstance(payload, bytes):
         return lambda file: file.write(payload)

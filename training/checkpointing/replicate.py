@@ -141,8 +141,15 @@ class Replication:
         """Node-local disks: more than one directory."""
         return len(self.ring) > 1
 
+    @property
+    def _layout(self) -> dcp.Layout:
+        """The checkpoints' layout: Checkpoints.look ran before the ring opened."""
+        layout = self.checkpoints.layout
+        assert layout is not None
+        return layout
+
     def _node(self, directory: tuple[int, ...]) -> str:
-        return self.checkpoints.layout.nodes[directory[0]]
+        return self._layout.nodes[directory[0]]
 
     def open(self) -> None:
         """The ring and its gloo group (collective, once, after Checkpoints.look).
@@ -153,13 +160,13 @@ class Replication:
         ncclCommSplit of the job's communicator that the gloo group's members never join
         (distributed_c10d.py, _new_process_group_helper): with 2+ ranks on a node the left-out
         ones would wait in it for ever."""
-        layout = self.checkpoints.layout
+        layout = self._layout
         self.ring = directories(layout.seen)
         if self.active and self.group is None:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
 
     def _neighbours(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        mine = self.ring.index(self.checkpoints.layout.visible)
+        mine = self.ring.index(self._layout.visible)
         return self.ring[(mine + 1) % len(self.ring)], self.ring[mine - 1]
 
     # -- after each save -------------------------------------------------------------------
@@ -167,7 +174,7 @@ class Replication:
     def start(self, step: int) -> None:
         """Copy this directory's files of `step` to the next one, and receive the previous
         one's, in the background (this directory's lowest rank)."""
-        if not self.active or self.broken or not self.checkpoints.layout.owner:
+        if not self.active or self.broken or not self._layout.owner:
             return
         self.copying = step
         self.thread = threading.Thread(
@@ -176,7 +183,7 @@ class Replication:
         self.thread.start()
 
     def _copy(self, step: int) -> None:
-        env, layout = self.checkpoints.env, self.checkpoints.layout
+        env, layout = self.checkpoints.env, self._layout
         to, source = self._neighbours()
         directory = self.checkpoints.path(step)
         failed: list[str] = []
@@ -257,7 +264,7 @@ class Replication:
         self.open()
         if not self.active:
             return
-        store, env, layout = self.checkpoints, self.checkpoints.env, self.checkpoints.layout
+        store, env, layout = self.checkpoints, self.checkpoints.env, self._layout
         mine: dict[int, dict[str, int]] | None = None
         if layout.owner:
             mine = {s: self._sweep(store.path(s)) for s in store.steps()}

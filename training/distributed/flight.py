@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch_multinode.cluster import durable
@@ -90,7 +91,7 @@ def _dump_on_uncaught(out: Path) -> None:
     sys.excepthook = hook
 
 
-def start(environ: dict[str, str] | None = None, poll: float = POLL) -> threading.Thread | None:
+def start(environ: Mapping[str, str] | None = None, poll: float = POLL) -> threading.Thread | None:
     """The watcher, once per process, and the trace written on an uncaught exception; None
     where there is nothing to serve (no run directory, no rank, or the Flight Recorder off)."""
     global _started

@@ -308,6 +308,7 @@ def choose(
             cached(cache, candidates, time.time()) if env.is_main else None, env
         )[0]
     if found is not None:
+        assert cache is not None  # found in it
         timings, measured_at = found["timings"], found["measured_at"]
         note = f" (measured {_ago(time.time() - measured_at)} ago, {cache.path})"
     else:

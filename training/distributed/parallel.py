@@ -17,7 +17,7 @@ import io
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -76,7 +76,7 @@ def _integer(name: str, environ: dict[str, str]) -> int:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def node_name(environ: dict[str, str] | None = None) -> str:
+def node_name(environ: Mapping[str, str] | None = None) -> str:
     """This node's name in the inventory where the launcher gave it, else the host name."""
     environ = os.environ if environ is None else environ
     return environ.get(NODE_NAME_VARIABLE) or socket.gethostname()
@@ -239,8 +239,9 @@ def broadcast_state(state: dict | None, source: int, env: DistEnv) -> dict:
     could not read the tensors back: "UntypedStorage has no attribute 'dtype'", torch 2.14.1).
     NCCL carries the bytes through the rank's current device, which start() set."""
     if not env.launched:
+        assert state is not None  # one process: it is the source, and holds the state
         return state
-    carried = [None]
+    carried: list = [None]  # every rank's filled by broadcast_object_list
     if env.rank == source:
         buffer = io.BytesIO()
         torch.save(state, buffer)

@@ -30,7 +30,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _SPLIT_OFFSET = {"train": 0, "val": 1 << 40}  # val samples never coincide with train samples
 
 
-def _generator(*seeds: int) -> torch.Generator:
+def _generator(*seeds: int | str) -> torch.Generator:
     # torch's CPU generator keeps only the low 32 bits of a seed, so the parts are hashed
     # into 32 bits rather than combined arithmetically (which would collide above 2**32).
     digest = hashlib.blake2b(repr(seeds).encode(), digest_size=4).digest()
@@ -67,7 +67,8 @@ class Cifar10(Dataset):
 
     def __init__(self, directory: Path, *, split: str, image_size: int):
         files = CIFAR10_TRAIN_FILES if split == "train" else (CIFAR10_TEST_FILE,)
-        images, labels = [], []
+        images: list = []  # numpy arrays
+        labels: list[int] = []
         for name in files:
             batch = _unpickle(directory / name)
             images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))

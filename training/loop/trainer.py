@@ -336,6 +336,7 @@ class Trainer:
             parallel.barrier(self.env)  # nobody writes step files while another rank clears
             return None
         if plan.receivers:  # a node new to the job: the state comes from one that holds it
+            assert plan.source is not None  # receivers have a source (plan_resume)
             held = self.store.load(plan.step) if self.env.rank == plan.source else None
             state = parallel.broadcast_state(held, plan.source, self.env)
         else:
@@ -583,5 +584,5 @@ class Trainer:
             correct += int((logits.argmax(dim=1) == labels).sum())
             total += labels.numel()
         model.train()
-        correct, total = parallel.all_reduce_sum([correct, total], self.env)
-        return correct / max(1, total), int(total)
+        correct_all, total_all = parallel.all_reduce_sum([correct, total], self.env)
+        return correct_all / max(1, total_all), int(total_all)

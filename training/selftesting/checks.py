@@ -11,6 +11,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from torch import nn
 from torch_multinode.cluster import durable, nccl_transport
 from torch_multinode.training.checkpointing import checkpoint
 from torch_multinode.training.distributed import flight, parallel
+
+if TYPE_CHECKING:
+    from torch_multinode.training.selftesting.nccl_log import NcclLog
 
 PASS, WARN, SKIPPED, FAIL, STOPPED = "PASS", "WARN", "SKIPPED", "FAIL", "STOPPED"
 # A peer's failure stopped this rank's check: the peer's row says why.
@@ -47,7 +51,7 @@ class Job:
         self.env, self.node, self.scratch, self.fail = env, node, scratch, fail
         self.control = None
         self.nodes: list[str] = [node]
-        self.nccl_log = None  # this rank's NCCL log (selftesting.nccl_log.NcclLog) on a GPU
+        self.nccl_log: NcclLog | None = None  # this rank's NCCL log, on a GPU
 
     @property
     def device(self) -> torch.device:
@@ -153,9 +157,9 @@ def _exact(ranks: list[int], group, job: Job) -> list[str]:
     return wrong
 
 
-def _groups(job: Job, key: Callable[[int], object]) -> list[int] | None:
+def _groups(job: Job, key: Callable[[int], object]) -> tuple[list[int], object] | None:
     """Every rank creates every group of 2+ ranks with the same `key` (in the same order, as
-    new_group needs); this rank's group's ranks, or None when it has no partner."""
+    new_group needs); this rank's group's ranks and the group, or None when it has no partner."""
     members: dict[object, list[int]] = {}
     for rank in range(job.env.world_size):
         members.setdefault(key(rank), []).append(rank)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.abc
 import importlib.util
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch_multinode.cluster.errors import UserError
@@ -57,7 +58,10 @@ def docstring(module: str) -> str | None:
     only)."""
     name = f"torch_multinode.{module}"  # our workloads' names in Python (see launch.spec)
     spec = importlib.util.find_spec(name)
+    # one of our workloads, read from its source file
+    assert spec is not None and isinstance(spec.loader, importlib.abc.InspectLoader)
     source = spec.loader.get_source(name)
+    assert source is not None  # a module of ours, whose source is there
     return ast.get_docstring(ast.parse(source), clean=False)
 
 
@@ -67,7 +71,7 @@ def _named(module: str) -> dict[str, str | None]:
     return {"prog": f"python -m {module}", "description": docstring(module)}
 
 
-def launched_world_size(environ: dict[str, str] | None = None) -> int | None:
+def launched_world_size(environ: Mapping[str, str] | None = None) -> int | None:
     """The world size torchrun gave this process (WORLD_SIZE), or None: not launched, or not a
     number (parallel.read_env says so)."""
     try:
@@ -76,7 +80,7 @@ def launched_world_size(environ: dict[str, str] | None = None) -> int | None:
         return None
 
 
-def planned_world_size(environ: dict[str, str] | None = None) -> int | None:
+def planned_world_size(environ: Mapping[str, str] | None = None) -> int | None:
     """The world size the job was planned for: TMN_PLANNED_WORLD_SIZE where the launcher
     continues it on fewer ranks (training.loop.virtual_ranks plays the missing ones), else
     launched_world_size. Below the world size that runs, or not a number, it is refused."""
@@ -295,7 +299,8 @@ def selftest(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-CHECKS: dict[str, Callable[[list[str] | None], Any]] = {
+# Each takes the workload's argv; those of BATCHED also the job's world size.
+CHECKS: dict[str, Callable[..., Any]] = {
     "training.ddp": ddp,
     "training.manual_dp": manual_dp,
     "training.fsdp": fsdp,
