@@ -879,22 +879,6 @@ def ship_layer(
         emit(f"dependencies: {ship_progress.summary(shipment)}")
 
 
-def for_inventory(
-    inventory: Inventory,
-    requirements: Sequence[str],
-    source: str,
-    emit: Emit,
-    recorded: dict[str, Any] | None = None,
-    spares: Sequence[Host] = (),
-) -> Dependencies:
-    """A job in containers: the layer ready here and on every node of the (narrowed)
-    inventory; then on its `spares` (RESTARTS=: a lost node's place) as far as they answer,
-    said where one does not (a restart onto it would then refuse it, naming it)."""
-    found, ready = begin_for_inventory(inventory, requirements, source, emit, recorded, spares)
-    ready()
-    return found
-
-
 class _Look:
     """ship.node_images of a layer, asked in a thread of its own: the nodes answer while the
     launcher goes on here (it connects and sends the project), not before it starts."""
@@ -929,11 +913,13 @@ def begin_for_inventory(
     recorded: dict[str, Any] | None = None,
     spares: Sequence[Host] = (),
 ) -> tuple[Dependencies, Callable[[], None]]:
-    """for_inventory in two halves: the layer ready here (built where it must be), and a
-    function that makes it ready on the nodes, to be called before their images are checked.
-    A layer found ready here is looked for on the nodes meanwhile, in a thread (a later run's
-    usual case: every node holds it, and the look costs the job no time); a layer just built
-    is shipped by the second half, which shows its progress."""
+    """A job in containers, in two halves: the layer ready here (built where it must be), and
+    a function that makes it ready on every node of the (narrowed) inventory, then on its
+    `spares` (RESTARTS=: a lost node's place) as far as they answer, said where one does not
+    (a restart onto it would then refuse it, naming it). The job calls the second half before
+    it checks the nodes' images. A layer found ready here is looked for on the nodes meanwhile,
+    in a thread (a later run's usual case: every node holds it, and the look costs the job no
+    time); a layer just built is shipped by the second half, which shows its progress."""
     found = prepare_layer(inventory.training_image, requirements, source, emit, recorded)
     look = None
     if found.image is not None and not found.built:

@@ -662,7 +662,10 @@ def test_the_layer_goes_to_the_jobs_nodes_then_to_its_spares_as_far_as_they_answ
     monkeypatch.setattr(ship, "ship", shipping)
     monkeypatch.setattr(dependencies, "_pip", FakePip(saving(("tqdm", "4.70.1"))))
     lines: list[str] = []
-    made = dependencies.for_inventory(job, ["tqdm"], SOURCE, lines.append, None, spares)
+    made, ready = dependencies.begin_for_inventory(
+        job, ["tqdm"], SOURCE, lines.append, None, spares
+    )
+    ready()
     assert shipped == [("node1", "node2"), ("node3",)]
     assert ids == [made.image_id, made.image_id] and made.image_id  # read once, here
     assert lines[-1] == (
