@@ -12,7 +12,7 @@ uses the values:
 - provision's Python steps: `cluster image` (whether the image is CUDA's), `cluster lock`
   (provisioning's last step, which says what was found), and `cluster hostfile`.
 Ansible's roles find the interface themselves, from the node's facts
-(ansible/roles/netplan/tasks/find_interface.yml).
+(ansible/roles/static_ip/tasks/find_interface.yml).
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def parse(host: Host, text: str) -> Found:
                 )
                 hints.append(f"assigning {ip} to the compute NIC, or compute_interface: NAME")
                 remedies.append(
-                    f"assign {ip} to the compute NIC (netplan), or set compute_interface: NAME "
-                    "in the inventory"
+                    f"assign {ip} to the compute NIC (make provision does it), or set "
+                    "compute_interface: NAME in the inventory"
                 )
     if "gpus" in fields:
         lines = [line.strip() for line in sections.get("gpus", []) if line.strip()]

@@ -211,6 +211,7 @@ def _cluster(merged: dict, where: str, problems: _Problems) -> _Cluster:
             "image_registry_port",
         )
     _storage(merged, where, cluster, problems)
+    _static_ip(merged, where, cluster, problems)
     return cluster
 
 
@@ -244,6 +245,68 @@ def _storage(merged: dict, where: str, cluster: _Cluster, problems: _Problems) -
             f"{where}: cluster field 'container_mounts'",
             cluster.roots,
         )
+
+
+# The static_ip role's switches that were the netplan role's before it covered NetworkManager
+# and ifupdown: an old name would be ignored, and netplan_enabled: false (leave my network
+# alone) must never be.
+_RENAMED = {
+    f"netplan_{name}": f"static_ip_{name}"
+    for name in ("enabled", "mtu", "nameservers", "confirm_timeout", "check_from_controller")
+} | {"netplan_default_gateway": "static_ip_gateway"}
+STATIC_IP_STACKS = ("auto", "netplan", "networkmanager", "ifupdown")
+
+
+def _static_ip(merged: dict, where: str, cluster: _Cluster, problems: _Problems) -> None:
+    """The static_ip role's fields an inventory sets: its stack, and the gateway and resolvers
+    of a compute interface that is the node's only one (the gateway inside compute_subnet)."""
+    for old, new in _RENAMED.items():
+        if old in merged:
+            problems.add(
+                UserError(
+                    f"{where}: cluster field '{old}' is now '{new}' (the static_ip role sets the "
+                    "address with netplan, NetworkManager or ifupdown)",
+                    hint=f"'{new}' in its place",
+                )
+            )
+    _one_of(merged, "static_ip_stack", "auto", STATIC_IP_STACKS, where, problems)
+    gateway = merged.get("static_ip_gateway", "")
+    if gateway not in ("", None):
+        try:
+            address = ipaddress.IPv4Address(str(gateway))
+        except ValueError:
+            problems.add(
+                UserError(
+                    f"{where}: cluster field 'static_ip_gateway': {shown(gateway)} is not an "
+                    "IPv4 address"
+                )
+            )
+        else:
+            if cluster.subnet is not None and address not in cluster.subnet:
+                problems.add(
+                    UserError(
+                        f"{where}: cluster field 'static_ip_gateway': {address} is not in "
+                        f"compute_subnet {cluster.subnet}, so the compute interface could not "
+                        "reach it",
+                        hint='a gateway on the compute subnet, or none ("")',
+                    )
+                )
+    resolvers = merged.get("static_ip_nameservers", [])
+    if not isinstance(resolvers, list) or not all(_is_ipv4(item) for item in resolvers):
+        problems.add(
+            UserError(
+                f"{where}: cluster field 'static_ip_nameservers': {shown(resolvers)} is not a "
+                "list of IPv4 addresses"
+            )
+        )
+
+
+def _is_ipv4(value: object) -> bool:
+    try:
+        ipaddress.IPv4Address(str(value))
+    except ValueError:
+        return False
+    return True
 
 
 class _HostsPass:

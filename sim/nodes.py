@@ -146,7 +146,7 @@ def _existing_nodes(config: SimConfig) -> dict[int, dict]:
     return nodes
 
 
-def _ensure_key(config: SimConfig) -> str:
+def ensure_key(config: SimConfig) -> str:
     """The controller's key pair for this cluster; returns the public key line."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -209,7 +209,7 @@ def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:
     docker("network", "connect", "--ip", config.node_ip(index), config.network, container)
 
 
-def _host_key(container: str, deadline: float) -> str:
+def host_key(container: str, deadline: float) -> str:
     while True:
         proc = docker("exec", container, "cat", "/etc/ssh/ssh_host_ed25519_key.pub", check=False)
         if proc.returncode == 0 and proc.stdout.strip():
@@ -279,7 +279,7 @@ def write_inventory(config: SimConfig, count: int, fresh: bool = False) -> Path:
                 # That venv's interpreter:
                 "training_python": str(Path(sys.prefix) / "bin" / "python"),
                 # The nodes do not own their network: docker assigns their addresses.
-                "netplan_enabled": False,
+                "static_ip_enabled": False,
                 "sim_cluster": config.name,
             },
             "children": {"nodes": {"hosts": hosts}},
@@ -355,7 +355,7 @@ def up(
         )
     build_images(progress)
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    public_key = None if fresh else _ensure_key(config)
+    public_key = None if fresh else ensure_key(config)
     reused = bool(existing)
     if fresh and not reused and fresh_password is None:
         raise UserError("new fresh nodes need their user's password", hint="make sim-up FRESH=1")
@@ -398,7 +398,7 @@ def up(
 
     deadline = time.monotonic() + ssh_timeout
     known = [
-        (config.mgmt_ip(i), _host_key(config.container(i), deadline)) for i in range(1, nnodes + 1)
+        (config.mgmt_ip(i), host_key(config.container(i), deadline)) for i in range(1, nnodes + 1)
     ]
     if not fresh:
         trust.write_known_hosts(config.known_hosts_path, known)

@@ -191,7 +191,8 @@ def interface_findings(
                     Status.FAIL,
                     f"{node} has no address {ip} (on {iface}: "
                     f"{', '.join(link.addresses) or 'none'})",
-                    f"on {node}: assign {ip} to {iface} (netplan), or correct compute_ip",
+                    f"on {node}: assign {ip} to {iface} (make provision does it), "
+                    "or correct compute_ip",
                 )
         if not link.up:
             broken.add(node)
@@ -199,7 +200,7 @@ def interface_findings(
                 node,
                 Status.FAIL,
                 f"{node}'s {iface} is down",
-                f"on {node}: ip link set {iface} up (and make it persistent in netplan)",
+                f"on {node}: ip link set {iface} up (make provision makes it persistent)",
             )
         elif not link.running:
             broken.add(node)
@@ -254,8 +255,8 @@ def interface_findings(
                     node,
                     Status.FAIL,
                     f"{node}'s {iface} MTU is {mtu}, not {common} as on {holders}",
-                    f"on {node}: ip link set {iface} mtu {common} (and in netplan), or give "
-                    f"every node the same MTU",
+                    f"on {node}: ip link set {iface} mtu {common} (and static_ip_mtu in the "
+                    "inventory), or give every node the same MTU",
                 )
     if len(set(names.values())) > 1:
         common = reference(names, master.name)

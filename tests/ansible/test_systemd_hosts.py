@@ -33,34 +33,15 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import bootstrap_unattended, password_login
 from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import bootstrap
-from torch_multinode.sim import node_image
 from torch_multinode.sim import nodes as sim
+from torch_multinode.sim import owned_network
+from torch_multinode.sim.owned_network import SYSTEMD_OPTIONS, wait_for_boot
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]
 
-IMAGE = "torch-multinode/sim-systemd:test"
 CERTS = "/etc/torch-multinode/registry"
-# What a container needs for systemd as its PID 1 here (no --privileged: see ENVIRONMENT.md).
-SYSTEMD_OPTIONS = [
-    *node_image.NESTED_ENGINE_OPTIONS,
-    "--tmpfs",
-    "/run",
-    "--tmpfs",
-    "/run/lock",
-]
 # The units a provisioned node runs (ufw's is a one-shot that loads the rules at boot).
 NODE_UNITS = ["ssh", "docker", "munge", "slurmctld", "slurmd"]
-
-
-def wait_for_boot(container: str) -> None:
-    """Until systemd says the boot is over (its bus appears a moment after the start)."""
-    deadline = time.monotonic() + 120
-    while True:
-        done = node_sh(container, "systemctl is-system-running --wait", timeout=120)
-        if done.stdout.strip() in ("running", "degraded") or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert done.stdout.strip() in ("running", "degraded"), done.stdout + done.stderr
 
 
 def reboot(container: str) -> None:
@@ -70,9 +51,7 @@ def reboot(container: str) -> None:
 
 @pytest.fixture(scope="module")
 def systemd_image() -> str:
-    node_image.build_images()  # the Debian base, cached after the first time
-    sim.docker("build", "--quiet", "-t", IMAGE, str(REPO_ROOT / "docker" / "sim-systemd"))
-    return IMAGE
+    return owned_network.systemd_image()
 
 
 @contextmanager
@@ -260,7 +239,7 @@ def _site_on_a_systemd_node(config, name: str, address: str, tmp_path) -> None:
         # Docker owns a container's /etc/hostname (a bind mount, which hostnamectl cannot
         # replace: the name is given at `docker run`) and its addresses.
         "hostname_set": False,
-        "netplan_enabled": False,
+        "static_ip_enabled": False,
         "container_memlock": 8388608,
     }
     node = {"ansible_host": name, "compute_ip": address, "compute_interface": "eth0", "gpus": 0}

@@ -1,4 +1,4 @@
-"""What the roles write, checked without a cluster: NCCL's configuration file, the netplan file,
+"""What the roles write, checked without a cluster: NCCL's configuration file, the static_ip files,
 the /etc/hosts edit, GPU detection and the Docker runtime merge of the nvidia role (no GPU
 needed)."""
 
@@ -37,31 +37,45 @@ def test_nccl_conf_names_the_training_hcas_only_where_the_inventory_does(tmp_pat
     assert dest.read_text() == "NCCL_SOCKET_IFNAME==ens1f0\nNCCL_IB_HCA==mlx5_0:1,mlx5_1:1\n"
 
 
-# --- netplan ---------------------------------------------------------------------------------
+# --- static_ip: each stack's file --------------------------------------------------------------
 
 
-def render_netplan(tmp_path, **variables) -> str:
-    dest = tmp_path / "compute.yaml"
+def render(tmp_path, stack: str, **variables) -> str:
+    dest = tmp_path / f"compute.{stack}"
     base = {
+        "stack": stack,
         "compute_interface": "enp3s0",
         "compute_ip": "192.168.1.10",
         "compute_subnet": "192.168.1.0/24",
+        "static_ip_netplan_renderer": "networkd",
+        "inventory_hostname": "node1",
         "dest": str(dest),
     }
-    run_local("render_netplan.yml", {**base, **variables})
+    run_local("render_static_ip.yml", {**base, **variables})
     return dest.read_text()
 
 
+HEADER = (
+    "# Managed by Ansible (torch-multinode, static_ip role): the compute interface's static "
+    "address.\n"
+    "# Edits here are overwritten on the next provisioning run.\n"
+)
+ONLY_ONE_NIC = {
+    "compute_subnet": "10.20.0.0/16",
+    "compute_ip": "10.20.3.4",
+    "static_ip_mtu": 9000,
+    "static_ip_gateway": "10.20.0.1",
+    "static_ip_nameservers": ["10.20.0.1", "10.20.0.2"],
+}
+
+
 def test_netplan_file_gives_the_compute_interface_its_static_address(tmp_path):
-    text = render_netplan(tmp_path)
-    assert text == (
-        "# Managed by Ansible (torch-multinode, netplan role): the compute interface's static "
-        "address.\n"
-        "# Edits here are overwritten on the next provisioning run.\n"
+    assert render(tmp_path, "netplan") == HEADER + (
         "network:\n"
         "  version: 2\n"
         "  ethernets:\n"
         "    enp3s0:\n"
+        "      renderer: networkd\n"
         "      dhcp4: false\n"
         "      dhcp6: false\n"
         "      addresses:\n"
@@ -70,19 +84,13 @@ def test_netplan_file_gives_the_compute_interface_its_static_address(tmp_path):
 
 
 def test_netplan_file_carries_mtu_gateway_and_resolvers_when_given(tmp_path):
-    text = render_netplan(
-        tmp_path,
-        compute_subnet="10.20.0.0/16",
-        compute_ip="10.20.3.4",
-        netplan_mtu=9000,
-        netplan_default_gateway="10.20.0.1",
-        netplan_nameservers=["10.20.0.1", "10.20.0.2"],
-    )
+    text = render(tmp_path, "netplan", static_ip_netplan_renderer="NetworkManager", **ONLY_ONE_NIC)
     assert yaml.safe_load(text) == {
         "network": {
             "version": 2,
             "ethernets": {
                 "enp3s0": {
+                    "renderer": "NetworkManager",
                     "dhcp4": False,
                     "dhcp6": False,
                     "addresses": ["10.20.3.4/16"],
@@ -93,6 +101,40 @@ def test_netplan_file_carries_mtu_gateway_and_resolvers_when_given(tmp_path):
             },
         }
     }
+
+
+def test_networkmanager_profile_binds_the_interface_and_never_takes_the_default_route(tmp_path):
+    text = render(tmp_path, "networkmanager")
+    assert text.startswith(HEADER)
+    lines = text.splitlines()
+    assert "id=torch-multinode-compute" in lines and "interface-name=enp3s0" in lines
+    assert "autoconnect-priority=100" in lines
+    assert "address1=192.168.1.10/24" in lines and "method=manual" in lines
+    assert "never-default=true" in lines
+    assert not any(line.startswith(("mtu=", "gateway=", "dns=")) for line in lines)
+    # The same profile (UUID) on every run: an unchanged file is not rewritten.
+    uuid = [line for line in lines if line.startswith("uuid=")]
+    assert len(uuid) == 1 and uuid[0] in render(tmp_path, "networkmanager").splitlines()
+
+
+def test_networkmanager_profile_carries_mtu_gateway_and_resolvers_when_given(tmp_path):
+    lines = render(tmp_path, "networkmanager", **ONLY_ONE_NIC).splitlines()
+    assert {"mtu=9000", "gateway=10.20.0.1", "dns=10.20.0.1;10.20.0.2;"} <= set(lines)
+    assert "never-default=true" not in lines
+
+
+def test_ifupdown_stanza_gives_the_compute_interface_its_static_address(tmp_path):
+    assert render(tmp_path, "ifupdown") == HEADER + (
+        "auto enp3s0\niface enp3s0 inet static\n    address 192.168.1.10/24\n"
+    )
+    assert render(tmp_path, "ifupdown", **ONLY_ONE_NIC) == HEADER + (
+        "auto enp3s0\n"
+        "iface enp3s0 inet static\n"
+        "    address 10.20.3.4/16\n"
+        "    mtu 9000\n"
+        "    gateway 10.20.0.1\n"
+        "    dns-nameservers 10.20.0.1 10.20.0.2\n"
+    )
 
 
 # --- /etc/hosts ------------------------------------------------------------------------------

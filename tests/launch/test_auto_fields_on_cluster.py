@@ -36,14 +36,14 @@ def test_a_cluster_described_with_auto_provisions_passes_netcheck_and_trains(pro
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.count("(auto, found at provision)  gpus auto (found at provision)") == 2
 
-    # Provisioning: the roles that use compute_interface (netplan, off on these nodes but
+    # Provisioning: the roles that use compute_interface (static_ip, off on these nodes but
     # finding the interface all the same; nccl_config, whose file must stay as it is) and the
     # nvidia role (gpus: auto, no GPU on the PCI bus); `cluster image` asks the nodes for
     # their GPUs before it decides which image they need.
     provision = make(
         "provision",
         f"INVENTORY={inventory}",
-        "ANSIBLE_ARGS=--tags netplan,nccl_config,nvidia",
+        "ANSIBLE_ARGS=--tags static_ip,nccl_config,nvidia",
         timeout=1200,
     )
     said = provision.stdout + provision.stderr

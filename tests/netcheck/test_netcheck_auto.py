@@ -102,8 +102,8 @@ def test_a_node_where_no_interface_holds_compute_ip_fails_and_blocks_what_needs_
         "has eth0 10.8.0.12; eth1 10.9.0.99)"
     )
     assert found.remedy == (
-        "on node2: assign 10.9.0.12 to the compute NIC (netplan), or set compute_interface: "
-        "NAME in the inventory"
+        "on node2: assign 10.9.0.12 to the compute NIC (make provision does it), or set "
+        "compute_interface: NAME in the inventory"
     )
     assert report.found["node2"]["compute_interface"] is None
     # Nothing else was run on it; the others' checks that need every node say why not.

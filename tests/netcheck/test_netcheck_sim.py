@@ -201,7 +201,7 @@ def test_compute_interface_down_fails_interfaces_on_that_node(cluster):
     assert status(data, "node2", "interfaces") == "FAIL"
     assert data["results"]["node2"]["interfaces"]["detail"] == "node2's eth1 is down"
     assert remedies(data, "node2", "interfaces") == [
-        "on node2: ip link set eth1 up (and make it persistent in netplan)"
+        "on node2: ip link set eth1 up (make provision makes it persistent)"
     ]
     assert status(data, "node1", "interfaces") == "PASS"
     # The consequences land on node2 too, never on the healthy node.
@@ -243,8 +243,8 @@ def test_mtu_different_on_one_node_fails_interfaces_there(cluster):
     assert "node2  PASS  PASS  PASS   PASS   FAIL        PASS      SKIP" in lines
     assert "  FAIL interfaces node2: node2's eth1 MTU is 1400, not 1500 as on node1" in lines
     assert (
-        "       try on node2: ip link set eth1 mtu 1500 (and in netplan), or give every node "
-        "the same MTU"
+        "       try on node2: ip link set eth1 mtu 1500 (and static_ip_mtu in the inventory), "
+        "or give every node the same MTU"
     ) in lines
     assert lines[-1].startswith("NOT ready: 1 FAIL, 0 WARN, 2 SKIP")
 

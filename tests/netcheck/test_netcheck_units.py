@@ -330,7 +330,7 @@ def test_interface_down_fails_once_with_the_command():
     )
     (fail,) = only(verdict.findings, "node2")
     assert fail.detail == "node2's eth1 is down"
-    assert fail.remedy == "on node2: ip link set eth1 up (and make it persistent in netplan)"
+    assert fail.remedy == "on node2: ip link set eth1 up (make provision makes it persistent)"
     assert verdict.broken == {"node2"}
 
 
