@@ -166,3 +166,58 @@ def test_a_yaml_host_defined_twice_with_different_values_is_refused_naming_both_
 def test_ansibles_own_connection_variables_are_known_fields():
     theirs = {name for names in ansible.constants.MAGIC_VARIABLE_MAPPING.values() for name in names}
     assert theirs <= inventory_checks._known_fields()
+
+
+# --- issue 52: the static_ip role's fields -------------------------------------------------------
+
+
+def test_the_netplan_roles_old_switches_are_refused_naming_their_new_names(tmp_path):
+    """netplan_enabled: false meant "leave my network alone": ignored, the static_ip role would
+    change the address."""
+    text = VALID.replace(
+        "    compute_subnet:",
+        "    netplan_enabled: false\n    netplan_mtu: 9000\n    compute_subnet:",
+    )
+    proc = check(write(tmp_path, text))
+    assert proc.returncode == 2
+    assert (
+        "cluster field 'netplan_enabled' is now 'static_ip_enabled' (the static_ip role sets the "
+        "address with netplan, NetworkManager or ifupdown) (try 'static_ip_enabled' in its place)"
+    ) in proc.stderr
+    assert "cluster field 'netplan_mtu' is now 'static_ip_mtu'" in proc.stderr
+
+
+def test_a_gateway_outside_the_compute_subnet_and_bad_resolvers_are_refused(tmp_path):
+    text = VALID.replace(
+        "    compute_subnet:",
+        "    static_ip_gateway: 10.8.0.1\n    static_ip_nameservers: [10.9.0.1, dns.lan]\n"
+        "    static_ip_stack: wicked\n    compute_subnet:",
+    )
+    proc = check(write(tmp_path, text))
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert any(
+        "cluster field 'static_ip_gateway': 10.8.0.1 is not in compute_subnet 10.9.0.0/24, so the "
+        "compute interface could not reach it" in line
+        for line in lines
+    ), proc.stderr
+    assert any(
+        "cluster field 'static_ip_nameservers': ['10.9.0.1', 'dns.lan'] is not a list of IPv4 "
+        "addresses" in line
+        for line in lines
+    ), proc.stderr
+    assert any(
+        "cluster field 'static_ip_stack': 'wicked' is not one of auto, netplan, networkmanager, "
+        "ifupdown" in line
+        for line in lines
+    ), proc.stderr
+
+
+def test_a_gateway_on_the_compute_subnet_passes(tmp_path):
+    text = VALID.replace(
+        "    compute_subnet:",
+        "    static_ip_gateway: 10.9.0.254\n    static_ip_nameservers: [10.9.0.254]\n"
+        "    static_ip_stack: ifupdown\n    compute_subnet:",
+    )
+    proc = check(write(tmp_path, text))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
