@@ -47,6 +47,7 @@ from torch_multinode.cluster.inventory_checks import (
     vars_field,
 )
 from torch_multinode.cluster.inventory_host import _LABEL, _host, _ipv4, _no_compute_ip
+from torch_multinode.cluster.inventory_static_ip import static_ip_fields
 
 REQUIRED_CLUSTER_FIELDS = ("compute_subnet",)
 # setrlimit takes a 64-bit value; docker's --ulimit a signed one.
@@ -211,7 +212,7 @@ def _cluster(merged: dict, where: str, problems: _Problems) -> _Cluster:
             "image_registry_port",
         )
     _storage(merged, where, cluster, problems)
-    _static_ip(merged, where, cluster, problems)
+    static_ip_fields(merged, f"{where}: cluster field", cluster.subnet, problems)
     return cluster
 
 
@@ -245,68 +246,6 @@ def _storage(merged: dict, where: str, cluster: _Cluster, problems: _Problems) -
             f"{where}: cluster field 'container_mounts'",
             cluster.roots,
         )
-
-
-# The static_ip role's switches that were the netplan role's before it covered NetworkManager
-# and ifupdown: an old name would be ignored, and netplan_enabled: false (leave my network
-# alone) must never be.
-_RENAMED = {
-    f"netplan_{name}": f"static_ip_{name}"
-    for name in ("enabled", "mtu", "nameservers", "confirm_timeout", "check_from_controller")
-} | {"netplan_default_gateway": "static_ip_gateway"}
-STATIC_IP_STACKS = ("auto", "netplan", "networkmanager", "ifupdown")
-
-
-def _static_ip(merged: dict, where: str, cluster: _Cluster, problems: _Problems) -> None:
-    """The static_ip role's fields an inventory sets: its stack, and the gateway and resolvers
-    of a compute interface that is the node's only one (the gateway inside compute_subnet)."""
-    for old, new in _RENAMED.items():
-        if old in merged:
-            problems.add(
-                UserError(
-                    f"{where}: cluster field '{old}' is now '{new}' (the static_ip role sets the "
-                    "address with netplan, NetworkManager or ifupdown)",
-                    hint=f"'{new}' in its place",
-                )
-            )
-    _one_of(merged, "static_ip_stack", "auto", STATIC_IP_STACKS, where, problems)
-    gateway = merged.get("static_ip_gateway", "")
-    if gateway not in ("", None):
-        try:
-            address = ipaddress.IPv4Address(str(gateway))
-        except ValueError:
-            problems.add(
-                UserError(
-                    f"{where}: cluster field 'static_ip_gateway': {shown(gateway)} is not an "
-                    "IPv4 address"
-                )
-            )
-        else:
-            if cluster.subnet is not None and address not in cluster.subnet:
-                problems.add(
-                    UserError(
-                        f"{where}: cluster field 'static_ip_gateway': {address} is not in "
-                        f"compute_subnet {cluster.subnet}, so the compute interface could not "
-                        "reach it",
-                        hint='a gateway on the compute subnet, or none ("")',
-                    )
-                )
-    resolvers = merged.get("static_ip_nameservers", [])
-    if not isinstance(resolvers, list) or not all(_is_ipv4(item) for item in resolvers):
-        problems.add(
-            UserError(
-                f"{where}: cluster field 'static_ip_nameservers': {shown(resolvers)} is not a "
-                "list of IPv4 addresses"
-            )
-        )
-
-
-def _is_ipv4(value: object) -> bool:
-    try:
-        ipaddress.IPv4Address(str(value))
-    except ValueError:
-        return False
-    return True
 
 
 class _HostsPass:
@@ -344,6 +283,7 @@ class _HostsPass:
             _check_host_keys_stay_checked(values, host_where)
         missing, defaulted = self._lacking(name, own, values, host_where)
         self.problems.warn_unknown(own, f"{host_where}: field", skip={*self.merged, *self.typos})
+        static_ip_fields(own, f"{host_where}: field", self.cluster.subnet, self.problems)
         host = _host(name, values, self.cluster.subnet, host_where, self.problems, defaulted)
         if self.cluster.scheduler == "slurm" and values.get("gpus") == AUTO:
             # Slurm's configuration (ansible/roles/slurm) is written from each node's count,

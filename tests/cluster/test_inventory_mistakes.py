@@ -221,3 +221,16 @@ def test_a_gateway_on_the_compute_subnet_passes(tmp_path):
     )
     proc = check(write(tmp_path, text))
     assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+
+
+def test_a_hosts_own_static_ip_fields_are_checked_too(tmp_path):
+    text = VALID.replace(
+        "          gpus: 1\n", "          gpus: 1\n          static_ip_gateway: 10.7.0.1\n", 1
+    )
+    text = text.replace("        pc2:\n", "        pc2:\n          netplan_enabled: false\n")
+    proc = check(write(tmp_path, text))
+    assert proc.returncode == 2
+    assert (
+        "host 'pc1': field 'static_ip_gateway': 10.7.0.1 is not in compute_subnet 10.9.0.0/24"
+    ) in proc.stderr, proc.stderr
+    assert "host 'pc2': field 'netplan_enabled' is now 'static_ip_enabled'" in proc.stderr
