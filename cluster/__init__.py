@@ -10,6 +10,7 @@ jobenv, nccl_transport and versions also run on the nodes (cluster.sync.NODE_SID
                       resolves it), then validated
     inventory_validate  a document checked whole into an Inventory, one named check at a time
     inventory_host    one host's fields checked into a Host (inventory_validate's, per host)
+    inventory_static_ip  the static_ip role's fields (stack, gateway, resolvers, old names)
     inventory_checks  the field vocabulary, each value's check and its message, the typo help
     autodetect        the `auto` values (compute_interface, gpus), found on the nodes once per
                       command
