@@ -5,9 +5,10 @@ compute NIC that no engine addresses.
 The default simulated nodes get both addresses from Docker, so no stack on them could ever set
 one. Here only the management interface (eth0, where the controller's SSH and Ansible reach the
 node) is Docker's; the compute NIC (eth1) is one end of a veth pair whose other end joins a bridge
-this module creates on this machine, with the compute subnet's first address (the controller's
-side of the compute link, as Docker's gateway is on the default nodes). The node's own stack
-gives eth1 its address; until it does, eth1 has none.
+on this machine: a Docker network's that no container joins (so that the engine's firewall rules
+let its ports talk), holding the compute subnet's first address, the controller's side of the
+compute link as Docker's gateway is on the default nodes. The node's own stack gives eth1 its
+address; until it does, eth1 has none.
 
 What a real machine has and a container lacks is given here: the NIC is present before the init
 starts (docker/sim-systemd/init.sh waits for it, and every start and restart plugs a new pair in,
@@ -19,7 +20,6 @@ would reach this machine anyway, and a wrong address would look confirmed).
 
 from __future__ import annotations
 
-import ipaddress
 import subprocess
 import time
 
@@ -104,11 +104,6 @@ def _host_end(config: SimConfig, index: int) -> str:
     return f"{config.name}-v{index}"
 
 
-def controller_compute_ip(config: SimConfig) -> str:
-    """This machine's address on the compute link."""
-    return str(ipaddress.IPv4Network(config.subnet).network_address + 1)
-
-
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -188,9 +183,7 @@ def up(config: SimConfig, stack: str, count: int = 2) -> None:
         f"{nodes.LABEL}={config.name}",
         config.mgmt_network,
     )
-    # The compute link's bridge is a Docker network's (so that the engine's own firewall rules
-    # let its ports talk to each other) that no container joins: the engine addresses nothing
-    # on it but the bridge, the controller's side of the link.
+    # No container joins it: the engine addresses nothing on it but the bridge.
     docker(
         "network",
         "create",
