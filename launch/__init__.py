@@ -18,7 +18,8 @@ torchrun's part of them) lives in training/.
     commands      the shell commands sent to the nodes, as pure functions: torchrun, the job's
                   command (its `docker run` is cluster.containers'), the port lock, the link
                   probe, the stop
-    job           one run over SSH (Launcher): prepare, start, conclude
+    job           one run's skeleton (Launcher), whichever way it goes (Way; OverSsh:
+                  over SSH): prepare, start, follow, conclude
     prepare       the nodes readied: the port lock, each node's GPUs, copy, directories, image,
                   secrets, and its versions against the version lock
     running       what a run's runners, watchers and stop share (RunningJob)
@@ -31,7 +32,7 @@ torchrun's part of them) lives in training/.
     ending        the summary, the master's run directory brought back, the exit code's file
     signatures    known failure signatures: an error's usual cause and remedy, in the summary
     node_output   one node's output as the launcher shows it
-    slurm         one run of the job through Slurm (SlurmAttempt): submit or requeue, cancel
+    slurm         the way one run goes through Slurm (SlurmAttempt): submit or requeue, cancel
     slurm_script  the batch script, its paths, the follower of a node's output
     slurm_state   Slurm's answers read: a job's state, its place in the queue
     local         a job with no inventory, on this machine

@@ -189,11 +189,11 @@ class SlurmBackend(_OnNodes):
         )
         self.started()
         try:
-            result = run.run()
+            result = run.launcher.run()
             result.nodes_changed = tuple(self.nodes_changed)
             return result
         finally:
-            self.job_id, self.project = run.job_id, run.project
+            self.job_id, self.project = run.job_id, run.launcher.project
 
     def can_restart(self) -> bool:
         return self.job_id is not None

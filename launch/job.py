@@ -1,10 +1,15 @@
-"""One run of a job on the nodes: prepare (SSH, the port, the project, images, directories),
-start (one SSH session per node, the watchers), conclude (blame, stop, release the port).
+"""One run of a job on the nodes (Launcher), its skeleton written once whichever way it goes
+(Way): prepared, started (one runner per node, the watchers), followed, concluded (blame, stop)
+and wound down into what became of it. Over SSH (OverSsh, the way unless one is given): the
+SSH sessions, the port, the project, images and directories prepared, torchrun on each node,
+the liveness and link watchers, the port released at the end. Through Slurm: launch.slurm's
+SlurmAttempt.
 
-One SSH session per node runs torchrun (c10d rendezvous on the master's compute IP). Every
-process the job starts carries TMN_RUN_ID in its environment, so stopping a node means killing
-exactly the processes with that marker, even ones torchrun started in new sessions. The job is
-stopped everywhere as soon as one node fails, stops answering, or the user presses Ctrl-C.
+Over SSH, one SSH session per node runs torchrun (c10d rendezvous on the master's compute IP).
+Every process the job starts carries TMN_RUN_ID in its environment, so stopping a node means
+killing exactly the processes with that marker, even ones torchrun started in new sessions. The
+job is stopped everywhere as soon as one node fails, stops answering, or the user presses
+Ctrl-C.
 
 A job whose ranks stop making progress without failing is a hang (--stall, launch.progress):
 every rank's stacks are read with py-spy and the rank holding the others up is named
@@ -21,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import Terminated, UserError
@@ -45,7 +51,44 @@ from torch_multinode.launch.spec import (
 from torch_multinode.launch.staging import Project
 
 
+class Way(Protocol):
+    """What differs between the ways one run goes (OverSsh here, launch.slurm's SlurmAttempt).
+    The run (Launcher.run) asks its way at each of these points; the rest is the same for all:
+    the node runners, outcomes, blame, hang watcher, stop and wind-down."""
+
+    queues: bool
+    """Whether the job may be queued while it is prepared (Slurm): an interrupt or an error
+    while it is prepared is then the job's, as once its nodes run it. Without (SSH), one is
+    raised on as it is: `prepare` lets go of what it held."""
+
+    @property
+    def announce(self) -> bool:
+        """Whether the job's backend and network are said (not again on a requeue)."""
+
+    def prepare(self, envs: dict[str, dict[str, str]]) -> dict[str, str]:
+        """Until the nodes may start (`envs`: each node's environment): each node's command."""
+
+    def watchers(self) -> list[threading.Thread]:
+        """The way's own watchers of the running job (not started yet)."""
+
+    def stopping(self) -> str:
+        """What an interrupt (Ctrl-C, SIGTERM) does, said."""
+
+    def name_lost(self) -> None:
+        """After a first failure: what else names the nodes lost, before the blame."""
+
+    def conclude(self, interrupted: bool) -> None:
+        """After the blame: the job stopped where it must be, what the way holds let go."""
+
+    def broke(self) -> bool:
+        """An unexpected error once the job is the way's: what it cleans up; True where the
+        run then concludes as any other (the error raised on after that)."""
+
+
 class Launcher:
+    """One run of the job on its nodes, over SSH unless `way` says otherwise (launch.slurm's
+    SlurmAttempt): what every way shares, and the one skeleton of a run (`run`)."""
+
     def __init__(
         self,
         inventory: Inventory,
@@ -54,11 +97,13 @@ class Launcher:
         connect_timeout: float = 5.0,
         project: Project | None = None,
         nodes: Nodes | None = None,
+        way: Way | None = None,
     ):
         self.inventory, self.spec, self.emit = inventory, spec, emit
         self.hosts = inventory.hosts  # already narrowed to the job's nodes (Inventory.first)
         self.project = project
         self.nodes = nodes or SshNodes(inventory, connect_timeout)
+        self.way: Way = way if way is not None else OverSsh(self)
         # what the runners, watchers and the stop share (launch.running)
         self.job = RunningJob(
             spec,
@@ -70,7 +115,7 @@ class Launcher:
             project.workdir if project is not None else None,
         )
         self.outcomes = self.job.outcomes
-        self._remotes: dict[str, Session] = {}
+        self.remotes: dict[str, Session] = {}  # each node's session, once connected (`connect`)
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
         self.backend = job_backend(self.hosts)[0]  # one for the whole job
         # each node's versions as prepared, and what changed since the lock (allow_drift)
@@ -81,14 +126,16 @@ class Launcher:
         """A connection of its own to `host` (the caller closes it)."""
         return self.nodes.session(host)
 
-    def _connect(self, host: Host) -> None:
+    def connect(self, host: Host) -> None:
+        """The run's session to `host` (in `remotes`), connected."""
         remote = self.remote_for(host)
-        self._remotes[host.name] = remote
+        self.remotes[host.name] = remote
         remote.connect()
 
-    def _command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
+    def command(self, host: Host, master: Host, nnodes: int, env: dict[str, str]) -> str:
+        """What runs the job on `host`: torchrun, in the job's container or on the host."""
         inventory = self.inventory
-        assert self.project is not None  # planned (_send_project) before any command
+        assert self.project is not None  # planned (send_project) before any command
         return remote_command(
             host,
             master,
@@ -103,7 +150,7 @@ class Launcher:
             tuple(staging.mounts(inventory, self.project, run_dir(self.spec))),
         )
 
-    def _parallel(self, work: Callable[[Host], object]) -> None:
+    def parallel(self, work: Callable[[Host], object]) -> None:
         """`work` on every host at once (what it returns unused); the first UserError raised,
         after all have ended."""
         errors: list[UserError] = []
@@ -118,25 +165,7 @@ class Launcher:
         if errors:
             raise errors[0]
 
-    def _stage(self, master: Host) -> None:
-        """Everything before the first process starts: SSH to every node, the master's port,
-        the project on every node, checked, and each node's image and directories."""
-        self._parallel(self._connect)
-        # before the sync: a running job's code is never changed
-        claim_port(
-            self._remotes[master.name],
-            master,
-            self.spec.run_id,
-            self.inventory.rendezvous_port,
-            self.emit,
-        )
-        try:
-            self._send_project()
-        except BaseException:  # a refusal, or Ctrl-C while the project is sent: the port is free
-            release_port(self.remote_for, master, self.spec.run_id, self.inventory.rendezvous_port)
-            raise
-
-    def _send_project(self) -> None:
+    def send_project(self) -> None:
         """The project onto every node (only what changed), then each node's copy, image and
         directories checked (`prepare_node`). Only once no other job of ours runs on the nodes."""
         if self.project is None:
@@ -148,13 +177,13 @@ class Launcher:
             sent = sync.push(self.inventory, self.hosts, tree, destination, self.emit)
             self.emit("[launcher] " + sync.summary_line(tree, destination, sent))
         self.versions, self.drift = prepare_nodes(
-            self._remotes,
+            self.remotes,
             self.inventory,
             self.spec,
             self.project,
             self.backend,
             self.emit,
-            self._parallel,
+            self.parallel,
         )
 
     def _run_node(self, host: Host, command: str) -> None:
@@ -163,7 +192,7 @@ class Launcher:
         writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log, observe=self._observe)
         self._writers.append(writer)
         try:
-            exited = self._remotes[host.name].stream(command, writer)
+            exited = self.remotes[host.name].stream(command, writer)
             outcome.exit_code = exited
             if exited == -1 and self.job.stopping.is_set():
                 outcome.exit_code = None  # killed by our stop: the summary says "stopped"
@@ -192,8 +221,8 @@ class Launcher:
     def _setup(self, announce: bool = True) -> dict[str, dict[str, str]]:
         """What needs no node: each node's process count checked (a GPU the node lacks stops
         us before any SSH), the job's backend said; each node's environment (interface settings
-        and the backend). The log directory is made only when the job starts (`_log_dir`): a
-        job refused before that leaves no empty .runs/JOB-ID behind."""
+        and the backend). The log directory is made only when the job starts (`make_log_dir`):
+        a job refused before that leaves no empty .runs/JOB-ID behind."""
         envs, network = node_settings(self.inventory, self.spec.env_file, self.backend)
         for host in self.hosts:
             nproc_for(host, self.spec)
@@ -202,14 +231,14 @@ class Launcher:
                 self.emit(f"[launcher] {note}")
         return envs
 
-    def _log_dir(self) -> None:
+    def make_log_dir(self) -> None:
         """The job's log directory (.runs/JOB-ID), once the job is about to start."""
         if self.spec.log_dir:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
 
     def _runners(self, commands: dict[str, str]) -> list[threading.Thread]:
         """One runner per node, streaming its command's output (not started yet)."""
-        self._log_dir()
+        self.make_log_dir()
         return [
             threading.Thread(target=self._run_node, args=(h, commands[h.name]), daemon=True)
             for h in self.hosts
@@ -248,7 +277,7 @@ class Launcher:
         self.job.first_failure = blame.blame(self.job.failures, self.outcomes, self.hosts)
         self.emit(f"[launcher] {self.job.first_failure} failed: stopping the job on every node...")
 
-    def _stop_everywhere(self, master: Host) -> dict[str, float | str]:
+    def stop_everywhere(self, master: Host) -> dict[str, float | str]:
         stopped = stop.everywhere(self.job, master)
         self.emit(
             "[launcher] stopped: "
@@ -277,7 +306,7 @@ class Launcher:
         flights = (
             watch.traces_after_failure(self.job) if failed and not self.job.hang_reported else []
         )
-        self._close()
+        self.close()
         return JobResult(
             self.spec.run_id,
             self.outcomes,
@@ -291,52 +320,123 @@ class Launcher:
         )
 
     def run(self) -> JobResult:
+        """The run, whichever way it goes: prepared, its runners and watchers started and
+        followed to the job's end, an interrupt or a first failure stopped everywhere, and what
+        became of it."""
         started = time.monotonic()
-        master, nnodes = self.inventory.master, len(self.hosts)
-        port = self.inventory.rendezvous_port
-        envs = self._setup()
+        envs = self._setup(announce=self.way.announce)
+        interrupted = terminated = begun = False
+        runners: list[threading.Thread] = []
         try:
-            self._stage(master)
-        except BaseException:
-            self._close()
-            raise
-
-        interrupted = terminated = False
-        runners = self._runners(
-            {h.name: self._command(h, master, nnodes, envs[h.name]) for h in self.hosts}
-        )
-        watchers = [threading.Thread(target=watch.liveness, args=(self.job,), daemon=True)]
-        watchers += [
-            threading.Thread(target=watch.link, args=(self.job, h, master), daemon=True)
-            for h in self.hosts[1:]
-        ]
-        watchers += self._stall_watcher()
-        try:
-            for thread in runners + watchers:
+            runners = self._runners(self.way.prepare(envs))
+            threads = runners + self.way.watchers() + self._stall_watcher()
+            begun = True
+            for thread in threads:
                 thread.start()
             self._follow(runners)
         except KeyboardInterrupt as signalled:
+            if not (begun or self.way.queues):
+                raise  # nothing runs yet: raised on as it is (Way.queues)
             interrupted = True
             terminated = isinstance(signalled, Terminated)
             why = "SIGTERM" if terminated else "Ctrl-C"
-            self.emit(f"[launcher] {why}: stopping the job on every node...")
-        finally:
-            if self.job.first_failure is not None and not interrupted:
-                self._settle_blame(runners, lambda: None)
-            if interrupted or self.job.first_failure is not None:
-                stopped = self._stop_everywhere(master)
-                # a silent master: the next launch finds its lock stale
-                silent = self.job.silent
-                if not isinstance(stopped[master.name], float) and master.name not in silent:
-                    release_port(self.remote_for, master, self.spec.run_id, port)
-            else:
-                release_port(self.remote_for, master, self.spec.run_id, port)
-            result = self._wind_down(runners, started, interrupted, terminated)
-        return result
+            self.emit(f"[launcher] {why}: {self.way.stopping()}...")
+        except BaseException:
+            if (begun or self.way.queues) and self.way.broke():
+                self._conclude(runners, started, interrupted=False, terminated=False)
+            raise
+        return self._conclude(runners, started, interrupted, terminated)
 
-    def _close(self) -> None:
-        for remote in self._remotes.values():
+    def _conclude(
+        self,
+        runners: list[threading.Thread],
+        started: float,
+        interrupted: bool,
+        terminated: bool,
+    ) -> JobResult:
+        """After the job's end, an interrupt or a first failure: the node to blame settled,
+        the way's conclusion (the job stopped where it must be), and what became of it."""
+        if self.job.first_failure is not None and not interrupted:
+            self._settle_blame(runners, self.way.name_lost)
+        self.way.conclude(interrupted)
+        return self._wind_down(runners, started, interrupted, terminated)
+
+    def close(self) -> None:
+        """Every session of the run's closed."""
+        for remote in self.remotes.values():
             try:
                 remote.close()
             except Exception:  # closing a session to a dead node may raise anything
                 pass
+
+
+class OverSsh:
+    """The SSH way (Way): every node's session, the master's port claimed and the project sent
+    before anything starts; torchrun on each node, followed by the liveness and link watchers;
+    the port released at the end (unless the master is silent: its lock is then stale)."""
+
+    queues = False  # nothing runs on the nodes before their commands
+    announce = True
+
+    def __init__(self, launcher: Launcher):
+        self.launcher = launcher
+
+    def prepare(self, envs: dict[str, dict[str, str]]) -> dict[str, str]:
+        run = self.launcher
+        master, nnodes = run.inventory.master, len(run.hosts)
+        try:
+            self._stage(master)
+        except BaseException:
+            run.close()
+            raise
+        return {h.name: run.command(h, master, nnodes, envs[h.name]) for h in run.hosts}
+
+    def _stage(self, master: Host) -> None:
+        """Everything before the first process starts: SSH to every node, the master's port,
+        the project on every node, checked, and each node's image and directories."""
+        run = self.launcher
+        run.parallel(run.connect)
+        # before the sync: a running job's code is never changed
+        claim_port(
+            run.remotes[master.name],
+            master,
+            run.spec.run_id,
+            run.inventory.rendezvous_port,
+            run.emit,
+        )
+        try:
+            run.send_project()
+        except BaseException:  # a refusal, or Ctrl-C while the project is sent: the port is free
+            release_port(run.remote_for, master, run.spec.run_id, run.inventory.rendezvous_port)
+            raise
+
+    def watchers(self) -> list[threading.Thread]:
+        run = self.launcher
+        master = run.inventory.master
+        watchers = [threading.Thread(target=watch.liveness, args=(run.job,), daemon=True)]
+        watchers += [
+            threading.Thread(target=watch.link, args=(run.job, h, master), daemon=True)
+            for h in run.hosts[1:]
+        ]
+        return watchers
+
+    def stopping(self) -> str:
+        return "stopping the job on every node"
+
+    def name_lost(self) -> None:
+        return None  # the runners and the watchers have named them already
+
+    def conclude(self, interrupted: bool) -> None:
+        run = self.launcher
+        master, port = run.inventory.master, run.inventory.rendezvous_port
+        if interrupted or run.job.first_failure is not None:
+            stopped = run.stop_everywhere(master)
+            # a silent master: the next launch finds its lock stale
+            silent = run.job.silent
+            if not isinstance(stopped[master.name], float) and master.name not in silent:
+                release_port(run.remote_for, master, run.spec.run_id, port)
+        else:
+            release_port(run.remote_for, master, run.spec.run_id, port)
+
+    def broke(self) -> bool:
+        return True  # the run concludes as any other: the port released, the job stopped first

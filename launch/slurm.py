@@ -18,8 +18,9 @@ stops whatever it left on any node (a container outlives its `docker run`). REST
 the job in Slurm (scontrol requeue): the same job ID runs again, on the same nodes; once a node
 is lost for good, with a spare or MIN_NODES (launch.backends), a new job on the nodes left.
 
-Here: one run of it (SlurmAttempt); launch.backends' SlurmBackend runs it again. The batch
-script, its paths and the follower are launch.slurm_script's; reading Slurm's answers is
+Here: the way one run of it goes (SlurmAttempt: the Way of launch.job's Launcher, whose one
+skeleton of a run runs it); launch.backends' SlurmBackend runs it again. The batch script, its
+paths and the follower are launch.slurm_script's; reading Slurm's answers is
 launch.slurm_state's.
 """
 
@@ -29,7 +30,7 @@ import shlex
 import threading
 import time
 
-from torch_multinode.cluster.errors import Terminated, UserError
+from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Nodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.launch import stop
@@ -47,7 +48,6 @@ from torch_multinode.launch.slurm_state import SQUEUE_ORDER, JobState, parse_job
 from torch_multinode.launch.spec import (
     BLAME_GRACE,
     Emit,
-    JobResult,
     JobSpec,
 )
 from torch_multinode.launch.staging import Project
@@ -57,10 +57,13 @@ START_POLL = 0.25  # the same while it waits to start: it may start a moment aft
 SLURM_TIMEOUT = 30.0  # for one sbatch, squeue, scontrol or scancel
 
 
-class SlurmAttempt(Launcher):
+class SlurmAttempt:
     """One run of the job through Slurm: the first submits it, each restart requeues it. The
-    SSH launcher's node runners, outcomes, blame, hang watcher and stop, with Slurm in place of
-    the port lock, the liveness watchers and the restart loop."""
+    way (launch.job's Way) its run, `launcher`, goes: the same node runners, outcomes, blame,
+    hang watcher and stop as over SSH, with Slurm in place of the port lock, the liveness
+    watchers and the restart loop."""
+
+    queues = True  # an interrupt or an error while it waits to run cancels the job
 
     def __init__(
         self,
@@ -72,7 +75,11 @@ class SlurmAttempt(Launcher):
         job_id: str | None = None,
         restarts_left: int = 0,
     ):
-        super().__init__(inventory, spec, emit, project=project, nodes=nodes)
+        self.launcher = Launcher(inventory, spec, emit, project=project, nodes=nodes, way=self)
+        self.inventory, self.spec, self.emit, self.nodes = inventory, spec, emit, nodes
+        self.hosts = inventory.hosts
+        # what the runners, the watchers and the stop share (launch.running): the launcher's
+        self.job, self.outcomes = self.launcher.job, self.launcher.outcomes
         self.job_id, self.restarts_left = job_id, restarts_left
         self.state: JobState | None = None
 
@@ -97,11 +104,11 @@ class SlurmAttempt(Launcher):
         script = batch_script(self.inventory, self.spec, commands, requeue=self.restarts_left > 0)
         saved = ""
         if self.spec.log_dir:
-            self._log_dir()
+            self.launcher.make_log_dir()
             (self.spec.log_dir / SCRIPT_NAME).write_text(script)
             saved = f" (its script: {self.spec.log_dir / SCRIPT_NAME})"
         directory = shlex.quote(run_dir(self.spec))
-        self._remotes[self.inventory.master.name].run(
+        self.launcher.remotes[self.inventory.master.name].run(
             f"mkdir -p {directory} && cat > {shlex.quote(script_path(self.spec))}",
             timeout=SLURM_TIMEOUT,
             check=True,
@@ -200,62 +207,61 @@ class SlurmAttempt(Launcher):
                 if name not in self.job.failures:
                     self.job.fail(name)
 
-    # -- the run ----------------------------------------------------------------------------
+    # -- the way its run goes (launch.job's Way) ------------------------------------------
 
-    def run(self) -> JobResult:
-        started = time.monotonic()
+    @property
+    def announce(self) -> bool:
+        return self.job_id is None  # not again on a requeue
+
+    def prepare(self, envs: dict[str, dict[str, str]]) -> dict[str, str]:
+        """Submitted (or requeued), run by Slurm, the project sent and the go files touched:
+        each node's follower of its part's output."""
+        run = self.launcher
         master, nnodes = self.inventory.master, len(self.hosts)
-        envs = self._setup(announce=self.job_id is None)
-        interrupted = terminated = False
-        runners: list[threading.Thread] = []
-        try:
-            self._parallel(self._connect)
-            if self.job_id is None:
-                self._submit(
-                    {h.name: self._command(h, master, nnodes, envs[h.name]) for h in self.hosts}
-                )
-            else:
-                self._slurm(f"scontrol requeue {self.job_id}", "requeue the job")
-            state = self._wait_until_running()
-            # The nodes are the job's now: no other job's code changes. On a requeue this sends
-            # nothing new, but checks the nodes again and hands over the secrets once more.
-            self._send_project()
-            self._parallel(
-                lambda host: self._remotes[host.name].run(
-                    f"touch {shlex.quote(go_path(self.spec))}", timeout=15, check=True
-                )
+        run.parallel(run.connect)
+        if self.job_id is None:
+            self._submit({h.name: run.command(h, master, nnodes, envs[h.name]) for h in self.hosts})
+        else:
+            self._slurm(f"scontrol requeue {self.job_id}", "requeue the job")
+        state = self._wait_until_running()
+        # The nodes are the job's now: no other job's code changes. On a requeue this sends
+        # nothing new, but checks the nodes again and hands over the secrets once more.
+        run.send_project()
+        run.parallel(
+            lambda host: run.remotes[host.name].run(
+                f"touch {shlex.quote(go_path(self.spec))}", timeout=15, check=True
             )
-            self.emit(
-                f"[launcher] Slurm job {self.job_id} runs on {state.nodes}"
-                + (f", requeued {state.restarts} time(s)" if state.restarts else "")
-            )
-            runners = self._runners(
-                {
-                    h.name: follow_command(output_path(self.spec, h.name, state.restarts))
-                    for h in self.hosts
-                }
-            )
-            watchers = [threading.Thread(target=self._watch_state, daemon=True)]
-            for thread in runners + watchers + self._stall_watcher():
-                thread.start()
-            self._follow(runners)
-        except KeyboardInterrupt as signalled:
-            interrupted = True
-            terminated = isinstance(signalled, Terminated)
-            why = "SIGTERM" if terminated else "Ctrl-C"
-            self.emit(f"[launcher] {why}: cancelling Slurm job {self.job_id or '(not queued)'}...")
-        except BaseException:
-            self._cancel()
-            stop.everywhere(self.job, master)
-            self._close()
-            raise
-        if self.job.first_failure is not None and not interrupted:
-            self._settle_blame(runners, self._name_down_nodes_after_node_fail)
+        )
+        self.emit(
+            f"[launcher] Slurm job {self.job_id} runs on {state.nodes}"
+            + (f", requeued {state.restarts} time(s)" if state.restarts else "")
+        )
+        return {
+            h.name: follow_command(output_path(self.spec, h.name, state.restarts))
+            for h in self.hosts
+        }
+
+    def watchers(self) -> list[threading.Thread]:
+        return [threading.Thread(target=self._watch_state, daemon=True)]
+
+    def stopping(self) -> str:
+        return f"cancelling Slurm job {self.job_id or '(not queued)'}"
+
+    def name_lost(self) -> None:
+        self._name_down_nodes_after_node_fail()
+
+    def conclude(self, interrupted: bool) -> None:
         if interrupted or self.job.first_failure is not None:
             if interrupted or not self.restarts_left:
                 self._cancel()  # a restart requeues the job instead
-            self._stop_everywhere(master)  # a container outlives its `docker run`
-        return self._wind_down(runners, started, interrupted, terminated)
+            # a container outlives its `docker run`
+            self.launcher.stop_everywhere(self.inventory.master)
+
+    def broke(self) -> bool:
+        self._cancel()
+        stop.everywhere(self.job, self.inventory.master)
+        self.launcher.close()
+        return False
 
 
 def cancel(nodes: Nodes, master: Host, job_id: str) -> None:
