@@ -6,6 +6,7 @@ Debian's own packages of the stack, a compute NIC (eth1) no engine addresses, on
 test creates with the controller's side of the link on it, and no route back to the controller
 but that link. For each stack, in order on the same pair:
 
+- `--check` names the stack and changes nothing (no file, no address);
 - `make provision` (the static_ip role) gives node1 and node2 their compute_ips with the stack
   it names in its output; they ping each other over them; `make netcheck` passes on them; a
   2-node job trains over them (gloo on eth1);
@@ -89,6 +90,8 @@ class StackRun:
     stack: str
     config: SimConfig
     compute: dict[str, str]
+    dry: subprocess.CompletedProcess
+    dry_left: dict[str, list[str]]
     provision: subprocess.CompletedProcess
     addresses: dict[str, list[str]]
     ping_1_to_2: bool
@@ -110,10 +113,13 @@ class StackRun:
     left: list[str] = field(default_factory=list)
 
 
-def _provision(inventory: Path, tags: str = "hostname,static_ip") -> subprocess.CompletedProcess:
+def _provision(
+    inventory: Path, tags: str = "hostname,static_ip", check: bool = False
+) -> subprocess.CompletedProcess:
     """make provision with the roles a job over the compute addresses needs (netcheck asks that
-    every name resolves to its compute IP)."""
-    return make("provision", f"INVENTORY={inventory}", f"ANSIBLE_ARGS=--tags {tags}", timeout=1200)
+    every name resolves to its compute IP); `check`: with --check."""
+    args = f"--tags {tags}" + (" --check" if check else "")
+    return make("provision", f"INVENTORY={inventory}", f"ANSIBLE_ARGS={args}", timeout=1200)
 
 
 def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
@@ -125,6 +131,10 @@ def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
     node1, node2 = config.container(1), config.container(2)
     names = {"node1": node1, "node2": node2}
 
+    dry = _provision(inventory, tags="static_ip", check=True)
+    dry_left = {
+        name: addresses(c) + on(c, f"ls {FILES[stack]}").stdout.split() for name, c in names.items()
+    }
     provision = _provision(inventory)
     found = {name: addresses(container) for name, container in names.items()}
     ping_1_to_2 = pings(node1, compute["node2"])
@@ -163,6 +173,8 @@ def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
         stack,
         config,
         compute,
+        dry,
+        dry_left,
         provision,
         found,
         ping_1_to_2,
@@ -200,6 +212,14 @@ def stack_run(request, sim_factory, tmp_path_factory):
 
 def _said(run: subprocess.CompletedProcess) -> str:
     return (run.stdout + run.stderr)[-8000:]
+
+
+def test_check_mode_says_the_stack_and_changes_nothing(stack_run):
+    run = stack_run.dry
+    assert run.returncode == 0, _said(run)
+    assert SAID[stack_run.stack] in " ".join(run.stdout.split()), _said(run)
+    # Neither a file nor an address: --check only says what would change.
+    assert stack_run.dry_left == {"node1": [], "node2": []}
 
 
 def test_provision_gives_each_node_its_compute_ip_with_the_stack_it_runs(stack_run):
