@@ -358,7 +358,7 @@ def test_no_role_writes_a_private_key_file_with_a_looser_mode():
 
 def test_the_simulators_private_key_is_written_0600(tmp_path):
     config = sim.SimConfig("sectest", "172.29.250.0/24", tmp_path / "state", "172.30.250.0/24")
-    public = sim._ensure_key(config)
+    public = sim.ensure_key(config)
     assert config.key_path.stat().st_mode & 0o777 == 0o600
     assert public.startswith("ssh-ed25519 ")
     assert "PRIVATE KEY" in config.key_path.read_text()
