@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ansible.conftest import recap_of
+from tests.ansible.conftest import node_sh, recap_of
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import run_id_in
 from tests.training.conftest import TINY
@@ -52,28 +52,18 @@ SAID = {
 CONFIRM_TIMEOUT = 15
 
 
-def on(container: str, command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["docker", "exec", container, "sh", "-c", command],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def addresses(container: str) -> list[str]:
     """eth1's IPv4 addresses, as ADDRESS/PREFIX."""
-    shown = on(container, "ip -4 -o addr show dev eth1").stdout.split()
+    shown = node_sh(container, "ip -4 -o addr show dev eth1").stdout.split()
     return [shown[i + 1] for i, word in enumerate(shown) if word == "inet"]
 
 
 def pings(container: str, address: str) -> bool:
-    return on(container, f"ping -c 1 -W 3 -I eth1 {address}").returncode == 0
+    return node_sh(container, f"ping -c 1 -W 3 -I eth1 {address}").returncode == 0
 
 
 def carrier_changes(container: str) -> str:
-    return on(container, "cat /sys/class/net/eth1/carrier_changes").stdout.strip()
+    return node_sh(container, "cat /sys/class/net/eth1/carrier_changes").stdout.strip()
 
 
 def controller_reaches(address: str) -> bool:
@@ -133,7 +123,8 @@ def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
 
     dry = _provision(inventory, tags="static_ip", check=True)
     dry_left = {
-        name: addresses(c) + on(c, f"ls {FILES[stack]}").stdout.split() for name, c in names.items()
+        name: addresses(c) + node_sh(c, f"ls {FILES[stack]}").stdout.split()
+        for name, c in names.items()
     }
     provision = _provision(inventory)
     found = {name: addresses(container) for name, container in names.items()}
@@ -161,8 +152,8 @@ def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
     # A prefix that leaves the controller's side of the link (.1) off node2's: the node takes
     # the address, but nothing it sends can reach the controller, so no confirmation comes.
     # node1 changes in the same run (its MTU), is confirmed, and must roll back all the same.
-    file_before = on(node2, f"cat {FILES[stack]}").stdout
-    node1_file_before = on(node1, f"cat {FILES[stack]}").stdout
+    file_before = node_sh(node2, f"cat {FILES[stack]}").stdout
+    node1_file_before = node_sh(node1, f"cat {FILES[stack]}").stdout
     hosts["node2"]["static_ip_prefix_length"] = 30
     hosts["node1"]["static_ip_mtu"] = 1400
     document["all"]["vars"]["static_ip_confirm_timeout"] = CONFIRM_TIMEOUT
@@ -189,11 +180,11 @@ def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
         file_before,
         rollback,
         addresses(node2),
-        on(node2, f"cat {FILES[stack]}").stdout,
+        node_sh(node2, f"cat {FILES[stack]}").stdout,
         node1_file_before,
-        on(node1, f"cat {FILES[stack]}").stdout,
+        node_sh(node1, f"cat {FILES[stack]}").stdout,
         controller_reaches(compute["node2"]),
-        on(node2, f"ls -A {Path(FILES[stack]).parent}").stdout.split(),
+        node_sh(node2, f"ls -A {Path(FILES[stack]).parent}").stdout.split(),
     )
 
 
@@ -291,7 +282,7 @@ def test_a_node_with_no_stack_we_configure_is_refused_before_any_change(sim_fact
         owned_network.up(config, "none", count=1)
         run = _provision(config.inventory_path, tags="static_ip")
         node = config.container(1)
-        listing = on(node, "ls /usr/local/sbin /etc/netplan /etc/network 2>&1").stdout
+        listing = node_sh(node, "ls /usr/local/sbin /etc/netplan /etc/network 2>&1").stdout
     finally:
         owned_network.down(config, count=1)
     assert run.returncode != 0, _said(run)
