@@ -536,7 +536,8 @@ def _build_help() -> str:
 
 # What `--version` said, per image ID and `gpus`, in this process: an image ID names its layers
 # and configuration, so the answer cannot differ, and `cluster image` asks again right after
-# the build asked (a torch import in a container: 10 to 30 s on a busy 2-core machine).
+# the build asked (a torch import in a container: 10 to 30 s on a busy 2-core machine, and past
+# 120 s at times on an overloaded one, so its limit only catches a hang).
 _VERSIONS: dict[tuple[str, bool], dict[str, str]] = {}
 
 
@@ -547,7 +548,7 @@ def versions(tag: str, gpus: bool = False) -> dict[str, str]:
     if identity and (identity, gpus) in _VERSIONS:
         return dict(_VERSIONS[identity, gpus])
     with_gpus = ["--gpus", "all"] if gpus else []
-    proc = docker("run", "--rm", *with_gpus, tag, "--version", timeout=120)
+    proc = docker("run", "--rm", *with_gpus, tag, "--version", timeout=600)
     found = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
     if identity:
         _VERSIONS[identity, gpus] = dict(found)
