@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
@@ -167,11 +169,12 @@ def reboot(config: SimConfig, index: int) -> None:
     wait_for_boot(config.container(index))
 
 
-def up(config: SimConfig, stack: str, count: int = 2) -> None:
-    """`count` nodes running `stack`, their compute NICs on one bridge without addresses, and
-    the cluster's inventory (config.inventory_path) with static_ip on: what provisioning
-    starts from."""
-    image = stack_image(stack)
+def up(config: SimConfig, stacks: Sequence[str]) -> None:
+    """One node per entry of `stacks`, node N running stacks[N-1], their compute NICs on one
+    bridge without addresses, and the cluster's inventory (config.inventory_path) with static_ip
+    on: what provisioning starts from. The nodes boot side by side."""
+    images = {stack: stack_image(stack) for stack in dict.fromkeys(stacks)}
+    count = len(stacks)
     config.state_dir.mkdir(parents=True, exist_ok=True)
     public_key = nodes.ensure_key(config)
     docker(
@@ -195,8 +198,7 @@ def up(config: SimConfig, stack: str, count: int = 2) -> None:
         f"{nodes.LABEL}={config.name}",
         config.network,
     )
-    for index in range(1, count + 1):
-        start(config, index, image, public_key)
+    on_each(count, lambda index: start(config, index, images[stacks[index - 1]], public_key))
     deadline = time.monotonic() + 120
     known = [
         (config.mgmt_ip(i), nodes.host_key(config.container(i), deadline))
@@ -207,6 +209,15 @@ def up(config: SimConfig, stack: str, count: int = 2) -> None:
     document = yaml.safe_load(path.read_text())
     document["all"]["vars"]["static_ip_enabled"] = True
     path.write_text(yaml.safe_dump(document, sort_keys=False))
+
+
+def on_each(indices: int | Sequence[int], act: Callable[[int], object]) -> None:
+    """act(index) for each node index (1 to N if a count), side by side; the first error is
+    raised once every one has ended."""
+    chosen = range(1, indices + 1) if isinstance(indices, int) else indices
+    with ThreadPoolExecutor(max_workers=max(1, len(chosen))) as pool:
+        for future in [pool.submit(act, index) for index in chosen]:
+            future.result()
 
 
 def down(config: SimConfig, count: int = 2) -> None:

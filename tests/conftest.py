@@ -59,7 +59,7 @@ _OCTETS = itertools.cycle(
     range(_FIRST_OCTET + _BAND * _WORKER, _FIRST_OCTET + _BAND * (_WORKER + 1))
 )
 # Tests that share one expensive thing run in one xdist worker, one after the other.
-_GROUPS: dict[str, str | None] = {
+_GROUPS: dict[str, str] = {
     "tests/docker/": "image",  # the training image, built once
     "tests/test_end_to_end.py": "image",  # and the cluster provisioned with it, once
     "tests/test_readme_commands.py": "image",
@@ -70,8 +70,8 @@ _GROUPS: dict[str, str | None] = {
     "tests/training/test_fsdp_cluster.py": "image",
     "tests/test_hangs.py": "image",  # hung jobs on the provisioned cluster
     "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others
-    # One group per network stack (its own marks): three pairs of nodes, beside the others.
-    "tests/ansible/test_static_ip.py": None,
+    # One cluster of a pair of nodes per network stack, beside the others.
+    "tests/ansible/test_static_ip.py": "static_ip",
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
     "tests/training/test_node_loss.py": "node_loss",  # one 3-node cluster, its nodes killed
 }
@@ -98,8 +98,7 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.fspath).relative_to(REPO_ROOT).as_posix()
         for prefix, group in _GROUPS.items():
             if path.startswith(prefix):
-                if group is not None:
-                    item.add_marker(pytest.mark.xdist_group(group))
+                item.add_marker(pytest.mark.xdist_group(group))
                 break
     # In CI nothing is skipped: the sim_factory fixture fails the run instead.
     ok, why = engine.engine_available()

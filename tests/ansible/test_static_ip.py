@@ -1,20 +1,25 @@
 """Issue 52: the static_ip role applies the compute address for real, on each network stack our
 users' nodes run, and proves it.
 
-Each stack gets two systemd-booted nodes that own their compute link (sim/owned_network.py):
-Debian's own packages of the stack, a compute NIC (eth1) no engine addresses, on a bridge this
-test creates with the controller's side of the link on it, and no route back to the controller
-but that link. For each stack, in order on the same pair:
+One cluster of systemd-booted nodes that own their compute link (sim/owned_network.py): a pair
+per stack (node1 and node2 netplan, node3 and node4 NetworkManager, node5 and node6 ifupdown),
+Debian's own packages of each, every compute NIC (eth1, no engine addresses it) on one bridge
+this test creates with the controller's side of the link on it, and no route back to the
+controller but that link. Every playbook run takes all six nodes at once, as a user's mixed
+cluster would be taken; each stack's tests read what its pair shows. In order:
 
-- `--check` names the stack and changes nothing (no file, no address);
-- `make provision` (the static_ip role) gives node1 and node2 their compute_ips with the stack
-  it names in its output; they ping each other over them; `make netcheck` passes on them; a
-  2-node job trains over them (gloo on eth1);
-- a second run changes nothing and does not bounce the link (eth1's carrier changes the same);
-- a reboot (the container restarted, systemd shutting down and booting) keeps the address;
-- an address whose prefix leaves the controller off the link is applied, never confirmed, and
-  rolled back by the node itself within its timer; the play fails naming the node and the
-  rollback, and the node answers again on its old address, its file as it was.
+- `--check` names each node's stack and changes nothing (no file, no address);
+- `make provision` (the static_ip role) gives every node its compute_ip with the stack it
+  names in its output; each pair pings each other over them; `make netcheck` passes on one node
+  of each stack and a 3-node job trains on them (gloo on eth1), its ranks meeting at node1's
+  compute address;
+- a second run changes nothing and does not bounce any link (eth1's carrier changes the same);
+- a reboot of each pair's second node (the container restarted, systemd shutting down and
+  booting) keeps its address;
+- an address whose prefix leaves the controller off the link, given to each pair's second node,
+  is applied, never confirmed, and rolled back by the node itself within its timer; the play
+  fails naming each such node and the rollback, and each first node, changed in the same run
+  (its MTU) and confirmed, says it only followed and rolls back too.
 
 And a node with no stack the role configures is refused before anything changes.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,13 +55,37 @@ SAID = {
     "networkmanager": "with NetworkManager (nmcli, profile torch-multinode-compute)",
     "ifupdown": "with ifupdown",
 }
-CONFIRM_TIMEOUT = 15
+# Long enough for a node that answers to be confirmed on two loaded cores with six nodes in
+# the run (the role waits up to half of it for the node, a quarter for SSH on the new address).
+CONFIRM_TIMEOUT = 60
+# netplan wrapped so that `netplan apply` starts 10 s late (the other subcommands as they were).
+SLOW_NETPLAN_APPLY = (
+    "set -e; mv /usr/sbin/netplan /usr/sbin/netplan.real; "
+    'printf \'#!/bin/sh\\nif [ "$1" = apply ]; then sleep 10; fi\\n'
+    'exec /usr/sbin/netplan.real "$@"\\n\' > /usr/sbin/netplan; chmod 755 /usr/sbin/netplan'
+)
+# TINY's arguments for three ranks: 16 samples a rank, where its global batch of 32 would not
+# divide.
+THREE_RANKS = [
+    "48" if previous == "--global-batch-size" else arg
+    for previous, arg in zip(("", *TINY), TINY, strict=False)
+]
 
 
 def addresses(container: str) -> list[str]:
     """eth1's IPv4 addresses, as ADDRESS/PREFIX."""
     shown = node_sh(container, "ip -4 -o addr show dev eth1").stdout.split()
     return [shown[i + 1] for i, word in enumerate(shown) if word == "inet"]
+
+
+def addresses_after_boot(container: str, limit: float = 90) -> list[str]:
+    """eth1's addresses once the stack has given one, or none after `limit` seconds: the stack
+    brings the interface up a moment after systemd says the boot is over (NetworkManager
+    activates its profile after its own start)."""
+    deadline = time.monotonic() + limit
+    while not (found := addresses(container)) and time.monotonic() < deadline:
+        time.sleep(1)
+    return found
 
 
 def pings(container: str, address: str) -> bool:
@@ -76,31 +106,52 @@ def controller_reaches(address: str) -> bool:
 
 
 @dataclass
-class StackRun:
-    stack: str
+class ClusterRun:
+    """What the six nodes showed, in the order it happened; a stack's tests read its pair."""
+
     config: SimConfig
     compute: dict[str, str]
     dry: subprocess.CompletedProcess
     dry_left: dict[str, list[str]]
     provision: subprocess.CompletedProcess
     addresses: dict[str, list[str]]
-    ping_1_to_2: bool
-    ping_2_to_1: bool
+    pings: dict[str, bool]
     netcheck: subprocess.CompletedProcess
     train: subprocess.CompletedProcess
     rerun: subprocess.CompletedProcess
     carriers_before: dict[str, str]
     carriers_after: dict[str, str]
-    after_reboot: list[str]
-    ping_after_reboot: bool
-    file_before: str
+    after_reboot: dict[str, list[str]]
+    ping_after_reboot: dict[str, bool]
+    files_before: dict[str, str]
     rollback: subprocess.CompletedProcess
-    after_rollback: list[str]
-    file_after_rollback: str
-    node1_file_before: str
-    node1_file_after_rollback: str
-    controller_after_rollback: bool
-    left: list[str] = field(default_factory=list)
+    after_rollback: dict[str, list[str]]
+    files_after_rollback: dict[str, str]
+    controller_after_rollback: dict[str, bool]
+    left: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class StackRun:
+    """One stack's pair in the cluster's run: `first` and `second` are node names."""
+
+    stack: str
+    first: str
+    second: str
+    run: ClusterRun
+
+    @property
+    def compute(self) -> dict[str, str]:
+        return self.run.compute
+
+
+# Node N runs STACK_OF_NODE[N - 1]: a pair per stack.
+STACK_OF_NODE = [stack for stack in FILES for _ in range(2)]
+
+
+def pair(stack: str) -> tuple[str, str]:
+    first = STACK_OF_NODE.index(stack) + 1
+    return f"node{first}", f"node{first + 1}"
 
 
 def _provision(
@@ -112,30 +163,49 @@ def _provision(
     return make("provision", f"INVENTORY={inventory}", f"ANSIBLE_ARGS={args}", timeout=1200)
 
 
-def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
-    owned_network.up(config, stack)
+def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
+    owned_network.up(config, STACK_OF_NODE)
     inventory = config.inventory_path
     document = yaml.safe_load(inventory.read_text())
     hosts = document["all"]["children"]["nodes"]["hosts"]
     compute = {name: host["compute_ip"] for name, host in hosts.items()}
-    node1, node2 = config.container(1), config.container(2)
-    names = {"node1": node1, "node2": node2}
+    names = {f"node{i}": config.container(i) for i in range(1, len(STACK_OF_NODE) + 1)}
+    stack_of = {f"node{i}": stack for i, stack in enumerate(STACK_OF_NODE, start=1)}
+    seconds = [pair(stack)[1] for stack in FILES]
+
+    def file_of(name: str) -> str:
+        return node_sh(names[name], f"cat {FILES[stack_of[name]]}").stdout
 
     dry = _provision(inventory, tags="static_ip", check=True)
     dry_left = {
-        name: addresses(c) + node_sh(c, f"ls {FILES[stack]}").stdout.split()
+        name: addresses(c) + node_sh(c, f"ls {FILES[stack_of[name]]}").stdout.split()
         for name, c in names.items()
     }
     provision = _provision(inventory)
     found = {name: addresses(container) for name, container in names.items()}
-    ping_1_to_2 = pings(node1, compute["node2"])
-    ping_2_to_1 = pings(node2, compute["node1"])
-    netcheck = make("netcheck", f"INVENTORY={inventory}", timeout=600)
+    # Each node pings its pair's other node over the compute addresses.
+    pinged = {}
+    for stack in FILES:
+        first, second = pair(stack)
+        pinged[first] = pings(names[first], compute[second])
+        pinged[second] = pings(names[second], compute[first])
+    # netcheck and a job on one node of each stack: every stack's address carries the checks,
+    # the collective and the job, at the torch imports of three nodes (six at once outlasted
+    # netcheck's probe on two loaded cores).
+    one_of_each = tmp / "one-of-each.yml"
+    subset = {name: hosts[name] for name in (pair(stack)[0] for stack in FILES)}
+    one_of_each.write_text(
+        yaml.safe_dump(
+            {**document, "all": {**document["all"], "children": {"nodes": {"hosts": subset}}}},
+            sort_keys=False,
+        )
+    )
+    netcheck = make("netcheck", f"INVENTORY={one_of_each}", timeout=600)
     train = make(
         "train",
-        f"INVENTORY={inventory}",
-        "NNODES=2",
-        "ARGS=" + " ".join([*TINY, "--steps", "2"]),
+        f"INVENTORY={one_of_each}",
+        f"NNODES={len(subset)}",
+        "ARGS=" + " ".join([*THREE_RANKS, "--steps", "2"]),
         timeout=900,
     )
     if "[launcher] job " in train.stdout:
@@ -145,31 +215,38 @@ def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
     rerun = _provision(inventory)
     carriers_after = {name: carrier_changes(c) for name, c in names.items()}
 
-    owned_network.reboot(config, 2)
-    after_reboot = addresses(node2)
-    ping_after_reboot = pings(node1, compute["node2"])
+    owned_network.on_each([int(name.removeprefix("node")) for name in seconds], reboot(config))
+    after_reboot = {name: addresses_after_boot(names[name]) for name in seconds}
+    ping_after_reboot = {
+        name: pings(names[first], compute[name]) for first, name in (pair(stack) for stack in FILES)
+    }
 
-    # A prefix that leaves the controller's side of the link (.1) off node2's: the node takes
-    # the address, but nothing it sends can reach the controller, so no confirmation comes.
-    # node1 changes in the same run (its MTU), is confirmed, and must roll back all the same.
-    file_before = node_sh(node2, f"cat {FILES[stack]}").stdout
-    node1_file_before = node_sh(node1, f"cat {FILES[stack]}").stdout
-    hosts["node2"]["static_ip_prefix_length"] = 30
-    hosts["node1"]["static_ip_mtu"] = 1400
+    # A prefix that leaves the controller's side of the link (.1) off each second node's: the
+    # node takes the address, but nothing it sends can reach the controller, so no
+    # confirmation comes. Each first node changes in the same run (its MTU), is confirmed, and
+    # must roll back all the same.
+    # And the unlucky moment made certain on netplan's: its apply takes 10 s there, so the node
+    # answers on its previous address long before the new one is in place, which must confirm
+    # nothing (the controller once did, and the helper kept an address that cut the node off).
+    slowed = node_sh(names[pair("netplan")[1]], SLOW_NETPLAN_APPLY)
+    assert slowed.returncode == 0, slowed.stderr
+    files_before = {name: file_of(name) for name in names}
+    for stack in FILES:
+        first, second = pair(stack)
+        hosts[second]["static_ip_prefix_length"] = 30
+        hosts[first]["static_ip_mtu"] = 1400
     document["all"]["vars"]["static_ip_confirm_timeout"] = CONFIRM_TIMEOUT
     wrong = tmp / "wrong-prefix.yml"
     wrong.write_text(yaml.safe_dump(document, sort_keys=False))
     rollback = _provision(wrong)
-    return StackRun(
-        stack,
+    return ClusterRun(
         config,
         compute,
         dry,
         dry_left,
         provision,
         found,
-        ping_1_to_2,
-        ping_2_to_1,
+        pinged,
         netcheck,
         train,
         rerun,
@@ -177,28 +254,34 @@ def _run_stack(stack: str, config: SimConfig, tmp: Path) -> StackRun:
         carriers_after,
         after_reboot,
         ping_after_reboot,
-        file_before,
+        files_before,
         rollback,
-        addresses(node2),
-        node_sh(node2, f"cat {FILES[stack]}").stdout,
-        node1_file_before,
-        node_sh(node1, f"cat {FILES[stack]}").stdout,
-        controller_reaches(compute["node2"]),
-        node_sh(node2, f"ls -A {Path(FILES[stack]).parent}").stdout.split(),
+        {name: addresses(names[name]) for name in seconds},
+        {name: file_of(name) for name in names},
+        {name: controller_reaches(compute[name]) for name in seconds},
+        {
+            name: node_sh(names[name], f"ls -A {Path(FILES[stack_of[name]]).parent}").stdout.split()
+            for name in names
+        },
     )
 
 
-def _stack_param(stack: str):
-    return pytest.param(stack, id=stack, marks=pytest.mark.xdist_group(f"static_ip_{stack}"))
+def reboot(config: SimConfig):
+    return lambda index: owned_network.reboot(config, index)
 
 
-@pytest.fixture(scope="module", params=[_stack_param(s) for s in FILES])
-def stack_run(request, sim_factory, tmp_path_factory):
+@pytest.fixture(scope="module")
+def cluster_run(sim_factory, tmp_path_factory):
     config = sim_factory.config()
     try:
-        yield _run_stack(request.param, config, tmp_path_factory.mktemp(request.param))
+        yield _run_cluster(config, tmp_path_factory.mktemp("static-ip"))
     finally:
-        owned_network.down(config)
+        owned_network.down(config, count=len(STACK_OF_NODE))
+
+
+@pytest.fixture(params=list(FILES))
+def stack_run(request, cluster_run) -> StackRun:
+    return StackRun(request.param, *pair(request.param), cluster_run)
 
 
 def _said(run: subprocess.CompletedProcess) -> str:
@@ -206,80 +289,88 @@ def _said(run: subprocess.CompletedProcess) -> str:
 
 
 def test_check_mode_says_the_stack_and_changes_nothing(stack_run):
-    run = stack_run.dry
+    run = stack_run.run.dry
     assert run.returncode == 0, _said(run)
     assert SAID[stack_run.stack] in " ".join(run.stdout.split()), _said(run)
     # Neither a file nor an address: --check only says what would change.
-    assert stack_run.dry_left == {"node1": [], "node2": []}
+    for name in (stack_run.first, stack_run.second):
+        assert stack_run.run.dry_left[name] == [], (name, stack_run.run.dry_left)
 
 
 def test_provision_gives_each_node_its_compute_ip_with_the_stack_it_runs(stack_run):
-    run = stack_run.provision
+    run = stack_run.run.provision
     assert run.returncode == 0, _said(run)
     text = " ".join(run.stdout.split())
-    for name, ip in stack_run.compute.items():
+    for name in (stack_run.first, stack_run.second):
+        ip = stack_run.compute[name]
         assert f"{name}: {ip}/24 on eth1 {SAID[stack_run.stack]} ({FILES[stack_run.stack]})" in (
             text
         ), _said(run)
-        assert stack_run.addresses[name] == [f"{ip}/24"], stack_run.addresses
-    assert recap_of(run.stdout)["node1"]["changed"] > 0
-    assert stack_run.ping_1_to_2 and stack_run.ping_2_to_1
+        assert stack_run.run.addresses[name] == [f"{ip}/24"], stack_run.run.addresses
+        assert recap_of(run.stdout)[name]["changed"] > 0
+        assert stack_run.run.pings[name], f"{name} did not ping its pair over the compute link"
 
 
-def test_netcheck_passes_and_a_two_node_job_trains_over_the_addresses(stack_run):
-    assert stack_run.netcheck.returncode == 0, _said(stack_run.netcheck)
-    assert "ready: 0 FAIL" in stack_run.netcheck.stdout
-    train = stack_run.train
+def test_netcheck_passes_and_a_job_on_every_stacks_nodes_trains_over_the_addresses(cluster_run):
+    assert cluster_run.netcheck.returncode == 0, _said(cluster_run.netcheck)
+    assert "ready: 0 FAIL" in cluster_run.netcheck.stdout
+    train = cluster_run.train
     assert train.returncode == 0, _said(train)
-    # The ranks met at node1's compute address, which only the stack gave it.
-    assert f"{stack_run.compute['node1']}:" in train.stdout, _said(train)
+    # The ranks on node3 (NetworkManager) and node5 (ifupdown) met node1's at its compute
+    # address, which only netplan gave it.
+    assert f"{cluster_run.compute['node1']}:" in train.stdout, _said(train)
     assert "step 2/2" in train.stdout, _said(train)
+    for name in ("node1", "node3", "node5"):
+        assert f"[{name}]" in train.stdout, (name, _said(train))
 
 
-def test_a_second_run_changes_nothing_and_does_not_bounce_the_link(stack_run):
-    run = stack_run.rerun
+def test_a_second_run_changes_nothing_and_does_not_bounce_the_links(cluster_run):
+    run = cluster_run.rerun
     assert run.returncode == 0, _said(run)
     assert {name: counts["changed"] for name, counts in recap_of(run.stdout).items()} == {
         "localhost": 0,
-        "node1": 0,
-        "node2": 0,
+        **dict.fromkeys(cluster_run.compute, 0),
     }, _said(run)
-    assert stack_run.carriers_after == stack_run.carriers_before
+    assert cluster_run.carriers_after == cluster_run.carriers_before
 
 
 def test_a_reboot_keeps_the_address(stack_run):
-    assert stack_run.after_reboot == [f"{stack_run.compute['node2']}/24"]
-    assert stack_run.ping_after_reboot
+    second = stack_run.second
+    assert stack_run.run.after_reboot[second] == [f"{stack_run.compute[second]}/24"]
+    assert stack_run.run.ping_after_reboot[second]
 
 
 def test_an_address_that_cuts_the_node_off_is_rolled_back_by_the_node(stack_run):
-    run = stack_run.rollback
+    cut, followed = stack_run.second, stack_run.first
+    result = stack_run.run
+    run = result.rollback
     assert run.returncode != 0, _said(run)
     text = " ".join(run.stdout.split())
     assert (
-        f"host 'node2': the new {stack_run.stack} configuration was not confirmed "
-        f"({stack_run.compute['node2']} on eth1 did not answer within {CONFIRM_TIMEOUT} s), so "
+        f"host '{cut}': the new {stack_run.stack} configuration was not confirmed "
+        f"({stack_run.compute[cut]} on eth1 did not answer within {CONFIRM_TIMEOUT} s), so "
         "the node rolled back to its previous configuration by itself"
     ) in text, _said(run)
-    # node1 answered on its new configuration, and rolled back too: nothing is half-changed.
+    # The first node answered on its new configuration, and rolled back too: nothing is
+    # half-changed.
     assert (
-        f"host 'node1': {stack_run.compute['node1']} answered on eth1, but another node's new "
-        "address was not confirmed in the same run, so this node also rolled back to its "
+        f"host '{followed}': {stack_run.compute[followed]} answered on eth1, but another node's "
+        "new address was not confirmed in the same run, so this node also rolled back to its "
         "previous configuration"
     ) in text, _said(run)
-    assert stack_run.node1_file_after_rollback == stack_run.node1_file_before
-    assert stack_run.after_rollback == [f"{stack_run.compute['node2']}/24"]
-    assert stack_run.file_after_rollback == stack_run.file_before
-    assert stack_run.controller_after_rollback
-    # No backup or candidate left beside the file.
-    assert stack_run.left == [Path(FILES[stack_run.stack]).name]
+    assert result.files_after_rollback[followed] == result.files_before[followed]
+    assert result.after_rollback[cut] == [f"{stack_run.compute[cut]}/24"]
+    assert result.files_after_rollback[cut] == result.files_before[cut]
+    assert result.controller_after_rollback[cut]
+    # No backup or candidate left beside either file.
+    for name in (cut, followed):
+        assert result.left[name] == [Path(FILES[stack_run.stack]).name], (name, result.left)
 
 
-@pytest.mark.xdist_group("static_ip_ifupdown")
 def test_a_node_with_no_stack_we_configure_is_refused_before_any_change(sim_factory):
     config = sim_factory.config()
     try:
-        owned_network.up(config, "none", count=1)
+        owned_network.up(config, ["none"])
         run = _provision(config.inventory_path, tags="static_ip")
         node = config.container(1)
         listing = node_sh(node, "ls /usr/local/sbin /etc/netplan /etc/network 2>&1").stdout
