@@ -19,7 +19,8 @@ cluster would be taken; each stack's tests read what its pair shows. In order:
 - an address whose prefix leaves the controller off the link, given to each pair's second node,
   is applied, never confirmed, and rolled back by the node itself within its timer; the play
   fails naming each such node and the rollback, and each first node, changed in the same run
-  (its MTU) and confirmed, says it only followed and rolls back too.
+  (its MTU) and confirmed, says it only followed and rolls back too. On netplan's, the apply is
+  slowed by 10 s, so the node answers on its previous address first: that confirms nothing.
 
 And a node with no stack the role configures is refused before anything changes.
 """
@@ -227,7 +228,8 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     # must roll back all the same.
     # And the unlucky moment made certain on netplan's: its apply takes 10 s there, so the node
     # answers on its previous address long before the new one is in place, which must confirm
-    # nothing (the controller once did, and the helper kept an address that cut the node off).
+    # nothing (the controller's checks once passed on the old address; the previous role fails
+    # here, saying that node2 answered).
     slowed = node_sh(names[pair("netplan")[1]], SLOW_NETPLAN_APPLY)
     assert slowed.returncode == 0, slowed.stderr
     files_before = {name: file_of(name) for name in names}
