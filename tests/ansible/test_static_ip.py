@@ -10,9 +10,9 @@ cluster would be taken; each stack's tests read what its pair shows. In order:
 
 - `--check` names each node's stack and changes nothing (no file, no address);
 - `make provision` (the static_ip role) gives every node its compute_ip with the stack it
-  names in its output; each pair pings each other over them; `make netcheck` passes on one node
-  of each stack and a 3-node job trains on them (gloo on eth1), its ranks meeting at node1's
-  compute address;
+  names in its output; each pair pings each other over them; `make netcheck` passes on the
+  first node of each stack, and a 3-node job trains on the second nodes (gloo on eth1), its
+  ranks meeting at node2's compute address;
 - a second run changes nothing and does not bounce any link (eth1's carrier changes the same);
 - a reboot of each pair's second node (the container restarted, systemd shutting down and
   booting) keeps its address;
@@ -190,22 +190,18 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
         first, second = pair(stack)
         pinged[first] = pings(names[first], compute[second])
         pinged[second] = pings(names[second], compute[first])
-    # netcheck and a job on one node of each stack: every stack's address carries the checks,
-    # the collective and the job, at the torch imports of three nodes (six at once outlasted
-    # netcheck's probe on two loaded cores).
-    one_of_each = tmp / "one-of-each.yml"
-    subset = {name: hosts[name] for name in (pair(stack)[0] for stack in FILES)}
-    one_of_each.write_text(
-        yaml.safe_dump(
-            {**document, "all": {**document["all"], "children": {"nodes": {"hosts": subset}}}},
-            sort_keys=False,
-        )
+    # netcheck on the first node of each stack, a job on the second: every node's address
+    # carries real traffic, each stack's beside the others', at the torch imports of three nodes
+    # at a time (six at once outlasted netcheck's probe on two loaded cores).
+    firsts, seconds_inventory = (
+        _subset(document, hosts, [pair(stack)[which] for stack in FILES], tmp / f"nodes-{which}")
+        for which in (0, 1)
     )
-    netcheck = make("netcheck", f"INVENTORY={one_of_each}", timeout=600)
+    netcheck = make("netcheck", f"INVENTORY={firsts}", timeout=600)
     train = make(
         "train",
-        f"INVENTORY={one_of_each}",
-        f"NNODES={len(subset)}",
+        f"INVENTORY={seconds_inventory}",
+        f"NNODES={len(FILES)}",
         "ARGS=" + " ".join([*THREE_RANKS, "--steps", "2"]),
         timeout=900,
     )
@@ -268,6 +264,19 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     )
 
 
+def _subset(document: dict, hosts: dict, names: list[str], directory: Path) -> Path:
+    """The cluster's inventory with only `names`, in a directory of its own (netcheck writes
+    the launcher's environment beside the inventory it checked)."""
+    directory.mkdir()
+    chosen = {name: hosts[name] for name in names}
+    path = directory / "inventory.yml"
+    nodes_only = {"children": {"nodes": {"hosts": chosen}}}
+    path.write_text(
+        yaml.safe_dump({**document, "all": {**document["all"], **nodes_only}}, sort_keys=False)
+    )
+    return path
+
+
 def reboot(config: SimConfig):
     return lambda index: owned_network.reboot(config, index)
 
@@ -318,11 +327,11 @@ def test_netcheck_passes_and_a_job_on_every_stacks_nodes_trains_over_the_address
     assert "ready: 0 FAIL" in cluster_run.netcheck.stdout
     train = cluster_run.train
     assert train.returncode == 0, _said(train)
-    # The ranks on node3 (NetworkManager) and node5 (ifupdown) met node1's at its compute
+    # The ranks on node4 (NetworkManager) and node6 (ifupdown) met node2's at its compute
     # address, which only netplan gave it.
-    assert f"{cluster_run.compute['node1']}:" in train.stdout, _said(train)
+    assert f"{cluster_run.compute['node2']}:" in train.stdout, _said(train)
     assert "step 2/2" in train.stdout, _said(train)
-    for name in ("node1", "node3", "node5"):
+    for name in ("node2", "node4", "node6"):
         assert f"[{name}]" in train.stdout, (name, _said(train))
 
 
