@@ -40,7 +40,7 @@ import yaml
 from tests.ansible.conftest import node_sh, recap_of
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import run_id_in
-from tests.training.conftest import TINY
+from tests.training.conftest import TINY, with_values
 from torch_multinode.sim import owned_network
 from torch_multinode.sim.nodes import SimConfig
 
@@ -67,10 +67,7 @@ SLOW_NETPLAN_APPLY = (
 )
 # TINY's arguments for three ranks: 16 samples a rank, where its global batch of 32 would not
 # divide.
-THREE_RANKS = [
-    "48" if previous == "--global-batch-size" else arg
-    for previous, arg in zip(("", *TINY), TINY, strict=False)
-]
+THREE_RANKS = with_values(TINY, global_batch_size="48")
 
 
 def addresses(container: str) -> list[str]:
@@ -212,7 +209,10 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     rerun = _provision(inventory)
     carriers_after = {name: carrier_changes(c) for name, c in names.items()}
 
-    owned_network.on_each([int(name.removeprefix("node")) for name in seconds], reboot(config))
+    owned_network.on_each(
+        [int(name.removeprefix("node")) for name in seconds],
+        lambda index: owned_network.reboot(config, index),
+    )
     after_reboot = {name: addresses_after_boot(names[name]) for name in seconds}
     ping_after_reboot = {
         name: pings(names[first], compute[name]) for first, name in (pair(stack) for stack in FILES)
@@ -275,10 +275,6 @@ def _subset(document: dict, hosts: dict, names: list[str], directory: Path) -> P
         yaml.safe_dump({**document, "all": {**document["all"], **nodes_only}}, sort_keys=False)
     )
     return path
-
-
-def reboot(config: SimConfig):
-    return lambda index: owned_network.reboot(config, index)
 
 
 @pytest.fixture(scope="module")

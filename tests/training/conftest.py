@@ -51,6 +51,17 @@ TINY = (
     "4",
     "--no-tensorboard",
 )
+
+
+def with_values(args: tuple[str, ...], **values: str) -> list[str]:
+    """Arguments such as TINY's with some values replaced: with_values(TINY,
+    global_batch_size="48") gives --global-batch-size 48."""
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index("--" + flag.replace("_", "-")) + 1] = value
+    return out
+
+
 # The default job, small, as a user runs it on the cluster: TensorBoard on, its model brought
 # back (tests/conftest.py's `small_job_over_ssh`; the same job through Slurm must equal it).
 SMALL_JOB = (

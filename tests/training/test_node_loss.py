@@ -30,6 +30,7 @@ from tests.training.conftest import (
     max_difference,
     run_command,
     torchrun_command,
+    with_values,
 )
 from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
@@ -45,16 +46,8 @@ GO_ON_WITH_TWO = ("--restarts", "1", "--restart-wait", "10", "--min-nodes", "2")
 _LOSS = re.compile(r"step +(\d+)/\d+ +loss ([0-9.]+)")
 
 
-def _with(args: tuple[str, ...], **values: str) -> list[str]:
-    """TINY's arguments with some values replaced (--global-batch-size=...)."""
-    out = list(args)
-    for flag, value in values.items():
-        out[out.index("--" + flag.replace("_", "-")) + 1] = value
-    return out
-
-
 # 48 samples a step: 16 per rank on 3 nodes, 5 steps an epoch; a loss line every step.
-THREE = _with(TINY, global_batch_size="48", log_every="1")
+THREE = with_values(TINY, global_batch_size="48", log_every="1")
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +237,7 @@ def test_a_node_lost_for_good_is_dropped_and_the_job_goes_on_with_the_same_mathe
 
 
 # training.fsdp's small GPT: 6 sequences a step, 2 per rank on 3 nodes, 3 on the 2 left.
-FSDP = _with(SMALL, global_batch_size="6", steps=str(STEPS))
+FSDP = with_values(SMALL, global_batch_size="6", steps=str(STEPS))
 _FSDP_LOSS = re.compile(r"^\[node1\] step +(\d+)/\d+  loss ([\d.]+)", re.M)
 
 
