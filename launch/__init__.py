@@ -18,8 +18,10 @@ torchrun's part of them) lives in training/.
     commands      the shell commands sent to the nodes, as pure functions: torchrun, the job's
                   command (its `docker run` is cluster.containers'), the port lock, the link
                   probe, the stop
-    job           one run's skeleton (Launcher), whichever way it goes (Way; OverSsh:
-                  over SSH): prepare, start, follow, conclude
+    job           one run's skeleton (Launcher), whichever way it goes (Way): prepare,
+                  start, follow, conclude
+    over_ssh      the SSH way (OverSsh): sessions, the port claimed and released, the
+                  liveness and link watchers
     prepare       the nodes readied: the port lock, each node's GPUs, copy, directories, image,
                   secrets, and its versions against the version lock
     running       what a run's runners, watchers and stop share (RunningJob)

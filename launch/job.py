@@ -1,24 +1,11 @@
 """One run of a job on the nodes (Launcher), its skeleton written once whichever way it goes
 (Way): prepared, started (one runner per node, the watchers), followed, concluded (blame, stop)
-and wound down into what became of it. Over SSH (OverSsh, the way unless one is given): the
-SSH sessions, the port, the project, images and directories prepared, torchrun on each node,
-the liveness and link watchers, the port released at the end. Through Slurm: launch.slurm's
-SlurmAttempt.
+and wound down into what became of it. Over SSH: launch.over_ssh's OverSsh, the way
+unless one is given. Through Slurm: launch.slurm's SlurmAttempt.
 
-Over SSH, one SSH session per node runs torchrun (c10d rendezvous on the master's compute IP).
-Every process the job starts carries TMN_RUN_ID in its environment, so stopping a node means
-killing exactly the processes with that marker, even ones torchrun started in new sessions. The
-job is stopped everywhere as soon as one node fails, stops answering, or the user presses
-Ctrl-C.
-
-A job whose ranks stop making progress without failing is a hang (--stall, launch.progress):
+Either way, a job whose ranks stop making progress without failing is a hang (--stall, launch.progress):
 every rank's stacks are read with py-spy and the rank holding the others up is named
 (launch.hang) before the job is stopped.
-
-A network partition leaves every node answering over SSH while the ranks wait on each other:
-every other node pings the master's compute IP every few seconds, and a node that cannot reach
-it for --network-timeout seconds is declared lost and the job stopped. When the job fails for
-any reason while a node's compute link is down, that node is the one named (launch.blame).
 """
 
 from __future__ import annotations
@@ -38,7 +25,8 @@ from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.node_output import NodeOutput
 from torch_multinode.launch.nodes import job_backend, nproc_for
-from torch_multinode.launch.prepare import claim_port, prepare_nodes, release_port
+from torch_multinode.launch.over_ssh import OverSsh
+from torch_multinode.launch.prepare import prepare_nodes
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     BLAME_GRACE,
@@ -368,75 +356,3 @@ class Launcher:
                 remote.close()
             except Exception:  # closing a session to a dead node may raise anything
                 pass
-
-
-class OverSsh:
-    """The SSH way (Way): every node's session, the master's port claimed and the project sent
-    before anything starts; torchrun on each node, followed by the liveness and link watchers;
-    the port released at the end (unless the master is silent: its lock is then stale)."""
-
-    queues = False  # nothing runs on the nodes before their commands
-    announce = True
-
-    def __init__(self, launcher: Launcher):
-        self.launcher = launcher
-
-    def prepare(self, envs: dict[str, dict[str, str]]) -> dict[str, str]:
-        run = self.launcher
-        master, nnodes = run.inventory.master, len(run.hosts)
-        try:
-            self._stage(master)
-        except BaseException:
-            run.close()
-            raise
-        return {h.name: run.command(h, master, nnodes, envs[h.name]) for h in run.hosts}
-
-    def _stage(self, master: Host) -> None:
-        """Everything before the first process starts: SSH to every node, the master's port,
-        the project on every node, checked, and each node's image and directories."""
-        run = self.launcher
-        run.parallel(run.connect)
-        # before the sync: a running job's code is never changed
-        claim_port(
-            run.remotes[master.name],
-            master,
-            run.spec.run_id,
-            run.inventory.rendezvous_port,
-            run.emit,
-        )
-        try:
-            run.send_project()
-        except BaseException:  # a refusal, or Ctrl-C while the project is sent: the port is free
-            release_port(run.remote_for, master, run.spec.run_id, run.inventory.rendezvous_port)
-            raise
-
-    def watchers(self) -> list[threading.Thread]:
-        run = self.launcher
-        master = run.inventory.master
-        watchers = [threading.Thread(target=watch.liveness, args=(run.job,), daemon=True)]
-        watchers += [
-            threading.Thread(target=watch.link, args=(run.job, h, master), daemon=True)
-            for h in run.hosts[1:]
-        ]
-        return watchers
-
-    def stopping(self) -> str:
-        return "stopping the job on every node"
-
-    def name_lost(self) -> None:
-        return None  # the runners and the watchers have named them already
-
-    def conclude(self, interrupted: bool) -> None:
-        run = self.launcher
-        master, port = run.inventory.master, run.inventory.rendezvous_port
-        if interrupted or run.job.first_failure is not None:
-            stopped = run.stop_everywhere(master)
-            # a silent master: the next launch finds its lock stale
-            silent = run.job.silent
-            if not isinstance(stopped[master.name], float) and master.name not in silent:
-                release_port(run.remote_for, master, run.spec.run_id, port)
-        else:
-            release_port(run.remote_for, master, run.spec.run_id, port)
-
-    def broke(self) -> bool:
-        return True  # the run concludes as any other: the port released, the job stopped first
