@@ -5,6 +5,10 @@ cluster.sync.NODE_SIDE), and sockprobe and softprobe run as source shipped with 
     cli         `netcheck -i INVENTORY`: arguments, the run, the env file and the version lock
                 written, the table or JSON (thin)
     preflight   the run: every stage on all nodes in parallel, each under a wall-clock limit
+    stages      the stages that start listeners and workers on the nodes: ports, raw TCP, the
+                collective (its workers' command line and wall clock)
+    attempts    what every stage shares: the run's Options, one command on a node under a
+                wall-clock limit (attempt) and on many at once (parallel), the probes' source
     facts       what one SSH round trip learns about a node (names, interfaces, routes, pings)
     checks      the judgement of each check, no I/O: reach, addressing, software, traffic
     slurm       the Slurm check (scheduler: slurm): every node ready, munge working

@@ -18,12 +18,8 @@ from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import NODES_GROUP
 from torch_multinode.cluster.inventory_checks import GROUP_HELP
 from torch_multinode.netcheck import envfile
-from torch_multinode.netcheck.preflight import (
-    DEFAULT_SWEEP_TIMEOUT,
-    DEFAULT_TIMEOUT,
-    Options,
-    preflight,
-)
+from torch_multinode.netcheck.attempts import DEFAULT_SWEEP_TIMEOUT, DEFAULT_TIMEOUT, Options
+from torch_multinode.netcheck.preflight import preflight
 from torch_multinode.netcheck.report import render
 
 DESCRIPTION = """\

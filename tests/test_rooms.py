@@ -34,6 +34,8 @@ CONTROLLER_ONLY = (
     "cluster/execution.py",
     "cluster/cli.py",
     "netcheck/preflight.py",
+    "netcheck/attempts.py",
+    "netcheck/stages.py",
     "netcheck/cli.py",
 )
 CONTROLLER_ROOMS = ("launch", "provision", "sim", "bench", "tests", "torch_multinode")
@@ -154,9 +156,9 @@ def test_everything_a_node_imports_travels_and_nothing_of_the_controller_does():
 
 
 def _sent_as_source() -> list[str]:
-    """The modules netcheck.preflight sends to a node as source, `python -c`, read from its
-    `HERE / "NAME.py"`: they run with no package around them."""
-    tree = ast.parse((REPO / "netcheck" / "preflight.py").read_text())
+    """The modules netcheck sends to a node as source, `python -c`, read from its
+    `HERE / "NAME.py"` (netcheck.attempts): they run with no package around them."""
+    tree = ast.parse((REPO / "netcheck" / "attempts.py").read_text())
     return sorted(
         f"netcheck.{node.right.value.removesuffix('.py')}"
         for node in ast.walk(tree)

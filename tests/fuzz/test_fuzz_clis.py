@@ -42,7 +42,7 @@ from torch_multinode.cluster.inventory import Inventory
 from torch_multinode.cluster.inventory_checks import is_word
 from torch_multinode.launch import backends
 from torch_multinode.launch.spec import JobSpec
-from torch_multinode.netcheck.preflight import Options
+from torch_multinode.netcheck.attempts import Options
 from torch_multinode.provision import bootstrap, images, ship
 from torch_multinode.sim import cli as sim_cli
 from torch_multinode.sim import nodes as sim

@@ -18,7 +18,7 @@ from torch_multinode.cluster.containers import NCCL_CONF_GUARD
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.cluster.remote import Result
-from torch_multinode.netcheck import preflight, slurm
+from torch_multinode.netcheck import attempts, slurm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NETCHECK = Path(sys.executable).parent / "netcheck"
@@ -174,9 +174,9 @@ class FakeCluster(FakeNodes):
         if command == slurm.MUNGE:
             return "munge"
         argv = shlex.split(command.rsplit("; docker ps", 1)[0])
-        if argv[2] == preflight.SOFTPROBE:
+        if argv[2] == attempts.SOFTPROBE:
             return "software"
-        assert argv[2] == preflight.SOCKPROBE, command[:80]
+        assert argv[2] == attempts.SOCKPROBE, command[:80]
         return argv[3]
 
     def on_true(self, host, command):

@@ -12,7 +12,7 @@ from tests import helpers
 from tests.helpers import node
 from tests.netcheck.netcheck_fakes import FakeCluster
 from torch_multinode.cluster.inventory_read import parse
-from torch_multinode.netcheck import cli, preflight
+from torch_multinode.netcheck import attempts, cli, preflight
 from torch_multinode.netcheck.report import Status, render
 
 
@@ -44,7 +44,7 @@ def auto_inventory():
 
 def run(cluster, inventory=None):
     inventory = inventory or auto_inventory()
-    report = preflight.preflight(inventory, preflight.Options(), cluster)
+    report = preflight.preflight(inventory, attempts.Options(), cluster)
     assert cluster.surprises == []
     return report
 

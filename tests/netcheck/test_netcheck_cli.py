@@ -12,13 +12,13 @@ import pytest
 from tests.netcheck.netcheck_fakes import INVENTORY, FakeCluster, inventory, run_netcheck
 from torch_multinode.cluster.containers import rdma_options
 from torch_multinode.cluster.execution import ContainerContext, HostContext, context_for
-from torch_multinode.netcheck import cli, preflight
+from torch_multinode.netcheck import attempts, cli, preflight
 from torch_multinode.netcheck.report import CHECKS, Status
 
 
 def run(fake, **options):
     options.setdefault("nnodes", len(fake.hosts))
-    report = preflight.preflight(fake_inventory(), preflight.Options(**options), fake)
+    report = preflight.preflight(fake_inventory(), attempts.Options(**options), fake)
     assert fake.surprises == []
     return report
 
@@ -254,7 +254,7 @@ def test_the_shipped_code_is_on_the_import_path_of_the_probe_and_the_workers():
 def test_container_mode_runs_software_and_collective_in_the_image():
     cluster = fake(2)
     report = preflight.preflight(
-        inventory(launch_mode="container"), preflight.Options(nnodes=2), cluster
+        inventory(launch_mode="container"), attempts.Options(nnodes=2), cluster
     )
     assert cluster.surprises == []
     assert report.ok, report.findings
@@ -301,7 +301,7 @@ def _slurm_report(cluster, nnodes=3):
     from dataclasses import replace
 
     slurm_inventory = replace(fake_inventory(), scheduler="slurm")
-    report = preflight.preflight(slurm_inventory, preflight.Options(nnodes=nnodes), cluster)
+    report = preflight.preflight(slurm_inventory, attempts.Options(nnodes=nnodes), cluster)
     assert cluster.surprises == []
     return report
 
@@ -317,7 +317,7 @@ def test_a_slurm_inventory_adds_the_slurm_column_and_passes_when_every_node_is_r
     assert sorted(n for n, k in cluster.calls if k == "munge") == ["node1", "node2", "node3"]
     assert (
         "slurm"
-        not in preflight.preflight(fake_inventory(), preflight.Options(nnodes=2), fake(2)).checks
+        not in preflight.preflight(fake_inventory(), attempts.Options(nnodes=2), fake(2)).checks
     )  # not on an SSH inventory
 
 

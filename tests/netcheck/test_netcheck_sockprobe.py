@@ -12,12 +12,12 @@ import uuid
 
 import pytest
 
-from torch_multinode.netcheck import preflight
+from torch_multinode.netcheck import attempts
 
 
 def probe(*args: str) -> dict:
     proc = subprocess.run(
-        ["sh", "-c", preflight.sockprobe(*args)],
+        ["sh", "-c", attempts.sockprobe(*args)],
         capture_output=True,
         text=True,
         timeout=30,

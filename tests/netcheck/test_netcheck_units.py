@@ -20,7 +20,7 @@ from tests.netcheck.netcheck_fakes import (
 from torch_multinode.cluster import nccl_transport
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import ContainerContext
-from torch_multinode.netcheck import bandwidth, collective, envfile, facts, preflight
+from torch_multinode.netcheck import attempts, bandwidth, collective, envfile, facts, preflight
 from torch_multinode.netcheck.checks import addressing, reach, software, traffic
 from torch_multinode.netcheck.report import (
     Finding,
@@ -828,10 +828,10 @@ def test_ubuntu_style_loopback_hostname_fails_once_and_warns_about_the_name():
 
 
 def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
-    from torch_multinode.netcheck import preflight
+    from torch_multinode.netcheck import stages
 
     env = addressing.socket_env("eth1", [])
-    command = preflight.worker_command(
+    command = stages.worker_command(
         N2, 1, [N1, N2], 45555, (1024,), 30.0, env, N2.python, "netcheck-abc"
     )
     assert command == (
@@ -840,10 +840,8 @@ def test_worker_command_pins_the_interface_and_runs_under_a_wall_clock():
         "10.9.0.11 --master-port 45555 --sizes 1024 --timeout 30 --token netcheck-abc"
     )
     gpus = [h.__class__(**{**h.__dict__, "gpus": 1}) for h in (N1, N2)]
-    assert " --allow-nccl " in preflight.worker_command(
-        gpus[0], 0, gpus, 1, (1,), 1.0, {}, "p", "t"
-    )
-    wrapped = preflight.wall_clock(command, 150, "/tmp/netcheck-abc-collective.pid")
+    assert " --allow-nccl " in stages.worker_command(gpus[0], 0, gpus, 1, (1,), 1.0, {}, "p", "t")
+    wrapped = stages.wall_clock(command, 150, "/tmp/netcheck-abc-collective.pid")
     assert wrapped.startswith("timeout -k 5 150 env ")
     assert wrapped.endswith(
         "& echo $! > /tmp/netcheck-abc-collective.pid; wait $!; rc=$?; "
@@ -1034,7 +1032,7 @@ def test_a_nccl_run_reports_its_transport_column_line_and_json():
             "node2": fake_transport("Socket", ("mlx5_0",), verbs=False),
         },
     )
-    report = preflight.preflight(inventory(), preflight.Options(nnodes=2), cluster)
+    report = preflight.preflight(inventory(), attempts.Options(nnodes=2), cluster)
     assert cluster.surprises == []
     assert report.backend == "nccl" and "transport" in report.checks
     assert report.cell("node1", "transport") is Status.PASS
