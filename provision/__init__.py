@@ -13,6 +13,10 @@ never sent to a node (cluster.sync.NODE_SIDE does not list this room); cluster/c
     ship           image shipping: by layers through the controller's registry, else one
                    `docker save` streamed over SSH; every node left holding the controller's ID
     ship_progress  what a shipment says while it goes and when it is done
-    dependencies   a project's Python dependencies: resolved against the image, built into a
-                   layer on it (shipped by ship), or installed for a local job
+    dependencies   a project's Python dependencies (the front door): built into a layer on the
+                   image (shipped by ship), or installed for a local job
+    resolution     their resolution with pip against what the environment holds: stand-ins,
+                   conflicts, wheels built from source
+    held_packages  what an environment (the image's, this machine's) holds, the packages a
+                   requirement may never change (torch, the CUDA libraries), and the refusal
 """

@@ -1,7 +1,8 @@
 """provision.dependencies: a project's requirements as a layer on the training image (issue 50),
-with no Docker engine and no package index: the engine is a fake that answers `docker image
-inspect`, the image's probe and the build, and pip is a fake that answers as pip does (its real
-lines, measured with pip 23). Two checks run the real pip offline on wheels made here: that a
+what the image holds (provision.held_packages) and their resolution (provision.resolution), with
+no Docker engine and no package index: the engine is a fake that answers `docker image inspect`,
+the image's probe and the build, and pip is a fake that answers as pip does (its real lines,
+measured with pip 23). Two checks run the real pip offline on wheels made here: that a
 stand-in wins over the index's copy of the same version, and that a conflict reads as pip
 writes it."""
 
@@ -23,7 +24,7 @@ import pytest
 from tests.conftest import VENV_BIN
 from torch_multinode.bench.wheels import wheel
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.provision import dependencies, images, ship
+from torch_multinode.provision import dependencies, held_packages, images, resolution, ship
 from torch_multinode.provision.ship_progress import Shipment
 
 BASE = "torch-multinode/train:latest"
@@ -51,13 +52,14 @@ PROBED = {"python": "3.11", "tags": TAGS, "installed": INSTALLED}
 SOURCE = "requirements.txt"
 
 
-def environment(where: str = f"the training image {BASE}") -> dependencies.Environment:
-    return dependencies.environment_from(json.dumps(PROBED), where)
+def environment(where: str = f"the training image {BASE}") -> held_packages.Environment:
+    return held_packages.environment_from(json.dumps(PROBED), where)
 
 
 class FakeEngine:
-    """This machine's Docker engine, as provision.dependencies asks it: images by name or ID
-    with their labels, the image's probe, `docker tag`, and builds (recorded, never run)."""
+    """This machine's Docker engine, as provision.dependencies and held_packages ask it: images
+    by name or ID with their labels, the image's probe, `docker tag`, and builds (recorded, never
+    run)."""
 
     def __init__(self) -> None:
         self.images: dict[str, tuple[str, dict[str, str]]] = {BASE: (BASE_ID, {})}
@@ -103,8 +105,9 @@ class FakeEngine:
 @pytest.fixture
 def engine(monkeypatch, tmp_path) -> FakeEngine:
     fake = FakeEngine()
-    monkeypatch.setattr(dependencies, "CACHE", tmp_path / "cache")
-    monkeypatch.setattr(dependencies, "docker", fake.docker)
+    monkeypatch.setattr(held_packages, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(held_packages, "docker", fake.docker)  # the image's probe
+    monkeypatch.setattr(dependencies, "docker", fake.docker)  # the layer's inspect and tag
     monkeypatch.setattr(images, "image_label", fake.label)
     monkeypatch.setattr(images, "build_from", fake.build_from)
 
@@ -118,8 +121,8 @@ def engine(monkeypatch, tmp_path) -> FakeEngine:
 
 
 class FakePip:
-    """`python -m pip` as provision.dependencies runs it: each call answered in turn by a
-    function of its arguments, which may write wheels where pip would."""
+    """`python -m pip` as provision.resolution runs it (run_pip): each call answered in turn by
+    a function of its arguments, which may write wheels where pip would."""
 
     def __init__(self, *answers) -> None:
         self.answers = list(answers)
@@ -161,7 +164,7 @@ def never(*args, **kwargs):
 
 
 def test_torch_torchvision_triton_and_the_cuda_libraries_are_the_constraints():
-    held = dependencies.constraints(environment())
+    held = held_packages.constraints(environment())
     assert held.splitlines() == [
         "cuda-bindings==13.5.0",
         "nvidia-cublas==13.1.1.3",
@@ -185,7 +188,7 @@ def test_torch_torchvision_triton_and_the_cuda_libraries_are_the_constraints():
 def test_a_requirement_that_would_replace_a_held_package_is_refused_in_one_line_before_anything(
     engine, monkeypatch, requirement, name, have
 ):
-    monkeypatch.setattr(dependencies, "_pip", never)
+    monkeypatch.setattr(resolution, "run_pip", never)
     with pytest.raises(UserError) as refused:
         dependencies.prepare_layer(BASE, ["omegaconf", requirement], SOURCE, print)
     assert refused.value.line() == (
@@ -198,7 +201,7 @@ def test_a_requirement_that_would_replace_a_held_package_is_refused_in_one_line_
 
 
 def test_a_requirement_that_agrees_with_the_held_versions_is_no_refusal():
-    found = dependencies.refusal(
+    found = held_packages.refusal(
         ["torch>=2.14", "torchvision==0.29.*", "torch==2.0; python_version < '3'", "tqdm"],
         SOURCE,
         environment(),
@@ -218,7 +221,7 @@ def test_a_dependency_that_needs_another_torch_is_refused_naming_it_before_any_b
     )
     pip = FakePip(failing(said))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", pip)
+        patch.setattr(resolution, "run_pip", pip)
         with pytest.raises(UserError) as refused:
             dependencies.prepare_layer(BASE, ["torch>=2.0", "torchaudio==2.0.1"], SOURCE, print)
     assert refused.value.line() == (
@@ -236,9 +239,9 @@ def test_a_dependency_that_needs_another_torch_is_refused_naming_it_before_any_b
 def test_the_download_is_for_the_images_own_python_and_platforms_against_its_stand_ins(engine):
     pip = FakePip(saving(("omegaconf", "2.4.0"), ("tqdm", "4.70.1")))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", pip)
-        found = dependencies.resolve(
-            ["omegaconf", "tqdm"], SOURCE, environment(), dependencies.CACHE / "x", print
+        patch.setattr(resolution, "run_pip", pip)
+        found = resolution.resolve(
+            ["omegaconf", "tqdm"], SOURCE, environment(), held_packages.CACHE / "x", print
         )
     assert found == ("omegaconf==2.4.0", "tqdm==4.70.1")
     (arguments,) = pip.calls
@@ -259,21 +262,21 @@ def test_the_download_is_for_the_images_own_python_and_platforms_against_its_sta
     stand_ins = sorted(path.name for path in links[0].iterdir())
     assert "torch-2.14.1+tmnheld-py3-none-any.whl" in stand_ins and len(stand_ins) == 8
     assert pip.constraints[0].splitlines()[-2:] == ["numpy==2.4.6", "PyYAML==6.0.4"]
-    assert dependencies.constraints(environment()) in pip.constraints[0]
+    assert held_packages.constraints(environment()) in pip.constraints[0]
     # Resolved once: the same directory answers from its cache.
-    again = dependencies.resolve(["x"], SOURCE, environment(), dependencies.CACHE / "x", never)
+    again = resolution.resolve(["x"], SOURCE, environment(), held_packages.CACHE / "x", never)
     assert again == found
 
 
 def test_a_stand_in_the_resolution_took_is_not_what_the_layer_adds(engine):
     pip = FakePip(saving(("omegaconf", "2.4.0"), ("PyYAML", "6.0.4+tmnheld")))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", pip)
-        found = dependencies.resolve(
-            ["omegaconf"], SOURCE, environment(), dependencies.CACHE / "y", print
+        patch.setattr(resolution, "run_pip", pip)
+        found = resolution.resolve(
+            ["omegaconf"], SOURCE, environment(), held_packages.CACHE / "y", print
         )
     assert found == ("omegaconf==2.4.0",)
-    assert sorted(p.name for p in (dependencies.CACHE / "y" / "wheels").iterdir()) == [
+    assert sorted(p.name for p in (held_packages.CACHE / "y" / "wheels").iterdir()) == [
         "omegaconf-2.4.0-py3-none-any.whl"
     ]
 
@@ -286,9 +289,9 @@ def test_a_requirement_that_needs_another_version_of_a_kept_package_lets_its_pin
     lines: list[str] = []
     pip = FakePip(failing(said), saving(("foo", "1.0"), ("numpy", "99.0")))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", pip)
-        found = dependencies.resolve(
-            ["foo"], SOURCE, environment(), dependencies.CACHE / "z", lines.append
+        patch.setattr(resolution, "run_pip", pip)
+        found = resolution.resolve(
+            ["foo"], SOURCE, environment(), held_packages.CACHE / "z", lines.append
         )
     assert found == ("foo==1.0", "numpy==99.0")
     assert "numpy==2.4.6" in pip.constraints[0] and "numpy==" not in pip.constraints[1]
@@ -320,9 +323,9 @@ def test_a_requirement_published_only_as_source_is_built_into_a_wheel_here(engin
     lines: list[str] = []
     pip = FakePip(failing(missing), build, download)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", pip)
-        found = dependencies.resolve(
-            ["omegaconf==2.3.0"], SOURCE, environment(), dependencies.CACHE / "s", lines.append
+        patch.setattr(resolution, "run_pip", pip)
+        found = resolution.resolve(
+            ["omegaconf==2.3.0"], SOURCE, environment(), held_packages.CACHE / "s", lines.append
         )
     assert found == ("antlr4-python3-runtime==4.9.3", "omegaconf==2.3.0")
     assert any("has no wheel on the package index: building one here" in line for line in lines)
@@ -338,10 +341,10 @@ def test_a_wheel_built_here_for_another_platform_than_the_images_is_refused(engi
 
     pip = FakePip(failing(missing), build)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", pip)
+        patch.setattr(resolution, "run_pip", pip)
         with pytest.raises(UserError) as refused:
-            dependencies.resolve(
-                ["fastthing==1.0"], SOURCE, environment(), dependencies.CACHE / "f", print
+            resolution.resolve(
+                ["fastthing==1.0"], SOURCE, environment(), held_packages.CACHE / "f", print
             )
     assert str(refused.value) == (
         f"{SOURCE}: fastthing==1.0 has no wheel for the training image {BASE} (Python 3.11, "
@@ -360,8 +363,8 @@ def test_the_real_pip_takes_a_stand_in_over_the_same_version_and_says_a_conflict
         directory.mkdir()
     wheel(index, "numpy", "2.4.6")
     wheel(index, "needs-old-torch", "1.0", ("torch<2",))
-    dependencies.write_stand_in(stand_ins, "numpy", dependencies.stand_in_version("2.4.6"))
-    dependencies.write_stand_in(stand_ins, "torch", dependencies.stand_in_version("2.14.1"))
+    resolution.write_stand_in(stand_ins, "numpy", resolution.stand_in_version("2.4.6"))
+    resolution.write_stand_in(stand_ins, "torch", resolution.stand_in_version("2.14.1"))
     pins = tmp_path / "constraints.txt"
     pins.write_text("torch==2.14.1\nnumpy==2.4.6\n")
     for name in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
@@ -385,7 +388,7 @@ def test_the_real_pip_takes_a_stand_in_over_the_same_version_and_says_a_conflict
     assert [p.name for p in dest.iterdir()] == ["numpy-2.4.6+tmnheld-py3-none-any.whl"]
     code, output = pip("needs-old-torch")
     assert code != 0
-    causes = dependencies.conflict(output)
+    causes = resolution.conflict(output)
     assert [(c.text, c.name, c.constraint, c.requester) for c in causes][0] == (
         "needs-old-torch 1.0 depends on torch<2",
         "torch",
@@ -399,7 +402,7 @@ def test_the_real_pip_takes_a_stand_in_over_the_same_version_and_says_a_conflict
 
 
 def test_the_tag_is_the_digest_of_the_requirements_the_base_and_the_constraints():
-    held = dependencies.constraints(environment())
+    held = held_packages.constraints(environment())
     tag = dependencies.layer_tag(dependencies.layer_digest(["omegaconf", "tqdm"], BASE_ID, held))
     assert tag == dependencies.layer_tag(
         dependencies.layer_digest(["omegaconf", "tqdm"], BASE_ID, held)
@@ -438,7 +441,7 @@ def test_a_new_requirement_builds_one_layer_once_with_its_labels_and_then_nothin
     pip = FakePip(saving(("omegaconf", "2.4.0"), ("tqdm", "4.70.1")))
     lines: list[str] = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", pip)
+        patch.setattr(resolution, "run_pip", pip)
         made = dependencies.prepare_layer(BASE, ["omegaconf", "tqdm"], SOURCE, lines.append)
     (built,) = engine.builds
     tag, text, arguments = built
@@ -453,7 +456,7 @@ def test_a_new_requirement_builds_one_layer_once_with_its_labels_and_then_nothin
     # The same requirements again: nothing resolved, nothing built, and said so.
     lines.clear()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", never)
+        patch.setattr(resolution, "run_pip", never)
         again = dependencies.prepare_layer(BASE, ["omegaconf", "tqdm"], SOURCE, lines.append)
     assert (again.image, again.built, again.packages) == (tag, False, made.packages)
     assert lines == [
@@ -462,7 +465,7 @@ def test_a_new_requirement_builds_one_layer_once_with_its_labels_and_then_nothin
     assert len(engine.builds) == 1
     # One requirement changed: a new tag, built once more on the same base.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", FakePip(saving(("omegaconf", "2.4.0"))))
+        patch.setattr(resolution, "run_pip", FakePip(saving(("omegaconf", "2.4.0"))))
         changed = dependencies.prepare_layer(BASE, ["omegaconf"], SOURCE, print)
     assert changed.image != tag and len(engine.builds) == 2
     assert f"FROM {BASE_ID}" in engine.builds[1][1]
@@ -470,7 +473,7 @@ def test_a_new_requirement_builds_one_layer_once_with_its_labels_and_then_nothin
 
 def test_requirements_the_image_already_meets_need_no_layer(engine):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", FakePip(saving(("numpy", "2.4.6+tmnheld"))))
+        patch.setattr(resolution, "run_pip", FakePip(saving(("numpy", "2.4.6+tmnheld"))))
         made = dependencies.prepare_layer(BASE, ["numpy"], SOURCE, print)
     assert (made.image, made.packages) == (None, ())
     assert engine.builds == []
@@ -486,8 +489,8 @@ def test_a_training_image_missing_here_is_one_error_line(engine):
 
 
 def test_the_images_probe_is_asked_once_per_image_id(engine):
-    first = dependencies.probe_image(BASE, BASE_ID)
-    assert dependencies.probe_image(BASE, BASE_ID) == first
+    first = held_packages.probe_image(BASE, BASE_ID)
+    assert held_packages.probe_image(BASE, BASE_ID) == first
     assert [call[0] for call in engine.calls].count("run") == 1
     assert first.platforms[0] == "manylinux_2_36_x86_64" and first.abi == "cp311"
 
@@ -556,7 +559,7 @@ def test_a_look_that_fails_is_said_where_the_layer_is_wanted_each_time(monkeypat
 
 
 def test_a_rerun_takes_the_recorded_layer_where_this_machine_still_has_it(engine, monkeypatch):
-    monkeypatch.setattr(dependencies, "_pip", never)
+    monkeypatch.setattr(resolution, "run_pip", never)
     recorded_id = "sha256:" + "f" * 64
     engine.images["some-other-name:1"] = (recorded_id, {})
     recorded = {
@@ -614,25 +617,25 @@ def test_the_record_names_the_requirements_what_they_resolved_to_and_the_layer()
 def test_a_local_job_gets_the_packages_in_a_directory_of_its_own_never_in_this_environment(
     engine, monkeypatch
 ):
-    here = dependencies.environment_from(json.dumps(PROBED), f"this machine's {sys.prefix}")
-    monkeypatch.setattr(dependencies, "probe_here", lambda: here)
+    here = held_packages.environment_from(json.dumps(PROBED), f"this machine's {sys.prefix}")
+    monkeypatch.setattr(held_packages, "probe_here", lambda: here)
 
     def install(arguments: list[str]) -> tuple[int, str]:
         assert arguments[:1] == ["install"] and "--no-deps" in arguments
         assert "--no-index" in arguments
         target = _option(arguments, "--target")
-        assert target.parent.parent == dependencies.CACHE
+        assert target.parent.parent == held_packages.CACHE
         (target / "tqdm").mkdir()
         return 0, ""
 
     pip = FakePip(saving(("tqdm", "4.70.1")), install)
-    monkeypatch.setattr(dependencies, "_pip", pip)
+    monkeypatch.setattr(resolution, "run_pip", pip)
     made = dependencies.for_this_machine(["tqdm"], SOURCE, print)
-    assert made.directory == dependencies.CACHE / made.digest / dependencies.SITE
+    assert made.directory == held_packages.CACHE / made.digest / dependencies.SITE
     assert (made.directory / "tqdm").is_dir() and made.packages == ("tqdm==4.70.1",)
     assert made.record()["directory"] == str(made.directory) and made.record()["image"] is None
     # Again: found, nothing installed.
-    monkeypatch.setattr(dependencies, "_pip", never)
+    monkeypatch.setattr(resolution, "run_pip", never)
     lines: list[str] = []
     again = dependencies.for_this_machine(["tqdm"], SOURCE, lines.append)
     assert again.directory == made.directory and "nothing to install" in lines[0]
@@ -660,7 +663,7 @@ def test_the_layer_goes_to_the_jobs_nodes_then_to_its_spares_as_far_as_they_answ
         return Shipment(image, "sha256:" + "e" * 64, "registry", received={"node1": 9})
 
     monkeypatch.setattr(ship, "ship", shipping)
-    monkeypatch.setattr(dependencies, "_pip", FakePip(saving(("tqdm", "4.70.1"))))
+    monkeypatch.setattr(resolution, "run_pip", FakePip(saving(("tqdm", "4.70.1"))))
     lines: list[str] = []
     made, ready = dependencies.begin_for_inventory(
         job, ["tqdm"], SOURCE, lines.append, None, spares
@@ -676,7 +679,7 @@ def test_the_layer_goes_to_the_jobs_nodes_then_to_its_spares_as_far_as_they_answ
 
 def test_a_held_package_in_what_pip_resolved_is_refused_all_the_same(engine):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dependencies, "_pip", FakePip(saving(("torch", "2.14.2"), ("tqdm", "1.0"))))
+        patch.setattr(resolution, "run_pip", FakePip(saving(("torch", "2.14.2"), ("tqdm", "1.0"))))
         with pytest.raises(UserError, match=r"torch==2\.14\.2 \(resolved\), which would replace"):
-            dependencies.resolve(["tqdm"], SOURCE, environment(), dependencies.CACHE / "h", print)
-    assert not (dependencies.CACHE / "h").exists()  # nothing kept of it
+            resolution.resolve(["tqdm"], SOURCE, environment(), held_packages.CACHE / "h", print)
+    assert not (held_packages.CACHE / "h").exists()  # nothing kept of it
