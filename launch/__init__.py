@@ -11,7 +11,9 @@ torchrun's part of them) lives in training/.
     restarts      the restart policy: the one restart loop (run_with_restarts), waiting for the
                   nodes, survivors and spares
     staging       what a job takes to the nodes and what comes back: the project, its mounts
-                  and paths, the secrets file, which requirements it has
+                  and paths, the secrets file, its image
+    requirements  which Python dependencies a project has (requirements.txt, pyproject.toml,
+                  REQUIREMENTS=), and host mode's check that each node's Python holds them
     environment   the job's environment variables: every one any backend sets, which source
                   wins, the names ENV= may not set
     nodes         per-node decisions: GPUs, process counts, the job's backend, what torchrun runs

@@ -31,7 +31,7 @@ from torch_multinode.cluster.errors import (
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import NODES_GROUP
 from torch_multinode.cluster.inventory_checks import GROUP_HELP, parse_gpu_list
-from torch_multinode.launch import checks, record, restarts, staging
+from torch_multinode.launch import checks, record, requirements, restarts, staging
 from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code
@@ -336,7 +336,7 @@ def _found_on_nodes(
 def _dependencies(
     args: argparse.Namespace,
     inventory: inventory_module.Inventory | None,
-    wanted: staging.Requirements | None,
+    wanted: requirements.Requirements | None,
     spares: tuple[inventory_module.Host, ...] = (),
 ) -> tuple[Dependencies | None, Callable[[], None] | None]:
     """The project's dependencies made ready for the job (provision.dependencies: the layer
@@ -346,11 +346,11 @@ def _dependencies(
     makes the layer ready on the nodes, which the job calls before it checks their images."""
     recorded = (args.rerun_of[0] if args.rerun_of else {}).get("dependencies")
     if recorded:
-        wanted = staging.Requirements(recorded["source"], tuple(recorded["requirements"]))
+        wanted = requirements.Requirements(recorded["source"], tuple(recorded["requirements"]))
     if wanted is None:
         return None, None
     if inventory is not None and inventory.launch_mode != "container":
-        _emit(f"[launcher] {staging.host_mode_note(wanted)}")
+        _emit(f"[launcher] {requirements.host_mode_note(wanted)}")
         return None, None
     from torch_multinode.provision import dependencies  # only for a project with requirements
 
@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             _emit(f"[launcher] {note}")
         root = staging.project_root(spec.script, spec.workdir)
-        made, _ = _dependencies(args, None, staging.requirements(root, args.requirements))
+        made, _ = _dependencies(args, None, requirements.requirements(root, args.requirements))
         if made is not None and made.directory is not None:
             spec = replace(spec, dependencies=str(made.directory))
     else:

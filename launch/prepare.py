@@ -13,7 +13,7 @@ from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Session
 from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.launch import staging
+from torch_multinode.launch import requirements, staging
 from torch_multinode.launch.commands import lock_command, run_dir, unlock_command
 from torch_multinode.launch.nodes import gpu_problem
 from torch_multinode.launch.spec import GPU_PROBE, LOCK_BUSY_EXIT, Emit, JobSpec
@@ -73,8 +73,10 @@ def prepare_node(
             raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
     wanted = project.requirements
     if inventory.launch_mode == "host" and wanted is not None:
-        answer = remote.run(staging.requirements_check_command(host.python, wanted), timeout=60)
-        problem = staging.requirements_missing(host, wanted, answer.stdout + answer.stderr)
+        answer = remote.run(
+            requirements.requirements_check_command(host.python, wanted), timeout=60
+        )
+        problem = requirements.requirements_missing(host, wanted, answer.stdout + answer.stderr)
         if problem is not None:
             message, _, hint = problem.rpartition(" (try ")
             raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)

@@ -15,22 +15,19 @@
   over on SSH's standard input and deleted once read: never on a command line, in `docker
   inspect`, in the launcher's output or in the saved logs. Which names --env may set, and how
   they rank against the launcher's own variables, is launch/environment.py's.
-- The project's Python dependencies: which requirements it has is decided here
-  (`requirements`: REQUIREMENTS=path, else requirements.txt at its root, else its
-  pyproject.toml's [project] dependencies; REQUIREMENTS=none, none). In containers they become
-  a layer on the training image, which the job then runs in (`Project.image`, made by
-  provision.dependencies); in host mode each node's training_python must hold them, and a node
-  that does not is named before anything starts (`requirements_missing`).
+- The project's Python dependencies travel as an image: in containers they become a layer on
+  the training image, which the job then runs in (`Project.image`, made by
+  provision.dependencies; `job_image`), and every node's copy of that image is checked against
+  this machine's before anything starts (`image_mismatch`). Which requirements a project has,
+  and host mode's check of each node's training_python, are launch/requirements.py's.
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import shlex
 import subprocess
-import tomllib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +36,7 @@ from torch_multinode.cluster import sync, trust
 from torch_multinode.cluster.errors import UserError, printable, shown
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.versions import TORCH_LABEL, minimum_shown, torch_meets_minimum
+from torch_multinode.launch.requirements import Requirements, requirements
 
 REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
 REMOTE_SECRETS_ROOT = "/tmp/torch-multinode/secrets"
@@ -52,22 +50,6 @@ LOCAL_ROOTS = {"checkpoint_root": "checkpoints", "data_root": "data"}
 # a place of its own (launch.runs), the record names them (launch.record) and the code snapshot
 # leaves them out (launch.snapshot). --data-dir is read, not written.
 OUTPUT_FLAGS = ("--checkpoint-dir", "--run-dir", "--out-dir", "--out")
-
-
-# The project's requirements: REQUIREMENTS=path, else these at its root; REQUIREMENTS=none: none.
-REQUIREMENTS_FILE = "requirements.txt"
-PYPROJECT_FILE = "pyproject.toml"
-NO_REQUIREMENTS = "none"
-_INCLUDE = re.compile(r"^(?:-r|--requirement)(?:\s+|=)(\S+)$")
-_HASH = re.compile(r"\s+--hash[=\s]\S+")
-
-
-@dataclass(frozen=True)
-class Requirements:
-    """The project's requirements, as read: where from, and one requirement a line."""
-
-    source: str  # as lines name it: "requirements.txt", "pyproject.toml", the path given
-    lines: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -112,100 +94,6 @@ def project_root(script: Path | None, workdir: Path | None) -> Path | None:
         return None
     directory = script.resolve().parent
     return sync.git_root(directory) or directory
-
-
-def requirements(root: Path | None, given: str | None = None) -> Requirements | None:
-    """The project's requirements: REQUIREMENTS=path (`given`; a pyproject.toml's dependencies
-    where it is one), else requirements.txt at the project's root, else its pyproject.toml's
-    [project] dependencies; None with REQUIREMENTS=none, for this project's own packages (the
-    image is made for them) and where the project has none."""
-    if given == NO_REQUIREMENTS:
-        return None
-    if given:
-        path = Path(given).expanduser()
-        if not path.is_file():
-            raise UserError(
-                f"REQUIREMENTS={given} is not a file",
-                hint="a requirements file, a pyproject.toml, or REQUIREMENTS=none",
-            )
-        if path.name == PYPROJECT_FILE:
-            return Requirements(given, pyproject_requirements(path, given))
-        return Requirements(given, read_requirements(path, given))
-    if root is None or root.resolve() == sync.TOOL_ROOT:
-        return None
-    listed = root / REQUIREMENTS_FILE
-    if listed.is_file():
-        lines = read_requirements(listed, REQUIREMENTS_FILE)
-        return Requirements(REQUIREMENTS_FILE, lines) if lines else None
-    pyproject = root / PYPROJECT_FILE
-    if pyproject.is_file():
-        lines = pyproject_requirements(pyproject, PYPROJECT_FILE)
-        return Requirements(PYPROJECT_FILE, lines) if lines else None
-    return None
-
-
-def _requirement(text: str, where: str) -> str:
-    """One requirement, checked: a name with versions and markers (PEP 508), which the layer
-    installs from the package index; a URL, a path or a pip option is refused, naming it."""
-    from packaging.requirements import InvalidRequirement, Requirement
-
-    hint = "one requirement a line, a name and versions (omegaconf>=2.3); -r FILE includes one"
-    if text.startswith("-"):
-        raise UserError(
-            f"{where}: {shown(text)} is a pip option, not a requirement the layer installs",
-            hint=hint,
-        )
-    try:
-        found = Requirement(text)
-    except InvalidRequirement:
-        raise UserError(f"{where}: {shown(text)} is not a requirement", hint=hint) from None
-    if found.url:
-        raise UserError(
-            f"{where}: {shown(text)} names a URL; the project's packages come from the package "
-            "index",
-            hint=hint,
-        )
-    return text
-
-
-def read_requirements(path: Path, source: str, seen: tuple[Path, ...] = ()) -> tuple[str, ...]:
-    """A requirements file's requirements, one a line: comments, blank lines, line joins and
-    --hash options as pip reads them, `-r FILE` includes followed (relative to the file)."""
-    resolved = path.resolve()
-    if resolved in seen:
-        raise UserError(f"{source}: {path} includes itself", hint="one -r per file, no circle")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{source}: cannot read {path}: {exc}") from None
-    found: list[str] = []
-    joined = re.sub(r"\\\n", "", text)
-    for number, raw in enumerate(joined.splitlines(), 1):
-        line = re.sub(r"(^|\s)#.*$", "", raw).strip()
-        line = _HASH.sub("", line).strip()
-        if not line:
-            continue
-        include = _INCLUDE.match(line)
-        if include:
-            found += read_requirements(path.parent / include.group(1), source, (*seen, resolved))
-            continue
-        where = (
-            f"{source} line {number}" if path.name == Path(source).name else f"{path} line {number}"
-        )
-        found.append(_requirement(line, where))
-    return tuple(found)
-
-
-def pyproject_requirements(path: Path, source: str) -> tuple[str, ...]:
-    """A pyproject.toml's [project] dependencies (none where it has no such list)."""
-    try:
-        document = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise UserError(f"{source}: cannot read it: {exc}") from None
-    listed = (document.get("project") or {}).get("dependencies") or []
-    if not isinstance(listed, list) or not all(isinstance(item, str) for item in listed):
-        raise UserError(f"{source}: [project] dependencies is not a list of requirements")
-    return tuple(_requirement(item.strip(), f"{source} [project] dependencies") for item in listed)
 
 
 def job_image(inventory: Inventory, project: Project | None) -> str:
@@ -351,75 +239,6 @@ def resolve_local_paths(
             notes.append(f"{flag} {value} is {path} on this machine")
         result[target] = f"{flag}={path}" if equals else path
     return tuple(result), notes
-
-
-# Run by a node's training_python (host mode): the version of each named distribution there.
-_INSTALLED = """\
-import importlib.metadata as metadata, json, sys
-found = {}
-for name in sys.argv[1:]:
-    try:
-        found[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        found[name] = None
-print(json.dumps(found))
-"""
-
-
-def requirements_check_command(python: str, wanted: Requirements) -> str:
-    """Asks a node's `python` which version of each requirement's distribution it holds."""
-    from packaging.requirements import Requirement
-
-    names = sorted({Requirement(line).name for line in wanted.lines})
-    return shlex.join([python, "-c", _INSTALLED, *names])
-
-
-def requirements_missing(host: Host, wanted: Requirements, answer: str) -> str | None:
-    """Why a node's training_python cannot run the project (host mode: the launcher installs
-    nothing there): the first requirement it lacks, or holds at a version the requirement
-    excludes; None when it holds them all."""
-    from packaging.requirements import Requirement
-    from packaging.version import InvalidVersion, Version
-
-    fix = (
-        f"pip install -r {wanted.source} with {host.python} on {host.name}: in host mode jobs run "
-        "each node's own Python, which the launcher never changes"
-    )
-    try:
-        found = json.loads(answer.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        said = printable((answer.strip().splitlines() or ["no answer"])[-1])
-        return (
-            f"on {host.name}: cannot ask {host.python} which packages it holds: {said} (try {fix})"
-        )
-    for line in wanted.lines:
-        requirement = Requirement(line)
-        if requirement.marker is not None and not requirement.marker.evaluate():
-            continue
-        have = found.get(requirement.name)
-        if have is None:
-            return (
-                f"on {host.name}: {host.python} lacks {requirement.name}, which {wanted.source} "
-                f"asks for ({line}) (try {fix})"
-            )
-        try:
-            agrees = requirement.specifier.contains(Version(have), prereleases=True)
-        except InvalidVersion:
-            agrees = True  # not a version pip reads: nothing to compare
-        if not agrees:
-            return (
-                f"on {host.name}: {host.python} holds {requirement.name} {have}, but "
-                f"{wanted.source} asks for {line} (try {fix})"
-            )
-    return None
-
-
-def host_mode_note(wanted: Requirements) -> str:
-    """What a job in host mode says of the project's requirements."""
-    return (
-        f"launch_mode: host: {wanted.source} is not installed by the launcher; each node's "
-        "training_python must hold it (checked on every node before the job starts)"
-    )
 
 
 def secrets_dir(run_id: str) -> str:

@@ -3,7 +3,7 @@ and the same packages in a directory of this checkout for its jobs on this machi
 door: `begin_for_inventory` (jobs in containers) and `for_this_machine` (a local job), each made
 ready as a `Dependencies`, which the run's record keeps.
 
-Which requirements a project has is launch.staging's decision (requirements.txt, else
+Which requirements a project has is launch.requirements' decision (requirements.txt, else
 pyproject.toml's [project] dependencies, else REQUIREMENTS=path; REQUIREMENTS=none: none).
 Here they become packages, on the controller alone: only it reaches the package index.
 

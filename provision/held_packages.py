@@ -194,7 +194,7 @@ def refusal(requirements: Sequence[str], source: str, environment: Environment) 
         try:
             requirement = Requirement(line)
         except InvalidRequirement:
-            continue  # launch.staging refused it already, naming its line
+            continue  # launch.requirements refused it already, naming its line
         name = canonical(requirement.name)
         if name not in kept:
             continue

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import inventory, node
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.launch import cli, local, record, staging
+from torch_multinode.launch import cli, local, record, requirements, staging
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.provision import dependencies
 
@@ -49,8 +49,8 @@ def test_requirements_txt_at_the_projects_root_is_read_as_pip_reads_it(tmp_path)
     )
     (tmp_path / "more.txt").write_text("rich\n")
     (tmp_path / "pyproject.toml").write_text(PYPROJECT)  # requirements.txt wins
-    found = staging.requirements(tmp_path)
-    assert found == staging.Requirements(
+    found = requirements.requirements(tmp_path)
+    assert found == requirements.Requirements(
         "requirements.txt",
         ("omegaconf>=2.3", "tqdm   ==4.70.1", "rich", "requests; python_version >= '3.8'"),
     )
@@ -58,11 +58,11 @@ def test_requirements_txt_at_the_projects_root_is_read_as_pip_reads_it(tmp_path)
 
 def test_pyproject_dependencies_when_there_is_no_requirements_txt(tmp_path):
     (tmp_path / "pyproject.toml").write_text(PYPROJECT)
-    assert staging.requirements(tmp_path) == staging.Requirements(
+    assert requirements.requirements(tmp_path) == requirements.Requirements(
         "pyproject.toml", ("omegaconf>=2.3", "tqdm")
     )
     (tmp_path / "pyproject.toml").write_text("[tool.ruff]\nline-length = 100\n")
-    assert staging.requirements(tmp_path) is None  # a pyproject.toml without dependencies
+    assert requirements.requirements(tmp_path) is None  # a pyproject.toml without dependencies
 
 
 def test_the_knob_names_another_file_or_none(tmp_path, monkeypatch):
@@ -71,13 +71,16 @@ def test_the_knob_names_another_file_or_none(tmp_path, monkeypatch):
     (tmp_path / "deps").mkdir()
     (tmp_path / "deps" / "train.txt").write_text("omegaconf\n")
     (tmp_path / "deps" / "pyproject.toml").write_text(PYPROJECT)
-    assert staging.requirements(tmp_path, "deps/train.txt") == staging.Requirements(
+    assert requirements.requirements(tmp_path, "deps/train.txt") == requirements.Requirements(
         "deps/train.txt", ("omegaconf",)
     )
-    assert staging.requirements(tmp_path, "deps/pyproject.toml").lines == ("omegaconf>=2.3", "tqdm")
-    assert staging.requirements(tmp_path, "none") is None
+    assert requirements.requirements(tmp_path, "deps/pyproject.toml").lines == (
+        "omegaconf>=2.3",
+        "tqdm",
+    )
+    assert requirements.requirements(tmp_path, "none") is None
     with pytest.raises(UserError) as missing:
-        staging.requirements(tmp_path, "nowhere.txt")
+        requirements.requirements(tmp_path, "nowhere.txt")
     assert missing.value.line() == (
         "Error: REQUIREMENTS=nowhere.txt is not a file (try a requirements file, a "
         "pyproject.toml, or REQUIREMENTS=none)"
@@ -85,11 +88,13 @@ def test_the_knob_names_another_file_or_none(tmp_path, monkeypatch):
 
 
 def test_no_project_or_this_projects_own_packages_have_no_requirements(tmp_path):
-    assert staging.requirements(None) is None
-    assert staging.requirements(sync.TOOL_ROOT) is None  # its pyproject.toml is the controller's
-    assert staging.requirements(tmp_path) is None  # nothing there
+    assert requirements.requirements(None) is None
+    assert (
+        requirements.requirements(sync.TOOL_ROOT) is None
+    )  # its pyproject.toml is the controller's
+    assert requirements.requirements(tmp_path) is None  # nothing there
     (tmp_path / "requirements.txt").write_text("# nothing yet\n")
-    assert staging.requirements(tmp_path) is None
+    assert requirements.requirements(tmp_path) is None
 
 
 @pytest.mark.parametrize(
@@ -104,7 +109,7 @@ def test_no_project_or_this_projects_own_packages_have_no_requirements(tmp_path)
 def test_a_line_the_layer_cannot_install_is_refused_naming_it(tmp_path, line, said):
     (tmp_path / "requirements.txt").write_text(f"tqdm\n{line}\n")
     with pytest.raises(UserError) as refused:
-        staging.requirements(tmp_path)
+        requirements.requirements(tmp_path)
     assert refused.value.line().startswith("Error: requirements.txt line 2: ")
     assert said in refused.value.line()
 
@@ -114,7 +119,7 @@ def test_the_plan_carries_the_requirements_and_the_job_runs_in_the_layer_given(t
     (tmp_path / "requirements.txt").write_text("tqdm\n")
     cluster = _cluster()
     project = staging.plan(cluster, tmp_path / "train.py", None)
-    assert project.requirements == staging.Requirements("requirements.txt", ("tqdm",))
+    assert project.requirements == requirements.Requirements("requirements.txt", ("tqdm",))
     assert staging.job_image(cluster, project) == cluster.training_image
     assert staging.job_image(cluster, None) == cluster.training_image
     layered = staging.Project(project.trees, project.workdir, project.script, image="deps:1")
@@ -143,8 +148,8 @@ def test_a_node_whose_copy_of_the_layer_differs_is_told_to_run_make_train_again(
 # -- host mode ---------------------------------------------------------------------------------
 
 
-def _on_this_python(wanted: staging.Requirements) -> str:
-    command = staging.requirements_check_command(sys.executable, wanted)
+def _on_this_python(wanted: requirements.Requirements) -> str:
+    command = requirements.requirements_check_command(sys.executable, wanted)
     return subprocess.run(
         ["sh", "-c", command], capture_output=True, text=True, timeout=60, check=False
     ).stdout
@@ -152,19 +157,21 @@ def _on_this_python(wanted: staging.Requirements) -> str:
 
 def test_host_mode_names_the_node_whose_python_lacks_a_requirement():
     host = _cluster(launch_mode="host").hosts[0]
-    held = staging.Requirements("requirements.txt", ("pyyaml>=5", "packaging"))
-    assert staging.requirements_missing(host, held, _on_this_python(held)) is None
-    lacking = staging.Requirements("requirements.txt", ("pyyaml>=5", "no-such-package-tmn>=1"))
-    assert staging.requirements_missing(host, lacking, _on_this_python(lacking)) == (
+    held = requirements.Requirements("requirements.txt", ("pyyaml>=5", "packaging"))
+    assert requirements.requirements_missing(host, held, _on_this_python(held)) is None
+    lacking = requirements.Requirements("requirements.txt", ("pyyaml>=5", "no-such-package-tmn>=1"))
+    assert requirements.requirements_missing(host, lacking, _on_this_python(lacking)) == (
         "on node1: python3 lacks no-such-package-tmn, which requirements.txt asks for "
         "(no-such-package-tmn>=1) (try pip install -r requirements.txt with python3 on node1: in "
         "host mode jobs run each node's own Python, which the launcher never changes)"
     )
-    old = staging.Requirements("requirements.txt", ("pyyaml<1",))
-    assert staging.requirements_missing(host, old, _on_this_python(old)).startswith(
+    old = requirements.Requirements("requirements.txt", ("pyyaml<1",))
+    assert requirements.requirements_missing(host, old, _on_this_python(old)).startswith(
         "on node1: python3 holds pyyaml "
     )
-    assert "cannot ask python3" in staging.requirements_missing(host, old, "bash: no such file")
+    assert "cannot ask python3" in requirements.requirements_missing(
+        host, old, "bash: no such file"
+    )
 
 
 # -- a local job -------------------------------------------------------------------------------
@@ -202,7 +209,7 @@ def test_the_launcher_makes_them_ready_where_the_job_runs(monkeypatch, capsys):
         "begin_for_inventory",
         lambda *a: calls.append(("nodes", *a)) or (made, ready),
     )
-    wanted = staging.Requirements("requirements.txt", ("tqdm",))
+    wanted = requirements.Requirements("requirements.txt", ("tqdm",))
     assert cli._dependencies(_args(), None, wanted) == (made, None)
     assert cli._dependencies(_args(), _cluster(), wanted) == (made, ready)
     assert [call[0] for call in calls] == ["here", "nodes"]  # the nodes' half left to the job
