@@ -28,7 +28,8 @@ torchrun's part of them) lives in training/.
                   secrets, and its versions against the version lock
     running       what a run's runners, watchers and stop share (RunningJob)
     watch         the watchers of a running job: liveness, the compute link, the stall
-    progress      the stall clock: step lines, heartbeats, output, and when a job is stalled
+    progress      stall detection: step lines, heartbeats, output, when a job is stalled, and
+                  the watch that declares the hang (until_hang)
     hang          a hang's report from every rank's stacks (py-spy)
     flight        the Flight Recorder's part of it: each rank's last collective, a mismatch
     blame         which node caused a failure

@@ -38,7 +38,7 @@ from torch_multinode.launch.ending import (
 )
 from torch_multinode.launch.environment import local_environment
 from torch_multinode.launch.nodes import job_backend, process_count
-from torch_multinode.launch.progress import Progress
+from torch_multinode.launch.progress import Progress, until_hang
 from torch_multinode.launch.relay import Relaying
 from torch_multinode.launch.signatures import known_problems
 from torch_multinode.launch.spec import (
@@ -256,11 +256,11 @@ def _watch(
     tail: collections.deque,
     hung: list[tuple[str, list[str]]],
 ) -> None:
-    """The hang watch of a job on this machine (launch.watch.until_hang, as on the nodes): a
+    """The hang watch of a job on this machine (launch.progress.until_hang, as on the nodes): a
     hang's report, then the job stopped, its cause and the lines before the stop in `hung`."""
     look = f"{_PY_SPY} dump --pid PID, each rank's PID in hang-stacks-{here.name}.txt"
     ranks: list[int] = []
-    verdict = watch.until_hang(
+    verdict = until_hang(
         done,
         lambda: progress,
         spec,

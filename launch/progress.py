@@ -1,4 +1,6 @@
-"""Whether a running job still makes progress: the clock the stall watcher reads.
+"""Stall (hang) detection: whether a running job still makes progress, and the watch that
+declares a hang when it does not (`until_hang`, for a job on the nodes and one on this machine
+alike). What a hang sets off, the stacks read and the report, is launch.watch's.
 
 Progress is, in order of preference: the workloads' step lines ("step 12/100 ..."), a line a
 user's script prints to say it is alive (HEARTBEAT, hidden from the output), and, for a script
@@ -21,6 +23,9 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+
+from torch_multinode.launch import hang
+from torch_multinode.launch.spec import STALL_POLL, Emit, JobSpec
 
 HEARTBEAT = "[tmn] heartbeat"
 """A line a user's script prints (and flushes) to say it makes progress: the launcher counts it
@@ -89,3 +94,33 @@ class Progress:
             marked = self._marked
         what = "step lines or heartbeats" if marked else "output"
         return f"no {what} for {self.quiet_for():.0f} s (stall after {self.threshold():g} s)"
+
+
+def until_hang(
+    done: threading.Event,
+    progress: Callable[[], Progress],
+    spec: JobSpec,
+    emit: Emit,
+    read: Callable[[], hang.Verdict],
+    look: str,
+) -> hang.Verdict | None:
+    """The stall watch of a job on the nodes and of one on this machine alike: until `done`,
+    no progress for the job's stall time is a hang, said, then `read` (every rank's stacks
+    read and judged, the report printed and saved: `tell`). The verdict when the job is to be
+    stopped for it; None when the job ended first, or --on-hang wait leaves it running for a
+    person to look (how: `look`)."""
+    while not done.wait(STALL_POLL):
+        if progress().stalled() is None:
+            continue
+        emit(f"[launcher] {progress().describe()}: the job hangs; reading every rank's stacks...")
+        verdict = read()
+        if done.is_set():
+            return None  # it ended while the stacks were read: not a hang after all
+        if spec.on_hang == "wait":
+            emit(
+                "[launcher] --on-hang wait: the job is left running for you to look "
+                f"({look}); Ctrl-C stops it"
+            )
+            return None
+        return verdict
+    return None

@@ -2,9 +2,10 @@
 SSH, and a node that cannot reach the master over the compute network, fail the job; a job
 that stops making progress is a hang, reported (every rank's stacks) before it is stopped.
 
-The hang's watch (`until_hang`), the command that reads a node's stacks and traces
-(`collection_command`) and the report (`tell`) are also a local job's (launch.local): one
-report, worded here, wherever the ranks run."""
+When a job is stalled, and the watch that declares the hang, are launch.progress's (a local
+job's too); what a hang sets off is here: the command that reads a node's stacks and traces
+(`collection_command`) and the report (`tell`), also a local job's (launch.local): one report,
+worded here, wherever the ranks run."""
 
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import flight, hang
 from torch_multinode.launch.blame import cut_off
 from torch_multinode.launch.commands import link_probe_command, run_dir
-from torch_multinode.launch.progress import Progress
+from torch_multinode.launch.progress import Progress, until_hang
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     LINK_PROBE_INTERVAL,
     LINK_PROBE_WAIT,
     LIVENESS_FAILURES,
     LIVENESS_INTERVAL,
-    STALL_POLL,
     Emit,
     JobSpec,
 )
@@ -111,7 +111,7 @@ def link(job: RunningJob, host: Host, master: Host) -> None:
 
 
 def stall(job: RunningJob) -> None:
-    """No progress for the job's stall time (launch.progress): a hang. Every rank's stacks are
+    """No progress for the job's stall time (progress.until_hang): a hang. Every rank's stacks are
     read and judged (`report`); then the job fails, naming the rank that holds the others up,
     or (--on-hang wait) is left running for a person to look."""
 
@@ -127,36 +127,6 @@ def stall(job: RunningJob) -> None:
     node = verdict.culprits[0].node if verdict.culprits else job.hosts[0].name
     already = job.outcomes[node].error is not None  # says more than "hung"
     job.fail(node, None if already else f"hung: {verdict.cause}")
-
-
-def until_hang(
-    done: threading.Event,
-    progress: Callable[[], Progress],
-    spec: JobSpec,
-    emit: Emit,
-    read: Callable[[], hang.Verdict],
-    look: str,
-) -> hang.Verdict | None:
-    """The stall watch of a job on the nodes and of one on this machine alike: until `done`,
-    no progress for the job's stall time is a hang, said, then `read` (every rank's stacks
-    read and judged, the report printed and saved: `tell`). The verdict when the job is to be
-    stopped for it; None when the job ended first, or --on-hang wait leaves it running for a
-    person to look (how: `look`)."""
-    while not done.wait(STALL_POLL):
-        if progress().stalled() is None:
-            continue
-        emit(f"[launcher] {progress().describe()}: the job hangs; reading every rank's stacks...")
-        verdict = read()
-        if done.is_set():
-            return None  # it ended while the stacks were read: not a hang after all
-        if spec.on_hang == "wait":
-            emit(
-                "[launcher] --on-hang wait: the job is left running for you to look "
-                f"({look}); Ctrl-C stops it"
-            )
-            return None
-        return verdict
-    return None
 
 
 def collection_command(

@@ -175,7 +175,7 @@ def test_on_hang_wait_leaves_a_local_job_running_until_ctrl_c(tmp_path):
 
 
 def test_the_nodes_report_is_the_same_watch_and_words_without_a_cluster(tmp_path):
-    """The SSH launcher's side of the shared pieces (watch.stall: until_hang, collection_command,
+    """The SSH launcher's side of the shared pieces (watch.stall: progress.until_hang, collection_command,
     tell), on fake nodes that print what py-spy printed there: the same lines as a local job's,
     the node named, the report and each node's stacks saved."""
     workdir = "/tmp/torch-multinode/projects/proj"
