@@ -45,6 +45,7 @@ STACKS = {
     "none": "dbus",
 }
 COMPUTE_NIC = "eth1"
+SWITCH_MTU = 9000  # what the compute bridge's ports carry: jumbo frames where a node asks
 # What a container needs for systemd as its PID 1 here (no --privileged: see ENVIRONMENT.md).
 SYSTEMD_OPTIONS = [*NESTED_ENGINE_OPTIONS, "--tmpfs", "/run", "--tmpfs", "/run/lock"]
 
@@ -123,12 +124,14 @@ def _nsenter(pid: str, *args: str) -> None:
 def plug(config: SimConfig, index: int) -> None:
     """Give node `index`'s running container its compute NIC (eth1, a fixed MAC) on the bridge,
     and take the management side's default route away; its init waits for this before systemd
-    starts."""
+    starts. The bridge is a switch that takes jumbo frames (its ports carry SWITCH_MTU bytes);
+    the node's own end keeps the default 1500 until its stack is told otherwise."""
     container = config.container(index)
     pid = docker("inspect", "-f", "{{.State.Pid}}", container).stdout.strip()
     host_end, node_end = _host_end(config, index), f"{config.name}-n{index}"
     subprocess.run(["ip", "link", "del", host_end], capture_output=True, check=False)
-    _ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+    _ip("link", "add", host_end, "mtu", str(SWITCH_MTU), "type", "veth", "peer", "name", node_end)
+    _ip("link", "set", node_end, "mtu", "1500")
     _ip("link", "set", node_end, "netns", pid)
     _nsenter(pid, "ip", "route", "del", "default")
     mac = f"02:54:00:00:{index:02x}:01"

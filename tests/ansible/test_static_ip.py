@@ -10,17 +10,21 @@ cluster would be taken; each stack's tests read what its pair shows. In order:
 
 - `--check` names each node's stack and changes nothing (no file, no address);
 - `make provision` (the static_ip role) gives every node its compute_ip with the stack it
-  names in its output; each pair pings each other over them; `make netcheck` passes on the
-  first node of each stack, and a 3-node job trains on the second nodes (gloo on eth1), its
-  ranks meeting at node2's compute address;
+  names in its output, and each first node the jumbo frames it asks for (the second nodes keep
+  1500); each pair pings each other over them, and node1 the other first nodes with 9000-byte
+  frames; `make netcheck` passes on the first node of each stack (over those frames), and a
+  3-node job trains on the second nodes (gloo on eth1), its ranks meeting at node2's compute
+  address;
 - a second run changes nothing and does not bounce any link (eth1's carrier changes the same);
 - a reboot of each pair's second node (the container restarted, systemd shutting down and
   booting) keeps its address;
 - an address whose prefix leaves the controller off the link, given to each pair's second node,
   is applied, never confirmed, and rolled back by the node itself within its timer; the play
   fails naming each such node and the rollback, and each first node, changed in the same run
-  (its MTU) and confirmed, says it only followed and rolls back too. On netplan's, the apply is
-  slowed by 10 s, so the node answers on its previous address first: that confirms nothing.
+  (its MTU, to 1400) and confirmed, says it only followed and rolls back too. On netplan's, the apply is
+  slowed by 10 s, so the node answers on its previous address first: that confirms nothing;
+- a candidate refused before any change: node1's by netplan's own check (a broken file of the
+  user's beside ours), node5's /33 by the role, where ifupdown's check would take it.
 
 And a node with no stack the role configures is refused before anything changes.
 """
@@ -31,7 +35,7 @@ import shutil
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -59,11 +63,18 @@ SAID = {
 # Long enough for a node that answers to be confirmed on two loaded cores with six nodes in
 # the run (the role waits up to half of it for the node, a quarter for SSH on the new address).
 CONFIRM_TIMEOUT = 60
+JUMBO = 9000  # each stack's first node's MTU (the bridge's ports take it: owned_network)
 # netplan wrapped so that `netplan apply` starts 10 s late (the other subcommands as they were).
 SLOW_NETPLAN_APPLY = (
     "set -e; mv /usr/sbin/netplan /usr/sbin/netplan.real; "
     'printf \'#!/bin/sh\\nif [ "$1" = apply ]; then sleep 10; fi\\n'
     'exec /usr/sbin/netplan.real "$@"\\n\' > /usr/sbin/netplan; chmod 755 /usr/sbin/netplan'
+)
+# A netplan file of the user's beside ours, broken (a key netplan does not know): netplan reads
+# every file in /etc/netplan, so it rejects the whole configuration, ours included.
+USER_NETPLAN = "/etc/netplan/01-user.yaml"
+BROKEN_USER_NETPLAN = (
+    "network:\\n  version: 2\\n  ethernets:\\n    eth0:\\n      dhcp-four: true\\n"
 )
 # TINY's arguments for three ranks: 16 samples a rank, where its global batch of 32 would not
 # divide.
@@ -86,8 +97,13 @@ def addresses_after_boot(container: str, limit: float = 90) -> list[str]:
     return found
 
 
-def pings(container: str, address: str) -> bool:
-    return node_sh(container, f"ping -c 1 -W 3 -I eth1 {address}").returncode == 0
+def pings(container: str, address: str, size: int = 56) -> bool:
+    """Whether `address` answers a ping of `size` bytes of data over eth1, never fragmented."""
+    return node_sh(container, f"ping -c 1 -W 3 -M do -s {size} -I eth1 {address}").returncode == 0
+
+
+def mtu(container: str) -> int:
+    return int(node_sh(container, "cat /sys/class/net/eth1/mtu").stdout.strip() or 0)
 
 
 def carrier_changes(container: str) -> str:
@@ -113,6 +129,8 @@ class ClusterRun:
     dry_left: dict[str, list[str]]
     provision: subprocess.CompletedProcess
     addresses: dict[str, list[str]]
+    mtus: dict[str, int]
+    jumbo_pings: dict[str, bool]
     pings: dict[str, bool]
     netcheck: subprocess.CompletedProcess
     train: subprocess.CompletedProcess
@@ -126,7 +144,10 @@ class ClusterRun:
     after_rollback: dict[str, list[str]]
     files_after_rollback: dict[str, str]
     controller_after_rollback: dict[str, bool]
-    left: dict[str, list[str]] = field(default_factory=dict)
+    left: dict[str, list[str]]
+    rejected: subprocess.CompletedProcess
+    refused: subprocess.CompletedProcess
+    after_refusals: dict[str, tuple[list[str], str, list[str]]]
 
 
 @dataclass
@@ -169,7 +190,13 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     compute = {name: host["compute_ip"] for name, host in hosts.items()}
     names = {f"node{i}": config.container(i) for i in range(1, len(STACK_OF_NODE) + 1)}
     stack_of = {f"node{i}": stack for i, stack in enumerate(STACK_OF_NODE, start=1)}
+    firsts = [pair(stack)[0] for stack in FILES]
     seconds = [pair(stack)[1] for stack in FILES]
+    # Jumbo frames on each stack's first node only: the bridge's ports take them, the second
+    # nodes keep 1500.
+    for name in firsts:
+        hosts[name]["static_ip_mtu"] = JUMBO
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
 
     def file_of(name: str) -> str:
         return node_sh(names[name], f"cat {FILES[stack_of[name]]}").stdout
@@ -181,6 +208,12 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     }
     provision = _provision(inventory)
     found = {name: addresses(container) for name, container in names.items()}
+    mtus = {name: mtu(container) for name, container in names.items()}
+    # Frames of 9000 bytes, not to be fragmented, from node1 to the other first nodes: across
+    # netplan, NetworkManager and ifupdown.
+    jumbo_pings = {
+        name: pings(names["node1"], compute[name], size=JUMBO - 28) for name in firsts[1:]
+    }
     # Each node pings its pair's other node over the compute addresses.
     pinged = {}
     for stack in FILES:
@@ -190,11 +223,11 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     # netcheck on the first node of each stack, a job on the second: every node's address
     # carries real traffic, each stack's beside the others', at the torch imports of three nodes
     # at a time (six at once outlasted netcheck's probe on two loaded cores).
-    firsts, seconds_inventory = (
+    firsts_inventory, seconds_inventory = (
         _subset(document, hosts, [pair(stack)[which] for stack in FILES], tmp / f"nodes-{which}")
         for which in (0, 1)
     )
-    netcheck = make("netcheck", f"INVENTORY={firsts}", timeout=600)
+    netcheck = make("netcheck", f"INVENTORY={firsts_inventory}", timeout=600)
     train = make(
         "train",
         f"INVENTORY={seconds_inventory}",
@@ -237,6 +270,38 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     wrong = tmp / "wrong-prefix.yml"
     wrong.write_text(yaml.safe_dump(document, sort_keys=False))
     rollback = _provision(wrong)
+    left = {
+        name: node_sh(names[name], f"ls -A {Path(FILES[stack_of[name]]).parent}").stdout.split()
+        for name in names
+    }
+
+    # Refused before anything changes: on node1 netplan's own check rejects the candidate (node1's
+    # MTU as above), because a file of the user's beside ours is broken, and netplan reads them
+    # all; on node5 a /33, which ifupdown's own check would take (as netmask 0.0.0.0), is refused
+    # by the role. (The inventory's check refuses a /33 too: it is given with -e.)
+    node_sh(
+        names["node1"], f"printf '{BROKEN_USER_NETPLAN}' > {USER_NETPLAN}; chmod 600 {USER_NETPLAN}"
+    )
+    rejected = make(
+        "provision",
+        f"INVENTORY={wrong}",
+        "ANSIBLE_ARGS=--tags static_ip --limit node1",
+        timeout=600,
+    )
+    refused = make(
+        "provision",
+        f"INVENTORY={inventory}",
+        "ANSIBLE_ARGS=--tags static_ip --limit node5 -e static_ip_prefix_length=33",
+        timeout=600,
+    )
+    after_refusals = {
+        name: (
+            addresses(names[name]),
+            file_of(name),
+            node_sh(names[name], f"ls -A {Path(FILES[stack_of[name]]).parent}").stdout.split(),
+        )
+        for name in ("node1", "node5")
+    }
     return ClusterRun(
         config,
         compute,
@@ -244,6 +309,8 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
         dry_left,
         provision,
         found,
+        mtus,
+        jumbo_pings,
         pinged,
         netcheck,
         train,
@@ -257,10 +324,10 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
         {name: addresses(names[name]) for name in seconds},
         {name: file_of(name) for name in names},
         {name: controller_reaches(compute[name]) for name in seconds},
-        {
-            name: node_sh(names[name], f"ls -A {Path(FILES[stack_of[name]]).parent}").stdout.split()
-            for name in names
-        },
+        left,
+        rejected,
+        refused,
+        after_refusals,
     )
 
 
@@ -316,6 +383,12 @@ def test_provision_gives_each_node_its_compute_ip_with_the_stack_it_runs(stack_r
         assert stack_run.run.addresses[name] == [f"{ip}/24"], stack_run.run.addresses
         assert recap_of(run.stdout)[name]["changed"] > 0
         assert stack_run.run.pings[name], f"{name} did not ping its pair over the compute link"
+    # Jumbo frames only where asked: the first node's MTU, carrying 9000-byte frames to the other
+    # stacks' first nodes; the second keeps 1500.
+    assert stack_run.run.mtus[stack_run.first] == JUMBO, stack_run.run.mtus
+    assert stack_run.run.mtus[stack_run.second] == 1500, stack_run.run.mtus
+    if stack_run.first != "node1":
+        assert stack_run.run.jumbo_pings[stack_run.first], stack_run.run.jumbo_pings
 
 
 def test_netcheck_passes_and_a_job_on_every_stacks_nodes_trains_over_the_addresses(cluster_run):
@@ -390,3 +463,36 @@ def test_a_node_with_no_stack_we_configure_is_refused_before_any_change(sim_fact
     ) in " ".join(run.stdout.split()), _said(run)
     assert recap_of(run.stdout)["node1"]["changed"] == 0
     assert "torch-multinode-static-ip-apply" not in listing
+
+
+def test_a_candidate_its_stack_rejects_or_the_role_refuses_changes_nothing(cluster_run):
+    """netplan's own check rejects node1's new file (a broken file of the user's beside it): the
+    play names the stack, the file left as it was and what netplan said; node5's /33 is refused
+    by the role before its stack sees it. Neither node's address or file changes, and no backup
+    or candidate is left."""
+    rejected = cluster_run.rejected
+    assert rejected.returncode != 0, _said(rejected)
+    text = " ".join(rejected.stdout.split())
+    assert (
+        f"host 'node1': netplan rejected the configuration for eth1, so {FILES['netplan']} was left "
+        f"as it was: {USER_NETPLAN}:5:7: Error in network definition: unknown key 'dhcp-four'"
+    ) in text, _said(rejected)
+    refused = cluster_run.refused
+    assert refused.returncode != 0, _said(refused)
+    assert (
+        "host 'node5': static_ip_prefix_length 33 and static_ip_mtu 9000 must be a prefix length "
+        "from 1 to 32 and an MTU from 576 to 65535 (0 leaves the interface's own), so nothing "
+        "was changed"
+    ) in " ".join(refused.stdout.split()), _said(refused)
+    assert recap_of(refused.stdout)["node5"]["changed"] == 0
+    node1, node5 = cluster_run.after_refusals["node1"], cluster_run.after_refusals["node5"]
+    assert node1 == (
+        [f"{cluster_run.compute['node1']}/24"],
+        cluster_run.files_after_rollback["node1"],
+        [Path(USER_NETPLAN).name, Path(FILES["netplan"]).name],
+    )
+    assert node5 == (
+        [f"{cluster_run.compute['node5']}/24"],
+        cluster_run.files_after_rollback["node5"],
+        [Path(FILES["ifupdown"]).name],
+    )

@@ -234,3 +234,33 @@ def test_a_hosts_own_static_ip_fields_are_checked_too(tmp_path):
         "host 'pc1': field 'static_ip_gateway': 10.7.0.1 is not in compute_subnet 10.9.0.0/24"
     ) in proc.stderr, proc.stderr
     assert "host 'pc2': field 'netplan_enabled' is now 'static_ip_enabled'" in proc.stderr
+
+
+def test_a_prefix_length_or_mtu_no_link_takes_is_refused(tmp_path):
+    """Not every stack's own check would refuse them: ifupdown takes a /33 as netmask 0.0.0.0,
+    and NetworkManager's keyfile reader drops an MTU it cannot read."""
+    text = VALID.replace(
+        "    compute_subnet:",
+        "    static_ip_prefix_length: 33\n    static_ip_mtu: 90000\n    compute_subnet:",
+    )
+    text = text.replace("        pc2:\n", "        pc2:\n          static_ip_mtu: jumbo\n")
+    proc = check(write(tmp_path, text))
+    assert proc.returncode == 2
+    assert (
+        "cluster field 'static_ip_prefix_length': 33 is not a prefix length from 1 to 32 (try "
+        "removing it: it follows compute_subnet)"
+    ) in proc.stderr, proc.stderr
+    assert "cluster field 'static_ip_mtu': 90000 is not an MTU from 576 to 65535" in proc.stderr
+    assert "host 'pc2': field 'static_ip_mtu': 'jumbo' is not an MTU from 576 to 65535" in (
+        proc.stderr
+    ), proc.stderr
+
+
+def test_a_prefix_length_and_jumbo_frames_pass(tmp_path):
+    text = VALID.replace(
+        "    compute_subnet:",
+        "    static_ip_prefix_length: 24\n    static_ip_mtu: 9000\n    compute_subnet:",
+    )
+    text = text.replace("        pc2:\n", "        pc2:\n          static_ip_mtu: 0\n")
+    proc = check(write(tmp_path, text))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
