@@ -68,6 +68,10 @@ class NodeFacts:
     pings: dict[str, Ping] = field(default_factory=dict)
     """Peer name -> ping result."""
     speed_mbps: int | None = None
+    physical: bool = False
+    """The compute interface is a NIC (/sys/class/net/IF/device), not a virtual one."""
+    rated_mbps: int | None = None
+    """The fastest link mode the NIC supports (ethtool's "Supported link modes"), where it says."""
     infiniband: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -110,6 +114,9 @@ def script(host: Host, hosts: list[Host], rendezvous: str) -> str:
         lines.append(f"s {q('route ' + str(peer.compute_ip))}; ip -j route get {ip} 2>&1")
     lines += [
         f"s speed; cat /sys/class/net/{iface}/speed 2>/dev/null",
+        # A NIC's own: its supported modes (ethtool, where installed; a virtual one has none).
+        f"s device; [ -e /sys/class/net/{iface}/device ] && echo physical"
+        f" && {{ ethtool {iface} 2>/dev/null || /sbin/ethtool {iface} 2>/dev/null; }}",
         "s infiniband; ls -1 /sys/class/infiniband 2>/dev/null",
         "wait",
     ]
@@ -154,6 +161,9 @@ def parse(text: str) -> NodeFacts:
             facts.routes[arg] = parse_route(body)
         elif kind == "speed":
             facts.speed_mbps = parse_speed(body)
+        elif kind == "device":
+            facts.physical = body.startswith("physical")
+            facts.rated_mbps = parse_rated(body)
         elif kind == "infiniband":
             facts.infiniband = [line for line in body.split() if line]
         elif kind == "ping":
@@ -215,6 +225,24 @@ def parse_speed(text: str) -> int | None:
     except ValueError:
         return None
     return value if value > 0 else None
+
+
+_LINK_MODE = re.compile(r"\b(\d+)base[A-Za-z0-9]*(?:/(?:Full|Half))?")
+_ETHTOOL_KEY = re.compile(r"^\s*[A-Z][A-Za-z -]*:")
+
+
+def parse_rated(text: str) -> int | None:
+    """The fastest of ethtool's "Supported link modes" in Mb/s (1000baseT/Full: 1000); None
+    where ethtool is missing or reports none (virtual NICs: "Not reported")."""
+    speeds: list[int] = []
+    within = False
+    for line in text.splitlines():
+        if _ETHTOOL_KEY.match(line):
+            within = line.strip().startswith("Supported link modes:")
+            line = line.split(":", 1)[1] if within else ""
+        if within:
+            speeds += [int(found) for found in _LINK_MODE.findall(line)]
+    return max(speeds) if speeds else None
 
 
 _STATS = re.compile(

@@ -169,6 +169,11 @@ def preflight(
                 report.ring,
                 report.pairwise,
                 report.nic_speed_mbps,
+                {
+                    name: f.speed_mbps
+                    for name, f in node_facts.items()
+                    if f.physical and f.speed_mbps
+                },
             )
         )
 

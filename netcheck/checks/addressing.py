@@ -281,6 +281,18 @@ def interface_findings(
                     f"on {node}: check the negotiated speed (ethtool {names[node]}), the "
                     f"cable and the switch port",
                 )
+    for node, f in facts.items():
+        if f.physical and f.rated_mbps and f.speed_mbps and f.speed_mbps < f.rated_mbps:
+            iface = names.get(node, "its compute interface")
+            out.add(
+                node,
+                Status.WARN,
+                f"{node}'s {iface} negotiated {f.speed_mbps} Mb/s, below the {f.rated_mbps} "
+                "Mb/s it supports",
+                f"on {node}: a cable rated for {f.rated_mbps} Mb/s (Cat5e or better for 1 "
+                f"Gbit/s), a switch port that runs at it, and auto-negotiation on (ethtool "
+                f"{iface})",
+            )
     # The file keeps each node's own finding; a job (the launcher) or netcheck's collective
     # makes its nodes' network one (envfile.one_network).
     without = envfile.one_network(env)[1]

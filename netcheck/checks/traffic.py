@@ -16,6 +16,11 @@ from torch_multinode.netcheck.report import TRANSPORT, Finding, Link, Measuremen
 
 BUSBW_WARN_RATIO = 0.5
 SLOW_LINK_RATIO = 0.5
+# A NIC whose raw TCP reaches less than this share of the speed it negotiated (with its peer's,
+# the slower of the two) is said; above SINGLE_STREAM_MBPS one TCP stream is bound by a CPU
+# core rather than the link, so faster NICs are not judged this way.
+NEGOTIATED_WARN_RATIO = 0.25
+SINGLE_STREAM_MBPS = 10_000
 
 
 # --- 7. collective and bandwidth ------------------------------------------------------------
@@ -161,7 +166,10 @@ def bandwidth_findings(
     ring: list[Link],
     pairwise: list[Link],
     speeds: dict[str, int | None],
+    negotiated: dict[str, int] | None = None,
 ) -> list[Finding]:
+    """`negotiated`: the speed each node's compute NIC negotiated, in Mb/s, for the nodes whose
+    compute interface is a NIC (a virtual one's speed is nominal)."""
     out = Collector("bandwidth")
     by_name = {h.name: h for h in hosts}
     for link in ring + pairwise:
@@ -217,6 +225,27 @@ def bandwidth_findings(
                 f"on {node}: check {iface}'s negotiated speed and errors (ethtool {iface}; ip "
                 f"-s link show {iface}), its cable and switch port, and shaping (tc qdisc "
                 f"show dev {iface})",
+            )
+    # A NIC that sends far below what it negotiated, each link judged against its slower end.
+    negotiated = negotiated or {}
+    for host in hosts:
+        speed = negotiated.get(host.name)
+        if not speed or speed > SINGLE_STREAM_MBPS:
+            continue
+        shares = [
+            link.gbps * 8000 / min(speed, negotiated.get(link.target) or speed)
+            for link in ring + pairwise
+            if link.source == host.name and link.gbps
+        ]
+        if shares and max(shares) < NEGOTIATED_WARN_RATIO:
+            iface = host.compute_interface
+            out.add(
+                host.name,
+                Status.WARN,
+                f"{host.name} sends raw TCP over {iface} at {max(shares):.0%} at best of the "
+                f"speed its links negotiated ({speed / 1000:g} Gbit/s here)",
+                f"on {host.name}: errors and drops (ip -s link show {iface}), the duplex "
+                f"(ethtool {iface}), shaping (tc qdisc show dev {iface}) and CPU load",
             )
     passed = {}
     for host in hosts:

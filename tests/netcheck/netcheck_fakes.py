@@ -85,7 +85,7 @@ def getent(ip, name):
     return f"{ip}   STREAM {name}\n{ip}   DGRAM  \n{ip}   RAW    \n"
 
 
-def facts_text(hostname, resolved, links, routes, pings, speed="10000", infiniband=""):
+def facts_text(hostname, resolved, links, routes, pings, speed="10000", infiniband="", device=""):
     parts = [f"@@hostname\n{hostname}", f"@@fqdn\n{hostname}"]
     for name, ips in resolved.items():
         parts.append(f"@@resolve {name}\n" + "".join(getent(ip, name) for ip in ips))
@@ -93,7 +93,7 @@ def facts_text(hostname, resolved, links, routes, pings, speed="10000", infiniba
     for ip, route in routes.items():
         body = route if isinstance(route, str) else json.dumps([route])
         parts.append(f"@@route {ip}\n{body}")
-    parts += [f"@@speed\n{speed}", f"@@infiniband\n{infiniband}"]
+    parts += [f"@@speed\n{speed}", f"@@device\n{device}", f"@@infiniband\n{infiniband}"]
     for name, text in pings.items():
         parts.append(f"@@ping {name}\n{text}")
     return "\n".join(parts) + "\n"

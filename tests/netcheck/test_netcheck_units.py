@@ -144,6 +144,78 @@ def test_parse_route_and_speed():
     assert facts.parse_speed("-1") is None and facts.parse_speed("") is None
 
 
+# What `ethtool eno1` printed on a desktop whose gigabit NIC negotiated 100 Mb/s (a worn cable),
+# after the facts script's "physical".
+ETHTOOL_GIGABIT_AT_100 = """physical
+Settings for eno1:
+\tSupported ports: [ TP ]
+\tSupported link modes:   10baseT/Half 10baseT/Full
+\t                        100baseT/Half 100baseT/Full
+\t                        1000baseT/Full
+\tSupported pause frame use: No
+\tSupports auto-negotiation: Yes
+\tSupported FEC modes: Not reported
+\tAdvertised link modes:  10baseT/Half 10baseT/Full
+\t                        100baseT/Half 100baseT/Full
+\t                        1000baseT/Full
+\tSpeed: 100Mb/s
+\tDuplex: Full
+\tAuto-negotiation: on
+\tLink detected: yes
+"""
+
+
+def test_parse_rated_reads_the_fastest_supported_mode():
+    assert facts.parse_rated(ETHTOOL_GIGABIT_AT_100) == 1000
+    server = (
+        "\tSupported link modes:   10000baseKR/Full\n\t  25000baseCR/Full\n\tSpeed: 25000Mb/s\n"
+    )
+    assert facts.parse_rated(server) == 25000
+    # No ethtool, or a virtual NIC: nothing to compare with.
+    assert facts.parse_rated("physical") is None
+    assert facts.parse_rated("\tSupported link modes:   Not reported\n") is None
+
+
+def test_a_nic_that_negotiated_below_what_it_supports_is_a_warning():
+    slow = healthy_facts(N2, speed="100", device=ETHTOOL_GIGABIT_AT_100)
+    assert slow.physical and slow.rated_mbps == 1000
+    fast = healthy_facts(N1, speed="1000", device=ETHTOOL_GIGABIT_AT_100)
+    verdict = addressing.interface_findings([N1, N2], {"node1": fast, "node2": slow}, N1)
+    warns = only(verdict.findings, "node2", status=Status.WARN)
+    assert [w.detail for w in warns] == [
+        "node2's eth1 runs at 100 Mb/s, others at 1000 Mb/s",
+        "node2's eth1 negotiated 100 Mb/s, below the 1000 Mb/s it supports",
+    ]
+    assert warns[1].remedy.startswith("on node2: a cable rated for 1000 Mb/s")
+    assert only(verdict.findings, "node1")[0].status is Status.PASS
+    # A virtual NIC (no device: the facts script prints nothing) is never judged so.
+    virtual = healthy_facts(N2, speed="100")
+    assert not virtual.physical and virtual.rated_mbps is None
+
+
+def test_raw_tcp_far_below_the_negotiated_speed_is_a_warning():
+    # 10^8 bytes: node2 sends them in 10 s, 0.01 GB/s (80 Mb/s) over gigabit links, 8 %; node1
+    # in 0.91 s, 0.11 GB/s (88 %).
+    ring = [Link("node1", "node2", 10**8, 10 / 11), Link("node2", "node1", 10**8, 10.0)]
+    found = traffic.bandwidth_findings(
+        [N1, N2], N1, [], ring, [], {}, {"node1": 1000, "node2": 1000}
+    )
+    (warn,) = only(found, "node2", status=Status.WARN)
+    assert warn.detail == (
+        "node2 sends raw TCP over eth1 at 8% at best of the speed its links negotiated "
+        "(1 Gbit/s here)"
+    )
+    assert warn.remedy.startswith("on node2: errors and drops (ip -s link show eth1)")
+    assert only(found, "node1")[0].status is Status.PASS
+    # Judged against the slower end: node1's gigabit NIC sending to a 100 Mb/s peer at 80 Mb/s
+    # is not slow; nor is a virtual NIC (not in `negotiated`), nor one above 10 Gbit/s, where a
+    # single TCP stream is bound by a CPU core.
+    for negotiated in ({"node1": 1000, "node2": 100}, {}, {"node1": 100_000, "node2": 100_000}):
+        slow_peer = [Link("node1", "node2", 10**8, 10.0), Link("node2", "node1", 10**8, 10.0)]
+        found = traffic.bandwidth_findings([N1, N2], N1, [], slow_peer, [], {}, negotiated)
+        assert not only(found, "node1", status=Status.WARN), negotiated
+
+
 def test_parse_facts_sections():
     f = healthy_facts(N1, infiniband="mlx5_0\n")
     assert f.hostname == "node1" and f.resolved["node2"] == ["10.9.0.12"]
@@ -158,6 +230,7 @@ def test_facts_script_asks_for_everything_with_quoting():
     assert "ping -n -q -c 5 -i 0.2 -W 1 -w 3 10.9.0.12" in text
     assert "getent ahostsv4 node3" in text and "ip -j route get 10.9.0.13" in text
     assert "cat /sys/class/net/eth1/speed" in text and "/sys/class/infiniband" in text
+    assert "[ -e /sys/class/net/eth1/device ] && echo physical && { ethtool eth1" in text
     assert "10.9.0.11 >" not in text  # never pings itself
 
 
