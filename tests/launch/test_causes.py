@@ -1,0 +1,208 @@
+"""Issue 55, the why: a slow node's cause named in one line, from the node's own counters read
+twice (launch/causes.py). The parsers and the judgement on recorded outputs (cgroup v1 and v2,
+PSI, /proc/net/snmp, tc, nvidia-smi); then the node's script for real in a simulated node's
+container, its CPU held to 0.3 of a core by Docker while it spins, and its link shaped by tc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from torch_multinode.launch import causes
+
+# A 5 s window over which a cgroup v1 container limited to 0.3 CPU spun (docker run --cpus 0.3).
+V1_BEFORE = "30000\n100000\n\nnr_periods 8\nnr_throttled 4\nthrottled_time 2080511558\n"
+V1_AFTER = "30000\n100000\n\nnr_periods 59\nnr_throttled 55\nthrottled_time 9080511558\n"
+V2_UNLIMITED = "max 100000\n\nusage_usec 1000\nnr_periods 0\nnr_throttled 0\nthrottled_usec 0\n"
+V2_HALF = "50000 100000\n\nusage_usec 1000\nnr_periods 10\nnr_throttled 1\nthrottled_usec 10\n"
+SNMP = (
+    "Tcp: RtoAlgorithm RtoMin RtoMax MaxConn ActiveOpens PassiveOpens AttemptFails EstabResets "
+    "CurrEstab InSegs OutSegs RetransSegs InErrs OutRsts InCsumErrors\n"
+    "Tcp: 1 200 120000 -1 10 5 0 0 2 {insegs} {out} {again} 0 0 0\n"
+)
+# nvidia-smi --query-gpu=causes.GPU_QUERY --format=csv,noheader,nounits on two GPUs: GPU 1 held
+# down by a hardware thermal slowdown (0x40) at 91 C, GPU 0 idle (0x1) and well; then a GPU on
+# a riser that narrows its link to x4.
+GPUS_HOT = (
+    "0, 0x0000000000000001, 45, 61.20, 300.00, 1980, 1980, 4, 4, 16, 16\n"
+    "1, 0x0000000000000040, 91, 250.10, 300.00, 1095, 1980, 4, 4, 16, 16\n"
+)
+GPU_NARROW = "0, 0x0000000000000000, 60, 280.00, 300.00, 1980, 1980, 4, 4, 4, 16\n"
+
+
+def sample(**sections: str) -> str:
+    return "".join(f"@@{name.replace('_', ' ')}\n{body}\n" for name, body in sections.items())
+
+
+def readings(before: dict[str, str], after: dict[str, str]) -> tuple:
+    text = "@@first\n" + sample(**before) + "@@second\n" + sample(**after)
+    return causes.parse(text)
+
+
+IDLE_STAT = "cpu  1000 0 1000 8000 0 0 0 0 0 0"
+IDLE_STAT_LATER = "cpu  1100 0 1100 8800 0 0 0 0 0 0"
+
+
+def test_cgroup_v1_and_v2_quotas_and_throttling():
+    assert causes.parse_cgroup(V1_AFTER) == (0.3, (59, 55))
+    assert causes.parse_cgroup("-1\n100000\n\nnr_periods 0\nnr_throttled 0\n") == (None, (0, 0))
+    assert causes.parse_cgroup(V2_UNLIMITED) == (None, (0, 0))
+    assert causes.parse_cgroup(V2_HALF) == (0.5, (10, 1))
+
+
+def test_a_throttled_cgroup_is_named_with_its_quota_and_share():
+    first, second = readings(
+        {"stat": IDLE_STAT, "cgroup_node": V1_BEFORE},
+        {"stat": IDLE_STAT_LATER, "cgroup_node": V1_AFTER},
+    )
+    cause = causes.judge(first, second, "eth1")
+    assert cause == causes.Cause(
+        "cpu", "CPU throttled by its cgroup quota (0.3 CPU, 100% of periods throttled)"
+    )
+    # The job's container's own quota is named as such.
+    first, second = readings(
+        {"cgroup_container": V1_BEFORE, "cgroup_node": V2_UNLIMITED},
+        {"cgroup_container": V1_AFTER, "cgroup_node": V2_UNLIMITED},
+    )
+    assert causes.judge(first, second).text.startswith(
+        "CPU throttled by the job's container's cgroup quota (0.3 CPU"
+    )
+
+
+def test_steal_contention_memory_network_disk_and_data_each_named():
+    steal = readings(
+        {"stat": "cpu  1000 0 1000 8000 0 0 0 0"}, {"stat": "cpu  1400 0 1400 8800 0 0 0 400"}
+    )
+    assert causes.judge(*steal).text == (
+        "CPU stolen by the hypervisor (20% of the node's CPU time: steal)"
+    )
+    busy = readings(
+        {"pressure_cpu": "some avg10=10.00 avg60=1 avg300=1 total=1"},
+        {
+            "loadavg": "9.50 4.00 2.00 9/300 1234",
+            "cpus": "2",
+            "pressure_cpu": "some avg10=62.50 avg60=30.00 avg300=10.00 total=99",
+        },
+    )
+    assert causes.judge(*busy).text == (
+        "CPU contention (load 9.5 on 2 CPUs, tasks waited for a CPU 62 % of the time)"
+    )
+    swapping = readings(
+        {"vmstat": "pswpin 100\npswpout 100"}, {"vmstat": "pswpin 2100\npswpout 3100"}
+    )
+    assert causes.judge(*swapping).text == "memory: swapping (1000 pages a second)"
+    shaped = readings(
+        {}, {"qdisc": "qdisc tbf 8001: root refcnt 2 rate 100Mbit burst 4Kb lat 400ms"}
+    )
+    assert causes.judge(*shaped, "eth1").text == "network: eth1 is shaped (tbf at 100Mbit, tc)"
+    errors = readings(
+        {"net": "rx_errors 3\ntx_errors 0\nrx_dropped 0\ntx_dropped 0"},
+        {"net": "rx_errors 40\ntx_errors 0\nrx_dropped 0\ntx_dropped 0"},
+    )
+    assert causes.judge(*errors, "eth1").text == "network: eth1 37 rx errors in 5 s"
+    retransmits = readings(
+        {"snmp": SNMP.format(insegs=10, out=1000, again=10)},
+        {"snmp": SNMP.format(insegs=10, out=11000, again=510)},
+    )
+    assert causes.judge(*retransmits).text == "network: TCP retransmits 5.0% of its segments"
+    disk = readings({}, {"pressure_io": "some avg10=45.10 avg60=1 avg300=1 total=1"})
+    assert causes.judge(*disk).text == "disk: tasks waited for I/O 45 % of the time"
+    nothing = readings({"stat": IDLE_STAT}, {"stat": IDLE_STAT_LATER})
+    assert causes.judge(*nothing, data_wait=0.62).text == (
+        "data loading: 62% of its step waits for the loader"
+    )
+
+
+def test_nothing_found_is_unknown_with_the_numbers():
+    first, second = readings(
+        {"stat": IDLE_STAT, "cgroup_node": V2_UNLIMITED},
+        {
+            "stat": IDLE_STAT_LATER,
+            "loadavg": "0.50 0.40 0.30 1/100 5",
+            "cpus": "8",
+            "cgroup_node": V2_UNLIMITED,
+            "pressure_cpu": "some avg10=1.00 avg60=1 avg300=1 total=1",
+        },
+    )
+    cause = causes.judge(first, second)
+    assert cause.kind == "unknown"
+    assert cause.text == (
+        "unknown (CPU 20% busy, steal 0%, load 0.5 on 8 CPUs, no node quota, cpu pressure 1 %, "
+        "0 pages swapped a second)"
+    )
+
+
+def test_a_gpu_held_down_or_on_a_narrow_link_is_named_from_nvidia_smi():
+    (gpu0, gpu1) = causes.parse_gpus(GPUS_HOT)
+    assert (gpu1.index, gpu1.reasons, gpu1.temperature, gpu1.sm_clock) == (1, 0x40, 91.0, 1095.0)
+    assert gpu0.reasons == 0x1 and gpu0.pcie_width_max == 16
+    hot = readings({}, {"gpu": GPUS_HOT})
+    assert causes.judge(*hot) == causes.Cause(
+        "gpu",
+        "GPU 1 held down: hardware thermal slowdown (SM clock 1095 of 1980 MHz, 91 C, 250.1 of "
+        "300 W)",
+    )
+    narrow = readings({}, {"gpu": GPU_NARROW})
+    assert causes.judge(*narrow).text == (
+        "GPU 0's PCIe link runs x4 of x16 (a slot or riser that narrows it)"
+    )
+    # A power cap with the clock near its maximum says nothing; an unknown field's error neither.
+    capped = "0, 0x0000000000000004, 70, 299.00, 300.00, 1900, 1980, 4, 4, 16, 16\n"
+    assert causes.judge(*readings({}, {"gpu": capped})).kind == "unknown"
+    refused = 'Field "clocks_event_reasons.active" is not a valid field to query.\n'
+    assert causes.parse_gpus(refused) == []
+
+
+def test_the_script_reads_every_counter_twice():
+    text = causes.script("eth1", container="tmn-job-node2")
+    assert text.count("read_all") == 3 and f"sleep {causes.WINDOW:g}" in text
+    assert "docker exec tmn-job-node2 sh -c" in text
+    assert "tc qdisc show dev eth1" in text and "/sys/class/net/eth1/statistics" in text
+    assert f"--query-gpu={causes.GPU_QUERY}" in text
+
+
+@pytest.fixture
+def node():
+    """A simulated node's container of this run, spinning, its CPU held to 0.3 of a core."""
+    from torch_multinode.sim.node_image import NODE_IMAGE, build_images
+
+    build_images()  # cached after the first time
+    name = f"tmncauses-{os.getpid()}"
+    subprocess.run(
+        ["docker", "run", "-d", "--name", name, "--cpus", "0.3", "--cap-add", "NET_ADMIN"]
+        + ["--entrypoint", "sleep", NODE_IMAGE, "300"],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield name
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
+
+
+def _look(container: str) -> causes.Cause:
+    done = subprocess.run(
+        ["docker", "exec", container, "sh", "-c", causes.script("eth0")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return causes.judge(*causes.parse(done.stdout), "eth0")
+
+
+@pytest.mark.sim
+def test_on_a_node_a_cpu_quota_and_a_shaped_link_are_named(node):
+    spin = subprocess.Popen(["docker", "exec", node, "sh", "-c", "while :; do :; done"])
+    try:
+        cpu = _look(node)
+    finally:
+        spin.kill()
+        subprocess.run(["docker", "restart", "-t", "0", node], capture_output=True, check=True)
+    assert cpu.kind == "cpu", cpu
+    assert cpu.text.startswith("CPU throttled by its cgroup quota (0.3 CPU, "), cpu
+    shape = "tc qdisc add dev eth0 root tbf rate 100mbit burst 32kbit latency 400ms"
+    subprocess.run(["docker", "exec", node, "sh", "-c", shape], check=True)
+    assert _look(node) == causes.Cause("network", "network: eth0 is shaped (tbf at 100Mbit, tc)")
