@@ -32,6 +32,7 @@ def summary(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
         + (f", restart {result.restart} of {result.restarts}." if result.restart else ".")
     ]
     lines += [f"Nodes: {change}" for change in result.nodes_changed]
+    lines += [f"Straggler: {line}" for line in result.stragglers]
     if result.failed_node and not result.interrupted:
         lines += _why(result, hosts) + list(result.flights)
     for host in hosts:

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from torch_multinode.cluster import sync
+from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.launch import blame, staging, stop, watch
+from torch_multinode.launch import blame, causes, staging, stop, watch
 from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.node_output import NodeOutput
@@ -109,6 +110,8 @@ class Launcher:
         # each node's versions as prepared, and what changed since the lock (allow_drift)
         self.versions: dict[str, dict[str, str]] = {}
         self.drift: dict[str, list[str]] = {}
+        # a slow rank's node, probed for its cause (launch.causes)
+        self.stragglers = causes.Stragglers(self._probe, self._interface, emit)
 
     def remote_for(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""
@@ -240,7 +243,29 @@ class Launcher:
         return [threading.Thread(target=watch.stall, args=(self.job,), daemon=True)]
 
     def _observe(self, line: str) -> bool:
+        self.stragglers.note(line)
         return self.job.progress.note(line)
+
+    def _node(self, name: str) -> Host:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise UserError(f"{name} is not one of this job's nodes by that name")
+
+    def _interface(self, name: str) -> str:
+        return self._node(name).compute_interface or ""
+
+    def _probe(self, name: str) -> str:
+        """causes.script's output on node `name`, over a session of its own (the job's
+        container's cgroup read too where the job runs in one)."""
+        host = self._node(name)
+        container = container_name(self.spec.run_id, host.name) if self.job.container else None
+        with self.job.session(host) as remote:
+            remote.connect()
+            answer = remote.run(
+                causes.script(self._interface(name), container), timeout=causes.WINDOW + 30
+            )
+        return answer.stdout
 
     def _follow(self, runners: list[threading.Thread]) -> None:
         """Until the job is done (a failure, or every node's exit), or every runner ended."""
@@ -305,6 +330,7 @@ class Launcher:
             flights=tuple(flights),
             versions=dict(self.versions),
             drift=dict(self.drift),
+            stragglers=tuple(self.stragglers.said),
         )
 
     def run(self) -> JobResult:

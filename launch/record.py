@@ -298,6 +298,7 @@ def finish(
         failed_node=None if result is None or result.interrupted else result.failed_node,
         restarts=0 if result is None else result.restart,
         nodes_changed=list(result.nodes_changed) if result is not None else [],
+        stragglers=list(result.stragglers) if result is not None else [],
         versions=None if result is None or not result.versions else result.versions,
         drift=None if result is None or not result.drift else result.drift,
         last_step=last_step(directories),

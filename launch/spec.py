@@ -160,6 +160,8 @@ class JobResult:
     # what became of the nodes lost on the way (a spare in one's place, or dropped), as lines
     # (launch.restarts.survivors)
     nodes_changed: tuple[str, ...] = ()
+    # the straggler each time one was named, with its cause (launch.causes.Stragglers), as lines
+    stragglers: tuple[str, ...] = ()
 
     @property
     def exit_code(self) -> int:

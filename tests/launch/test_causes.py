@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -206,3 +207,111 @@ def test_on_a_node_a_cpu_quota_and_a_shaped_link_are_named(node):
     shape = "tc qdisc add dev eth0 root tbf rate 100mbit burst 32kbit latency 400ms"
     subprocess.run(["docker", "exec", node, "sh", "-c", shape], check=True)
     assert _look(node) == causes.Cause("network", "network: eth0 is shaped (tbf at 100Mbit, tc)")
+
+
+SLOW_WARNING = (
+    "warning: rank 1 on {node} is slow: 0.503 s of its own work per step (median of steps 5-8), "
+    "the other ranks' median 0.003 s; every rank waits for it"
+)
+# What causes.script printed on a node whose cgroup held it to 0.3 CPU (recorded in the
+# simulated node's container, below, then trimmed to the sections judged).
+THROTTLED_NODE = (
+    f"@@first\n@@stat\n{IDLE_STAT}\n@@cgroup node\n{V1_BEFORE}\n"
+    f"@@second\n@@stat\n{IDLE_STAT_LATER}\n@@cgroup node\n{V1_AFTER}\n"
+)
+THROTTLED_LINE = (
+    "n2 is the straggler: rank 1's own work takes 503 ms a step, the others' 3 ms, and every "
+    "rank waits for it; cause: CPU throttled by its cgroup quota (0.3 CPU, 100% of periods "
+    "throttled)"
+)
+
+
+def test_a_slow_ranks_node_is_probed_and_named_once_per_change():
+    said: list[str] = []
+    answers = {"n2": THROTTLED_NODE}
+    probed: list[str] = []
+
+    def probe(node: str) -> str:
+        probed.append(node)
+        if node not in answers:
+            raise RuntimeError(f"host '{node}': cannot SSH to it: timed out")
+        return answers[node]
+
+    stragglers = causes.Stragglers(probe, lambda node: "eth1", said.append)
+    stragglers.note("[n1] step 8/100 loss 2.1")  # not a warning: nothing probed
+    stragglers.note("[n1] [rank 0] " + SLOW_WARNING.format(node="n2"))
+    stragglers.join(10)
+    assert said == [f"[launcher] {THROTTLED_LINE}"]
+    # The same node and cause again: probed, not said again.
+    stragglers.note(SLOW_WARNING.format(node="n2"))
+    stragglers.join(10)
+    assert probed == ["n2", "n2"] and len(said) == 1
+    # Another cause on that node is said; a node that cannot be probed is said as such.
+    answers["n2"] = "@@first\n@@second\n@@qdisc\nqdisc tbf 1: root rate 100Mbit burst 4Kb\n"
+    stragglers.note(SLOW_WARNING.format(node="n2"))
+    stragglers.join(10)
+    stragglers.note(SLOW_WARNING.format(node="n3"))
+    stragglers.join(10)
+    assert [line.split("cause: ")[1] for line in said[1:]] == [
+        "network: eth1 is shaped (tbf at 100Mbit, tc)",
+        "unknown (not probed: host 'n3': cannot SSH to it: timed out)",
+    ]
+    assert stragglers.said == [line.removeprefix("[launcher] ") for line in said]
+
+
+def test_the_launcher_names_the_straggler_its_job_reports_and_keeps_it():
+    """The real launcher on fake nodes (no traffic): rank 0's warning names n2; the launcher
+    probes n2 over a session of its own (the script's output recorded above), says the line,
+    and the summary and the result (what the run's record keeps) hold it."""
+    from tests.fakes import FakeNodes
+    from tests.helpers import inventory_text, node
+    from torch_multinode.cluster.inventory_read import parse as parse_inventory
+    from torch_multinode.launch.backends import SshBackend
+    from torch_multinode.launch.restarts import run_with_restarts
+    from torch_multinode.launch.spec import JobSpec
+    from torch_multinode.launch.staging import Project
+
+    hosts = {"n1": node(1, compute_ip="10.7.0.9"), "n2": node(2, compute_ip="10.7.0.10")}
+    inventory = parse_inventory(
+        inventory_text(hosts, launch_mode="host", training_python="/opt/venv/bin/python"),
+        "/nonexistent/inv.yml",
+    )
+    said: list[str] = []
+
+    def job_on(host, command, out) -> int:
+        if host.name == "n1":
+            out.write(f"[rank 0] {SLOW_WARNING.format(node='n2')}\n")
+            # The job goes on while the launcher looks (at most a few seconds here).
+            for _ in range(100):
+                if any("is the straggler" in line for line in said):
+                    break
+                time.sleep(0.1)
+        return 0
+
+    def answer(host, command):
+        return THROTTLED_NODE if "read_all" in command and host.name == "n2" else ""
+
+    nodes = FakeNodes(list(inventory.hosts), responder=answer, streamer=job_on)
+    spec = JobSpec(run_id="tmn-slow")
+    project = Project(trees=(), workdir="/w", script=None)
+    backend = SshBackend(inventory, spec, said.append, project, restart_wait=5, nodes=nodes)
+    result = run_with_restarts(backend, spec, 0, said.append)
+    assert result.exit_code == 0, said
+    assert f"[launcher] {THROTTLED_LINE}" in said, said
+    assert result.stragglers == (THROTTLED_LINE,)
+    assert f"Straggler: {THROTTLED_LINE}" in backend.summary(result)
+    probes = [command for name, command in nodes.commands if "read_all" in command]
+    assert len(probes) == 1 and "tc qdisc show dev eth1" in probes[0]
+
+
+def test_the_run_record_keeps_every_straggler_named(tmp_path):
+    from torch_multinode.launch import record
+    from torch_multinode.launch.spec import JobResult, JobSpec
+
+    spec = JobSpec(run_id="tmn-slow", log_dir=tmp_path / "tmn-slow")
+    result = JobResult("tmn-slow", {}, None, False, 12.0, stragglers=(THROTTLED_LINE,))
+    kept = record.finish({"started": "2026-11-30T00:00:00+00:00"}, spec, result, 0)
+    assert kept["stragglers"] == [THROTTLED_LINE]
+    assert (
+        record.finish({"started": "2026-11-30T00:00:00+00:00"}, spec, None, 2)["stragglers"] == []
+    )
