@@ -32,7 +32,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-MARK = "@@"
+from torch_multinode.netcheck import facts
+
+MARK = facts.MARK
 WINDOW = 5.0  # seconds between the two readings
 THROTTLED_SHARE = 0.2  # of a cgroup's periods, over the window
 STEAL_SHARE = 0.1  # of the node's CPU time
@@ -148,35 +150,15 @@ def script(interface: str, container: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sections(text: str) -> list[tuple[str, str]]:
-    found: list[tuple[str, str]] = []
-    name: str | None = None
-    body: list[str] = []
-    for line in text.splitlines():
-        if line.startswith(MARK):
-            if name is not None:
-                found.append((name, "\n".join(body).strip()))
-            name, body = line[len(MARK) :].strip(), []
-        elif name is not None:
-            body.append(line)
-    if name is not None:
-        found.append((name, "\n".join(body).strip()))
-    return found
-
-
 def parse(text: str) -> tuple[Sample, Sample]:
-    """The script's output: the first and the second reading."""
-    samples: list[Sample] = []
-    for name, body in sections(text):
-        if name in ("first", "second"):
-            samples.append(Sample())
-            continue
-        if not samples:
-            continue
-        _read(samples[-1], name, body)
-    while len(samples) < 2:
-        samples.append(Sample())
-    return samples[0], samples[1]
+    """The script's output: the first and the second reading (netcheck's sections, one set
+    each side of the `second` mark)."""
+    halves = re.split(rf"^{MARK}second$", text, maxsplit=1, flags=re.MULTILINE)
+    samples = (Sample(), Sample())
+    for sample, half in zip(samples, [*halves, ""][:2], strict=True):
+        for name, body in facts.sections(half).items():
+            _read(sample, name, body)
+    return samples
 
 
 def _read(sample: Sample, name: str, body: str) -> None:
