@@ -11,7 +11,9 @@ The last test sets Slurm up on the three nodes and proves the spare through it.
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import uuid
 import warnings
 
@@ -38,6 +40,11 @@ from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
 from torch_multinode.cluster.inventory_read import load
 from torch_multinode.provision import ship
 from torch_multinode.sim import nodes as sim
+
+# The first test's set-up waits for the training image (built by the `image` group's worker
+# under a lock, or by this one) and readies three nodes: on two loaded cores that can outlast
+# the default 900 s. The limit only keeps a hang from holding the run.
+pytestmark = pytest.mark.timeout(2400)
 
 STEPS = 15
 CHECKPOINTING = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "4")
@@ -383,6 +390,42 @@ def slurm3(sim3, tmp_path):
                 cluster, index, "pkill -x slurmctld; pkill -x slurmd; pkill -x munged", check=False
             )
         (REPO_ROOT / ".slurm" / f"{name}.munge.key").unlink(missing_ok=True)
+
+
+@pytest.mark.sim
+def test_a_node_held_to_a_fraction_of_a_core_is_named_the_straggler_with_its_cause(sim3, start):
+    """Issue 55: a 2-node job in containers, even at first; then node2's container is held to
+    0.3 of a core (docker update --cpus, as a noisy neighbour's quota would). Rank 0's warning
+    names rank 1 on node2, the launcher reads node2's counters and says why: its cgroup's quota.
+    Said once, and kept in the run's record."""
+    _all_back(sim3)
+    cluster, _ = sim3
+    node2 = cluster.config.container(2)
+    # Steps big enough that the held rank loses well over SLOW_RANK_MIN_EXCESS (20 ms) a step.
+    args = with_values(TINY, log_every="5", image_size="32", global_batch_size="64")
+    process = start("--nnodes", "2", "--", *args, "--steps", "100000")
+    even = _wait_for(process, re.compile(r"^\[node1\] step +20/"))
+    run_id = run_id_in(even)
+    sim.docker("update", "--cpus", "0.3", node2)
+    try:
+        seen = _wait_for(process, re.compile(r"^\[launcher\] node2 is the straggler: "), limit=180)
+        process.send_signal(signal.SIGINT)  # while node2 is still held: its cause is unchanged
+        rest, _ = process.communicate(timeout=180)
+    finally:
+        sim.docker("update", "--cpus", "0", node2)
+    assert "is the straggler" not in even, even[-3000:]  # an even cluster says nothing
+    (line,) = [text for text in seen.splitlines() if "is the straggler" in text]
+    assert re.fullmatch(
+        r"\[launcher\] node2 is the straggler: rank 1's own work takes \d+ ms a step, the "
+        r"others' \d+ ms, and every rank waits for it; cause: CPU throttled by its cgroup quota "
+        r"\(0\.3 CPU, \d+% of periods throttled\)",
+        line,
+    ), line
+    # Said once (the same cause is not said again), then in the summary.
+    assert rest.count("is the straggler") == 1, rest[-3000:]
+    assert f"Straggler: {line.removeprefix('[launcher] ')}" in rest, rest[-3000:]
+    kept = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
+    assert kept["stragglers"] == [line.removeprefix("[launcher] ")]
 
 
 @pytest.mark.sim
