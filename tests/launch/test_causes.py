@@ -304,10 +304,11 @@ def test_the_launcher_names_the_straggler_its_job_reports_and_keeps_it():
     assert len(probes) == 1 and "tc qdisc show dev eth1" in probes[0]
 
 
-def test_the_run_record_keeps_every_straggler_named(tmp_path):
+def test_the_run_record_keeps_every_straggler_named(tmp_path, monkeypatch):
     from torch_multinode.launch import record
     from torch_multinode.launch.spec import JobResult, JobSpec
 
+    monkeypatch.chdir(tmp_path)  # the record goes to .runs/ here
     spec = JobSpec(run_id="tmn-slow", log_dir=tmp_path / "tmn-slow")
     result = JobResult("tmn-slow", {}, None, False, 12.0, stragglers=(THROTTLED_LINE,))
     kept = record.finish({"started": "2026-11-30T00:00:00+00:00"}, spec, result, 0)
