@@ -21,7 +21,7 @@ from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.launch import blame, causes, staging, stop, watch
+from torch_multinode.launch import blame, causes, staging, stop, stragglers, watch
 from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.node_output import NodeOutput
@@ -110,8 +110,8 @@ class Launcher:
         # each node's versions as prepared, and what changed since the lock (allow_drift)
         self.versions: dict[str, dict[str, str]] = {}
         self.drift: dict[str, list[str]] = {}
-        # a slow rank's node, probed for its cause (launch.causes)
-        self.stragglers = causes.Stragglers(self._probe, self._interface, emit)
+        # a slow rank's node, probed for its cause (launch.stragglers)
+        self.stragglers = stragglers.Stragglers(self._probe, self._interface, emit)
 
     def remote_for(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from torch_multinode.launch import causes
+from torch_multinode.launch import causes, stragglers
 
 # A 5 s window over which a cgroup v1 container limited to 0.3 CPU spun (docker run --cpus 0.3).
 V1_BEFORE = "30000\n100000\n\nnr_periods 8\nnr_throttled 4\nthrottled_time 2080511558\n"
@@ -237,26 +237,26 @@ def test_a_slow_ranks_node_is_probed_and_named_once_per_change():
             raise RuntimeError(f"host '{node}': cannot SSH to it: timed out")
         return answers[node]
 
-    stragglers = causes.Stragglers(probe, lambda node: "eth1", said.append)
-    stragglers.note("[n1] step 8/100 loss 2.1")  # not a warning: nothing probed
-    stragglers.note("[n1] [rank 0] " + SLOW_WARNING.format(node="n2"))
-    stragglers.join(10)
+    watcher = stragglers.Stragglers(probe, lambda node: "eth1", said.append)
+    watcher.note("[n1] step 8/100 loss 2.1")  # not a warning: nothing probed
+    watcher.note("[n1] [rank 0] " + SLOW_WARNING.format(node="n2"))
+    watcher.join(10)
     assert said == [f"[launcher] {THROTTLED_LINE}"]
     # The same node and cause again: probed, not said again.
-    stragglers.note(SLOW_WARNING.format(node="n2"))
-    stragglers.join(10)
+    watcher.note(SLOW_WARNING.format(node="n2"))
+    watcher.join(10)
     assert probed == ["n2", "n2"] and len(said) == 1
     # Another cause on that node is said; a node that cannot be probed is said as such.
     answers["n2"] = "@@first\n@@second\n@@qdisc\nqdisc tbf 1: root rate 100Mbit burst 4Kb\n"
-    stragglers.note(SLOW_WARNING.format(node="n2"))
-    stragglers.join(10)
-    stragglers.note(SLOW_WARNING.format(node="n3"))
-    stragglers.join(10)
+    watcher.note(SLOW_WARNING.format(node="n2"))
+    watcher.join(10)
+    watcher.note(SLOW_WARNING.format(node="n3"))
+    watcher.join(10)
     assert [line.split("cause: ")[1] for line in said[1:]] == [
         "network: eth1 is shaped (tbf at 100Mbit, tc)",
         "unknown (not probed: host 'n3': cannot SSH to it: timed out)",
     ]
-    assert stragglers.said == [line.removeprefix("[launcher] ") for line in said]
+    assert watcher.said == [line.removeprefix("[launcher] ") for line in said]
 
 
 def test_the_launcher_names_the_straggler_its_job_reports_and_keeps_it():
