@@ -46,6 +46,7 @@ CLOCK_SHARE = 0.8  # a GPU's SM clock below this share of its maximum, with a re
 # NVML's clock event (formerly throttle) reasons that slow a busy GPU down, by bit
 # (nvmlClocksEventReason*); idle, the applications clocks setting, sync boost and the display
 # clock say nothing of a straggler.
+GPU_IDLE = 0x1  # nvmlClocksEventReasonGpuIdle: nothing runs on the GPU
 GPU_REASONS = {
     0x4: "software power cap",
     0x8: "hardware slowdown",
@@ -341,6 +342,16 @@ def _gpu(_first: Sample, second: Sample, _interface: str) -> Cause | None:
             return Cause(
                 "gpu", f"GPU {gpu.index} held down: {', '.join(named)} ({', '.join(details)})"
             )
+        # nvidia-smi: the link's current width and generation "may be reduced when the GPU is
+        # not in use"; only a GPU at work (not idle, its SM clock near its maximum) says
+        # anything of its slot.
+        if (
+            gpu.reasons & GPU_IDLE
+            or gpu.sm_clock is None
+            or not gpu.sm_clock_max
+            or gpu.sm_clock < CLOCK_SHARE * gpu.sm_clock_max
+        ):
+            continue
         if gpu.pcie_width and gpu.pcie_width_max and gpu.pcie_width < gpu.pcie_width_max:
             return Cause(
                 "gpu",

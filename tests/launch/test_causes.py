@@ -159,6 +159,12 @@ def test_a_gpu_held_down_or_on_a_narrow_link_is_named_from_nvidia_smi():
     # A power cap with the clock near its maximum says nothing; an unknown field's error neither.
     capped = "0, 0x0000000000000004, 70, 299.00, 300.00, 1900, 1980, 4, 4, 16, 16\n"
     assert causes.judge(*readings({}, {"gpu": capped})).kind == "unknown"
+    # An idle GPU's link drops its width and generation (nvidia-smi: "may be reduced when the
+    # GPU is not in use"): that says nothing of its slot, nor does a GPU at an idle clock.
+    idle = "0, 0x0000000000000001, 35, 60.00, 300.00, 345, 1980, 1, 4, 4, 16\n"
+    assert causes.judge(*readings({}, {"gpu": idle})).kind == "unknown"
+    slow_clock = "0, 0x0000000000000000, 35, 60.00, 300.00, 345, 1980, 1, 4, 16, 16\n"
+    assert causes.judge(*readings({}, {"gpu": slow_clock})).kind == "unknown"
     refused = 'Field "clocks_event_reasons.active" is not a valid field to query.\n'
     assert causes.parse_gpus(refused) == []
 
