@@ -32,7 +32,8 @@ from torch_multinode.netcheck import facts
 
 MARK = facts.MARK
 WINDOW = 5.0  # seconds between the two readings
-THROTTLED_SHARE = 0.2  # of a cgroup's periods, over the window
+THROTTLED_SHARE = 0.1  # of a cgroup's periods, over the window: on a loaded host a held
+# cgroup may not even reach its quota (21 % of periods throttled at 0.3 CPU, load 14 on 2 CPUs)
 # and at least this many periods throttled: a near-idle cgroup runs in a handful of periods, and
 # the probe's own reads can be throttled in one or two of them (1 of 3 read "33%" in CI run 32)
 THROTTLED_PERIODS = 5
