@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from tests.conftest import REPO_ROOT, make
-from tests.helpers import known_line, on_node, run_id_in, start_train
+from tests.conftest import REPO_ROOT, VENV_BIN, make
+from tests.helpers import interrupt, known_line, on_node, read_until, run_id_in, start_train
 from tests.training.conftest import load_state, max_difference
 from tests.training.references import SMALL, bench_row, digest, progress, reference
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
@@ -201,3 +201,96 @@ def test_a_full_node_local_disk_in_containers_is_one_error_line_naming_the_node(
     finally:
         on_node(provisioned.cluster, 2, f"umount {directory}; rm -rf {directory}", check=False)
         on_node(provisioned.cluster, 1, f"rm -rf {directory}", check=False)
+
+
+# The data-safety matrix's FSDP2 cells in the training containers: where the ranks write
+# ("node-local": each node its own disk, with replicas; "shared": /shared, which both see), the
+# step whose write node2's rank pauses in (the test hook), and the fault there: the rank
+# "killed" (RESTARTS=1: the launcher restarts the job), or Ctrl-C at the launcher.
+_FAULTS = [
+    pytest.param("node-local", 5, "killed", id="node-local-killed-before-the-first-checkpoint"),
+    pytest.param("node-local", 10, "ctrl-c", id="node-local-ctrl-c-during-a-checkpoint-write"),
+    pytest.param("shared", 10, "ctrl-c", id="shared-ctrl-c-during-a-checkpoint-write"),
+]
+
+
+@pytest.mark.parametrize(("layout", "paused", "fault"), _FAULTS)
+def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
+    provisioned, straight, layout, paused, fault
+):
+    """node2's rank pauses inside its write of step `paused`, its files in the step's temporary
+    directory; then it is killed (--restarts 1: the restart starts over from step 0, no step
+    being complete) or the launcher gets Ctrl-C (exit 130; the step before is there, byte for
+    byte as it was at the pause, and the next run resumes from it). The paused step never takes its name, the
+    half-written one is swept, and the run ends bit for bit where the uninterrupted one does."""
+    name = f"fsdp-{layout}-{uuid.uuid4().hex[:8]}"
+    directory = f"/shared/{name}" if layout == "shared" else f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
+    nodes = (1,) if layout == "shared" else (1, 2)  # where the steps are: one directory, or two
+
+    def steps() -> dict[int, str]:
+        """Each node's complete steps and their files' digests, as `ls` and sha256sum see them."""
+        return {
+            index: on_node(
+                provisioned.cluster,
+                index,
+                f"cd {directory} && ls -A | grep '^step-' | sort; "
+                "find step-* -type f 2>/dev/null | sort | xargs -r sha256sum; true",
+            )
+            for index in nodes
+        }
+
+    where = directory if layout == "shared" else name
+    pause = ["--checkpoint-pause-step", str(paused), "--checkpoint-pause-rank", "1"]
+    # The launcher itself, not make: its exit code is the one asserted, and Ctrl-C is its own.
+    job = subprocess.Popen(
+        [str(VENV_BIN / "train"), "-i", str(provisioned.inventory), "--nnodes", "2"]
+        + ["--module", "training.fsdp", *(["--restarts", "1"] if fault == "killed" else [])]
+        + ["--", *SMALL, "--checkpoint-dir", where, *pause],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        seen = read_until(job, f"[node2] [rank 1] checkpoint step {paused}: its files written ")
+        before = steps()
+        if fault == "killed":
+            on_node(
+                provisioned.cluster, 2, "pkill -9 -f ' -u -m torch_multinode[.]training[.]fsdp '"
+            )
+            rest, _ = job.communicate(timeout=600)
+        else:
+            rest, _ = interrupt(job)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    try:
+        out = seen + rest
+        if fault == "killed":
+            assert job.returncode == 0, out[-4000:]
+            restarted = out.split("restart 1 of 1", 1)[1]
+            assert all("step-" not in listed for listed in before.values()), before
+            assert re.search(r"\[node1\] no checkpoints in \S+: starting from step 0", restarted)
+            ended = restarted
+        else:
+            assert job.returncode == 130, out[-4000:]
+            assert f"Job {run_id_in(seen)} interrupted" in rest, rest[-3000:]
+            # Step 5 complete and byte for byte as at the pause; step 10 never took its name.
+            assert steps() == before, before
+            for listed in before.values():
+                assert listed.split("\n")[0] == "step-00000005", listed
+            again = _train(provisioned, _args("--checkpoint-dir", where))
+            assert again.returncode == 0, again.stdout[-4000:] + again.stderr
+            assert re.search(
+                r"\[node1\] resuming from step 5, the newest step every rank has", again.stdout
+            ), again.stdout[-4000:]
+            ended = again.stdout
+        # The paused write swept, the newest steps (--keep 3) written whole, on every disk.
+        for index in nodes:
+            listed = on_node(provisioned.cluster, index, f"ls -A {directory}").split()
+            named = sorted(n for n in listed if n.startswith("step-"))
+            assert named == ["step-00000010", "step-00000015", "step-00000020"], listed
+            assert not any(n.endswith(".tmp") for n in listed), listed
+        assert digest(_master_lines(ended)) == digest(_master_lines(straight.stdout))
+    finally:
+        for index in nodes:
+            on_node(provisioned.cluster, index, f"rm -rf {directory}", check=False)
