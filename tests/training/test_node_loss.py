@@ -15,14 +15,12 @@ import json
 import re
 import signal
 import uuid
-import warnings
 
 import pytest
 
 from tests.ansible.conftest import ansible_playbook, read_inventory, write_inventory
-from tests.conftest import REPO_ROOT, TEST_IMAGE, build_training_image
+from tests.conftest import REPO_ROOT
 from tests.helpers import known_line, leftovers, no_containers_left, run_id_in
-from tests.shared_layers import link_image
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -38,7 +36,6 @@ from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
 from torch_multinode.cluster.inventory_read import load
-from torch_multinode.provision import ship
 from torch_multinode.sim import nodes as sim
 
 # The first test's set-up waits for the training image (built by the `image` group's worker
@@ -55,41 +52,6 @@ _LOSS = re.compile(r"step +(\d+)/\d+ +loss ([0-9.]+)")
 
 # 48 samples a step: 16 per rank on 3 nodes, 5 steps an epoch; a loss line every step.
 THREE = with_values(TINY, global_batch_size="48", log_every="1")
-
-
-@pytest.fixture(scope="module")
-def sim3(sim_factory, tmp_path_factory):
-    """3 nodes whose jobs run in the CPU twin (TEST_IMAGE), readied by the roles jobs need.
-    Their engines start with the twin already in their store, as hard links to this machine's
-    copy (tests/shared_layers.py); a node whose engine then does not hold it gets it streamed
-    (provision/ship.py)."""
-    cluster = sim_factory.up(3)
-    document = read_inventory(cluster.config.inventory_path)
-    document["all"]["vars"].update(
-        launch_mode="container", training_image=TEST_IMAGE, container_mounts=["/shared"]
-    )
-    inventory = write_inventory(document, tmp_path_factory.mktemp("sim3") / "inventory.yml")
-    image = build_training_image(tmp_path_factory)  # waits while another worker builds it
-    why = link_image(image.tag, [cluster.config.volume(index) for index in (1, 2, 3)])
-    if why is not None:
-        warnings.warn(f"the twin's layers not linked ({why}): loaded instead", stacklevel=1)
-    # What jobs in containers need of `make provision`: the engine, NCCL's configuration
-    # file, the checkpoint and data directories.
-    run = ansible_playbook(inventory, "--tags", "docker,nccl_config,job_storage")
-    assert run.returncode == 0, run.describe()
-    nodes = load(inventory)
-    lacking = [
-        host
-        for index, host in enumerate(nodes.hosts, start=1)
-        if _on_node(
-            cluster, index, f"docker image inspect --format '{{{{.Id}}}}' {image.tag}", False
-        ).strip()
-        != image.image_id
-    ]
-    if lacking:  # streamed as `make ship` does when no registry answers
-        ship.stream(nodes, lacking, image.tag, emit=lambda _: None)
-    yield cluster, inventory
-    sim_factory.down(cluster)
 
 
 def _all_back(sim3) -> None:
@@ -414,7 +376,13 @@ def test_a_node_held_to_a_fraction_of_a_core_is_named_the_straggler_with_its_cau
     finally:
         sim.docker("update", "--cpus", "0", node2)
     assert "is the straggler" not in even, even[-3000:]  # an even cluster says nothing
-    (line,) = [text for text in seen.splitlines() if "is the straggler" in text]
+    # node2, named once. Another node may be named before it, only for what loaded cores do
+    # to any node (seen with two test runs on this machine's 2 cores: node1 named for "CPU
+    # contention (load 14.47 on 2 CPUs, ...)"), and then it is in the summary and record too.
+    lines = [text.removeprefix("[launcher] ") for text in seen.splitlines()]
+    others = [t for t in lines if " is the straggler: " in t and not t.startswith("node2 ")]
+    assert all("cause: CPU contention (load " in text for text in others), others
+    (line,) = [f"[launcher] {text}" for text in lines if text.startswith("node2 is the straggler")]
     assert re.fullmatch(
         r"\[launcher\] node2 is the straggler: rank 1's own work takes \d+ ms a step, the "
         r"others' \d+ ms, and every rank waits for it; cause: CPU throttled by its cgroup quota "
@@ -422,10 +390,13 @@ def test_a_node_held_to_a_fraction_of_a_core_is_named_the_straggler_with_its_cau
         line,
     ), line
     # Said once (the same cause is not said again), then in the summary.
-    assert rest.count("is the straggler") == 1, rest[-3000:]
+    assert rest.count("node2 is the straggler") == 1, rest[-3000:]
     assert f"Straggler: {line.removeprefix('[launcher] ')}" in rest, rest[-3000:]
-    kept = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
-    assert kept["stragglers"] == [line.removeprefix("[launcher] ")]
+    kept = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())["stragglers"]
+    assert [text for text in kept if text.startswith("node2 ")] == [
+        line.removeprefix("[launcher] ")
+    ]
+    assert all("cause: CPU contention (load " in text for text in kept if text not in line), kept
 
 
 @pytest.mark.sim
