@@ -39,6 +39,8 @@ from tests.run_logs import run_logs
 from torch_multinode.cluster import engine
 from torch_multinode.sim import nodes as sim
 
+pytest_plugins = ["tests.three_nodes"]  # sim3, shared by two modules of one group
+
 if TYPE_CHECKING:
     from tests.ansible.conftest import PlaybookRun
 
@@ -72,6 +74,8 @@ _GROUPS: dict[str, str] = {
     "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others
     # One cluster of a pair of nodes per network stack, beside the others.
     "tests/ansible/test_static_ip.py": "static_ip",
+    # Slurm from the inventory, first on the node-loss tests' 3 nodes (tests/three_nodes.py).
+    "tests/ansible/test_slurm.py": "node_loss",
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
     "tests/training/test_node_loss.py": "node_loss",  # one 3-node cluster, its nodes killed
 }
