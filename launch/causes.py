@@ -32,10 +32,11 @@ from torch_multinode.netcheck import facts
 
 MARK = facts.MARK
 WINDOW = 5.0  # seconds between the two readings
-THROTTLED_SHARE = 0.1  # of a cgroup's periods, over the window: on a loaded host a held
-# cgroup may not even reach its quota (21 % of periods throttled at 0.3 CPU, load 14 on 2 CPUs)
-# and at least this many periods throttled: a near-idle cgroup runs in a handful of periods, and
-# the probe's own reads can be throttled in one or two of them (1 of 3 read "33%" in CI run 32)
+# A cgroup's quota is the cause when at least THROTTLED_SHARE of its periods in the window were
+# throttled (on a loaded host a held cgroup may not even reach its quota: 21 % at 0.3 CPU, load
+# 14 on 2 CPUs), and at least THROTTLED_PERIODS of them (a near-idle cgroup runs in a handful of
+# periods, and the probe's own reads can be throttled in one: 1 of 3 read "33 %" in stop 60's CI).
+THROTTLED_SHARE = 0.1
 THROTTLED_PERIODS = 5
 STEAL_SHARE = 0.1  # of the node's CPU time
 PRESSURE = 30.0  # percent of time some task waited (PSI's "some avg10"), CPU and memory

@@ -70,7 +70,7 @@ def test_a_throttled_cgroup_is_named_with_its_quota_and_share():
     assert causes.judge(first, second).text.startswith(
         "CPU throttled by the job's container's cgroup quota (0.3 CPU"
     )
-    # A near-idle node: the probe's own reads ran in 3 periods and one was throttled (CI run 32).
+    # A near-idle node: the probe's own reads ran in 3 periods, one throttled (stop 60's CI).
     idle = "30000\n100000\n\nnr_periods {}\nnr_throttled {}\n"
     first, second = readings(
         {"stat": IDLE_STAT, "cgroup_node": idle.format(60, 56)},
