@@ -347,12 +347,7 @@ def _gpu(_first: Sample, second: Sample, _interface: str) -> Cause | None:
         # nvidia-smi: the link's current width and generation "may be reduced when the GPU is
         # not in use"; only a GPU at work (not idle, its SM clock near its maximum) says
         # anything of its slot.
-        if (
-            gpu.reasons & GPU_IDLE
-            or gpu.sm_clock is None
-            or not gpu.sm_clock_max
-            or gpu.sm_clock < CLOCK_SHARE * gpu.sm_clock_max
-        ):
+        if gpu.reasons & GPU_IDLE or gpu.sm_clock is None or not gpu.sm_clock_max or held:
             continue
         if gpu.pcie_width and gpu.pcie_width_max and gpu.pcie_width < gpu.pcie_width_max:
             return Cause(
