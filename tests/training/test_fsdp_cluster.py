@@ -211,6 +211,8 @@ _FAULTS = [
     pytest.param("node-local", 5, "killed", id="node-local-killed-before-the-first-checkpoint"),
     pytest.param("node-local", 10, "ctrl-c", id="node-local-ctrl-c-during-a-checkpoint-write"),
     pytest.param("shared", 10, "ctrl-c", id="shared-ctrl-c-during-a-checkpoint-write"),
+    pytest.param("shared", 5, "killed", id="shared-killed-before-the-first-checkpoint"),
+    pytest.param("shared", 10, "killed", id="shared-killed-during-a-checkpoint-write"),
 ]
 
 
@@ -219,10 +221,11 @@ def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
     provisioned, straight, layout, paused, fault
 ):
     """node2's rank pauses inside its write of step `paused`, its files in the step's temporary
-    directory; then it is killed (--restarts 1: the restart starts over from step 0, no step
-    being complete) or the launcher gets Ctrl-C (exit 130; the step before is there, byte for
-    byte as it was at the pause, and the next run resumes from it). The paused step never takes its name, the
-    half-written one is swept, and the run ends bit for bit where the uninterrupted one does."""
+    directory; then it is killed (--restarts 1: the restart starts over from step 0 when no
+    step was complete, else resumes from step 5, the step before) or the launcher gets Ctrl-C
+    (exit 130; the step before is there, byte for byte as it was at the pause, and the next run
+    resumes from it). The paused step never takes its name, the half-written one is swept, and
+    the run ends bit for bit where the uninterrupted one does."""
     name = f"fsdp-{layout}-{uuid.uuid4().hex[:8]}"
     directory = f"/shared/{name}" if layout == "shared" else f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
     nodes = (1,) if layout == "shared" else (1, 2)  # where the steps are: one directory, or two
@@ -268,8 +271,18 @@ def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
         if fault == "killed":
             assert job.returncode == 0, out[-4000:]
             restarted = out.split("restart 1 of 1", 1)[1]
-            assert all("step-" not in listed for listed in before.values()), before
-            assert re.search(r"\[node1\] no checkpoints in \S+: starting from step 0", restarted)
+            if paused == 5:  # the first: nothing was complete, the restart starts over
+                assert all("step-" not in listed for listed in before.values()), before
+                assert re.search(
+                    r"\[node1\] no checkpoints in \S+: starting from step 0", restarted
+                ), restarted[-3000:]
+            else:  # step 5 complete at the kill: the restart resumes from it, not from 10
+                for listed in before.values():
+                    assert listed.split("\n")[0] == "step-00000005", listed
+                    assert "step-00000010" not in listed, listed
+                assert re.search(
+                    r"\[node1\] resuming from step 5, the newest step every rank has", restarted
+                ), restarted[-3000:]
             ended = restarted
         else:
             assert job.returncode == 130, out[-4000:]
