@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_multinode.launch.spec import STOP_GRACE, runnable_module
+from torch_multinode.launch.spec import runnable_module
 from torch_multinode.sim import nodes as sim
 
 LOOPBACK = "127.0.0.1"
@@ -360,22 +360,6 @@ def wait_until(
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(every)
-
-
-def stop_local_nodes(nodes: list[subprocess.Popen], grace: float = STOP_GRACE) -> None:
-    """The job of local_nodes stopped on every "node" as the launcher's stop does on the nodes
-    (launch.commands.stop_command): TERM to every rank and torchrun, a grace period, then KILL."""
-    for node in nodes:
-        for rank in local_ranks(node):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(rank, signal.SIGTERM)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(node.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(node.poll() is None for node in nodes):
-        time.sleep(0.1)
-    for node in nodes:
-        kill_local_node(node)
 
 
 def torchrun_command(

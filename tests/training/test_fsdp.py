@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +24,11 @@ import torch
 from tests.helpers import fill, interrupt, read_until, small_filesystem
 from tests.training.conftest import (
     fsdp_nodes,
-    kill_node_then_the_others,
     load_state,
     local_nodes,
     max_difference,
     run_command,
-    stop_local_nodes,
     torchrun_command,
-    wait_until,
 )
 from tests.training.references import SMALL, STEPS, bench_row, digest, progress, reference
 from torch_multinode.training.modeling import gpt
@@ -378,78 +374,3 @@ def test_ctrl_c_during_a_checkpoint_write_of_a_local_job_keeps_the_step_before(s
     ]
     assert digest(again.stdout) == digest(uninterrupted.stdout)
     assert not (checkpoints / ".step-00000010.tmp").exists()  # swept at the resume
-
-
-# The moments of the data-safety matrix, in node-1's pause inside a step's write (the test
-# hook): where each rank writes ("node-local", a directory per node; "shared", one directory
-# both see, as /shared is), the step paused in, and what happens there: node-1 "killed", or the
-# job "stopped" on every node as the launcher's Ctrl-C stops it (TERM, a grace, then KILL).
-_KILLED_AT = [
-    pytest.param("node-local", 5, "killed", id="node-local-killed-before-the-first-checkpoint"),
-    pytest.param("shared", 5, "killed", id="shared-killed-before-the-first-checkpoint"),
-    pytest.param("shared", 10, "killed", id="shared-killed-during-a-checkpoint-write"),
-    pytest.param("node-local", 10, "stopped", id="node-local-ctrl-c-during-a-checkpoint-write"),
-]
-
-
-@pytest.mark.parametrize(("layout", "paused", "fault"), _KILLED_AT)
-def test_a_node_killed_in_a_checkpoint_write_loses_no_complete_step(
-    straight, tmp_path, layout, paused, fault
-):
-    """The data-safety matrix's FSDP2 x a node killed before the first checkpoint exists (paused
-    in the write of step 5, the first) or during a later write (step 10), and x Ctrl-C on
-    node-local disks: two local "nodes", one rank each; node-1 is killed in its pause (node-0's
-    rank gives up on its collective), or both are stopped. The step being written never takes
-    its name; every complete step stays byte for byte; the next run says where it starts
-    (step 0, or the newest complete step), sweeps the half-written step, and ends bit for bit
-    where the uninterrupted run does."""
-    if layout == "node-local":
-        disks = [tmp_path / "disk-0", tmp_path / "disk-1"]
-    else:
-        disks = [tmp_path / "shared"] * 2
-    marker = disks[1] / f".paused-step-{paused:08d}-rank-1"  # written as the pause begins
-    complete = [f"step-{step:08d}" for step in range(5, paused, 5)]
-    before: dict[Path, dict[str, str]] = {}  # each complete step's files, as the kill found them
-
-    def kill_in_the_pause(processes: list[subprocess.Popen]) -> None:
-        wait_until(marker.exists, 150, f"node-1 never paused in step {paused}'s write")
-        before.update({disk / name: _digests(disk / name) for disk in disks for name in complete})
-        if fault == "stopped":
-            stop_local_nodes(processes)
-        else:
-            kill_node_then_the_others(processes, 1)
-
-    pause = ["--checkpoint-pause-step", str(paused), "--checkpoint-pause-rank", "1"]
-    first = local_nodes(
-        tmp_path,
-        "torch_multinode.training.fsdp",
-        2,
-        lambda i: [*SMALL, "--collective-timeout", "30", *pause, "--checkpoint-dir", str(disks[i])],
-        lambda i: {},
-        kill_in_the_pause,
-    )
-    if fault == "killed":
-        assert first[1].returncode == -signal.SIGKILL, first[1].explain()
-    held = [sorted(p.name for p in disk.glob("step-*")) for disk in disks]
-    assert held == [complete, complete], held
-    assert (disks[1] / f".step-{paused:08d}.tmp").is_dir()
-    assert {step: _digests(step) for step in before} == before  # byte for byte
-
-    again = local_nodes(
-        tmp_path,
-        "torch_multinode.training.fsdp",
-        2,
-        lambda i: [*SMALL, "--checkpoint-dir", str(disks[i])],
-        lambda i: {},
-    )
-    assert all(run.returncode == 0 for run in again), again[0].explain() + again[1].explain()
-    if complete:
-        assert again[0].lines("resuming from") == [
-            "resuming from step 5, the newest step every rank has (rank 0 has 5; rank 1 has 5)"
-        ], again[0].explain()
-    else:
-        assert again[0].lines("no checkpoints in") == [
-            f"no checkpoints in {disks[0]}: starting from step 0"
-        ], again[0].explain()
-    assert not list(disks[1].glob(".step-*.tmp"))  # the half-written step swept
-    assert digest(again[0].stdout) == digest(straight[1].stdout)
