@@ -191,6 +191,14 @@ def place(stacks: RankStacks) -> Place:
     return Place("elsewhere", None, user, frames[0])
 
 
+def shown_place(stacks: RankStacks) -> str:
+    """Where a rank is, in one line that starts with its place's kind (launch.idle compares two
+    readings of it)."""
+    found = place(stacks)
+    at = found.line or found.innermost
+    return f"{found.kind} {found.op or '-'} {at.shown() if at is not None else '-'}"
+
+
 def _waits(found: Place) -> str:
     return "a collective queued on the GPU" if found.kind == "gpu" else "backward"
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import checks, flight, hang, staging, watch
+from torch_multinode.launch import checks, flight, hang, idle, staging, watch
 from torch_multinode.launch.commands import stop_command
 from torch_multinode.launch.ending import (
     cause_and_knock_ons,
@@ -224,6 +224,27 @@ def _stacks(
     return watch.tell(spec, progress, texts, silent, workdir, emit, directory)
 
 
+def _idle_look(spec: JobSpec, here: Host, done: threading.Event) -> str | None:
+    """This machine's ranks' counters and places, read as a node's are (launch.idle.look)."""
+
+    def run(command: str) -> str:
+        return subprocess.run(
+            ["sh", "-c", command],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=hang.STACKS_TIMEOUT,
+            check=False,
+        ).stdout
+
+    def places() -> dict[int, str]:
+        command = hang.stacks_command(spec.run_id, _PY_SPY, None, native=here.gpu_count > 0)
+        ranks, _ = hang.parse(here.name, run(command))
+        return {rank.rank: hang.shown_place(rank) for rank in ranks}
+
+    return idle.look(lambda: idle.parse(run(idle.command(spec.run_id, None))), places, done.wait)
+
+
 def _stop(run_id: str, ranks: list[int], done: threading.Event) -> None:
     """The job stopped after its hang's report: its ranks first (torchrun then ends as for any
     failed rank, saying which, not with a traceback of its own), then whatever of the run is
@@ -267,6 +288,7 @@ def _watch(
         emit,
         lambda: _stacks(spec, here, progress, emit, ranks),
         look,
+        lambda: _idle_look(spec, here, done),
     )
     if verdict is None:
         return

@@ -7,6 +7,11 @@ user's script prints to say it is alive (HEARTBEAT, hidden from the output), and
 that prints neither, any line at all. Once a step line or a heartbeat has been seen, only those
 count: a rank waiting in a collective may go on printing warnings.
 
+A job that prints neither step lines nor heartbeats has no default stall time, but once it has
+printed nothing for launch.idle's IDLE_AFTER seconds its ranks are looked at: every rank idle
+(no CPU, no bytes read or written) for IDLE_WINDOW seconds is a hang too (`until_hang`'s
+`idle_look`). STALL=0 turns both off; a STALL given replaces the look.
+
 The job is stalled after STALL seconds without progress, counted once progress has been seen:
 before that, the ranks start (a container, torch's import, the rendezvous: slow on a loaded
 machine) and the rendezvous and the first collective have timeouts of their own. Given
@@ -24,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from torch_multinode.launch import hang
+from torch_multinode.launch import hang, idle
 from torch_multinode.launch.spec import STALL_POLL, Emit, JobSpec
 
 HEARTBEAT = "[tmn] heartbeat"
@@ -88,12 +93,22 @@ class Progress:
         quiet = self.quiet_for()
         return quiet if quiet >= limit else None
 
+    def idle_due(self) -> bool:
+        """Whether the ranks of a quiet job are to be looked at (launch.idle): a job with no
+        stall time of its own (no STALL given, no step line or heartbeat seen) that has printed
+        nothing for IDLE_AFTER seconds."""
+        with self._lock:
+            default, marked = self.stall is None, self._marked
+        return default and not marked and self.quiet_for() >= idle.IDLE_AFTER
+
     def describe(self) -> str:
         """What counted as progress, for the report's first line."""
         with self._lock:
             marked = self._marked
         what = "step lines or heartbeats" if marked else "output"
-        return f"no {what} for {self.quiet_for():.0f} s (stall after {self.threshold():g} s)"
+        limit = self.threshold()
+        after = f"stall after {limit:g} s" if limit is not None else "every rank idle"
+        return f"no {what} for {self.quiet_for():.0f} s ({after})"
 
 
 def until_hang(
@@ -103,16 +118,29 @@ def until_hang(
     emit: Emit,
     read: Callable[[], hang.Verdict],
     look: str,
+    idle_look: Callable[[], str | None] | None = None,
 ) -> hang.Verdict | None:
     """The stall watch of a job on the nodes and of one on this machine alike: until `done`,
-    no progress for the job's stall time is a hang, said, then `read` (every rank's stacks
-    read and judged, the report printed and saved: `tell`). The verdict when the job is to be
-    stopped for it; None when the job ended first, or --on-hang wait leaves it running for a
-    person to look (how: `look`)."""
+    no progress for the job's stall time is a hang, and so is a quiet job whose every rank is
+    idle (`idle_look`: its ranks' counters read twice, IDLE_WINDOW apart; what moved when every
+    rank was idle, else None). Either is said, then `read` (every rank's stacks read and
+    judged, the report printed and saved: `tell`). The verdict when the job is to be stopped
+    for it; None when the job ended first, or --on-hang wait leaves it running for a person to
+    look (how: `look`)."""
     while not done.wait(STALL_POLL):
-        if progress().stalled() is None:
+        current = progress()
+        if current.stalled() is not None:
+            emit(f"[launcher] {current.describe()}: the job hangs; reading every rank's stacks...")
+        elif idle_look is not None and current.idle_due():
+            moved = idle_look()  # IDLE_WINDOW seconds
+            if moved is None or done.is_set() or not current.idle_due():
+                continue  # a rank did something, the job ended, or it printed meanwhile
+            emit(
+                f"[launcher] no output for {current.quiet_for():.0f} s and every rank idle for "
+                f"{idle.IDLE_WINDOW:g} s ({moved}): the job hangs; reading every rank's stacks..."
+            )
+        else:
             continue
-        emit(f"[launcher] {progress().describe()}: the job hangs; reading every rank's stacks...")
         verdict = read()
         if done.is_set():
             return None  # it ended while the stacks were read: not a hang after all

@@ -18,7 +18,7 @@ from pathlib import Path
 from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import flight, hang
+from torch_multinode.launch import flight, hang, idle
 from torch_multinode.launch.blame import cut_off
 from torch_multinode.launch.commands import link_probe_command, run_dir
 from torch_multinode.launch.progress import Progress, until_hang
@@ -33,6 +33,7 @@ from torch_multinode.launch.spec import (
 )
 
 TRACES_TIMEOUT = 15  # seconds a node gets to print the traces its failed ranks left
+IDLE_TIMEOUT = 20  # seconds a node gets to print its ranks' counters (launch.idle)
 
 
 def liveness(job: RunningJob) -> None:
@@ -121,12 +122,59 @@ def stall(job: RunningJob) -> None:
         return verdict
 
     look = "py-spy dump --pid PID on a node"
-    verdict = until_hang(job.done, lambda: job.progress, job.spec, job.emit, reported, look)
+    verdict = until_hang(
+        job.done, lambda: job.progress, job.spec, job.emit, reported, look, lambda: idle_look(job)
+    )
     if verdict is None:
         return
     node = verdict.culprits[0].node if verdict.culprits else job.hosts[0].name
     already = job.outcomes[node].error is not None  # says more than "hung"
     job.fail(node, None if already else f"hung: {verdict.cause}")
+
+
+def idle_look(job: RunningJob) -> str | None:
+    """Every node's ranks' counters and places, read as launch.idle.look says: what they did
+    when the job is idle and stuck, else None (a rank that moved, a node that did not answer,
+    the job's end)."""
+
+    def counters(host: Host) -> str:
+        container = container_name(job.spec.run_id, host.name) if job.container else None
+        return idle.command(job.spec.run_id, container)
+
+    def read() -> idle.Processes:
+        texts, _ = _on_every_node(job, counters, IDLE_TIMEOUT)
+        found: idle.Processes = {}
+        for text in texts.values():
+            found.update(idle.parse(text))
+        return found
+
+    def places() -> dict[int, str]:
+        texts, _ = _on_every_node(job, lambda host: _stacks_command(job, host), hang.STACKS_TIMEOUT)
+        return {
+            rank.rank: hang.shown_place(rank)
+            for node, text in texts.items()
+            for rank in hang.parse(node, text)[0]
+        }
+
+    return idle.look(read, places, job.done.wait)
+
+
+def _stacks_command(job: RunningJob, host: Host) -> str:
+    """The command that prints `host`'s ranks' stacks (launch.hang), in the job's container in
+    container mode."""
+    return hang.stacks_command(
+        job.spec.run_id,
+        _py_spy(job, host),
+        container_name(job.spec.run_id, host.name) if job.container else None,
+        native=host.gpu_count > 0,  # a rank waiting for its GPU is in libcuda
+    )
+
+
+def _py_spy(job: RunningJob, host: Host) -> str:
+    """py-spy where the job's ranks run: the image's, or beside the node's Python."""
+    if job.container or "/" not in host.python:
+        return "py-spy"
+    return str(Path(host.python).parent / "py-spy")
 
 
 def collection_command(
@@ -181,11 +229,10 @@ def report(job: RunningJob) -> hang.Verdict:
     directory = run_dir(job.spec)  # the same path in the container
 
     def command(host: Host) -> str:
-        py_spy = str(Path(host.python).parent / "py-spy") if "/" in host.python else "py-spy"
         return collection_command(
             job.spec.run_id,
             directory,
-            "py-spy" if container else py_spy,
+            _py_spy(job, host),
             container_name(job.spec.run_id, host.name) if container else None,
             native=host.gpu_count > 0,  # a rank waiting for its GPU is in libcuda
         )

@@ -92,15 +92,20 @@ def _project(root: Path) -> Path:
 def _hung(provisioned, tmp_path, fault: str, stall: str = STALL) -> tuple[str, str, dict[int, str]]:
     """The job with `fault`, run to its end: its output, run ID and where each rank ran."""
     script = _project(tmp_path / "proj")
+    return _failed(provisioned, script, f"STALL={stall}", f"ARGS={fault}")
+
+
+def _failed(provisioned, script: Path, *variables: str) -> tuple[str, str, dict[int, str]]:
+    """`make train` of `script` on 2 nodes, which must fail: its output, run ID and where each
+    rank ran."""
     run = make(
         "train",
         f"INVENTORY={provisioned.inventory}",
         "NNODES=2",
         f"SCRIPT={script}",
         f"WORKDIR={script.parent}",
-        f"STALL={stall}",
-        f"ARGS={fault}",
-        timeout=600,
+        *variables,
+        timeout=900,
     )
     output = run.stdout + run.stderr
     assert run.returncode != 0, output[-3000:]
@@ -208,4 +213,51 @@ def test_a_rank_busy_in_a_python_loop_is_named_and_on_hang_wait_left_running_unt
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode != 0 and "Ctrl-C" in rest, rest[-2000:]
+    _nothing_left(provisioned, run_id)
+
+
+# A user's own script as it comes: no step lines of our form, no heartbeat, no STALL=. Rank 1
+# stops calling collectives at its 5th iteration; rank 0 waits in all_reduce (gloo's default
+# timeout is 30 minutes).
+PLAIN = """\
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"rank {rank} runs on {os.environ['TMN_NODE_NAME']}", flush=True)
+for i in range(1, 1000):
+    if rank == 1 and i == 5:
+        time.sleep(3600)  # HANG-LINE plain
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        print(f"iteration {i}", flush=True)
+    time.sleep(0.3)
+dist.destroy_process_group()
+"""
+
+
+def test_a_plain_scripts_rank_that_stops_calling_collectives_is_a_hang_by_default(
+    provisioned, tmp_path
+):
+    """Issue 55: no STALL given. Once the job has printed nothing for launch.idle's IDLE_AFTER
+    seconds, its ranks' counters are read twice; every rank idle is a hang, and the report
+    names rank 1 and its line."""
+    root = tmp_path / "plain"
+    root.mkdir()
+    (root / "plain.py").write_text(PLAIN)
+    line = next(i for i, text in enumerate(PLAIN.splitlines(), 1) if "HANG-LINE plain" in text)
+    output, run_id, nodes = _failed(provisioned, root / "plain.py")  # no STALL
+    assert re.search(
+        r"\[launcher\] no output for \d+ s and every rank idle for 30 s \(2 rank\(s\), \d+ "
+        r"process\(es\), each at most [\d.]+ s of CPU and \d+ bytes read or written\): the job "
+        r"hangs",
+        output,
+    ), output[-3000:]
+    assert f"rank 1 on {nodes[1]}: not in a collective, at plain.py:{line} in <module>" in output
+    assert f"rank 0 on {nodes[0]}: waits in all_reduce" in output, output[-3000:]
+    assert f"FAILED on {nodes[1]}" in output, output[-3000:]
     _nothing_left(provisioned, run_id)
