@@ -511,6 +511,71 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
             assert not path.is_file() or secret.encode() not in path.read_bytes(), path
 
 
+# A project's job that keeps its state where --checkpoint-dir says (relative: each node's
+# checkpoint_root/NAME, the one rule for every job on the nodes), saying what it found there.
+STATE_JOB = """\
+import argparse, os, pathlib
+parser = argparse.ArgumentParser()
+parser.add_argument("--checkpoint-dir", required=True)
+where = pathlib.Path(parser.parse_args().checkpoint_dir)
+where.mkdir(parents=True, exist_ok=True)
+state = where / f"state-rank{os.environ['RANK']}.pt"
+found = state.read_text().strip() if state.exists() else "none"
+state.write_text(f"written by {os.environ['TMN_RUN_ID']}\\n")
+print("rank", os.environ["RANK"], "found", found, flush=True)
+"""
+
+
+def test_a_rerun_writes_its_own_checkpoints_on_the_nodes_and_leaves_the_originals(
+    provisioned, tmp_path
+):
+    """The data-safety matrix's `a rerun` column on the nodes, in containers: a project's job
+    keeps its state in `--checkpoint-dir NAME` (each node's checkpoint_root/NAME); `make rerun
+    RUN=ID` says where its own outputs go, keeps them in NAME-rerun-NEWID on every node, never
+    finds the original's (it starts over, as a new run), and leaves the original's byte for
+    byte as they were."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "job.py").write_text(STATE_JOB)
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for step in (["init", "-q"], ["add", "."], ["commit", "-qm", "state"]):
+        subprocess.run([*git, *step], check=True, capture_output=True)
+    name = f"state-{uuid.uuid4().hex[:8]}"
+    original = f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
+
+    def kept(directory: str) -> dict[int, str]:
+        """Each node's files there: their digests and what they say."""
+        return {
+            index: on_node(
+                provisioned.cluster, index, f"cd {directory} && sha256sum state-*; cat state-*"
+            )
+            for index in (1, 2)
+        }
+
+    try:
+        first = _train(provisioned, f"SCRIPT={root / 'job.py'}", f"ARGS=--checkpoint-dir {name}")
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr
+        run_id = run_id_in(first.stdout)
+        before = kept(original)
+        for index in (1, 2):
+            assert f"written by {run_id}" in before[index], before
+        rerun = make("rerun", f"RUN={run_id}", timeout=900)
+        out = rerun.stdout
+        assert rerun.returncode == 0, out[-3000:] + rerun.stderr
+        again = run_id_in(out)
+        apart = f"{name}-rerun-{again}"
+        assert f"--checkpoint-dir {apart} under each node's checkpoint_root" in out, out[-3000:]
+        assert "[node1] rank 0 found none" in out and "[node2] rank 1 found none" in out, out
+        assert kept(original) == before  # the original's, byte for byte
+        after = kept(f"{DEFAULT_CHECKPOINT_ROOT}/{apart}")
+        for index in (1, 2):
+            assert f"written by {again}" in after[index], after
+        assert run_record(again)["rerun_of"] == run_id
+    finally:
+        for index in (1, 2):
+            on_node(provisioned.cluster, index, f"rm -rf {original} {original}-rerun-*")
+
+
 def test_make_data_sends_a_dataset_once(provisioned, tmp_path):
     dataset = tmp_path / f"digits-{uuid.uuid4().hex[:6]}"
     (dataset / "train").mkdir(parents=True)
