@@ -207,27 +207,20 @@ def _stacks(
     )
     texts: dict[str, str] = {}
     silent: dict[str, str] = {}
-    try:
-        read = subprocess.run(
-            ["sh", "-c", command],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=hang.STACKS_TIMEOUT,
-            check=False,
-        )
+    read = _here(command)
+    if read is None:
+        silent[here.name] = f"no answer within {hang.STACKS_TIMEOUT:g} s"
+    else:
         texts[here.name] = read.stdout + read.stderr
         ranks += [rank.pid for rank in hang.parse(here.name, read.stdout)[0]]
-    except subprocess.TimeoutExpired:
-        silent[here.name] = f"no answer within {hang.STACKS_TIMEOUT:g} s"
     workdir = str(project_directory(spec))
     return watch.tell(spec, progress, texts, silent, workdir, emit, directory)
 
 
-def _idle_look(spec: JobSpec, here: Host, done: threading.Event) -> str | None:
-    """This machine's ranks' counters and places, read as a node's are (launch.idle.look)."""
-
-    def run(command: str) -> str:
+def _here(command: str) -> subprocess.CompletedProcess | None:
+    """`command` run on this machine as a node runs it, within hang.STACKS_TIMEOUT; None when it
+    did not end by then."""
+    try:
         return subprocess.run(
             ["sh", "-c", command],
             capture_output=True,
@@ -235,7 +228,18 @@ def _idle_look(spec: JobSpec, here: Host, done: threading.Event) -> str | None:
             errors="replace",
             timeout=hang.STACKS_TIMEOUT,
             check=False,
-        ).stdout
+        )
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _idle_look(spec: JobSpec, here: Host, done: threading.Event) -> str | None:
+    """This machine's ranks' counters and places, read as a node's are (launch.idle.look); a
+    reading that does not end in time reads as nothing (no hang is called on it)."""
+
+    def run(command: str) -> str:
+        finished = _here(command)
+        return finished.stdout if finished is not None else ""
 
     def places() -> dict[int, str]:
         command = hang.stacks_command(spec.run_id, _PY_SPY, None, native=here.gpu_count > 0)
