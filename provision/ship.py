@@ -67,6 +67,13 @@ for line in response:
 """
 
 
+def instance_name(address: str, port: int | str) -> str:
+    """The registry instance's name for `address` and `port` (ansible/roles/image_registry's:
+    its settings, certificate, key, pid file and log are named after it); port "*" gives the
+    pattern of every port's."""
+    return f"torch-multinode-registry-{address.replace('.', '-')}-{port}"
+
+
 @dataclass(frozen=True)
 class Registry:
     """One instance of the controller's registry, as a node reaches it."""
@@ -80,7 +87,7 @@ class Registry:
 
     @property
     def instance(self) -> str:
-        return f"torch-multinode-registry-{self.address.replace('.', '-')}-{self.port}"
+        return instance_name(self.address, self.port)
 
     def reference(self, image: str) -> str:
         """The image's name in this registry: the same repository and tag under its address."""

@@ -527,16 +527,15 @@ def down(config: SimConfig | None = None, progress: Progress = _quiet) -> Remove
     return Removed(len(containers), len(networks), len(volumes))
 
 
-REGISTRY_DIR = Path("/etc/torch-multinode/registry")  # ansible/roles/image_registry's
-
-
 def _stop_registries(address: str) -> None:
     """Stop the image registry instances provisioning started on this cluster's management
     address (ansible/roles/image_registry, without an init system: a pid file in /run), which
     would otherwise outlive the network they listen on, and remove their settings and keys: a
     later cluster given the same address has no registry until its own provisioning sets one
     up (else shipping to it finds one set up that does not answer). What they stored stays."""
-    instances = f"torch-multinode-registry-{address.replace('.', '-')}-*"
+    from torch_multinode.provision.ship import REGISTRY_DIR, instance_name
+
+    instances = instance_name(address, "*")
     for pidfile in Path("/run").glob(f"{instances}.pid"):
         subprocess.run(
             [

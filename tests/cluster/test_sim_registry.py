@@ -4,13 +4,14 @@ same machine) must not find one that does not answer."""
 
 from __future__ import annotations
 
+from torch_multinode.provision import ship
 from torch_multinode.sim import nodes
 
 
 def test_taking_a_cluster_down_removes_its_registry_instances_settings_and_no_other(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(nodes, "REGISTRY_DIR", tmp_path)
+    monkeypatch.setattr(ship, "REGISTRY_DIR", tmp_path)
     (tmp_path / "server").mkdir()
     ours = "torch-multinode-registry-192-0-2-1-5000"
     other = "torch-multinode-registry-192-0-2-10-5000"  # an address that begins the same
