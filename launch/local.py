@@ -37,7 +37,7 @@ from torch_multinode.launch.ending import (
     failure_excerpt,
 )
 from torch_multinode.launch.environment import local_environment
-from torch_multinode.launch.nodes import job_backend, process_count
+from torch_multinode.launch.nodes import job_backend, local_gpu_count, process_count
 from torch_multinode.launch.progress import Progress, until_hang
 from torch_multinode.launch.relay import Relaying
 from torch_multinode.launch.signatures import known_problems
@@ -306,7 +306,7 @@ def run_local(
 ) -> int:
     """Run the job here; its exit code is the launcher's: 0, 1 when it failed or hung, or the
     code of an interruption. `started` is called once torchrun has started."""
-    gpus = _local_gpu_count()
+    gpus = local_gpu_count()
     env, nproc = environment(spec, gpus)
     argv = command(spec, nproc)
     root, run_dir = project_directory(spec), run_directory(spec)
@@ -379,38 +379,3 @@ def run_local(
     if (run_dir / "tensorboard").is_dir():
         emit(f"TensorBoard: make tensorboard RUN={run_dir.name}")
     return 0 if code == 0 and cause is None else 1
-
-
-def _local_gpu_count(root: Path = Path("/")) -> int:
-    """torch's count of this machine's GPUs; 0 at once, without torch's import (seconds of
-    CPU), where this machine shows no sign of an NVIDIA GPU, as most machines running a local
-    job do."""
-    if not _signs_of_an_nvidia_gpu(root):
-        return 0
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken CUDA setup means: run on the CPU
-        return 0
-
-
-def _signs_of_an_nvidia_gpu(root: Path) -> bool:
-    """NVIDIA's device files or driver (WSL's /dev/dxg included), or an NVIDIA display or 3D
-    controller on the PCI bus (vendor 0x10de, class 0x03...). The bus counts because on a
-    machine without X the device files appear only when a first CUDA program creates them
-    (nvidia-modprobe), which the count itself may be."""
-    dev = root / "dev"
-    if any(dev.glob("nvidia[0-9]*")) or (dev / "dxg").exists():
-        return True
-    if (root / "proc/driver/nvidia").exists():
-        return True
-    for device in (root / "sys/bus/pci/devices").glob("*"):
-        try:
-            vendor = (device / "vendor").read_text().strip()
-            kind = (device / "class").read_text().strip()
-        except OSError:
-            continue
-        if vendor == "0x10de" and kind.startswith("0x03"):
-            return True
-    return False

@@ -149,3 +149,38 @@ def rank_order_warning(hosts: tuple[Host, ...]) -> str | None:
         f"note: c10d numbers nodes by compute IP, so node ranks follow {order}; the rendezvous "
         f"store stays on {hosts[0].name}"
     )
+
+
+def local_gpu_count(root: Path = Path("/")) -> int:
+    """torch's count of this machine's GPUs; 0 at once, without torch's import (seconds of
+    CPU), where this machine shows no sign of an NVIDIA GPU, as most machines running a local
+    job do."""
+    if not signs_of_an_nvidia_gpu(root):
+        return 0
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA setup means: run on the CPU
+        return 0
+
+
+def signs_of_an_nvidia_gpu(root: Path) -> bool:
+    """NVIDIA's device files or driver (WSL's /dev/dxg included), or an NVIDIA display or 3D
+    controller on the PCI bus (vendor 0x10de, class 0x03...). The bus counts because on a
+    machine without X the device files appear only when a first CUDA program creates them
+    (nvidia-modprobe), which the count itself may be."""
+    dev = root / "dev"
+    if any(dev.glob("nvidia[0-9]*")) or (dev / "dxg").exists():
+        return True
+    if (root / "proc/driver/nvidia").exists():
+        return True
+    for device in (root / "sys/bus/pci/devices").glob("*"):
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            kind = (device / "class").read_text().strip()
+        except OSError:
+            continue
+        if vendor == "0x10de" and kind.startswith("0x03"):
+            return True
+    return False

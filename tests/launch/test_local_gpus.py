@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torch_multinode.launch.local import _local_gpu_count, _signs_of_an_nvidia_gpu
+from torch_multinode.launch.nodes import local_gpu_count, signs_of_an_nvidia_gpu
 
 
 def _pci(root: Path, slot: str, vendor: str, kind: str) -> None:
@@ -36,8 +36,8 @@ def test_a_machine_without_any_sign_counts_no_gpu_without_asking_torch(tmp_path,
     _pci(tmp_path, "0000:00:02.0", "0x10de", "0x040300")  # NVIDIA, but an audio function
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev/nvidia-caps").mkdir()  # not a GPU's device file
-    assert not _signs_of_an_nvidia_gpu(tmp_path)
-    assert _local_gpu_count(tmp_path) == 0
+    assert not signs_of_an_nvidia_gpu(tmp_path)
+    assert local_gpu_count(tmp_path) == 0
     assert asked == []
 
 
@@ -51,6 +51,6 @@ def test_any_sign_of_an_nvidia_gpu_asks_torch(tmp_path, asked, sign):
     else:
         (tmp_path / sign).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / sign).touch()
-    assert _signs_of_an_nvidia_gpu(tmp_path)
-    assert _local_gpu_count(tmp_path) == 3
+    assert signs_of_an_nvidia_gpu(tmp_path)
+    assert local_gpu_count(tmp_path) == 3
     assert asked == ["is_available", "device_count"]
