@@ -18,7 +18,6 @@ minutes. Every phase says when it starts, and a progress line comes at least eve
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 
@@ -165,18 +164,12 @@ def _ddp_worker(rank: int, world_size: int, port: int, args, results, joined, me
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def measure_ddp(args, world_size: int) -> Measurement:
     context = mp.get_context("spawn")
     results, joined, measured = context.SimpleQueue(), context.Event(), context.Event()
     processes = mp.start_processes(
         _ddp_worker,
-        args=(world_size, _free_port(), args, results, joined, measured),
+        args=(world_size, parallel.free_loopback_port(), args, results, joined, measured),
         nprocs=world_size,
         start_method="spawn",
         join=False,

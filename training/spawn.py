@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -81,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" in os.environ:
         print("Error: already under torchrun: run python -m training.ddp instead", file=sys.stderr)
         return 2
-    with socket.socket() as probe:  # a free port on loopback for rank 0's store
-        probe.bind((LOOPBACK, 0))
-        port = probe.getsockname()[1]
+    port = parallel.free_loopback_port()  # for rank 0's store
     try:
         mp.spawn(worker, args=(options.nprocs, port, rest), nprocs=options.nprocs, join=True)
     except mp.ProcessExitedException as exc:

@@ -115,6 +115,18 @@ def test_steal_contention_memory_network_disk_and_data_each_named():
         {"snmp": SNMP.format(insegs=10, out=11000, again=510)},
     )
     assert causes.judge(*retransmits).text == "network: TCP retransmits 5.0% of its segments"
+    # A node starved of CPU is named for that, not for the resends its slowness causes (CI: a
+    # loaded simulated node said 2.1 % retransmits).
+    starved = readings(
+        {"snmp": SNMP.format(insegs=10, out=1000, again=10)},
+        {
+            "snmp": SNMP.format(insegs=10, out=11000, again=510),
+            "loadavg": "9.50 4.00 2.00 9/300 1234",
+            "cpus": "2",
+            "pressure_cpu": "some avg10=62.50 avg60=30.00 avg300=10.00 total=99",
+        },
+    )
+    assert causes.judge(*starved).text.startswith("CPU contention (load 9.5 on 2 CPUs")
     disk = readings({}, {"pressure_io": "some avg10=45.10 avg60=1 avg300=1 total=1"})
     assert causes.judge(*disk).text == "disk: tasks waited for I/O 45 % of the time"
     nothing = readings({"stat": IDLE_STAT}, {"stat": IDLE_STAT_LATER})

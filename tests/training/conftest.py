@@ -10,7 +10,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import torch
 
 from torch_multinode.launch.spec import runnable_module
 from torch_multinode.sim import nodes as sim
+from torch_multinode.training.distributed import parallel
 
 LOOPBACK = "127.0.0.1"
 # Small enough for two cores, and the same everywhere so runs can be compared.
@@ -214,9 +214,7 @@ def kill_node(process: subprocess.Popen, container: str) -> TimedOutput:
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
+    return parallel.free_loopback_port()
 
 
 def run_environment(extra: dict[str, str] | None) -> dict[str, str]:

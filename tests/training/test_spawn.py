@@ -3,9 +3,12 @@ parameters of the same job under torchrun."""
 
 from __future__ import annotations
 
+import socket
 import sys
+from pathlib import Path
 
 from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_difference, run_command
+from torch_multinode.training.distributed import parallel
 
 
 def test_spawn_and_torchrun_end_with_equal_parameters(reference_ddp, tmp_path):
@@ -53,3 +56,29 @@ def test_the_image_sharing_strategy_is_applied_and_checked():
             apply_sharing_strategy({"TMN_SHARING_STRATEGY": "shm"})
     finally:
         torch.multiprocessing.set_sharing_strategy(before)
+
+
+def test_a_store_port_comes_from_below_the_ephemeral_range_and_is_free(monkeypatch):
+    """CI once saw a local torchrun's store time out: its port, picked by binding port 0, came
+    from the ephemeral range and was taken as some connection's source port before the store
+    bound it. A port below that range is never handed out that way."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    # A port taken by a listener here is skipped: only candidates that bind are returned.
+    taken = []
+    for _ in range(20):
+        port = parallel.free_loopback_port()
+        assert 20000 <= port < low, (port, low)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", port))  # free when returned
+        taken.append(listener)
+    try:
+        held = {listener.getsockname()[1] for listener in taken}
+        monkeypatch.setattr(
+            parallel.random,
+            "shuffle",
+            lambda ports: ports.sort(key=held.__contains__, reverse=True),
+        )
+        assert parallel.free_loopback_port() not in held
+    finally:
+        for listener in taken:
+            listener.close()

@@ -15,11 +15,13 @@ import gc
 import hashlib
 import io
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -147,6 +149,27 @@ def use_device(env: DistEnv) -> None:
     creates a CUDA context on GPU 0, which every rank would then hold memory on)."""
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
+
+
+def free_loopback_port() -> int:
+    """A port free on loopback for a store of this machine's own ranks, chosen below the
+    kernel's ephemeral range (net.ipv4.ip_local_port_range): a port from that range can be
+    taken as the source port of any outgoing connection between this check and the store's
+    bind, and the store then waits for a peer that never answers. CI saw exactly that."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = list(range(20000, low)) if low > 21000 else []
+    random.shuffle(candidates)
+    for port in [*candidates[:200], 0]:  # 0: the kernel's choice, where no other is free
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 def bound_device(device: torch.device) -> dict[str, torch.device]:
