@@ -37,6 +37,7 @@ torchrun's part of them) lives in training/.
     ending        the summary, the master's run directory brought back, the exit code's file
     signatures    known failure signatures: an error's usual cause and remedy, in the summary
     causes        why a node is slow: its counters read twice on the node, the cause in one line
+    gpu_causes    the GPU's part of it: nvidia-smi's query, a GPU held down or on a narrow link
     stragglers    the straggler a job names, probed (causes) and said once per change
     node_output   one node's output as the launcher shows it
     slurm         the way one run goes through Slurm (SlurmAttempt): submit or requeue, cancel

@@ -9,7 +9,8 @@ Samples, and `judge()` names the first cause that holds, most specific first:
   job's container's where it has one), time stolen by the hypervisor, more runnable tasks than
   CPUs (CPU pressure);
 - the GPU: clocks held down (NVIDIA's clock event reasons: thermal, power cap, power brake, HW
-  slowdown), a PCIe link narrower or older than the card's;
+  slowdown), a PCIe link narrower or older than the card's (launch.gpu_causes: nvidia-smi's
+  query, its answer read and judged);
 - memory: swapping, memory pressure;
 - the network: the compute interface shaped (a `tc` qdisc with a rate), its errors and drops,
   TCP retransmissions;
@@ -28,6 +29,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from torch_multinode.launch import gpu_causes
 from torch_multinode.netcheck import facts
 
 MARK = facts.MARK
@@ -43,19 +45,6 @@ PRESSURE = 30.0  # percent of time some task waited (PSI's "some avg10"), CPU an
 IO_PRESSURE = 30.0
 RETRANSMIT_SHARE = 0.02  # of TCP segments sent
 DATA_WAIT_SHARE = 0.3  # of a step, waiting for the loader
-CLOCK_SHARE = 0.8  # a GPU's SM clock below this share of its maximum, with a reason given
-
-# NVML's clock event (formerly throttle) reasons that slow a busy GPU down, by bit
-# (nvmlClocksEventReason*); idle, the applications clocks setting, sync boost and the display
-# clock say nothing of a straggler.
-GPU_IDLE = 0x1  # nvmlClocksEventReasonGpuIdle: nothing runs on the GPU
-GPU_REASONS = {
-    0x4: "software power cap",
-    0x8: "hardware slowdown",
-    0x20: "software thermal slowdown",
-    0x40: "hardware thermal slowdown",
-    0x80: "hardware power brake slowdown",
-}
 # A cgroup's CPU quota and throttling, read where the reader stands: cgroup v2's files at the root
 # of its mount, else v1's cpu controller.
 CGROUP = (
@@ -63,26 +52,6 @@ CGROUP = (
     "cat /sys/fs/cgroup/cpu.stat; else cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us "
     "/sys/fs/cgroup/cpu/cpu.cfs_period_us; echo; cat /sys/fs/cgroup/cpu/cpu.stat; fi"
 )
-GPU_QUERY = (
-    "index,clocks_event_reasons.active,temperature.gpu,power.draw,power.limit,clocks.sm,"
-    "clocks.max.sm,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,"
-    "pcie.link.width.max"
-)
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: int
-    reasons: int
-    temperature: float | None
-    power: float | None
-    power_limit: float | None
-    sm_clock: float | None
-    sm_clock_max: float | None
-    pcie_gen: int | None
-    pcie_gen_max: int | None
-    pcie_width: int | None
-    pcie_width_max: int | None
 
 
 @dataclass
@@ -107,7 +76,7 @@ class Sample:
     """TCP segments sent, retransmitted (cumulative, /proc/net/snmp)."""
     shaped: str | None = None
     """The compute interface's rate-limiting qdisc, as tc shows it."""
-    gpus: list[Gpu] = field(default_factory=list)
+    gpus: list[gpu_causes.Gpu] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -142,7 +111,8 @@ def script(interface: str, container: str | None = None) -> str:
         f'printf "%s " "$c"; cat {net}/$c 2>/dev/null || echo; done',
         "  s snmp; grep '^Tcp:' /proc/net/snmp",
         f"  s qdisc; tc qdisc show dev {q(interface)} 2>/dev/null",
-        f"  s gpu; nvidia-smi --query-gpu={GPU_QUERY} --format=csv,noheader,nounits 2>/dev/null",
+        f"  s gpu; nvidia-smi --query-gpu={gpu_causes.GPU_QUERY} "
+        "--format=csv,noheader,nounits 2>/dev/null",
         "}",
         "s first; read_all",
         f"sleep {WINDOW:g}",
@@ -190,7 +160,7 @@ def _read(sample: Sample, name: str, body: str) -> None:
     elif kind == "qdisc":
         sample.shaped = parse_qdisc(body)
     elif kind == "gpu":
-        sample.gpus = parse_gpus(body)
+        sample.gpus = gpu_causes.parse_gpus(body)
 
 
 def parse_cgroup(text: str) -> tuple[float | None, tuple[int, int]]:
@@ -236,44 +206,11 @@ def parse_qdisc(text: str) -> str | None:
     return None
 
 
-def parse_gpus(text: str) -> list[Gpu]:
-    """nvidia-smi --query-gpu=GPU_QUERY --format=csv,noheader,nounits."""
-    gpus = []
-    for line in text.splitlines():
-        cells = [cell.strip() for cell in line.split(",")]
-        if len(cells) != len(GPU_QUERY.split(",")) or not cells[0].isdigit():
-            continue
-        try:
-            reasons = int(cells[1], 16)
-        except ValueError:
-            reasons = 0
-        gpus.append(
-            Gpu(
-                index=int(cells[0]),
-                reasons=reasons,
-                temperature=_float(cells[2]),
-                power=_float(cells[3]),
-                power_limit=_float(cells[4]),
-                sm_clock=_float(cells[5]),
-                sm_clock_max=_float(cells[6]),
-                pcie_gen=_int(cells[7]),
-                pcie_gen_max=_int(cells[8]),
-                pcie_width=_int(cells[9]),
-                pcie_width_max=_int(cells[10]),
-            )
-        )
-    return gpus
-
-
 def _float(text: str) -> float | None:
     try:
         return float(text)
     except ValueError:
         return None
-
-
-def _int(text: str) -> int | None:
-    return int(text) if text.strip().isdigit() else None
 
 
 def judge(
@@ -328,40 +265,8 @@ def _cpu_pressure(first: Sample, second: Sample, _interface: str) -> Cause | Non
 
 
 def _gpu(_first: Sample, second: Sample, _interface: str) -> Cause | None:
-    for gpu in second.gpus:
-        named = [text for bit, text in GPU_REASONS.items() if gpu.reasons & bit]
-        held = (
-            gpu.sm_clock is not None
-            and gpu.sm_clock_max
-            and gpu.sm_clock < CLOCK_SHARE * gpu.sm_clock_max
-        )
-        if named and held:
-            details = [f"SM clock {gpu.sm_clock:g} of {gpu.sm_clock_max:g} MHz"]
-            if gpu.temperature is not None:
-                details.append(f"{gpu.temperature:g} C")
-            if gpu.power is not None and gpu.power_limit:
-                details.append(f"{gpu.power:g} of {gpu.power_limit:g} W")
-            return Cause(
-                "gpu", f"GPU {gpu.index} held down: {', '.join(named)} ({', '.join(details)})"
-            )
-        # nvidia-smi: the link's current width and generation "may be reduced when the GPU is
-        # not in use"; only a GPU at work (not idle, its SM clock near its maximum) says
-        # anything of its slot.
-        if gpu.reasons & GPU_IDLE or gpu.sm_clock is None or not gpu.sm_clock_max or held:
-            continue
-        if gpu.pcie_width and gpu.pcie_width_max and gpu.pcie_width < gpu.pcie_width_max:
-            return Cause(
-                "gpu",
-                f"GPU {gpu.index}'s PCIe link runs x{gpu.pcie_width} of x{gpu.pcie_width_max} "
-                "(a slot or riser that narrows it)",
-            )
-        if gpu.pcie_gen and gpu.pcie_gen_max and gpu.pcie_gen < gpu.pcie_gen_max:
-            return Cause(
-                "gpu",
-                f"GPU {gpu.index}'s PCIe link runs at generation {gpu.pcie_gen} of "
-                f"{gpu.pcie_gen_max} while busy (the slot, or the BIOS's PCIe setting)",
-            )
-    return None
+    text = gpu_causes.held(second.gpus)
+    return Cause("gpu", text) if text is not None else None
 
 
 def _memory(first: Sample, second: Sample, _interface: str) -> Cause | None:

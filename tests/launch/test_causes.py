@@ -1,7 +1,8 @@
 """Issue 55, the why: a slow node's cause named in one line, from the node's own counters read
-twice (launch/causes.py). The parsers and the judgement on recorded outputs (cgroup v1 and v2,
-PSI, /proc/net/snmp, tc, nvidia-smi); then the node's script for real in a simulated node's
-container, its CPU held to 0.3 of a core by Docker while it spins, and its link shaped by tc."""
+twice (launch/causes.py; the GPU's part, launch/gpu_causes.py). The parsers and the judgement
+on recorded outputs (cgroup v1 and v2, PSI, /proc/net/snmp, tc, nvidia-smi); then the node's
+script for real in a simulated node's container, its CPU held to 0.3 of a core by Docker while
+it spins, and its link shaped by tc."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from torch_multinode.launch import causes, stragglers
+from torch_multinode.launch import causes, gpu_causes, stragglers
 
 # A 5 s window over which a cgroup v1 container limited to 0.3 CPU spun (docker run --cpus 0.3).
 V1_BEFORE = "30000\n100000\n\nnr_periods 8\nnr_throttled 4\nthrottled_time 2080511558\n"
@@ -23,9 +24,9 @@ SNMP = (
     "CurrEstab InSegs OutSegs RetransSegs InErrs OutRsts InCsumErrors\n"
     "Tcp: 1 200 120000 -1 10 5 0 0 2 {insegs} {out} {again} 0 0 0\n"
 )
-# nvidia-smi --query-gpu=causes.GPU_QUERY --format=csv,noheader,nounits on two GPUs: GPU 1 held
-# down by a hardware thermal slowdown (0x40) at 91 C, GPU 0 idle (0x1) and well; then a GPU on
-# a riser that narrows its link to x4.
+# nvidia-smi --query-gpu=gpu_causes.GPU_QUERY --format=csv,noheader,nounits on two GPUs: GPU 1
+# held down by a hardware thermal slowdown (0x40) at 91 C, GPU 0 idle (0x1) and well; then a GPU
+# on a riser that narrows its link to x4.
 GPUS_HOT = (
     "0, 0x0000000000000001, 45, 61.20, 300.00, 1980, 1980, 4, 4, 16, 16\n"
     "1, 0x0000000000000040, 91, 250.10, 300.00, 1095, 1980, 4, 4, 16, 16\n"
@@ -155,7 +156,7 @@ def test_nothing_found_is_unknown_with_the_numbers():
 
 
 def test_a_gpu_held_down_or_on_a_narrow_link_is_named_from_nvidia_smi():
-    (gpu0, gpu1) = causes.parse_gpus(GPUS_HOT)
+    (gpu0, gpu1) = gpu_causes.parse_gpus(GPUS_HOT)
     assert (gpu1.index, gpu1.reasons, gpu1.temperature, gpu1.sm_clock) == (1, 0x40, 91.0, 1095.0)
     assert gpu0.reasons == 0x1 and gpu0.pcie_width_max == 16
     hot = readings({}, {"gpu": GPUS_HOT})
@@ -178,7 +179,7 @@ def test_a_gpu_held_down_or_on_a_narrow_link_is_named_from_nvidia_smi():
     slow_clock = "0, 0x0000000000000000, 35, 60.00, 300.00, 345, 1980, 1, 4, 16, 16\n"
     assert causes.judge(*readings({}, {"gpu": slow_clock})).kind == "unknown"
     refused = 'Field "clocks_event_reasons.active" is not a valid field to query.\n'
-    assert causes.parse_gpus(refused) == []
+    assert gpu_causes.parse_gpus(refused) == []
 
 
 def test_the_script_reads_every_counter_twice():
@@ -186,7 +187,7 @@ def test_the_script_reads_every_counter_twice():
     assert text.count("read_all") == 3 and f"sleep {causes.WINDOW:g}" in text
     assert "docker exec tmn-job-node2 sh -c" in text
     assert "tc qdisc show dev eth1" in text and "/sys/class/net/eth1/statistics" in text
-    assert f"--query-gpu={causes.GPU_QUERY}" in text
+    assert f"--query-gpu={gpu_causes.GPU_QUERY}" in text
 
 
 @pytest.fixture
