@@ -47,6 +47,7 @@ torchrun's part of them) lives in training/.
     relay         a local job's output as it comes, from a thread of its own (Ctrl-C stays with
                   the main one)
     record        the run's record (.runs/ID/run.json), the same for every backend
+    recorder      the record kept around one run's job (Recorder): begun, completed, finished
     snapshot      the project's code as a run saw it, kept for `make rerun`
     runs          `make runs` and `make rerun`
 """

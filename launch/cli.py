@@ -31,13 +31,14 @@ from torch_multinode.cluster.errors import (
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory import NODES_GROUP
 from torch_multinode.cluster.inventory_checks import GROUP_HELP, parse_gpu_list
-from torch_multinode.launch import checks, record, requirements, restarts, staging
+from torch_multinode.launch import checks, requirements, restarts, staging
 from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code
 from torch_multinode.launch.environment import parse_env
 from torch_multinode.launch.local import project_directory
 from torch_multinode.launch.nodes import legacy_flag, nproc_for, rank_order_warning
+from torch_multinode.launch.recorder import Recorder
 from torch_multinode.launch.spec import (
     DEBUG_LEVELS,
     DEFAULT_MODULE,
@@ -383,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         made, ready = _dependencies(args, inventory, project.requirements, spares)
         if made is not None and made.image is not None:
             project = replace(project, image=made.image, image_ready=ready)
-    recorder = record.Recorder(
+    recorder = Recorder(
         spec,
         args.argv,
         inventory,

@@ -2,11 +2,11 @@
 (`.runs/ID/run.json`; a job given another --log-dir gets a copy there too), for local, SSH and
 Slurm jobs alike; launch.runs reads them back (`make runs`).
 
-The launcher writes it when the job is about to start (result "running"), again once the job
-has begun (its code and image added: `started`), and when it ends, whatever the end
-(succeeded, failed, interrupted; "error" for a run that broke off with an error after it had
-begun), each time whole or not at all. A job refused before anything of it ran leaves no run
-behind.
+The launcher writes it (launch.recorder's Recorder, around the job) when the job is about to
+start (result "running"), again once the job has begun (its code and image added: `started`),
+and when it ends, whatever the end (succeeded, failed, interrupted; "error" for a run that broke
+off with an error after it had begun), each time whole or not at all. A job refused before
+anything of it ran leaves no run behind.
 
 What it holds: the command and the directory it was typed in, the backend and launch mode,
 the image its containers ran (name and ID: the project's dependency layer where it has one,
@@ -24,29 +24,20 @@ locked them."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch_multinode.cluster import files
-from torch_multinode.cluster.errors import (
-    INTERRUPTED_EXIT,
-    TERMINATED_EXIT,
-    Terminated,
-    UserError,
-)
+from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT
 from torch_multinode.cluster.inventory import Inventory
-from torch_multinode.launch import local, snapshot, staging
+from torch_multinode.launch import snapshot, staging
 from torch_multinode.launch.nodes import nproc_for
 from torch_multinode.launch.spec import JobResult, JobSpec
 
@@ -110,20 +101,6 @@ def _nodes(inventory: Inventory | None, spec: JobSpec) -> list[dict[str, Any]]:
         nodes.append({"name": host.name, "ranks": [first, first + count - 1]})
         first += count
     return nodes
-
-
-def _image(inventory: Inventory | None, image: str | None = None) -> dict[str, str | None] | None:
-    """The image a job in containers runs (`image`: the project's dependency layer, else the
-    training image): its name, and its ID in this machine's engine (the nodes are checked
-    against it before launch: launch.prepare)."""
-    if inventory is None or inventory.launch_mode != "container":
-        return None
-    name = image or inventory.training_image
-    try:
-        found = staging.local_image_id(name)
-    except UserError:
-        found = None  # not here: the launch says so
-    return {"name": name, "id": found}
 
 
 def _netcheck_file(spec: JobSpec, inventory: Inventory | None) -> Path | None:
@@ -229,20 +206,6 @@ def outputs(spec: JobSpec, project: Path, here: bool = True) -> dict[str, str]:
     return found
 
 
-def _outside(spec: JobSpec, project: Path, here: bool) -> tuple[Path, ...]:
-    """The places on this machine the run writes, which its code snapshot leaves out: the
-    runs' records and logs, the checkpoint and data roots, the job's own outputs (those of a
-    job `here`; none that holds the project)."""
-    places_written = [RUNS_ROOT.absolute(), *places(spec), *staging.local_roots().values()]
-    if here:
-        places_written += [Path(path) for path in outputs(spec, project).values()]
-    return tuple(
-        place
-        for place in places_written
-        if not project.absolute().is_relative_to(Path(os.path.abspath(place)))
-    )
-
-
 def _argument(args: tuple[str, ...], flag: str) -> str | None:
     for index, word in enumerate(args):
         if word == flag and index + 1 < len(args):
@@ -307,117 +270,6 @@ def finish(
     )
     write(spec, record)
     return record
-
-
-def _origin_code(origin: dict[str, Any], origin_dir: Path, log_dir: Path) -> dict[str, Any]:
-    """A rerun's code: its origin's snapshot, which it ran (launch.runs restores it), with the
-    origin's difference from its commit copied beside the rerun's record."""
-    found = dict(origin.get("code") or {})
-    if found.get("diff") and (origin_dir / DIFF).is_file():
-        shutil.copyfile(origin_dir / DIFF, log_dir / DIFF)
-    return found
-
-
-class Recorder:
-    """One run's record around its job: begun before it, completed once when it has begun
-    (`started`, the hook the backend calls), finished after it however it ends (Ctrl-C and
-    SIGTERM included). A job refused before anything of it ran (a check on the way, Ctrl-C
-    during its staging) leaves no run behind, record included. A local job's outputs are in
-    its project's run directory (launch.local), the record in this machine's .runs/ID either
-    way."""
-
-    def __init__(
-        self,
-        spec: JobSpec,
-        argv: list[str],
-        inventory: Inventory | None,
-        rerun_of: tuple[dict[str, Any], Path] | None = None,
-        emit: Callable[[str], None] = print,
-        image: str | None = None,
-        dependencies: dict[str, Any] | None = None,
-    ) -> None:
-        self.spec, self.argv, self.inventory, self.emit = spec, argv, inventory, emit
-        self.rerun_of = rerun_of  # (the record, its directory) of the run a rerun runs again
-        self.image = image  # the project's dependency layer, where the job runs in one
-        self.dependencies = dependencies
-        self.project = local.project_directory(spec)
-        self.record: dict[str, Any] | None = None
-        self.completed = False
-
-    def started(self) -> None:
-        """The begun record completed with the project's code (its snapshot: launch.snapshot,
-        which leaves out the places the run writes; what it left out is said, in one line) and
-        the training image's ID, rewritten. Called by the backend once the job has begun
-        (the launcher built, the local torchrun started), so that a job refused on the way runs
-        no git and no docker for its record; once per job (a restart calls it again: the first
-        run's code is the job's)."""
-        if self.record is None or self.completed:
-            return
-        self.completed = True
-        spec = self.spec
-        log_dir = places(spec)[0]
-        try:
-            if self.rerun_of:
-                found = _origin_code(*self.rerun_of, log_dir)
-            else:
-                outside = _outside(spec, self.project, here=self.inventory is None)
-                found = code(self.project, log_dir, spec.run_id, outside)
-                if line := snapshot.said(found if found.get("repository") else None):
-                    self.emit(f"[launcher] {line}")  # what it left out, or why there is none
-            self.record.update(code=found, image=_image(self.inventory, self.image))
-            write(spec, self.record)
-        except OSError as failed:  # the job goes on: its record is the one begun
-            self.emit(f"[launcher] {_not_written(spec, failed, 'its code')}")
-
-    def kept(self, job: Callable[[], JobResult]) -> JobResult:
-        spec = self.spec
-        origin = self.rerun_of[0] if self.rerun_of else None
-        try:
-            self.record = begin(
-                spec, self.argv, self.inventory, self.project, origin, self.dependencies
-            )
-        except OSError as failed:  # no job without its record: nothing has started
-            for place in places(spec):  # nor a run directory left empty for `make runs`
-                with contextlib.suppress(OSError):
-                    place.rmdir()
-            raise UserError(
-                f"cannot write the run record in {places(spec)[0]}: {failed.strerror or failed}",
-                hint="freeing space there",
-                exit_code=1,
-            ) from None
-        run_dir = local.run_directory(spec) if self.inventory is None else None
-        result, code = None, 1
-        try:
-            result = job()
-            code = result.exit_code
-            return result
-        except UserError as exc:
-            code = exc.exit_code
-            raise
-        except KeyboardInterrupt as signalled:
-            code = TERMINATED_EXIT if isinstance(signalled, Terminated) else INTERRUPTED_EXIT
-            raise
-        finally:
-            if result is None and all(
-                {p.name for p in place.iterdir()} <= {RECORD, DIFF} for place in places(spec)
-            ):
-                for place in places(spec):  # refused before it started: no run
-                    shutil.rmtree(place, ignore_errors=True)
-            else:
-                try:
-                    finish(self.record, spec, result, code, run_dir)
-                except OSError as failed:  # the job's own result stands; said, not a traceback
-                    self.emit(f"[launcher] {_not_written(spec, failed, 'how it ended')}")
-
-
-def _not_written(spec: JobSpec, failed: OSError, what: str) -> str:
-    """The launcher's line for a record its disk refused (full, read-only): the record on disk
-    stays whole as last written, without `what`."""
-    return (
-        f"the run record {places(spec)[0] / RECORD} was not updated with {what}: "
-        f"{failed.strerror or failed}; it stays as last written (free space there for the "
-        "next run's)"
-    )
 
 
 def _result(result: JobResult | None, exit_code: int) -> str:

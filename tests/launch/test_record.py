@@ -18,6 +18,7 @@ from tests.conftest import VENV_BIN, make, run_cli
 from tests.helpers import git_repository, inventory, node, read_until
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.launch import record, runs, snapshot
+from torch_multinode.launch.recorder import Recorder
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
 
 SCRIPT = """\
@@ -355,7 +356,7 @@ def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_rec
         raise UserError("job tmn-other is already running on n1", hint="waiting for it")
 
     with pytest.raises(UserError):
-        record.Recorder(spec, ["--script", "x.py"], None).kept(refused)
+        Recorder(spec, ["--script", "x.py"], None).kept(refused)
     assert not (tmp_path / "tmn-r2").exists()
 
     def broke_off() -> JobResult:
@@ -363,7 +364,7 @@ def test_a_job_refused_before_it_ran_leaves_no_run_and_one_that_broke_off_is_rec
         raise UserError("node2 did not answer within --restart-wait 300 s", exit_code=1)
 
     with pytest.raises(UserError):
-        record.Recorder(spec, ["--script", "x.py"], None).kept(broke_off)
+        Recorder(spec, ["--script", "x.py"], None).kept(broke_off)
     kept = json.loads((tmp_path / "tmn-r2" / record.RECORD).read_text())
     assert (kept["result"], kept["exit_code"], kept["last_step"]) == (
         "error",
@@ -385,7 +386,7 @@ def test_a_job_with_its_logs_elsewhere_is_listed_with_the_others_and_described_b
         (spec.log_dir / "node1.log").write_text("step 7/7 loss 0.5\n")
         return JobResult("tmn-r3", {"n1": NodeOutcome("n1", exit_code=0)}, None, False, 1.0)
 
-    record.Recorder(spec, ["--log-dir", str(spec.log_dir)], None).kept(ran)
+    Recorder(spec, ["--log-dir", str(spec.log_dir)], None).kept(ran)
     listed = runs.every(tmp_path / "runs")
     assert [(r["id"], r["result"], r["last_step"]) for r in listed] == [
         ("tmn-r3", "succeeded", "step 7/7 loss 0.5")
@@ -398,5 +399,5 @@ def test_a_job_with_its_logs_elsewhere_is_listed_with_the_others_and_described_b
         raise UserError("job tmn-other is already running on n1")
 
     with pytest.raises(UserError):
-        record.Recorder(refused, [], None).kept(no)
+        Recorder(refused, [], None).kept(no)
     assert not (tmp_path / "runs" / "tmn-r4").exists() and not refused.log_dir.exists()

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import inventory, node
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.launch import cli, local, record, requirements, staging
+from torch_multinode.launch import cli, local, record, recorder, requirements, staging
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.provision import dependencies
 
@@ -247,11 +247,11 @@ def test_the_record_keeps_the_dependencies_and_names_the_layer_as_the_image(tmp_
     assert written["dependencies"]["resolved"] == ["tqdm==4.70.1"]
     assert written["dependencies"]["image"]["tag"] == "torch-multinode/deps:dddd"
     monkeypatch.setattr(staging, "local_image_id", lambda image: f"id-of-{image}")
-    assert record._image(_cluster(), "torch-multinode/deps:dddd") == {
+    assert recorder._image(_cluster(), "torch-multinode/deps:dddd") == {
         "name": "torch-multinode/deps:dddd",
         "id": "id-of-torch-multinode/deps:dddd",
     }
-    assert record._image(_cluster())["name"] == "torch-multinode/train:latest"
+    assert recorder._image(_cluster())["name"] == "torch-multinode/train:latest"
 
 
 def test_the_job_makes_the_layer_ready_on_the_nodes_before_it_checks_their_images(monkeypatch):

@@ -22,6 +22,7 @@ from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.launch import cli, ending, record, runs, snapshot, staging
 from torch_multinode.launch.commands import run_dir
+from torch_multinode.launch.recorder import Recorder
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
 
 
@@ -238,7 +239,7 @@ def test_the_launch_says_what_the_snapshot_left_out_or_why_there_is_none(tmp_pat
     args, _ = staging.resolve_local_paths(("--checkpoint-dir", "ckpt1"))
     said: list[str] = []
 
-    def job_of(recorder: record.Recorder, run_id: str):
+    def job_of(recorder: Recorder, run_id: str):
         def job() -> JobResult:
             recorder.started()
             return JobResult(run_id, {"h": NodeOutcome("h", exit_code=0)}, None, False, 1.0)
@@ -246,7 +247,7 @@ def test_the_launch_says_what_the_snapshot_left_out_or_why_there_is_none(tmp_pat
         return job
 
     spec = JobSpec(run_id="tmn-l1", script=top / "code.py", args=args)
-    recorder = record.Recorder(spec, [], None, emit=said.append)
+    recorder = Recorder(spec, [], None, emit=said.append)
     recorder.kept(job_of(recorder, "tmn-l1"))
     # left out: the run before's record, this run's own begun record, the checkpoint
     ((line,),) = [said]
@@ -271,7 +272,7 @@ def test_the_launch_says_what_the_snapshot_left_out_or_why_there_is_none(tmp_pat
     (top / "more_code.py").write_text("x = 1  # more than 10 bytes of code\n")
     said.clear()
     spec = JobSpec(run_id="tmn-l2", script=top / "code.py", args=args)
-    recorder = record.Recorder(spec, [], None, emit=said.append)
+    recorder = Recorder(spec, [], None, emit=said.append)
     recorder.kept(job_of(recorder, "tmn-l2"))
     assert len(said) == 1 and said[0].startswith(
         "[launcher] no code snapshot for make rerun: 0 MB of untracked files that look like code "
@@ -311,7 +312,7 @@ def test_a_snapshot_on_a_full_disk_is_said_and_leaves_the_repository_as_it_was(
         monkeypatch.setattr(record, "RUNS_ROOT", tmp_path / ".runs")  # the record has room
         said: list[str] = []
         spec = JobSpec(run_id="tmn-f1", script=top / "code.py")
-        recorder = record.Recorder(spec, [], None, emit=said.append)
+        recorder = Recorder(spec, [], None, emit=said.append)
 
         def job() -> JobResult:
             recorder.started()
@@ -340,7 +341,7 @@ def test_a_full_disk_never_breaks_a_run_record_nor_the_run(tmp_path, monkeypatch
         monkeypatch.setattr(record, "RUNS_ROOT", small / ".runs")
         said: list[str] = []
         spec = JobSpec(run_id="tmn-r1", script=None)
-        recorder = record.Recorder(spec, [], None, emit=said.append)
+        recorder = Recorder(spec, [], None, emit=said.append)
 
         def job() -> JobResult:
             recorder.started()
@@ -360,7 +361,7 @@ def test_a_full_disk_never_breaks_a_run_record_nor_the_run(tmp_path, monkeypatch
         ran: list[str] = []
         spec = JobSpec(run_id="tmn-r2", script=None)
         with pytest.raises(UserError) as refused:
-            record.Recorder(spec, [], None, emit=said.append).kept(lambda: ran.append("job"))
+            Recorder(spec, [], None, emit=said.append).kept(lambda: ran.append("job"))
         assert str(refused.value) == (
             f"cannot write the run record in {small / '.runs' / 'tmn-r2'}: No space left on device"
         )

@@ -20,6 +20,7 @@ from torch_multinode.cluster.execution import Result
 from torch_multinode.launch import backends, cli, ending, record, staging
 from torch_multinode.launch.backends import SshBackend
 from torch_multinode.launch.blame import blame
+from torch_multinode.launch.recorder import Recorder
 from torch_multinode.launch.restarts import run_with_restarts, survivors
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
 from torch_multinode.launch.staging import Project
@@ -321,7 +322,7 @@ def test_the_cli_ends_a_restart_with_no_node_left_on_one_error_line_and_records_
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(backends, "SshNodes", lambda inventory: cluster.nodes)
     monkeypatch.setattr(staging, "plan", lambda *args, **kwargs: PROJECT)  # nothing to rsync
-    monkeypatch.setattr(record.Recorder, "started", lambda self: None)  # no git snapshot
+    monkeypatch.setattr(Recorder, "started", lambda self: None)  # no git snapshot
     monkeypatch.setattr(ending.staging, "fetch_run_dir", lambda *args: NO_FETCH)
     argv = ["-i", str(path), "--restarts", "1", "--restart-wait", "0.05", "--min-nodes", "2"]
     assert cli.main(argv) == 1
