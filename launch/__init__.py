@@ -4,12 +4,15 @@ torchrun's part of them) lives in training/.
 
     cli           `train`: arguments, checks, the run's record, the backend handed to the
                   restart loop (thin)
+    options       `train`'s argument parser: each option's type, default and help
     checks        what `train` checks before anything starts: the workload's arguments, a
                   local job's module
     spec          what a job is (JobSpec) and what became of it (NodeOutcome, JobResult)
     backends      the one interface for a job's runs: SshBackend, SlurmBackend, LocalBackend
-    restarts      the restart policy: the one restart loop (run_with_restarts), waiting for the
-                  nodes, survivors and spares
+    restarts      the restart policy: the one restart loop (run_with_restarts), its options
+                  and checks, what a restart does with a lost node (LostNodes)
+    survivors     which nodes a restart runs on: every node waited for (wait_for_nodes), or
+                  those that answer, a spare in a lost node's place, the compute link probed
     staging       what a job takes to the nodes and what comes back: the project, its mounts
                   and paths, the secrets file, its image
     requirements  which Python dependencies a project has (requirements.txt, pyproject.toml,

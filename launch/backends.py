@@ -18,11 +18,12 @@ from torch_multinode.launch import staging, stop
 from torch_multinode.launch.ending import bring_back, summary
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.local import run_local
-from torch_multinode.launch.restarts import Backend, LostNodes, wait_for_nodes
+from torch_multinode.launch.restarts import Backend, LostNodes
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.slurm import SlurmAttempt, cancel
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, Emit, JobResult, JobSpec, NodeOutcome
 from torch_multinode.launch.staging import Project
+from torch_multinode.launch.survivors import wait_for_nodes
 
 # Slurm takes a node back once its slurmd registers: under Slurm a node answers a restart's
 # probe only where its slurmd runs (LostNodes' `also`).

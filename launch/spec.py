@@ -158,7 +158,7 @@ class JobResult:
     versions: dict[str, dict[str, str]] = field(default_factory=dict)
     drift: dict[str, list[str]] = field(default_factory=dict)
     # what became of the nodes lost on the way (a spare in one's place, or dropped), as lines
-    # (launch.restarts.survivors)
+    # (launch.survivors.survivors)
     nodes_changed: tuple[str, ...] = ()
     # the straggler each time one was named, with its cause (launch.causes.Stragglers), as lines
     stragglers: tuple[str, ...] = ()

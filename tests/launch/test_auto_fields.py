@@ -11,7 +11,7 @@ import pytest
 from tests.fakes import FakeNodes, autodetect_answer, is_autodetect_probe
 from tests.helpers import inventory_text, node
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.launch import cli
+from torch_multinode.launch import cli, options
 from torch_multinode.launch.environment import interface_env
 from torch_multinode.launch.nodes import nproc_for
 
@@ -33,7 +33,7 @@ def on_nodes(tmp_path, monkeypatch, *extra, gpus=None, interfaces=None, down=())
 
     fake = FakeNodes(responder=respond, down=set(down))
     monkeypatch.setattr(cli, "SshNodes", lambda inventory: fake)
-    args = cli._parser().parse_args(["-i", str(path), "--script", str(script), *extra])
+    args = options.parser().parse_args(["-i", str(path), "--script", str(script), *extra])
     args.argv = []
     spec = cli._spec(args)
     return fake, spec, cli._on_nodes(args, spec)
@@ -101,7 +101,7 @@ def test_an_inventory_without_auto_asks_no_node(tmp_path, monkeypatch):
     script = tmp_path / "job.py"
     script.write_text("print('hi')\n")
     monkeypatch.setattr(cli, "SshNodes", lambda inventory: pytest.fail("a node was asked"))
-    args = cli._parser().parse_args(["-i", str(path), "--script", str(script)])
+    args = options.parser().parse_args(["-i", str(path), "--script", str(script)])
     args.argv = []
     inventory, _, _, _ = cli._on_nodes(args, cli._spec(args))
     assert inventory.hosts[0].compute_interface == "eth1"

@@ -11,7 +11,7 @@ from tests.fakes import FakeNodes
 from tests.helpers import inventory, inventory_text, node
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, UserError
 from torch_multinode.cluster.execution import Result
-from torch_multinode.launch import backends, cli
+from torch_multinode.launch import backends, cli, options
 from torch_multinode.launch.backends import (
     Backend,
     LocalBackend,
@@ -271,7 +271,7 @@ def test_a_restarted_job_takes_its_spares_from_the_inventory_beyond_nnodes(tmp_p
     path.write_text(inventory_text(hosts, launch_mode="host"))
     script = tmp_path / "job.py"
     script.write_text("print('hi')\n")
-    args = cli._parser().parse_args(["-i", str(path), "--script", str(script), *extra])
+    args = options.parser().parse_args(["-i", str(path), "--script", str(script), *extra])
     args.argv = []
     _, _, _, found = cli._on_nodes(args, cli._spec(args))
     assert [host.name for host in found] == spares

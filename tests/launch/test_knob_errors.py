@@ -52,14 +52,14 @@ def _parsers() -> list[argparse.ArgumentParser]:
     """Every CLI a recipe runs, and their subcommands."""
     from torch_multinode.bench import cli as bench_cli
     from torch_multinode.cluster import cli as cluster_cli
-    from torch_multinode.launch import cli as launch_cli
+    from torch_multinode.launch import options as launch_options
     from torch_multinode.launch import runs
     from torch_multinode.netcheck import cli as netcheck_cli
     from torch_multinode.sim import cli as sim_cli
 
     found = []
     todo = [
-        launch_cli._parser(),
+        launch_options.parser(),
         cluster_cli._parser(),
         netcheck_cli.parser(),
         sim_cli._parser(),

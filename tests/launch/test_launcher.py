@@ -29,7 +29,7 @@ from torch_multinode.launch.backends import SshBackend
 from torch_multinode.launch.commands import remote_command, stop_command, torchrun_command
 from torch_multinode.launch.environment import interface_env
 from torch_multinode.launch.nodes import rank_order_warning
-from torch_multinode.launch.restarts import run_with_restarts, survivors, wait_for_nodes
+from torch_multinode.launch.restarts import run_with_restarts
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     LOST_NODE_PROBE,
@@ -38,6 +38,7 @@ from torch_multinode.launch.spec import (
     JobSpec,
 )
 from torch_multinode.launch.staging import Project
+from torch_multinode.launch.survivors import survivors, wait_for_nodes
 from torch_multinode.netcheck import envfile
 from torch_multinode.sim import nodes as sim
 

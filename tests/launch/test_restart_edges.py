@@ -21,9 +21,10 @@ from torch_multinode.launch import backends, cli, ending, record, staging
 from torch_multinode.launch.backends import SshBackend
 from torch_multinode.launch.blame import blame
 from torch_multinode.launch.recorder import Recorder
-from torch_multinode.launch.restarts import run_with_restarts, survivors
+from torch_multinode.launch.restarts import run_with_restarts
 from torch_multinode.launch.spec import JobResult, JobSpec, NodeOutcome
 from torch_multinode.launch.staging import Project
+from torch_multinode.launch.survivors import survivors
 
 PROJECT = Project(trees=(), workdir="/w", script=None)
 WAIT = 0.05  # --restart-wait: the fakes answer at once, or never
@@ -104,7 +105,7 @@ def test_every_node_silent_through_the_wait_is_one_error_not_the_launchers_index
 ):
     """Issue 49: node3 killed before any output, and no node answering within the wait. The
     survivors list came out empty and the compute-link probe took its first host as the master:
-    `IndexError: list index out of range` after the whole wait (restarts.py, _unlinked's
+    `IndexError: list index out of range` after the whole wait (survivors.py, _unlinked's
     hosts[0], called by survivors before it counted the nodes left)."""
     job = _three()
     cluster = _cluster(job, then={"n1", "n2"})
