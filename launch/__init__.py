@@ -14,7 +14,9 @@ torchrun's part of them) lives in training/.
     survivors     which nodes a restart runs on: every node waited for (wait_for_nodes), or
                   those that answer, a spare in a lost node's place, the compute link probed
     staging       what a job takes to the nodes and what comes back: the project, its mounts
-                  and paths, the secrets file, its image
+                  and paths, the secrets file, the image it runs in
+    image_check   that image on every node checked against this machine's: its ID here, the
+                  node's question and what its answer means
     requirements  which Python dependencies a project has (requirements.txt, pyproject.toml,
                   REQUIREMENTS=), and host mode's check that each node's Python holds them
     environment   the job's environment variables: every one any backend sets, which source
@@ -23,8 +25,9 @@ torchrun's part of them) lives in training/.
     commands      the shell commands sent to the nodes, as pure functions: torchrun, the job's
                   command (its `docker run` is cluster.containers'), the port lock, the link
                   probe, the stop
-    job           one run's skeleton (Launcher), whichever way it goes (Way): prepare,
-                  start, follow, conclude
+    job           one run's skeleton (Launcher), whichever way it goes: prepare, start,
+                  follow, conclude
+    way           what differs between the ways one run goes (Way), asked by the skeleton
     over_ssh      the SSH way (OverSsh): sessions, the port claimed and released, the
                   liveness and link watchers
     prepare       the nodes readied: the port lock, each node's GPUs, copy, directories, image,
@@ -37,7 +40,8 @@ torchrun's part of them) lives in training/.
     flight        the Flight Recorder's part of it: each rank's last collective, a mismatch
     blame         which node caused a failure
     stop          stopping a job on every node
-    ending        the summary, the master's run directory brought back, the exit code's file
+    ending        the summary (a local job's too), the master's run directory brought back,
+                  the exit code's file
     signatures    known failure signatures: an error's usual cause and remedy, in the summary
     causes        why a node is slow: its counters read twice on the node, the cause in one line
     gpu_causes    the GPU's part of it: nvidia-smi's query, a GPU held down or on a narrow link

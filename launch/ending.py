@@ -1,5 +1,5 @@
-"""How a job ends: the summary, node by node, with the failed node's own last lines, and the
-master's run directory brought back."""
+"""How a job ends: the summary, node by node, with the failed node's own last lines (a local
+job's, rank by rank: `local_summary`), and the master's run directory brought back."""
 
 from __future__ import annotations
 
@@ -75,6 +75,56 @@ def _why(result: JobResult, hosts: tuple[Host, ...]) -> list[str]:
     ]
     known = known_problems((line for tail in tails for line in tail), cause is not None)
     return cause_lines(cause, labelled, where=failed) + [s.line() for s in known]
+
+
+# torchrun's own log lines (glog style: W1124 14:17:15.365000 PID path/to/torch/...py:LINE] ...).
+_TORCHRUN_LOG = re.compile(r"^[DIWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
+_FIRST_FAILURE = re.compile(r"^\[torchrun\] (rank \d+) failed first \((.+)\)$")
+
+
+def local_summary(
+    run_id: str,
+    code: int,
+    seconds: float,
+    tail: list[str],
+    flights: list[str] | None = None,
+    hung: str | None = None,
+) -> list[str]:
+    """The summary a job on the nodes ends with, for this machine: which rank failed and how,
+    each rank's last collective where the ranks left their traces (`flights`, launch.flight's
+    lines), then the workers' last lines (torchrun's own log lines left out). `hung`: the hang
+    report's cause, for a job stopped as hung (`tail`: its lines before the stop)."""
+    if hung is not None:
+        lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s (hung: {hung})."]
+        excerpt = failure_excerpt([line for line in tail if not _TORCHRUN_LOG.match(line)])
+        return lines + (["Last lines:", *(f"  | {line}" for line in excerpt)] if excerpt else [])
+    if code == 0:
+        return [f"Job {run_id} succeeded after {seconds:.1f} s on this machine."]
+    first = next((m for line in reversed(tail) if (m := _FIRST_FAILURE.match(line))), None)
+    how = f"{first.group(1)}, {first.group(2)}" if first else f"exit {code}"
+    workers = [
+        line for line in tail if not (_TORCHRUN_LOG.match(line) or _FIRST_FAILURE.match(line))
+    ]
+    # The rank whose own exception started it leads, even when a peer's knock-on error (its
+    # collective's "Connection closed by peer") ended first or was printed last.
+    cause, knock_ons = cause_and_knock_ons(exceptions(workers))
+    if (
+        cause is not None
+        and cause.rank is not None
+        and (not first or first.group(1) != f"rank {cause.rank}")
+    ):
+        how = f"rank {cause.rank}" + (
+            f"; {first.group(1)} exited first, {first.group(2)}" if first else f", exit {code}"
+        )
+    lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s ({how})."]
+    lines += cause_lines(cause, [(f"rank {r.rank}" if r.rank else "a rank", r) for r in knock_ons])
+    lines += [signature.line() for signature in known_problems(workers, cause is not None)]
+    lines += flights or []
+    excerpt = failure_excerpt(workers)
+    if excerpt:
+        lines.append("Last lines:")
+        lines += [f"  | {line}" for line in excerpt]
+    return lines
 
 
 def bring_back(

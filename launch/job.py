@@ -1,7 +1,7 @@
 """One run of a job on the nodes (Launcher), its skeleton written once whichever way it goes
-(Way): prepared, started (one runner per node, the watchers), followed, concluded (blame, stop)
-and wound down into what became of it. Over SSH: launch.over_ssh's OverSsh, the way
-unless one is given. Through Slurm: launch.slurm's SlurmAttempt.
+(launch.way's Way): prepared, started (one runner per node, the watchers), followed, concluded
+(blame, stop) and wound down into what became of it. Over SSH: launch.over_ssh's OverSsh, the
+way unless one is given. Through Slurm: launch.slurm's SlurmAttempt.
 
 Either way, a job whose ranks stop making progress without failing is a hang (--stall, launch.progress):
 every rank's stacks are read with py-spy and the rank holding the others up is named
@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.containers import container_name
@@ -38,40 +37,7 @@ from torch_multinode.launch.spec import (
     JobSpec,
 )
 from torch_multinode.launch.staging import Project
-
-
-class Way(Protocol):
-    """What differs between the ways one run goes (OverSsh here, launch.slurm's SlurmAttempt).
-    The run (Launcher.run) asks its way at each of these points; the rest is the same for all:
-    the node runners, outcomes, blame, hang watcher, stop and wind-down."""
-
-    queues: bool
-    """Whether the job may be queued while it is prepared (Slurm): an interrupt or an error
-    while it is prepared is then the job's, as once its nodes run it. Without (SSH), one is
-    raised on as it is: `prepare` lets go of what it held."""
-
-    @property
-    def announce(self) -> bool:
-        """Whether the job's backend and network are said (not again on a requeue)."""
-
-    def prepare(self, envs: dict[str, dict[str, str]]) -> dict[str, str]:
-        """Until the nodes may start (`envs`: each node's environment): each node's command."""
-
-    def watchers(self) -> list[threading.Thread]:
-        """The way's own watchers of the running job (not started yet)."""
-
-    def stopping(self) -> str:
-        """What an interrupt (Ctrl-C, SIGTERM) does, said."""
-
-    def name_lost(self) -> None:
-        """After a first failure: what else names the nodes lost, before the blame."""
-
-    def conclude(self, interrupted: bool) -> None:
-        """After the blame: the job stopped where it must be, what the way holds let go."""
-
-    def broke(self) -> bool:
-        """An unexpected error once the job is the way's: what it cleans up; True where the
-        run then concludes as any other (the error raised on after that)."""
+from torch_multinode.launch.way import Way
 
 
 class Launcher:

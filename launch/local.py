@@ -4,7 +4,7 @@ does: in its project's root (the directory that would travel: staging.project_ro
 project on the import path, the same variables a node's ranks get (environment.local_environment: TMN_RUN_DIR
 is the job's own .runs/JOB-ID, TMN_BACKEND..., ENV='s over them), and it ends the same way: the
 workers' output live, then one summary naming what failed with the failed rank's own last
-lines, never torchrun's ChildFailedError traceback. A job that stops making progress is a hang,
+lines (launch.ending's local_summary), never torchrun's ChildFailedError traceback. A job that stops making progress is a hang,
 as on the nodes (launch.watch's watch and report, launch.hang's analysis): every rank's stacks
 read here with py-spy, the rank holding the others up named, the report saved in the run
 directory, then the job stopped (or, --on-hang wait, left running)."""
@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import ipaddress
 import os
-import re
 import shlex
 import signal
 import socket
@@ -30,17 +29,11 @@ from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Te
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import checks, flight, hang, idle, staging, watch
 from torch_multinode.launch.commands import stop_command
-from torch_multinode.launch.ending import (
-    cause_and_knock_ons,
-    cause_lines,
-    exceptions,
-    failure_excerpt,
-)
+from torch_multinode.launch.ending import local_summary
 from torch_multinode.launch.environment import local_environment
 from torch_multinode.launch.nodes import job_backend, local_gpu_count, process_count
 from torch_multinode.launch.progress import Progress, until_hang
 from torch_multinode.launch.relay import Relaying
-from torch_multinode.launch.signatures import known_problems
 from torch_multinode.launch.spec import (
     LEGACY_SHIM,
     STOP_GRACE,
@@ -143,56 +136,6 @@ def environment(
     backend = job_backend((here,))[0]
     env = local_environment(here, spec, str(run_directory(spec)), python_path, backend, environ)
     return env, nproc
-
-
-# torchrun's own log lines (glog style: W1124 14:17:15.365000 PID path/to/torch/...py:LINE] ...).
-_TORCHRUN_LOG = re.compile(r"^[DIWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
-_FIRST_FAILURE = re.compile(r"^\[torchrun\] (rank \d+) failed first \((.+)\)$")
-
-
-def summary(
-    run_id: str,
-    code: int,
-    seconds: float,
-    tail: list[str],
-    flights: list[str] | None = None,
-    hung: str | None = None,
-) -> list[str]:
-    """The summary a job on the nodes ends with, for this machine: which rank failed and how,
-    each rank's last collective where the ranks left their traces (`flights`, launch.flight's
-    lines), then the workers' last lines (torchrun's own log lines left out). `hung`: the hang
-    report's cause, for a job stopped as hung (`tail`: its lines before the stop)."""
-    if hung is not None:
-        lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s (hung: {hung})."]
-        excerpt = failure_excerpt([line for line in tail if not _TORCHRUN_LOG.match(line)])
-        return lines + (["Last lines:", *(f"  | {line}" for line in excerpt)] if excerpt else [])
-    if code == 0:
-        return [f"Job {run_id} succeeded after {seconds:.1f} s on this machine."]
-    first = next((m for line in reversed(tail) if (m := _FIRST_FAILURE.match(line))), None)
-    how = f"{first.group(1)}, {first.group(2)}" if first else f"exit {code}"
-    workers = [
-        line for line in tail if not (_TORCHRUN_LOG.match(line) or _FIRST_FAILURE.match(line))
-    ]
-    # The rank whose own exception started it leads, even when a peer's knock-on error (its
-    # collective's "Connection closed by peer") ended first or was printed last.
-    cause, knock_ons = cause_and_knock_ons(exceptions(workers))
-    if (
-        cause is not None
-        and cause.rank is not None
-        and (not first or first.group(1) != f"rank {cause.rank}")
-    ):
-        how = f"rank {cause.rank}" + (
-            f"; {first.group(1)} exited first, {first.group(2)}" if first else f", exit {code}"
-        )
-    lines = [f"Job {run_id} FAILED on this machine after {seconds:.1f} s ({how})."]
-    lines += cause_lines(cause, [(f"rank {r.rank}" if r.rank else "a rank", r) for r in knock_ons])
-    lines += [signature.line() for signature in known_problems(workers, cause is not None)]
-    lines += flights or []
-    excerpt = failure_excerpt(workers)
-    if excerpt:
-        lines.append("Last lines:")
-        lines += [f"  | {line}" for line in excerpt]
-    return lines
 
 
 def _stacks(
@@ -373,7 +316,7 @@ def run_local(
     traced = flight.from_directory(run_dir) if code != 0 and cause is None else {}
     flights = flight.failure_lines(traced, dict.fromkeys(traced, "this machine"))
     seconds = time.monotonic() - began
-    for line in summary(spec.run_id, code, seconds, before, flights, cause):
+    for line in local_summary(spec.run_id, code, seconds, before, flights, cause):
         emit(line)
     emit(f"Run directory: {run_dir} (its log: {socket.gethostname()}.log)")
     if (run_dir / "tensorboard").is_dir():

@@ -1,4 +1,4 @@
-"""A job's run over SSH (OverSsh, launch.job's Way unless another is given): every node's SSH
+"""A job's run over SSH (OverSsh, launch.way's Way unless another is given): every node's SSH
 session, the master's port claimed and the project sent before anything starts; torchrun on each
 node, followed by the liveness and link watchers; the port released at the end.
 

@@ -13,7 +13,7 @@ from torch_multinode.cluster import version_lock as lock
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Session
 from torch_multinode.cluster.inventory import Host, Inventory
-from torch_multinode.launch import requirements, staging
+from torch_multinode.launch import image_check, requirements, staging
 from torch_multinode.launch.commands import lock_command, run_dir, unlock_command
 from torch_multinode.launch.nodes import gpu_problem
 from torch_multinode.launch.spec import GPU_PROBE, LOCK_BUSY_EXIT, Emit, JobSpec
@@ -66,8 +66,8 @@ def prepare_node(
         )
     if image_id is not None:
         image = staging.job_image(inventory, project)
-        answer = remote.run(staging.image_check_command(image), timeout=60)
-        problem = staging.image_mismatch(host, inventory, image_id, answer.stdout, image)
+        answer = remote.run(image_check.image_check_command(image), timeout=60)
+        problem = image_check.image_mismatch(host, inventory, image_id, answer.stdout, image)
         if problem is not None:
             message, _, hint = problem.rpartition(" (try ")
             raise UserError(message, hint=hint.removesuffix(")"), exit_code=1)
@@ -106,7 +106,7 @@ def prepare_nodes(
     if project.image_ready is not None:  # the dependency layer, looked for on the nodes meanwhile
         project.image_ready()
     if inventory.launch_mode == "container":
-        image_id = staging.local_image_id(staging.job_image(inventory, project))
+        image_id = image_check.local_image_id(staging.job_image(inventory, project))
     locked = lock.load(lock.default_path(inventory.path)) or {}
     versions: dict[str, dict[str, str]] = {}
     drift: dict[str, list[str]] = {}

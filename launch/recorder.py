@@ -19,7 +19,7 @@ from torch_multinode.cluster.errors import (
     UserError,
 )
 from torch_multinode.cluster.inventory import Inventory
-from torch_multinode.launch import local, record, snapshot, staging
+from torch_multinode.launch import image_check, local, record, snapshot, staging
 from torch_multinode.launch.spec import JobResult, JobSpec
 
 
@@ -31,7 +31,7 @@ def _image(inventory: Inventory | None, image: str | None = None) -> dict[str, s
         return None
     name = image or inventory.training_image
     try:
-        found = staging.local_image_id(name)
+        found = image_check.local_image_id(name)
     except UserError:
         found = None  # not here: the launch says so
     return {"name": name, "id": found}

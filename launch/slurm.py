@@ -59,7 +59,7 @@ SLURM_TIMEOUT = 30.0  # for one sbatch, squeue, scontrol or scancel
 
 class SlurmAttempt:
     """One run of the job through Slurm: the first submits it, each restart requeues it. The
-    way (launch.job's Way) its run, `launcher`, goes: the same node runners, outcomes, blame,
+    way (launch.way's Way) its run, `launcher`, goes: the same node runners, outcomes, blame,
     hang watcher and stop as over SSH, with Slurm in place of the port lock, the liveness
     watchers and the restart loop."""
 
@@ -207,7 +207,7 @@ class SlurmAttempt:
                 if name not in self.job.failures:
                     self.job.fail(name)
 
-    # -- the way its run goes (launch.job's Way) ------------------------------------------
+    # -- the way its run goes (launch.way's Way) ------------------------------------------
 
     @property
     def announce(self) -> bool:

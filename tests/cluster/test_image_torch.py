@@ -11,7 +11,7 @@ import pytest
 from tests import helpers
 from torch_multinode.cluster import engine
 from torch_multinode.cluster.versions import TORCH_LABEL
-from torch_multinode.launch import staging
+from torch_multinode.launch import image_check
 from torch_multinode.sim import nodes as sim
 
 
@@ -41,7 +41,7 @@ def _labelled(label: str | None) -> str:
 
 def _answer(tag: str) -> str:
     """What the launcher's check prints on a node, run against this machine's engine."""
-    command = staging.image_check_command(tag)
+    command = image_check.image_check_command(tag)
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True).stdout
 
 
@@ -66,7 +66,7 @@ def test_the_node_check_reads_the_images_torch_and_refuses_an_old_one(label, pro
             {"n1": helpers.node(1)}, launch_mode="container", training_image=tag
         )
         wanted = sim.docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
-        found = staging.image_mismatch(inventory.hosts[0], inventory, wanted, _answer(tag))
+        found = image_check.image_mismatch(inventory.hosts[0], inventory, wanted, _answer(tag))
         if problem is None:
             assert found is None
         else:

@@ -1,5 +1,6 @@
-"""What travels to the nodes (cluster.sync) and how a job is staged there (launch.staging):
-pure parts, and rsync between two local directories. No network."""
+"""What travels to the nodes (cluster.sync) and how a job is staged there (launch.staging, its
+image checked by launch.image_check): pure parts, and rsync between two local directories. No
+network."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.helpers import inventory_text, node
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory_read import parse
-from torch_multinode.launch import environment, staging
+from torch_multinode.launch import environment, image_check, staging
 
 
 def _inventory_text(**cluster_vars) -> str:
@@ -234,17 +235,19 @@ def test_an_image_that_differs_or_is_missing_names_the_node_and_the_fix():
     inventory = _container_inventory()
     host = inventory.hosts[0]
     wanted = "sha256:" + "a" * 64
-    assert staging.image_mismatch(host, inventory, wanted, wanted + " torch=2.14.1\n") is None
-    other = staging.image_mismatch(host, inventory, wanted, "sha256:" + "b" * 64 + " torch=2.14.1")
+    assert image_check.image_mismatch(host, inventory, wanted, wanted + " torch=2.14.1\n") is None
+    other = image_check.image_mismatch(
+        host, inventory, wanted, "sha256:" + "b" * 64 + " torch=2.14.1"
+    )
     assert other == (
         "on n1: the training image torch-multinode/train:latest is bbbbbbbbbbbb, not this "
         "machine's aaaaaaaaaaaa (try make ship INVENTORY=/nonexistent/inv.yml)"
     )
-    missing = staging.image_mismatch(
+    missing = image_check.image_mismatch(
         host, inventory, wanted, "Error: No such image: torch-multinode/train:latest"
     )
     assert missing.startswith("on n1: the training image torch-multinode/train:latest is missing")
-    down = staging.image_mismatch(
+    down = image_check.image_mismatch(
         host,
         inventory,
         wanted,

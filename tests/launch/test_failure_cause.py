@@ -10,9 +10,8 @@ import re
 
 from tests.conftest import run_cli
 from tests.helpers import SCRIPTS, inventory, node
-from torch_multinode.launch import local
 from torch_multinode.launch.blame import blame
-from torch_multinode.launch.ending import exceptions, summary
+from torch_multinode.launch.ending import exceptions, local_summary, summary
 from torch_multinode.launch.spec import JobResult, NodeOutcome
 
 GLOO = (
@@ -46,7 +45,7 @@ TAIL = [
 
 
 def test_a_local_summary_leads_with_the_rank_that_raised_not_the_peer_that_printed_last():
-    lines = local.summary("tmn-1", 1, 40.5, TAIL)
+    lines = local_summary("tmn-1", 1, 40.5, TAIL)
     assert lines[:2] == [
         "Job tmn-1 FAILED on this machine after 40.5 s (rank 1; rank 0 exited first, exit 1).",
         "Cause: rank 1 raised ValueError: bad batch shape (3, 5) (at /work/main/train.py:17)",
@@ -63,7 +62,7 @@ def test_a_traceback_whose_first_line_was_glued_to_another_ranks_still_leads():
     first traceback line came in between: rank 1's ValueError is still the cause."""
     glued = ["rank 1 ready", "rank 0 ready[rank1]: Traceback (most recent call last):"]
     tail = glued + TAIL[3:]
-    lines = local.summary("tmn-1", 1, 40.5, tail)
+    lines = local_summary("tmn-1", 1, 40.5, tail)
     assert lines[:2] == [
         "Job tmn-1 FAILED on this machine after 40.5 s (rank 1; rank 0 exited first, exit 1).",
         "Cause: rank 1 raised ValueError: bad batch shape (3, 5) (at /work/main/train.py:17)",

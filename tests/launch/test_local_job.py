@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from tests.conftest import REPO_ROOT, run_cli
-from torch_multinode.launch import local, relay
+from torch_multinode.launch import ending, local, relay
 from torch_multinode.launch.progress import HEARTBEAT
 from torch_multinode.launch.spec import JobSpec
 
@@ -30,7 +30,7 @@ TAIL = [
 
 
 def test_the_summary_names_the_rank_and_shows_the_workers_lines_not_torchruns():
-    lines = local.summary("tmn-1", 3, 12.34, TAIL)
+    lines = ending.local_summary("tmn-1", 3, 12.34, TAIL)
     assert lines[0] == "Job tmn-1 FAILED on this machine after 12.3 s (rank 1, exit 3)."
     assert lines[1:] == [
         "Last lines:",
@@ -38,11 +38,11 @@ def test_the_summary_names_the_rank_and_shows_the_workers_lines_not_torchruns():
         "  | step 1 loss 2.3",
         "  | Error: the worker's own last words",
     ]
-    assert local.summary("tmn-1", 0, 5, TAIL) == [
+    assert ending.local_summary("tmn-1", 0, 5, TAIL) == [
         "Job tmn-1 succeeded after 5.0 s on this machine."
     ]
     # torchrun died before naming a rank: the exit code it gave.
-    assert local.summary("tmn-1", 1, 1, ["boom"])[0] == (
+    assert ending.local_summary("tmn-1", 1, 1, ["boom"])[0] == (
         "Job tmn-1 FAILED on this machine after 1.0 s (exit 1)."
     )
 
@@ -91,7 +91,7 @@ def test_a_local_job_that_fails_ends_with_the_summary_not_torchruns_traceback():
 
 def test_a_hung_local_jobs_summary_names_the_cause_and_its_lines_before_the_stop():
     cause = "rank 1 (vm) not in a collective (rank 1 at hang.py:21 in load_batch)"
-    lines = local.summary("tmn-1", 1, 31.04, ["step 3/10", "step 4/10"], ["ignored"], cause)
+    lines = ending.local_summary("tmn-1", 1, 31.04, ["step 3/10", "step 4/10"], ["ignored"], cause)
     assert lines == [
         f"Job tmn-1 FAILED on this machine after 31.0 s (hung: {cause}).",
         "Last lines:",

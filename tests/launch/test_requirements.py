@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import inventory, node
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.launch import cli, local, record, recorder, requirements, staging
+from torch_multinode.launch import cli, image_check, local, record, recorder, requirements, staging
 from torch_multinode.launch.spec import JobSpec
 from torch_multinode.provision import dependencies
 
@@ -133,14 +133,17 @@ def test_a_node_whose_copy_of_the_layer_differs_is_told_to_run_make_train_again(
     cluster = _cluster()
     host = cluster.hosts[1]
     wanted, other = "sha256:" + "a" * 64, "sha256:" + "b" * 64
-    said = staging.image_mismatch(host, cluster, wanted, f"{other} torch=2.14.1", "deps:1")
+    said = image_check.image_mismatch(host, cluster, wanted, f"{other} torch=2.14.1", "deps:1")
     assert said == (
         f"on node2: the project's image deps:1 is {other[7:19]}, not this machine's "
         f"{wanted[7:19]} (try make train again: it ships deps:1 to the nodes before the job)"
     )
-    assert staging.image_mismatch(host, cluster, wanted, f"{wanted} torch=2.14.1", "deps:1") is None
+    assert (
+        image_check.image_mismatch(host, cluster, wanted, f"{wanted} torch=2.14.1", "deps:1")
+        is None
+    )
     # The training image itself: as before.
-    assert "(try make ship INVENTORY=" in staging.image_mismatch(
+    assert "(try make ship INVENTORY=" in image_check.image_mismatch(
         host, cluster, wanted, f"{other} torch=2.14.1"
     )
 
@@ -246,7 +249,7 @@ def test_the_record_keeps_the_dependencies_and_names_the_layer_as_the_image(tmp_
     written = json.loads((tmp_path / ".runs" / "tmn-x" / record.RECORD).read_text())
     assert written["dependencies"]["resolved"] == ["tqdm==4.70.1"]
     assert written["dependencies"]["image"]["tag"] == "torch-multinode/deps:dddd"
-    monkeypatch.setattr(staging, "local_image_id", lambda image: f"id-of-{image}")
+    monkeypatch.setattr(image_check, "local_image_id", lambda image: f"id-of-{image}")
     assert recorder._image(_cluster(), "torch-multinode/deps:dddd") == {
         "name": "torch-multinode/deps:dddd",
         "id": "id-of-torch-multinode/deps:dddd",
@@ -266,7 +269,7 @@ def test_the_job_makes_the_layer_ready_on_the_nodes_before_it_checks_their_image
     )
     monkeypatch.setattr(prepare.lock, "load", lambda path: None)
     monkeypatch.setattr(
-        staging, "local_image_id", lambda image: order.append(f"id of {image}") or "sha256:e"
+        image_check, "local_image_id", lambda image: order.append(f"id of {image}") or "sha256:e"
     )
 
     def prepare_node(remote, host, *rest):

@@ -8,8 +8,7 @@ import collections
 import pytest
 
 from tests.helpers import inventory, node
-from torch_multinode.launch import local
-from torch_multinode.launch.ending import summary
+from torch_multinode.launch.ending import local_summary, summary
 from torch_multinode.launch.signatures import SIGNATURES, known_problems
 from torch_multinode.launch.spec import JobResult, NodeOutcome
 
@@ -190,6 +189,6 @@ def test_a_local_jobs_summary_says_the_known_problem_too():
         '[rank0]:   File "/work/p/train.py", line 9, in <module>',
         PRINTED["no-kernel-image"],
     ]
-    lines = local.summary("tmn-4", 1, 2.0, tail)
+    lines = local_summary("tmn-4", 1, 2.0, tail)
     assert lines[0].startswith("Job tmn-4 FAILED on this machine after 2.0 s")
     assert next(s for s in SIGNATURES if s.name == "no-kernel-image").line() in lines
