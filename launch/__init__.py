@@ -36,6 +36,8 @@ torchrun's part of them) lives in training/.
     watch         the watchers of a running job: liveness, the compute link, the stall
     progress      stall detection: step lines, heartbeats, output, when a job is stalled, and
                   the watch that declares the hang (until_hang)
+    idle          whether a quiet job's ranks do anything at all: the default hang signal for
+                  a script that prints no steps
     hang          a hang's report from every rank's stacks (py-spy)
     flight        the Flight Recorder's part of it: each rank's last collective, a mismatch
     blame         which node caused a failure
