@@ -783,6 +783,61 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
             on_node(provisioned.cluster, index, f"rm -rf {directory}")
 
 
+def test_a_node_killed_before_the_first_checkpoint_leaves_nothing_to_resume_in_containers(
+    provisioned, reference_ddp
+):
+    """The data-safety matrix's DDP cell "node killed before the first checkpoint", in the
+    training containers. The unlucky moment is made certain: node2's rank sleeps after step 1
+    (--step-delay, a test hook), so node1's rank waits in step 2's all-reduce and no rank can
+    reach step 4, the first checkpoint, before node2 is killed. No file of the job is left on
+    either node's disk, and the job run again finds nothing of the lost run to load: it starts
+    from step 0 and ends as the uninterrupted run does."""
+    checkpoints = f"first-{uuid.uuid4().hex[:8]}"
+    directory = f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}"
+    args = [
+        *TINY,
+        "--steps",
+        str(REFERENCE_STEPS),
+        "--checkpoint-every",
+        "4",
+        "--log-every",
+        "1",
+        "--checkpoint-dir",
+        checkpoints,
+    ]
+    held = ["--step-delay", "600", "--step-delay-rank", "1"]
+    process = start_train(provisioned.inventory, "ARGS=" + " ".join([*args, *held]))
+    try:
+        seen = read_until(process, f"[node1] step  1/{REFERENCE_STEPS}")
+        output = kill_node(process, provisioned.cluster.config.container(2))
+        output.end(timeout=120)  # a bound against a hang
+        assert _exit_code(process.returncode, output.text) == 1, output.text[-3000:]
+        assert " FAILED on node2" in output.text, output.text[-3000:]
+        # node1's rank never got past step 2's all-reduce: step 4's checkpoint was never begun.
+        said = seen + output.text
+        assert f"[node1] step  2/{REFERENCE_STEPS}" not in said, said[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _bring_back(provisioned, 2)
+    try:
+        for index in (1, 2):  # nothing written, nothing half-written
+            assert (
+                on_node(
+                    provisioned.cluster, index, f"ls -A {directory} 2>/dev/null || true"
+                ).split()
+                == []
+            )
+        rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
+        assert re.search(
+            rf"^\[node1\] no checkpoints in \S*/{checkpoints}: starting from step 0$", rerun, re.M
+        ), rerun[-3000:]
+        assert "resumed from step" not in rerun, rerun[-3000:]
+    finally:
+        for index in (1, 2):
+            on_node(provisioned.cluster, index, f"rm -rf {directory}")
+
+
 def test_ctrl_c_during_a_checkpoint_write_in_containers_ends_with_130_and_keeps_the_last_one(
     provisioned,
 ):
