@@ -74,7 +74,7 @@ def test_a_store_port_comes_from_below_the_ephemeral_range_and_is_free(monkeypat
     try:
         held = {listener.getsockname()[1] for listener in taken}
         monkeypatch.setattr(
-            parallel.random,
+            parallel._PORT_CHOICE,
             "shuffle",
             lambda ports: ports.sort(key=held.__contains__, reverse=True),
         )

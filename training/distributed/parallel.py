@@ -151,6 +151,9 @@ def use_device(env: DistEnv) -> None:
         torch.cuda.set_device(env.device)
 
 
+_PORT_CHOICE = random.Random()  # its own generator: the workloads' seeded one is never drawn from
+
+
 def free_loopback_port() -> int:
     """A port free on loopback for a store of this machine's own ranks, chosen below the
     kernel's ephemeral range (net.ipv4.ip_local_port_range): a port from that range can be
@@ -161,7 +164,7 @@ def free_loopback_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     candidates = list(range(20000, low)) if low > 21000 else []
-    random.shuffle(candidates)
+    _PORT_CHOICE.shuffle(candidates)
     for port in [*candidates[:200], 0]:  # 0: the kernel's choice, where no other is free
         with socket.socket() as probe:
             try:
