@@ -140,7 +140,7 @@ def _read(sample: Sample, name: str, body: str) -> None:
     elif kind == "cpus" and body.strip().isdigit():
         sample.cpus = int(body)
     elif kind == "loadavg" and body:
-        sample.load = _float(body.split()[0])
+        sample.load = gpu_causes.number(body.split()[0])
     elif kind == "cgroup" and body:
         quota, periods = parse_cgroup(body)
         sample.quota[arg], sample.periods[arg] = quota, periods
@@ -204,13 +204,6 @@ def parse_qdisc(text: str) -> str | None:
             kind = line.split()[1] if len(line.split()) > 1 else "qdisc"
             return f"{kind} at {found.group(1)}"
     return None
-
-
-def _float(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 def judge(

@@ -57,11 +57,11 @@ def parse_gpus(text: str) -> list[Gpu]:
             Gpu(
                 index=int(cells[0]),
                 reasons=reasons,
-                temperature=_float(cells[2]),
-                power=_float(cells[3]),
-                power_limit=_float(cells[4]),
-                sm_clock=_float(cells[5]),
-                sm_clock_max=_float(cells[6]),
+                temperature=number(cells[2]),
+                power=number(cells[3]),
+                power_limit=number(cells[4]),
+                sm_clock=number(cells[5]),
+                sm_clock_max=number(cells[6]),
                 pcie_gen=_int(cells[7]),
                 pcie_gen_max=_int(cells[8]),
                 pcie_width=_int(cells[9]),
@@ -71,7 +71,9 @@ def parse_gpus(text: str) -> list[Gpu]:
     return gpus
 
 
-def _float(text: str) -> float | None:
+def number(text: str) -> float | None:
+    """One reading as a tool printed it (an nvidia-smi cell, /proc/loadavg's first field), or
+    None where it printed none (`[N/A]`, `[Not Supported]`)."""
     try:
         return float(text)
     except ValueError:
