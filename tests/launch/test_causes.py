@@ -192,13 +192,15 @@ def test_the_script_reads_every_counter_twice():
 
 @pytest.fixture
 def node():
-    """A simulated node's container of this run, spinning, its CPU held to 0.3 of a core."""
+    """A simulated node's container of this run, its CPU held to a twentieth of a core: a quota
+    that binds even on a loaded host (at 0.3 CPU, CI's 2 cores at load 5 gave the spinner less
+    than its quota, so it was never throttled and contention was the true answer)."""
     from torch_multinode.sim.node_image import NODE_IMAGE, build_images
 
     build_images()  # cached after the first time
     name = f"tmncauses-{os.getpid()}"
     subprocess.run(
-        ["docker", "run", "-d", "--name", name, "--cpus", "0.3", "--cap-add", "NET_ADMIN"]
+        ["docker", "run", "-d", "--name", name, "--cpus", "0.05", "--cap-add", "NET_ADMIN"]
         + ["--entrypoint", "sleep", NODE_IMAGE, "300"],
         check=True,
         capture_output=True,
@@ -229,7 +231,9 @@ def test_on_a_node_a_cpu_quota_and_a_shaped_link_are_named(node):
         spin.kill()
         subprocess.run(["docker", "restart", "-t", "0", node], capture_output=True, check=True)
     assert cpu.kind == "cpu", cpu
-    assert cpu.text.startswith("CPU throttled by its cgroup quota (0.3 CPU, "), cpu
+    assert cpu.text.startswith("CPU throttled by its cgroup quota (0.05 CPU, "), cpu
+    # The probe's own reads must not be throttled while the link is looked at.
+    subprocess.run(["docker", "update", "--cpus", "2", node], capture_output=True, check=True)
     shape = "tc qdisc add dev eth0 root tbf rate 100mbit burst 32kbit latency 400ms"
     subprocess.run(["docker", "exec", node, "sh", "-c", shape], check=True)
     assert _look(node) == causes.Cause("network", "network: eth0 is shaped (tbf at 100Mbit, tc)")
