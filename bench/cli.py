@@ -1,7 +1,7 @@
 """`make bench`: what the link delivers and what training gets from it, on a simulated cluster
 of fresh nodes this run starts (and removes): two one-core nodes behind a 1 Gbit/s link, plus
-two more for netcheck's 4-node figure. The flight section needs no cluster: it runs torchrun on
-this machine, over loopback."""
+two more for netcheck's 4-node figure. The flight and detector sections need no cluster: they
+run torchrun on this machine, over loopback."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from torch_multinode.bench import (
+    detector,
     flight,
     hang,
     jobs,
@@ -45,10 +46,12 @@ SECTIONS = (
     "lock",
     "nodeloss",
     "dependencies",
+    "detector",
 )
-# Sections that start nodes of their own (rebuild) or need none (flight): the others share one
-# simulated cluster, brought up only when one of them runs.
-OWN_NODES = ("rebuild", "flight")
+# Sections that start nodes of their own (rebuild) or need none (flight, detector): the others
+# share one simulated cluster, brought up only when one of them runs.
+OWN_NODES = ("rebuild", "flight", "detector")
+NO_CLUSTER = {"flight", "detector"}
 # The workloads, full size and --quick (a smoke run of every code path in a few minutes).
 SCALING = ["--image-size", "64", "--batch", "64", "--accumulate", "2"]
 SCALING_QUICK = ["--image-size", "16", "--batch", "4", "--accumulate", "2", "--measure", "1"]
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         )
     if not 1 <= args.subnet_octet <= 254:
         raise UserError(f"--subnet-octet {args.subnet_octet} is not between 1 and 254")
-    if set(only) != {"flight"}:
+    if not set(only) <= NO_CLUSTER:
         engine.require_engine()
     octet = args.subnet_octet
     config = sim.SimConfig(
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     if set(only) - set(OWN_NODES):
         _on_the_bench_cluster(args, only, config, nnodes, data, progress)
     elif "rebuild" not in only:
-        data["cluster"] = None  # the flight section alone: this machine, no containers
+        data["cluster"] = None  # flight and detector alone: this machine, no containers
     if "rebuild" in only:
         # Fresh nodes of its own, after the others are gone: its first run ships the whole image.
         near = octet + 1 if octet < 254 else octet - 1
@@ -156,6 +159,9 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
         # Last, when the bench's containers are gone: torchrun on this machine, loopback only.
         progress("bench: the Flight Recorder's cost, torchrun on this machine (no cluster)...")
         data["flight"] = flight.measure_flight(args.reps, progress, quick=args.quick)
+    if "detector" in only:
+        progress("bench: the straggler detector's cost, torchrun on this machine (no cluster)...")
+        data["detector"] = detector.measure_detector(args.reps, progress, quick=args.quick)
     data["minutes"] = (time.monotonic() - started) / 60
     written = report.write(data, args.out)
     progress("")

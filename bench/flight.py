@@ -208,7 +208,7 @@ def too_noisy(ratio: dict, target: float = FLIGHT_TARGET) -> bool:
     return ratio["min"] < 1 < ratio["max"] and ratio["max"] - ratio["min"] > 2 * (target - 1)
 
 
-def noise(section: dict) -> str | None:
+def noise(section: dict, thing: str = "the recorder") -> str | None:
     """Why the step-time ratio of a flight section cannot be judged, or None where it can:
     - the repetitions' ratios fall on both sides of 1, widely (too_noisy);
     - or two runs of the same setting differ by more than twice the target's margin and more
@@ -231,7 +231,7 @@ def noise(section: dict) -> str | None:
             and runs["max"] / runs["min"] - 1 > max(2 * (target - 1), effect)
         ):
             return (
-                f"the runs with the recorder {setting} alone range from {runs['min']:.4f} to "
+                f"the runs with {thing} {setting} alone range from {runs['min']:.4f} to "
                 f"{runs['max']:.4f} s per step ({(runs['max'] / runs['min'] - 1) * 100:.0f} %), "
                 f"wider than the {effect * 100:.1f} % between on and off"
             )
@@ -297,7 +297,7 @@ def on_gpu_step(gpu_count: int, quick: bool) -> bool:
     return bool(gpu_count) and not quick
 
 
-def _machine(gpu_count: int) -> str:
+def describe_machine(gpu_count: int) -> str:
     if gpu_count:
         import torch
 
@@ -321,7 +321,7 @@ def measure_flight(reps: int, progress: Progress, quick: bool = False) -> dict:
     nproc = ranks(gpu_count)
     workload = [*(WORKLOAD_QUICK if quick else WORKLOAD), *WORKLOAD_COMMON]
     found: dict = {
-        "machine": _machine(gpu_count),
+        "machine": describe_machine(gpu_count),
         "nproc": nproc,
         "buffer": FLIGHT_BUFFER_DEFAULT,
         "target": FLIGHT_TARGET,

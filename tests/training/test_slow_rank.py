@@ -75,6 +75,18 @@ def test_own_time_keeps_each_steps_wait_for_a_cpu_within_its_own_windows():
     assert own.take() == (0.0, 0.0)  # afresh
 
 
+def test_with_the_detector_off_no_clock_is_read_and_nothing_is_kept():
+    def never() -> float:
+        raise AssertionError("read with --slow-rank-factor 0")
+
+    own = trainer.Untimed(clock=never, waited=never)
+    own.resume()
+    own.pause()
+    own.resume()
+    own.end_step()
+    assert own.take() == (0.0, 0.0) and own.steps == []
+
+
 def test_the_cpu_wait_is_this_threads_run_queue_time_or_nothing():
     first = trainer.cpu_wait()
     assert first >= 0.0 and trainer.cpu_wait() >= first

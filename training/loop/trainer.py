@@ -18,6 +18,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,12 +136,19 @@ def own_work(per_rank: list[tuple[float, float, str]]) -> list[tuple[float, str]
     ]
 
 
+_SCHEDSTAT: dict[int, int] = {}  # thread id -> its open /proc/thread-self/schedstat
+
+
 def cpu_wait() -> float:
     """Seconds this thread has spent runnable but waiting for a CPU (the kernel's run-queue
-    wait: /proc/thread-self/schedstat's second field); 0 where the kernel does not say."""
+    wait: /proc/thread-self/schedstat's second field); 0 where the kernel does not say. The
+    file stays open, read again from its start (2 us a read where opening it took 15: four reads
+    a step, a training step's whole detector cost, bench section 17)."""
+    thread = threading.get_native_id()
     try:
-        with open("/proc/thread-self/schedstat", "rb") as stats:
-            return int(stats.read().split()[1]) / 1e9
+        if thread not in _SCHEDSTAT:
+            _SCHEDSTAT[thread] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        return int(os.pread(_SCHEDSTAT[thread], 128, 0).split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -188,6 +196,20 @@ class OwnTime:
         waited = statistics.median(w for _, w in self.steps) if self.steps else 0.0
         self.steps = []
         return seconds, waited
+
+
+class Untimed(OwnTime):
+    """OwnTime with --slow-rank-factor 0: nothing read, nothing kept (the straggler detector
+    off, as `make bench` measures it against on)."""
+
+    def resume(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
 
 
 @dataclass
@@ -296,8 +318,9 @@ class Trainer:
             # after this long, instead of the backend's default (10 min for NCCL, 30 for gloo).
             dist.set_timeout(timedelta(seconds=config.run.collective_timeout))
         self.node = os.environ.get("TMN_NODE_NAME") or socket.gethostname()
-        self.own_time = OwnTime()
+        self.own_time = self._own_time()
         self._pace_from = 0
+        self._nodes: list[str] | None = None  # every rank's node, gathered at the first check
         # DDP's forward may first wait for a buffer broadcast: own time restarts when the
         # wrapped module itself starts.
         parallel.unwrap(model).register_forward_pre_hook(lambda *_: self.own_time.resume())
@@ -435,7 +458,7 @@ class Trainer:
         started = time.perf_counter()
         steps_before = self.position.step
         self._pace_from = self.position.step + 1
-        self.own_time = OwnTime()
+        self.own_time = self._own_time()
         self.own_time.resume()
         self.model.train()
         with metrics.profiler(self.env, run_dir, run.profile) as profiler:
@@ -549,15 +572,25 @@ class Trainer:
             sys.stdout.flush()
             os._exit(STOP_EXIT_CODE)
 
+    def _own_time(self) -> OwnTime:
+        return OwnTime() if self.config.run.slow_rank_factor > 0 else Untimed()
+
     def _check_pace(self, step: int) -> None:
         """Every rank's own time per step since the last check; rank 0 names a slow one."""
         factor, first = self.config.run.slow_rank_factor, self._pace_from
         self._pace_from = step + 1
         if factor <= 0 or not self.env.launched:
             return
-        per_rank = self._collective(
-            parallel.all_gather, (*self.own_time.take(), self.node), self.env
-        )
+        if self._nodes is None:
+            self._nodes = self._collective(parallel.all_gather, self.node, self.env)
+        # One all_reduce of numbers, each rank in its own slots (a gather of Python objects,
+        # pickled, is two collectives and took 2.4 ms on gloo; bench section 17).
+        slots = [0.0] * (2 * self.env.world_size)
+        slots[2 * self.env.rank : 2 * self.env.rank + 2] = self.own_time.take()
+        summed = self._collective(parallel.all_reduce_sum, slots, self.env)
+        per_rank = [
+            (summed[2 * rank], summed[2 * rank + 1], node) for rank, node in enumerate(self._nodes)
+        ]
         for slow in slow_ranks(own_work(per_rank), factor):
             say(
                 self.env,
