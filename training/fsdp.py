@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
 from torch_multinode.training.checkpointing import checkpoint, replicate
-from torch_multinode.training.checkpointing.dcp import Checkpoints, agree
+from torch_multinode.training.checkpointing.dcp import PAUSE_SECONDS, Checkpoints, agree
 from torch_multinode.training.ddp import save_model
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.loop.trainer import learning_rate, resolve_numerics
@@ -315,12 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     if config.checkpoint.checkpoint_dir:
         paused = config.checkpoint.checkpoint_pause_step
+        held = config.checkpoint.hold_after_step
         store = Checkpoints(
             Path(config.checkpoint.checkpoint_dir),
             env,
             config.checkpoint.keep,
             node,
             pause=None if paused is None else (paused, config.checkpoint.checkpoint_pause_rank),
+            hold=None if held is None else (held, config.checkpoint.hold_rank),
         )
         if config.checkpoint.replicate and env.launched:
             pause = config.checkpoint.replication_pause_step
@@ -418,6 +420,13 @@ def train(config, env, model, optimizer, source, numerics, store, start_step, in
         if run.step_delay > 0:
             clock.stop()
             time.sleep(run.step_delay)
+            clock.start()
+        if store is not None and store.holding(done):
+            clock.stop()
+            console.say_every_rank(
+                env, f"held after step {done} for {PAUSE_SECONDS:.0f} s (--hold-after-step)"
+            )
+            time.sleep(PAUSE_SECONDS)
             clock.start()
         if config.checkpoint.stop_after_step == done:
             if store is not None and store.replication is not None:

@@ -90,3 +90,17 @@ def test_keep_never_prunes_the_newest_step_whose_copies_finished(tmp_path):
     assert store._protected() == {5, 10, 15}
     store.replication.broken = True  # no more copies this run: --keep alone
     assert store._protected() == set()
+
+
+def test_a_hold_between_checkpoints_holds_its_rank_once_per_directory(tmp_path):
+    """--hold-after-step 7 --hold-rank 1 (the test hook a node is killed in between
+    checkpoints): rank 1 holds after step 7, once; a restart on the same directory goes on,
+    and another rank never holds."""
+    held = dcp.Checkpoints(tmp_path, SimpleNamespace(rank=1), keep=1, node="n2", hold=(7, 1))
+    other = dcp.Checkpoints(tmp_path, SimpleNamespace(rank=0), keep=1, node="n1", hold=(7, 1))
+    assert not held.holding(6) and not other.holding(7)
+    assert held.holding(7)
+    restarted = dcp.Checkpoints(tmp_path, SimpleNamespace(rank=1), keep=1, node="n2", hold=(7, 1))
+    assert not restarted.holding(7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".held-step-00000007-rank-1"]
+    assert held.steps() == []  # the marker is no step

@@ -206,9 +206,12 @@ def test_a_full_node_local_disk_in_containers_is_one_error_line_naming_the_node(
 # The data-safety matrix's FSDP2 cells in the training containers: where the ranks write
 # ("node-local": each node its own disk, with replicas; "shared": /shared, which both see), the
 # step whose write node2's rank pauses in (the test hook), and the fault there: the rank
-# "killed" (RESTARTS=1: the launcher restarts the job), or Ctrl-C at the launcher.
+# "killed" (RESTARTS=1: the launcher restarts the job), or Ctrl-C at the launcher; or
+# "killed-between": node2's rank held after that step (--hold-after-step, between checkpoints)
+# and killed there.
 _FAULTS = [
     pytest.param("node-local", 5, "killed", id="node-local-killed-before-the-first-checkpoint"),
+    pytest.param("node-local", 7, "killed-between", id="node-local-killed-between-checkpoints"),
     pytest.param("node-local", 10, "ctrl-c", id="node-local-ctrl-c-during-a-checkpoint-write"),
     pytest.param("shared", 10, "ctrl-c", id="shared-ctrl-c-during-a-checkpoint-write"),
     pytest.param("shared", 5, "killed", id="shared-killed-before-the-first-checkpoint"),
@@ -221,7 +224,8 @@ def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
     provisioned, straight, layout, paused, fault
 ):
     """node2's rank pauses inside its write of step `paused`, its files in the step's temporary
-    directory; then it is killed (--restarts 1: the restart starts over from step 0 when no
+    directory (or, killed-between, sleeps after step 7, step 5 written and step 10 not begun);
+    then it is killed (--restarts 1: the restart starts over from step 0 when no
     step was complete, else resumes from step 5, the step before) or the launcher gets Ctrl-C
     (exit 130; the step before is there, byte for byte as it was at the pause, and the next run
     resumes from it). The paused step never takes its name, the half-written one is swept, and
@@ -243,20 +247,26 @@ def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
         }
 
     where = directory if layout == "shared" else name
-    pause = ["--checkpoint-pause-step", str(paused), "--checkpoint-pause-rank", "1"]
+    killed = fault.startswith("killed")
+    if fault == "killed-between":
+        pause = ["--hold-after-step", str(paused), "--hold-rank", "1"]
+        moment = f"[node2] [rank 1] held after step {paused} "
+    else:
+        pause = ["--checkpoint-pause-step", str(paused), "--checkpoint-pause-rank", "1"]
+        moment = f"[node2] [rank 1] checkpoint step {paused}: its files written "
     # The launcher itself, not make: its exit code is the one asserted, and Ctrl-C is its own.
     job = subprocess.Popen(
         [str(VENV_BIN / "train"), "-i", str(provisioned.inventory), "--nnodes", "2"]
-        + ["--module", "training.fsdp", *(["--restarts", "1"] if fault == "killed" else [])]
+        + ["--module", "training.fsdp", *(["--restarts", "1"] if killed else [])]
         + ["--", *SMALL, "--checkpoint-dir", where, *pause],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        seen = read_until(job, f"[node2] [rank 1] checkpoint step {paused}: its files written ")
+        seen = read_until(job, moment)
         before = steps()
-        if fault == "killed":
+        if killed:
             on_node(
                 provisioned.cluster, 2, "pkill -9 -f ' -u -m torch_multinode[.]training[.]fsdp '"
             )
@@ -268,7 +278,7 @@ def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
             job.kill()
     try:
         out = seen + rest
-        if fault == "killed":
+        if killed:
             assert job.returncode == 0, out[-4000:]
             restarted = out.split("restart 1 of 1", 1)[1]
             if paused == 5:  # the first: nothing was complete, the restart starts over
@@ -277,6 +287,9 @@ def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
                     r"\[node1\] no checkpoints in \S+: starting from step 0", restarted
                 ), restarted[-3000:]
             else:  # step 5 complete at the kill: the restart resumes from it, not from 10
+                if fault == "killed-between":  # node1's rank waited in step 8: 10 never begun
+                    first = out.split("restart 1 of 1", 1)[0]
+                    assert not re.search(r"^\[node1\] step +8/", first, re.M), first[-3000:]
                 for listed in before.values():
                     assert listed.split("\n")[0] == "step-00000005", listed
                     assert "step-00000010" not in listed, listed

@@ -194,12 +194,14 @@ class Checkpoints:
         keep: int,
         node: str,
         pause: tuple[int, int | None] | None = None,
+        hold: tuple[int, int | None] | None = None,
     ):
         """`pause`: the test hook (step, rank or None for every rank): that rank's write of that
         step pauses PAUSE_SECONDS once its files are in the temporary directory, before the
-        ranks agree and the directory takes its name (a write to kill a node in)."""
+        ranks agree and the directory takes its name (a write to kill a node in). `hold`: the
+        same, but that rank sleeps PAUSE_SECONDS after the step, between checkpoints."""
         self.directory, self.env, self.keep, self.node = Path(directory), env, keep, node
-        self.pause = pause
+        self.pause, self.hold = pause, hold
         self.layout: Layout | None = None
         self.replication: Replication | None = None  # on node-local disks
 
@@ -279,16 +281,21 @@ class Checkpoints:
         return error, mine
 
     def _pausing(self, step: int) -> bool:
-        """Whether this rank pauses in the write of `step` (--checkpoint-pause-step): once per
-        checkpoint directory, so that a restart of a job killed there writes on. The marker
-        it leaves is a dot file beside the steps, which nothing else reads."""
-        if (
-            self.pause is None
-            or self.pause[0] != step
-            or self.pause[1] not in (None, self.env.rank)
-        ):
+        """Whether this rank pauses in the write of `step` (--checkpoint-pause-step)."""
+        return self._once("paused", self.pause, step)
+
+    def holding(self, step: int) -> bool:
+        """Whether this rank sleeps after `step` (--hold-after-step): a node to kill between
+        checkpoints. The caller says so and sleeps PAUSE_SECONDS."""
+        return self._once("held", self.hold, step)
+
+    def _once(self, kind: str, hook: tuple[int, int | None] | None, step: int) -> bool:
+        """Whether a test hook (step, rank or None) holds this rank at `step`: once per
+        checkpoint directory, so that a restart of a job killed there goes on. The marker it
+        leaves is a dot file beside the steps, which nothing else reads."""
+        if hook is None or hook[0] != step or hook[1] not in (None, self.env.rank):
             return False
-        marker = self.directory / f".paused-{step_name(step)}-rank-{self.env.rank}"
+        marker = self.directory / f".{kind}-{step_name(step)}-rank-{self.env.rank}"
         if marker.exists():
             return False
         marker.touch()
