@@ -54,23 +54,15 @@ CYCLES_QUICK, ROUNDS_QUICK = 2000, 2
 # numbers (the trainer's _check_pace: one all_reduce; the nodes' names are gathered once).
 WORK_SCRIPT = """\
 import json
-import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
+from torch_multinode.training.distributed import parallel
 from torch_multinode.training.loop.trainer import OwnTime
 
 cycles, rounds = int(sys.argv[1]), int(sys.argv[2])
-if torch.cuda.is_available():
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-else:
-    device = torch.device("cpu")
-    dist.init_process_group("gloo")
+env = parallel.read_env()
+parallel.start(env)  # the workloads' own start: NCCL on the rank's GPU, else gloo
 own = OwnTime()
 own.resume()
 timing, gathers = [], []
@@ -83,19 +75,17 @@ for _ in range(rounds):
         own.resume()
     timing.append((time.perf_counter() - started) / cycles)
     own.take()
-    dist.barrier()
+    parallel.barrier(env)
     started = time.perf_counter()
-    for _ in range(200):  # as parallel.all_reduce_sum: each rank's two numbers in its slots
-        slots = [0.0] * (2 * dist.get_world_size())
-        slots[2 * dist.get_rank() : 2 * dist.get_rank() + 2] = own.take()
-        summed = torch.tensor(slots, dtype=torch.float64, device=device)
-        dist.all_reduce(summed)
-        summed.tolist()
+    for _ in range(200):  # the trainer's _check_pace: each rank's two numbers in its slots
+        slots = [0.0] * (2 * env.world_size)
+        slots[2 * env.rank : 2 * env.rank + 2] = own.take()
+        parallel.all_reduce_sum(slots, env)
     gathers.append((time.perf_counter() - started) / 200)
-if dist.get_rank() == 0:
+if env.is_main:
     row = {"own_time_us": min(timing) * 1e6, "gather_us": min(gathers) * 1e6}
     print("BENCH " + json.dumps(row), flush=True)
-dist.destroy_process_group()
+parallel.stop(synchronize=True)
 """
 
 
