@@ -20,6 +20,7 @@ import yaml
 from torch_multinode.cluster.inventory import Inventory
 from torch_multinode.cluster.inventory_read import parse
 from torch_multinode.cluster.remote import Remote, on_all
+from torch_multinode.launch.spec import RUN_LABEL
 from torch_multinode.sim import nodes as sim
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -103,14 +104,17 @@ def on_node(cluster: sim.SimCluster, index: int, command: str, check: bool = Tru
     return sim.docker("exec", container, "sh", "-c", command, check=check).stdout
 
 
-def no_containers_left(cluster: sim.SimCluster, indices) -> None:
-    """No container on nodes `indices` (each given up to a minute to remove a job's)."""
+def no_containers_left(cluster: sim.SimCluster, indices, run_id: str | None = None) -> None:
+    """No container (of run `run_id`; else none at all) on nodes `indices`, each given up to a
+    minute to remove a job's: the stop kills a container at once, and Docker removes it when its
+    cleanup is done (launch.commands.stop_command)."""
+    listed = "docker ps -aq" + (f" --filter label={RUN_LABEL}={run_id}" if run_id else "")
     for index in indices:
         for _ in range(60):
-            if not on_node(cluster, index, "docker ps -aq").strip():
+            if not on_node(cluster, index, listed).strip():
                 break
             time.sleep(1)
-        assert on_node(cluster, index, "docker ps -aq").strip() == "", f"node{index}"
+        assert on_node(cluster, index, listed).strip() == "", f"node{index}"
 
 
 def start_train(inventory: Path, *variables: str, env: dict | None = None) -> subprocess.Popen:
