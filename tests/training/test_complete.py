@@ -96,6 +96,7 @@ def test_a_hold_between_checkpoints_holds_its_rank_once_per_directory(tmp_path):
     """--hold-after-step 7 --hold-rank 1 (the test hook a node is killed in between
     checkpoints): rank 1 holds after step 7, once; a restart on the same directory goes on,
     and another rank never holds."""
+    tmp_path = tmp_path / "ckpt"  # not there yet: a hold may come before the first checkpoint
     held = dcp.Checkpoints(tmp_path, SimpleNamespace(rank=1), keep=1, node="n2", hold=(7, 1))
     other = dcp.Checkpoints(tmp_path, SimpleNamespace(rank=0), keep=1, node="n1", hold=(7, 1))
     assert not held.holding(6) and not other.holding(7)

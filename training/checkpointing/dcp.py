@@ -298,6 +298,7 @@ class Checkpoints:
         marker = self.directory / f".{kind}-{step_name(step)}-rank-{self.env.rank}"
         if marker.exists():
             return False
+        self.directory.mkdir(parents=True, exist_ok=True)  # a hold before the first checkpoint
         marker.touch()
         return True
 
