@@ -1,15 +1,16 @@
 """17. The straggler detector's cost: the time per training step of our DDP workload with the
 slow-rank detector on (`--slow-rank-factor 1.5`, the default: each rank times its own work
-every step, and every `--log-every` steps the ranks all_gather it) over off (`0`: nothing timed,
-nothing gathered), against DETECTOR_TARGET. On this machine, no simulated cluster, as the flight
+every step, and every `--log-every` steps the ranks share it) over off (`0`: nothing timed,
+nothing shared), against DETECTOR_TARGET. On this machine, no simulated cluster, as the flight
 section: `torchrun --standalone`, two ranks on gloo over loopback (one per GPU on NCCL where
 torch sees GPUs), the Flight Recorder on in both, as in every job.
 
 On 2 cores a 30 ms step spreads by 10 to 20 % from run to run, far more than 1 %. So the section
 also times the detector's own work alone (WORK_SCRIPT, in the same two ranks): a step's four
-OwnTime calls (a clock and /proc/thread-self/schedstat read each), and the gather (one
-all_reduce of two numbers a rank), paid once every --log-every steps; that work per step over the step with the detector off is the second
-figure, steady where the paired ratio is noise.
+OwnTime calls (a clock and /proc/thread-self/schedstat read each), and the share of its two
+numbers (parallel.share: one all_reduce), paid once every --log-every steps. That work per step
+over the step with the detector off is the second figure, steady where the paired ratio is
+noise.
 
 What it leaves out: the launcher's side (reading the ranks' lines, and probing a node only when
 one is named: nothing while the ranks are even) costs the ranks nothing; the latency from a
@@ -50,15 +51,15 @@ CYCLES_QUICK, ROUNDS_QUICK = 2000, 2
 
 # The detector's work alone, in two ranks as a job has them: rank 0 prints the fastest round's
 # microseconds per step of OwnTime's calls (pause before forward, resume from the forward
-# pre-hook, end_step before backward, resume after it) and per gather of every rank's two
-# numbers (the trainer's _check_pace: one all_reduce; the nodes' names are gathered once).
+# pre-hook, end_step before backward, resume after it) and per share of every rank's two
+# numbers (the trainer's _check_pace; the nodes' names it gathers once).
 WORK_SCRIPT = """\
 import json
 import sys
 import time
 
 from torch_multinode.training.distributed import parallel
-from torch_multinode.training.loop.trainer import OwnTime
+from torch_multinode.training.loop.pace import OwnTime
 
 cycles, rounds = int(sys.argv[1]), int(sys.argv[2])
 env = parallel.read_env()
@@ -77,10 +78,8 @@ for _ in range(rounds):
     own.take()
     parallel.barrier(env)
     started = time.perf_counter()
-    for _ in range(200):  # the trainer's _check_pace: each rank's two numbers in its slots
-        slots = [0.0] * (2 * env.world_size)
-        slots[2 * env.rank : 2 * env.rank + 2] = own.take()
-        parallel.all_reduce_sum(slots, env)
+    for _ in range(200):  # as the trainer's _check_pace
+        parallel.share(list(own.take()), env)
     gathers.append((time.perf_counter() - started) / 200)
 if env.is_main:
     row = {"own_time_us": min(timing) * 1e6, "gather_us": min(gathers) * 1e6}
@@ -93,10 +92,11 @@ def measure_detector(reps: int, progress: Progress, quick: bool = False) -> dict
     """Per repetition, training.ddp's median seconds per step with the detector on and off,
     one after the other (the order alternating), and their ratios, paired rep by rep; then, per
     repetition, the detector's own work per step alone, over the step with it off."""
-    nproc = ranks(gpus())
+    gpu_count = gpus()
+    nproc = ranks(gpu_count)
     workload = [*(WORKLOAD_QUICK if quick else WORKLOAD), *WORKLOAD_COMMON]
     found: dict = {
-        "machine": describe_machine(gpus()),
+        "machine": describe_machine(gpu_count),
         "nproc": nproc,
         "target": DETECTOR_TARGET,
         "workload": ["-m", "torch_multinode.training.ddp", *workload],

@@ -25,7 +25,7 @@ from tests.training.conftest import TINY, launches
 from torch_multinode.launch.commands import link_probe_command
 from torch_multinode.launch.spec import REMOTE_LOCK_ROOT
 from torch_multinode.sim import nodes as sim
-from torch_multinode.training.loop import trainer
+from torch_multinode.training.loop import pace
 
 NO_LEFTOVERS = {"node1": "", "node2": ""}
 
@@ -45,14 +45,14 @@ NO_LEFTOVERS = {"node1": "", "node2": ""}
     ],
 )
 def test_slow_ranks_are_those_far_above_the_others_median(per_rank, slow):
-    found = trainer.slow_ranks(per_rank, 1.5)
+    found = pace.slow_ranks(per_rank, 1.5)
     assert [s.rank for s in found] == slow
     for entry in found:
         assert entry.node == per_rank[entry.rank][1]
 
 
 def test_slow_rank_factor_zero_turns_the_check_off():
-    assert trainer.slow_ranks([(0.01, "a"), (5.0, "b")], 0) == []
+    assert pace.slow_ranks([(0.01, "a"), (5.0, "b")], 0) == []
 
 
 def _probe_with(tmp_path, fake_ping: str | None) -> str:

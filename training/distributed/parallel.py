@@ -250,6 +250,16 @@ def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
     return tensor.tolist()
 
 
+def share(values: list[float], env: DistEnv) -> list[list[float]]:
+    """Every rank's `values` (the same count on each), in rank order, in one all_reduce_sum:
+    each rank fills its own slots (all_gather_object pickles, and is two collectives)."""
+    count = len(values)
+    slots = [0.0] * (count * env.world_size)
+    slots[env.rank * count : (env.rank + 1) * count] = values
+    summed = all_reduce_sum(slots, env)
+    return [summed[rank * count : (rank + 1) * count] for rank in range(env.world_size)]
+
+
 def all_gather(value: object, env: DistEnv) -> list:
     """Every rank's `value`, in rank order."""
     if not env.launched:

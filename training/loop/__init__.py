@@ -2,6 +2,8 @@
 and learning rate from trainer, model_parallel and pipeline their synthetic images from data.
 
     trainer        steps, numerics, checkpoint and resume, validation, a slow rank named
+    pace           the slow-rank detector's part in a rank: its own work per step timed, and which
+                   ranks are slow against the others
     data           the data sets, synthetic and real, and their per-rank resumable samplers
     metrics        progress lines, TensorBoard scalars and the profiler
     virtual_ranks  which planned ranks a rank plays where a job continues on fewer ranks than it
