@@ -68,6 +68,7 @@ from tests.training.conftest import (
     load_state,
     max_difference,
     reference_run,
+    wait_until,
 )
 from torch_multinode.bench.wheels import offline_pip, wheel
 from torch_multinode.cluster import version_lock
@@ -783,15 +784,22 @@ def test_a_node_killed_while_writing_a_checkpoint_keeps_the_previous_one_in_cont
             on_node(provisioned.cluster, index, f"rm -rf {directory}")
 
 
-def test_a_node_killed_before_the_first_checkpoint_leaves_nothing_to_resume_in_containers(
+def test_a_node_killed_before_or_in_the_first_checkpoint_write_loses_nothing_in_containers(
     provisioned, reference_ddp
 ):
-    """The data-safety matrix's DDP cell "node killed before the first checkpoint", in the
-    training containers. The unlucky moment is made certain: node2's rank sleeps after step 1
-    (--step-delay, a test hook), so node1's rank waits in step 2's all-reduce and no rank can
-    reach step 4, the first checkpoint, before node2 is killed. No file of the job is left on
-    either node's disk, and the job run again finds nothing of the lost run to load: it starts
-    from step 0 and ends as the uninterrupted run does."""
+    """The data-safety matrix's DDP cells "node killed before the first checkpoint" and "killed
+    in the first write", in the training containers, one after the other on one checkpoint
+    directory (node-local, every 4 steps). The unlucky moments are made certain by test hooks:
+    1. node2's rank sleeps after step 1 (--step-delay), so node1's rank waits in step 2's
+       all-reduce and no rank can reach step 4 before node2 is killed: no file of the job on
+       either disk.
+    2. The job again finds nothing of the lost run, says so and starts from step 0; node2's rank
+       pauses inside its write of step 4, the first (--checkpoint-pause-step), and node2 is
+       killed once node1's rank has named its own file of step 4: node1 holds step 4 whole,
+       node2 only a file under a temporary name.
+    3. The job again, to the end: DDP's state is the same on every rank, so it resumes from
+       node1's step 4 and sends it to node2, sweeps the half-written file, and ends as the
+       uninterrupted run does."""
     checkpoints = f"first-{uuid.uuid4().hex[:8]}"
     directory = f"{DEFAULT_CHECKPOINT_ROOT}/{checkpoints}"
     args = [
@@ -805,6 +813,10 @@ def test_a_node_killed_before_the_first_checkpoint_leaves_nothing_to_resume_in_c
         "--checkpoint-dir",
         checkpoints,
     ]
+
+    def listed(index: int) -> list[str]:
+        return on_node(provisioned.cluster, index, f"ls -A {directory} 2>/dev/null || true").split()
+
     held = ["--step-delay", "600", "--step-delay-rank", "1"]
     process = start_train(provisioned.inventory, "ARGS=" + " ".join([*args, *held]))
     try:
@@ -821,18 +833,34 @@ def test_a_node_killed_before_the_first_checkpoint_leaves_nothing_to_resume_in_c
             process.kill()
         _bring_back(provisioned, 2)
     try:
-        for index in (1, 2):  # nothing written, nothing half-written
-            assert (
-                on_node(
-                    provisioned.cluster, index, f"ls -A {directory} 2>/dev/null || true"
-                ).split()
-                == []
-            )
+        assert listed(1) == [] and listed(2) == []  # nothing written, nothing half-written
+        paused = ["--checkpoint-pause-step", "4", "--checkpoint-pause-rank", "1"]
+        process = start_train(provisioned.inventory, "ARGS=" + " ".join([*args, *paused]))
+        try:
+            seen = read_until(process, "[node2] [rank 1] checkpoint step 4: ")
+            assert re.search(
+                rf"^\[node1\] no checkpoints in \S*/{checkpoints}: starting from step 0$",
+                seen,
+                re.M,
+            ), seen[-3000:]
+            wait_until(lambda: file_name(4, 0) in listed(1), 60, "node1 never named its step 4")
+            output = kill_node(process, provisioned.cluster.config.container(2))
+            output.end(timeout=120)
+            assert _exit_code(process.returncode, output.text) == 1, output.text[-3000:]
+        finally:
+            if process.poll() is None:
+                process.kill()
+            _bring_back(provisioned, 2)
+        assert listed(1) == [file_name(4, 0)]
+        written = listed(2)  # step 4 of rank 1 only under a temporary name, never named
+        assert len(written) == 1 and written[0].startswith(f".{file_name(4, 1)}."), written
         rerun = _rerun_ends_as_uninterrupted(provisioned, reference_ddp, args)
-        assert re.search(
-            rf"^\[node1\] no checkpoints in \S*/{checkpoints}: starting from step 0$", rerun, re.M
-        ), rerun[-3000:]
-        assert "resumed from step" not in rerun, rerun[-3000:]
+        assert (
+            "[node1] resuming from step 4, the newest step every rank with checkpoints has "
+            "(rank 0 has 4; rank 1 has none); rank 0 sends its state to rank 1, whose node "
+            "holds none"
+        ) in rerun.splitlines(), rerun[-3000:]
+        assert not [name for name in listed(2) if name.startswith(".")]  # swept
     finally:
         for index in (1, 2):
             on_node(provisioned.cluster, index, f"rm -rf {directory}")

@@ -4,21 +4,16 @@ including when one rank lost its newest checkpoint and a half-written temp file 
 from __future__ import annotations
 
 import shutil
-import signal
-import subprocess
 
 import pytest
 
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
-    kill_node_then_the_others,
     load_state,
-    local_nodes,
     max_difference,
     run_command,
     torchrun_command,
-    wait_until,
 )
 from torch_multinode.training.checkpointing.checkpoint import file_name
 from torch_multinode.training.settings.config import STOP_EXIT_CODE
@@ -106,48 +101,3 @@ def test_another_world_size_is_refused_and_no_resume_starts_over(python_module, 
     assert sorted(p.name for p in checkpoints.iterdir()) == sorted(
         [file_name(8, 0), file_name(12, 0), file_name(4, 1), file_name(8, 1)]
     )
-
-
-def test_a_node_killed_in_the_first_checkpoint_write_loses_nothing_and_starts_again(
-    tmp_path, reference_ddp
-):
-    """The data-safety matrix's DDP node-local x a node killed before the first checkpoint
-    exists on every node: two local "nodes", each its own disk; node-1 pauses inside its write
-    of step 4, the first (the test hook), and is killed there, after node-0 wrote its own file
-    of step 4 whole. DDP's state is the same on every rank, so nothing is lost: the next run
-    resumes from node-0's step 4 and sends it to node-1, whose disk holds none, sweeps node-1's
-    half-written file, and ends bit for bit where the uninterrupted run does."""
-    disks = [tmp_path / "disk-0", tmp_path / "disk-1"]
-    pause = ("--checkpoint-pause-step", "4", "--checkpoint-pause-rank", "1")
-
-    def kill_in_the_write(processes: list[subprocess.Popen]) -> None:
-        def began() -> bool:
-            return bool(list(disks[1].glob(f".{file_name(4, 1)}.*.tmp")))
-
-        wait_until(began, 150, "node-1 never began its write of step 4")
-        kill_node_then_the_others(processes, 1)
-
-    def job(extra: tuple[str, ...], during=None) -> list:
-        return local_nodes(
-            tmp_path,
-            "torch_multinode.training.ddp",
-            2,
-            lambda i: [*TINY, *CHECKPOINTING, "--checkpoint-dir", str(disks[i]), *extra],
-            lambda i: {},
-            during,
-        )
-
-    first = job(pause, kill_in_the_write)
-    assert first[1].returncode == -signal.SIGKILL, first[1].explain()
-    # node-0's step 4 whole under its name; node-1's only a temporary file, never named
-    assert [p.name for p in disks[0].glob("step-*")] == [file_name(4, 0)], list(disks[0].iterdir())
-    assert [p.name for p in disks[1].iterdir() if not p.name.startswith(".")] == []
-    out = tmp_path / "model.pt"
-    again = job(("--out", str(out)))
-    assert all(run.returncode == 0 for run in again), again[0].explain() + again[1].explain()
-    assert again[0].lines("resuming from") == [
-        "resuming from step 4, the newest step every rank with checkpoints has (rank 0 has 4; "
-        "rank 1 has none); rank 0 sends its state to rank 1, whose node holds none"
-    ], again[0].explain()
-    assert not list(disks[1].glob(".*.tmp"))  # the half-written file swept
-    assert max_difference(load_state(out), reference_ddp.state) == 0.0
