@@ -33,6 +33,7 @@ it found it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -410,6 +411,15 @@ def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
         sim.docker("rmi", probe, check=False)
 
 
+def _digests(directory: Path) -> dict[str, str]:
+    """Every file under `directory`, by its path there: its SHA-256."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
 def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_same_way(
     provisioned, tmp_path
 ):
@@ -419,7 +429,8 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     and succeeds, and one more is stopped with Ctrl-C. All four are in one `make runs` table,
     newest first, with their results (failed, failed, succeeded, interrupted); each record
     (JSON=1) holds every field the issue names, and a secret passed with ENV= is in no file of
-    any of the four run directories."""
+    any of the four run directories. The failed run's directory brought home (its nodes' logs,
+    its record) is byte for byte as it was after the rerun, which has a directory of its own."""
     root = tmp_path / "proj"
     root.mkdir()
     (root / "version.txt").write_text("v1\n")
@@ -441,6 +452,8 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     assert f"[node2] rank 1 token of {len(secret)}" in first.stdout, first.stdout[-3000:]
     run_id = run_id_in(first.stdout)
     assert re.search(rf"^Job {run_id} FAILED on node\d", first.stdout, re.M), first.stdout
+    home = _digests(REPO_ROOT / ".runs" / run_id)
+    assert {"node1.log", "node2.log", "run.json"} <= set(home), home
     (root / "version.txt").write_text("v2\n")  # an edit since, not committed
     rerun = make("rerun", f"RUN={run_id}", timeout=900, env=with_secret)
     out = rerun.stdout
@@ -451,6 +464,8 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     again = run_id_in(out)
     remembered = json.loads((REPO_ROOT / ".runs" / again / "run.json").read_text())
     assert (remembered["result"], remembered["exit_code"]) == ("failed", 1), remembered
+    assert _digests(REPO_ROOT / ".runs" / run_id) == home  # the original's, as it was
+    assert {"node1.log", "node2.log"} <= set(_digests(REPO_ROOT / ".runs" / again))
     assert (root / "version.txt").read_text() == "v2\n"  # the edit is left as it was
     # A new job runs the edit, and succeeds; one more, held, is stopped with Ctrl-C.
     edited = _train(provisioned, f"SCRIPT={root / 'job.py'}", "ENV=PROJECT_TOKEN", env=with_secret)
@@ -514,16 +529,23 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
 
 # A project's job that keeps its state where --checkpoint-dir says (relative: each node's
 # checkpoint_root/NAME, the one rule for every job on the nodes), saying what it found there.
+# A project's job that keeps its state in --checkpoint-dir, and with --out-dir writes there too
+# (a directory every node sees, /shared): each rank says what it found in each before writing.
 STATE_JOB = """\
 import argparse, os, pathlib
 parser = argparse.ArgumentParser()
 parser.add_argument("--checkpoint-dir", required=True)
-where = pathlib.Path(parser.parse_args().checkpoint_dir)
-where.mkdir(parents=True, exist_ok=True)
-state = where / f"state-rank{os.environ['RANK']}.pt"
-found = state.read_text().strip() if state.exists() else "none"
-state.write_text(f"written by {os.environ['TMN_RUN_ID']}\\n")
-print("rank", os.environ["RANK"], "found", found, flush=True)
+parser.add_argument("--out-dir")
+args = parser.parse_args()
+for flag, place in (("checkpoint-dir", args.checkpoint_dir), ("out-dir", args.out_dir)):
+    if place is None:
+        continue
+    where = pathlib.Path(place)
+    where.mkdir(parents=True, exist_ok=True)
+    state = where / f"state-rank{os.environ['RANK']}.pt"
+    found = state.read_text().strip() if state.exists() else "none"
+    state.write_text(f"written by {os.environ['TMN_RUN_ID']}\\n")
+    print("rank", os.environ["RANK"], "found", found, "in its", flag, flush=True)
 """
 
 
@@ -531,10 +553,11 @@ def test_a_rerun_writes_its_own_checkpoints_on_the_nodes_and_leaves_the_original
     provisioned, tmp_path
 ):
     """The data-safety matrix's `a rerun` column on the nodes, in containers: a project's job
-    keeps its state in `--checkpoint-dir NAME` (each node's checkpoint_root/NAME); `make rerun
-    RUN=ID` says where its own outputs go, keeps them in NAME-rerun-NEWID on every node, never
-    finds the original's (it starts over, as a new run), and leaves the original's byte for
-    byte as they were."""
+    keeps its state in `--checkpoint-dir NAME` (each node's checkpoint_root/NAME) and in
+    `--out-dir /shared/NAME` (the directory every node sees); `make rerun RUN=ID` says where its
+    own outputs go, keeps them in NAME-rerun-NEWID on every node's disk and in
+    /shared/NAME-rerun-NEWID, never finds the original's (it starts over, as a new run), and
+    leaves the original's byte for byte as they were, on the nodes' disks and on /shared."""
     root = tmp_path / "proj"
     root.mkdir()
     (root / "job.py").write_text(STATE_JOB)
@@ -543,38 +566,51 @@ def test_a_rerun_writes_its_own_checkpoints_on_the_nodes_and_leaves_the_original
         subprocess.run([*git, *step], check=True, capture_output=True)
     name = f"state-{uuid.uuid4().hex[:8]}"
     original = f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
+    shared = f"/shared/{name}"
 
-    def kept(directory: str) -> dict[int, str]:
+    def kept(directory: str, indices=(1, 2)) -> dict[int, str]:
         """Each node's files there: their digests and what they say."""
         return {
             index: on_node(
                 provisioned.cluster, index, f"cd {directory} && sha256sum state-*; cat state-*"
             )
-            for index in (1, 2)
+            for index in indices
         }
 
     try:
-        first = _train(provisioned, f"SCRIPT={root / 'job.py'}", f"ARGS=--checkpoint-dir {name}")
+        first = _train(
+            provisioned,
+            f"SCRIPT={root / 'job.py'}",
+            f"ARGS=--checkpoint-dir {name} --out-dir {shared}",
+        )
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr
         run_id = run_id_in(first.stdout)
-        before = kept(original)
+        before, before_shared = kept(original), kept(shared, (1,))
         for index in (1, 2):
             assert f"written by {run_id}" in before[index], before
+        # Both ranks' files on /shared, seen from node1.
+        assert before_shared[1].count(f"written by {run_id}") == 2, before_shared
         rerun = make("rerun", f"RUN={run_id}", timeout=900)
         out = rerun.stdout
         assert rerun.returncode == 0, out[-3000:] + rerun.stderr
         again = run_id_in(out)
         apart = f"{name}-rerun-{again}"
         assert f"--checkpoint-dir {apart} under each node's checkpoint_root" in out, out[-3000:]
-        assert "[node1] rank 0 found none" in out and "[node2] rank 1 found none" in out, out
+        assert f"--out-dir /shared/{apart}" in out, out[-3000:]
+        for flag in ("checkpoint-dir", "out-dir"):
+            for node, rank in (("node1", 0), ("node2", 1)):
+                assert f"[{node}] rank {rank} found none in its {flag}" in out, out[-3000:]
         assert kept(original) == before  # the original's, byte for byte
+        assert kept(shared, (1,)) == before_shared
         after = kept(f"{DEFAULT_CHECKPOINT_ROOT}/{apart}")
         for index in (1, 2):
             assert f"written by {again}" in after[index], after
+        assert kept(f"/shared/{apart}", (1,))[1].count(f"written by {again}") == 2
         assert run_record(again)["rerun_of"] == run_id
     finally:
         for index in (1, 2):
             on_node(provisioned.cluster, index, f"rm -rf {original} {original}-rerun-*")
+        on_node(provisioned.cluster, 1, f"rm -rf {shared} {shared}-rerun-*")
 
 
 def test_make_data_sends_a_dataset_once(provisioned, tmp_path):
