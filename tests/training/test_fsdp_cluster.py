@@ -2,7 +2,8 @@
 nodes equal one plain process (within 1e-5, as on one machine) with each rank holding half a
 replica; a rank killed while writing a checkpoint and RESTARTS=1 ends bit for bit where the
 uninterrupted run does; the uninterrupted run, saved on 2 nodes to /shared, resumes on 1;
-node-local checkpoints refuse to be resharded; a full node-local disk is one line naming its node."""
+node-local checkpoints refuse to be resharded; a full node-local disk is one line naming its node,
+a full /shared one line naming the directory."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import REPO_ROOT, VENV_BIN, make
+from tests.conftest import REPO_ROOT, SMALL_SHARED, VENV_BIN, make
 from tests.helpers import interrupt, known_line, on_node, read_until, run_id_in, start_train
 from tests.training.conftest import load_state, max_difference
 from tests.training.references import SMALL, bench_row, digest, progress, reference
@@ -201,6 +202,60 @@ def test_a_full_node_local_disk_in_containers_is_one_error_line_naming_the_node(
     finally:
         on_node(provisioned.cluster, 2, f"umount {directory}; rm -rf {directory}", check=False)
         on_node(provisioned.cluster, 1, f"rm -rf {directory}", check=False)
+
+
+def test_a_full_shared_directory_in_containers_is_one_error_line_and_step_10_stays(
+    provisioned, straight
+):
+    """The data-safety matrix's FSDP2 on /shared x a full disk, in the training containers: the
+    checkpoint directory is on a 2 MB filesystem both nodes see (tests/conftest.py's
+    SMALL_SHARED, mounted in the cluster's /shared before its nodes started), holding step 10
+    of the uninterrupted run, then filled up. The write of step 15 fails, and both nodes print
+    the one line naming the directory; step 10 is byte for byte as it was and step 15 never
+    takes its name; once there is room again the run resumes from step 10 and ends bit for bit
+    where the uninterrupted one does."""
+    mounted = on_node(provisioned.cluster, 1, f"df -P {SMALL_SHARED} | tail -n 1").split()
+    if mounted[-1] != SMALL_SHARED:
+        pytest.skip(f"{SMALL_SHARED} is no filesystem of its own here: mounting one needs root")
+    directory = f"{SMALL_SHARED}/ckpt-{uuid.uuid4().hex[:8]}"
+    filler = f"{SMALL_SHARED}/filler"
+    listing = f"cd {directory} && find step-00000010 -type f | sort | xargs sha256sum"
+    try:
+        on_node(
+            provisioned.cluster,
+            1,
+            f"mkdir -p {directory} && chown --reference={SHARED} {directory} && "
+            f"cp -a {SHARED}/step-00000010 {directory}/ && "
+            f"(dd if=/dev/zero of={filler} bs=4k 2>/dev/null; true)",
+        )
+        before = on_node(provisioned.cluster, 2, listing)  # as node2 sees it
+        assert "step-00000010/.metadata" in before, before
+        full = _train(provisioned, _args("--checkpoint-dir", directory))
+        assert full.returncode != 0, full.stdout[-3000:]
+        said = [line for line in full.stdout.splitlines() if " Error: " in line]
+        for node in ("node1", "node2"):  # the ranks agree on the error, each node says it
+            assert any(
+                line.startswith(f"[{node}] Error: cannot write checkpoint step 15 to {directory}")
+                and "No space left on device" in line
+                and line.endswith("(try freeing space there, or another --checkpoint-dir)")
+                for line in said
+            ), full.stdout[-3000:]
+        # What was complete stays complete: step 10 as it was; the half-written 15 never named.
+        assert on_node(provisioned.cluster, 1, listing) == before
+        steps = on_node(provisioned.cluster, 2, f"ls -A {directory}").split()
+        assert steps == [".step-00000015.tmp", "step-00000010"], steps
+        on_node(provisioned.cluster, 2, f"rm {filler}")
+        again = _train(provisioned, _args("--checkpoint-dir", directory, "--keep", "1"))
+        assert again.returncode == 0, again.stdout[-3000:]
+        assert (
+            "resuming from step 10, the newest step every rank has (rank 0 has 10; rank 1 has 10)"
+            in _master_lines(again.stdout).splitlines()
+        ), again.stdout[-3000:]
+        assert digest(_master_lines(again.stdout)) == digest(_master_lines(straight.stdout))
+        steps = on_node(provisioned.cluster, 1, f"ls -A {directory}").split()
+        assert steps == ["step-00000020"], steps  # the half-written 15 swept, --keep 1
+    finally:
+        on_node(provisioned.cluster, 1, f"rm -rf {directory} {filler}", check=False)
 
 
 # The data-safety matrix's FSDP2 cells in the training containers: where the ranks write
