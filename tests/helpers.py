@@ -5,6 +5,7 @@ tests/fakes.py and the conftest files), never from each other."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import signal
@@ -371,6 +372,15 @@ def small_filesystem(path: Path, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=False)
+
+
+def digests(directory: Path) -> dict[str, str]:
+    """Every file under `directory`, by its path there: its SHA-256."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def fill(filesystem: Path) -> Path:

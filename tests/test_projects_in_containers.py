@@ -33,7 +33,6 @@ it found it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -52,6 +51,7 @@ from tests.helpers import (
     DEPENDENT,
     check_namesake_project_runs,
     dependent_versions,
+    digests,
     interrupt,
     leftovers,
     namesake_project,
@@ -411,15 +411,6 @@ def test_a_node_that_changed_since_netcheck_is_refused_and_allow_drift_runs_it(
         sim.docker("rmi", probe, check=False)
 
 
-def _digests(directory: Path) -> dict[str, str]:
-    """Every file under `directory`, by its path there: its SHA-256."""
-    return {
-        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
-
-
 def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_same_way(
     provisioned, tmp_path
 ):
@@ -452,7 +443,7 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     assert f"[node2] rank 1 token of {len(secret)}" in first.stdout, first.stdout[-3000:]
     run_id = run_id_in(first.stdout)
     assert re.search(rf"^Job {run_id} FAILED on node\d", first.stdout, re.M), first.stdout
-    home = _digests(REPO_ROOT / ".runs" / run_id)
+    home = digests(REPO_ROOT / ".runs" / run_id)
     assert {"node1.log", "node2.log", "run.json"} <= set(home), home
     (root / "version.txt").write_text("v2\n")  # an edit since, not committed
     rerun = make("rerun", f"RUN={run_id}", timeout=900, env=with_secret)
@@ -464,8 +455,8 @@ def test_a_rerun_of_a_failed_run_runs_its_snapshot_not_the_edit_and_fails_the_sa
     again = run_id_in(out)
     remembered = json.loads((REPO_ROOT / ".runs" / again / "run.json").read_text())
     assert (remembered["result"], remembered["exit_code"]) == ("failed", 1), remembered
-    assert _digests(REPO_ROOT / ".runs" / run_id) == home  # the original's, as it was
-    assert {"node1.log", "node2.log"} <= set(_digests(REPO_ROOT / ".runs" / again))
+    assert digests(REPO_ROOT / ".runs" / run_id) == home  # the original's, as it was
+    assert {"node1.log", "node2.log"} <= set(digests(REPO_ROOT / ".runs" / again))
     assert (root / "version.txt").read_text() == "v2\n"  # the edit is left as it was
     # A new job runs the edit, and succeeds; one more, held, is stopped with Ctrl-C.
     edited = _train(provisioned, f"SCRIPT={root / 'job.py'}", "ENV=PROJECT_TOKEN", env=with_secret)

@@ -2,8 +2,8 @@
 users' nodes run, and proves it.
 
 One cluster of systemd-booted nodes that own their compute link (sim/owned_network.py): a pair
-per stack (node1 and node2 netplan with systemd-networkd, node3 and node4 NetworkManager, node5
-and node6 ifupdown), Debian's own packages of each, every compute NIC (eth1, no engine addresses it) on one bridge
+per stack (node1 and node2 netplan, node3 and node4 NetworkManager, node5 and node6 ifupdown),
+Debian's own packages of each, every compute NIC (eth1, no engine addresses it) on one bridge
 this test creates with the controller's side of the link on it, and no route back to the
 controller but that link. Every playbook run takes all six nodes at once, as a user's mixed
 cluster would be taken; each stack's tests read what its pair shows. In order:
@@ -62,9 +62,6 @@ SAID = {
     "networkmanager": "with NetworkManager (nmcli, profile torch-multinode-compute)",
     "ifupdown": "with ifupdown",
 }
-# TINY's arguments for three ranks: 16 samples a rank, where its global batch of 32 would not
-# divide.
-THREE_RANKS = with_values(TINY, global_batch_size="48")
 # Where each stack shows the resolvers it applied to eth1: networkd's and NetworkManager's own
 # view of the link. ifupdown hands them to resolvconf, which these nodes, like Debian 12's
 # default install, do not have (the role's README says so): there, the gateway only.
@@ -88,6 +85,9 @@ USER_NETPLAN = "/etc/netplan/01-user.yaml"
 BROKEN_USER_NETPLAN = (
     "network:\\n  version: 2\\n  ethernets:\\n    eth0:\\n      dhcp-four: true\\n"
 )
+# TINY's arguments for three ranks: 16 samples a rank, where its global batch of 32 would not
+# divide.
+THREE_RANKS = with_values(TINY, global_batch_size="48")
 
 
 def addresses(container: str) -> list[str]:
@@ -144,7 +144,7 @@ class ClusterRun:
     gateway: str
     routes: dict[str, str]
     resolvers: dict[str, str]
-    netchecks: list[subprocess.CompletedProcess]
+    netcheck: subprocess.CompletedProcess
     train: subprocess.CompletedProcess
     rerun: subprocess.CompletedProcess
     carriers_before: dict[str, str]
@@ -245,14 +245,11 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
     # netcheck on the first node of each stack, a job on the second: every node's address
     # carries real traffic, each stack's beside the others', at the torch imports of three nodes
     # at a time (six at once outlasted netcheck's probe on two loaded cores).
-    netchecks = [
-        make(
-            "netcheck",
-            f"INVENTORY={_subset(document, hosts, firsts, tmp / 'firsts')}",
-            timeout=600,
-        )
-    ]
-    seconds_inventory = _subset(document, hosts, seconds, tmp / "seconds")
+    firsts_inventory, seconds_inventory = (
+        _subset(document, hosts, [pair(stack)[which] for stack in FILES], tmp / f"nodes-{which}")
+        for which in (0, 1)
+    )
+    netcheck = make("netcheck", f"INVENTORY={firsts_inventory}", timeout=600)
     train = make(
         "train",
         f"INVENTORY={seconds_inventory}",
@@ -340,7 +337,7 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
         gateway,
         routes,
         resolvers,
-        netchecks,
+        netcheck,
         train,
         rerun,
         carriers_before,
@@ -437,9 +434,8 @@ def test_a_gateway_and_resolvers_given_are_applied_where_the_compute_nic_is_the_
 
 
 def test_netcheck_passes_and_a_job_on_every_stacks_nodes_trains_over_the_addresses(cluster_run):
-    for netcheck in cluster_run.netchecks:
-        assert netcheck.returncode == 0, _said(netcheck)
-        assert "ready: 0 FAIL" in netcheck.stdout
+    assert cluster_run.netcheck.returncode == 0, _said(cluster_run.netcheck)
+    assert "ready: 0 FAIL" in cluster_run.netcheck.stdout
     train = cluster_run.train
     assert train.returncode == 0, _said(train)
     # The ranks on node4 (NetworkManager) and node6 (ifupdown) met node2's at its compute

@@ -10,7 +10,6 @@ size is bit for bit; resharded runs are within 1e-5 of the uninterrupted run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import fill, interrupt, read_until, small_filesystem
+from tests.helpers import digests, fill, interrupt, read_until, small_filesystem
 from tests.training.conftest import (
     fsdp_nodes,
     load_state,
@@ -248,14 +247,6 @@ def test_ddp_strategy_trains_the_same_model_with_whole_replicas(plain, tmp_path)
     assert bench_row(run.stdout)["bytes_ratio"] == 1.0
 
 
-def _digests(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
 def test_a_full_node_local_disk_is_one_error_line_and_every_nodes_step_before_stays(
     straight, tmp_path
@@ -270,7 +261,7 @@ def test_a_full_node_local_disk_is_one_error_line_and_every_nodes_step_before_st
         disks = [tmp_path / "disk-0", small / "checkpoints"]
         for disk in disks:  # each node's disk with every rank's files of step 10
             copy_step(directory / "checkpoints", 10, disk)
-        before = [_digests(disk) for disk in disks]
+        before = [digests(disk) for disk in disks]
         filler = fill(small)
 
         def job() -> list:
@@ -292,8 +283,8 @@ def test_a_full_node_local_disk_is_one_error_line_and_every_nodes_step_before_st
                 "on device (try freeing space there, or another --checkpoint-dir)"
             ], run.explain()
         # What was complete stays complete, on both disks; the half-written 15 never named.
-        for disk, digests in zip(disks, before, strict=True):
-            assert {k: v for k, v in _digests(disk).items() if k in digests} == digests, disk
+        for disk, kept in zip(disks, before, strict=True):
+            assert {k: v for k, v in digests(disk).items() if k in kept} == kept, disk
             assert sorted(p.name for p in disk.glob("step-*")) == ["step-00000010"], disk
         filler.unlink()
         again = job()
