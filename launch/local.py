@@ -31,6 +31,7 @@ from torch_multinode.launch import checks, flight, hang, idle, staging, watch
 from torch_multinode.launch.commands import stop_command
 from torch_multinode.launch.ending import local_summary
 from torch_multinode.launch.environment import local_environment
+from torch_multinode.launch.node_output import JobLog
 from torch_multinode.launch.nodes import job_backend, local_gpu_count, process_count
 from torch_multinode.launch.progress import Progress, until_hang
 from torch_multinode.launch.relay import Relaying
@@ -286,7 +287,7 @@ def run_local(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    log = (run_dir / f"{socket.gethostname()}.log").open("ab")  # NODE.log, as on the nodes
+    log = JobLog(run_dir / f"{socket.gethostname()}.log", emit)  # NODE.log, as on the nodes
     relaying = Relaying(process.stdout, out or sys.stdout.buffer, tail, log, progress.note)
     try:
         if started is not None:

@@ -17,6 +17,44 @@ second, and eight nodes doing so would bury every other line."""
 _BREAKS = re.compile(r"(\r\n|\n|\r)")
 
 
+class JobLog:
+    """A node's log (NODE.log in the job's log directory), written as the job's lines come, over
+    SSH and from a local job alike. A log that cannot be written (a full disk) ends there, said
+    once through `say`: it never stops the job nor what is shown of it."""
+
+    def __init__(self, path: Path, say: Callable[[str], None]):
+        self.path, self.say = path, say
+        self.file = path.open("ab")
+
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
+    def write(self, data: bytes) -> None:
+        self._guarded(lambda: self.file.write(data))
+
+    def flush(self) -> None:
+        self._guarded(self.file.flush)
+
+    def close(self) -> None:
+        self._guarded(self.file.close)
+
+    def _guarded(self, act: Callable[[], object]) -> None:
+        if self.file.closed:
+            return
+        try:
+            act()
+        except OSError as exc:
+            try:
+                self.file.close()  # what its buffer held is lost with the error
+            except OSError:
+                pass
+            self.say(
+                f"[launcher] the log {self.path} stops here: {exc.strerror or exc}; the job goes "
+                "on, its output still shown here"
+            )
+
+
 class NodeOutput:
     """A file-like that fabric writes a node's output into (with a pty, so lines end in "\\r\\n").
 
@@ -55,7 +93,7 @@ class NodeOutput:
         self.prefix, self.emit, self.outcome = prefix, emit, outcome
         self.observe = observe  # sees every line first; False: the line is not shown
         self.progress_every, self.clock = progress_every, clock
-        self.log = log.open("a", encoding="utf-8") if log else None
+        self.log = JobLog(log, emit) if log else None
         # fabric's reader thread writes while the launcher's main loop ticks.
         self.lock = threading.Lock()
         self.held_return = False  # a chunk ended in "\r": the next one says if it was "\r\n"
@@ -103,7 +141,7 @@ class NodeOutput:
 
     def flush(self) -> None:
         with self.lock:
-            if self.log and not self.log.closed:
+            if self.log is not None:
                 self.log.flush()
 
     def close(self) -> None:
@@ -114,7 +152,7 @@ class NodeOutput:
                 if self.text or self.state is not None:
                     self._end_line()
             finally:
-                if self.log and not self.log.closed:
+                if self.log is not None:
                     self.log.close()
 
     def _end_state(self) -> None:
@@ -167,5 +205,5 @@ class NodeOutput:
             return
         self.outcome.tail.append(line)
         self.emit(f"{self.prefix} {line}")
-        if self.log and not self.log.closed:
-            self.log.write(line + "\n")
+        if self.log is not None:
+            self.log.write(f"{line}\n".encode())

@@ -11,9 +11,11 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import REPO_ROOT, run_cli
 from torch_multinode.launch import ending, local, relay
+from torch_multinode.launch.node_output import JobLog
 from torch_multinode.launch.progress import HEARTBEAT
 from torch_multinode.launch.spec import JobSpec
 
@@ -141,6 +143,27 @@ def test_the_relay_hides_heartbeats_however_the_output_is_cut(monkeypatch):
     finally:
         os.close(write)
     assert out.getvalue() == b"".join(written)
+
+
+def test_a_local_jobs_log_on_a_full_disk_ends_there_said_once_and_the_job_goes_on(tmp_path):
+    """NODE.log in the run directory, on a disk that filled (/dev/full: every write fails so):
+    the relay goes on to the end, every byte shown on the terminal, and one launcher line says
+    where the log stops and why."""
+    written = b"".join(f"step {step}/500 {'x' * 40}\n".encode() for step in range(1, 501))
+    read, write = os.pipe()
+    os.write(write, written)
+    os.close(write)
+    out, tail, said = io.BytesIO(), collections.deque(maxlen=5), []
+    log = JobLog(Path("/dev/full"), said.append)
+    with os.fdopen(read, "rb", buffering=0) as stream:
+        relay.relay(stream, out, tail, log)
+    log.close()
+    assert said == [
+        "[launcher] the log /dev/full stops here: No space left on device; the job goes on, its "
+        "output still shown here"
+    ]
+    assert out.getvalue() == written
+    assert list(tail)[-1] == f"step 500/500 {'x' * 40}"
 
 
 # A local job that says one line, then nothing for ten minutes; Ctrl-C reaches the launcher in

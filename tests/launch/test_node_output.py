@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import math
 from fractions import Fraction
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -253,3 +254,24 @@ def test_a_cpp_stack_in_the_failure_excerpt_is_one_line():
         "rank      : 1 (local_rank: 0)",
         "exitcode  : 1 (pid: 626)",
     ]
+
+
+FULL = Path("/dev/full")  # every write there fails as on a full disk: No space left on device
+
+
+def test_a_log_on_a_full_disk_ends_there_said_once_and_every_line_still_shows():
+    """The node's log (.runs/ID/NODE.log) on a disk that filled: the first write that fails
+    ends the log with one launcher line, and the job's lines go on showing, none lost here."""
+    rig = Rig(log=FULL)
+    for step in range(1, 2001):
+        rig.output.write(f"step {step}/2000 {'x' * 40}\r\n")
+        rig.output.flush()  # as fabric does after every chunk it reads
+    rig.output.close()
+    rig.output.close()
+    stop = (
+        "[launcher] the log /dev/full stops here: No space left on device; the job goes on, its "
+        "output still shown here"
+    )
+    assert [line for line in rig.emitted if line.startswith("[launcher]")] == [stop]
+    steps = [line for line in rig.emitted if not line.startswith("[launcher]")]
+    assert steps == shown(*(f"step {step}/2000 {'x' * 40}" for step in range(1, 2001)))
