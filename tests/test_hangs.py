@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, make
-from tests.helpers import leftovers, on_node, read_until, run_id_in, start_train
+from tests.helpers import leftovers, no_containers_left, on_node, read_until, run_id_in, start_train
 from torch_multinode.cluster.inventory_read import load
 from torch_multinode.launch.signatures import SIGNATURES
 from torch_multinode.launch.spec import RUN_LABEL
@@ -126,6 +126,10 @@ def _left(provisioned, run_id: str) -> dict[str, str]:
 
 
 def _nothing_left(provisioned, run_id: str) -> None:
+    """No container, process or rendezvous listener of the run on either node. The stop kills a
+    container at once and Docker removes it once its cleanup is done: given up to a minute
+    (no_containers_left), as CI run 38 found a stopped job's containers still listed at once."""
+    no_containers_left(provisioned.cluster, (1, 2), run_id)
     found = _left(provisioned, run_id)
     assert not any(found.values()), found
 
