@@ -383,6 +383,21 @@ def digests(directory: Path) -> dict[str, str]:
     }
 
 
+def digests_on_node(
+    cluster: sim.SimCluster, index: int, directory: str, leave_out: str | None = None
+) -> dict[str, str]:
+    """digests() of `directory` on simulated node `index`: every file under it (but those under
+    its subdirectory `leave_out`), by its path there: its SHA-256."""
+    skip = f" -not -path './{leave_out}/*'" if leave_out else ""
+    listed = on_node(
+        cluster, index, f"cd {directory} && find . -type f{skip} | sort | xargs -r sha256sum"
+    )
+    return {
+        path.removeprefix("./"): digest
+        for digest, path in (line.split(maxsplit=1) for line in listed.splitlines())
+    }
+
+
 def fill(filesystem: Path) -> Path:
     """`filesystem` full: a file of zeros (`filler`, returned: unlink it for room again)."""
     filler = filesystem / "filler"

@@ -33,8 +33,10 @@ it found it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -52,6 +54,9 @@ from tests.helpers import (
     check_namesake_project_runs,
     dependent_versions,
     digests,
+    digests_on_node,
+    fill,
+    git_repository,
     interrupt,
     leftovers,
     namesake_project,
@@ -60,6 +65,7 @@ from tests.helpers import (
     read_until,
     run_id_in,
     run_record,
+    small_filesystem,
     start_train,
 )
 from tests.training.conftest import (
@@ -1326,3 +1332,132 @@ def test_a_projects_requirements_are_one_layer_built_once_shipped_by_layers_and_
             sim.docker("rmi", tag, check=False)
         for run in runs:
             shutil.rmtree(REPO_ROOT / ".runs" / run, ignore_errors=True)
+
+
+# A user's script that imports nothing of torch's: each rank says it is ready, waits for the
+# test's word (a file in /shared, which every node and container sees), and rank 0 then writes
+# 1.6 MB of outputs into its run directory (the same bytes each time: digests are known here).
+FULL_DISKS_SCRIPT = """\
+import os, pathlib, random, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} ready", flush=True)
+while not pathlib.Path(sys.argv[1]).exists():
+    time.sleep(0.2)
+if rank == 0:
+    for index in range(4):
+        out = pathlib.Path(os.environ["TMN_RUN_DIR"]) / f"events-{index}.bin"
+        out.write_bytes(random.Random(index).randbytes(400_000))
+for line in range(300):  # more than a full disk's last page holds of the nodes' logs
+    print(f"rank {rank} line {line} " + "x" * 60)
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def test_full_disks_here_lose_no_record_no_output_and_no_repository_in_containers(
+    provisioned, tmp_path
+):
+    """The data-safety matrix's code snapshot, run record and run directory brought home x a
+    full disk, with a job in the training containers. The project's repository is on a filled
+    2 MB filesystem with an edit git must write: the launch says in one line that there is no
+    snapshot and git's reason, and the repository is as it was. `.runs/` is a 1 MB filesystem
+    that the test fills while the job runs: the job's result stands (exit 0), one line says the
+    record was not updated and stays as last written (whole, with no temporary file beside
+    it), one says the master's run directory was not copied, with rsync's cause, and the
+    master's files are as they were, nothing half-copied here. Each node's log there ends where
+    the disk filled, said once, and every line of the job still shows."""
+    here = tmp_path / "here"
+    here.mkdir()
+    go = f"/shared/go-{uuid.uuid4().hex[:8]}"
+    run_id = None
+    try:
+        with (
+            small_filesystem(tmp_path / "repo-disk", "2m") as repo_disk,
+            small_filesystem(here / ".runs", "1m") as runs,
+        ):
+            top = repo_disk / "project"
+            git = git_repository(top, {"train.py": FULL_DISKS_SCRIPT})
+            (top / "helper.py").write_text("X = 2\n" * 50)  # new code: a blob git must write
+            fill(repo_disk)
+
+            def repository() -> tuple[str, ...]:
+                return tuple(
+                    subprocess.run([*git, *args], capture_output=True, text=True).stdout
+                    for args in (["status", "--porcelain"], ["rev-parse", "HEAD"], ["for-each-ref"])
+                ) + tuple((top / name).read_text() for name in ("train.py", "helper.py"))
+
+            before = repository()
+            job = subprocess.Popen(
+                [str(VENV_BIN / "train"), "-i", str(provisioned.inventory), "--nnodes", "2"]
+                + ["--script", str(top / "train.py"), "--", go],
+                cwd=here,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            try:
+                seen = read_until(job, "[node1] rank 0 ready", "[node2] rank 1 ready")
+                run_id = run_id_in(seen)
+                fill(runs)
+                on_node(provisioned.cluster, 1, f"touch {go}")
+                rest, _ = job.communicate(timeout=300)
+            finally:
+                if job.poll() is None:
+                    job.kill()
+            out = seen + rest
+            assert job.returncode == 0, out[-4000:]  # the job's own result
+            said = [line for line in out.splitlines() if line.startswith("[launcher] ")]
+            # The nodes' logs end where the disk filled, each said once; every line still shows.
+            for index, node in enumerate(("node1", "node2")):
+                assert (
+                    f"[launcher] the log {Path('.runs') / run_id / f'{node}.log'} stops here: No "
+                    "space left on device; the job goes on, its output still shown here"
+                ) in said, said
+                assert f"[{node}] rank {index} line 299 " + "x" * 60 in out, out[-3000:]
+                assert f"[{node}] rank {index} done" in out, out[-3000:]
+            (snapshot,) = [line for line in said if "code snapshot" in line]
+            assert snapshot.startswith(
+                "[launcher] no code snapshot for make rerun: git could not write it ("
+            ), snapshot
+            assert snapshot.endswith(": No space left on device)"), snapshot  # git's own words
+            assert repository() == before  # the user's repository as it was
+
+            remote = f"{REMOTE_RUN_ROOT}/{run_id}"
+            where = f"node1:{remote}"
+            (home,) = [line for line in said if line.startswith("[launcher] the run directory ")]
+            assert home.startswith(f"[launcher] the run directory {where} was not copied from "), (
+                home
+            )
+            assert "No space left on device" in home, home
+            record_file = runs / run_id / "run.json"
+            assert (
+                f"[launcher] the run record {Path('.runs') / run_id / 'run.json'} was not updated "
+                "with how it ended: No space left on device; it stays as last written (free space "
+                "there for the next run's)"
+            ) in said, said
+            kept = json.loads(record_file.read_text())  # whole, as begun
+            assert (kept["id"], kept["result"], kept["ended"]) == (run_id, "running", None), kept
+            assert kept["code"]["snapshot"] is None and kept["code"]["why"].startswith(
+                "git could not write it ("
+            ), kept["code"]
+            assert not [p.name for p in (runs / run_id).rglob(".*")], list(
+                (runs / run_id).rglob("*")
+            )
+
+            # The master's outputs as rank 0 wrote them; what came here is whole.
+            expected = {
+                f"events-{index}.bin": hashlib.sha256(
+                    random.Random(index).randbytes(400_000)
+                ).hexdigest()
+                for index in range(4)
+            }
+            on_master = digests_on_node(provisioned.cluster, 1, remote)
+            assert {n: d for n, d in on_master.items() if n.startswith("events-")} == expected
+            came = {n: d for n, d in digests(runs / run_id).items() if n.startswith("events-")}
+            assert all(expected[name] == digest for name, digest in came.items()), came
+    finally:
+        on_node(provisioned.cluster, 1, f"rm -f {go}", check=False)
+        if run_id is not None:
+            for index in (1, 2):
+                on_node(
+                    provisioned.cluster, index, f"rm -rf {REMOTE_RUN_ROOT}/{run_id}", check=False
+                )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import uuid
 
@@ -19,6 +20,7 @@ from tests.helpers import interrupt, known_line, on_node, read_until, run_id_in,
 from tests.training.conftest import load_state, max_difference
 from tests.training.references import SMALL, bench_row, digest, progress, reference
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
+from torch_multinode.launch.staging import REMOTE_RUN_ROOT
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 TOLERANCE = 1e-5  # as tests/training/test_fsdp.py states for 2 ranks against one process
@@ -356,6 +358,22 @@ def test_a_fault_in_a_checkpoint_write_in_containers_loses_no_complete_step(
                     r"\[node1\] resuming from step 5, the newest step every rank has", restarted
                 ), restarted[-3000:]
             ended = restarted
+            # The master's run directory of each run comes home into the job's one log
+            # directory: the failed one's (its rank 0's Flight Recorder trace, written as the
+            # peer's death reached it), and the restart's (copied, whatever it holds: no file
+            # here, in the runs seen).
+            first_id = run_id_in(seen)
+            copied = re.search(
+                rf"Run directory of node1: \d+ file\(s\) from node1:{REMOTE_RUN_ROOT}/{first_id}-r1$",
+                restarted,
+                re.M,
+            )
+            home = REPO_ROOT / ".runs" / first_id
+            try:
+                assert copied, restarted[-3000:]
+                assert (home / "flight-rank-0.json").is_file(), sorted(home.rglob("*"))
+            finally:
+                shutil.rmtree(home, ignore_errors=True)
         else:
             assert job.returncode == 130, out[-4000:]
             assert f"Job {run_id_in(seen)} interrupted" in rest, rest[-3000:]
