@@ -26,3 +26,7 @@ FLIGHT_DUMP = "flight-rank-{rank}.json"
 # torch writes it itself (a pickle), to this prefix followed by the rank (TORCH_FR_DUMP_TEMP_FILE,
 # with TORCH_NCCL_DUMP_ON_TIMEOUT=1; the launcher sets both).
 FLIGHT_TIMEOUT_DUMP = "flight-timeout-rank-"
+# Each rank's time waiting in collectives, its totals rewritten every few seconds
+# (training.distributed.waits) and read by the launcher's straggler watch (launch.stragglers): a
+# file name in TMN_RUN_DIR.
+PACE_FILE = "pace-rank-{rank}.json"

@@ -8,4 +8,8 @@ its all-reduce through DDP or by hand over the same group.
               accumulation
     flight    a rank's Flight Recorder trace, written when the launcher asks (a hang) or when the
               rank dies of an uncaught exception; parallel.start starts it
+    waits     a rank's time waiting in collectives, its totals written for the launcher's
+              straggler watch (launch.stragglers)
+    site/     not a package: the sitecustomize that starts flight and waits in any script the
+              launcher runs with a project (last on the job's PYTHONPATH)
 """
