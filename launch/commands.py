@@ -76,7 +76,7 @@ def remote_command(
     workdir = project.workdir if project is not None else directory
     entry = entry_point(spec, project if project is not None else directory)
     variables = (
-        node_environment(host, spec, env, directory, project.python_path)
+        node_environment(host, spec, env, directory, project.import_path(spec))
         if project is not None
         else node_environment(host, spec, env)
     )

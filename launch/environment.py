@@ -21,8 +21,11 @@ TMN_PLANNED_WORLD_SIZE     job_environment (a restart on fewer   reserved; the w
 TORCH_NCCL_DUMP_ON_TIMEOUT job_environment (with a project):     NCCL's trace of a timed-out
 TORCH_FR_DUMP_TEMP_FILE    1, and the run directory's            collective, for the failed
                            jobenv.FLIGHT_TIMEOUT_DUMP            job's summary
-PYTHONPATH                 job_environment (with a project)      reserved
+PYTHONPATH                 job_environment (with a project)      reserved; last on it, our
+                                                                 sitecustomize (sync.SITE_PATH)
 CUDA_DEVICE_ORDER          job_environment (node with GPUs)      PCI_BUS_ID
+TORCH_NCCL_ENABLE_TIMING   job_environment (node with GPUs)      1: the straggler watch's
+                                                                 timing of each collective
 CUDA_VISIBLE_DEVICES       job_environment (the host's           Slurm's own is unset by the
                            selection, else GPUS=)                batch script
 NCCL_DEBUG, ...            debug_environment (DEBUG=)            over the job variables
@@ -114,6 +117,9 @@ def job_environment(
         # GPU indices as nvidia-smi numbers them (CUDA's default puts the fastest first), so
         # GPUS=0,2 names the cards the user saw in nvidia-smi.
         variables["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        # Each NCCL collective timed on the GPU, for the straggler watch (training.distributed.
+        # waits reads the durations from the Flight Recorder).
+        variables["TORCH_NCCL_ENABLE_TIMING"] = "1"
     selected = visible_gpus(host, spec)
     if selected is not None:
         variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, selected))

@@ -208,6 +208,13 @@ class Launcher:
             return []
         return [threading.Thread(target=watch.stall, args=(self.job,), daemon=True)]
 
+    def _pace_watcher(self) -> list[threading.Thread]:
+        """The straggler watch's reader of the ranks' waits (not started): none for one node,
+        where there is nothing to compare."""
+        if len(self.hosts) < 2:
+            return []
+        return [threading.Thread(target=watch.paces, args=(self.job, self.stragglers), daemon=True)]
+
     def _observe(self, line: str) -> bool:
         self.stragglers.note(line)
         return self.job.progress.note(line)
@@ -309,7 +316,7 @@ class Launcher:
         runners: list[threading.Thread] = []
         try:
             runners = self._runners(self.way.prepare(envs))
-            threads = runners + self.way.watchers() + self._stall_watcher()
+            threads = runners + self.way.watchers() + self._stall_watcher() + self._pace_watcher()
             begun = True
             for thread in threads:
                 thread.start()

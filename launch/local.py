@@ -27,7 +27,7 @@ from pathlib import Path
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import INTERRUPTED_EXIT, TERMINATED_EXIT, Terminated, UserError
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import checks, flight, hang, idle, staging, watch
+from torch_multinode.launch import checks, flight, hang, idle, staging, stragglers, watch
 from torch_multinode.launch.commands import stop_command
 from torch_multinode.launch.ending import local_summary
 from torch_multinode.launch.environment import local_environment
@@ -131,8 +131,12 @@ def environment(
     # The project alone: torch_multinode comes from this environment's install (see
     # torch_multinode/__init__.py), and this project's root would add generic names. Its
     # dependencies next, before this environment's own packages, as the layer's are in the
-    # image's on the nodes.
-    python_path = ":".join([str(project_directory(spec)), *filter(None, [spec.dependencies])])
+    # image's on the nodes; our sitecustomize's directory last for a script of the user's, as on
+    # the nodes (staging.Project.import_path).
+    sites = [sync.site_import_path(str(sync.TOOL_ROOT))] if stragglers.watched(spec) else []
+    python_path = ":".join(
+        [str(project_directory(spec)), *filter(None, [spec.dependencies]), *sites]
+    )
     here = this_machine(gpus_here)
     backend = job_backend((here,))[0]
     env = local_environment(here, spec, str(run_directory(spec)), python_path, backend, environ)

@@ -35,7 +35,9 @@ from pathlib import Path
 from torch_multinode.cluster import sync, trust
 from torch_multinode.cluster.errors import UserError, shown
 from torch_multinode.cluster.inventory import Host, Inventory
+from torch_multinode.launch import stragglers
 from torch_multinode.launch.requirements import Requirements, requirements
+from torch_multinode.launch.spec import JobSpec
 
 REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
 REMOTE_SECRETS_ROOT = "/tmp/torch-multinode/secrets"
@@ -74,6 +76,19 @@ class Project:
             sync.tool_import_path(remote) if remote.endswith("/" + sync.TOOL_PACKAGE) else remote
             for _, remote in self.trees
         )
+
+    def import_path(self, spec: JobSpec) -> str:
+        """python_path, then, for a job that runs a script or module of the user's
+        (stragglers.watched), the directory of our sitecustomize on the nodes (sync.SITE_PATH:
+        the ranks' helpers started in any script)."""
+        if not stragglers.watched(spec):
+            return self.python_path
+        sites = [
+            sync.site_import_path(remote)
+            for _, remote in self.trees
+            if remote.endswith("/" + sync.TOOL_PACKAGE)
+        ]
+        return ":".join([self.python_path, *sites[:1]])
 
 
 def project_root(script: Path | None, workdir: Path | None) -> Path | None:

@@ -156,6 +156,8 @@ def test_gpu_nodes_run_in_the_training_container_with_what_nccl_needs():
         "-e",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
         "-e",
+        "TORCH_NCCL_ENABLE_TIMING=1",
+        "-e",
         "GLOO_SOCKET_IFNAME=eth1",
         "-e",
         "NCCL_SOCKET_IFNAME==eth1",

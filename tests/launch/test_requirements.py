@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO_ROOT
 from tests.helpers import inventory, node
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import UserError
@@ -186,10 +187,12 @@ def test_a_local_jobs_dependencies_come_right_after_its_project_on_the_import_pa
     site = tmp_path / "cache" / "abc" / "site"
     spec = JobSpec(script=script, dependencies=str(site))
     env, _ = local.environment(spec, 0, {})
-    assert env["PYTHONPATH"] == f"{tmp_path}:{site}"
+    # then our sitecustomize's directory, last (launch.stragglers.watched: a script of the user's)
+    ours = REPO_ROOT / "training" / "distributed" / "site"
+    assert env["PYTHONPATH"] == f"{tmp_path}:{site}:{ours}"
     assert local.environment_note(spec) == f"environment {sys.prefix} + {site}"
     plain = JobSpec(script=script)
-    assert local.environment(plain, 0, {})[0]["PYTHONPATH"] == str(tmp_path)
+    assert local.environment(plain, 0, {})[0]["PYTHONPATH"] == f"{tmp_path}:{ours}"
     assert local.environment_note(plain) == f"environment {sys.prefix}"
 
 
