@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 import uuid
 
 import pytest
@@ -24,6 +25,7 @@ from tests.helpers import known_line, leftovers, no_containers_left, run_id_in
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
+    TimedOutput,
     kill_node,
     launches,
     load_state,
@@ -34,8 +36,10 @@ from tests.training.conftest import (
 )
 from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
+from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
 from torch_multinode.cluster.inventory_read import load
+from torch_multinode.launch import stragglers
 from torch_multinode.sim import nodes as sim
 
 # The first test's set-up waits for the training image (built by the `image` group's worker
@@ -401,6 +405,80 @@ def test_a_node_held_to_a_fraction_of_a_core_is_named_the_straggler_with_its_cau
         line.removeprefix("[launcher] ")
     ]
     assert all(LOADED_HOST.search(text) for text in kept if text not in line), kept
+
+
+# A user's own script, knowing nothing of ours: a little work (5 ms of CPU, then 15 ms waiting as
+# for a GPU) and an all_reduce, forever; a line every 200 rounds.
+OWN_SCRIPT = """\
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+torch.set_num_threads(1)
+tensor, rounds = torch.ones(1000), 0
+while True:
+    begun = time.process_time()
+    while time.process_time() - begun < 0.005:
+        pass
+    time.sleep(0.015)
+    dist.all_reduce(tensor)
+    rounds += 1
+    if rounds % 200 == 0 and dist.get_rank() == 0:
+        print(f"round {rounds}", flush=True)
+"""
+
+
+@pytest.mark.sim
+def test_a_users_own_script_held_to_a_fraction_of_a_core_is_named_the_straggler(
+    sim3, start, tmp_path
+):
+    """Issue 55 for any script: a plain torch.distributed script with no step lines and nothing
+    of ours in it; after a minute of the even cluster, node2's job container is held to 0.02 of
+    a core (`docker update --cpus` in node2's engine: a quota that binds whatever else loads the
+    host, where the node's own 0.1 did not: its rank used less than that on a loaded host). The
+    ranks' waits in collectives (training.distributed.waits, which the job's sitecustomize
+    starts) show node1 waiting for node2; the launcher names node2, with the job container's
+    quota as the cause, once, and keeps it."""
+    _all_back(sim3)
+    cluster, _ = sim3
+    node2 = cluster.config.container(2)
+    project = tmp_path / "own"
+    project.mkdir()
+    (project / "loop.py").write_text(OWN_SCRIPT)
+    process = start("--nnodes", "2", "--script", str(project / "loop.py"))
+    output = TimedOutput(process, time.monotonic())
+    output.first("[node1] round 200", timeout=400)
+    # Three readings of the waits (stragglers.PACE_INTERVAL apart) on the even cluster first.
+    time.sleep(3 * stragglers.PACE_INTERVAL)
+    output.mark("node2 held")
+    held = time.monotonic() - output.since
+    run_id = run_id_in(output.text)
+    job = container_name(run_id, "node2")
+    sim.docker("exec", node2, "docker", "update", "--cpus", "0.02", job)
+    # Within 120 s is the target (two readings, then the probe's 5 s); this limit only keeps a
+    # hung job from holding the test. The hold goes with the job's container.
+    output.first("[launcher] node2 is the straggler: ", timeout=held + 240)
+    process.send_signal(signal.SIGINT)  # while node2 is still held: its cause is unchanged
+    output.end(timeout=180)
+    even = "".join(line for at, line in output.lines if at < held)
+    assert "is the straggler" not in even, output.stamped[-4000:]  # an even cluster says nothing
+    text = output.text
+    lines = [line.removeprefix("[launcher] ") for line in text.splitlines()]
+    # Another node, named only for what loaded cores do to any node (as above), in its line and
+    # again in the summary's.
+    others = [t for t in lines if " is the straggler: " in t and "node2 is the" not in t]
+    assert all(LOADED_HOST.search(t) for t in others), (others, output.stamped[-4000:])
+    (line,) = [t for t in lines if t.startswith("node2 is the straggler")]  # said once
+    assert re.fullmatch(
+        r"node2 is the straggler: the other nodes' ranks wait in collectives \d+% of the time, "
+        r"its own \d+%: every rank waits for it; cause: CPU throttled by the job's container's "
+        r"cgroup quota \(0\.02 CPU, \d+% of periods throttled\)",
+        line,
+    ), line
+    assert f"Straggler: {line}" in text, text[-3000:]
+    kept = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())["stragglers"]
+    assert [t for t in kept if t.startswith("node2 ")] == [line]
 
 
 @pytest.mark.sim
