@@ -210,8 +210,8 @@ class Launcher:
 
     def _pace_watcher(self) -> list[threading.Thread]:
         """The straggler watch's reader of the ranks' waits (not started): none for one node,
-        where there is nothing to compare."""
-        if len(self.hosts) < 2:
+        where there is nothing to compare, nor for our workloads, whose ranks measure none."""
+        if len(self.hosts) < 2 or not stragglers.watched(self.spec):
             return []
         return [threading.Thread(target=watch.paces, args=(self.job, self.stragglers), daemon=True)]
 

@@ -121,14 +121,15 @@ def paces(job: RunningJob, watch: stragglers.Stragglers) -> None:
     remotes: dict[str, Session] = {}
 
     def read(host: Host, texts: list[str]) -> None:
+        remote = remotes.get(host.name)
         try:
-            if host.name not in remotes:
+            if remote is None:
                 remote = job.session(host)
-                remote.connect()
                 remotes[host.name] = remote
-            texts.append(remotes[host.name].run(command, timeout=PACE_TIMEOUT).stdout)
+                remote.connect()
+            texts.append(remote.run(command, timeout=PACE_TIMEOUT).stdout)
         except UserError:
-            remotes.pop(host.name, None)
+            _close(remotes.pop(host.name, None))  # connected afresh next time
 
     try:
         while not job.done.wait(stragglers.PACE_INTERVAL):
@@ -146,10 +147,15 @@ def paces(job: RunningJob, watch: stragglers.Stragglers) -> None:
                 watch.paces(stragglers.parse_paces(texts))
     finally:
         for remote in remotes.values():
-            try:
-                remote.close()
-            except Exception:  # closing a session to a dead node may raise anything
-                pass
+            _close(remote)
+
+
+def _close(remote: Session | None) -> None:
+    try:
+        if remote is not None:
+            remote.close()
+    except Exception:  # closing a session to a dead node may raise anything
+        pass
 
 
 def stall(job: RunningJob) -> None:

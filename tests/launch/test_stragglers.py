@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import REPO_ROOT, run_cli
@@ -306,3 +307,68 @@ def test_a_users_script_or_module_is_watched_and_our_workloads_speak_for_themsel
         == project.python_path
         == f"/w/proj:{PurePosixPath(tool).parent}"
     )
+
+
+def test_the_launcher_reads_a_scripts_waits_on_every_node_and_names_the_straggler(monkeypatch):
+    """The real launcher on fake nodes (no traffic), readings every 0.05 s instead of 20: each
+    node prints its rank's totals, node1's rank waiting 90 % of the time and node2's 5 %; the
+    launcher names node2 with the cause its probe found, and the result keeps it. A job of our
+    workload (it says who is slow itself) reads nothing."""
+    from tests.fakes import FakeNodes
+    from tests.helpers import inventory_text, node
+    from torch_multinode.cluster.inventory_read import parse as parse_inventory
+    from torch_multinode.launch.backends import SshBackend
+    from torch_multinode.launch.restarts import run_with_restarts
+    from torch_multinode.launch.spec import JobSpec
+    from torch_multinode.launch.staging import Project
+
+    monkeypatch.setattr(stragglers, "PACE_INTERVAL", 0.05)
+    hosts = {"n1": node(1, compute_ip="10.7.0.9"), "n2": node(2, compute_ip="10.7.0.10")}
+    inventory = parse_inventory(
+        inventory_text(hosts, launch_mode="host", training_python="/opt/venv/bin/python"),
+        "/nonexistent/inv.yml",
+    )
+    said: list[str] = []
+    reads = {"n1": 0, "n2": 0}
+
+    def job_on(host, command, out) -> int:
+        if "tmn-ours" in command:
+            time.sleep(0.5)  # ten intervals of the reader's
+            return 0
+        for _ in range(200):  # the job goes on while the launcher looks
+            if any("is the straggler" in line for line in said):
+                break
+            time.sleep(0.05)
+        return 0
+
+    def answer(host, command):
+        if "read_all" in command:
+            return THROTTLED if host.name == "n2" else CALM
+        if "pace-rank-" not in command:
+            return ""
+        reads[host.name] += 1
+        at = 10.0 * reads[host.name]
+        rank, share = (0, 0.9) if host.name == "n1" else (1, 0.05)
+        total = {"rank": rank, "node": host.name, "wall": at, "waited": at * share}
+        return json.dumps({**total, "collectives": 10 * reads[host.name]}) + "\n"
+
+    def run(spec: JobSpec) -> tuple:
+        nodes = FakeNodes(list(inventory.hosts), responder=answer, streamer=job_on)
+        project = Project(trees=(), workdir="/w", script="/w/train.py")
+        backend = SshBackend(inventory, spec, said.append, project, restart_wait=5, nodes=nodes)
+        return run_with_restarts(backend, spec, 0, said.append), nodes
+
+    result, nodes = run(JobSpec(run_id="tmn-own", script=Path("/w/train.py")))
+    assert result.exit_code == 0, said
+    named = [line for line in said if "is the straggler" in line]
+    assert named == [
+        "[launcher] n2 is the straggler: the other nodes' ranks wait in collectives 90% of the "
+        "time, its own 5%: every rank waits for it; cause: CPU throttled by its cgroup quota "
+        "(0.3 CPU, 100% of periods throttled)"
+    ], said
+    assert result.stragglers == (named[0].removeprefix("[launcher] "),)
+    assert reads["n1"] >= 3 and reads["n2"] >= 3
+    # Our workload: no reading at all.
+    said.clear()
+    _, nodes = run(JobSpec(run_id="tmn-ours"))
+    assert not [command for _, command in nodes.commands if "pace-rank-" in command]
