@@ -72,26 +72,19 @@ def test_the_node_the_others_wait_for_is_found_from_each_ranks_own_window():
     assert stragglers.wait_shares(now, before) == {}
 
 
+def _printed(command: str) -> str:
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
+
+
 def test_the_nodes_print_their_ranks_totals_which_the_launcher_reads(tmp_path):
     (tmp_path / PACE_FILE.format(rank=0)).write_text(
         json.dumps({"rank": 0, "node": "node1", "wall": 5.0, "waited": 4.0, "collectives": 9})
     )
     (tmp_path / PACE_FILE.format(rank=1)).write_text('{"rank": 1, "node": "node1", "wal')
-    printed = subprocess.run(
-        ["sh", "-c", stragglers.pace_command(str(tmp_path))],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    printed = _printed(stragglers.pace_command(str(tmp_path)))
     # A file cut short (never so: they are replaced whole) is skipped, not an error.
     assert stragglers.parse_paces([printed, "not json\n"]) == {0: Pace(0, "node1", 5.0, 4.0, 9)}
-    empty = subprocess.run(
-        ["sh", "-c", stragglers.pace_command(str(tmp_path / "none"))],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert empty.stdout == ""
+    assert _printed(stragglers.pace_command(str(tmp_path / "none"))) == ""
 
 
 def test_a_node_is_named_after_two_windows_in_a_row_with_its_cause_once():
