@@ -145,10 +145,12 @@ class _Writer:
         self.after = -1  # NCCL: the last Flight Recorder record counted
         self.lock = threading.Lock()
 
-    def write(self) -> None:
+    def write(self, read_trace: bool = True) -> None:
+        """The totals written; under NCCL, the Flight Recorder read first (`read_trace`), but
+        not as the process ends, when its process groups may be gone."""
         try:
             with self.lock:
-                if self.nccl:
+                if self.nccl and read_trace:
                     from torch_multinode.training.distributed.flight import trace_json
 
                     trace = json.loads(trace_json("nccl"))
@@ -188,5 +190,5 @@ def start(environ: Mapping[str, str] | None = None, every: float = EVERY) -> Wai
     writer = _Writer(waits, Path(run_dir) / PACE_FILE.format(rank=rank), head, nccl)
     _started = threading.Thread(target=writer.serve, args=(every,), name="tmn-waits", daemon=True)
     _started.start()
-    atexit.register(writer.write)
+    atexit.register(writer.write, False)
     return waits
