@@ -13,8 +13,9 @@ summary can say which collective each rank was in. NCCL's watchdog ends the proc
 Python's help; it writes its own dump there instead (jobenv.FLIGHT_TIMEOUT_DUMP, which the
 launcher sets with TORCH_NCCL_DUMP_ON_TIMEOUT).
 
-Every workload of ours starts it (training.distributed.parallel.start). In a script of yours,
-after init_process_group:
+Every workload of ours starts it (training.distributed.parallel.start); in a script of yours
+that the launcher runs, our sitecustomize does when init_process_group returns
+(training/distributed/site). Under torchrun typed by hand, after init_process_group:
 
     from torch_multinode.training.distributed import flight
     flight.start()
