@@ -16,8 +16,8 @@ NODE_NAME_VARIABLE = "TMN_NODE_NAME"
 PLANNED_WORLD_VARIABLE = "TMN_PLANNED_WORLD_SIZE"
 # The Flight Recorder (torch's ring of each rank's last collectives): on by default, small. A
 # rank that runs training.distributed.flight.start() (every workload of ours does; our
-# sitecustomize does in a user's script) writes its trace to FLIGHT_DUMP in the run directory when the launcher creates
-# FLIGHT_REQUEST there (a hang). Both are file names in TMN_RUN_DIR.
+# sitecustomize does in a user's script) writes its trace to FLIGHT_DUMP in the run directory
+# when the launcher creates FLIGHT_REQUEST there (a hang). Both are file names in TMN_RUN_DIR.
 FLIGHT_BUFFER_VARIABLE = "TORCH_FR_BUFFER_SIZE"
 FLIGHT_BUFFER_DEFAULT = "256"
 FLIGHT_REQUEST = "flight-request"
