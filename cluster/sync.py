@@ -377,16 +377,6 @@ def tool_import_path(destination: str) -> str:
     return posixpath.dirname(destination.rstrip("/"))
 
 
-# The directory of the sitecustomize that starts the ranks' helpers in any script
-# (training.distributed.site): last on the import path of a job with a project.
-SITE_PATH = "training/distributed/site"
-
-
-def site_import_path(destination: str) -> str:
-    """That directory, in our packages sent to `destination` (or TOOL_ROOT, here)."""
-    return posixpath.join(str(destination).rstrip("/"), SITE_PATH)
-
-
 def remote_target(host: Host, path: str) -> str:
     user = f"{host.ssh_user}@" if host.ssh_user else ""
     address = f"[{host.ssh_address}]" if ":" in host.ssh_address else host.ssh_address

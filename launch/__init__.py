@@ -47,7 +47,9 @@ torchrun's part of them) lives in training/.
     signatures    known failure signatures: an error's usual cause and remedy, in the summary
     causes        why a node is slow: its counters read twice on the node, the cause in one line
     gpu_causes    the GPU's part of it: nvidia-smi's query, a GPU held down or on a narrow link
-    stragglers    the straggler a job names, probed (causes) and said once per change
+    stragglers    the straggler a job names (from our workloads' warning, or the ranks' waits in
+                  collectives), probed (causes) and said once per change
+    paces         the watcher that reads the ranks' waits on every node for stragglers
     node_output   one node's output as the launcher shows it
     slurm         the way one run goes through Slurm (SlurmAttempt): submit or requeue, cancel
     slurm_script  the batch script, its paths, the follower of a node's output

@@ -22,7 +22,7 @@ TORCH_NCCL_DUMP_ON_TIMEOUT job_environment (with a project):     NCCL's trace of
 TORCH_FR_DUMP_TEMP_FILE    1, and the run directory's            collective, for the failed
                            jobenv.FLIGHT_TIMEOUT_DUMP            job's summary
 PYTHONPATH                 job_environment (with a project)      reserved; last on it, our
-                                                                 sitecustomize (sync.SITE_PATH)
+                                                                 sitecustomize (staging.SITE_PATH)
 CUDA_DEVICE_ORDER          job_environment (node with GPUs)      PCI_BUS_ID
 TORCH_NCCL_ENABLE_TIMING   job_environment (node with GPUs)      1: the straggler watch's
                                                                  timing of each collective

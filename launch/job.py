@@ -20,7 +20,7 @@ from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.launch import blame, causes, staging, stop, stragglers, watch
+from torch_multinode.launch import blame, causes, paces, staging, stop, stragglers, watch
 from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.node_output import NodeOutput
@@ -201,20 +201,6 @@ class Launcher:
             for h in self.hosts
         ]
 
-    def _stall_watcher(self) -> list[threading.Thread]:
-        """The hang watcher (not started), its clock started now: none with --stall 0."""
-        self.job.restart_clock()
-        if self.spec.stall == 0:
-            return []
-        return [threading.Thread(target=watch.stall, args=(self.job,), daemon=True)]
-
-    def _pace_watcher(self) -> list[threading.Thread]:
-        """The straggler watch's reader of the ranks' waits (not started): none for one node,
-        where there is nothing to compare, nor for our workloads, whose ranks measure none."""
-        if len(self.hosts) < 2 or not stragglers.watched(self.spec):
-            return []
-        return [threading.Thread(target=watch.paces, args=(self.job, self.stragglers), daemon=True)]
-
     def _observe(self, line: str) -> bool:
         self.stragglers.note(line)
         return self.job.progress.note(line)
@@ -316,7 +302,8 @@ class Launcher:
         runners: list[threading.Thread] = []
         try:
             runners = self._runners(self.way.prepare(envs))
-            threads = runners + self.way.watchers() + self._stall_watcher() + self._pace_watcher()
+            threads = runners + self.way.watchers() + watch.stall_watcher(self.job)
+            threads += paces.watcher(self.job, self.stragglers)
             begun = True
             for thread in threads:
                 thread.start()

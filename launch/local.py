@@ -133,7 +133,7 @@ def environment(
     # dependencies next, before this environment's own packages, as the layer's are in the
     # image's on the nodes; our sitecustomize's directory last for a script of the user's, as on
     # the nodes (staging.Project.import_path).
-    sites = [sync.site_import_path(str(sync.TOOL_ROOT))] if stragglers.watched(spec) else []
+    sites = [staging.site_import_path(str(sync.TOOL_ROOT))] if stragglers.watched(spec) else []
     python_path = ":".join(
         [str(project_directory(spec)), *filter(None, [spec.dependencies]), *sites]
     )

@@ -39,6 +39,11 @@ from torch_multinode.launch import stragglers
 from torch_multinode.launch.requirements import Requirements, requirements
 from torch_multinode.launch.spec import JobSpec
 
+# The directory of the sitecustomize that starts the ranks' helpers in any script
+# (training.distributed.site), within our packages: last on the import path of a job that runs
+# a script or module of the user's (Project.import_path; a local job's too).
+SITE_PATH = "training/distributed/site"
+
 REMOTE_RUN_ROOT = "/tmp/torch-multinode/runs"
 REMOTE_SECRETS_ROOT = "/tmp/torch-multinode/secrets"
 SECRETS_FILE = "env"
@@ -79,16 +84,21 @@ class Project:
 
     def import_path(self, spec: JobSpec) -> str:
         """python_path, then, for a job that runs a script or module of the user's
-        (stragglers.watched), the directory of our sitecustomize on the nodes (sync.SITE_PATH:
+        (stragglers.watched), the directory of our sitecustomize on the nodes (SITE_PATH:
         the ranks' helpers started in any script)."""
         if not stragglers.watched(spec):
             return self.python_path
         sites = [
-            sync.site_import_path(remote)
+            site_import_path(remote)
             for _, remote in self.trees
             if remote.endswith("/" + sync.TOOL_PACKAGE)
         ]
         return ":".join([self.python_path, *sites[:1]])
+
+
+def site_import_path(destination: str) -> str:
+    """SITE_PATH in our packages sent to `destination` (or in sync.TOOL_ROOT, here)."""
+    return posixpath.join(destination.rstrip("/"), SITE_PATH)
 
 
 def project_root(script: Path | None, workdir: Path | None) -> Path | None:

@@ -154,7 +154,7 @@ class Stragglers:
             f"rank {rank}'s own work takes {own * 1000:.0f} ms a step, the others' "
             f"{others * 1000:.0f} ms, and every rank waits for it"
         )
-        self._start(found.group(2), who)
+        self._begin(found.group(2), self._look, found.group(2), who)
 
     def paces(self, now: dict[int, Pace]) -> None:
         """Read the ranks' totals (parse_paces) of one reading; a node the others waited for in
@@ -172,29 +172,32 @@ class Stragglers:
                     f"the other nodes' ranks wait in collectives {others:.0%} of the time, its "
                     f"own {share:.0%}: every rank waits for it"
                 )
-                self._start(node, who)
+                self._begin(node, self._look, node, who)
             self._candidate = node
             return
         if len(shares) >= 2 and min(shares.values()) >= COMM_BOUND:
             if self._candidate == COMM_BOUND_MARK:
-                self._start_network(sorted(shares), min(shares.values()))
+                self._begin(COMM_BOUND_MARK, self._look_links, sorted(shares), min(shares.values()))
             self._candidate = COMM_BOUND_MARK
             return
         self._candidate = None
 
-    def _start(self, node: str, who: str) -> None:
-        self._begin(node, self._look, node, who)
-
-    def _start_network(self, nodes: list[str], share: float) -> None:
-        self._begin(COMM_BOUND_MARK, self._look_links, nodes, share)
-
     def _begin(self, key: str, look: Callable[..., None], *args: object) -> None:
-        """`look(*args)` in a thread of its own, unless the probe for `key` is under way."""
+        """`look(*args)` in a thread of its own, unless the probe for `key` (a node, or
+        COMM_BOUND_MARK) is under way."""
         with self._lock:
             if key in self._probing:
                 return
             self._probing.add(key)
-        thread = threading.Thread(target=look, args=args, daemon=True)
+
+        def probe() -> None:
+            try:
+                look(*args)
+            finally:
+                with self._lock:
+                    self._probing.discard(key)
+
+        thread = threading.Thread(target=probe, daemon=True)
         self._threads.append(thread)
         thread.start()
 
@@ -220,32 +223,24 @@ class Stragglers:
         self.emit(f"[launcher] {line}")
 
     def _look(self, node: str, who: str) -> None:
-        try:
-            self._say(node, who, self._cause(node))
-        finally:
-            with self._lock:
-                self._probing.discard(node)
+        self._say(node, who, self._cause(node))
 
     def _look_links(self, nodes: list[str], share: float) -> None:
         """Every node probed at once; the one node whose cause is its network, if one alone."""
-        try:
-            found: dict[str, causes.Cause] = {}
+        found: dict[str, causes.Cause] = {}
 
-            def look(node: str) -> None:
-                found[node] = self._cause(node)
+        def look(node: str) -> None:
+            found[node] = self._cause(node)
 
-            threads = [threading.Thread(target=look, args=(n,), daemon=True) for n in nodes]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(causes.WINDOW + 60)
-            links = [n for n in nodes if n in found and found[n].kind == "network"]
-            if len(links) == 1:
-                who = (
-                    f"every node's ranks wait in collectives {share:.0%} of the time or more, "
-                    f"and its link is the one that holds them"
-                )
-                self._say(links[0], who, found[links[0]])
-        finally:
-            with self._lock:
-                self._probing.discard(COMM_BOUND_MARK)
+        threads = [threading.Thread(target=look, args=(n,), daemon=True) for n in nodes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(causes.WINDOW + 60)
+        links = [n for n in nodes if n in found and found[n].kind == "network"]
+        if len(links) == 1:
+            who = (
+                f"every node's ranks wait in collectives {share:.0%} of the time or more, "
+                f"and its link is the one that holds them"
+            )
+            self._say(links[0], who, found[links[0]])

@@ -17,9 +17,8 @@ from pathlib import Path
 
 from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.execution import Session
 from torch_multinode.cluster.inventory import Host
-from torch_multinode.launch import flight, hang, idle, stragglers
+from torch_multinode.launch import flight, hang, idle
 from torch_multinode.launch.blame import cut_off
 from torch_multinode.launch.commands import link_probe_command, run_dir
 from torch_multinode.launch.progress import Progress, until_hang
@@ -35,7 +34,6 @@ from torch_multinode.launch.spec import (
 
 TRACES_TIMEOUT = 15  # seconds a node gets to print the traces its failed ranks left
 IDLE_TIMEOUT = 20  # seconds a node gets to print its ranks' counters (launch.idle)
-PACE_TIMEOUT = 10  # seconds a node gets to print its ranks' waits (launch.stragglers)
 
 
 def liveness(job: RunningJob) -> None:
@@ -113,49 +111,12 @@ def link(job: RunningJob, host: Host, master: Host) -> None:
             pass
 
 
-def paces(job: RunningJob, watch: stragglers.Stragglers) -> None:
-    """Every node's ranks' waits in collectives, read every PACE_INTERVAL seconds (over a
-    session per node, kept) and given to the straggler watch; a node that does not answer is
-    skipped (the liveness watcher's business)."""
-    command = stragglers.pace_command(run_dir(job.spec))
-    remotes: dict[str, Session] = {}
-
-    def read(host: Host, texts: list[str]) -> None:
-        remote = remotes.get(host.name)
-        try:
-            if remote is None:
-                remote = job.session(host)
-                remotes[host.name] = remote
-                remote.connect()
-            texts.append(remote.run(command, timeout=PACE_TIMEOUT).stdout)
-        except UserError:
-            _close(remotes.pop(host.name, None))  # connected afresh next time
-
-    try:
-        while not job.done.wait(stragglers.PACE_INTERVAL):
-            texts: list[str] = []
-            threads = [
-                threading.Thread(target=read, args=(host, texts), daemon=True)
-                for host in job.hosts
-                if job.outcomes[host.name].exit_code is None
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(PACE_TIMEOUT + 15)
-            if not job.done.is_set():
-                watch.paces(stragglers.parse_paces(texts))
-    finally:
-        for remote in remotes.values():
-            _close(remote)
-
-
-def _close(remote: Session | None) -> None:
-    try:
-        if remote is not None:
-            remote.close()
-    except Exception:  # closing a session to a dead node may raise anything
-        pass
+def stall_watcher(job: RunningJob) -> list[threading.Thread]:
+    """The hang watcher (`stall`, not started), its clock started now: none with --stall 0."""
+    job.restart_clock()
+    if job.spec.stall == 0:
+        return []
+    return [threading.Thread(target=stall, args=(job,), daemon=True)]
 
 
 def stall(job: RunningJob) -> None:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from torch_multinode.cluster import sync
+from torch_multinode.launch import staging
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "torch_multinode"
@@ -145,9 +146,9 @@ def test_everything_a_node_imports_travels_and_nothing_of_the_controller_does():
         needed.add(module)
         parts = module.split(".")
         # Their __init__.py; the sitecustomize's directory is an import path entry of its own
-        # (sync.SITE_PATH), not a package.
+        # (staging.SITE_PATH), not a package.
         parents = [".".join(parts[:i]) for i in range(1, len(parts))]
-        pending += [parent for parent in parents if parent != sync.SITE_PATH.replace("/", ".")]
+        pending += [parent for parent in parents if parent != staging.SITE_PATH.replace("/", ".")]
         pending += sorted(_imports(modules[module], modules, at_import_time=False) & set(modules))
     files = set(sync.tool_tree().files)
     wanted = {modules[module].relative_to(REPO).as_posix() for module in needed}
