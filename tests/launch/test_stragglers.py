@@ -16,6 +16,7 @@ from pathlib import Path
 from tests.conftest import REPO_ROOT, run_cli
 from tests.launch.test_causes import SLOW_WARNING
 from tests.launch.test_causes import THROTTLED_NODE as THROTTLED
+from torch_multinode.cluster import durable
 from torch_multinode.cluster.jobenv import PACE_FILE
 from torch_multinode.launch import stragglers
 from torch_multinode.launch.stragglers import Pace
@@ -254,6 +255,9 @@ def test_a_users_script_unchanged_has_its_ranks_waits_measured_in_a_local_job(tm
     assert found[0]["waited"] > 0.6 * found[0]["wall"], found
     assert found[1]["waited"] < 0.3 * found[1]["wall"], found
     assert found[0]["collectives"] >= 40 and found[0]["node"], found
+    # Readable by all, as the node's SSH user reads what a container's root wrote.
+    modes = {(run_dir / PACE_FILE.format(rank=rank)).stat().st_mode & 0o777 for rank in (0, 1)}
+    assert modes == {durable.FILE_MODE}, modes
 
 
 def test_the_sitecustomize_chains_to_the_interpreters_own_and_touches_nothing_else(tmp_path):

@@ -13,8 +13,9 @@ What is measured is the time with at least one collective of the default process
   group's collectives one after another, so their durations add up.
 
 Every EVERY seconds, and as the process ends, the totals since the start go to jobenv.PACE_FILE
-in the run directory (TMN_RUN_DIR), whole or not at all: `{"rank", "node", "wall", "waited",
-"collectives"}`.
+in the run directory (TMN_RUN_DIR), whole or not at all and readable by the node's SSH user when
+the container's rank writes as root (cluster.durable, as the Flight Recorder's trace):
+`{"rank", "node", "wall", "waited", "collectives"}`.
 
 Started after init_process_group, in the main thread (training.distributed.site does it for any
 script the launcher runs with a project); nothing here may stop the rank.
@@ -25,12 +26,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from torch_multinode.cluster import durable
 from torch_multinode.cluster.jobenv import NODE_NAME_VARIABLE, PACE_FILE, RUN_DIR_VARIABLE
 
 EVERY = 5.0  # seconds between two writes of the totals
@@ -124,18 +125,6 @@ def nccl_durations(trace: dict, after: int) -> tuple[float, int, int]:
     return seconds, count, last
 
 
-def _write(path: Path, data: dict) -> None:
-    """`path` replaced whole (a reader never sees half of it); not fsynced: a reading, not work."""
-    descriptor, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(data, file)
-        os.replace(name, path)
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
-
-
 class _Writer:
     """Writes the totals to `out`: every `every` seconds in a thread, and once more as the
     process ends (atexit), so that a run's last totals are in its run directory."""
@@ -156,7 +145,7 @@ class _Writer:
                     trace = json.loads(trace_json("nccl"))
                     seconds, count, self.after = nccl_durations(trace, self.after)
                     self.waits.add(seconds, count)
-                _write(self.out, {**self.head, **self.waits.totals()})
+                durable.write_atomically(self.out, json.dumps({**self.head, **self.waits.totals()}))
         except Exception:  # a reading is a help, never a reason for the rank to fail
             pass
 
