@@ -65,6 +65,9 @@ class SimConfig:
     subnet: str = DEFAULT_SUBNET
     state_dir: Path = REPO_ROOT / ".sim"
     mgmt_subnet: str = DEFAULT_MGMT_SUBNET
+    # Small filesystems of their own that every node shares, as a full NFS export would be:
+    # (path on the nodes, size), each a tmpfs volume that the Docker engine mounts and unmounts.
+    tmpfs: tuple[tuple[str, str], ...] = ()
 
     @property
     def network(self) -> str:
@@ -180,6 +183,19 @@ def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:
         access = ["-e", f"SIM_FRESH_USER={FRESH_USER}", "--label", f"{LABEL}.fresh=1"]
     for name in (volume, config.shared_volume):
         docker("volume", "create", "--label", f"{LABEL}={config.name}", name)
+    mounts = [f"{config.shared_volume}:{SHARED_DIR}"]
+    for number, (path, size) in enumerate(config.tmpfs, start=1):
+        name = f"{config.name}-tmpfs{number}"
+        docker(
+            "volume",
+            "create",
+            "--label",
+            f"{LABEL}={config.name}",
+            *("--opt", "type=tmpfs", "--opt", "device=tmpfs"),
+            *("--opt", f"o=size={size},mode=1777"),
+            name,
+        )
+        mounts.append(f"{name}:{path}")
     docker(
         "run",
         "-d",
@@ -199,8 +215,7 @@ def _start_node(config: SimConfig, index: int, public_key: str | None) -> None:
         *NESTED_ENGINE_OPTIONS,
         "-v",
         f"{volume}:/var/lib/docker",
-        "-v",
-        f"{config.shared_volume}:{SHARED_DIR}",
+        *(argument for mount in mounts for argument in ("-v", mount)),
         *access,
         *python_mounts(),
         NODE_IMAGE,

@@ -11,6 +11,7 @@ on side by side.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import itertools
 import os
@@ -20,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,7 +160,6 @@ class SimFactory:
         self.root = root
         self.started: list[sim.SimConfig] = []
         self.used: list[str] = []
-        self.before_down: dict[str, Callable[[sim.SimConfig], None]] = {}
 
     def config(self) -> sim.SimConfig:
         held = {config.name for config in self.started}
@@ -181,33 +180,22 @@ class SimFactory:
         nnodes: int,
         link: str | None = None,
         fresh_password: str | None = None,
-        volumes: tuple[Callable[[sim.SimConfig], None], Callable[[sim.SimConfig], None]]
-        | None = None,
+        tmpfs: tuple[tuple[str, str], ...] = (),
     ) -> sim.SimCluster:
         """Nodes as sim-up starts them; with `fresh_password`, as a fresh install leaves them
-        (FRESH=1: a user with that password, no key). `volumes`: what to do to the cluster's
-        volumes before its nodes start, and what undoes it before they are removed."""
-        config = self.config()
+        (FRESH=1: a user with that password, no key); `tmpfs`: SimConfig.tmpfs."""
+        config = dataclasses.replace(self.config(), tmpfs=tmpfs)
         self.started.append(config)
-        if volumes is not None:
-            before, self.before_down[config.name] = volumes
-            before(config)
         fresh = fresh_password is not None
         return sim.up(nnodes, link, config, fresh=fresh, fresh_password=fresh_password)
 
-    def _down(self, config: sim.SimConfig) -> sim.Removed:
-        undo = self.before_down.pop(config.name, None)
-        if undo is not None:
-            undo(config)
-        return sim.down(config)
-
     def down(self, cluster: sim.SimCluster) -> sim.Removed:
         self.started.remove(cluster.config)
-        return self._down(cluster.config)
+        return sim.down(cluster.config)
 
     def close(self) -> None:
         for config in self.started:
-            self._down(config)
+            sim.down(config)
         self.started.clear()
 
 
@@ -302,44 +290,14 @@ def fresh_pair(sim_factory, tmp_path_factory):
 
 
 # A 2 MB filesystem inside the provisioned cluster's /shared, which every node and every job
-# container sees as one (a test fills it up); absent where this machine cannot mount one.
+# container sees as one (a test fills it up): a tmpfs volume that the Docker engine mounts on
+# the nodes (SimConfig.tmpfs), and each job container's mount of /shared, recursive, carries.
 SMALL_SHARED = f"{sim.SHARED_DIR}/small"
-
-
-def _small_shared_on_host(config: sim.SimConfig) -> Path:
-    where = sim.docker("volume", "inspect", "-f", "{{.Mountpoint}}", config.shared_volume)
-    return Path(where.stdout.strip()) / Path(SMALL_SHARED).name
-
-
-def _mount_small_shared(config: sim.SimConfig) -> None:
-    """A tmpfs of 2 MB mounted inside the cluster's shared volume before its nodes start: each
-    node's mount of the volume is a recursive bind, so it carries the tmpfs along, and so does
-    each job container's mount of the node's /shared. One small filesystem every rank sees, as
-    a full NFS export would be. Needs root (CI's); elsewhere SMALL_SHARED stays a directory."""
-    sim.docker("volume", "create", "--label", f"{sim.LABEL}={config.name}", config.shared_volume)
-    small = _small_shared_on_host(config)
-    small.mkdir(exist_ok=True)
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=1777", "tmpfs", str(small)],
-        capture_output=True,
-        check=False,
-    )
-
-
-def _unmount_small_shared(config: sim.SimConfig) -> None:
-    """Before the volume is removed: a volume with a mount inside cannot be."""
-    try:
-        small = _small_shared_on_host(config)
-    except sim.UserError:  # no such volume: nothing was mounted
-        return
-    subprocess.run(["umount", "-l", str(small)], capture_output=True, check=False)
 
 
 def _bootstrapped_pair(sim_factory: SimFactory, here: Path):
     password = secrets.token_urlsafe(12)
-    cluster = sim_factory.up(
-        2, fresh_password=password, volumes=(_mount_small_shared, _unmount_small_shared)
-    )
+    cluster = sim_factory.up(2, fresh_password=password, tmpfs=((SMALL_SHARED, "2m"),))
     document = yaml.safe_load(cluster.config.inventory_path.read_text())
     document["all"]["vars"].update(
         launch_mode="container", training_image=TEST_IMAGE, container_mounts=["/shared"]
