@@ -194,9 +194,16 @@ class SimFactory:
         return sim.down(cluster.config)
 
     def close(self) -> None:
+        """Every cluster removed, each tried even when one before it fails (the first raises)."""
+        failures = []
         for config in self.started:
-            sim.down(config)
+            try:
+                sim.down(config)
+            except sim.UserError as error:
+                failures.append(error)
         self.started.clear()
+        if failures:
+            raise failures[0]
 
 
 @pytest.fixture(scope="session")
