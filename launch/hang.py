@@ -68,6 +68,9 @@ _GPU_LIBRARIES = re.compile(r"/lib(cuda|cudart|nccl)\.so")
 _RANK = re.compile(rf"^{MARK} rank (?P<rank>\d+) pid (?P<pid>\d+)$")
 # Where library code lives: a frame there is not the user's line.
 _LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
+# Our measure of a rank's waits (training.distributed.waits) waits for a blocking collective in
+# the process group's hook, inside the script's call: never the rank's place or its line.
+_OUR_HOOK = "torch_multinode/training/distributed/waits.py"
 # torch.distributed's own wrappers around a collective: the op is the frame below them.
 _WRAPPERS = {"wrapper", "inner", "_fn", "__call__", "_wrapped_call_impl", "_call_impl"}
 
@@ -174,7 +177,7 @@ def parse(node: str, text: str) -> tuple[list[RankStacks], str | None]:
 
 
 def place(stacks: RankStacks) -> Place:
-    frames = [f for f in stacks.main if f.python]
+    frames = [f for f in stacks.main if f.python and _OUR_HOOK not in f.file]
     if not frames:
         return Place("unknown", None, None, None)
     user = next((f for f in frames if not any(m in f.file for m in _LIBRARY)), None)

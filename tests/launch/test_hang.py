@@ -62,6 +62,32 @@ def test_a_rank_asleep_in_its_data_loading_is_named_with_its_line_and_the_others
     )
 
 
+def test_a_rank_waiting_inside_our_measure_of_its_waits_is_placed_at_its_own_call():
+    """training.distributed.waits waits for a blocking collective in the process group's hook,
+    inside the script's call: that frame, innermost, is neither the rank's place nor its line."""
+    tool = "/tmp/torch-multinode/runs/tmn-1/tools/torch_multinode"
+    waiting = dump(
+        40,
+        f"_wait ({tool}/training/distributed/waits.py:112)",
+        f"post_hook ({tool}/training/distributed/waits.py:95)",
+        f"all_reduce ({SITE}/torch/distributed/distributed_c10d.py:3013)",
+        f"_exception_logger.<locals>.wrapper ({SITE}/torch/distributed/c10d_logger.py:83)",
+        f"<module> ({WORKDIR}/train.py:21)",
+    )
+    ranks = hang.parse("node1", node((0, 40, waiting)))[0]
+    ranks += hang.parse("node2", node((1, 41, sleeping(41))))[0]
+    found = hang.place(ranks[0])
+    assert (found.kind, found.op) == ("collective", "all_reduce")
+    assert found.line == hang.Frame("<module>", f"{WORKDIR}/train.py", 21)
+    assert "waits.py" not in found.innermost.file
+    verdict = hang.judge(ranks, {}, WORKDIR)
+    assert (
+        verdict.lines[0]
+        == "rank 0 on node1: waits in all_reduce, called at train.py:21 in <module>"
+    )
+    assert [r.rank for r in verdict.culprits] == [1]
+
+
 def test_ranks_in_different_collectives_are_named_with_both():
     broadcast = dump(
         51,

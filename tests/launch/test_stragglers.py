@@ -148,13 +148,16 @@ def test_a_job_held_by_the_network_names_the_one_node_whose_link_is_shaped():
 
 
 class _Work:
-    def __init__(self, future=None):
-        self.future = future
+    def __init__(self, future=None, wait=None):
+        self.future, self._wait = future, wait
 
     def get_future(self):
         if self.future is None:
             raise RuntimeError("Work::getFuture not implemented.")
         return self.future
+
+    def wait(self):
+        self._wait()
 
 
 class _Future:
@@ -170,8 +173,8 @@ class _Future:
 
 
 class _Args:
-    def __init__(self, op_id, work=None):
-        self.op_id, self.work = op_id, work
+    def __init__(self, op_id, work=None, async_op=True):
+        self.op_id, self.work, self.async_op = op_id, work, async_op
 
 
 def test_a_ranks_waits_count_the_time_with_a_collective_open_once():
@@ -197,6 +200,34 @@ def test_a_ranks_waits_count_the_time_with_a_collective_open_once():
     measure.post_hook(object())
     measure.pre_hook(object())
     assert measure.totals() == {"wall": 10.0, "waited": 3.0, "collectives": 2}
+
+
+def test_a_blocking_collective_is_waited_for_in_its_hook_and_its_error_left_to_torch():
+    """A blocking collective (async_op=False), which torch waits for right after the hook, is
+    waited for in the hook itself and ends where that wait returns (no callback from gloo's
+    thread); one that fails is closed all the same, its error left for torch's own wait."""
+    now = [0.0]
+    measure = waits.Waits(clock=lambda: now[0])
+
+    def completes_at(moment):
+        def wait():
+            now[0] = moment
+
+        return wait
+
+    def fails():
+        now[0] = 9.0
+        raise RuntimeError("Connection closed by peer")
+
+    now[0] = 1.0
+    measure.pre_hook(_Args(1))
+    measure.post_hook(_Args(1, _Work(wait=completes_at(3.5)), async_op=False))
+    assert measure.totals() == {"wall": 3.5, "waited": 2.5, "collectives": 1}
+    now[0] = 8.0
+    measure.pre_hook(_Args(2))
+    measure.post_hook(_Args(2, _Work(wait=fails), async_op=False))  # raises nothing
+    now[0] = 10.0
+    assert measure.totals() == {"wall": 10.0, "waited": 3.5, "collectives": 2}
 
 
 def test_nccls_timed_collectives_of_the_default_group_are_summed_once_each():

@@ -6,7 +6,9 @@ measures this on its own clock, so nodes whose clocks differ compare as well as 
 What is measured is the time with at least one collective of the default process group open
 (issued and not yet complete), so that DDP's buckets in flight together count once:
 - under gloo, from the process group's pre- and post-hooks (the time a collective is issued) and
-  its work's future (the time it completes);
+  the time it completes: for a blocking one (async_op=False), which torch waits for right after
+  the post-hook, where the hook's own wait for it returns; for an asynchronous one (DDP's
+  buckets), from a callback on its work's future;
 - under NCCL, where a collective's future completes when it is queued, from the Flight
   Recorder's timing of each collective on the GPU (`duration_ms`, recorded with
   TORCH_NCCL_ENABLE_TIMING=1, which the launcher sets on nodes with GPUs); NCCL runs one
@@ -96,6 +98,10 @@ class Waits:
             work = args.work
             if issued is None or work is None:
                 return
+            if not args.async_op:
+                self.opened(issued)
+                self._wait(work)
+                return
             future = work.get_future()
             self.opened(issued)
         except Exception:
@@ -103,6 +109,19 @@ class Waits:
         try:
             future.add_done_callback(lambda _future: self.closed())
         except Exception:
+            self.closed()
+
+    def _wait(self, work) -> None:
+        """A blocking collective (async_op=False), which torch waits for right after this hook:
+        waited for here first, in the script's thread, it ends where the wait returns. That
+        costs the rank nothing, where a callback from gloo's thread on each collective cost
+        25 to 50 us (bench/waits_cost.py). An error stays for torch's own wait, which raises it
+        to the script; launch.hang does not take this frame for the script's line."""
+        try:
+            work.wait()
+        except Exception:
+            pass
+        finally:
             self.closed()
 
 
