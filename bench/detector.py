@@ -12,6 +12,9 @@ numbers (parallel.share: one all_reduce), paid once every --log-every steps. Tha
 over the step with the detector off is the second figure, steady where the paired ratio is
 noise.
 
+The second part (bench/waits_cost.py) is the cost of what the launcher starts in a user's own
+script instead: the measure of its waits in collectives.
+
 What it leaves out: the launcher's side (reading the ranks' lines, and probing a node only when
 one is named: nothing while the ranks are even) costs the ranks nothing; the latency from a
 slowdown to the launcher's line is measured by the straggler test in containers
@@ -25,6 +28,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from torch_multinode.bench import waits_cost
 from torch_multinode.bench.flight import (
     LOG_EVERY,
     WORKLOAD,
@@ -138,7 +142,6 @@ def measure_detector(reps: int, progress: Progress, quick: bool = False) -> dict
                 f"detector: its own work, rep {rep + 1}/{reps}: {rows[0]['own_time_us']:.1f} us "
                 f"of timing a step, {rows[0]['gather_us']:.0f} us a gather"
             )
-    found["load_after"] = os.getloadavg()[0]
     found["step_seconds_on"] = Series(on_steps).as_dict()
     found["step_seconds_off"] = Series(off_steps).as_dict()
     found["step_ratio"] = ratio_series(on_steps, off_steps).as_dict()
@@ -152,4 +155,7 @@ def measure_detector(reps: int, progress: Progress, quick: bool = False) -> dict
     found["work_ratio"] = Series(
         [1 + us / 1e6 / off for us, off in zip(per_step, off_steps, strict=True)]
     ).as_dict()
+    progress("detector: the measure of waits a user's script gets, on and off...")
+    found["waits"] = waits_cost.measure_waits(reps, progress, gpu_count, nproc, quick=quick)
+    found["load_after"] = os.getloadavg()[0]
     return found

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from torch_multinode.bench.measure import (
@@ -238,15 +239,22 @@ def noise(section: dict, thing: str = "the recorder") -> str | None:
     return None
 
 
-def environment(setting: str, run_dir: Path) -> dict[str, str]:
+def environment(
+    setting: str,
+    run_dir: Path,
+    python_path: Sequence[str] = (),
+    overrides: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """A job's environment as the launcher gives it, but for the Flight Recorder's setting:
-    the run directory (the trace's watcher runs when on), this checkout's code first."""
+    the run directory (the trace's watcher runs when on), this checkout's code first and
+    `python_path` last, then `overrides`."""
     environ = dict(os.environ)
     environ[FLIGHT_BUFFER_VARIABLE] = SETTINGS[setting]
     environ[RUN_DIR_VARIABLE] = str(run_dir)
     environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")]), *python_path]
     )
+    environ.update(overrides or {})
     return environ
 
 
@@ -262,8 +270,17 @@ def ranks(gpu_count: int) -> int:
     return gpu_count or 2
 
 
-def torchrun(target: list[str], setting: str, scratch: Path, what: str, nproc: int) -> str:
-    """`torchrun --standalone --nproc-per-node=<nproc> <target>` (loopback only), its output."""
+def torchrun(
+    target: list[str],
+    setting: str,
+    scratch: Path,
+    what: str,
+    nproc: int,
+    python_path: Sequence[str] = (),
+    overrides: Mapping[str, str] | None = None,
+) -> str:
+    """`torchrun --standalone --nproc-per-node=<nproc> <target>` (loopback only), its output;
+    its run directory in `scratch` (environment's other arguments: `python_path`, `overrides`)."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"run-{setting}-", dir=scratch))
     command = [
         sys.executable,
@@ -276,7 +293,7 @@ def torchrun(target: list[str], setting: str, scratch: Path, what: str, nproc: i
     proc = subprocess.run(
         command,
         cwd=run_dir,
-        env=environment(setting, run_dir),
+        env=environment(setting, run_dir, python_path, overrides),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,

@@ -22,7 +22,14 @@ from torch_multinode.netcheck.report import human_bytes
 
 FIXED_LEVERS = ("none", "fp16", "bf16", "powersgd", "no_sync")
 # a target of 1 or 2 %: 1.024 is not 1.02
-THREE_DECIMALS = ("flight_step", "flight_collective", "detector_step", "detector_work")
+THREE_DECIMALS = (
+    "flight_step",
+    "flight_collective",
+    "detector_step",
+    "detector_work",
+    "waits_step",
+    "waits_work",
+)
 
 # figure: (what it is, its target)
 TARGETS = {
@@ -105,7 +112,24 @@ TARGETS = {
         "the same, from the detector's own work per step timed alone: (step off + work) / step off",
         "<= 1.01",
     ),
+    "waits_step": (
+        "DDP step time of a user's script with the launcher's measure of its waits on / off, on "
+        "this machine (section 17)",
+        "<= 1.01",
+    ),
+    "waits_work": (
+        "the same, from the asynchronous worst case's cost per collective times a step's "
+        "collectives: (step off + cost) / step off",
+        "<= 1.01",
+    ),
 }
+
+
+def _waits_judged(data: dict) -> dict | None:
+    """Section 17's measure of waits, with the detector's target, as flight.noise reads it."""
+    detector = data.get("detector") or {}
+    waits = detector.get("waits")
+    return {**waits, "target": detector["target"]} if waits else None
 
 
 def _median(item: dict | None) -> float | None:
@@ -169,6 +193,9 @@ def figures(data: dict) -> dict[str, float | None]:
     if data.get("detector"):
         found["detector_step"] = _median(data["detector"]["step_ratio"])
         found["detector_work"] = _median(data["detector"].get("work_ratio"))
+        waits = data["detector"].get("waits") or {}
+        found["waits_step"] = _median(waits.get("step_ratio"))
+        found["waits_work"] = _median(waits.get("work_ratio"))
     if data.get("edit_loop"):
         found["edit_kilobytes"] = data["edit_loop"]["edit_bytes_per_node"]["median"] / 1000
     return found
@@ -214,11 +241,13 @@ def markdown(data: dict) -> str:
             else f"{value:.5f}"
         )
         judged = meets(key, value)
-        section, thing = {
-            "flight_step": ("flight", "the recorder"),
-            "detector_step": ("detector", "the detector"),
-        }.get(key, (None, ""))
-        if section and value is not None and noise(data[section], thing):
+        judged_on = {
+            "flight_step": (data.get("flight"), "the recorder"),
+            "detector_step": (data.get("detector"), "the detector"),
+            "waits_step": (_waits_judged(data), "the measure"),
+        }
+        section, thing = judged_on.get(key, (None, ""))
+        if section and value is not None and noise(section, thing):
             judged = "too noisy to judge"
         lines.append(f"| {text} | {shown} | {target} | {judged} |")
     bandwidth = data.get("bandwidth")

@@ -158,8 +158,50 @@ def detector_lines(found: dict) -> list[str]:
         f"{spread(found['work_us_per_step'], '{:.1f}')} us",
         f"- (the step off + that work) / the step off: {spread(found['work_ratio'], '{:.4f}')}; "
         f"{verdict(found['work_ratio']['median'], found['target'])}",
+        *waits_lines(found.get("waits"), found["target"]),
         "- not here: the latency from a slowdown to the launcher's line (the straggler test in "
         "containers holds it under its 180 s wait; issue 55 asks for 120 s)",
+    ]
+
+
+def waits_lines(waits: dict | None, target: float) -> list[str]:
+    """Section 17's second part: the measure of waits a user's script gets, on and off."""
+    if not waits:
+        return []
+    ratio = waits["step_ratio"]
+    why = noise({**waits, "target": target}, "the measure")
+    noisy = [f"- too noisy to judge: {why}; an idle machine, more --reps or longer runs"] * bool(
+        why
+    )
+    timing = " and NCCL's timing of each collective" if waits["nccl_timing"] else ""
+
+    def kind(name: str, how: str) -> str:
+        cost = waits[f"{name}_cost_us"]
+        below = ": below what this machine resolves" if cost["median"] <= 0 else ""
+        return (
+            f"  - {how}: on {spread(waits[f'{name}_us_on'], '{:.1f}')} us, off "
+            f"{spread(waits[f'{name}_us_off'], '{:.1f}')} us; on - off "
+            f"{spread(cost, '{:+.1f}')} us per collective{below}"
+        )
+
+    return [
+        "",
+        "What a user's own script gets instead (the launcher's sitecustomize starts the measure "
+        f"of its waits in collectives{timing}): `{' '.join(waits['workload'])}` run as a user's "
+        "script is (the sitecustomize's directory last on PYTHONPATH) and without it, "
+        "training.ddp's own detector off in both:",
+        f"- on: {spread(waits['step_seconds_on'], '{:.4f}')} s per step",
+        f"- off: {spread(waits['step_seconds_off'], '{:.4f}')} s per step",
+        f"- on / off: {spread(ratio)}; {verdict(ratio['median'], target)}",
+        *noisy,
+        f"- worst case, {waits['collectives']:,} all_reduces of 1 element back to back in a plain "
+        f"script of one rank ({waits['rounds']} rounds a run, the fastest counted):",
+        kind("blocking", "blocking (`dist.all_reduce(t)`, waited for in the hook)"),
+        kind("async", "asynchronous (`async_op=True`, as DDP's buckets: a callback on its future)"),
+        f"- the asynchronous cost times the {spread(waits['collectives_per_step'], '{:.2f}')} "
+        "collectives a DDP step issued (every collective of the run over its steps), over the "
+        f"step off: {spread(waits['work_ratio'], '{:.4f}')}; "
+        f"{verdict(waits['work_ratio']['median'], target)}",
     ]
 
 

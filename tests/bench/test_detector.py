@@ -1,6 +1,7 @@
 """make bench's detector section (issue 55): training.ddp with the straggler detector on and
-off, side by side; its ratio against the 1 % target in the report. The torchrun runs are faked
-here; `bench --only detector` runs them for real (docs/benchmarks.md)."""
+off, side by side, and a user's script with the launcher's measure of its waits on and off; their
+ratios against the 1 % target in the report. The torchrun runs are faked here; `bench --only
+detector` runs them for real (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from torch_multinode.bench import cli, detector, measure, report
+from tests.conftest import REPO_ROOT
+from torch_multinode.bench import cli, detector, measure, report, waits_cost
 
 
 def spread(*values: float) -> dict:
@@ -34,7 +36,27 @@ def section(step_on=(0.0504, 0.0506, 0.0500), step_off=(0.0500, 0.0500, 0.0500))
         "gather_us": spread(120.0, 118.0, 130.0),
         "work_us_per_step": spread(16.1, 15.8, 17.3),
         "work_ratio": spread(1.00032, 1.00032, 1.00035),
+        "waits": waits_section(),
     }
+
+
+def waits_section(cost=(3.0, 2.5, 3.5)) -> dict:
+    found = {
+        "workload": ["-m", "torch_multinode.training.ddp", "--model", "tiny"],
+        "collectives": 2000,
+        "rounds": 5,
+        "nccl_timing": False,
+        "step_seconds_on": spread(0.0502, 0.0503, 0.0500),
+        "step_seconds_off": spread(0.0500, 0.0500, 0.0500),
+        "step_ratio": spread(1.004, 1.006, 1.0),
+        "collectives_per_step": spread(1.4, 1.4, 1.4),
+        "work_ratio": spread(*(1 + us * 1.4 / 1e6 / 0.05 for us in cost)),
+    }
+    for kind, extra in (("blocking", 0.0), ("async", 1.0)):
+        found[f"{kind}_us_on"] = spread(*(40 + us + extra for us in cost))
+        found[f"{kind}_us_off"] = spread(40.0, 40.0, 40.0)
+        found[f"{kind}_cost_us"] = spread(*(us + extra for us in cost))
+    return found
 
 
 def data(**sections) -> dict:
@@ -60,8 +82,16 @@ def test_the_two_settings_differ_only_in_the_factor_and_alternate(monkeypatch):
 
     monkeypatch.setattr(detector, "torchrun", torchrun)
     monkeypatch.setattr(detector, "gpus", lambda: 0)
+    asked = []
+
+    def measure_waits(reps, progress, gpu_count, nproc, quick=False):
+        asked.append((reps, gpu_count, nproc, quick))
+        return waits_section()
+
+    monkeypatch.setattr(detector.waits_cost, "measure_waits", measure_waits)
     said: list[str] = []
     found = detector.measure_detector(3, said.append, quick=True)
+    assert asked == [(3, 0, 2, True)] and found["waits"] == waits_section()
     # off first in the first rep, then on first: the Flight Recorder on in every run
     assert runs == [("0", "on"), ("1.5", "on"), ("1.5", "on"), ("0", "on"), ("0", "on"),
                     ("1.5", "on")] + [("work", "on")] * 3  # fmt: skip
@@ -70,7 +100,7 @@ def test_the_two_settings_differ_only_in_the_factor_and_alternate(monkeypatch):
     # 5 us of timing a step and a 150 us gather every 10 steps: 20 us on a 64 ms step
     assert found["work_us_per_step"]["values"] == pytest.approx([20.0] * 3)
     assert found["work_ratio"]["values"] == pytest.approx([1 + 20e-6 / 0.064] * 3)
-    assert said[-1] == "detector: its own work, rep 3/3: 5.0 us of timing a step, 150 us a gather"
+    assert said[-2] == "detector: its own work, rep 3/3: 5.0 us of timing a step, 150 us a gather"
     assert said[0].startswith("detector: s per DDP step, rep 1/3: on 0.0646 s, off 0.0640 s")
 
 
@@ -113,3 +143,109 @@ def test_only_detector_brings_up_no_cluster(tmp_path, monkeypatch):
     assert cli.main(["--only", "detector", "--reps", "2", "--out", str(tmp_path)]) == 0
     assert touched == [] and asked == [(2, False)]
     assert "## 17. The straggler detector's cost" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_measure_of_waits_is_on_only_through_the_sitecustomize_and_must_leave_totals(
+    monkeypatch,
+):
+    """A user's script with the measure on gets the sitecustomize's directory last on its
+    PYTHONPATH (nothing else differs), and its ranks' totals must be there afterwards; off, none.
+    The worst case's cost per collective (one rank) times the collectives a step issued, over
+    the step off."""
+    runs: list[tuple[str, tuple, dict]] = []
+    rates = iter([500, 500, 400, 500])  # rep 1: off, then on; rep 2: on, then off
+
+    def torchrun(target, setting, scratch, what, nproc, python_path=(), overrides=None):
+        on = bool(python_path)
+        kind = "ddp" if target[0] == "-m" else "plain"
+        # the Flight Recorder on in every run; the worst case in a world of one rank
+        assert setting == "on" and nproc == (2 if kind == "ddp" else 1)
+        runs.append((kind, tuple(python_path), dict(overrides or {})))
+        if on:  # what the sitecustomize's measure leaves: 30 steps, 45 collectives
+            for rank in (0, 1):
+                (scratch / f"pace-rank-{rank}.json").write_text(
+                    json.dumps({"rank": rank, "wall": 9.0, "waited": 3.0, "collectives": 45})
+                )
+        if kind == "plain":
+            assert "import torch_multinode" not in Path(target[0]).read_text()
+            blocking, asynchronous = (42.0, 50.0) if on else (40.0, 40.0)
+            row = {
+                "count": 200,
+                "blocking": [blocking * 1e-6 * 200, 1.0],
+                "async": [1.0, asynchronous * 1e-6 * 200],
+            }
+            return "BENCH " + json.dumps(row) + "\n"
+        assert target[target.index("--slow-rank-factor") + 1] == "0"
+        step = f"step 10/30  x  {next(rates)} samples/s/rank  y\n"
+        return "batch    32 per rank x 2 ranks\n" + step * 3
+
+    monkeypatch.setattr(waits_cost, "torchrun", torchrun)
+    said: list[str] = []
+    found = waits_cost.measure_waits(2, said.append, gpu_count=0, nproc=2, quick=True)
+    site = str(REPO_ROOT / "training" / "distributed" / "site")
+    assert [kind for kind, _, _ in runs] == ["ddp"] * 4 + ["plain"] * 4
+    assert [path for _, path, _ in runs] == [(), (site,), (site,), ()] * 2
+    assert all(overrides == {} for _, _, overrides in runs)  # no GPU: no NCCL timing
+    assert found["step_ratio"]["values"] == pytest.approx([1.0, 500 / 400])
+    # each kind's fastest round, on - off
+    assert found["blocking_cost_us"]["values"] == pytest.approx([2.0, 2.0])
+    assert found["async_cost_us"]["values"] == pytest.approx([10.0, 10.0])
+    assert found["collectives_per_step"]["values"] == pytest.approx([1.5, 1.5])
+    # DDP's are asynchronous: 10 us x 1.5 collectives on a step of 64 ms (off, both reps)
+    assert found["work_ratio"]["values"] == pytest.approx([1 + 15e-6 / 0.064] * 2)
+    assert said[0] == "waits: s per DDP step, rep 1/2: on 0.0640 s, off 0.0640 s, on/off 1.000"
+
+    # A run with the measure on that leaves no totals: the settings would differ in nothing.
+    def silent(target, setting, scratch, what, nproc, python_path=(), overrides=None):
+        return "batch    32 per rank x 2 ranks\n" + "step 10/30  x  500 samples/s/rank  y\n" * 3
+
+    monkeypatch.setattr(waits_cost, "torchrun", silent)
+    with pytest.raises(RuntimeError, match="left 0 ranks' totals: the sitecustomize in .* did "
+                       "not start"):  # fmt: skip
+        waits_cost.measure_waits(1, said.append, gpu_count=0, nproc=2, quick=True)
+
+
+def test_on_gpus_the_measure_runs_with_nccls_timing_as_the_launcher_sets_it(monkeypatch):
+    seen: list[dict] = []
+
+    def torchrun(target, setting, scratch, what, nproc, python_path=(), overrides=None):
+        seen.append(dict(overrides or {}))
+        if python_path:
+            (scratch / "pace-rank-0.json").write_text(json.dumps({"collectives": 30}))
+        if target[0] != "-m":
+            return 'BENCH {"count": 10, "blocking": [0.001], "async": [0.001]}\n'
+        return "batch    32 per rank x 1 ranks\n" + "step 10/30  x  500 samples/s/rank  y\n" * 3
+
+    monkeypatch.setattr(waits_cost, "torchrun", torchrun)
+    found = waits_cost.measure_waits(1, lambda _: None, gpu_count=1, nproc=1, quick=True)
+    assert found["nccl_timing"] is True
+    assert seen == [{}, {"TORCH_NCCL_ENABLE_TIMING": "1"}] * 2  # off first, then on
+
+
+def test_the_report_sets_a_users_script_with_the_measure_against_the_target(tmp_path):
+    found = report.figures(data(detector=section()))
+    assert found["waits_step"] == pytest.approx(1.004)
+    assert found["waits_work"] == pytest.approx(1 + 3.0 * 1.4 / 1e6 / 0.05)
+    report.write(data(detector=section()), tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "| DDP step time of a user's script with the launcher's measure of its waits" in text
+    assert "- on / off: 1.004 (1.000 to 1.006, n=3); +0.4 % of step time: meets the target" in text
+    assert (
+        "  - blocking (`dist.all_reduce(t)`, waited for in the hook): on 43.0 (42.5 to 43.5, n=3) "
+        "us, off 40.0 (40.0 to 40.0, n=3) us; on - off +3.0 (+2.5 to +3.5, n=3) us per "
+        "collective\n"
+    ) in text
+    assert "callback on its future): on 44.0 (43.5 to 44.5, n=3) us" in text
+    assert "the asynchronous cost times the 1.40 (1.40 to 1.40, n=3) collectives a DDP step" in text
+    # a cost within the machine's noise is said so, not shown as a saving
+    lower = section()
+    lower["waits"] = waits_section(cost=(-2.0, -1.0, 0.5))
+    report.write(data(detector=lower), tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "us per collective: below what this machine resolves" in text
+    # a report of a bench from before the measure (no "waits") still reads
+    older = section()
+    del older["waits"]
+    report.write(data(detector=older), tmp_path)
+    assert "What a user's own script gets" not in (tmp_path / "bench.md").read_text()
+    assert report.figures(data(detector=older))["waits_step"] is None
