@@ -122,9 +122,40 @@ if dist.get_rank() == 0:
 dist.destroy_process_group()
 """
 
+# A collective script's start (after `count, rounds = ...`): the process group on this rank's
+# GPU under NCCL, else gloo; `timed(call)`: the seconds of `rounds` rounds of `count` calls,
+# each round begun together and ended once the GPU has run its kernels.
+PROCESS_GROUP = """\
+if torch.cuda.is_available():
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    settle = torch.cuda.synchronize
+else:
+    device = torch.device("cpu")
+    dist.init_process_group("gloo")
+    settle = lambda: None  # noqa: E731
+
+
+def timed(call):
+    seconds = []
+    for _ in range(rounds):
+        dist.barrier()
+        settle()
+        started = time.perf_counter()
+        for _ in range(count):
+            call()
+        settle()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+"""
+
 # Worst case: `count` all_reduces of one element, `rounds` times, after a warm-up; rank 0
 # prints each round's seconds and how many entries the Flight Recorder holds (0 when off).
-COLLECTIVE_SCRIPT = """\
+COLLECTIVE_SCRIPT = (
+    """\
 import json
 import os
 import sys
@@ -136,34 +167,21 @@ import torch.distributed as dist
 from torch_multinode.training.distributed import flight
 
 count, rounds = int(sys.argv[1]), int(sys.argv[2])
-if torch.cuda.is_available():
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    settle = torch.cuda.synchronize  # a round ends when its kernels have run
-else:
-    device = torch.device("cpu")
-    dist.init_process_group("gloo")
-    settle = lambda: None  # noqa: E731
+"""
+    + PROCESS_GROUP
+    + """\
 flight.start()  # the trace's watcher, as in every workload of ours (on only)
 tensor = torch.zeros(1, device=device)
 for _ in range(200):
     dist.all_reduce(tensor)
-seconds = []
-for _ in range(rounds):
-    dist.barrier()
-    settle()
-    started = time.perf_counter()
-    for _ in range(count):
-        dist.all_reduce(tensor)
-    settle()
-    seconds.append(time.perf_counter() - started)
+seconds = timed(lambda: dist.all_reduce(tensor))
 recorded = len(json.loads(flight.trace_json()).get("entries", []))
 if dist.get_rank() == 0:
     row = {"seconds": seconds, "count": count, "recorded": recorded}
     print("BENCH " + json.dumps(row), flush=True)
 dist.destroy_process_group()
 """
+)
 
 
 def step_seconds(output: str) -> list[float]:

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from torch_multinode.bench.flight import (
+    PROCESS_GROUP,
     REPO_ROOT,
     WORKLOAD,
     WORKLOAD_COMMON,
@@ -51,7 +52,8 @@ COLLECTIVES_QUICK, ROUNDS_QUICK = 200, 2
 KINDS = ("blocking", "async")  # waited for in the hook; a callback on the work's future
 
 # A user's script in miniature: torch.distributed's own calls, nothing of ours.
-COLLECTIVE_SCRIPT = """\
+COLLECTIVE_SCRIPT = (
+    """\
 import json
 import os
 import sys
@@ -61,15 +63,9 @@ import torch
 import torch.distributed as dist
 
 count, rounds = int(sys.argv[1]), int(sys.argv[2])
-if torch.cuda.is_available():
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    settle = torch.cuda.synchronize
-else:
-    device = torch.device("cpu")
-    dist.init_process_group("gloo")
-    settle = lambda: None  # noqa: E731
+"""
+    + PROCESS_GROUP
+    + """\
 tensor = torch.zeros(1, device=device)
 row = {"count": count}
 
@@ -83,23 +79,15 @@ def asynchronous():
     dist.all_reduce(tensor, async_op=True).wait()
 
 
-for kind, run in (("blocking", blocking), ("async", asynchronous)):
+for kind, call in (("blocking", blocking), ("async", asynchronous)):
     for _ in range(200):
-        run()
-    seconds = []
-    for _ in range(rounds):
-        dist.barrier()
-        settle()
-        started = time.perf_counter()
-        for _ in range(count):
-            run()
-        settle()
-        seconds.append(time.perf_counter() - started)
-    row[kind] = seconds
+        call()
+    row[kind] = timed(call)
 if dist.get_rank() == 0:
     print("BENCH " + json.dumps(row), flush=True)
 dist.destroy_process_group()
 """
+)
 
 
 def paces(run_root: Path) -> list[dict]:
