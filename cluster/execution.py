@@ -105,7 +105,7 @@ class SshNodes:
         try:
             result = remote.run(command, timeout=timeout)
         except BaseException:
-            _close_quietly(remote)
+            close_quietly(remote)
             raise
         with self._lock:
             self._idle[host.name].append(remote)
@@ -137,14 +137,17 @@ class SshNodes:
     def close(self) -> None:
         with self._lock:
             for remote in self._all:
-                _close_quietly(remote)
+                close_quietly(remote)
             self._all.clear()
             self._idle.clear()
 
 
-def _close_quietly(remote: Remote) -> None:
+def close_quietly(remote: Session | None) -> None:
+    """`remote` closed, if any: closing a session to a dead node may raise anything, and that
+    must not mask what the caller is doing."""
     try:
-        remote.close()
+        if remote is not None:
+            remote.close()
     except Exception:  # noqa: BLE001 - closing a dead connection must not mask results
         pass
 

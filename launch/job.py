@@ -17,7 +17,7 @@ from collections.abc import Callable
 from torch_multinode.cluster import sync
 from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.errors import Terminated, UserError
-from torch_multinode.cluster.execution import Nodes, Session, SshNodes
+from torch_multinode.cluster.execution import Nodes, Session, SshNodes, close_quietly
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
 from torch_multinode.launch import blame, causes, paces, staging, stop, stragglers, watch
@@ -338,7 +338,4 @@ class Launcher:
     def close(self) -> None:
         """Every session of the run's closed."""
         for remote in self.remotes.values():
-            try:
-                remote.close()
-            except Exception:  # closing a session to a dead node may raise anything
-                pass
+            close_quietly(remote)

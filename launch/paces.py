@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.execution import Session
+from torch_multinode.cluster.execution import Session, close_quietly
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import stragglers
 from torch_multinode.launch.commands import run_dir
@@ -41,7 +41,7 @@ def read(job: RunningJob, watch: stragglers.Stragglers) -> None:
                 remote.connect()
             texts.append(remote.run(command, timeout=TIMEOUT).stdout)
         except UserError:
-            _close(remotes.pop(host.name, None))  # connected afresh next time
+            close_quietly(remotes.pop(host.name, None))  # connected afresh next time
 
     try:
         while not job.done.wait(stragglers.PACE_INTERVAL):
@@ -59,12 +59,4 @@ def read(job: RunningJob, watch: stragglers.Stragglers) -> None:
                 watch.paces(stragglers.parse_paces(texts))
     finally:
         for remote in remotes.values():
-            _close(remote)
-
-
-def _close(remote: Session | None) -> None:
-    try:
-        if remote is not None:
-            remote.close()
-    except Exception:  # closing a session to a dead node may raise anything
-        pass
+            close_quietly(remote)

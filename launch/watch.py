@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import close_quietly
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import flight, hang, idle
 from torch_multinode.launch.blame import cut_off
@@ -105,10 +106,7 @@ def link(job: RunningJob, host: Host, master: Host) -> None:
                 )
                 return
     finally:
-        try:
-            remote.close()
-        except Exception:  # closing a session to a dead node may raise anything
-            pass
+        close_quietly(remote)
 
 
 def stall_watcher(job: RunningJob) -> list[threading.Thread]:
