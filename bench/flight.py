@@ -196,10 +196,11 @@ def step_seconds(output: str) -> list[float]:
     return [batch / rate for rate in rates[1:] if rate > 0]
 
 
-def per_collective_us(row: dict) -> float:
-    """Microseconds per collective of the worst case's fastest round: on a busy machine each
-    collective waits for both ranks to be scheduled, and other load only ever adds to that."""
-    return min(row["seconds"]) / row["count"] * 1e6
+def per_collective_us(row: dict, rounds: str = "seconds") -> float:
+    """Microseconds per collective of the worst case's fastest round (the row's `rounds`: each
+    round's seconds for its `count` collectives): on a busy machine each collective waits for
+    both ranks to be scheduled, and other load only ever adds to that."""
+    return min(row[rounds]) / row["count"] * 1e6
 
 
 def check_recorded(setting: str, recorded: int) -> None:

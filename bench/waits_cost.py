@@ -37,6 +37,7 @@ from torch_multinode.bench.flight import (
     WORKLOAD,
     WORKLOAD_COMMON,
     WORKLOAD_QUICK,
+    per_collective_us,
     step_seconds,
     torchrun,
 )
@@ -94,12 +95,6 @@ def paces(run_root: Path) -> list[dict]:
     """The totals every rank of the runs under `run_root` left (jobenv.PACE_FILE's)."""
     files = sorted(run_root.rglob(PACE_FILE.format(rank="*")))
     return [json.loads(path.read_text()) for path in files]
-
-
-def fastest_us(row: dict, kind: str) -> float:
-    """Microseconds per collective of `kind` in the run's fastest round: other load only ever
-    adds time."""
-    return min(row[kind]) / row["count"] * 1e6
 
 
 def check_measured(setting: str, found: list[dict], what: str) -> None:
@@ -172,7 +167,7 @@ def measure_waits(
             rows = bench_rows(output)
             if not rows:
                 raise RuntimeError(f"all_reduce ({setting}): no BENCH line in:\n{output[-2000:]}")
-            return {kind: fastest_us(rows[0], kind) for kind in KINDS}
+            return {kind: per_collective_us(rows[0], kind) for kind in KINDS}
 
         on_steps, off_steps = side_by_side(
             reps,
@@ -196,18 +191,16 @@ def measure_waits(
     found["step_seconds_on"] = Series(on_steps).as_dict()
     found["step_seconds_off"] = Series(off_steps).as_dict()
     found["step_ratio"] = ratio_series(on_steps, off_steps).as_dict()
+    costs = {}
     for kind in KINDS:
         found[f"{kind}_us_on"] = Series([us[kind] for us in on_us]).as_dict()
         found[f"{kind}_us_off"] = Series([us[kind] for us in off_us]).as_dict()
-        cost = [on[kind] - off[kind] for on, off in zip(on_us, off_us, strict=True)]
-        found[f"{kind}_cost_us"] = Series(cost).as_dict()
+        costs[kind] = [on[kind] - off[kind] for on, off in zip(on_us, off_us, strict=True)]
+        found[f"{kind}_cost_us"] = Series(costs[kind]).as_dict()
     found["collectives_per_step"] = Series(per_step).as_dict()
     each = statistics.median(per_step)
     # (the step off + a step's asynchronous collectives' cost) / the step off, rep by rep
     found["work_ratio"] = Series(
-        [
-            1 + (on["async"] - off["async"]) * each / 1e6 / step
-            for on, off, step in zip(on_us, off_us, off_steps, strict=True)
-        ]
+        [1 + us * each / 1e6 / step for us, step in zip(costs["async"], off_steps, strict=True)]
     ).as_dict()
     return found
