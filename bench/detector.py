@@ -156,6 +156,7 @@ def measure_detector(reps: int, progress: Progress, quick: bool = False) -> dict
         [1 + us / 1e6 / off for us, off in zip(per_step, off_steps, strict=True)]
     ).as_dict()
     progress("detector: the measure of waits a user's script gets, on and off...")
-    found["waits"] = waits_cost.measure_waits(reps, progress, gpu_count, nproc, quick=quick)
+    waits = waits_cost.measure_waits(reps, progress, gpu_count, nproc, quick=quick)
+    found["waits"] = {**waits, "target": DETECTOR_TARGET}
     found["load_after"] = os.getloadavg()[0]
     return found

@@ -125,13 +125,6 @@ TARGETS = {
 }
 
 
-def _waits_judged(data: dict) -> dict | None:
-    """Section 17's measure of waits, with the detector's target, as flight.noise reads it."""
-    detector = data.get("detector") or {}
-    waits = detector.get("waits")
-    return {**waits, "target": detector["target"]} if waits else None
-
-
 def _median(item: dict | None) -> float | None:
     return None if item is None else item["median"]
 
@@ -244,7 +237,7 @@ def markdown(data: dict) -> str:
         judged_on = {
             "flight_step": (data.get("flight"), "the recorder"),
             "detector_step": (data.get("detector"), "the detector"),
-            "waits_step": (_waits_judged(data), "the measure"),
+            "waits_step": ((data.get("detector") or {}).get("waits"), "the measure"),
         }
         section, thing = judged_on.get(key, (None, ""))
         if section and value is not None and noise(section, thing):

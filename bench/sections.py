@@ -87,6 +87,15 @@ def lock_lines(found: dict) -> list[str]:
     ]
 
 
+def noisy_lines(section: dict, thing: str = "the recorder") -> list[str]:
+    """The line saying a section's paired step ratio is too noisy to judge, and why; none when
+    it can be judged (flight.noise)."""
+    why = noise(section, thing)
+    return (
+        [f"- too noisy to judge: {why}; an idle machine, more --reps or longer runs"] if why else []
+    )
+
+
 def timing(flight: dict) -> str:
     """How section 13's step was timed (reports before the GPU step said nothing: training.ddp)."""
     text = flight.get("timing", DDP_TIMING)
@@ -97,10 +106,7 @@ def flight_lines(flight: dict) -> list[str]:
     """Section 13: the Flight Recorder's cost on step time, and per collective at worst."""
     ratio = flight["step_ratio"]
     cost = flight["collective_cost_us"]
-    why = noise(flight)
-    noisy = (
-        [f"- too noisy to judge: {why}; an idle machine, more --reps or longer runs"] if why else []
-    )
+    noisy = noisy_lines(flight)
     return [
         "",
         "## 13. The Flight Recorder's cost (this machine, no cluster)",
@@ -130,10 +136,7 @@ def flight_lines(flight: dict) -> list[str]:
 def detector_lines(found: dict) -> list[str]:
     """Section 17: the straggler detector's cost on step time."""
     ratio = found["step_ratio"]
-    why = noise(found, "the detector")
-    noisy = [f"- too noisy to judge: {why}; an idle machine, more --reps or longer runs"] * bool(
-        why
-    )
+    noisy = noisy_lines(found, "the detector")
     return [
         "",
         "## 17. The straggler detector's cost (this machine, no cluster)",
@@ -158,21 +161,19 @@ def detector_lines(found: dict) -> list[str]:
         f"{spread(found['work_us_per_step'], '{:.1f}')} us",
         f"- (the step off + that work) / the step off: {spread(found['work_ratio'], '{:.4f}')}; "
         f"{verdict(found['work_ratio']['median'], found['target'])}",
-        *waits_lines(found.get("waits"), found["target"]),
+        *waits_lines(found.get("waits")),
         "- not here: the latency from a slowdown to the launcher's line (the straggler test in "
         "containers holds it under its 180 s wait; issue 55 asks for 120 s)",
     ]
 
 
-def waits_lines(waits: dict | None, target: float) -> list[str]:
+def waits_lines(waits: dict | None) -> list[str]:
     """Section 17's second part: the measure of waits a user's script gets, on and off."""
     if not waits:
         return []
+    target = waits["target"]
     ratio = waits["step_ratio"]
-    why = noise({**waits, "target": target}, "the measure")
-    noisy = [f"- too noisy to judge: {why}; an idle machine, more --reps or longer runs"] * bool(
-        why
-    )
+    noisy = noisy_lines(waits, "the measure")
     timing = " and NCCL's timing of each collective" if waits["nccl_timing"] else ""
 
     def kind(name: str, how: str) -> str:
