@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,12 @@ ERROR_LINE = re.compile(r"^(?:\[[^\]\n]+\]:? )*(?:Error:|Traceback )", re.M)
 node's or rank's prefix. Not any text that contains "Error:": torch's C++ warnings quote
 `c10::Error::Error` frames, as when a node's torchrun finds the rendezvous host already gone at
 shutdown after a job that passed (docs/faults.md)."""
+
+
+def unique_run_id() -> str:
+    """A run id of this test's own: what scans every process of this machine (the hang's and the
+    idleness' collections) also sees the ranks that tests beside it (pytest -n) start."""
+    return f"tmn-{uuid.uuid4().hex[:10]}"
 
 
 def node(index: int, **fields) -> dict:

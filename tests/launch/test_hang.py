@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from tests.helpers import unique_run_id
 from torch_multinode.launch import hang
 from torch_multinode.launch.progress import HEARTBEAT, STALL_FLOOR, Progress
 
@@ -145,13 +146,14 @@ def test_the_collection_finds_the_ranks_of_this_run_only_and_not_their_workers(t
     spy = tmp_path / "py-spy"
     spy.write_text('#!/bin/sh\necho "dumped $4"\n')
     spy.chmod(0o755)
+    run = unique_run_id()
     start = "TMN_RUN_ID={run} RANK={rank} sh -c 'sleep 37.123 & wait' & "  # a rank with a child
     script = (
-        start.format(run="tmn-this", rank=3)
-        + start.format(run="tmn-other", rank=5)
-        + start.format(run="tmn-this-r1", rank=6)
+        start.format(run=run, rank=3)
+        + start.format(run=unique_run_id(), rank=5)
+        + start.format(run=f"{run}-r1", rank=6)
         + "sleep 0.5; "
-        + shlex.join(["sh", "-c", hang.STACKS_SCRIPT, "x", str(spy), "tmn-this"])
+        + shlex.join(["sh", "-c", hang.STACKS_SCRIPT, "x", str(spy), run])
         + "; kill $(jobs -p) 2>/dev/null; pkill -f 'sleep 37.123'; true"
     )
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30).stdout
@@ -174,12 +176,13 @@ def test_the_ranks_of_a_node_are_dumped_at_once_and_printed_whole(tmp_path):
         f'echo "dumped $4 beside $(wc -l < {started})"\n'
     )
     spy.chmod(0o755)
-    start = "TMN_RUN_ID=tmn-this RANK={rank} sh -c 'sleep 37.321 & wait' & "
+    run = unique_run_id()
+    start = f"TMN_RUN_ID={run} RANK={{rank}} sh -c 'sleep 37.321 & wait' & "
     script = (
         start.format(rank=3)
         + start.format(rank=4)
         + "sleep 0.5; "
-        + shlex.join(["sh", "-c", hang.STACKS_SCRIPT, "x", str(spy), "tmn-this"])
+        + shlex.join(["sh", "-c", hang.STACKS_SCRIPT, "x", str(spy), run])
         + "; kill $(jobs -p) 2>/dev/null; pkill -f 'sleep 37.321'; true"
     )
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30).stdout

@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import threading
 
+from tests.helpers import unique_run_id
 from torch_multinode.launch import hang, idle
 from torch_multinode.launch.progress import Progress, until_hang
 from torch_multinode.launch.spec import JobSpec
@@ -81,15 +82,16 @@ def test_the_counters_are_of_this_runs_ranks_only_and_a_busy_one_uses_cpu():
     start = "TMN_RUN_ID={run} RANK={rank} sh -c '{body}' & "
     asleep = "sleep 41.5 & wait"
     busy = "i=0; while [ $i -lt 3000000 ]; do i=$((i+1)); done"  # about 4 s, then it ends
+    run = unique_run_id()
     script = (
-        start.format(run="tmn-this", rank=3, body=asleep)
-        + start.format(run="tmn-other", rank=5, body=asleep)
-        + start.format(run="tmn-this-r1", rank=6, body=asleep)
-        + start.format(run="tmn-this", rank=4, body=busy)
+        start.format(run=run, rank=3, body=asleep)
+        + start.format(run=unique_run_id(), rank=5, body=asleep)
+        + start.format(run=f"{run}-r1", rank=6, body=asleep)
+        + start.format(run=run, rank=4, body=busy)
         + "sleep 0.3; "
-        + shlex.join(["sh", "-c", idle.COUNTERS_SCRIPT, "x", "tmn-this"])
+        + shlex.join(["sh", "-c", idle.COUNTERS_SCRIPT, "x", run])
         + "; sleep 1; "
-        + shlex.join(["sh", "-c", idle.COUNTERS_SCRIPT, "x", "tmn-this"])
+        + shlex.join(["sh", "-c", idle.COUNTERS_SCRIPT, "x", run])
         + "; kill $(jobs -p) 2>/dev/null; pkill -f 'sleep 41.5'; true"
     )
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60).stdout
