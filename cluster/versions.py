@@ -35,6 +35,10 @@ STACK_LABELS = {
 # image installs this version (provision/images.py), and pyproject.toml pins it too (a test
 # keeps them in step).
 PY_SPY_VERSION = "0.4.3"
+# torchft, PyTorch's per-step fault tolerance (a Rust lighthouse, `torchft_lighthouse`, and a
+# Python Manager that keeps the surviving replica groups training): pinned like py-spy, in
+# pyproject.toml and the image, from the wheel set torch comes from.
+TORCHFT_VERSION = "0.2.0"
 # The oldest NVIDIA driver branch each CUDA major runs on (NVIDIA's CUDA Compatibility guide,
 # "Minimum Required Driver Version" under minor version compatibility): torch's wheels carry
 # their CUDA runtime, so the node's driver is what must be new enough.

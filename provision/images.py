@@ -37,6 +37,7 @@ from torch_multinode.cluster.versions import (
     PY_SPY_VERSION,
     STACK_LABELS,
     TORCH_LABEL,
+    TORCHFT_VERSION,
     minimum_shown,
     release,
     torch_meets_minimum,
@@ -327,7 +328,8 @@ def label(
 
 
 def fetch_wheels(progress: Progress, directory: Path = WHEELS_DIR) -> None:
-    """torch, torchvision, TensorBoard, PyYAML and py-spy wheels (with their dependencies) into
+    """torch, torchvision, TensorBoard, PyYAML, py-spy and torchft wheels (with their
+    dependencies) into
     `directory` (the build context's docker/wheels): pip inside the image cannot reach the
     package index, so it installs from these with --no-index."""
     wanted = (
@@ -335,6 +337,7 @@ def fetch_wheels(progress: Progress, directory: Path = WHEELS_DIR) -> None:
         f"torchvision-{TORCHVISION_VERSION}-",
         "tensorboard-",
         f"py_spy-{PY_SPY_VERSION}-",
+        f"torchft-{TORCHFT_VERSION}-",
     )
     present = [p.name for p in directory.glob("*.whl")] if directory.exists() else []
     if all(any(name.startswith(w) for name in present) for w in wanted):
@@ -364,6 +367,7 @@ def fetch_wheels(progress: Progress, directory: Path = WHEELS_DIR) -> None:
             TENSORBOARD_REQUIREMENT,
             PYYAML_REQUIREMENT,
             f"py-spy=={PY_SPY_VERSION}",
+            f"torchft=={TORCHFT_VERSION}",
         ],
         capture_output=True,
         text=True,

@@ -39,6 +39,8 @@ def test_image_pins_follow_the_project_pins():
         assert f'"{requirement}"' in dockerfile
     assert f"py-spy=={images.PY_SPY_VERSION}" in project["dependencies"]
     assert f"ARG PY_SPY_VERSION={images.PY_SPY_VERSION}\n" in dockerfile
+    assert f"torchft=={images.TORCHFT_VERSION}" in project["dependencies"]
+    assert f"ARG TORCHFT_VERSION={images.TORCHFT_VERSION}\n" in dockerfile
 
 
 def test_build_arguments_choose_the_base():
