@@ -30,3 +30,15 @@ FLIGHT_TIMEOUT_DUMP = "flight-timeout-rank-"
 # (training.distributed.waits) and read by the launcher's straggler watch (launch.stragglers): a
 # file name in TMN_RUN_DIR.
 PACE_FILE = "pace-rank-{rank}.json"
+# Per-step fault tolerance (FT=1, torchft): each node is one replica group, run by its own
+# torchrun; the launcher names the group (0-based), how many the job was planned with, the fewest
+# that may train a step, and the seconds a cross-node collective waits before a silent group is
+# dropped. torchft itself reads the lighthouse's address from TORCHFT_LIGHTHOUSE.
+REPLICA_GROUP_VARIABLE = "TMN_REPLICA_GROUP"
+REPLICA_GROUPS_VARIABLE = "TMN_REPLICA_GROUPS"
+REPLICA_MIN_GROUPS_VARIABLE = "TMN_REPLICA_MIN_GROUPS"
+REPLICA_TIMEOUT_VARIABLE = "TMN_REPLICA_TIMEOUT"
+# The address the group's manager and its checkpoint server give the others (the node's own on
+# the job's network; torchft's default is the host name, which may resolve to another network).
+REPLICA_ADDRESS_VARIABLE = "TMN_REPLICA_ADDRESS"
+LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"

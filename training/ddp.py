@@ -19,7 +19,7 @@ from torch import nn
 
 from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
 from torch_multinode.training.checkpointing.durable import write_atomically
-from torch_multinode.training.distributed import levers, parallel
+from torch_multinode.training.distributed import levers, parallel, replicas
 from torch_multinode.training.loop import data
 from torch_multinode.training.loop.trainer import Trainer, TrainResult, resolve_numerics
 from torch_multinode.training.modeling import models
@@ -121,6 +121,7 @@ def choose_comm_hook(
 
 def header(config, env, splits: data.Splits, model: nn.Module, trainer: Trainer) -> list[str]:
     batch, ranks = trainer.batch, trainer.virtual.planned  # the planned world's ranks
+    replication = [trainer.replication.describe()] if trainer.replication is not None else []
     return [
         f"world    {env.describe()}",
         f"data     {splits.description}",
@@ -128,6 +129,7 @@ def header(config, env, splits: data.Splits, model: nn.Module, trainer: Trainer)
         f"steps    {trainer.total_steps}, {trainer.steps_per_epoch} per epoch",
         f"model    {config.model.model}, {models.count_parameters(model) / 1e6:.2f}M parameters, "
         f"{trainer.numerics.name}{', SyncBatchNorm' if config.model.sync_bn else ''}",
+        *replication,
     ]
 
 
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     planned = arguments.planned_world_size()
     config = arguments.ddp(argv, planned)
     env = parallel.read_env()
+    replica_group = replicas.read()  # FT=1: this node's group; its torchrun is the node's alone
     batch, numerics = prepare(config, env, "ddp", planned)
     parallel.start(env)
     model, splits = build(config, env, numerics)
@@ -181,9 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         batch_per_rank=batch,
         numerics=numerics,
         planned_world_size=planned,
+        replica_group=replica_group,
     )
     console.say(env, *header(config, env, splits, model, trainer))
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:
+        if trainer.replication is not None:
+            trainer.replication.shutdown()
     finish(config, env, model, result)
     return 0
 

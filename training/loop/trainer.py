@@ -31,7 +31,7 @@ from torch import nn
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import PLANNED_WORLD_VARIABLE
 from torch_multinode.training.checkpointing import checkpoint, complete
-from torch_multinode.training.distributed import parallel
+from torch_multinode.training.distributed import parallel, replicas
 from torch_multinode.training.loop import data, metrics
 from torch_multinode.training.loop.pace import OwnTime, Untimed, own_work, slow_ranks
 from torch_multinode.training.loop.virtual_ranks import VirtualRanks
@@ -123,12 +123,41 @@ class Trainer:
         numerics: Numerics,
         gradient_sync: Callable[[nn.Module], None] | None = None,
         planned_world_size: int | None = None,
+        replica_group: replicas.ReplicaGroup | None = None,
     ):
         """`batch_per_rank` is that of the planned world where `planned_world_size` (None: the
-        world size) exceeds the ranks that run."""
+        world size) exceeds the ranks that run. With a `replica_group` (FT=1) the process group
+        is the node's own and torchft replicates across nodes (training.distributed.replicas):
+        the data is the group's share, a step counts once committed, and a group that joins
+        late takes the model, the optimizer and the position from a peer."""
         self.config, self.env, self.model, self.splits = config, env, model, splits
         self.batch, self.numerics, self.gradient_sync = batch_per_rank, numerics, gradient_sync
-        self.virtual = VirtualRanks(env.rank, env.world_size, planned_world_size or env.world_size)
+        if replica_group is not None:
+            if planned_world_size not in (None, env.world_size):
+                raise UserError(
+                    f"FT=1 does not continue on fewer ranks than planned "
+                    f"({PLANNED_WORLD_VARIABLE}): its groups go on without the lost one",
+                    hint=f"unset {PLANNED_WORLD_VARIABLE}",
+                )
+            if config.checkpoint.checkpoint_dir:
+                raise UserError(
+                    "--checkpoint-dir with replica groups (FT=1) is not supported yet: a group "
+                    "that joins late takes the state from a live peer, and durable checkpoints "
+                    "of the groups are still to come",
+                    hint="no --checkpoint-dir, or a job without replica groups",
+                )
+            if numerics.grad_scaler:
+                raise UserError(
+                    "--precision fp16 with FT=1: the loss scaler skips an optimizer step torchft "
+                    "must commit on every group alike",
+                    hint="--precision bf16 (or fp32)",
+                )
+            data_rank, data_world = replica_group.data_position(env.rank, env.world_size)
+            self.virtual = VirtualRanks(data_rank, data_world, data_world)
+        else:
+            self.virtual = VirtualRanks(
+                env.rank, env.world_size, planned_world_size or env.world_size
+            )
         if self.virtual.active and getattr(config.model, "sync_bn", False):
             # Its forward is a collective: ranks playing different counts of micro-batches
             # would wait for each other forever.
@@ -139,6 +168,16 @@ class Trainer:
                 hint="--no-sync-bn, or the planned number of nodes",
             )
         self.optimizer = build_optimizer(config.optim, model.parameters())
+        self.replication: replicas.Replication | None = None
+        self._healed = False
+        self._group_batches = 0  # FT=1: per step trained here, the groups that took part
+        if replica_group is not None:
+            self.replication = replicas.Replication(
+                replica_group, env.device, self._replica_state, self._load_replica_state
+            )
+            self._inner_optimizer = self.optimizer
+            self.optimizer = self.replication.optimizer(self.optimizer)
+            self.gradient_sync = _then(gradient_sync, self.replication.gradient_sync)
         self.scaler = torch.amp.GradScaler("cuda") if numerics.grad_scaler else None
         pin = env.device.type == "cuda"
         # One loader per planned rank this rank plays (just its own, unless ranks are missing),
@@ -202,6 +241,27 @@ class Trainer:
         # DDP's forward may first wait for a buffer broadcast: own time restarts when the
         # wrapped module itself starts.
         parallel.unwrap(model).register_forward_pre_hook(lambda *_: self.own_time.resume())
+
+    # -- a healing replica group (FT=1) ---------------------------------------------------------
+
+    def _replica_state(self) -> dict:
+        """What a group that joins late receives from this one at a step boundary."""
+        return {
+            "model": parallel.unwrap(self.model).state_dict(),
+            "optimizer": self._inner_optimizer.state_dict(),
+            "position": vars(self.position).copy(),
+        }
+
+    def _load_replica_state(self, state: dict) -> None:
+        parallel.unwrap(self.model).load_state_dict(state["model"])
+        self._inner_optimizer.load_state_dict(state["optimizer"])
+        self.position = Position(**state["position"])
+        # The peer's optimizer holds the learning rate of its step before: this step's, as the
+        # peer steps it.
+        lr = learning_rate(self.config.optim, self.position.step, self.total_steps)
+        for group in self._inner_optimizer.param_groups:
+            group["lr"] = lr
+        self._healed = True
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -348,6 +408,8 @@ class Trainer:
             writer.add_scalar("val/accuracy", val_accuracy, self.position.step)
             writer.close()
         trained = (self.position.step - steps_before) * self.batch * self.virtual.planned
+        if self.replication is not None:  # the groups that took part in each step
+            trained = self._group_batches * self.batch * self.env.world_size
         return TrainResult(
             steps=self.position.step,
             resumed_from=resumed_from,
@@ -367,9 +429,25 @@ class Trainer:
             self.splits.train.set_epoch(position.epoch)
         # A step's batch from each planned rank this rank plays: every loader yields the same
         # number of batches per epoch (DistributedSampler pads every rank's share to one size).
+        healed = False
         for batches in zip(*self.loaders, strict=True):
             lr = learning_rate(self.config.optim, position.step, self.total_steps)
             micro_batches = self._step(batches, lr)
+            if self.replication is not None:
+                # A group that healed in this step holds its peer's position now: the step is
+                # counted from there and the loaders start again from it.
+                healed, self._healed = self._healed, False
+                position = self.position
+                if self.replication.committed() == position.step:
+                    # Not committed (a group lost mid-step): the batch is spent, the step is
+                    # done again with the next one.
+                    say(self.env, f"step {position.step + 1} not committed: done again")
+                    position.batch_in_epoch += 1
+                    if position.batch_in_epoch == self.steps_per_epoch:
+                        position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+                    if healed or position.batch_in_epoch == 0:
+                        return
+                    continue
             position.step += 1
             position.batch_in_epoch += 1
             if position.batch_in_epoch == self.steps_per_epoch:
@@ -381,6 +459,14 @@ class Trainer:
             self._after_step()
             if position.step % self.config.run.log_every == 0 or position.step == self.total_steps:
                 self._check_pace(position.step)
+            if self.replication is not None:
+                self._group_batches += self.replication.participants()
+                line = self.replication.membership(position.step)
+                if line is not None:
+                    say(self.env, line)
+                if healed:
+                    say(self.env, f"healed from a peer: at step {position.step} with the others")
+                    return
             if position.step == self.total_steps or position.batch_in_epoch == 0:
                 return
 
@@ -496,3 +582,15 @@ class Trainer:
         model.train()
         correct_all, total_all = parallel.all_reduce_sum([correct, total], self.env)
         return correct_all / max(1, total_all), int(total_all)
+
+
+def _then(first: Callable[[nn.Module], None] | None, second: Callable[[nn.Module], None]):
+    """`first` (if any), then `second`."""
+    if first is None:
+        return second
+
+    def both(model: nn.Module) -> None:
+        first(model)
+        second(model)
+
+    return both
