@@ -30,7 +30,7 @@ from torch_multinode.training.distributed import replicas
 LOOPBACK = "127.0.0.1"
 # Long enough that the two groups left are still training when the third, started again, has
 # imported torch and joined (seconds on a loaded machine).
-STEPS = 200
+STEPS = 300
 KILLED_AT = 12
 TIMEOUT = 3  # seconds a cross-group collective waits for a silent group
 
@@ -83,7 +83,7 @@ def _group(index: int, url: str, tmp_path) -> subprocess.Popen:
         "--steps",
         str(STEPS),
         "--step-delay",
-        "0.15",
+        "0.12",
         nproc=1,
         run_id=f"group{index}",
     )
