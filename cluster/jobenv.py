@@ -41,4 +41,7 @@ REPLICA_TIMEOUT_VARIABLE = "TMN_REPLICA_TIMEOUT"
 # The address the group's manager and its checkpoint server give the others (the node's own on
 # the job's network; torchft's default is the host name, which may resolve to another network).
 REPLICA_ADDRESS_VARIABLE = "TMN_REPLICA_ADDRESS"
+# Seconds the groups started together wait at step 0 for each other before the first step (a
+# group started on its own later, a restart or a spare, waits for nothing: it heals).
+REPLICA_START_WAIT_VARIABLE = "TMN_REPLICA_START_WAIT"
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"

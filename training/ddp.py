@@ -155,10 +155,14 @@ def save_model(path: str, model: nn.Module) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     planned = arguments.planned_world_size()
-    config = arguments.ddp(argv, planned)
-    env = parallel.read_env()
     replica_group = replicas.read()  # FT=1: this node's group; its torchrun is the node's alone
-    batch, numerics = prepare(config, env, "ddp", planned)
+    # The global batch is shared by every rank of every group.
+    batch_world = (
+        replica_group.count * (arguments.launched_world_size() or 1) if replica_group else planned
+    )
+    config = arguments.ddp(argv, batch_world)
+    env = parallel.read_env()
+    batch, numerics = prepare(config, env, "ddp", batch_world)
     parallel.start(env)
     model, splits = build(config, env, numerics)
     ddp_settings = config.ddp

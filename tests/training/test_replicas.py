@@ -14,7 +14,17 @@ import time
 
 import pytest
 
-from tests.training.conftest import TINY, TimedOutput, free_port, run_environment, torchrun_command
+from tests.training.conftest import (
+    REFERENCE_STEPS,
+    TINY,
+    TimedOutput,
+    free_port,
+    load_state,
+    max_difference,
+    run_environment,
+    torchrun_command,
+    with_values,
+)
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import (
     LIGHTHOUSE_VARIABLE,
@@ -22,6 +32,7 @@ from torch_multinode.cluster.jobenv import (
     REPLICA_GROUP_VARIABLE,
     REPLICA_GROUPS_VARIABLE,
     REPLICA_MIN_GROUPS_VARIABLE,
+    REPLICA_START_WAIT_VARIABLE,
     REPLICA_TIMEOUT_VARIABLE,
 )
 from torch_multinode.launch import lighthouse
@@ -66,24 +77,52 @@ def test_a_lighthouse_that_cannot_bind_is_one_error_line(tmp_path):
                 pass
 
 
-def _group(index: int, url: str, tmp_path) -> subprocess.Popen:
+def test_two_groups_without_a_fault_train_the_steps_of_ddp_on_two_ranks(tmp_path, reference_ddp):
+    """The same data shares, the gradients averaged over the same ranks: the groups end where
+    2-process DDP does (within float rounding: torchft sums in another order)."""
+    with lighthouse.running(LOOPBACK, free_port(), 1, tmp_path / "lighthouse.log") as url:
+        processes = [
+            _group(index, url, tmp_path, 120, groups=2, steps=REFERENCE_STEPS, step_delay=0)
+            for index in range(2)
+        ]
+        outputs = [TimedOutput(process, time.monotonic()) for process in processes]
+        for output in outputs:
+            output.end(timeout=180)
+    for index, (process, output) in enumerate(zip(processes, outputs, strict=True)):
+        assert process.returncode == 0, output.stamped
+        assert "step 1: all 2 replica groups train" in output.text, output.stamped
+        state = load_state(tmp_path / f"group{index}.pt")
+        assert max_difference(state, reference_ddp.state) < 1e-5, output.stamped
+
+
+def _group(
+    index: int,
+    url: str,
+    tmp_path,
+    start_wait: float = 0,
+    groups: int = 3,
+    steps: int = STEPS,
+    step_delay: float = 0.12,
+) -> subprocess.Popen:
     environ = run_environment(
         {
             LIGHTHOUSE_VARIABLE: url,
             REPLICA_GROUP_VARIABLE: str(index),
-            REPLICA_GROUPS_VARIABLE: "3",
+            REPLICA_GROUPS_VARIABLE: str(groups),
             REPLICA_MIN_GROUPS_VARIABLE: "1",
             REPLICA_TIMEOUT_VARIABLE: str(TIMEOUT),
             REPLICA_ADDRESS_VARIABLE: LOOPBACK,
+            REPLICA_START_WAIT_VARIABLE: str(start_wait),
         }
     )
     command = torchrun_command(
         "training.ddp",
-        *TINY,
+        *with_values(TINY, global_batch_size=str(16 * groups)),  # TINY's 32 on 2 groups
         "--steps",
-        str(STEPS),
-        "--step-delay",
-        "0.12",
+        str(steps),
+        "--out",
+        f"group{index}.pt",
+        *(["--step-delay", str(step_delay)] if step_delay else []),
         nproc=1,
         run_id=f"group{index}",
     )
@@ -123,19 +162,18 @@ def _digest(text: str) -> str:
 
 
 def test_a_group_killed_mid_run_costs_the_others_one_step_and_heals_when_started_again(tmp_path):
-    """Group 2 is killed after step 12: groups 0 and 1 go on in the same processes, their step
+    """The three start together and train every step from the first together. Group 2 is
+    killed after step 12: groups 0 and 1 go on in the same processes, their step
     count never going back. Started again, group 2 heals from a peer at a step boundary and
     trains with them: the three end at the last step with one parameter digest."""
     started = time.monotonic()
     with lighthouse.running(LOOPBACK, free_port(), 1, tmp_path / "lighthouse.log") as url:
-        processes = [_group(index, url, tmp_path) for index in range(3)]
+        # Started together, they wait for each other before the first step.
+        processes = [_group(index, url, tmp_path, start_wait=120) for index in range(3)]
         outputs = [TimedOutput(process, started) for process in processes]
         everyone = list(processes)
         try:
-            # Once it trains with the others past step 12 (a group that started late healed to
-            # their step, past some of the step lines).
-            outputs[2].first("all 3 replica groups train", timeout=180)
-            _past(outputs[2], KILLED_AT, timeout=120)
+            _past(outputs[2], KILLED_AT, timeout=180)
             _kill(processes[2])
             outputs[2].mark("killed")
             outputs[2].end(timeout=30)
@@ -154,6 +192,9 @@ def test_a_group_killed_mid_run_costs_the_others_one_step_and_heals_when_started
     survivors = outputs[:2]
     assert [p.returncode for p in processes[:2]] == [0, 0], survivors[0].stamped
     assert again.returncode == 0, rejoined.stamped
+    for output in [*survivors, outputs[2]]:
+        changes = re.findall(r"^step \d+: .* replica groups train", output.text, re.M)
+        assert changes[0] == "step 1: all 3 replica groups train", output.stamped
     for output in survivors:
         steps = _steps(output.text)
         assert steps == sorted(steps) and steps[-1] == STEPS, output.stamped

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from torch_multinode.cluster.jobenv import (
     REPLICA_GROUP_VARIABLE,
     REPLICA_GROUPS_VARIABLE,
     REPLICA_MIN_GROUPS_VARIABLE,
+    REPLICA_START_WAIT_VARIABLE,
     REPLICA_TIMEOUT_VARIABLE,
 )
 
@@ -52,6 +54,7 @@ VARIABLES = (
     REPLICA_MIN_GROUPS_VARIABLE,
     REPLICA_TIMEOUT_VARIABLE,
     REPLICA_ADDRESS_VARIABLE,
+    REPLICA_START_WAIT_VARIABLE,
 )
 
 
@@ -65,6 +68,7 @@ class ReplicaGroup:
     min_groups: int = 1
     timeout: float = DEFAULT_TIMEOUT
     address: str = field(default_factory=socket.gethostname)
+    start_wait: float = 0.0
 
     @property
     def replica_id(self) -> str:
@@ -102,6 +106,7 @@ def read(environ: Mapping[str, str] | None = None) -> ReplicaGroup | None:
         min_groups=number(REPLICA_MIN_GROUPS_VARIABLE, 1),
         timeout=number(REPLICA_TIMEOUT_VARIABLE, DEFAULT_TIMEOUT, float),
         address=environ.get(REPLICA_ADDRESS_VARIABLE) or socket.gethostname(),
+        start_wait=number(REPLICA_START_WAIT_VARIABLE, 0.0, float),
     )
     if not 0 <= group.index < group.count:
         raise UserError(
@@ -112,6 +117,10 @@ def read(environ: Mapping[str, str] | None = None) -> ReplicaGroup | None:
         raise UserError(
             f"{REPLICA_MIN_GROUPS_VARIABLE}={group.min_groups} must be 1 to the "
             f"{group.count} groups"
+        )
+    if not 0 <= group.start_wait <= 86400:
+        raise UserError(
+            f"{REPLICA_START_WAIT_VARIABLE}={group.start_wait} must be 0 to 86400 seconds"
         )
     if not 0 < group.timeout <= 3600:
         raise UserError(f"{REPLICA_TIMEOUT_VARIABLE}={group.timeout} must be above 0, at most 3600")
@@ -175,6 +184,20 @@ class Replication:
             init_sync=False,
         )
         self._participants: int | None = None
+
+    def gather(self) -> int:
+        """Before the first step of groups started together: quorums without healing until all
+        of them are in one, or `start_wait` seconds have passed (a group whose node is slow to
+        start, or lost, joins later and heals). Otherwise the first group up trains alone and
+        every other one heals from it. Every member of a quorum sees the same participants, so
+        they leave together. The groups that will train the first step."""
+        deadline = time.monotonic() + self.group.start_wait
+        while True:
+            self.manager.start_quorum(allow_heal=False)
+            participants = self.manager.num_participants()
+            if participants >= self.group.count or time.monotonic() >= deadline:
+                return participants
+            time.sleep(0.5)
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """`optimizer` behind torchft's wrapper: zero_grad starts the step's quorum, step()

@@ -393,6 +393,9 @@ class Trainer:
             writer=writer,
             planned_world_size=self.virtual.planned,
         )
+        if self.replication is not None and self.replication.group.start_wait > 0:
+            if self.position.step == 0:
+                self.replication.gather()
         started = time.perf_counter()
         steps_before = self.position.step
         self._pace_from = self.position.step + 1
