@@ -18,7 +18,9 @@ from torch_multinode.cluster.versions import TORCHFT_VERSION
 
 DEFAULT_PORT = 29510  # torchft's own default
 BINARY = "torchft_lighthouse"
-START_SECONDS = 15.0
+# Its script imports torchft, and so torch: 2.5 s on this idle machine, many times that on a
+# loaded one.
+START_SECONDS = 90.0
 # A group whose manager sent no heartbeat for this long is out of the next quorum.
 HEARTBEAT_TIMEOUT_MS = 5000
 # How long a quorum waits for groups that heartbeat but have not asked to join yet (every group
