@@ -36,7 +36,7 @@ def binary() -> str:
     found = str(here) if here.exists() else shutil.which(BINARY)
     if found is None:
         raise UserError(
-            f"{BINARY} is not installed on this machine, which runs the lighthouse of an FT=1 job",
+            f"{BINARY} is not installed on this machine, which runs the replica groups' lighthouse",
             hint=f"pip install torchft=={TORCHFT_VERSION} (make venv installs it)",
         )
     return found

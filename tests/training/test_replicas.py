@@ -224,8 +224,8 @@ def test_checkpoints_with_ft_are_refused_in_one_line_for_now(tmp_path):
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [
-        "Error: --checkpoint-dir with replica groups (FT=1) is not supported yet: a group that "
-        "joins late takes the state from a live peer, and durable checkpoints of the groups are "
-        "still to come (try no --checkpoint-dir, or a job without replica groups)"
+        "Error: --checkpoint-dir with replica groups is not supported yet: a group that joins "
+        "late takes the state from a live peer, and durable checkpoints of the groups are still "
+        "to come (try no --checkpoint-dir, or a job without replica groups)"
     ], done.stderr
     assert not (tmp_path / "ck").exists()

@@ -88,7 +88,7 @@ def read(environ: Mapping[str, str] | None = None) -> ReplicaGroup | None:
     missing = [name for name in VARIABLES[:3] if not environ.get(name)]
     if missing:
         raise UserError(
-            f"a replica group (FT=1) needs {', '.join(missing)} in the environment as well",
+            f"a replica group needs {', '.join(missing)} in the environment as well",
             hint=f"set {', '.join(VARIABLES[:3])} together (training/README.md, replica groups)",
         )
 

@@ -135,21 +135,21 @@ class Trainer:
         if replica_group is not None:
             if planned_world_size not in (None, env.world_size):
                 raise UserError(
-                    f"FT=1 does not continue on fewer ranks than planned "
-                    f"({PLANNED_WORLD_VARIABLE}): its groups go on without the lost one",
+                    f"replica groups do not continue on fewer ranks than planned "
+                    f"({PLANNED_WORLD_VARIABLE}): they go on without the lost group",
                     hint=f"unset {PLANNED_WORLD_VARIABLE}",
                 )
             if config.checkpoint.checkpoint_dir:
                 raise UserError(
-                    "--checkpoint-dir with replica groups (FT=1) is not supported yet: a group "
+                    "--checkpoint-dir with replica groups is not supported yet: a group "
                     "that joins late takes the state from a live peer, and durable checkpoints "
                     "of the groups are still to come",
                     hint="no --checkpoint-dir, or a job without replica groups",
                 )
             if numerics.grad_scaler:
                 raise UserError(
-                    "--precision fp16 with FT=1: the loss scaler skips an optimizer step torchft "
-                    "must commit on every group alike",
+                    "--precision fp16 with replica groups: the loss scaler skips an optimizer "
+                    "step torchft must commit on every group alike",
                     hint="--precision bf16 (or fp32)",
                 )
             data_rank, data_world = replica_group.data_position(env.rank, env.world_size)
