@@ -16,7 +16,6 @@ from pathlib import Path
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.versions import TORCHFT_VERSION
 
-DEFAULT_PORT = 29510  # torchft's own default
 BINARY = "torchft_lighthouse"
 # Its script imports torchft, and so torch: 2.5 s on this idle machine, many times that on a
 # loaded one.

@@ -191,11 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_group=replica_group,
     )
     console.say(env, *header(config, env, splits, model, trainer))
-    try:
-        result = trainer.fit()
-    finally:
-        if trainer.replication is not None:
-            trainer.replication.shutdown()
+    result = trainer.fit()
     finish(config, env, model, result)
     return 0
 

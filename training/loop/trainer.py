@@ -393,19 +393,13 @@ class Trainer:
             writer=writer,
             planned_world_size=self.virtual.planned,
         )
-        if self.replication is not None and self.replication.group.start_wait > 0:
-            if self.position.step == 0:
-                self.replication.gather()
-        started = time.perf_counter()
         steps_before = self.position.step
-        self._pace_from = self.position.step + 1
-        self.own_time = self._own_time()
-        self.own_time.resume()
-        self.model.train()
-        with metrics.profiler(self.env, run_dir, run.profile) as profiler:
-            while self.position.step < self.total_steps:
-                self._epoch(progress, profiler)
-        seconds = time.perf_counter() - started
+        try:
+            seconds = self._train(progress, run_dir)
+        finally:
+            if self.replication is not None:
+                # Its threads would otherwise keep a failed rank's process waiting at exit.
+                self.replication.shutdown()
         val_accuracy, val_samples = self.evaluate()
         if writer is not None:
             writer.add_scalar("val/accuracy", val_accuracy, self.position.step)
@@ -424,6 +418,21 @@ class Trainer:
             samples_per_second=trained / seconds if seconds else 0.0,
         )
 
+    def _train(self, progress: metrics.Progress, run_dir: Path) -> float:
+        """Every step to the last: the seconds they took."""
+        replication = self.replication
+        if replication is not None and replication.group.start_wait > 0 and not self.position.step:
+            replication.gather()
+        started = time.perf_counter()
+        self._pace_from = self.position.step + 1
+        self.own_time = self._own_time()
+        self.own_time.resume()
+        self.model.train()
+        with metrics.profiler(self.env, run_dir, self.config.run.profile) as profiler:
+            while self.position.step < self.total_steps:
+                self._epoch(progress, profiler)
+        return time.perf_counter() - started
+
     def _epoch(self, progress: metrics.Progress, profiler) -> None:
         position = self.position
         for sampler in self.samplers:
@@ -436,25 +445,24 @@ class Trainer:
         for batches in zip(*self.loaders, strict=True):
             lr = learning_rate(self.config.optim, position.step, self.total_steps)
             micro_batches = self._step(batches, lr)
+            committed = True
             if self.replication is not None:
                 # A group that healed in this step holds its peer's position now: the step is
-                # counted from there and the loaders start again from it.
+                # counted from there and the loaders start again from it. A step not committed
+                # (a group lost mid-step) spends its batch and is done again with the next one.
                 healed, self._healed = self._healed, False
                 position = self.position
-                if self.replication.committed() == position.step:
-                    # Not committed (a group lost mid-step): the batch is spent, the step is
-                    # done again with the next one.
-                    say(self.env, f"step {position.step + 1} not committed: done again")
-                    position.batch_in_epoch += 1
-                    if position.batch_in_epoch == self.steps_per_epoch:
-                        position.epoch, position.batch_in_epoch = position.epoch + 1, 0
-                    if healed or position.batch_in_epoch == 0:
-                        return
-                    continue
-            position.step += 1
+                committed = self.replication.committed() != position.step
+            if committed:
+                position.step += 1
             position.batch_in_epoch += 1
             if position.batch_in_epoch == self.steps_per_epoch:
                 position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+            if not committed:
+                say(self.env, f"step {position.step + 1} not committed: done again")
+                if healed or position.batch_in_epoch == 0:
+                    return
+                continue
             for loss, logits, labels in micro_batches:
                 progress.add(loss, logits, labels)
             self._collective(progress.maybe_report, position.step, lr)
