@@ -50,6 +50,8 @@ DEFAULT_RENDEZVOUS_PORT = 29500
 DEFAULT_TRAINING_IMAGE = "torch-multinode/train:latest"
 # The controller's image registry (ansible/roles/image_registry, provision/ship.py).
 DEFAULT_IMAGE_REGISTRY_PORT = 5000
+# The torchft lighthouse of an FT=1 job, on the controller (launch.lighthouse).
+DEFAULT_LIGHTHOUSE_PORT = 29510
 LAUNCH_MODES = ("container", "host")
 # How jobs reach the nodes: the launcher over SSH, or Slurm from the distribution's packages.
 SCHEDULERS = ("ssh", "slurm")
@@ -129,6 +131,8 @@ class Inventory:
     image_base_from_nodes: bool = False
     """Each node pulls the image's base (e.g. NVIDIA's, from nvcr.io) itself; the controller
     sends only the layers above it."""
+    lighthouse_port: int = DEFAULT_LIGHTHOUSE_PORT
+    """The controller's port for an FT=1 job's torchft lighthouse, which every node reaches."""
 
     @property
     def known_hosts_file(self) -> Path:

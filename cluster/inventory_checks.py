@@ -94,6 +94,7 @@ CLUSTER_FIELDS = (
     "image_registry",
     "image_registry_port",
     "image_base_from_nodes",
+    "lighthouse_port",
     *CLUSTER_ONLY_FIELDS,
 )
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from torch_multinode.cluster.errors import UserError, printable, shown
 from torch_multinode.cluster.inventory import (
     DEFAULT_IMAGE_REGISTRY_PORT,
+    DEFAULT_LIGHTHOUSE_PORT,
     DEFAULT_RENDEZVOUS_PORT,
     DEFAULT_TRAINING_IMAGE,
     LAUNCH_MODES,
@@ -90,6 +91,7 @@ def _validate(
     assert cluster.subnet is not None and cluster.port is not None
     assert cluster.registry is not None and cluster.base_from_nodes is not None
     assert cluster.registry_port is not None and isinstance(cluster.image, str)
+    assert cluster.lighthouse_port is not None
     assert isinstance(cluster.launch_mode, str) and isinstance(cluster.scheduler, str)
     return Inventory(
         path,
@@ -109,6 +111,7 @@ def _validate(
         image_registry=cluster.registry,
         image_registry_port=cluster.registry_port,
         image_base_from_nodes=cluster.base_from_nodes,
+        lighthouse_port=cluster.lighthouse_port,
     )
 
 
@@ -171,6 +174,7 @@ class _Cluster:
     registry: bool | None = None
     base_from_nodes: bool | None = None
     registry_port: int | None = None
+    lighthouse_port: int | None = None
     roots: dict[str, str] = field(default_factory=dict)
     mounts: tuple[Mount, ...] = ()
 
@@ -210,6 +214,12 @@ def _cluster(merged: dict, where: str, problems: _Problems) -> _Cluster:
             merged.get("image_registry_port", DEFAULT_IMAGE_REGISTRY_PORT),
             f"{where}: cluster",
             "image_registry_port",
+        )
+    with problems.check():
+        cluster.lighthouse_port = _port(
+            merged.get("lighthouse_port", DEFAULT_LIGHTHOUSE_PORT),
+            f"{where}: cluster",
+            "lighthouse_port",
         )
     _storage(merged, where, cluster, problems)
     static_ip_fields(merged, f"{where}: cluster field", cluster.subnet, problems)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_multinode.cluster import trust, version_lock
+from torch_multinode.cluster import routes, trust, version_lock
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
@@ -141,20 +141,7 @@ def node_images(inventory: Inventory, image: str) -> dict[str, tuple[str, str]]:
 
 def registry_for(host: Host, port: int) -> Registry:
     """The controller's address on the network this node is reached through."""
-    proc = subprocess.run(
-        ["ip", "-json", "route", "get", host.ssh_address],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    try:
-        address = json.loads(proc.stdout)[0]["prefsrc"]
-    except (ValueError, LookupError, TypeError):
-        raise UserError(
-            f"cannot tell this machine's address towards {host.name} ({host.ssh_address}): "
-            f"{proc.stderr.strip() or 'ip route get gave no source address'}"
-        ) from None
-    return Registry(address, port)
+    return Registry(routes.address_towards(host), port)
 
 
 def find_registries(inventory: Inventory) -> tuple[dict[str, Registry], str]:
