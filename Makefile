@@ -32,6 +32,9 @@ RESTARTS  ?=
 # NNODES) to take its place, is dropped while k nodes remain (the workloads keep the global batch);
 # under Slurm as over SSH: a new job on the nodes left.
 MIN_NODES ?=
+# FT=1: each node one replica group (torchft); a node lost is dropped at the next step and the
+# others go on in the same processes (MIN_NODES: the fewest groups to go on with; default 1).
+FT        ?=
 # Seconds without progress that make a job a hang (0: never; empty: from its step times), and
 # what a hang does after its report: stop (the default) or wait for a person.
 STALL     ?=
@@ -63,7 +66,7 @@ STAMP := $(VENV)/.installed
 help:
 	@echo "Usage: make TARGET [INVENTORY=path.yml] [GROUP=nodes] [NNODES=2] [LINK=1gbit] [SCRIPT=train.py ARGS='...']"
 	@echo "                   [WORKDIR=dir] [REQUIREMENTS=path|none] [ENV='HF_TOKEN WANDB_MODE=offline'] [MODULE=training.comm_demo] [GPUS=0,2] [NPROC=2]"
-	@echo "                   [DEBUG=1] [RESTARTS=1] [MIN_NODES=2] [STALL=300] [ON_HANG=wait] [ALLOW_DRIFT=1] [EXIT_CODE=.runs/exit-code] [IMAGE=torch-multinode/train:latest]"
+	@echo "                   [DEBUG=1] [RESTARTS=1] [MIN_NODES=2] [FT=1] [STALL=300] [ON_HANG=wait] [ALLOW_DRIFT=1] [EXIT_CODE=.runs/exit-code] [IMAGE=torch-multinode/train:latest]"
 	@echo "                   [SRC=dataset-dir] [RUN=job-id] [SAME_OUTPUTS=1] [JOB=slurm-id]"
 	@echo
 	@grep -E '^\.PHONY: [a-z0-9-]+ +## ' $(MAKEFILE_LIST) | \
@@ -111,7 +114,7 @@ netcheck: $(STAMP)
 train: $(STAMP)
 	@rm -f "$(EXIT_CODE)"
 	@TMN_EXIT_CODE_FILE="$(abspath $(EXIT_CODE))" $(BIN)/train $(if $(strip $(INVENTORY)),-i "$(INVENTORY)") $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) \
-		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(strip $(MIN_NODES)),--min-nodes $(MIN_NODES)) $(if $(strip $(STALL)),--stall $(STALL)) $(if $(strip $(ON_HANG)),--on-hang $(ON_HANG)) $(if $(filter 1 yes true,$(ALLOW_DRIFT)),--allow-drift) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
+		$(if $(strip $(GPUS)),--gpus $(GPUS)) $(if $(strip $(NPROC)),--nproc-per-node $(NPROC)) $(if $(strip $(RESTARTS)),--restarts $(RESTARTS)) $(if $(strip $(MIN_NODES)),--min-nodes $(MIN_NODES)) $(if $(strip $(STALL)),--stall $(STALL)) $(if $(strip $(ON_HANG)),--on-hang $(ON_HANG)) $(if $(filter 1 yes true,$(ALLOW_DRIFT)),--allow-drift) $(if $(filter 1 yes true,$(FT)),--ft) $(if $(filter 1 yes true,$(DEBUG)),--debug) $(if $(filter detail,$(DEBUG)),--debug detail) \
 		$(if $(strip $(SCRIPT)),--script "$(SCRIPT)") $(if $(strip $(MODULE)),--module $(MODULE)) \
 		$(if $(strip $(WORKDIR)),--workdir "$(WORKDIR)") $(if $(strip $(REQUIREMENTS)),--requirements "$(REQUIREMENTS)") $(if $(strip $(ENV)),--env '$(ENV)') \
 		$(if $(strip $(ARGS)),-- $(ARGS))

@@ -113,7 +113,7 @@ class SshBackend(_OnNodes):
         launcher = Launcher(self.inventory, spec, self.emit, project=self.project, nodes=self.nodes)
         self.started()
         result = launcher.run()
-        result.nodes_changed = tuple(self.nodes_changed)
+        result.nodes_changed = tuple(self.nodes_changed) + result.nodes_changed
         return result
 
     def can_restart(self) -> bool:

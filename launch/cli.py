@@ -22,7 +22,7 @@ from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster.errors import UserError, at_the_edge, shown, stop_on_sigterm
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory_checks import parse_gpu_list
-from torch_multinode.launch import checks, options, requirements, restarts, staging
+from torch_multinode.launch import checks, options, replicated, requirements, restarts, staging
 from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code
@@ -90,6 +90,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
 def _here(args: argparse.Namespace, spec: JobSpec) -> None:
     """A job without an inventory: refused if it asks for what only nodes have (ENV= is not:
     its variables reach every local rank, launch.environment.local_environment)."""
+    replicated.check(args.ft, spec, None, args.restarts, args.min_nodes)
     restarts.check_local(args.restarts, args.min_nodes)
     if args.nnodes not in (None, ""):
         # a number first (as with an inventory), then whether it needs one
@@ -110,9 +111,12 @@ def _on_nodes(
     --restarts), decided and said before any node is touched."""
     whole = inventory_read.load(args.inventory, args.group)
     inventory = whole.first(args.nnodes)
-    restarts.check_min_nodes(args.min_nodes, args.restarts, inventory)
+    restarts.check_min_nodes(args.min_nodes, args.restarts, inventory, args.ft)
+    spec = replicated.check(
+        args.ft, spec, inventory.scheduler, args.restarts, args.min_nodes, args.restart_wait
+    )
     # The inventory's hosts the job does not use: a lost node's place, on a restart
-    spares = whole.hosts[len(inventory.hosts) :] if args.restarts else ()
+    spares = whole.hosts[len(inventory.hosts) :] if args.restarts and not args.ft else ()
     inventory, spares = _found_on_nodes(inventory, spares)
     master = inventory.master
     fitted = None  # the workload's batch against the world size: every node's processes
@@ -131,6 +135,8 @@ def _on_nodes(
         + (f", {fitted}" if fitted else "")
     )
     said: list[str | None] = [rank_order_warning(inventory.hosts)]  # None: the order is fine
+    if spec.fault_tolerant:
+        said.append(replicated.describe(len(inventory.hosts), spec.min_groups))
     if flag := spec.local_rank_flag:
         assert spec.script is not None  # the flag is read from the script (nodes.legacy_flag)
         said.append(f"{spec.script.name} parses {flag}: passing it the local rank")
@@ -233,11 +239,17 @@ def run(args: argparse.Namespace) -> int:
         spares=spares,
         min_nodes=args.min_nodes,
     )
-    if args.restarts:
+    # FT=1: a lost group starts again within the job (launch.replicated), the job never does
+    whole_job_restarts = 0 if spec.fault_tolerant else args.restarts
+    if spec.group_restarts:
+        _emit(f"[launcher] {replicated.restart_note(spec)}")
+    elif whole_job_restarts:
         _emit(
             f"[launcher] up to {args.restarts} restart(s) after a failure: {backend.restart_note}"
         )
-    result = recorder.kept(lambda: restarts.run_with_restarts(backend, spec, args.restarts, _emit))
+    result = recorder.kept(
+        lambda: restarts.run_with_restarts(backend, spec, whole_job_restarts, _emit)
+    )
     for line in backend.summary(result) + backend.closing(result):
         _emit(line)
     return result.exit_code

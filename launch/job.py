@@ -23,10 +23,12 @@ from torch_multinode.cluster.remote import on_all
 from torch_multinode.launch import blame, causes, paces, staging, stop, stragglers, watch
 from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.environment import node_settings
+from torch_multinode.launch.groups import Groups
 from torch_multinode.launch.node_output import NodeOutput
 from torch_multinode.launch.nodes import job_backend, nproc_for
 from torch_multinode.launch.over_ssh import OverSsh
 from torch_multinode.launch.prepare import prepare_nodes
+from torch_multinode.launch.replicated import Replicated
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import (
     BLAME_GRACE,
@@ -58,7 +60,7 @@ class Launcher:
         self.hosts = inventory.hosts  # already narrowed to the job's nodes (Inventory.first)
         self.project = project
         self.nodes = nodes or SshNodes(inventory, connect_timeout)
-        self.way: Way = way if way is not None else OverSsh(self)
+        self.way: Way = way if way is not None else self._ssh_way()
         # what the runners, watchers and the stop share (launch.running)
         self.job = RunningJob(
             spec,
@@ -70,14 +72,24 @@ class Launcher:
             project.workdir if project is not None else None,
         )
         self.outcomes = self.job.outcomes
+        if spec.fault_tolerant:
+            names = tuple(host.name for host in self.hosts)
+            self.job.groups = Groups(names, spec.min_groups, emit)
         self.remotes: dict[str, Session] = {}  # each node's session, once connected (`connect`)
         self._writers: list[NodeOutput] = []  # each node's output, ticked for progress lines
+        # one per node's command, and one more for a group an FT=1 job starts again (start_runner)
+        self.runners: list[threading.Thread] = []
         self.backend = job_backend(self.hosts)[0]  # one for the whole job
         # each node's versions as prepared, and what changed since the lock (allow_drift)
         self.versions: dict[str, dict[str, str]] = {}
         self.drift: dict[str, list[str]] = {}
         # a slow rank's node, probed for its cause (launch.stragglers)
         self.stragglers = stragglers.Stragglers(self._probe, self._interface, emit)
+
+    def _ssh_way(self) -> Way:
+        """Over SSH: one world (launch.over_ssh), or one replica group per node for FT=1
+        (launch.replicated)."""
+        return Replicated(self) if self.spec.fault_tolerant else OverSsh(self)
 
     def remote_for(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""
@@ -146,7 +158,14 @@ class Launcher:
     def _run_node(self, host: Host, command: str) -> None:
         outcome = self.outcomes[host.name]
         log = self.spec.log_dir / f"{host.name}.log" if self.spec.log_dir else None
-        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log, observe=self._observe)
+        observe = self._observe
+        if (groups := self.job.groups) is not None:
+
+            def observe(line: str) -> bool:
+                groups.note(host.name, line)  # the step each group has reached
+                return self._observe(line)
+
+        writer = NodeOutput(f"[{host.name}]", self.emit, outcome, log, observe=observe)
         self._writers.append(writer)
         try:
             exited = self.remotes[host.name].stream(command, writer)
@@ -170,9 +189,11 @@ class Launcher:
             try:
                 writer.close()
             finally:
-                if not outcome.ok:
+                if self.outcomes[host.name] is not outcome:
+                    pass  # an FT=1 job's group started again since: this session's end is old news
+                elif not outcome.ok:
                     self.job.fail(host.name)
-                elif all(o.exit_code is not None for o in self.outcomes.values()):
+                elif self.job.ended():
                     self.job.done.set()
 
     def _setup(self, announce: bool = True) -> dict[str, dict[str, str]]:
@@ -200,6 +221,13 @@ class Launcher:
             threading.Thread(target=self._run_node, args=(h, commands[h.name]), daemon=True)
             for h in self.hosts
         ]
+
+    def start_runner(self, host: Host, command: str) -> None:
+        """A runner for `host` started while the job runs (an FT=1 job's group started again),
+        followed as the others are."""
+        runner = threading.Thread(target=self._run_node, args=(host, command), daemon=True)
+        self.runners.append(runner)
+        runner.start()
 
     def _observe(self, line: str) -> bool:
         self.stragglers.note(line)
@@ -279,6 +307,7 @@ class Launcher:
             watch.traces_after_failure(self.job) if failed and not self.job.hang_reported else []
         )
         self.close()
+        groups = self.job.groups
         return JobResult(
             self.spec.run_id,
             self.outcomes,
@@ -290,6 +319,8 @@ class Launcher:
             versions=dict(self.versions),
             drift=dict(self.drift),
             stragglers=tuple(self.stragglers.said),
+            nodes_changed=tuple(groups.changes) if groups is not None else (),
+            groups_lost=tuple(groups.lost) if groups is not None else (),
         )
 
     def run(self) -> JobResult:
@@ -301,7 +332,7 @@ class Launcher:
         interrupted = terminated = begun = False
         runners: list[threading.Thread] = []
         try:
-            runners = self._runners(self.way.prepare(envs))
+            runners = self.runners = self._runners(self.way.prepare(envs))
             threads = runners + self.way.watchers() + watch.stall_watcher(self.job)
             threads += paces.watcher(self.job, self.stragglers)
             begun = True

@@ -97,8 +97,11 @@ def check_local(restarts: int, min_nodes: int | None) -> None:
         )
 
 
-def check_min_nodes(min_nodes: int | None, restarts: int, inventory: Inventory) -> None:
-    """--min-nodes against the job: it needs restarts, and no more nodes than the job has."""
+def check_min_nodes(
+    min_nodes: int | None, restarts: int, inventory: Inventory, ft: bool = False
+) -> None:
+    """--min-nodes against the job: it needs restarts (or FT=1, whose quorum's minimum it is),
+    and no more nodes than the job has."""
     if min_nodes is None:
         return
     count = len(inventory.hosts)
@@ -107,10 +110,10 @@ def check_min_nodes(min_nodes: int | None, restarts: int, inventory: Inventory) 
             f"--min-nodes={min_nodes} (MIN_NODES) but the job runs on {count} node(s)",
             hint=f"MIN_NODES={count} or fewer",
         )
-    if not restarts:
+    if not restarts and not ft:
         raise UserError(
             f"--min-nodes={min_nodes} (MIN_NODES) acts on a restart, and --restarts is 0",
-            hint="RESTARTS=1 or more",
+            hint="RESTARTS=1 or more, or FT=1",
         )
 
 

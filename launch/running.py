@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from torch_multinode.cluster.execution import Nodes, Session
 from torch_multinode.cluster.inventory import Host
+from torch_multinode.launch.groups import Groups
 from torch_multinode.launch.progress import Progress
 from torch_multinode.launch.spec import Emit, JobSpec, NodeOutcome
 
@@ -34,6 +35,7 @@ class RunningJob:
     silent: set[str] = field(default_factory=set)  # lost nodes that did not answer the stop
     hang_reported: bool = False  # a hang report (stacks and traces) is out for this run
     progress: Progress = field(init=False)  # the stall clock, at the job's stall setting
+    groups: Groups | None = None  # an FT=1 job's replica groups (launch.groups), one per node
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,16 +48,41 @@ class RunningJob:
 
     def fail(self, name: str, error: str | None = None, unreachable: bool = False) -> None:
         """`name` failed (why: `error`, if given; `unreachable`: it stopped answering): the run
-        ends."""
+        ends, unless it is an FT=1 job whose other groups go on without it (launch.groups)."""
         with self._lock:
             outcome = self.outcomes[name]
             if error is not None:
                 outcome.error = error
             outcome.unreachable = outcome.unreachable or unreachable
+            if self.groups is not None and self.first_failure is None:
+                code = outcome.exit_code
+                why = outcome.error or (f"exit {code}" if code not in (None, 0) else None)
+                if self.groups.lose(name, why):
+                    if self.ended():
+                        self.done.set()
+                    return
             if self.first_failure is None:
                 self.first_failure = name
             self.failures.append(name)
         self.done.set()
+
+    def rejoin(self, name: str, restart: int, restarts: int) -> bool:
+        """An FT=1 job's lost group `name` starting again (launch.groups): its outcome anew;
+        False where the job has ended meanwhile (nothing to rejoin)."""
+        assert self.groups is not None
+        with self._lock:
+            if self.done.is_set():
+                return False
+            self.groups.rejoin(name, restart, restarts)
+            self.outcomes[name] = NodeOutcome(name)
+            return True
+
+    def ended(self) -> bool:
+        """Whether every node's part has ended (an FT=1 job: every group still in it)."""
+        lost = self.groups.lost if self.groups is not None else {}
+        return all(
+            outcome.exit_code is not None or name in lost for name, outcome in self.outcomes.items()
+        )
 
     def restart_clock(self) -> None:
         """The stall clock, started again: the job's processes start now."""

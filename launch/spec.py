@@ -115,6 +115,14 @@ class JobSpec:
     planned_world: int | None = None
     """The job's first world size, when a restart runs it on fewer nodes (MIN_NODES): the
     workloads keep its global batch (jobenv.PLANNED_WORLD_VARIABLE)."""
+    fault_tolerant: bool = False
+    """FT=1: each node one replica group, the others going on when one is lost (launch.replicated)."""
+    min_groups: int = 1
+    """FT=1: the fewest replica groups the job goes on with (MIN_NODES)."""
+    group_restarts: int = 0
+    """FT=1: how many times a lost group is started again once its node answers (RESTARTS)."""
+    restart_wait: float = DEFAULT_RESTART_WAIT
+    """FT=1: how long a lost group's node is waited for to answer again (--restart-wait)."""
     dependencies: str | None = None
     """A local job's project dependencies: the directory they were installed into (pip
     --target, provision.dependencies), on the job's import path right after the project."""
@@ -162,12 +170,15 @@ class JobResult:
     nodes_changed: tuple[str, ...] = ()
     # the straggler each time one was named, with its cause (launch.causes.Stragglers), as lines
     stragglers: tuple[str, ...] = ()
+    # an FT=1 job's replica groups lost on the way, the others having gone on (launch.groups)
+    groups_lost: tuple[str, ...] = ()
 
     @property
     def exit_code(self) -> int:
         if self.interrupted:
             return TERMINATED_EXIT if self.terminated else INTERRUPTED_EXIT
-        return 0 if all(o.ok for o in self.outcomes.values()) else 1
+        ended = [o for o in self.outcomes.values() if o.host not in self.groups_lost]
+        return 0 if ended and all(o.ok for o in ended) else 1
 
 
 # What DEBUG=1 turns on, for that run only: NCCL's own log (interface choice and transports

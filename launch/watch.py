@@ -38,12 +38,15 @@ IDLE_TIMEOUT = 20  # seconds a node gets to print its ranks' counters (launch.id
 
 
 def liveness(job: RunningJob) -> None:
-    """A node that stops answering is failed within a few seconds, not at TCP's leisure."""
+    """A node that stops answering is failed within a few seconds, not at TCP's leisure (the
+    run ends then, but for an FT=1 job whose other groups go on: they are watched on)."""
     misses: collections.Counter[str] = collections.Counter()
     while not job.done.wait(LIVENESS_INTERVAL):
         for host in job.hosts:
-            if job.outcomes[host.name].exit_code is not None:
+            if job.outcomes[host.name].exit_code is not None or host.name in job.failures:
                 continue
+            if job.groups is not None and host.name in job.groups.lost:
+                continue  # an FT=1 job's group lost already: the others go on
             if job.nodes.answers(host, 2):
                 misses[host.name] = 0
             else:
@@ -54,7 +57,6 @@ def liveness(job: RunningJob) -> None:
                         f"stopped answering on {host.ssh_address}:{host.ssh_port}",
                         unreachable=True,
                     )
-                    return
 
 
 def link(job: RunningJob, host: Host, master: Host) -> None:

@@ -79,6 +79,7 @@ _GROUPS: dict[str, str] = {
     "tests/ansible/test_slurm.py": "node_loss",
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
     "tests/training/test_node_loss.py": "node_loss",  # one 3-node cluster, its nodes killed
+    "tests/training/test_ft_nodes.py": "node_loss",  # FT=1 on it
 }
 
 

@@ -1,0 +1,338 @@
+"""An FT=1 job over SSH (Replicated, launch.way's Way): each node is one replica group
+(training.distributed.replicas), run by its own torchrun; torchft's Manager replicates across
+them, reporting to one lighthouse that the launcher runs on this machine (launch.lighthouse),
+where no node's loss takes it down.
+
+What changes against a job of one world (launch.over_ssh): every node claims its own rendezvous
+port (its torchrun's); the nodes' links to a master are not watched (there is none); and one
+node's end is not the job's (launch.groups): a group that dies or stops answering is reported
+with the step it had reached, and the others go on at their next step as long as at least the
+minimum of groups (MIN_NODES) is left. The job ends when every group still in it has ended, and succeeds
+when those ended well. The lighthouse is stopped, and each node's port freed, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from torch_multinode.cluster import routes
+from torch_multinode.cluster.errors import UserError
+from torch_multinode.cluster.execution import close_quietly
+from torch_multinode.cluster.inventory import Host
+from torch_multinode.cluster.jobenv import (
+    LIGHTHOUSE_VARIABLE,
+    REPLICA_ADDRESS_VARIABLE,
+    REPLICA_GROUP_VARIABLE,
+    REPLICA_GROUPS_VARIABLE,
+    REPLICA_MIN_GROUPS_VARIABLE,
+    REPLICA_START_WAIT_VARIABLE,
+)
+from torch_multinode.launch import lighthouse, stop, watch
+from torch_multinode.launch.groups import Groups
+from torch_multinode.launch.over_ssh import OverSsh
+from torch_multinode.launch.prepare import claim_port, release_port
+from torch_multinode.launch.running import RunningJob
+from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, RUN_LABEL, JobSpec
+
+if TYPE_CHECKING:
+    from torch_multinode.launch.job import Launcher
+
+# The workloads of ours that take FT=1 (a user's own script gets the environment and decides).
+WORKLOADS = ("training.ddp",)
+
+
+def add_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ft",
+        action="store_true",
+        help="per-step fault tolerance (torchft): each node is one replica group with its own "
+        "torchrun; a node that dies is dropped at the next step and the others go on, with "
+        "fewer samples per step while it is out (at least --min-nodes groups, default 1); the "
+        "lighthouse runs on this machine on the inventory's lighthouse_port",
+    )
+
+
+def check(
+    ft: bool,
+    spec: JobSpec,
+    scheduler: str | None,
+    restarts: int,
+    min_nodes: int | None,
+    restart_wait: float = DEFAULT_RESTART_WAIT,
+) -> JobSpec:
+    """FT=1 against the rest of the job (`scheduler` None: no inventory): the job's spec with
+    its replica groups' settings (RESTARTS: a lost group's, started again in the same job), or
+    one error line."""
+    if not ft:
+        return spec
+    if scheduler is None:
+        raise UserError(
+            "FT=1 needs an inventory: its replica groups are nodes",
+            hint="INVENTORY=path.yml, or 'make sim-up' for a simulated cluster",
+        )
+    if scheduler == "slurm":
+        raise UserError(
+            "FT=1 runs over SSH, not under Slurm: each node's group would need a job step of "
+            "its own that Slurm does not end with another's, and the lighthouse a place outside "
+            "the allocation",
+            hint="scheduler: ssh for FT=1, or RESTARTS=N with --checkpoint-dir under Slurm",
+        )
+    if spec.script is None and spec.module not in WORKLOADS:
+        raise UserError(
+            f"FT=1 runs {', '.join(WORKLOADS)} or your own script, not {spec.module}",
+            hint="MODULE=training.ddp, or without FT=1 RESTARTS=N with --checkpoint-dir",
+        )
+    if spec.script is None and "--checkpoint-dir" in spec.args:
+        raise UserError(
+            "--checkpoint-dir with FT=1 is not offered yet: the replica groups keep the model "
+            "alive between them, not on disk",
+            hint="FT=1 without --checkpoint-dir, or --checkpoint-dir without FT=1",
+        )
+    return replace(
+        spec,
+        fault_tolerant=True,
+        min_groups=min_nodes or 1,
+        group_restarts=restarts,
+        restart_wait=restart_wait,
+    )
+
+
+def describe(count: int, min_groups: int) -> str:
+    """An FT=1 job's first line about its groups, and what a loss does to the batch."""
+    return (
+        f"FT=1: {count} replica groups, one per node (torchft): a group lost is dropped at the "
+        f"next step and the others go on while at least {min_groups} are left; while one is "
+        "out each step sees fewer samples (the planned share of the groups that train it), "
+        "its gradients averaged over them"
+    )
+
+
+def restart_note(spec: JobSpec) -> str:
+    return (
+        f"up to {spec.group_restarts} restart(s) of a lost group: once its node answers again "
+        f"(within --restart-wait {spec.restart_wait:g} s), its group starts again and heals "
+        "from a live peer; the others never stop"
+    )
+
+
+# How long the groups started together wait for each other before the first step: the ones in
+# by then train it, a later one heals from them (training.distributed.replicas' gather).
+START_WAIT = 120.0
+# A node's Docker engine answers (a restarted node's starts a few seconds after its sshd).
+ENGINE_ANSWERS = "docker version --format '{{.Server.Version}}' >/dev/null 2>&1"
+
+
+def _remove_containers(run_id: str) -> str:
+    label = shlex.quote(f"label={RUN_LABEL}={run_id}")
+    return f"docker ps -aq --filter {label} | xargs -r docker rm -f >/dev/null 2>&1; true"
+
+
+class Replicated(OverSsh):
+    """The FT=1 way: the lighthouse on this machine, each node's own torchrun (its group), the
+    nodes' liveness watched; at the end the lighthouse stopped, each node's port freed and a
+    lost group's leftovers stopped where its node answers."""
+
+    def __init__(self, launcher: Launcher):
+        super().__init__(launcher)
+        self._held = ExitStack()  # the lighthouse, while the job runs
+        self._urls: dict[str, str] = {}  # the lighthouse as each node reaches it
+        self._envs: dict[str, dict[str, str]] = {}  # each node's environment, as prepared
+
+    def prepare(self, envs: dict[str, dict[str, str]]) -> dict[str, str]:
+        run = self.launcher
+        try:
+            self._stage_all()
+            try:
+                self._urls = self._lighthouse(self._groups.min_groups)
+            except BaseException:  # a refusal, or Ctrl-C while it starts: the ports are free
+                self._held.close()
+                self._release(list(run.hosts))
+                raise
+        except BaseException:
+            run.close()
+            raise
+        self._envs = envs
+        return {host.name: self._command(host, START_WAIT) for host in run.hosts}
+
+    def _command(self, host: Host, start_wait: float) -> str:
+        """Node `host`'s torchrun, alone in its world, with its replica group's environment."""
+        run = self.launcher
+        env = {
+            **self._envs[host.name],
+            LIGHTHOUSE_VARIABLE: self._urls[host.name],
+            REPLICA_GROUP_VARIABLE: str(self._groups.names.index(host.name)),
+            REPLICA_GROUPS_VARIABLE: str(len(self._groups.names)),
+            REPLICA_MIN_GROUPS_VARIABLE: str(self._groups.min_groups),
+            REPLICA_ADDRESS_VARIABLE: str(host.compute_ip),
+            REPLICA_START_WAIT_VARIABLE: f"{start_wait:g}",
+        }
+        return run.command(host, host, 1, env)
+
+    @property
+    def _groups(self) -> Groups:
+        groups = self.launcher.job.groups
+        assert groups is not None  # the Launcher of an FT=1 job made them
+        return groups
+
+    def _stage_all(self) -> None:
+        """SSH to every node, every node's rendezvous port (each runs its own torchrun), the
+        project on every node, checked."""
+        run = self.launcher
+        run.parallel(run.connect)
+        claimed: list[Host] = []
+        try:
+            for host in run.hosts:
+                claim_port(
+                    run.remotes[host.name],
+                    host,
+                    run.spec.run_id,
+                    run.inventory.rendezvous_port,
+                    run.emit,
+                )
+                claimed.append(host)
+            run.send_project()
+        except BaseException:
+            self._release(claimed)
+            raise
+
+    def _lighthouse(self, min_groups: int) -> dict[str, str]:
+        """The lighthouse started on this machine: the URL each node reaches it at."""
+        run = self.launcher
+        port = run.inventory.lighthouse_port
+        addresses = {host.name: routes.address_towards(host) for host in run.hosts}
+        # one address where every node reaches this machine on the same one, else all of them
+        bind = next(iter(set(addresses.values()))) if len(set(addresses.values())) == 1 else ""
+        log_dir = run.spec.log_dir
+        if log_dir is None:
+            raise UserError("an FT=1 job needs its log directory (the lighthouse's log)")
+        run.make_log_dir()
+        self._held.enter_context(
+            lighthouse.running(bind or "0.0.0.0", port, min_groups, log_dir / "lighthouse.log")
+        )
+        where = bind or "every address of this machine"
+        run.emit(
+            f"[launcher] torchft lighthouse on {where}:{port} (this machine, for the job's "
+            f"length; its log: {log_dir}/lighthouse.log)"
+        )
+        return {name: f"http://{address}:{port}" for name, address in addresses.items()}
+
+    def watchers(self) -> list[threading.Thread]:
+        # no master whose link matters: each group's own ranks are on one node
+        job = self.launcher.job
+        watchers = [threading.Thread(target=watch.liveness, args=(job,), daemon=True)]
+        if job.spec.group_restarts:
+            watchers.append(threading.Thread(target=self._restarts, daemon=True))
+        return watchers
+
+    def _restarts(self) -> None:
+        """Each group lost, started again once its node answers, while restarts are left."""
+        job, done, restarts = self.launcher.job, 0, self.launcher.job.spec.group_restarts
+        returning: set[str] = set()
+        while not job.done.wait(1.0):
+            for name in list(self._groups.lost):
+                if name in returning or done >= restarts:
+                    continue
+                done += 1
+                returning.add(name)
+                host = next(h for h in self.launcher.hosts if h.name == name)
+                threading.Thread(
+                    target=self._bring_back, args=(host, done, restarts, returning), daemon=True
+                ).start()
+
+    def _bring_back(self, host: Host, restart: int, restarts: int, returning: set[str]) -> None:
+        """Node `host`'s group started again (restart `restart` of `restarts`) once the node
+        answers, what the lost group left there stopped first; it heals from a live peer.
+        Given up when the job ends first, or the node is still silent after --restart-wait."""
+        run, job = self.launcher, self.launcher.job
+        wait = job.spec.restart_wait
+        run.emit(
+            f"[launcher] {host.name}: waiting up to {wait:g} s for it to answer, to start its "
+            f"group again (restart {restart} of {restarts})"
+        )
+        deadline = time.monotonic() + wait
+        while not self._answers(host):
+            if job.done.wait(RESTART_POLL):
+                return
+            if time.monotonic() > deadline:
+                run.emit(
+                    f"[launcher] {host.name} still silent after --restart-wait {wait:g} s: its "
+                    "group stays out"
+                )
+                return
+        try:
+            self._stop_lost([host])
+            remote = run.remote_for(host)
+            remote.connect()
+            if job.container:  # one left stopped by the node's end would hold the name
+                remote.run(_remove_containers(run.spec.run_id), timeout=60)
+            port = run.inventory.rendezvous_port
+            claim_port(remote, host, run.spec.run_id, port, run.emit)
+        except UserError as exc:
+            run.emit(f"[launcher] {host.name}: its group cannot start again: {exc}")
+            return
+        if not job.rejoin(host.name, restart, restarts):
+            close_quietly(remote)
+            return  # the job ended meanwhile
+        old = run.remotes.get(host.name)
+        run.remotes[host.name] = remote
+        if old is not None:
+            close_quietly(old)
+        returning.discard(host.name)
+        run.start_runner(host, self._command(host, 0.0))
+
+    def _answers(self, host: Host) -> bool:
+        """Node `host` answers over SSH, and its Docker engine too where jobs run in one."""
+        run = self.launcher
+        if not run.nodes.answers(host, 2):
+            return False
+        try:
+            with run.remote_for(host) as remote:
+                remote.connect()
+                check = ENGINE_ANSWERS if run.job.container else "true"
+                return remote.run(check, timeout=15).ok
+        except UserError:
+            return False
+
+    def conclude(self, interrupted: bool) -> None:
+        run = self.launcher
+        try:
+            if interrupted or run.job.first_failure is not None:
+                run.stop_everywhere(run.inventory.master)
+                self._release([h for h in run.hosts if h.name not in run.job.silent])
+            else:
+                groups = run.job.groups
+                assert groups is not None
+                self._stop_lost([h for h in run.hosts if h.name in groups.lost])
+                self._release([h for h in run.hosts if h.name not in groups.lost])
+        finally:
+            self._held.close()
+
+    def _stop_lost(self, hosts: list[Host]) -> None:
+        """What a lost group left on its node, stopped and its port freed where the node
+        answers (a node that died has nothing left)."""
+        run = self.launcher
+        for host in hosts:
+            left = RunningJob(
+                run.spec,
+                (host,),
+                run.nodes,
+                run.emit,
+                run.inventory.rendezvous_port,
+                run.job.container,
+            )
+            left.outcomes[host.name].unreachable = True  # probed before SSH is tried
+            stop.everywhere(left, host)
+
+    def _release(self, hosts: list[Host]) -> None:
+        run = self.launcher
+        for host in hosts:
+            release_port(run.remote_for, host, run.spec.run_id, run.inventory.rendezvous_port)
+
+    def broke(self) -> bool:
+        return True  # concluded as any other run: the lighthouse stopped there

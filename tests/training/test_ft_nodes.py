@@ -1,0 +1,162 @@
+"""FT=1 (issue 54) on 3 simulated nodes whose jobs run in the training image (launch_mode:
+container, as real clusters do): each node one replica group with its own torchrun, the torchft
+lighthouse on this machine. A node killed mid-job and left dead costs the others a few seconds:
+they go on at their next step in the same processes, and the job ends well, naming the loss.
+On sim3 (tests/three_nodes.py), shared with the node-loss tests: every node up before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.helpers import leftovers, no_containers_left, on_node, run_id_in
+from tests.training.conftest import TINY, kill_node, launches, with_values
+from tests.training.test_faults import _summary, _wait_for
+from torch_multinode.cluster.inventory import DEFAULT_LIGHTHOUSE_PORT
+from torch_multinode.cluster.inventory_read import load
+from torch_multinode.sim import nodes as sim
+
+pytestmark = pytest.mark.timeout(2400)  # sim3's set-up, where this module's worker makes it
+
+STEPS = 40
+# 48 samples a step: 16 per rank on 3 nodes, 5 steps an epoch; a step line every step.
+THREE = with_values(TINY, global_batch_size="48", log_every="1")
+_STEP = re.compile(r"^\[node(\d)\] step +(\d+)/", re.M)
+
+
+def _all_back(sim3) -> None:
+    cluster, _ = sim3
+    sim.up(3, None, cluster.config)
+    for index in (1, 2, 3):
+        sim.wait_for_engine(cluster.config, index)
+
+
+def _pids(cluster, index: int, run_id: str) -> set[str]:
+    """The processes of run `run_id` on node `index` (its torchrun and ranks, in the job's
+    container), by the marker every one of them carries."""
+    found = on_node(
+        cluster,
+        index,
+        f"grep -lsaF TMN_RUN_ID={run_id} /proc/[0-9]*/environ | grep -v self",
+        check=False,
+    )
+    return {path.split("/")[2] for path in found.split()}
+
+
+def _listening(port: int) -> bool:
+    """Whether anything on this machine listens on TCP `port`."""
+    listed = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=False
+    )
+    return bool(listed.stdout.strip())
+
+
+@pytest.fixture
+def ft3(sim3):
+    """sim3 with every node up (the node-loss tests kill some), and again after the test, for
+    the tests after it."""
+    _all_back(sim3)
+    yield sim3
+    _all_back(sim3)
+
+
+@pytest.mark.sim
+def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_processes(ft3):
+    cluster, inventory = ft3
+    with launches(*ft3) as start:
+        process = start(
+            "--ft", "--", *THREE, "--steps", str(STEPS), "--step-delay", "0.3", "--no-tensorboard"
+        )
+        seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
+        run_id = run_id_in(seen)
+        before = {index: _pids(cluster, index, run_id) for index in (1, 2)}
+        assert all(before.values()), before
+        output = kill_node(process, cluster.config.container(3))  # and left dead
+        output.first("[node1] step 30/", timeout=300)  # well after the loss
+        after = {index: _pids(cluster, index, run_id) for index in (1, 2)}
+        output.end(timeout=300)
+    text = seen + output.text
+    assert process.returncode == 0, text[-4000:]
+    assert "[launcher] FT=1: 3 replica groups, one per node (torchft)" in text, text[:3000]
+    assert re.search(r"\[launcher\] torchft lighthouse on [0-9.]+:\d+ \(this machine", text)
+    (loss,) = re.findall(
+        r"^\[launcher\] node3 lost at step (\d+): continuing on node1, node2 "
+        r"\(2 of 3 groups\)",
+        text,
+        re.M,
+    )
+    assert 12 <= int(loss) < STEPS, loss
+    # The survivors' processes are the ones that started: no restart.
+    assert after == before, (before, after)
+    # Their steps never go back, and every one of them is done.
+    for node in ("1", "2"):
+        steps = [int(step) for name, step in _STEP.findall(text) if name == node]
+        assert steps == sorted(steps) and steps[-1] == STEPS, (node, steps[-20:])
+    assert "2 of 3 replica groups train" in text, text[-4000:]
+    summary = _summary(text)
+    assert summary[0].startswith(f"Job {run_id} succeeded after "), summary
+    assert any(
+        line.startswith(f"Nodes: node3 lost at step {loss}: continuing on node1, node2")
+        for line in summary
+    ), summary
+    record = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
+    assert any(change.startswith("node3 lost at step") for change in record["nodes_changed"])
+    # Nothing of the job is left: not on the survivors, not the lighthouse here.
+    nodes = load(inventory)
+    assert leftovers(nodes, run_id, nodes.hosts[:2]) == {"node1": "", "node2": ""}
+    no_containers_left(cluster, (1, 2), run_id)
+    assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
+
+
+_DIGEST = re.compile(r"^\[node(\d)\] (?:\[rank \d+\] )?parameters sha256 ([0-9a-f]+)$", re.M)
+
+
+@pytest.mark.sim
+def test_ft_with_restarts_a_node_brought_back_heals_from_a_peer_and_the_job_ends_whole(ft3):
+    """RESTARTS=1: node3 killed after step 12, its container started again while the others go
+    on; the launcher starts its group again once it answers, it heals from a live peer and
+    trains with the others to the end: the three groups end on one set of parameters."""
+    cluster, _ = ft3
+    steps = 240  # the others' steps while node3 restarts, is waited for and heals
+    with launches(*ft3) as start:
+        process = start(
+            "--ft",
+            "--restarts",
+            "1",
+            "--restart-wait",
+            "240",
+            "--",
+            *THREE,
+            "--steps",
+            str(steps),
+            "--step-delay",
+            "0.3",
+            "--no-tensorboard",
+        )
+        seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
+        run_id = run_id_in(seen)
+        output = kill_node(process, cluster.config.container(3))
+        output.first("[launcher] node3 lost at step", timeout=120)
+        sim.up(3, None, cluster.config)  # node3's container started again
+        output.mark("node3 started again")
+        output.end(timeout=900)
+    text = seen + output.text
+    assert process.returncode == 0, output.stamped[-5000:]
+    assert re.search(r"^\[launcher\] node3 answers again: its group starts again", text, re.M)
+    healed = re.findall(r"^\[node3\] healed from a peer: at step (\d+) with the others", text, re.M)
+    assert len(healed) == 1 and 12 < int(healed[0]) < steps, output.stamped[-5000:]
+    assert re.search(rf"^\[node3\] step +{steps}/{steps}", text, re.M), output.stamped[-3000:]
+    assert "all 3 replica groups train" in text.split("[launcher] node3 answers again")[1]
+    digests = dict(_DIGEST.findall(text))
+    assert sorted(digests) == ["1", "2", "3"] and len(set(digests.values())) == 1, digests
+    summary = _summary(text)
+    assert summary[0].startswith(f"Job {run_id} succeeded after "), summary
+    changes = [line for line in summary if line.startswith("Nodes: node3 ")]
+    assert [c.split(":")[1].split(" ")[2] for c in changes] == ["lost", "answers"], changes
+    no_containers_left(cluster, (1, 2, 3), run_id)
+    assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
