@@ -105,9 +105,9 @@ provision: $(STAMP)
 ship: $(STAMP)
 	$(BIN)/cluster ship -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(VIA)),--via $(VIA))
 
-.PHONY: netcheck  ## pre-flight check of INVENTORY's nodes (NNODES=N: the first N)
+.PHONY: netcheck  ## pre-flight check of INVENTORY's nodes (NNODES=N: the first N; FT=1: their way to the lighthouse port too)
 netcheck: $(STAMP)
-	$(BIN)/netcheck -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES))
+	$(BIN)/netcheck -i "$(INVENTORY)" $(if $(strip $(GROUP)),--group $(GROUP)) $(if $(strip $(NNODES)),--nnodes $(NNODES)) $(if $(filter 1 yes true,$(FT)),--ft)
 
 # Not echoed: ENV may hold a secret's value, and the launcher says what it runs anyway.
 .PHONY: train  ## train on INVENTORY's nodes (NNODES=N: the first N; no INVENTORY: the default job, locally)

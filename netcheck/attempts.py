@@ -42,6 +42,8 @@ class Options:
     """Raw TCP between every pair of nodes, one pair at a time: finds the slow link."""
     timeout: float | None = None
     """Wall-clock seconds for each torch stage on a node (default 30, with the sweep 120)."""
+    ft: bool = False
+    """Whether every node reaches this machine on the lighthouse port (FT=1 jobs)."""
     tcp_bytes: int = TCP_BYTES
     pairwise_bytes: int = PAIRWISE_BYTES
 

@@ -83,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
         help="raw TCP between every pair of nodes, one pair at a time, to find the slow link",
     )
     p.add_argument(
+        "--ft",
+        action="store_true",
+        help="also check what FT=1 jobs need: every node reaches this machine on the "
+        "inventory's lighthouse_port, where their torchft lighthouse runs",
+    )
+    p.add_argument(
         "--env-file",
         metavar="PATH",
         help=f"where to write the launcher's environment (default: "
@@ -104,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     nnodes = None
     if args.nnodes not in (None, ""):
         nnodes = len(inventory.first(args.nnodes).hosts)  # validates: one Error line, exit 2
-    options = Options(nnodes=nnodes, sweep=args.sweep, pairwise=args.pairwise, timeout=args.timeout)
+    options = Options(
+        nnodes=nnodes, sweep=args.sweep, pairwise=args.pairwise, timeout=args.timeout, ft=args.ft
+    )
     nodes = SshNodes(inventory)
     try:
         report = preflight(inventory, options, nodes)

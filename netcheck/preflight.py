@@ -127,6 +127,10 @@ def preflight(
         )
     )
 
+    # FT=1 jobs: every node reaches the lighthouse's port on this machine.
+    if options.ft:
+        add(stages.lighthouse(nodes, hosts, up, inventory.lighthouse_port))
+
     # 6, 7. Raw TCP and the collective need every node, with working ports and interfaces.
     # The collective's workers also report the software facts, so that each node imports torch
     # once; where they cannot run (or did not get that far) the software probe runs alone.

@@ -25,6 +25,9 @@ class Status(enum.StrEnum):
 CHECKS = ("ssh", "ping", "names", "ports", "interfaces", "software", "collective")
 BANDWIDTH = "bandwidth"
 SLURM = "slurm"
+LIGHTHOUSE = "lighthouse"
+"""--ft: every node reaches this machine on the inventory's lighthouse_port (an FT=1 job's
+torchft lighthouse runs here)."""
 TRANSPORT = "transport"
 """The network NCCL's collective used, against the node's RDMA hardware: only where it ran on
 NCCL (gloo on CPU nodes has no choice to judge; the report says so in a line)."""
@@ -103,7 +106,8 @@ class Report:
     @property
     def checks(self) -> list[str]:
         names = list(CHECKS)
-        for optional in (SLURM, TRANSPORT, BANDWIDTH):  # columns only where they were checked
+        # columns only where they were checked
+        for optional in (SLURM, LIGHTHOUSE, TRANSPORT, BANDWIDTH):
             if any(f.check == optional for f in self.findings):
                 names.append(optional)
         return names

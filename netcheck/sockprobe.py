@@ -128,6 +128,38 @@ def _sink(conn: socket.socket, deadline: float) -> None:
         conn.close()
 
 
+class Listener:
+    """`serve`'s listener in this process, on a thread of its own (the controller's side of a
+    check whose nodes connect to this machine), until `close`."""
+
+    def __init__(self, sock: socket.socket, lifetime: float = 600.0):
+        self._sock, self._stopping = sock, threading.Event()
+        self._deadline = time.monotonic() + lifetime
+        sock.settimeout(0.2)
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set() and time.monotonic() < self._deadline:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # the accept's timeout included
+                continue
+            threading.Thread(target=_sink, args=(conn, self._deadline), daemon=True).start()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+        self._sock.close()
+
+
+def listen(port: int):
+    """(a Listener on `port` of every address of this machine, None) or (None, `_bind`'s
+    result: why not, and who holds the port)."""
+    sock, result = _bind(port)
+    return (Listener(sock), None) if sock is not None else (None, result)
+
+
 def serve(args) -> int:
     ports = [int(p) for p in args.ports.split(",") if p != ""]
     sockets, results = [], []

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import shlex
 
-from torch_multinode.cluster import sync
+from torch_multinode.cluster import routes, sync
 from torch_multinode.cluster.execution import Context, Nodes
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.cluster.remote import Result, on_all
 from torch_multinode.netcheck import bandwidth, checks, envfile
+from torch_multinode.netcheck import sockprobe as sockprobe_module
 from torch_multinode.netcheck.attempts import (
     PORTS_TIMEOUT,
     Attempt,
@@ -112,6 +113,33 @@ def ports(
         data = a.json()
         connects[name] = data["results"] if data is not None else a.why()
     return reach.port_findings(hosts, master, rendezvous_port, listeners, connects, broken, subnet)
+
+
+def lighthouse(nodes: Nodes, hosts: list[Host], up: list[Host], port: int) -> list[Finding]:
+    """--ft: this machine listens on the lighthouse port (as an FT=1 job's torchft lighthouse
+    will, on the address each node reaches it at), every node that answers connects."""
+    addresses = {host.name: routes.address_towards(host) for host in up}
+    listener, refused = sockprobe_module.listen(port)
+    if listener is None:
+        return [reach.lighthouse_port_taken(host, port, refused) for host in up]
+    try:
+
+        def connect(host: Host) -> Attempt:
+            target = f"controller={addresses[host.name]}:{port}"
+            return attempt(
+                nodes,
+                host,
+                sockprobe("connect", "--targets", target, "--timeout", str(PORT_CONNECT_TIMEOUT)),
+                PORTS_TIMEOUT,
+            )
+
+        connected = parallel(up, connect)
+    finally:
+        listener.close()
+    return [
+        reach.lighthouse_finding(host, addresses[host.name], port, connected[host.name])
+        for host in up
+    ]
 
 
 def tcp(

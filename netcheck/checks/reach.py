@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.netcheck.checks import Collector
 from torch_multinode.netcheck.facts import NodeFacts
-from torch_multinode.netcheck.report import Finding, Status
+from torch_multinode.netcheck.report import LIGHTHOUSE, Finding, Status
 
 RTT_WARN_MS = 2.0
 LOSS_FAIL_PERCENT = 20.0
@@ -247,3 +247,44 @@ def port_findings(
             f"{ok_count[node] // max(len(bound), 1)} peer(s)"
         )
     return out.done([h.name for h in hosts], passed)
+
+
+# --- FT=1: the lighthouse's port on this machine (--ft) ------------------------------------
+
+
+def lighthouse_port_taken(host: Host, port: int, refused: dict) -> Finding:
+    """This machine could not listen on the lighthouse port (sockprobe's bind result)."""
+    held = refused.get("in_use")
+    return Finding(
+        LIGHTHOUSE,
+        host.name,
+        Status.FAIL,
+        f"this machine cannot listen on lighthouse port {port}: "
+        + (f"in use by {holders_text(refused.get('holders', []))}" if held else refused["error"]),
+        f"stopping what holds port {port} here, or another lighthouse_port in the inventory",
+    )
+
+
+def lighthouse_finding(host: Host, address: str, port: int, connected) -> Finding:
+    """Whether `host` reached this machine's `address`:`port` (its sockprobe connect's
+    Attempt), as an FT=1 job's replica groups reach the lighthouse there."""
+    data = connected.json()
+    results = data.get("results", []) if data is not None else []
+    if results and results[0].get("ok"):
+        return Finding(
+            LIGHTHOUSE,
+            host.name,
+            Status.PASS,
+            f"reaches the lighthouse port on this machine ({address}:{port})",
+        )
+    why = results[0].get("error", "no answer") if results else connected.why()
+    return Finding(
+        LIGHTHOUSE,
+        host.name,
+        Status.FAIL,
+        f"cannot reach this machine's lighthouse port {address}:{port}: {why}",
+        f"let {host.name} reach TCP port {port} here: this machine's firewall "
+        f"(sudo ufw allow from {host.ssh_address} to any port {port} proto tcp) and "
+        f"{host.name}'s own outgoing rules (sudo iptables -S OUTPUT on it); or a "
+        "lighthouse_port both let through",
+    )

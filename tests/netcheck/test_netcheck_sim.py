@@ -9,6 +9,7 @@ clusters are removed at the end of the module. Traffic goes only to these contai
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from contextlib import contextmanager
@@ -16,8 +17,10 @@ from contextlib import contextmanager
 import pytest
 import yaml
 
+from tests.ansible.conftest import read_inventory, write_inventory
 from tests.netcheck.netcheck_fakes import run_netcheck
 from torch_multinode.netcheck import envfile
+from torch_multinode.training.distributed.parallel import free_loopback_port
 
 pytestmark = pytest.mark.sim
 
@@ -170,6 +173,40 @@ def test_firewall_blocking_high_ports_fails_ports_on_that_node(cluster):
     )
     assert status(data, "node1", "ssh") == status(data, "node2", "ssh") == "PASS"
     assert status(data, "node1", "collective") == "SKIP"
+
+
+def test_ft_checks_every_node_reaches_the_lighthouse_port_here_and_names_one_that_cannot(
+    cluster, tmp_path
+):
+    """--ft (issue 54): this machine listens on the inventory's lighthouse_port as an FT=1
+    job's lighthouse will; node2's firewall dropping its way there FAILs the lighthouse check on
+    node2, with the remedy; without the rule both nodes PASS."""
+    port = free_loopback_port()  # a port of this machine's own, not the default other jobs use
+    document = read_inventory(cluster.config.inventory_path)
+    document["all"]["vars"]["lighthouse_port"] = port
+    inventory = write_inventory(document, tmp_path / "inventory.yml")
+    node2 = containers(cluster)["node2"]
+    rule = ["OUTPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"]
+    docker_exec(node2, "iptables", "-A", *rule)
+    try:
+        proc = run_netcheck("-i", str(inventory), "--nnodes", "2", "--json", "--ft")
+    finally:
+        docker_exec(node2, "iptables", "-D", *rule)
+    assert proc.stderr == "", proc.stderr
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 1
+    assert_only_failure(data, "node2", "lighthouse")
+    assert status(data, "node1", "lighthouse") == "PASS"
+    (finding,) = [f for f in data["findings"] if f["status"] == "FAIL"]
+    assert re.fullmatch(
+        rf"cannot reach this machine's lighthouse port [0-9.]+:{port}: timed out", finding["detail"]
+    ), finding
+    assert finding["remedy"].startswith(f"let node2 reach TCP port {port} here: ")
+    assert "lighthouse" not in CHECKS and "lighthouse" in data["checks"]
+    proc = run_netcheck("-i", str(inventory), "--nnodes", "2", "--json", "--ft")
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 0, data["findings"]
+    assert status(data, "node1", "lighthouse") == status(data, "node2", "lighthouse") == "PASS"
 
 
 def test_own_hostname_on_loopback_fails_names_on_that_node(cluster):
