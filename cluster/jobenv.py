@@ -33,7 +33,7 @@ PACE_FILE = "pace-rank-{rank}.json"
 # Per-step fault tolerance (FT=1, torchft): each node is one replica group, run by its own
 # torchrun; its environment names the group (0-based), how many the job was planned with, the
 # fewest that may train a step, and the seconds a cross-node collective waits before a silent
-# group is dropped (set by hand until the launcher's FT=1 sets them). torchft itself reads the
+# group is dropped (the launcher's FT=1 sets them: launch.replicated). torchft itself reads the
 # lighthouse's address from TORCHFT_LIGHTHOUSE.
 REPLICA_GROUP_VARIABLE = "TMN_REPLICA_GROUP"
 REPLICA_GROUPS_VARIABLE = "TMN_REPLICA_GROUPS"

@@ -34,6 +34,8 @@ NCCL_SOCKET_IFNAME,        else the inventory's                  variables (node
 NCCL_IB_DISABLE, ...       compute_interface; NCCL_IB_HCA: the
                            inventory's nccl_ib_hca
 TMN_BACKEND                node_settings (the job's backend)     over the interface settings
+TORCHFT_LIGHTHOUSE,        FT=1 (launch.replicated): the         TMN_REPLICA_* reserved;
+TMN_REPLICA_GROUP, ...     node's replica group                  TORCHFT_LIGHTHOUSE is not
 spec.extra_env             JobSpec                               over all of the above
 ENV= (secret_env)          the secrets file (staging)            over all; never reserved
 =========================  ====================================  ============================

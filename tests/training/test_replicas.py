@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.conftest import REPO_ROOT
+from tests.helpers import SCRIPTS
 from tests.training.conftest import (
     REFERENCE_STEPS,
     TINY,
@@ -229,3 +231,55 @@ def test_checkpoints_with_ft_are_refused_in_one_line_for_now(tmp_path):
         "to come (try no --checkpoint-dir, or a job without replica groups)"
     ], done.stderr
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_users_own_script_as_the_readme_shows_it_trains_as_replica_groups(tmp_path):
+    """tests/training/launcher_scripts/ft_own.py, README.md's FT=1 example: two groups on
+    loopback, each its own torchrun with the environment the launcher gives, end on one
+    checksum at step 20. Both are the minimum (MIN_NODES=2): the script's steps take
+    milliseconds, and with a minimum of one the group up first would train all 20 alone before
+    the other has imported torch."""
+    script = SCRIPTS / "ft_own.py"
+    with lighthouse.running(LOOPBACK, free_port(), 2, tmp_path / "lighthouse.log") as url:
+        processes = []
+        for index in range(2):
+            environ = run_environment(
+                {
+                    LIGHTHOUSE_VARIABLE: url,
+                    REPLICA_GROUP_VARIABLE: str(index),
+                    REPLICA_GROUPS_VARIABLE: "2",
+                    REPLICA_MIN_GROUPS_VARIABLE: "2",
+                    REPLICA_ADDRESS_VARIABLE: LOOPBACK,
+                }
+            )
+            command = torchrun_command("x", nproc=1, run_id=f"own{index}")
+            command[-2:] = [str(script)]  # the script instead of `-m x`
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    cwd=tmp_path,
+                    env=environ,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        outputs = [TimedOutput(process, time.monotonic()) for process in processes]
+        for output in outputs:
+            output.end(timeout=180)
+    said = [re.findall(r"group (\d): step (\d+) checksum (\S+)", o.text) for o in outputs]
+    assert [p.returncode for p in processes] == [0, 0], [o.stamped for o in outputs]
+    assert [s[0][:2] for s in said] == [("0", "20"), ("1", "20")], said
+    assert said[0][0][2] == said[1][0][2], said
+
+
+def test_the_readme_shows_the_users_own_script_as_it_is_tested():
+    """README.md's FT=1 example is ft_own.py's code, line for line (its docstring aside)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(# FT=1: .*?)```", readme, re.S)
+    assert block is not None
+    code = (SCRIPTS / "ft_own.py").read_text()
+    body = code[code.index('"""', 3) + 4 :].strip()
+    shown = "\n".join(block.group(1).splitlines()[1:]).strip()
+    assert shown == body

@@ -10,8 +10,10 @@ model, the optimizer and the position from a live peer at a step boundary (torch
 transport) and trains the next step with the others.
 
 The environment names the group (cluster.jobenv: REPLICA_*, TORCHFT_LIGHTHOUSE); `read` takes
-it. The launcher's FT=1 mode, which is to set it on every node, is not written yet: the tests
-and training/README.md set it by hand, with launch.lighthouse running the lighthouse. Batch semantics: each group keeps its own share of the data (rank `index * ranks + rank` of
+it. The launcher's FT=1 (launch.replicated) sets it on every node and runs the lighthouse
+(launch.lighthouse); the loopback tests set it by hand.
+
+Batch semantics: each group keeps its own share of the data (rank `index * ranks + rank` of
 `count * ranks`), so while a group is out each step sees fewer samples, and torchft divides the
 gradients' sum by the groups that took part: the step is the mean over the samples it saw, as
 torchft's own examples do. Keeping the global batch would need the survivors to take the lost
