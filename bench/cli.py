@@ -14,6 +14,7 @@ from pathlib import Path
 from torch_multinode.bench import (
     detector,
     flight,
+    ft,
     hang,
     jobs,
     lock,
@@ -47,6 +48,7 @@ SECTIONS = (
     "nodeloss",
     "dependencies",
     "detector",
+    "ft",
 )
 # Sections that start nodes of their own (rebuild) or need none (flight, detector): the others
 # share one simulated cluster, brought up only when one of them runs.
@@ -132,7 +134,13 @@ def run(args: argparse.Namespace, progress=print) -> list[Path]:
     config = sim.SimConfig(
         NAME, f"172.29.{octet}.0/24", sim.default_state_dir(NAME), f"172.30.{octet}.0/24"
     )
-    nnodes = 4 if {"netcheck", "hang", "lock"} & set(only) else 3 if "nodeloss" in only else 2
+    nnodes = (
+        4
+        if {"netcheck", "hang", "lock"} & set(only)
+        else 3
+        if {"nodeloss", "ft"} & set(only)
+        else 2
+    )
     started = time.monotonic()
     data: dict = {
         "command": "make bench" + (" (--quick)" if args.quick else ""),
@@ -230,6 +238,10 @@ def _on_the_bench_cluster(
             assert containers is not None  # provisioned above for this section
             image = load(containers).training_image
             data["image"] = shipping.measure_image(containers, image, args.image_reps, progress)
+        if "ft" in only:  # before the hang's fourth node, a spare that would take node3's place
+            three = measure.provision_containers(inventory, args.training_image, progress, nodes=3)
+            train = Path(sys.executable).parent / "train"
+            data["ft"] = ft.measure_ft(three, config, nnodes, args.link, args.reps, progress, train)
         four = None  # 4 nodes provisioned for jobs in containers
         if "hang" in only:
             four = measure.provision_containers(inventory, args.training_image, progress, nodes=4)

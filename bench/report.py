@@ -11,6 +11,7 @@ from torch_multinode.bench.sections import (
     dependencies_lines,
     detector_lines,
     flight_lines,
+    ft_lines,
     hang_lines,
     image_lines,
     lock_lines,
@@ -89,6 +90,21 @@ TARGETS = {
         "its death to the first step on the new world / (--restart-wait + 60 s)",
         "<= 1.00",
     ),
+    "ft_death_3": (
+        "FT=1 (3 nodes, in containers): seconds from a node's death to the survivors' next "
+        "step / (the groups' timeout + 5 s)",
+        "<= 1.00",
+    ),
+    "ft_vs_restart_3": (
+        "the same / the restart path's at its default --restart-wait (measured at 10 s, plus "
+        "the 290 s more it waits)",
+        "<= 0.33",
+    ),
+    "ft_heal_3": (
+        "FT=1: seconds from a lost node's return to its group's first committed step / 60 s",
+        "<= 1.00",
+    ),
+    "ft_overhead_3": ("FT=1 step time without a fault / plain DDP's, 3 nodes", "<= 1.05"),
     "replication_3": (
         "training.fsdp's checkpoint replicas (3 nodes, node-local disks, in containers): step "
         "time with one checkpoint a minute, replicas on / off",
@@ -180,6 +196,11 @@ def figures(data: dict) -> dict[str, float | None]:
         found["nodeloss_3"] = _median(data["nodeloss"]["ratio"])
     if data.get("replication"):
         found["replication_3"] = _median(data["replication"]["ratio"])
+    if data.get("ft"):
+        found["ft_death_3"] = _median(data["ft"]["death_ratio"])
+        found["ft_vs_restart_3"] = _median(data["ft"]["default_ratio"])
+        found["ft_heal_3"] = _median(data["ft"]["heal_ratio"])
+        found["ft_overhead_3"] = _median(data["ft"]["overhead"])
     if data.get("flight"):
         found["flight_step"] = _median(data["flight"]["step_ratio"])
         found["flight_collective"] = _median(data["flight"]["collective_ratio"])
@@ -406,6 +427,8 @@ def markdown(data: dict) -> str:
         lines += nodeloss_lines(data["nodeloss"], data.get("replication"))
     if data.get("dependencies"):
         lines += dependencies_lines(data["dependencies"])
+    if data.get("ft"):
+        lines += ft_lines(data["ft"])
     return "\n".join(lines) + "\n"
 
 

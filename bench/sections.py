@@ -321,3 +321,28 @@ def image_lines(image: dict) -> list[str]:
             else "- |"
         )
     return lines
+
+
+def ft_lines(found: dict) -> list[str]:
+    """Section 18: FT=1 against the restart path, a node's death and return, and its cost."""
+    return [
+        "",
+        f"## 18. FT=1 against the restart path ({found['nodes']} nodes, in containers)",
+        "",
+        "training.ddp, node3 killed after step 12; side by side in each rep. FT=1 with "
+        f"RESTARTS=1 (the groups' timeout {found['timeout']:g} s), node3 started again at once; "
+        f"the restart path with RESTARTS=1 MIN_NODES=2 and --restart-wait {found['grace']:g} s, "
+        "a checkpoint every 5 steps.",
+        "- death to the survivors' next step, FT=1: "
+        f"{spread(found['death_seconds'], '{:.1f}')} s (budget {found['death_budget']:g} s: "
+        f"{spread(found['death_ratio'], '{:.2f}')})",
+        f"- the same on the restart path: {spread(found['restart_seconds'], '{:.1f}')} s; FT=1's "
+        "over the restart path's at its default --restart-wait (the measured time plus the "
+        f"wait it would add, derived): {spread(found['default_ratio'], '{:.3f}')} (target 0.33)",
+        f"- steps done again, FT=1: {spread(found['redone'], '{:.0f}')}; restart path: "
+        f"{spread(found['restart_redone'], '{:.0f}')}",
+        "- node3's return (its engine answering) to its group's first committed step: "
+        f"{spread(found['heal_seconds'], '{:.1f}')} s (target 60 s)",
+        "- step time without a fault, FT=1 / plain DDP (steps 10 to 60): "
+        f"{spread(found['overhead'], '{:.3f}')} (target 1.05)",
+    ]

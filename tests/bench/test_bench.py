@@ -8,6 +8,7 @@ import pytest
 
 from torch_multinode.bench import (
     cli,
+    ft,
     hang,
     jobs,
     lock,
@@ -671,3 +672,60 @@ def test_the_replicas_cost_is_the_extra_time_per_checkpoint_spread_over_a_minute
     text = (tmp_path / "bench.md").read_text()
     assert "- added per checkpoint: +1.00 (" in text
     assert "- step time at one checkpoint every 60 s, replicas on / off: 1.010 (" in text
+
+
+def test_ft_figures_are_the_next_committed_step_the_steps_redone_and_the_heal(tmp_path):
+    """Section 18 from recorded lines: FT=1's death to the survivors' first step without
+    node3, its steps not committed, node3's return to its heal; the restart path's steps since
+    its checkpoint; the report's lines and targets."""
+    lines = [
+        (0.4, "[node1] step 13/200  loss 2.0\n"),
+        (0.9, "[launcher] node3 lost at step 12: continuing on node1, node2 (2 of 3 groups)\n"),
+        (10.5, "[node1] step 14 not committed: done again\n"),
+        (11.2, "[node1] step 14/200  loss 1.9\n"),
+        (11.2, "[node1] step 14: 2 of 3 replica groups train: each step sees 2/3 ...\n"),
+        (30.0, "[node3] healed from a peer: at step 70 with the others\n"),
+    ]
+    assert ft.ft_figures(lines, 12.0) == (11.2, 1, 18.0)
+    with pytest.raises(RuntimeError):
+        ft.ft_figures(lines[:4], 12.0)
+    restarted = [
+        (1.0, "[node1] step 13/30  loss 2.0\n"),
+        (13.5, "[launcher] job tmn-1-r1: the nodes answer (waited 10 s); restart 1 of 1\n"),
+        (20.0, "[node1] resuming from step 10, the newest step every rank has (...)\n"),
+        (24.5, "[node1] step 11/30  loss 2.1\n"),
+    ]
+    assert ft.restart_redone(restarted) == 3
+    assert ft.restart_redone(restarted[:2]) is None
+
+    def series(value: float) -> dict:
+        return {"median": value, "min": value, "max": value, "n": 1, "values": [value]}
+
+    data = {
+        **bench_data(),
+        "ft": {
+            "nodes": 3,
+            "timeout": 10.0,
+            "grace": 10,
+            "death_seconds": series(11.2),
+            "death_ratio": series(0.75),
+            "death_budget": 15.0,
+            "redone": series(1.0),
+            "restart_seconds": series(24.5),
+            "restart_redone": series(3.0),
+            "default_ratio": series(0.036),
+            "heal_seconds": series(18.0),
+            "heal_ratio": series(0.3),
+            "overhead": series(1.04),
+        },
+    }
+    found = report.figures(data)
+    assert found["ft_death_3"] == pytest.approx(0.75)
+    assert report.meets("ft_vs_restart_3", found["ft_vs_restart_3"]) == "meets"
+    assert report.meets("ft_overhead_3", 1.2) != "meets"
+    report.write(data, tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "## 18. FT=1 against the restart path (3 nodes, in containers)" in text
+    assert "- death to the survivors' next step, FT=1: 11.2 (11.2 to 11.2, n=1) s" in text
+    assert "- steps done again, FT=1: 1 (1 to 1, n=1); restart path: 3 (3 to 3, n=1)" in text
+    assert "ft" in cli.SECTIONS
