@@ -45,6 +45,7 @@ class _OnNodes:
     nodes: Nodes | None
     restart_wait: float
     lost: LostNodes
+    spares: tuple[Host, ...]
 
     @property
     def nodes_changed(self) -> list[str]:
@@ -66,7 +67,9 @@ class _OnNodes:
         bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
 
     def summary(self, result: JobResult) -> list[str]:
-        return summary(result, self.inventory.hosts)
+        # an FT=1 job's spare that took a lost group's place ran in it too
+        joined = tuple(h for h in self.spares if h.name in result.outcomes)
+        return summary(result, self.inventory.hosts + joined)
 
     def closing(self, result: JobResult) -> list[str]:
         log_dir = self.spec.log_dir
@@ -110,7 +113,14 @@ class SshBackend(_OnNodes):
         )
 
     def attempt(self, spec: JobSpec, restarts_left: int) -> JobResult:
-        launcher = Launcher(self.inventory, spec, self.emit, project=self.project, nodes=self.nodes)
+        launcher = Launcher(
+            self.inventory,
+            spec,
+            self.emit,
+            project=self.project,
+            nodes=self.nodes,
+            spares=self.spares if spec.fault_tolerant else (),
+        )
         self.started()
         result = launcher.run()
         result.nodes_changed = tuple(self.nodes_changed) + result.nodes_changed

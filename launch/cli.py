@@ -116,7 +116,7 @@ def _on_nodes(
         args.ft, spec, inventory.scheduler, args.restarts, args.min_nodes, args.restart_wait
     )
     # The inventory's hosts the job does not use: a lost node's place, on a restart
-    spares = whole.hosts[len(inventory.hosts) :] if args.restarts and not args.ft else ()
+    spares = whole.hosts[len(inventory.hosts) :] if args.restarts else ()
     inventory, spares = _found_on_nodes(inventory, spares)
     master = inventory.master
     fitted = None  # the workload's batch against the world size: every node's processes
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     # FT=1: a lost group starts again within the job (launch.replicated), the job never does
     whole_job_restarts = 0 if spec.fault_tolerant else args.restarts
     if spec.group_restarts:
-        _emit(f"[launcher] {replicated.restart_note(spec)}")
+        _emit(f"[launcher] {replicated.restart_note(spec, spares)}")
     elif whole_job_restarts:
         _emit(
             f"[launcher] up to {args.restarts} restart(s) after a failure: {backend.restart_note}"

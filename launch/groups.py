@@ -77,3 +77,18 @@ class Groups:
             seconds = time.monotonic() - self.started
             self.changes.append(f"{line}, {seconds:.0f} s into the job")
         self.emit(f"[launcher] {line}")
+
+    def take_over(self, lost: str, spare: str, restart: int, restarts: int) -> None:
+        """Spare node `spare` takes lost node `lost`'s group (its index and share of the data):
+        it heals from a live peer and trains with the others from their next step."""
+        with self._lock:
+            self.names = tuple(spare if name == lost else name for name in self.names)
+            at = max((self.steps[n] for n in self.alive() if n in self.steps), default=None)
+            line = (
+                f"spare {spare} takes {lost}'s group"
+                + (f" at the others' step {at}" if at is not None else "")
+                + f" and heals from a live peer (restart {restart} of {restarts})"
+            )
+            seconds = time.monotonic() - self.started
+            self.changes.append(f"{line}, {seconds:.0f} s into the job")
+        self.emit(f"[launcher] {line}")

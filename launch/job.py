@@ -55,9 +55,11 @@ class Launcher:
         project: Project | None = None,
         nodes: Nodes | None = None,
         way: Way | None = None,
+        spares: tuple[Host, ...] = (),
     ):
         self.inventory, self.spec, self.emit = inventory, spec, emit
         self.hosts = inventory.hosts  # already narrowed to the job's nodes (Inventory.first)
+        self.spares = spares  # an FT=1 job's: one takes a lost group's place (launch.replicated)
         self.project = project
         self.nodes = nodes or SshNodes(inventory, connect_timeout)
         self.way: Way = way if way is not None else self._ssh_way()
@@ -223,8 +225,10 @@ class Launcher:
         ]
 
     def start_runner(self, host: Host, command: str) -> None:
-        """A runner for `host` started while the job runs (an FT=1 job's group started again),
-        followed as the others are."""
+        """A runner for `host` started while the job runs (an FT=1 job's group started again,
+        or on a spare), followed as the others are."""
+        if host not in self.hosts:  # a spare: one of the job's nodes from now on
+            self.hosts = self.job.hosts = (*self.hosts, host)
         runner = threading.Thread(target=self._run_node, args=(host, command), daemon=True)
         self.runners.append(runner)
         runner.start()

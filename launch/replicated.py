@@ -14,6 +14,7 @@ when those ended well. The lighthouse is stopped, and each node's port freed, wh
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import threading
 import time
@@ -21,9 +22,9 @@ from contextlib import ExitStack
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from torch_multinode.cluster import routes
+from torch_multinode.cluster import routes, sync
 from torch_multinode.cluster.errors import UserError
-from torch_multinode.cluster.execution import close_quietly
+from torch_multinode.cluster.execution import Session, close_quietly
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.cluster.jobenv import (
     LIGHTHOUSE_VARIABLE,
@@ -34,9 +35,10 @@ from torch_multinode.cluster.jobenv import (
     REPLICA_START_WAIT_VARIABLE,
 )
 from torch_multinode.launch import lighthouse, stop, watch
+from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.groups import Groups
 from torch_multinode.launch.over_ssh import OverSsh
-from torch_multinode.launch.prepare import claim_port, release_port
+from torch_multinode.launch.prepare import claim_port, prepare_nodes, release_port
 from torch_multinode.launch.running import RunningJob
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, RESTART_POLL, RUN_LABEL, JobSpec
 
@@ -113,11 +115,12 @@ def describe(count: int, min_groups: int) -> str:
     )
 
 
-def restart_note(spec: JobSpec) -> str:
+def restart_note(spec: JobSpec, spares: tuple[Host, ...] = ()) -> str:
+    where = f"on a spare at once ({', '.join(h.name for h in spares)}), then " if spares else ""
     return (
-        f"up to {spec.group_restarts} restart(s) of a lost group: once its node answers again "
-        f"(within --restart-wait {spec.restart_wait:g} s), its group starts again and heals "
-        "from a live peer; the others never stop"
+        f"up to {spec.group_restarts} restart(s) of a lost group: {where}once its node answers "
+        f"again (within --restart-wait {spec.restart_wait:g} s), its group starts again and "
+        "heals from a live peer; the others never stop"
     )
 
 
@@ -205,7 +208,8 @@ class Replicated(OverSsh):
         """The lighthouse started on this machine: the URL each node reaches it at."""
         run = self.launcher
         port = run.inventory.lighthouse_port
-        addresses = {host.name: routes.address_towards(host) for host in run.hosts}
+        every = (*run.hosts, *run.spares)  # a spare may take a group's place
+        addresses = {host.name: routes.address_towards(host) for host in every}
         # one address where every node reaches this machine on the same one, else all of them
         bind = next(iter(set(addresses.values()))) if len(set(addresses.values())) == 1 else ""
         log_dir = run.spec.log_dir
@@ -231,8 +235,11 @@ class Replicated(OverSsh):
         return watchers
 
     def _restarts(self) -> None:
-        """Each group lost, started again once its node answers, while restarts are left."""
+        """Each group lost, started again while restarts are left: on a spare at once where
+        the job has one (an inventory host beyond NNODES), else on its own node once it
+        answers."""
         job, done, restarts = self.launcher.job, 0, self.launcher.job.spec.group_restarts
+        spares = list(self.launcher.spares)
         returning: set[str] = set()
         while not job.done.wait(1.0):
             for name in list(self._groups.lost):
@@ -241,9 +248,81 @@ class Replicated(OverSsh):
                 done += 1
                 returning.add(name)
                 host = next(h for h in self.launcher.hosts if h.name == name)
-                threading.Thread(
-                    target=self._bring_back, args=(host, done, restarts, returning), daemon=True
-                ).start()
+                if spares:  # the lost node stays lost: never taken again
+                    work = functools.partial(self._bring_in, host, spares.pop(0), done, restarts)
+                else:
+                    work = functools.partial(self._bring_back, host, done, restarts, returning)
+                threading.Thread(target=work, daemon=True).start()
+
+    def _bring_in(self, lost: Host, spare: Host, restart: int, restarts: int) -> None:
+        """Spare `spare` takes lost node `lost`'s group (restart `restart` of `restarts`): the
+        project sent to it and the node readied as the others were before the job, then its
+        group started; it heals from a live peer."""
+        run, job = self.launcher, self.launcher.job
+        run.emit(
+            f"[launcher] {lost.name}'s group goes to spare {spare.name} (restart {restart} of "
+            f"{restarts})"
+        )
+        if not self._wait_for(spare):
+            return
+        remote = run.remote_for(spare)
+        try:
+            remote.connect()
+            if job.container:
+                remote.run(_remove_containers(run.spec.run_id), timeout=60)
+            claim_port(remote, spare, run.spec.run_id, run.inventory.rendezvous_port, run.emit)
+            self._ready(spare, remote)
+        except UserError as exc:
+            close_quietly(remote)
+            run.emit(f"[launcher] spare {spare.name} cannot take {lost.name}'s group: {exc}")
+            return
+        if not job.take_over(lost.name, spare.name, restart, restarts):
+            close_quietly(remote)
+            return  # the job ended meanwhile
+        run.remotes[spare.name] = remote
+        run.start_runner(spare, self._command(spare, 0.0))
+
+    def _ready(self, spare: Host, remote: Session) -> None:
+        """A spare made ready as the job's nodes were (launch.job's send_project): the project
+        on it, its copy, image and directories checked, its environment decided."""
+        run = self.launcher
+        project = run.project
+        assert project is not None  # planned before the job started
+        for tree, destination in project.trees:
+            sent = sync.push(run.inventory, (spare,), tree, destination, run.emit)
+            run.emit("[launcher] " + sync.summary_line(tree, destination, sent))
+        versions, drift = prepare_nodes(
+            {spare.name: remote},
+            run.inventory,
+            run.spec,
+            project,
+            run.backend,
+            run.emit,
+            lambda work: work(spare),
+        )
+        run.versions.update(versions)
+        run.drift.update(drift)
+        envs, _ = node_settings(
+            replace(run.inventory, hosts=(spare,)), run.spec.env_file, run.backend
+        )
+        self._envs.update(envs)
+
+    def _wait_for(self, host: Host) -> bool:
+        """Until `host` answers (True), or --restart-wait has passed or the job ended (False,
+        said where the wait ran out)."""
+        run, job = self.launcher, self.launcher.job
+        wait = job.spec.restart_wait
+        deadline = time.monotonic() + wait
+        while not self._answers(host):
+            if job.done.wait(RESTART_POLL):
+                return False
+            if time.monotonic() > deadline:
+                run.emit(
+                    f"[launcher] {host.name} still silent after --restart-wait {wait:g} s: the "
+                    "group stays out"
+                )
+                return False
+        return True
 
     def _bring_back(self, host: Host, restart: int, restarts: int, returning: set[str]) -> None:
         """Node `host`'s group started again (restart `restart` of `restarts`) once the node
@@ -255,16 +334,8 @@ class Replicated(OverSsh):
             f"[launcher] {host.name}: waiting up to {wait:g} s for it to answer, to start its "
             f"group again (restart {restart} of {restarts})"
         )
-        deadline = time.monotonic() + wait
-        while not self._answers(host):
-            if job.done.wait(RESTART_POLL):
-                return
-            if time.monotonic() > deadline:
-                run.emit(
-                    f"[launcher] {host.name} still silent after --restart-wait {wait:g} s: its "
-                    "group stays out"
-                )
-                return
+        if not self._wait_for(host):
+            return
         try:
             self._stop_lost([host])
             remote = run.remote_for(host)

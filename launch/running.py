@@ -77,6 +77,17 @@ class RunningJob:
             self.outcomes[name] = NodeOutcome(name)
             return True
 
+    def take_over(self, lost: str, spare: str, restart: int, restarts: int) -> bool:
+        """An FT=1 job's spare `spare` taking lost group `lost`'s place (launch.groups): its
+        outcome; False where the job has ended meanwhile."""
+        assert self.groups is not None
+        with self._lock:
+            if self.done.is_set():
+                return False
+            self.groups.take_over(lost, spare, restart, restarts)
+            self.outcomes[spare] = NodeOutcome(spare)
+            return True
+
     def ended(self) -> bool:
         """Whether every node's part has ended (an FT=1 job: every group still in it)."""
         lost = self.groups.lost if self.groups is not None else {}

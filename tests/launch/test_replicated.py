@@ -243,6 +243,60 @@ def test_with_restarts_a_lost_group_starts_again_once_its_node_answers_and_the_j
     assert any("kill -TERM" in command for command in sent), sent
 
 
+def test_with_restarts_and_a_spare_the_spare_takes_the_lost_groups_place_at_once(
+    tmp_path, monkeypatch
+):
+    """NNODES=2 of 3 with RESTARTS=1: node2's group dies after step 12 and node3, the spare,
+    is readied and runs group 1 (node2's index and share of the data), healing; the job ends
+    well on node1 and node3, node2 lost."""
+    port = _free_port()
+    three = inventory(
+        {f"node{i}": node(i) for i in (1, 2, 3)}, launch_mode="host", lighthouse_port=port
+    )
+    two = replace(three, hosts=three.hosts[:2])
+    monkeypatch.setattr(routes, "address_towards", lambda host: "127.0.0.1")
+    spare_started = threading.Event()
+    commands: dict[str, str] = {}
+
+    def stream(host, command, out):
+        commands[host.name] = command
+        out.write("step  12/20  loss 1.0\n")
+        if host.name == "node2":
+            return 137
+        if host.name == "node3":
+            spare_started.set()
+        spare_started.wait(15)
+        out.write("step  20/20  loss 1.0\n")
+        return 0
+
+    said: list[str] = []
+    nodes = FakeNodes(list(three.hosts), streamer=stream)
+    spec = replicated.check(True, JobSpec(run_id="tmn-ft4", log_dir=tmp_path), "ssh", 1, None, 5)
+    project = Project(trees=(), workdir="/w", script=None)
+    launcher = Launcher(
+        two, spec, said.append, project=project, nodes=nodes, spares=(three.hosts[2],)
+    )
+    result = launcher.run()
+    assert result.exit_code == 0, said
+    assert result.groups_lost == ("node2",)
+    assert sorted(result.outcomes) == ["node1", "node2", "node3"]
+    assert result.outcomes["node3"].ok
+    assert f"{REPLICA_GROUP_VARIABLE}=1 " in commands["node3"], commands["node3"]
+    assert f"{REPLICA_START_WAIT_VARIABLE}=0 " in commands["node3"], commands["node3"]
+    assert "--rdzv-endpoint=10.7.0.3:29500" in commands["node3"], commands["node3"]
+    assert (
+        "[launcher] node2's group goes to spare node3 (restart 1 of 1)" in said
+        and "[launcher] spare node3 takes node2's group at the others' step 12 and heals from a "
+        "live peer (restart 1 of 1)"
+        in said
+    ), said
+    assert [change.split(",")[0] for change in result.nodes_changed] == [
+        "node2 lost at step 12: continuing on node1 (1 of 2 groups)",
+        "spare node3 takes node2's group at the others' step 12 and heals from a live peer "
+        "(restart 1 of 1)",
+    ]
+
+
 def test_a_lighthouse_port_taken_here_is_one_error_and_every_nodes_port_is_freed(
     tmp_path, monkeypatch
 ):

@@ -160,3 +160,48 @@ def test_ft_with_restarts_a_node_brought_back_heals_from_a_peer_and_the_job_ends
     assert [c.split(":")[1].split(" ")[2] for c in changes] == ["lost", "answers"], changes
     no_containers_left(cluster, (1, 2, 3), run_id)
     assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
+
+
+@pytest.mark.sim
+def test_ft_a_spare_takes_a_lost_nodes_group_and_heals_from_a_peer(ft3):
+    """NNODES=2 of 3 with RESTARTS=1: node2 killed after step 12 and left dead; node3, the
+    spare, is readied while node1 goes on alone, runs node2's group and heals from node1; the
+    job ends well on node1 and node3, one set of parameters between them."""
+    cluster, _ = ft3
+    steps = 240
+    with launches(*ft3) as start:
+        process = start(
+            "--nnodes",
+            "2",
+            "--ft",
+            "--restarts",
+            "1",
+            "--restart-wait",
+            "120",
+            "--",
+            *with_values(TINY, global_batch_size="32", log_every="1"),
+            "--steps",
+            str(steps),
+            "--step-delay",
+            "0.3",
+            "--no-tensorboard",
+        )
+        seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
+        run_id = run_id_in(seen)
+        output = kill_node(process, cluster.config.container(2))  # and left dead
+        output.end(timeout=900)
+    text = seen + output.text
+    assert process.returncode == 0, output.stamped[-5000:]
+    assert "[launcher] node2's group goes to spare node3 (restart 1 of 1)" in text, text[-4000:]
+    assert re.search(
+        r"^\[launcher\] spare node3 takes node2's group at the others' step \d+", text, re.M
+    )
+    healed = re.findall(r"^\[node3\] healed from a peer: at step (\d+) with the others", text, re.M)
+    assert len(healed) == 1 and 12 < int(healed[0]) < steps, output.stamped[-5000:]
+    digests = dict(_DIGEST.findall(text))
+    assert sorted(digests) == ["1", "3"] and len(set(digests.values())) == 1, digests
+    summary = _summary(text)
+    assert summary[0].startswith(f"Job {run_id} succeeded after "), summary
+    assert re.search(r"^  node3 +exit 0$", text, re.M), summary
+    no_containers_left(cluster, (1, 3), run_id)
+    assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
