@@ -102,6 +102,7 @@ KNOBS = {
     "--stall": "STALL",
     "--on-hang": "ON_HANG",
     "--allow-drift": "ALLOW_DRIFT",
+    "--ft": "FT",  # make train and make netcheck
     "--debug": "DEBUG",
     "--script": "SCRIPT",
     "--module": "MODULE",

@@ -219,8 +219,9 @@ def test_the_watchers_and_the_stop_see_the_running_job_not_the_launcher():
 
 def test_only_the_cli_and_the_backends_pick_a_way_to_run_a_job():
     modules = _modules()
-    # one run of each backend (launch.over_ssh: the SSH way of launch.job's run)
-    runs = {"launch.job", "launch.over_ssh", "launch.slurm", "launch.local"}
+    # one run of each backend (launch.over_ssh and launch.replicated, FT=1's: the SSH ways of
+    # launch.job's run)
+    runs = {"launch.job", "launch.over_ssh", "launch.replicated", "launch.slurm", "launch.local"}
     picking = sorted(
         module
         for module, path in modules.items()

@@ -176,7 +176,7 @@ def test_without_min_nodes_or_spares_a_restart_waits_for_every_node_as_before():
         (
             ["--min-nodes", "2"],
             "Error: --min-nodes=2 (MIN_NODES) acts on a restart, and --restarts is 0 (try "
-            "RESTARTS=1 or more)",
+            "RESTARTS=1 or more, or FT=1)",
         ),
     ],
     ids=["above-the-job", "no-restarts"],

@@ -168,7 +168,7 @@ def test_ft_a_spare_takes_a_lost_nodes_group_and_heals_from_a_peer(ft3):
     spare, is readied while node1 goes on alone, runs node2's group and heals from node1; the
     job ends well on node1 and node3, one set of parameters between them."""
     cluster, _ = ft3
-    steps = 240
+    steps = 300  # node1's steps alone while the spare is readied and heals
     with launches(*ft3) as start:
         process = start(
             "--nnodes",
