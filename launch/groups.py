@@ -68,7 +68,7 @@ class Groups:
         with self._lock:
             self.lost.pop(name, None)
             self.steps.pop(name, None)
-            at = max(self.steps.values(), default=None)
+            at = self._others_step()
             line = (
                 f"{name} answers again: its group starts again"
                 + (f" at the others' step {at}" if at is not None else "")
@@ -83,7 +83,7 @@ class Groups:
         it heals from a live peer and trains with the others from their next step."""
         with self._lock:
             self.names = tuple(spare if name == lost else name for name in self.names)
-            at = max((self.steps[n] for n in self.alive() if n in self.steps), default=None)
+            at = self._others_step()
             line = (
                 f"spare {spare} takes {lost}'s group"
                 + (f" at the others' step {at}" if at is not None else "")
@@ -92,3 +92,7 @@ class Groups:
             seconds = time.monotonic() - self.started
             self.changes.append(f"{line}, {seconds:.0f} s into the job")
         self.emit(f"[launcher] {line}")
+
+    def _others_step(self) -> int | None:
+        """The newest step the groups in the job have printed (None: none yet)."""
+        return max((self.steps[n] for n in self.alive() if n in self.steps), default=None)

@@ -263,8 +263,12 @@ class Launcher:
         while not self.job.done.wait(0.2):
             for writer in list(self._writers):
                 writer.tick()  # a progress bar's latest state, every few seconds
-            if not any(runner.is_alive() for runner in runners):
-                break  # every runner has ended: nothing is left to wait for
+            if not any(runner.is_alive() for runner in runners) and (
+                self.job.groups is None or self.job.ended()
+            ):
+                # every runner has ended: nothing is left to wait for (an FT=1 job's group
+                # being started again has its outcome anew before its runner starts)
+                break
 
     def _settle_blame(self, runners: list[threading.Thread], named: Callable[[], None]) -> None:
         """After a first failure: the others may take a moment to report their own, which can

@@ -7,8 +7,10 @@ What changes against a job of one world (launch.over_ssh): every node claims its
 port (its torchrun's); the nodes' links to a master are not watched (there is none); and one
 node's end is not the job's (launch.groups): a group that dies or stops answering is reported
 with the step it had reached, and the others go on at their next step as long as at least the
-minimum of groups (MIN_NODES) is left. The job ends when every group still in it has ended, and succeeds
-when those ended well. The lighthouse is stopped, and each node's port freed, whatever happens.
+minimum of groups (MIN_NODES) is left. With RESTARTS, a lost group starts again within the job:
+on a spare at once where the job has one, else on its own node once that answers; either way it
+heals from a live peer. The job ends when every group still in it has ended, and succeeds when
+those ended well. The lighthouse is stopped, and each node's port freed, whatever happens.
 """
 
 from __future__ import annotations
@@ -336,15 +338,16 @@ class Replicated(OverSsh):
         )
         if not self._wait_for(host):
             return
+        self._stop_lost([host])
+        remote = run.remote_for(host)
         try:
-            self._stop_lost([host])
-            remote = run.remote_for(host)
             remote.connect()
             if job.container:  # one left stopped by the node's end would hold the name
                 remote.run(_remove_containers(run.spec.run_id), timeout=60)
             port = run.inventory.rendezvous_port
             claim_port(remote, host, run.spec.run_id, port, run.emit)
         except UserError as exc:
+            close_quietly(remote)
             run.emit(f"[launcher] {host.name}: its group cannot start again: {exc}")
             return
         if not job.rejoin(host.name, restart, restarts):
