@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -51,46 +50,12 @@ def _ft_loss(
 ) -> tuple[list[tuple[float, str]], float]:
     """An FT=1 job, node3 killed after step 12 and started again at once: its lines timed from
     the kill, and the seconds from the kill to node3's return (its engine answering)."""
-    proc = subprocess.Popen(
+    return nodeloss.killed_after_step_12(
         [str(train), "-i", str(inventory), "--nnodes", str(FT_NODES), "--ft", "--restarts", "1"]
         + ["--restart-wait", "300", "--", *JOB],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        config,
+        then=lambda: nodeloss._node3_back(nnodes, link, config),
     )
-    assert proc.stdout is not None  # stdout=PIPE
-    before = []
-    for line in proc.stdout:
-        before.append(line)
-        if nodeloss.KILL_AFTER.search(line):
-            break
-    else:
-        proc.wait()
-        raise RuntimeError("ft: the job ended before step 12:\n" + "".join(before[-15:]))
-    lines: list[tuple[float, str]] = []
-    killed = time.monotonic()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append((time.monotonic() - killed, line))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    sim.docker("kill", config.container(3))
-    nodeloss._node3_back(nnodes, link, config)
-    back = time.monotonic() - killed
-    try:
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=30)
-    if proc.returncode != 0:
-        tail = "".join(line for _, line in lines[-20:])
-        raise RuntimeError(f"ft: the job failed (exit {proc.returncode}):\n{tail}")
-    return lines, back
 
 
 def ft_figures(lines: list[tuple[float, str]], back: float) -> tuple[float, int, float]:

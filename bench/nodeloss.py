@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from torch_multinode.bench.measure import REPO_ROOT, Progress, Series
@@ -174,14 +175,22 @@ def death_to_stop(lines: list[tuple[float, str]]) -> float | None:
 def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple[float, str]]:
     """One job on NODELOSS_NODES nodes, node3 killed after step 12: its lines timed from the kill."""
     directory = f"bench-checkpoints-{uuid.uuid4().hex[:8]}"  # under checkpoint_root
-    proc = subprocess.Popen(
+    return killed_after_step_12(
         [str(train), "-i", str(inventory), "--nnodes", str(NODELOSS_NODES), "--restarts", "1"]
         + ["--restart-wait", str(NODELOSS_GRACE), "--min-nodes", str(NODELOSS_NODES - 1), "--"]
         + [*JOB, "--checkpoint-dir", directory],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        config,
+    )[0]
+
+
+def killed_after_step_12(
+    command: list[str], config: sim.SimConfig, then: Callable[[], None] | None = None
+) -> tuple[list[tuple[float, str]], float]:
+    """`command` (a launcher's) run, node3 killed after node1's step-12 line and `then` called
+    (node3 started again, say): the job's lines from then on timed from the kill, and the
+    seconds from the kill to `then`'s return. A job that fails is a RuntimeError."""
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     before: list[str] = []
     assert proc.stdout is not None  # stdout=PIPE
@@ -191,7 +200,7 @@ def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple
             break
     else:
         proc.wait()
-        raise RuntimeError("nodeloss: the job ended before step 12:\n" + "".join(before[-15:]))
+        raise RuntimeError("the job ended before step 12:\n" + "".join(before[-15:]))
     lines: list[tuple[float, str]] = []
     killed = time.monotonic()
 
@@ -203,16 +212,19 @@ def _one_loss(train: Path, inventory: Path, config: sim.SimConfig) -> list[tuple
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     sim.docker("kill", config.container(3))
+    if then is not None:
+        then()
+    returned = time.monotonic() - killed
     try:
-        proc.wait(timeout=600)
+        proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
     reader.join(timeout=30)
     if proc.returncode != 0:
         tail = "".join(line for _, line in lines[-20:])
-        raise RuntimeError(f"nodeloss: the job failed (exit {proc.returncode}):\n{tail}")
-    return lines
+        raise RuntimeError(f"the job failed (exit {proc.returncode}):\n{tail}")
+    return lines, returned
 
 
 def _node3_back(nnodes: int, link: str | None, config: sim.SimConfig) -> None:

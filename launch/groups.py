@@ -69,14 +69,8 @@ class Groups:
             self.lost.pop(name, None)
             self.steps.pop(name, None)
             at = self._others_step()
-            line = (
-                f"{name} answers again: its group starts again"
-                + (f" at the others' step {at}" if at is not None else "")
-                + f" and heals from a live peer (restart {restart} of {restarts})"
-            )
-            seconds = time.monotonic() - self.started
-            self.changes.append(f"{line}, {seconds:.0f} s into the job")
-        self.emit(f"[launcher] {line}")
+            line = f"{name} answers again: its group starts again"
+            self._back(line, at, restart, restarts)
 
     def take_over(self, lost: str, spare: str, restart: int, restarts: int) -> None:
         """Spare node `spare` takes lost node `lost`'s group (its index and share of the data):
@@ -84,15 +78,19 @@ class Groups:
         with self._lock:
             self.names = tuple(spare if name == lost else name for name in self.names)
             at = self._others_step()
-            line = (
-                f"spare {spare} takes {lost}'s group"
-                + (f" at the others' step {at}" if at is not None else "")
-                + f" and heals from a live peer (restart {restart} of {restarts})"
-            )
-            seconds = time.monotonic() - self.started
-            self.changes.append(f"{line}, {seconds:.0f} s into the job")
-        self.emit(f"[launcher] {line}")
+            self._back(f"spare {spare} takes {lost}'s group", at, restart, restarts)
 
     def _others_step(self) -> int | None:
         """The newest step the groups in the job have printed (None: none yet)."""
         return max((self.steps[n] for n in self.alive() if n in self.steps), default=None)
+
+    def _back(self, what: str, at: int | None, restart: int, restarts: int) -> None:
+        """A group in the job again (`what`, at the others' step `at`), kept and said."""
+        line = (
+            what
+            + (f" at the others' step {at}" if at is not None else "")
+            + f" and heals from a live peer (restart {restart} of {restarts})"
+        )
+        seconds = time.monotonic() - self.started
+        self.changes.append(f"{line}, {seconds:.0f} s into the job")
+        self.emit(f"[launcher] {line}")
