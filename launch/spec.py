@@ -116,7 +116,8 @@ class JobSpec:
     """The job's first world size, when a restart runs it on fewer nodes (MIN_NODES): the
     workloads keep its global batch (jobenv.PLANNED_WORLD_VARIABLE)."""
     fault_tolerant: bool = False
-    """FT=1: each node one replica group, the others going on when one is lost (launch.replicated)."""
+    """FT=1: each node one replica group, the others going on when one is lost
+    (launch.replicated)."""
     min_groups: int = 1
     """FT=1: the fewest replica groups the job goes on with (MIN_NODES)."""
     group_restarts: int = 0
