@@ -67,8 +67,10 @@ class _OnNodes:
         bring_back(self.inventory, self.inventory.master, spec, result, self.emit)
 
     def summary(self, result: JobResult) -> list[str]:
-        # an FT=1 job's spare that took a lost group's place ran in it too
-        joined = tuple(h for h in self.spares if h.name in result.outcomes)
+        # an FT=1 job's spare that took a lost group's place ran in it too (a restart's is
+        # one of the nodes it runs on already)
+        names = {h.name for h in self.inventory.hosts}
+        joined = tuple(h for h in self.spares if h.name in result.outcomes and h.name not in names)
         return summary(result, self.inventory.hosts + joined)
 
     def closing(self, result: JobResult) -> list[str]:

@@ -548,7 +548,7 @@ def test_train_never_reads_or_prints_the_key_and_never_puts_it_in_a_job(
     path, key = keyed_inventory
     handed: list[tuple] = []
 
-    def launched(inv, spec, emit, project, nodes):
+    def launched(inv, spec, emit, project, nodes, spares):
         handed.append((inv, inv.hosts, spec))
         raise Reached("launcher")
 

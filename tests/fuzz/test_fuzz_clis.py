@@ -61,8 +61,10 @@ def fake_preflight(inventory: Inventory, options: Options, nodes) -> None:
 class FakeLauncher:
     """What train hands to the launcher, it must have checked."""
 
-    def __init__(self, inventory: Inventory, spec: JobSpec, emit, project, nodes) -> None:
+    def __init__(self, inventory: Inventory, spec: JobSpec, emit, project, nodes, spares) -> None:
         assert isinstance(inventory, Inventory) and inventory.hosts  # narrowed: the job's nodes
+        # an FT=1 job's spares, never one of its nodes; none for any other job
+        assert not set(spares) & set(inventory.hosts) and (spec.fault_tolerant or not spares)
         assert project.workdir and all(remote.startswith("/") for _, remote in project.trees)
         assert spec.rendezvous_timeout >= 1 and spec.max_restarts >= 0
         assert spec.nproc_per_node is None or spec.nproc_per_node >= 1
