@@ -18,12 +18,10 @@ there is reported as the measured one plus the 290 s more it would wait (derived
 from __future__ import annotations
 
 import re
-import subprocess
-import time
 from pathlib import Path
 
 from torch_multinode.bench import nodeloss
-from torch_multinode.bench.measure import REPO_ROOT, Progress, Series
+from torch_multinode.bench.measure import Progress, Series
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.distributed.replicas import DEFAULT_TIMEOUT
@@ -86,22 +84,12 @@ def restart_redone(lines: list[tuple[float, str]]) -> int | None:
 
 def _plain(train: Path, inventory: Path, ft: bool) -> float:
     """The job without a fault, with FT=1 or as plain DDP: seconds from step 10 to the last."""
-    proc = subprocess.Popen(
+    lines = nodeloss.timed_job(
         [str(train), "-i", str(inventory), "--nnodes", str(FT_NODES)]
         + (["--ft"] if ft else [])
         + ["--", *PLAIN],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        "ft",
     )
-    started = time.monotonic()
-    assert proc.stdout is not None
-    lines = [(time.monotonic() - started, line) for line in proc.stdout]
-    proc.wait()
-    if proc.returncode != 0:
-        tail = "".join(line for _, line in lines[-20:])
-        raise RuntimeError(f"ft: the job failed (exit {proc.returncode}):\n{tail}")
     node1 = [(at, line.split("] ", 1)[1]) for at, line in lines if line.startswith("[node1] ")]
     return nodeloss.timed_window(node1, 10)[0]
 

@@ -100,14 +100,19 @@ def per_checkpoint(on: float, off: float, written: int) -> tuple[float, float]:
 def _one_job(train: Path, inventory: Path, replicas: bool) -> list[tuple[float, str]]:
     # Under checkpoint_root, on each node's own disk (mounted into the job's container).
     directory = f"bench-replicas-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen(
+    return timed_job(
         [str(train), "-i", str(inventory), "--nnodes", str(NODELOSS_NODES)]
         + ["--module", "training.fsdp", "--", *REPLICATION_JOB, "--checkpoint-dir", directory]
         + ([] if replicas else ["--no-replicate"]),
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        "replication",
+    )
+
+
+def timed_job(command: list[str], section: str) -> list[tuple[float, str]]:
+    """`command` (a launcher's) run to its end: its lines, each timed from the start. A job
+    that fails is a RuntimeError naming `section`."""
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     started = time.monotonic()
     assert proc.stdout is not None  # stdout=PIPE
@@ -115,7 +120,7 @@ def _one_job(train: Path, inventory: Path, replicas: bool) -> list[tuple[float, 
     proc.wait()
     if proc.returncode != 0:
         tail = "".join(line for _, line in lines[-20:])
-        raise RuntimeError(f"replication: the job failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"{section}: the job failed (exit {proc.returncode}):\n{tail}")
     return lines
 
 
