@@ -22,7 +22,7 @@ from torch_multinode.cluster import inventory as inventory_module
 from torch_multinode.cluster.errors import UserError, at_the_edge, shown, stop_on_sigterm
 from torch_multinode.cluster.execution import SshNodes
 from torch_multinode.cluster.inventory_checks import parse_gpu_list
-from torch_multinode.launch import checks, options, replicated, requirements, restarts, staging
+from torch_multinode.launch import checks, ft, options, requirements, restarts, staging
 from torch_multinode.launch.backends import backend_for
 from torch_multinode.launch.commands import run_dir
 from torch_multinode.launch.ending import record_exit_code
@@ -90,7 +90,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
 def _here(args: argparse.Namespace, spec: JobSpec) -> None:
     """A job without an inventory: refused if it asks for what only nodes have (ENV= is not:
     its variables reach every local rank, launch.environment.local_environment)."""
-    replicated.check(args.ft, spec, None, args.restarts, args.min_nodes)
+    ft.check(args.ft, spec, None, args.restarts, args.min_nodes)
     restarts.check_local(args.restarts, args.min_nodes)
     if args.nnodes not in (None, ""):
         # a number first (as with an inventory), then whether it needs one
@@ -112,7 +112,7 @@ def _on_nodes(
     whole = inventory_read.load(args.inventory, args.group)
     inventory = whole.first(args.nnodes)
     restarts.check_min_nodes(args.min_nodes, args.restarts, inventory, args.ft)
-    spec = replicated.check(
+    spec = ft.check(
         args.ft, spec, inventory.scheduler, args.restarts, args.min_nodes, args.restart_wait
     )
     # The inventory's hosts the job does not use: a lost node's place, on a restart
@@ -136,7 +136,7 @@ def _on_nodes(
     )
     said: list[str | None] = [rank_order_warning(inventory.hosts)]  # None: the order is fine
     if spec.fault_tolerant:
-        said.append(replicated.describe(len(inventory.hosts), spec.min_groups))
+        said.append(ft.describe(len(inventory.hosts), spec.min_groups))
     if flag := spec.local_rank_flag:
         assert spec.script is not None  # the flag is read from the script (nodes.legacy_flag)
         said.append(f"{spec.script.name} parses {flag}: passing it the local rank")
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     # FT=1: a lost group starts again within the job (launch.replicated), the job never does
     whole_job_restarts = 0 if spec.fault_tolerant else args.restarts
     if spec.group_restarts:
-        _emit(f"[launcher] {replicated.restart_note(spec, spares)}")
+        _emit(f"[launcher] {ft.restart_note(spec, spares)}")
     elif whole_job_restarts:
         _emit(
             f"[launcher] up to {args.restarts} restart(s) after a failure: {backend.restart_note}"

@@ -10,7 +10,7 @@ from torch_multinode.cluster import sync
 from torch_multinode.cluster.errors import ArgumentParser, positive_number, whole_number
 from torch_multinode.cluster.inventory import NODES_GROUP
 from torch_multinode.cluster.inventory_checks import GROUP_HELP
-from torch_multinode.launch import replicated, restarts
+from torch_multinode.launch import ft, restarts
 from torch_multinode.launch.spec import (
     DEBUG_LEVELS,
     DEFAULT_MODULE,
@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
         "changes are said and kept in the run's record",
     )
     restarts.add_options(parser)
-    replicated.add_option(parser)
+    ft.add_option(parser)
     parser.add_argument(
         "--max-restarts",
         type=whole_number(0),

@@ -1,5 +1,5 @@
 """FT=1 in the launcher (issue 54), without a cluster: the replica groups' policy (launch.groups),
-what FT=1 refuses (launch.replicated.check), and one whole run over fake nodes with the real
+what FT=1 refuses (launch.ft.check), and one whole run over fake nodes with the real
 torchft lighthouse on loopback: each node its own torchrun and group, a group that dies is
 reported with its step and the others' end decides the job. On 3 simulated nodes in containers:
 tests/training/test_ft_nodes.py."""
@@ -24,7 +24,7 @@ from torch_multinode.cluster.jobenv import (
     REPLICA_START_WAIT_VARIABLE,
     REPLICA_TIMEOUT_VARIABLE,
 )
-from torch_multinode.launch import replicated
+from torch_multinode.launch import ft
 from torch_multinode.launch.groups import Groups
 from torch_multinode.launch.job import Launcher
 from torch_multinode.launch.running import RunningJob
@@ -118,18 +118,18 @@ def test_what_ft_refuses_is_one_error_naming_what_to_do_instead(
     spec, scheduler, restarts, expected
 ):
     with pytest.raises(UserError) as refused:
-        replicated.check(True, spec, scheduler, restarts, None)
+        ft.check(True, spec, scheduler, restarts, None)
     assert str(refused.value).startswith(expected)
     assert refused.value.hint
 
 
 def test_ft_sets_the_spec_and_min_nodes_is_its_quorums_minimum():
-    spec = replicated.check(True, JobSpec(), "ssh", 2, 2, 30.0)
+    spec = ft.check(True, JobSpec(), "ssh", 2, 2, 30.0)
     assert (spec.fault_tolerant, spec.min_groups) == (True, 2)
     assert (spec.group_restarts, spec.restart_wait) == (2, 30.0)
-    assert replicated.check(True, JobSpec(), "ssh", 0, None).min_groups == 1
+    assert ft.check(True, JobSpec(), "ssh", 0, None).min_groups == 1
     plain = JobSpec()
-    assert replicated.check(False, plain, "slurm", 3, None) is plain
+    assert ft.check(False, plain, "slurm", 3, None) is plain
 
 
 def test_ft_without_an_inventory_is_one_error_line():
@@ -222,7 +222,7 @@ def test_with_restarts_a_lost_group_starts_again_once_its_node_answers_and_the_j
 
     said: list[str] = []
     nodes = FakeNodes(list(three.hosts), streamer=stream)
-    spec = replicated.check(True, JobSpec(run_id="tmn-ft2", log_dir=tmp_path), "ssh", 1, None, 5)
+    spec = ft.check(True, JobSpec(run_id="tmn-ft2", log_dir=tmp_path), "ssh", 1, None, 5)
     project = Project(trees=(), workdir="/w", script=None)
     result = Launcher(three, spec, said.append, project=project, nodes=nodes).run()
     assert result.exit_code == 0, said
@@ -271,7 +271,7 @@ def test_with_restarts_and_a_spare_the_spare_takes_the_lost_groups_place_at_once
 
     said: list[str] = []
     nodes = FakeNodes(list(three.hosts), streamer=stream)
-    spec = replicated.check(True, JobSpec(run_id="tmn-ft4", log_dir=tmp_path), "ssh", 1, None, 5)
+    spec = ft.check(True, JobSpec(run_id="tmn-ft4", log_dir=tmp_path), "ssh", 1, None, 5)
     project = Project(trees=(), workdir="/w", script=None)
     launcher = Launcher(
         two, spec, said.append, project=project, nodes=nodes, spares=(three.hosts[2],)
