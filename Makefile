@@ -205,8 +205,14 @@ lint: $(STAMP)
 	cd ansible && PATH="$(abspath $(BIN)):$$PATH" ansible-lint --profile production
 
 # A crashed worker ends the run: xdist's replacement worker left a grouped run waiting forever.
-.PHONY: test  ## run the test suite (simulated-cluster tests need a Docker engine)
+.PHONY: test  ## run the test suite but the extended tests (simulated-cluster tests need a Docker engine)
 test: $(STAMP)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0 --durations=25 -m "not extended"
+
+# The extended tests: twins and repeats of what `make test` proves, kept out of CI's time
+# (CONTRIBUTING.md, "Time and disk", says which and why). Run them before changing what they cover.
+.PHONY: test-all  ## run every test, the extended ones too (CI runs make test)
+test-all: $(STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0 --durations=25
 
 .PHONY: test-e2e  ## only the whole flows (part of make test): bootstrap, provision fresh nodes, netcheck and train in the image

@@ -130,7 +130,9 @@ def lock_command(run_id: str, port: int) -> str:
         f"mkdir -p {REMOTE_LOCK_ROOT}; "
         f"if mkdir {lock} 2>/dev/null; then echo {run} > {lock}/run_id; echo taken; exit 0; fi; "
         f"old=$(cat {lock}/run_id 2>/dev/null); "
-        'if [ -n "$old" ] && grep -lsaF "TMN_RUN_ID=$old" /proc/[0-9]*/environ >/dev/null; '
+        # -q: a match is exit 0 even where a process ended during the scan; with -l grep exits 2
+        # then (CI run 44: a running job's lock taken over as stale).
+        'if [ -n "$old" ] && grep -qsaF "TMN_RUN_ID=$old" /proc/[0-9]*/environ; '
         f'then echo "busy $old"; exit {LOCK_BUSY_EXIT}; fi; '
         f"age=$(( $(date +%s) - $(stat -c %Y {lock}) )); "
         f'if [ "$age" -lt {STALE_LOCK_SECONDS} ]; then echo "busy $old"; exit {LOCK_BUSY_EXIT}; fi; '

@@ -12,7 +12,7 @@ from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch.spec import DEFAULT_RESTART_WAIT, JobSpec
 
 # The workloads of ours that take FT=1 (a user's own script gets the environment and decides).
-WORKLOADS = ("training.ddp",)
+WORKLOADS = ("training.ddp", "training.fsdp")
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
@@ -54,13 +54,13 @@ def check(
     if spec.script is None and spec.module not in WORKLOADS:
         raise UserError(
             f"FT=1 runs {', '.join(WORKLOADS)} or your own script, not {spec.module}",
-            hint="MODULE=training.ddp, or without FT=1 RESTARTS=N with --checkpoint-dir",
+            hint="MODULE=training.ddp (or training.fsdp), or without FT=1 RESTARTS=N",
         )
-    if spec.script is None and "--checkpoint-dir" in spec.args:
+    if spec.module == "training.fsdp" and spec.script is None and "--checkpoint-dir" in spec.args:
         raise UserError(
-            "--checkpoint-dir with FT=1 is not offered yet: the replica groups keep the model "
-            "alive between them, not on disk",
-            hint="FT=1 without --checkpoint-dir, or --checkpoint-dir without FT=1",
+            "--checkpoint-dir with FT=1 is not offered for training.fsdp yet: its groups keep "
+            "the model alive between them, not on disk",
+            hint="MODULE=training.ddp for FT=1 with --checkpoint-dir, or training.fsdp without FT=1",
         )
     return replace(
         spec,

@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable
 
 from torch_multinode.cluster import sync
-from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.errors import Terminated, UserError
 from torch_multinode.cluster.execution import Nodes, Session, SshNodes, close_quietly
 from torch_multinode.cluster.inventory import Host, Inventory
 from torch_multinode.cluster.remote import on_all
-from torch_multinode.launch import blame, causes, paces, staging, stop, stragglers, watch
+from torch_multinode.launch import blame, paces, staging, stop, stragglers, watch
 from torch_multinode.launch.commands import remote_command, run_dir
 from torch_multinode.launch.environment import node_settings
 from torch_multinode.launch.groups import Groups
@@ -86,7 +85,7 @@ class Launcher:
         self.versions: dict[str, dict[str, str]] = {}
         self.drift: dict[str, list[str]] = {}
         # a slow rank's node, probed for its cause (launch.stragglers)
-        self.stragglers = stragglers.Stragglers(self._probe, self._interface, emit)
+        self.stragglers = stragglers.Stragglers(self.job.probe, self.job.interface, emit)
 
     def _ssh_way(self) -> Way:
         """Over SSH: one world (launch.over_ssh), or one replica group per node for FT=1
@@ -237,27 +236,6 @@ class Launcher:
         self.stragglers.note(line)
         return self.job.progress.note(line)
 
-    def _node(self, name: str) -> Host:
-        for host in self.hosts:
-            if host.name == name:
-                return host
-        raise UserError(f"{name} is not one of this job's nodes by that name")
-
-    def _interface(self, name: str) -> str:
-        return self._node(name).compute_interface or ""
-
-    def _probe(self, name: str) -> str:
-        """causes.script's output on node `name`, over a session of its own (the job's
-        container's cgroup read too where the job runs in one)."""
-        host = self._node(name)
-        container = container_name(self.spec.run_id, host.name) if self.job.container else None
-        with self.job.session(host) as remote:
-            remote.connect()
-            answer = remote.run(
-                causes.script(self._interface(name), container), timeout=causes.WINDOW + 30
-            )
-        return answer.stdout
-
     def _follow(self, runners: list[threading.Thread]) -> None:
         """Until the job is done (a failure, or every node's exit), or every runner ended."""
         while not self.job.done.wait(0.2):
@@ -287,13 +265,7 @@ class Launcher:
 
     def stop_everywhere(self, master: Host) -> dict[str, float | str]:
         stopped = stop.everywhere(self.job, master)
-        self.emit(
-            "[launcher] stopped: "
-            + ", ".join(
-                f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
-                for name, done in stopped.items()
-            )
-        )
+        self.emit(stop.said(stopped))
         return stopped
 
     def _wind_down(
@@ -315,20 +287,14 @@ class Launcher:
             watch.traces_after_failure(self.job) if failed and not self.job.hang_reported else []
         )
         self.close()
-        groups = self.job.groups
-        return JobResult(
-            self.spec.run_id,
-            self.outcomes,
-            self.job.first_failure,
+        return self.job.result(
             interrupted,
             time.monotonic() - started,
-            terminated=terminated,
-            flights=tuple(flights),
-            versions=dict(self.versions),
-            drift=dict(self.drift),
-            stragglers=tuple(self.stragglers.said),
-            nodes_changed=tuple(groups.changes) if groups is not None else (),
-            groups_lost=tuple(groups.lost) if groups is not None else (),
+            terminated,
+            tuple(flights),
+            self.versions,
+            self.drift,
+            tuple(self.stragglers.said),
         )
 
     def run(self) -> JobResult:

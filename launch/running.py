@@ -11,11 +11,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from torch_multinode.cluster.containers import container_name
+from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Nodes, Session
 from torch_multinode.cluster.inventory import Host
+from torch_multinode.launch import causes
 from torch_multinode.launch.groups import Groups
 from torch_multinode.launch.progress import Progress
-from torch_multinode.launch.spec import Emit, JobSpec, NodeOutcome
+from torch_multinode.launch.spec import Emit, JobResult, JobSpec, NodeOutcome
 
 
 @dataclass
@@ -45,6 +48,27 @@ class RunningJob:
     def session(self, host: Host) -> Session:
         """A connection of its own to `host` (the caller closes it)."""
         return self.nodes.session(host)
+
+    def node(self, name: str) -> Host:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise UserError(f"{name} is not one of this job's nodes by that name")
+
+    def interface(self, name: str) -> str:
+        return self.node(name).compute_interface or ""
+
+    def probe(self, name: str) -> str:
+        """causes.script's output on node `name`, over a session of its own (the job's
+        container's cgroup read too where the job runs in one): a slow rank's cause."""
+        host = self.node(name)
+        container = container_name(self.spec.run_id, host.name) if self.container else None
+        with self.session(host) as remote:
+            remote.connect()
+            answer = remote.run(
+                causes.script(self.interface(name), container), timeout=causes.WINDOW + 30
+            )
+        return answer.stdout
 
     def fail(self, name: str, error: str | None = None, unreachable: bool = False) -> None:
         """`name` failed (why: `error`, if given; `unreachable`: it stopped answering): the run
@@ -98,3 +122,30 @@ class RunningJob:
     def restart_clock(self) -> None:
         """The stall clock, started again: the job's processes start now."""
         self.progress = Progress(self.spec.stall)
+
+    def result(
+        self,
+        interrupted: bool,
+        seconds: float,
+        terminated: bool,
+        flights: tuple[str, ...],
+        versions: dict[str, dict[str, str]],
+        drift: dict[str, list[str]],
+        stragglers: tuple[str, ...],
+    ) -> JobResult:
+        """What became of the job: each node's outcome, the node to blame, how it ended, and
+        what the run found on the way (each node's versions and their drift since the lock)."""
+        return JobResult(
+            self.spec.run_id,
+            self.outcomes,
+            self.first_failure,
+            interrupted,
+            seconds,
+            terminated=terminated,
+            flights=flights,
+            versions=dict(versions),
+            drift=dict(drift),
+            stragglers=stragglers,
+            nodes_changed=tuple(self.groups.changes) if self.groups is not None else (),
+            groups_lost=tuple(self.groups.lost) if self.groups is not None else (),
+        )

@@ -48,3 +48,11 @@ def everywhere(job: RunningJob, master: Host | None = None) -> dict[str, float |
     for thread in threads:
         thread.join(max(0.0, started + STOP_TIMEOUT + 2 - time.monotonic()))
     return dict(stopped)
+
+
+def said(stopped: dict[str, float | str]) -> str:
+    """The launcher's line of what `everywhere` found: each node's stop time, or why not."""
+    return "[launcher] stopped: " + ", ".join(
+        f"{name} in {done:.1f} s" if isinstance(done, float) else f"{name} {done}"
+        for name, done in stopped.items()
+    )

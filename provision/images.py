@@ -545,6 +545,11 @@ def _build_help() -> str:
 _VERSIONS: dict[tuple[str, bool], dict[str, str]] = {}
 
 
+def read_report(text: str) -> dict[str, str]:
+    """cluster/versions.py's report (an image's `--version`), one `name: value` a line."""
+    return dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+
+
 def versions(tag: str, gpus: bool = False) -> dict[str, str]:
     """What the image says it holds (its default command). No GPU is needed; with `gpus` (on a
     machine with NVIDIA's container toolkit) a CUDA image also counts this machine's GPUs."""
@@ -553,7 +558,7 @@ def versions(tag: str, gpus: bool = False) -> dict[str, str]:
         return dict(_VERSIONS[identity, gpus])
     with_gpus = ["--gpus", "all"] if gpus else []
     proc = docker("run", "--rm", *with_gpus, tag, "--version", timeout=600)
-    found = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    found = read_report(proc.stdout)
     if identity:
         _VERSIONS[identity, gpus] = dict(found)
     return found

@@ -70,7 +70,6 @@ _GROUPS: dict[str, str] = {
     "tests/test_image_shipping.py": "image",  # layers through the registry, on that cluster
     "tests/launch/test_slurm_jobs.py": "image",  # Slurm on that provisioned cluster
     "tests/launch/test_auto_fields_on_cluster.py": "image",  # its inventory saying auto
-    "tests/training/test_fsdp_cluster.py": "image",
     "tests/test_hangs.py": "image",  # hung jobs on the provisioned cluster
     "tests/test_cuda_image.py": "cuda_image",  # a 6 GB build of its own, beside the others
     # One cluster of a pair of nodes per network stack, beside the others.
@@ -80,6 +79,7 @@ _GROUPS: dict[str, str] = {
     "tests/ansible/": "provisioning",  # apt installs in every node: one scenario at a time
     "tests/training/test_node_loss.py": "node_loss",  # one 3-node cluster, its nodes killed
     "tests/training/test_ft_nodes.py": "node_loss",  # FT=1 on it
+    "tests/training/test_fsdp_cluster.py": "fsdp",  # a pair of its own, beside the loopback FSDP2
 }
 
 
@@ -106,6 +106,9 @@ def pytest_collection_modifyitems(config, items):
             if path.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+    # A group's worker runs its tests in this order. The FSDP2 matrix's pair waits for the CPU
+    # twin's build (minutes, on another worker): its loopback FSDP2 jobs go first meanwhile.
+    items.sort(key=lambda item: item.fspath.basename == "test_fsdp_cluster.py")  # stable
     # In CI nothing is skipped: the sim_factory fixture fails the run instead.
     ok, why = engine.engine_available()
     if ok or os.environ.get("CI"):

@@ -679,6 +679,7 @@ def test_a_node_killed_mid_run_with_restarts_resumes_from_the_checkpoints_on_the
     _out_as_uninterrupted(provisioned, reference_ddp, first, checkpoints, 1e-6)
 
 
+@pytest.mark.extended
 def test_a_node_lost_for_good_is_dropped_and_the_job_ends_on_the_other_as_uninterrupted(
     provisioned, reference_ddp
 ):

@@ -458,6 +458,18 @@ def check_plans_lint_then_test(run: Run, command: str) -> None:
     assert [("pytest" in out[i]) for i in steps] == [False, True], out
 
 
+def every_test_planned(run: Run, command: str) -> None:
+    """`make test-all` is this suite with the extended tests (CI's `make test` leaves them
+    out): `make -n` shows pytest, which `make check`'s test step runs with `not extended`."""
+    argv, _ = run.stand.substitute(command)
+    planned = run.make(f"make -n {' '.join(argv)}").stdout.splitlines()
+    tests = [line for line in run.make("make -n test").stdout.splitlines() if "pytest -n" in line]
+    every = [line for line in planned if "pytest -n" in line]
+    assert len(every) == 1 and "extended" not in every[0], planned
+    assert len(tests) == 1 and tests[0].endswith('-m "not extended"'), tests
+    assert tests[0].removesuffix(' -m "not extended"') == every[0], (tests, every)
+
+
 def sim_up_plans_the_simulated_cluster(run: Run, command: str) -> None:
     """`make sim-up` starts this checkout's own cluster (.sim/, the default names), which may be
     a developer's; the suite's clusters come from the same sim.nodes.up under names of their
@@ -564,6 +576,7 @@ FENCED: dict[str, Check] = {
 # README's inline `make ...` commands that are more than a target's name.
 INLINE: dict[str, Check] = {
     "make": help_lists_targets,
+    "make test-all": every_test_planned,
     "make sim-up": sim_up_plans_the_simulated_cluster,
     "make selftest": selftest_here_plans_a_local_run,
     "make -s hostfile INVENTORY=my-cluster.yml > hostfile": hostfile,
@@ -586,6 +599,7 @@ ANOTHER_WAY = (
     provision_is_the_fixtures,
     selftest_is_the_fixtures,
     check_plans_lint_then_test,
+    every_test_planned,
     sim_up_plans_the_simulated_cluster,
     selftest_here_plans_a_local_run,
     train_default_here_plans_a_local_run,
@@ -595,6 +609,7 @@ ANOTHER_WAY = (
 ORDER = (
     *list(FENCED)[:5],
     "make",
+    "make test-all",
     "make sim-up",
     "make selftest",
     "make bench",

@@ -1,10 +1,12 @@
 """`sim3`: one cluster of three simulated nodes for the `node_loss` group (tests/conftest.py),
-whose jobs run in the CPU twin (TEST_IMAGE): Slurm set up from the inventory on them first
-(tests/ansible/test_slurm.py, collected first), then the node-loss tests
-(tests/training/test_node_loss.py), which kill its nodes and start them again. One cluster for
-both instead of two: Slurm's packages are installed by its role once, not again on nodes of their
-own (docs/ci-time.md). A pytest plugin (tests/conftest.py names it), so that both modules share
-one instance: session-scoped, removed when the worker ends."""
+whose jobs run in the CPU twin (TEST_IMAGE): under `make test-all`, Slurm set up from the
+inventory on them first (tests/ansible/test_slurm.py, collected first, an extended test), then
+the node-loss and FT=1 tests (tests/training/test_node_loss.py, test_ft_nodes.py), which kill
+its nodes and start them again. One cluster for all of them: Slurm's packages are installed by
+its role once, not again on nodes of their own (docs/ci-time.md). A pytest plugin
+(tests/conftest.py names it), so that the modules share one instance: session-scoped, removed
+when the worker ends. `jobs_cluster` makes such a cluster of any size (the `fsdp` group's pair,
+tests/training/test_fsdp_cluster.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import warnings
 import pytest
 
 
-@pytest.fixture(scope="session")
-def sim3(sim_factory, tmp_path_factory):
-    """3 nodes whose jobs run in the CPU twin (TEST_IMAGE), readied by the roles jobs need.
-    Their engines start with the twin already in their store, as hard links to this machine's
-    copy (tests/shared_layers.py); a node whose engine then does not hold it gets it streamed
-    (provision/ship.py). (cluster, its inventory with launch_mode: container)."""
+def jobs_cluster(sim_factory, tmp_path_factory, nnodes: int, tmpfs=()):
+    """`nnodes` nodes whose jobs run in the CPU twin (TEST_IMAGE), readied by the roles jobs
+    need, not by the whole playbook (the `image` group's cluster proves that). Their engines
+    start with the twin already in their store, as hard links to this machine's copy
+    (tests/shared_layers.py); a node whose engine then does not hold it gets it streamed
+    (provision/ship.py). `tmpfs`: SimConfig.tmpfs. (cluster, its inventory with launch_mode:
+    container, /shared mounted into the jobs)."""
     # Imported here: these modules import tests.conftest, which names this plugin.
     from tests.ansible.conftest import ansible_playbook, read_inventory, write_inventory
     from tests.conftest import TEST_IMAGE, build_training_image
@@ -27,14 +30,15 @@ def sim3(sim_factory, tmp_path_factory):
     from torch_multinode.cluster.inventory_read import load
     from torch_multinode.provision import ship
 
-    cluster = sim_factory.up(3)
+    cluster = sim_factory.up(nnodes, tmpfs=tmpfs)
+    indexes = range(1, nnodes + 1)
     document = read_inventory(cluster.config.inventory_path)
     document["all"]["vars"].update(
         launch_mode="container", training_image=TEST_IMAGE, container_mounts=["/shared"]
     )
-    inventory = write_inventory(document, tmp_path_factory.mktemp("sim3") / "inventory.yml")
+    inventory = write_inventory(document, tmp_path_factory.mktemp("jobs") / "inventory.yml")
     image = build_training_image(tmp_path_factory)  # waits while another worker builds it
-    why = link_image(image.tag, [cluster.config.volume(index) for index in (1, 2, 3)])
+    why = link_image(image.tag, [cluster.config.volume(index) for index in indexes])
     if why is not None:
         warnings.warn(f"the twin's layers not linked ({why}): loaded instead", stacklevel=1)
     # What jobs in containers need of `make provision`: the engine, NCCL's configuration
@@ -44,7 +48,7 @@ def sim3(sim_factory, tmp_path_factory):
     nodes = load(inventory)
     lacking = [
         host
-        for index, host in enumerate(nodes.hosts, start=1)
+        for index, host in zip(indexes, nodes.hosts, strict=True)
         if on_node(
             cluster, index, f"docker image inspect --format '{{{{.Id}}}}' {image.tag}", False
         ).strip()
@@ -52,5 +56,12 @@ def sim3(sim_factory, tmp_path_factory):
     ]
     if lacking:  # streamed as `make ship` does when no registry answers
         ship.stream(nodes, lacking, image.tag, emit=lambda _: None)
+    return cluster, inventory
+
+
+@pytest.fixture(scope="session")
+def sim3(sim_factory, tmp_path_factory):
+    """3 nodes whose jobs run in the CPU twin (jobs_cluster)."""
+    cluster, inventory = jobs_cluster(sim_factory, tmp_path_factory, 3)
     yield cluster, inventory
     sim_factory.down(cluster)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,10 +36,10 @@ from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
 from torch_multinode.training.checkpointing import checkpoint, replicate
 from torch_multinode.training.checkpointing.dcp import PAUSE_SECONDS, Checkpoints, agree
 from torch_multinode.training.ddp import save_model
-from torch_multinode.training.distributed import parallel
+from torch_multinode.training.distributed import parallel, replicas
 from torch_multinode.training.loop.trainer import learning_rate, resolve_numerics
 from torch_multinode.training.modeling import gpt, models
-from torch_multinode.training.settings import arguments, console
+from torch_multinode.training.settings import arguments, compile_check, console
 from torch_multinode.training.settings.config import STOP_EXIT_CODE, DDPConfig
 
 BETAS = (0.9, 0.95)
@@ -67,49 +65,6 @@ def start(env: parallel.DistEnv, timeout: float) -> None:
         world_size=1,
         **parallel.bound_device(env.device),
     )
-
-
-def compile_problem(device: torch.device) -> UserError | None:
-    """What torch.compile would fail on here, found before any compiling: on CPUs inductor builds
-    C++ kernels with Python bindings (a C++ compiler, Python.h); on GPUs triton builds a C
-    launcher (triton, a C compiler, Python.h)."""
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            return UserError(
-                "--compile on GPUs needs triton, which this torch does not find",
-                hint="the CUDA training image (it keeps triton), or leave out --compile",
-            )
-        # triton's own search (triton.runtime.build): $CC, else gcc, else clang
-        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
-        if compiler is None:
-            return UserError(
-                "--compile on GPUs needs a C compiler for triton's launcher ($CC, gcc or clang); "
-                "none is installed here",
-                hint="apt-get install gcc, or leave out --compile",
-            )
-    else:
-        from torch._inductor import config as inductor
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        try:
-            get_cpp_compiler()
-        except Exception:  # inductor's own search failed: InvalidCxxCompiler, or its cause
-            tried = " or ".join(name for name in inductor.cpp.cxx if name)
-            return UserError(
-                f"--compile on CPUs needs a C++ compiler to build torch.compile's kernels, and "
-                f"{tried} does not run here",
-                hint="apt-get install g++ (or CXX=<compiler>), or leave out --compile",
-            )
-    headers = Path(sysconfig.get_paths()["include"], "Python.h")
-    if not headers.is_file():
-        return UserError(
-            f"--compile needs Python's C headers, and {headers} is missing (the compiled kernels "
-            "include it)",
-            hint="apt-get install python3-dev (for this Python), or leave out --compile",
-        )
-    return None
 
 
 def wrap(model: nn.Module, env: parallel.DistEnv, config, numerics) -> nn.Module:
@@ -213,8 +168,11 @@ class Progress:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     window_steps: int = 0  # measured steps since the last line
+    window_tokens: int = 0  # their tokens
     window_from: float = 0.0  # the clock's total at the last line
     measured_steps: int = 0
+    measured_tokens: int = 0
+    scope: str = "total"  # whose tokens: the job's, or (FT=1) this node's group's
     last_loss: float = float("nan")
 
 
@@ -267,14 +225,29 @@ def main(argv: list[str] | None = None) -> int:
     planned = arguments.planned_world_size()
     config = arguments.fsdp(argv, planned)
     env = parallel.read_env()
-    batch = parallel.per_rank_batch(config.optim.global_batch_size, env, planned)
     parallel.use_device(env)
     numerics = resolve_numerics(config.model.precision, env.device)
+    group = replicas.read()  # FT=1: this node's replica group
+    data = (env.rank, env.world_size)  # this rank's share of each step's batch, of how many
+    if group is not None:
+        replicas.check_job(planned, env.world_size, numerics.grad_scaler)
+        if config.checkpoint.checkpoint_dir:
+            raise UserError(
+                "--checkpoint-dir with replica groups is not offered for training.fsdp yet: "
+                "its groups keep the model alive between them, not on disk",
+                hint="training.ddp for FT=1 with --checkpoint-dir, or training.fsdp without FT=1",
+            )
+        data = group.data_position(env.rank, env.world_size)
+        planned = data[1]
+    batch = parallel.per_rank_batch(config.optim.global_batch_size, env, planned)
     export = resolve_export(config.checkpoint.export)
     start(env, config.run.collective_timeout)
 
     # What only this node can tell, agreed on by every rank before anyone goes on.
-    source, error = None, compile_problem(env.device) if config.model.compile else None
+    source, error = (
+        None,
+        compile_check.compile_problem(env.device) if config.model.compile else None,
+    )
     if error is None:
         try:
             source = gpt.build_data(config)
@@ -300,10 +273,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(config.run.seed)  # the same whole model on every rank, before sharding
     model = gpt.GPT(shape, activation_checkpointing=config.model.activation_checkpointing)
     console.say(env, *header(config, env, source, model, batch, numerics, planned))
-    if planned and planned != env.world_size:
+    if planned and planned != env.world_size and group is None:
         console.say(env, continuing(config.optim.global_batch_size, env.world_size, planned))
     model = wrap(model, env, config, numerics)
     optimizer = build_optimizer(model, config.optim)
+    shards = None
+    if group is not None:
+        shards = replicas.Shards(
+            group,
+            env.device,
+            optimizer,
+            lambda step: learning_rate(config.optim, step, config.run.steps),
+        )
+        console.say(env, shards.replication.describe())
 
     store = None
     start_step = 0
@@ -339,7 +321,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    result = train(config, env, model, optimizer, source, numerics, store, start_step, info)
+    try:
+        result = train(
+            config, env, model, optimizer, source, numerics, store, start_step, info, data, shards
+        )
+    finally:
+        if shards is not None:
+            # Its threads would otherwise keep a failed rank's process waiting at exit.
+            shards.replication.shutdown()
     if store is not None and store.replication is not None:
         store.replication.wait()  # the last checkpoint's copy
     finish(config, env, model, shape, source, result, start_step, numerics, export)
@@ -365,12 +354,15 @@ class Result:
     held: dict[str, tuple[int, int]]  # part -> (this rank's bytes, an unsharded replica's)
     progress: Progress
     seconds: float  # of the measured steps
-    tokens_per_step: int
 
 
-def train(config, env, model, optimizer, source, numerics, store, start_step, info) -> Result:
+def train(
+    config, env, model, optimizer, source, numerics, store, start_step, info, data, shards=None
+) -> Result:
     """Steps start_step + 1 to --steps. The data position is the step: every batch is a
-    function of it."""
+    function of it, of which this rank takes share `data` (its rank and how many share it).
+    With `shards` (FT=1) a step counts once torchft commits it: one not committed is done
+    again, and a group that healed goes on from its peer's step."""
     run, optim = config.run, config.optim
     total, global_batch = run.steps, optim.global_batch_size
     tokens_per_step = global_batch * config.model.seq_len
@@ -378,13 +370,23 @@ def train(config, env, model, optimizer, source, numerics, store, start_step, in
     autocast = numerics.autocast_dtype if config.model.strategy == "ddp" else None
     progress, clock, held = Progress(), Clock(env.device), {}
     norm = torch.zeros(())
+    replication = shards.replication if shards is not None else None
+    inner = optimizer
+    if shards is not None:
+        optimizer, progress.scope = shards.optimizer, "this group"
+        if shards.replication.group.start_wait > 0 and not start_step:
+            shards.replication.gather()
     model.train()
     clock.start()
-    for step in range(start_step, total):
-        tokens = gpt.rank_slice(source.batch(step, global_batch), env.rank, env.world_size)
+    step, first = start_step, True
+    while step < total:
+        if shards is not None:
+            shards.step = step  # what a peer healing in this step takes
+        optimizer.zero_grad(set_to_none=True)  # FT=1: starts the step's quorum
+        tokens = gpt.rank_slice(source.batch(step, global_batch), *data)
         # This rank's share of the mean over the global batch: 1, unless the batch does not
         # split evenly (a job continued on fewer ranks than planned).
-        weight = len(tokens) * env.world_size / global_batch
+        weight = len(tokens) * data[1] / global_batch
         tokens = tokens.to(env.device, non_blocking=True)
         lr = learning_rate(optim, step, total)
         for group in optimizer.param_groups:
@@ -394,24 +396,43 @@ def train(config, env, model, optimizer, source, numerics, store, start_step, in
         if weight != 1:
             loss = loss * weight  # the gradients' average over the ranks is the batch's mean
         loss.backward()
+        if replication is not None:
+            replication.gradient_sync(model)  # each rank's shards, with the same rank's
         norm = clip_gradients(model, optim.grad_clip)
         optimizer.step()
+        healed, step_tokens = False, tokens_per_step
+        if shards is not None:
+            step, committed, healed = shards.after_step(step)
+            if healed:
+                lr = learning_rate(optim, step, total)
+            if not committed:
+                console.say(env, f"step {step + 1} not committed: done again")
+                continue
+            step_tokens = tokens_per_step // shards.replication.group.count  # this group's
         progress.losses.append(loss.detach())
         done = step + 1
-        if step == start_step:
-            held = held_bytes(model, optimizer)  # gradients and optimizer state exist now
+        if first:
+            held = held_bytes(model, inner)  # gradients and optimizer state exist now
             clock.stop()
             clock.total = 0.0  # the first step is not timed
             clock.start()
         else:
             progress.measured_steps += 1
             progress.window_steps += 1
-        optimizer.zero_grad(set_to_none=True)
+            progress.measured_tokens += step_tokens
+            progress.window_tokens += step_tokens
         # The first step's line comes at once: on CPUs that step alone can take seconds.
-        if done % run.log_every == 0 or done == total or step == start_step:
+        if done % run.log_every == 0 or done == total or first:
             clock.stop()
-            report_progress(env, progress, clock.total, (done, total), lr, norm, tokens_per_step)
+            report_progress(env, progress, clock.total, (done, total), lr, norm)
             clock.start()
+        first = False
+        if replication is not None:
+            line = replication.membership(done)
+            if line is not None:
+                console.say(env, line)
+            if healed:
+                console.say(env, f"healed from a peer: at step {done} with the others")
         if store is not None and (done % config.checkpoint.checkpoint_every == 0 or done == total):
             clock.stop()
             own = {"position": {"step": done}, "rng": checkpoint.rng_states(env.device)}
@@ -436,13 +457,15 @@ def train(config, env, model, optimizer, source, numerics, store, start_step, in
                 env, f"stopping after step {done} (--stop-after-step): exit {STOP_EXIT_CODE}"
             )
             os._exit(STOP_EXIT_CODE)
+        step = done
     clock.stop()
     if not held:  # resumed from the last step: nothing left to train, no gradients
-        held = held_bytes(model, optimizer)
-    return Result(held, progress, clock.total, tokens_per_step)
+        held = held_bytes(model, inner)
+    inner.zero_grad(set_to_none=True)  # the last step's gradients (no quorum to start)
+    return Result(held, progress, clock.total)
 
 
-def report_progress(env, progress, clock_total, steps, lr, norm, tokens_per_step) -> None:
+def report_progress(env, progress, clock_total, steps, lr, norm) -> None:
     """One progress line: the loss averaged over the ranks and the steps since the last line,
     the last step's gradient norm (before clipping), tokens/s of the measured steps."""
     step, total = steps
@@ -451,12 +474,13 @@ def report_progress(env, progress, clock_total, steps, lr, norm, tokens_per_step
     loss_sum, seconds = parallel.all_reduce_sum([local, clock_total - progress.window_from], env)
     seconds /= env.world_size  # the ranks' mean
     if progress.window_steps and seconds > 0:
-        rate = progress.window_steps * tokens_per_step / seconds
-        speed = f"{rate / env.world_size:,.0f} tokens/s/rank  {rate:,.0f} tokens/s total"
+        rate = progress.window_tokens / seconds
+        speed = f"{rate / env.world_size:,.0f} tokens/s/rank  {rate:,.0f} tokens/s {progress.scope}"
     else:
         speed = "(the first step is not timed)"
     progress.last_loss = loss_sum / (count * env.world_size)
-    progress.losses, progress.window_steps, progress.window_from = [], 0, clock_total
+    progress.losses, progress.window_from = [], clock_total
+    progress.window_steps = progress.window_tokens = 0
     console.say(
         env,
         f"step {step:>{len(str(total))}}/{total}  loss {progress.last_loss:.4f}  grad norm "
@@ -488,14 +512,15 @@ def finish(config, env, model, shape, source, result: Result, start_step, numeri
     digest = parallel.parameter_digest(plain)
     progress = result.progress
     measured = progress.measured_steps
-    rate = measured * result.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
+    rate = progress.measured_tokens / result.seconds if result.seconds > 0 else 0.0
     resumed = f" (resumed from step {start_step})" if start_step else ""
     ratio = max(m for m, _ in per_rank) / unsharded
     lines = [
         "-" * 60,
         f"steps          {config.run.steps}{resumed}",
         f"time           {result.seconds:.2f} s for {measured} steps (this run's first not "
-        f"timed): {rate:,.0f} tokens/s total, {rate / env.world_size:,.0f} tokens/s/rank",
+        f"timed): {rate:,.0f} tokens/s {progress.scope}, {rate / env.world_size:,.0f} "
+        "tokens/s/rank",
         f"train loss     {progress.last_loss:.4f} (steps since the previous report)",
         f"memory         per rank at most {ratio:.3f} of one unsharded replica's parameters, "
         f"gradients and optimizer state ({max(m for m, _ in per_rank):,} of {unsharded:,} B)",

@@ -284,7 +284,8 @@ def lighthouse_finding(host: Host, address: str, port: int, connected) -> Findin
         Status.FAIL,
         f"cannot reach this machine's lighthouse port {address}:{port}: {why}",
         f"let {host.name} reach TCP port {port} here: this machine's firewall "
-        f"(sudo ufw allow from {host.ssh_address} to any port {port} proto tcp) and "
+        f"(sudo ufw allow from {host.ssh_address} to any port {port} proto tcp; make "
+        "provision opens it where this machine is one of the nodes) and "
         f"{host.name}'s own outgoing rules (sudo iptables -S OUTPUT on it); or a "
         "lighthouse_port both let through",
     )

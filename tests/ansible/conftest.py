@@ -280,15 +280,18 @@ def ship_image(inventory: Path, image: str) -> subprocess.CompletedProcess:
     )
 
 
-def ufw_status_lines(subnet: str) -> list[str]:
-    """`ufw status` with exactly our rules: SSH from anywhere, all TCP from the subnet."""
+def ufw_status_lines(inventory) -> list[str]:
+    """`ufw status` with exactly our rules: SSH from anywhere, all TCP from the compute subnet,
+    the lighthouse's port from every node's ansible_host (addresses in the simulator)."""
+    port = f"{inventory.lighthouse_port}/tcp"
     return [
         "Status: active",
         "",
         "To                         Action      From",
         "--                         ------      ----",
         "22/tcp                     ALLOW       Anywhere",
-        f"Anywhere                   ALLOW       {subnet}/tcp",
+        f"Anywhere                   ALLOW       {inventory.compute_subnet}/tcp",
+        *(f"{port:<27}ALLOW       {host.ssh_address}" for host in inventory.hosts),
         "22/tcp (v6)                ALLOW       Anywhere (v6)",
     ]
 

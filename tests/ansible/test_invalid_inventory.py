@@ -12,7 +12,7 @@ from tests.ansible.conftest import (
     write_inventory,
 )
 
-pytestmark = pytest.mark.sim
+pytestmark = [pytest.mark.sim, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

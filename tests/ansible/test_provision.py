@@ -201,10 +201,11 @@ def test_ssh_between_every_pair_of_nodes_with_host_keys_checked(provisioned):
 
 
 def test_firewall_is_active_with_exactly_our_rules(provisioned):
-    subnet = str(provisioned.cluster.inventory.compute_subnet)
     for host in provisioned.hosts:
         status = node_sh(provisioned.container(host), "ufw status").stdout
-        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(subnet)
+        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(
+            provisioned.cluster.inventory
+        )
         verbose = node_sh(provisioned.container(host), "ufw status verbose").stdout
         assert "Default: deny (incoming), allow (outgoing), deny (routed)" in verbose.splitlines()
 
@@ -214,10 +215,11 @@ def test_firewall_run_removes_a_foreign_rule_and_touches_nothing_else(provisione
     assert run.returncode == 0, run.describe()
     assert run.changed() == {"localhost": 0, "node1": 0, "node2": 0, "node3": 1}, run.describe()
     assert "ufw allow 8080/tcp" in run.output
-    subnet = str(provisioned.cluster.inventory.compute_subnet)
     for container in provisioned.containers:
         status = node_sh(container, "ufw status").stdout
-        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(subnet)
+        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(
+            provisioned.cluster.inventory
+        )
 
 
 def test_nccl_reads_the_compute_interface_from_its_own_configuration_file(provisioned):
@@ -244,6 +246,11 @@ def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
     base = [
         "ufw allow 22/tcp",
         f"ufw allow from {provisioned.cluster.inventory.compute_subnet} proto tcp",
+        *(
+            f"ufw allow from {host.ssh_address} to any port "
+            f"{provisioned.cluster.inventory.lighthouse_port} proto tcp"
+            for host in provisioned.hosts
+        ),
     ]
     try:
         added = ansible_playbook(inventory, "--tags", "firewall", "-e", extra)
@@ -264,10 +271,11 @@ def test_extra_openings_come_from_the_defaults_and_go_when_removed(provisioned):
     assert removed.failed() == {"localhost": 0, "node1": 0, "node2": 0, "node3": 0}, (
         removed.describe()
     )
-    subnet = str(provisioned.cluster.inventory.compute_subnet)
     for host in provisioned.hosts:
         status = node_sh(provisioned.container(host), "ufw status").stdout
-        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(subnet)
+        assert [line.rstrip() for line in status.strip().splitlines()] == ufw_status_lines(
+            provisioned.cluster.inventory
+        )
 
 
 def test_firewall_drops_traffic_from_outside_the_compute_subnet_only(provisioned):

@@ -26,7 +26,7 @@ from tests.ansible.conftest import (
 )
 from tests.conftest import REPO_ROOT, VENV_BIN
 
-pytestmark = pytest.mark.sim
+pytestmark = [pytest.mark.sim, pytest.mark.extended]
 
 
 # sim3's set-up waits for the training image, built by another worker (tests/three_nodes.py).

@@ -115,6 +115,7 @@ def test_legacy_scripts_are_detected_by_the_flag_they_declare(tmp_path):
 # --- On the simulated cluster -------------------------------------------------------------
 
 
+@pytest.mark.extended
 @pytest.mark.sim
 def test_debug_output_shows_backend_lines_from_every_node(sim2, tmp_path):
     proc = run_cli(
@@ -165,6 +166,7 @@ def test_legacy_local_rank_script_trains_on_two_nodes_unchanged(sim2):
     assert lines[0].split("weight ")[1] == lines[1].split("weight ")[1]
 
 
+@pytest.mark.extended
 @pytest.mark.sim
 def test_three_init_methods_each_form_a_two_node_group(sim2):
     proc = run_cli(

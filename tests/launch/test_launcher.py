@@ -565,6 +565,7 @@ def _train(inventory_path, *args, timeout=240) -> subprocess.CompletedProcess:
     return run_cli("train", "-i", str(inventory_path), *args, timeout=timeout)
 
 
+@pytest.mark.extended
 @pytest.mark.sim
 def test_tutorial_script_runs_unchanged_on_two_nodes(sim2):
     proc = _train(

@@ -105,12 +105,17 @@ def test_an_ft_job_succeeds_when_the_groups_left_end_well_and_fails_when_none_is
     [
         (JobSpec(), None, 0, "FT=1 needs an inventory: its replica groups are nodes"),
         (JobSpec(), "slurm", 0, "FT=1 runs over SSH, not under Slurm"),
-        (JobSpec(module="training.fsdp"), "ssh", 0, "FT=1 runs training.ddp or your own script"),
         (
-            JobSpec(args=("--checkpoint-dir", "c")),
+            JobSpec(module="training.pipeline"),
             "ssh",
             0,
-            "--checkpoint-dir with FT=1 is not offered yet",
+            "FT=1 runs training.ddp, training.fsdp or your own",
+        ),
+        (
+            JobSpec(module="training.fsdp", args=("--checkpoint-dir", "c")),
+            "ssh",
+            0,
+            "--checkpoint-dir with FT=1 is not offered for training.fsdp yet",
         ),
     ],
 )

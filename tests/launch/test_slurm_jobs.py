@@ -223,6 +223,7 @@ def _project_parameters(steps: int, world_size: int) -> str:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.extended
 def test_a_project_with_packages_named_like_ours_runs_unchanged_under_slurm(
     slurm_inventory, provisioned, tmp_path
 ):
@@ -314,6 +315,7 @@ def test_a_second_job_waits_in_the_queue_and_runs_once_ctrl_c_cancels_the_first(
                 process.kill()
 
 
+@pytest.mark.extended
 def test_a_hang_under_slurm_names_the_rank_and_its_line(slurm_inventory, provisioned, tmp_path):
     """tests/test_hangs.py's sleeping rank, through sbatch: the same report, then scancel."""
     from tests.test_hangs import SCRIPT, line_of

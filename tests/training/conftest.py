@@ -241,21 +241,6 @@ def run_command(
     return Finished(command, done.returncode, done.stdout, done.stderr)
 
 
-def fsdp_nodes(
-    cwd: Path, disks: list[Path], args: list[str], env: dict[str, str] | None = None
-) -> list[Finished]:
-    """A training.fsdp job of len(disks) "nodes" on this machine, one rank each (`args` its
-    arguments): node i's checkpoint directory is disks[i] (its node-local disk, or one
-    directory they all see)."""
-    return local_nodes(
-        cwd,
-        "torch_multinode.training.fsdp",
-        len(disks),
-        lambda index: [*args, "--checkpoint-dir", str(disks[index])],
-        lambda index: env or {},
-    )
-
-
 def local_nodes(
     cwd: Path,
     module: str,

@@ -3,6 +3,8 @@ wrong value caught on every rank."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.training.conftest import run_main, two_node_launch
 from torch_multinode.training import comm_demo
 
@@ -39,6 +41,7 @@ def reduce_scatter_line(output: str, world: int) -> str:
     return line
 
 
+@pytest.mark.extended
 def test_two_ranks(torchrun):
     run = torchrun("training.comm_demo", nproc=2)
     assert run.returncode == 0, run.explain()
@@ -51,6 +54,7 @@ def test_two_ranks(torchrun):
     )
 
 
+@pytest.mark.extended
 def test_two_nodes_of_two_ranks(tmp_path):
     agents = two_node_launch("training.comm_demo", cwd=tmp_path, nproc=2)
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(a.explain() for a in agents)
@@ -63,6 +67,7 @@ def test_two_nodes_of_two_ranks(tmp_path):
     assert nodes == ["0  local rank 0", "0  local rank 1", "1  local rank 0", "1  local rank 1"]
 
 
+@pytest.mark.extended
 def test_a_wrong_value_fails_every_rank_loudly(torchrun):
     run = torchrun("training.comm_demo", "--corrupt", "all_reduce", nproc=2)
     assert run.returncode != 0

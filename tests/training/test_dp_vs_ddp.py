@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from torch_multinode.training.dp_vs_ddp import EXIT_NEEDS_GPUS
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # the same outcome on a machine that has GPUs
@@ -17,6 +19,7 @@ def test_without_two_gpus_it_says_so_and_exits_69(python_module):
     )
 
 
+@pytest.mark.extended
 def test_the_comparison_runs_on_cpu_processes(python_module):
     run = python_module(
         "training.dp_vs_ddp",

@@ -1,7 +1,7 @@
 """training.fsdp on this machine: FSDP2 on 2 ranks equals one plain process, resumes exactly,
-reshards 2 -> 1 and 1 -> 2 from a directory every rank sees, refuses to reshard from node-local
-disks without replicas (test_replication.py: with them), holds about half a replica per rank,
-and exports a model a plain process loads.
+holds about half a replica per rank, and exports a model a plain process loads. Resharding from
+a directory every rank sees, and the refusal to reshard node-local disks, are proven in the
+training containers (test_fsdp_cluster.py; with replicas, test_replication.py).
 
 Tolerance: 2 ranks against one plain process, fp32, 20 steps of AdamW: every parameter within
 1e-5 (measured: 2.2e-7; the ranks' gradient sums round differently). A resume at the same world
@@ -22,7 +22,6 @@ import torch
 
 from tests.helpers import digests, fill, interrupt, read_until, small_filesystem
 from tests.training.conftest import (
-    fsdp_nodes,
     load_state,
     local_nodes,
     max_difference,
@@ -31,7 +30,6 @@ from tests.training.conftest import (
 )
 from tests.training.references import SMALL, STEPS, bench_row, digest, progress, reference
 from torch_multinode.training.modeling import gpt
-from torch_multinode.training.settings.config import STOP_EXIT_CODE
 
 # One worker runs these (make test's --dist loadgroup): most of them start from the `straight`
 # run, which would otherwise be repeated in every worker that gets one of them.
@@ -148,95 +146,6 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(straigh
     ]
 
 
-def test_resharding_from_shared_storage_continues_the_run(straight, tmp_path):
-    """Saved at world size 2, resumed by one process; saved by that process, resumed at 2
-    (with activation checkpointing, which changes what is kept, not what is computed)."""
-    directory, uninterrupted = straight
-    expected = progress(uninterrupted.stdout)
-    one = copy_step(directory / "checkpoints", 10, tmp_path / "one")
-    run = launch(tmp_path, "--checkpoint-dir", str(one), nproc=0)
-    assert run.returncode == 0, run.explain()
-    assert run.lines("resharded") == [
-        "resharded step 10 from world size 2 to 1: each rank read the parts of the saved "
-        "shards it now holds"
-    ]
-    found = progress(run.stdout)
-    assert sorted(found) == list(range(11, STEPS + 1))
-    for step, (loss, _) in found.items():
-        assert loss == pytest.approx(expected[step][0], abs=1e-4), step
-    # Started again (a restart after the last checkpoint), it has nothing left to train.
-    again = launch(tmp_path, "--checkpoint-dir", str(one), nproc=0)
-    assert again.returncode == 0, again.explain()
-    assert again.lines("steps          ") == [f"steps          {STEPS} (resumed from step {STEPS})"]
-    assert digest(again.stdout) == digest(run.stdout)
-
-    two = copy_step(one, 15, tmp_path / "two")
-    out = tmp_path / "model.pt"
-    run = launch(
-        tmp_path, "--checkpoint-dir", str(two), "--activation-checkpointing", "--export", str(out)
-    )
-    assert run.returncode == 0, run.explain()
-    assert run.lines("resharded") == [
-        "resharded step 15 from world size 1 to 2: each rank read the parts of the saved "
-        "shards it now holds"
-    ]
-    assert run.lines("model    ")[0].endswith(", activation checkpointing")
-    found = progress(run.stdout)
-    assert sorted(found) == list(range(16, STEPS + 1))
-    for step, (loss, _) in found.items():
-        assert loss == pytest.approx(expected[step][0], abs=1e-4), step
-    assert max_difference(load_state(out), load_state(directory / "model.pt")) < TOLERANCE
-
-
-def two_nodes(directory: Path, *args: str) -> list:
-    """A job of two "nodes" on this machine, one rank each: its own checkpoint directory
-    (a node-local disk, directory/disk-N) and node name."""
-    return fsdp_nodes(directory, [directory / f"disk-{i}" for i in (0, 1)], [*SMALL, *args])
-
-
-def test_node_local_checkpoints_resume_at_their_world_size_and_refuse_to_reshard(
-    straight, tmp_path
-):
-    _, uninterrupted = straight
-    # Without replicas (--no-replicate): each disk holds only its own node's files.
-    first, second = two_nodes(tmp_path, "--stop-after-step", "10", "--no-replicate")
-    assert f"exitcode  : {STOP_EXIT_CODE}" in first.stderr, first.explain()
-    assert first.lines("checkpoint step 10 written") == [
-        f"checkpoint step 10 written to {tmp_path / 'disk-0'}/step-00000010 (node-local "
-        "disks: each node holds its own ranks' shards)"
-    ]
-    for index, other in ((0, 1), (1, 0)):
-        names = {p.name for p in (tmp_path / f"disk-{index}" / "step-00000010").iterdir()}
-        # Each disk: its own rank's shards and file, and a copy of DCP's index.
-        assert {".metadata", "manifest.pt", f"__{index}_0.distcp", f"rank-0000{index}.pt"} <= names
-        assert not names & {f"__{other}_0.distcp", f"rank-0000{other}.pt"}
-
-    # One process from node 0's disk would need node 1's shards.
-    alone = launch(
-        tmp_path,
-        "--checkpoint-dir",
-        str(tmp_path / "disk-0"),
-        nproc=0,
-        env={"TMN_NODE_NAME": "node-0"},
-    )
-    assert alone.returncode == 2, alone.explain()
-    assert alone.stderr.splitlines() == [
-        f"Error: checkpoint step 10 in {tmp_path / 'disk-0'} was written by 2 ranks on node-0, "
-        "node-1 to node-local disks (node-0 sees 3 of its 5 files); resuming it at world size 1 "
-        "reshards it, and resharding needs storage every node sees (try the world size it was "
-        "written at (2), or a --checkpoint-dir on storage every node sees, such as /shared on "
-        "the simulated cluster)"
-    ]
-
-    # The same two nodes resume, each from its own disk, and end where the straight run does.
-    first, second = two_nodes(tmp_path, "--no-replicate")
-    assert first.returncode == second.returncode == 0, first.explain() + second.explain()
-    assert first.lines("resuming from") == [
-        "resuming from step 10, the newest step every rank has (rank 0 has 5, 10; rank 1 has 5, 10)"
-    ]
-    assert digest(first.stdout) == digest(uninterrupted.stdout)
-
-
 def test_ddp_strategy_trains_the_same_model_with_whole_replicas(plain, tmp_path):
     model, _ = plain
     out = tmp_path / "model.pt"
@@ -247,6 +156,7 @@ def test_ddp_strategy_trains_the_same_model_with_whole_replicas(plain, tmp_path)
     assert bench_row(run.stdout)["bytes_ratio"] == 1.0
 
 
+@pytest.mark.extended
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root (CI's)")
 def test_a_full_node_local_disk_is_one_error_line_and_every_nodes_step_before_stays(
     straight, tmp_path

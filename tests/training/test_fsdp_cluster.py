@@ -3,7 +3,11 @@ nodes equal one plain process (within 1e-5, as on one machine) with each rank ho
 replica; a rank killed while writing a checkpoint and RESTARTS=1 ends bit for bit where the
 uninterrupted run does; the uninterrupted run, saved on 2 nodes to /shared, resumes on 1;
 node-local checkpoints refuse to be resharded; a full node-local disk is one line naming its node,
-a full /shared one line naming the directory."""
+a full /shared one line naming the directory.
+
+On a pair of nodes of its own in the `fsdp` group (tests/three_nodes.py's jobs_cluster: the roles
+jobs need, the twin linked into their engines), not on the `image` group's provisioned cluster,
+whose worker decided CI's length alone (docs/ci-time.md, run 46)."""
 
 from __future__ import annotations
 
@@ -11,11 +15,13 @@ import re
 import shutil
 import subprocess
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import REPO_ROOT, SMALL_SHARED, VENV_BIN, make
 from tests.helpers import interrupt, known_line, on_node, read_until, run_id_in, start_train
+from tests.three_nodes import jobs_cluster
 from tests.training.conftest import load_state, max_difference
 from tests.training.references import SMALL, bench_row, digest, progress, reference
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
@@ -24,6 +30,18 @@ from torch_multinode.launch.staging import REMOTE_RUN_ROOT
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 TOLERANCE = 1e-5  # as tests/training/test_fsdp.py states for 2 ranks against one process
 PREFIX = re.compile(r"^\[node\d\] ", re.M)
+
+
+@pytest.fixture(scope="module")
+def provisioned(sim_factory, tmp_path_factory):
+    """Two nodes for jobs in the training containers, with SMALL_SHARED (a 2 MB filesystem in
+    /shared) as the `image` group's cluster has it. Named as that cluster's fixture: the tests
+    read its `cluster` and `inventory` alone."""
+    cluster, inventory = jobs_cluster(
+        sim_factory, tmp_path_factory, 2, tmpfs=((SMALL_SHARED, "2m"),)
+    )
+    yield SimpleNamespace(cluster=cluster, inventory=inventory)
+    sim_factory.down(cluster)
 
 
 def _args(*more: str) -> str:

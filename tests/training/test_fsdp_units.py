@@ -13,6 +13,7 @@ import torch
 from tests.training.conftest import run_main
 from torch_multinode.training import fsdp
 from torch_multinode.training.modeling import gpt
+from torch_multinode.training.settings import compile_check
 
 GPT2_SMALL = gpt.Shape(layers=12, width=768, heads=12, seq_len=1024, vocab_size=50257)
 
@@ -150,7 +151,7 @@ def test_compile_is_refused_up_front_without_a_cpp_compiler(monkeypatch):
     from torch._inductor import config as inductor
 
     monkeypatch.setattr(inductor.cpp, "cxx", (None, "/nonexistent/g++"))
-    assert fsdp.compile_problem(torch.device("cpu")).line() == (
+    assert compile_check.compile_problem(torch.device("cpu")).line() == (
         "Error: --compile on CPUs needs a C++ compiler to build torch.compile's kernels, and "
         "/nonexistent/g++ does not run here (try apt-get install g++ (or CXX=<compiler>), or "
         "leave out --compile)"
@@ -159,7 +160,7 @@ def test_compile_is_refused_up_front_without_a_cpp_compiler(monkeypatch):
 
 def test_compile_is_refused_up_front_without_pythons_headers(monkeypatch, tmp_path):
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
-    assert fsdp.compile_problem(torch.device("cpu")).line() == (
+    assert compile_check.compile_problem(torch.device("cpu")).line() == (
         f"Error: --compile needs Python's C headers, and {tmp_path}/Python.h is missing (the "
         "compiled kernels include it) (try apt-get install python3-dev (for this Python), or "
         "leave out --compile)"
@@ -171,11 +172,11 @@ def test_compile_on_gpus_is_refused_without_triton_or_a_c_compiler(monkeypatch):
 
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
     cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
-    assert "needs triton" in fsdp.compile_problem(cuda).line()
+    assert "needs triton" in compile_check.compile_problem(cuda).line()
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(fsdp.shutil, "which", lambda name: None)
-    assert fsdp.compile_problem(cuda).line() == (
+    monkeypatch.setattr(compile_check.shutil, "which", lambda name: None)
+    assert compile_check.compile_problem(cuda).line() == (
         "Error: --compile on GPUs needs a C compiler for triton's launcher ($CC, gcc or clang); "
         "none is installed here (try apt-get install gcc, or leave out --compile)"
     )

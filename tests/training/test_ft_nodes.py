@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import uuid
 
 import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.helpers import leftovers, no_containers_left, on_node, run_id_in
 from tests.training.conftest import TINY, kill_node, launches, with_values
+from tests.training.references import SMALL
 from tests.training.test_faults import _summary, _wait_for
-from torch_multinode.cluster.inventory import DEFAULT_LIGHTHOUSE_PORT
+from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_LIGHTHOUSE_PORT
 from torch_multinode.cluster.inventory_read import load
 from torch_multinode.sim import nodes as sim
 
@@ -56,6 +58,27 @@ def _listening(port: int) -> bool:
     return bool(listed.stdout.strip())
 
 
+def _survivors_went_on(text: str, steps: int, before: dict, after: dict) -> str:
+    """node3 lost after step 12, said in one line; node1's and node2's groups went on in the
+    processes they started with (`before`, `after`: their PIDs), their steps never going back,
+    to the last. The step node3 was lost at."""
+    assert "[launcher] FT=1: 3 replica groups, one per node (torchft)" in text, text[:3000]
+    assert re.search(r"\[launcher\] torchft lighthouse on [0-9.]+:\d+ \(this machine", text)
+    (loss,) = re.findall(
+        r"^\[launcher\] node3 lost at step (\d+): continuing on node1, node2 "
+        r"\(2 of 3 groups\)",
+        text,
+        re.M,
+    )
+    assert 12 <= int(loss) < steps, loss
+    assert "2 of 3 replica groups train" in text, text[-4000:]
+    assert after == before, (before, after)
+    for node in ("1", "2"):
+        done = [int(step) for name, step in _STEP.findall(text) if name == node]
+        assert done == sorted(done) and done[-1] == steps, (node, done[-20:])
+    return loss
+
+
 @pytest.fixture
 def ft3(sim3):
     """sim3 with every node up (the node-loss tests kill some), and again after the test, for
@@ -67,10 +90,20 @@ def ft3(sim3):
 
 @pytest.mark.sim
 def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_processes(ft3):
+    """training.fsdp: FSDP2 within a node (one rank here), torchft across, 4 sequences a rank a
+    step. (training.ddp's survivors keep their processes in the restarts test below.)"""
     cluster, inventory = ft3
     with launches(*ft3) as start:
         process = start(
-            "--ft", "--", *THREE, "--steps", str(STEPS), "--step-delay", "0.3", "--no-tensorboard"
+            "--ft",
+            "--module",
+            "training.fsdp",
+            "--",
+            *with_values(SMALL, global_batch_size="12"),
+            "--steps",
+            str(STEPS),
+            "--step-delay",
+            "0.3",
         )
         seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
         run_id = run_id_in(seen)
@@ -82,22 +115,7 @@ def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_proce
         output.end(timeout=300)
     text = seen + output.text
     assert process.returncode == 0, text[-4000:]
-    assert "[launcher] FT=1: 3 replica groups, one per node (torchft)" in text, text[:3000]
-    assert re.search(r"\[launcher\] torchft lighthouse on [0-9.]+:\d+ \(this machine", text)
-    (loss,) = re.findall(
-        r"^\[launcher\] node3 lost at step (\d+): continuing on node1, node2 "
-        r"\(2 of 3 groups\)",
-        text,
-        re.M,
-    )
-    assert 12 <= int(loss) < STEPS, loss
-    # The survivors' processes are the ones that started: no restart.
-    assert after == before, (before, after)
-    # Their steps never go back, and every one of them is done.
-    for node in ("1", "2"):
-        steps = [int(step) for name, step in _STEP.findall(text) if name == node]
-        assert steps == sorted(steps) and steps[-1] == STEPS, (node, steps[-20:])
-    assert "2 of 3 replica groups train" in text, text[-4000:]
+    loss = _survivors_went_on(text, STEPS, before, after)
     summary = _summary(text)
     assert summary[0].startswith(f"Job {run_id} succeeded after "), summary
     assert any(
@@ -120,9 +138,12 @@ _DIGEST = re.compile(r"^\[node(\d)\] (?:\[rank \d+\] )?parameters sha256 ([0-9a-
 def test_ft_with_restarts_a_node_brought_back_heals_from_a_peer_and_the_job_ends_whole(ft3):
     """RESTARTS=1: node3 killed after step 12, its container started again while the others go
     on; the launcher starts its group again once it answers, it heals from a live peer and
-    trains with the others to the end: the three groups end on one set of parameters."""
+    trains with the others to the end: the three groups end on one set of parameters. Each
+    group keeps durable checkpoints on its node's disk: node3's group, started again, resumes
+    from its own newest (step 10) before it heals, and every node ends holding the last step."""
     cluster, _ = ft3
     steps = 240  # the others' steps while node3 restarts, is waited for and heals
+    directory = f"ft-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
     with launches(*ft3) as start:
         process = start(
             "--ft",
@@ -137,20 +158,34 @@ def test_ft_with_restarts_a_node_brought_back_heals_from_a_peer_and_the_job_ends
             "--step-delay",
             "0.3",
             "--no-tensorboard",
+            "--checkpoint-dir",
+            directory,
+            "--checkpoint-every",
+            "10",
         )
         seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
         run_id = run_id_in(seen)
+        before = {index: _pids(cluster, index, run_id) for index in (1, 2)}
+        assert all(before.values()), before
         output = kill_node(process, cluster.config.container(3))
         output.first("[launcher] node3 lost at step", timeout=120)
         sim.up(3, None, cluster.config)  # node3's container started again
         output.mark("node3 started again")
+        output.first("[node3] healed from a peer", timeout=600)
+        after = {index: _pids(cluster, index, run_id) for index in (1, 2)}
         output.end(timeout=900)
     text = seen + output.text
     assert process.returncode == 0, output.stamped[-5000:]
+    _survivors_went_on(text, steps, before, after)  # through the loss and the heal
     assert re.search(r"^\[launcher\] node3 answers again: its group starts again", text, re.M)
     healed = re.findall(r"^\[node3\] healed from a peer: at step (\d+) with the others", text, re.M)
     assert len(healed) == 1 and 12 < int(healed[0]) < steps, output.stamped[-5000:]
     assert re.search(rf"^\[node3\] step +{steps}/{steps}", text, re.M), output.stamped[-3000:]
+    restarted = text.split("[launcher] node3 answers again")[1]
+    assert re.search(r"^\[node3\] resuming from step 10, ", restarted, re.M), restarted[:3000]
+    for index in (1, 2, 3):
+        listed = on_node(cluster, index, f"ls -A {DEFAULT_CHECKPOINT_ROOT}/{directory}").split()
+        assert f"step-{steps:08d}-rank-{index - 1:05d}.pt" in listed, (index, listed)
     assert "all 3 replica groups train" in text.split("[launcher] node3 answers again")[1]
     digests = dict(_DIGEST.findall(text))
     assert sorted(digests) == ["1", "2", "3"] and len(set(digests.values())) == 1, digests
@@ -158,6 +193,8 @@ def test_ft_with_restarts_a_node_brought_back_heals_from_a_peer_and_the_job_ends
     assert summary[0].startswith(f"Job {run_id} succeeded after "), summary
     changes = [line for line in summary if line.startswith("Nodes: node3 ")]
     assert [c.split(":")[1].split(" ")[2] for c in changes] == ["lost", "answers"], changes
+    record = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
+    assert any(change.startswith("node3 lost at step") for change in record["nodes_changed"])
     no_containers_left(cluster, (1, 2, 3), run_id)
     assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
 

@@ -124,6 +124,7 @@ def probe_run(tmp_path_factory):
     return finished
 
 
+@pytest.mark.extended
 def test_auto_says_in_one_line_what_it_measured_and_every_rank_chooses_the_same(probe_run):
     lines = [line for line in probe_run.stdout.splitlines() if line.startswith("auto:")]
     assert len(lines) == 1, probe_run.explain()
@@ -142,6 +143,7 @@ def test_auto_says_in_one_line_what_it_measured_and_every_rank_chooses_the_same(
         assert float(shown.group(index)) == pytest.approx(timings[hook], rel=5e-3)
 
 
+@pytest.mark.extended
 def test_probing_leaves_parameters_buffers_and_gradients_as_they_were(probe_run):
     results = rows(probe_run.stdout, "PROBE ")
     assert len(results) == 2
@@ -150,6 +152,7 @@ def test_probing_leaves_parameters_buffers_and_gradients_as_they_were(probe_run)
         assert row["grads_none"] is True, row
 
 
+@pytest.mark.extended
 def test_accumulating_with_no_sync_equals_syncing_every_micro_batch(probe_run):
     results = rows(probe_run.stdout, "ACCUMULATE ")
     assert sorted(row["rank"] for row in results) == [0, 1]
@@ -246,6 +249,7 @@ def test_powersgd_never_goes_with_fp16s_loss_scaling(monkeypatch, tmp_path):
     assert offered == [("none", "fp16", "bf16"), levers.CANDIDATES]
 
 
+@pytest.mark.extended
 def test_the_auto_probe_in_the_ddp_workload_leaves_no_trace_and_is_reused(torchrun, tmp_path):
     run_dir = tmp_path / "run"
     arguments = [*TINY, "--steps", "4", "--comm-hook", "auto", "--run-dir", str(run_dir)]
@@ -275,6 +279,7 @@ BENCH_KEYS = {"lever", "rep", "seconds_per_step", "samples_per_second", "world_s
 }
 
 
+@pytest.mark.extended
 def test_bench_scaling_emits_a_row_per_lever_on_two_ranks(torchrun):
     run = torchrun(
         "training.fixtures.bench_scaling",
@@ -306,6 +311,7 @@ def test_bench_scaling_emits_a_row_per_lever_on_two_ranks(torchrun):
     assert len(run.lines("auto: s/optimizer-step")) == 1
 
 
+@pytest.mark.extended
 def test_bench_scaling_on_one_rank_is_a_baseline_without_ddp(torchrun):
     run = torchrun(
         "training.fixtures.bench_scaling",

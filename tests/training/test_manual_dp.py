@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_difference
 
 
+@pytest.mark.extended
 def test_manual_data_parallel_ends_with_ddps_parameters(torchrun, tmp_path, reference_ddp):
     out = tmp_path / "manual.pt"
     run = torchrun("training.manual_dp", *TINY, "--steps", str(REFERENCE_STEPS), "--out", str(out))

@@ -429,6 +429,7 @@ while True:
 """
 
 
+@pytest.mark.extended
 @pytest.mark.sim
 def test_a_users_own_script_held_to_a_fraction_of_a_core_is_named_the_straggler(
     sim3, start, tmp_path
@@ -481,6 +482,7 @@ def test_a_users_own_script_held_to_a_fraction_of_a_core_is_named_the_straggler(
     assert [t for t in kept if t.startswith("node2 ")] == [line]
 
 
+@pytest.mark.extended
 @pytest.mark.sim
 def test_under_slurm_a_spare_takes_the_place_of_a_node_lost_for_good(
     sim3, slurm3, reference_ddp, tmp_path

@@ -23,7 +23,7 @@ from torch_multinode.sim import nodes as sim
 from torch_multinode.training.settings import config as config_module
 from torch_multinode.training.settings.config import TrainConfig
 
-pytestmark = pytest.mark.sim
+pytestmark = [pytest.mark.sim, pytest.mark.extended]
 
 
 def _train(cluster, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -37,6 +37,7 @@ def timed_run(command: list[str], cwd, env=None, timeout: float = 150) -> TimedO
     return output
 
 
+@pytest.mark.extended
 def test_dp_vs_ddp_on_cpus_with_its_defaults_says_what_it_does_and_ends(tmp_path):
     """What the refusal on a machine without GPUs suggests (--cpu 2, the defaults otherwise)
     printed nothing for minutes (ResNet-50 at 224 px); now a small CNN, phase by phase."""
@@ -59,6 +60,7 @@ def test_dp_vs_ddp_on_cpus_with_its_defaults_says_what_it_does_and_ends(tmp_path
     assert any(line.startswith("time per step") for line in said), output.stamped
 
 
+@pytest.mark.extended
 def test_bench_scaling_prints_readable_lines_and_bench_rows_only_when_asked(tmp_path):
     small = ["--image-size", "16", "--batch", "4", "--reps", "2", "--measure", "1"]
     output = timed_run(

@@ -80,6 +80,7 @@ def _killed_mid_copy(directory: Path, index: int) -> Callable[[list[subprocess.P
     return watch
 
 
+@pytest.mark.extended
 def test_two_survivors_of_three_nodes_resume_from_what_they_hold_between_them(tmp_path):
     disks = [tmp_path / f"disk-{index}" for index in range(3)]
     first = nodes(tmp_path, disks, "--stop-after-step", "12")

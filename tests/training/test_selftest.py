@@ -470,6 +470,7 @@ def test_the_fail_hook_reports_a_check_that_ran_as_failed_on_the_last_rank(tmp_p
     assert selftest.run_check(job, "amp-fp16").status == "SKIPPED"
 
 
+@pytest.mark.extended
 def test_replicas_on_two_nodes_disks_are_copied_and_a_wiped_one_restored(tmp_path):
     """Two "nodes" here, each its own temporary directory (its disk): the fsdp2-replicas check
     copies each node's shards to the other beside the job's all_reduces, wipes node-1's copy

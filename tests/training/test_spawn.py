@@ -7,10 +7,13 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.training.conftest import REFERENCE_STEPS, TINY, load_state, max_difference, run_command
 from torch_multinode.training.distributed import parallel
 
 
+@pytest.mark.extended
 def test_spawn_and_torchrun_end_with_equal_parameters(reference_ddp, tmp_path):
     out = tmp_path / "model.pt"
     command = [

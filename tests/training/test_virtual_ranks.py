@@ -50,6 +50,7 @@ def test_each_planned_rank_is_played_by_exactly_one_rank_its_own_first():
             played_ranks(rank, world, planned)
 
 
+@pytest.mark.extended
 def test_the_loss_scale_makes_the_average_over_the_world_the_mean_over_the_planned_ranks():
     for world, planned in [(1, 3), (2, 3), (3, 8), (4, 4)]:
         gradients = torch.arange(1.0, planned + 1) ** 2  # one per planned rank's micro-batch
@@ -195,6 +196,7 @@ def test_two_ranks_planned_for_three_compute_the_steps_of_three_and_back(tmp_pat
     assert max_difference(load_state(tmp_path / "three.pt"), parameters) < 1e-5
 
 
+@pytest.mark.extended
 def test_another_world_size_is_refused_unless_planned_and_then_it_must_match(
     tmp_path, three_ranks, monkeypatch, capsys
 ):
@@ -222,6 +224,7 @@ def test_another_world_size_is_refused_unless_planned_and_then_it_must_match(
     )
 
 
+@pytest.mark.extended
 def test_a_test_hooks_rank_is_one_of_the_planned_world(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(PLANNED_WORLD_VARIABLE, "3")  # one process planned for 3
@@ -233,6 +236,7 @@ def test_a_test_hooks_rank_is_one_of_the_planned_world(tmp_path, monkeypatch, ca
         )
 
 
+@pytest.mark.extended
 def test_fsdp_on_two_ranks_planned_for_three_splits_the_planned_batch_unevenly(tmp_path):
     """training.fsdp needs no micro-batches (every sequence's loss is its own): 2 ranks planned
     for 3 split the 9 sequences of a step 5 + 4 and continue, resharded, the run of one plain

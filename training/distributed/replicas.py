@@ -37,6 +37,7 @@ from torch import nn
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import (
     LIGHTHOUSE_VARIABLE,
+    PLANNED_WORLD_VARIABLE,
     REPLICA_ADDRESS_VARIABLE,
     REPLICA_GROUP_VARIABLE,
     REPLICA_GROUPS_VARIABLE,
@@ -170,36 +171,57 @@ class Replication:
         # The only device branch: torchft's reconfigurable NCCL group where the gradients are on
         # a GPU, its gloo one elsewhere (torchft 0.2.0: both take the timeout).
         pg = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=load,
-            state_dict=state,
-            min_replica_size=group.min_groups,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT),
-            lighthouse_addr=group.lighthouse,
-            replica_id=group.replica_id,
-            hostname=group.address,
-            checkpoint_transport=Transport(timeout=timeout, num_chunks=0),
-            # Every group builds the same initial weights (one seed): step 0 needs no transfer.
-            # A group that joins later is behind the others' step and heals all the same.
-            init_sync=False,
-        )
+        self._pg = pg  # its size is the quorum's members, once torchft has configured it
+        # torchft points the Flight Recorder at a new folder per quorum when its dump path
+        # is set (an empty folder in the run directory per membership change): the launcher's
+        # path stays as it set it, read by torchft only here.
+        saved = os.environ.pop("TORCH_FR_DUMP_TEMP_FILE", None)
+        try:
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=load,
+                state_dict=state,
+                min_replica_size=group.min_groups,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT),
+                lighthouse_addr=group.lighthouse,
+                replica_id=group.replica_id,
+                hostname=group.address,
+                checkpoint_transport=Transport(timeout=timeout, num_chunks=0),
+                # Every group builds the same initial weights (one seed): step 0 needs no transfer.
+                # A group that joins later is behind the others' step and heals all the same.
+                init_sync=False,
+            )
+        finally:
+            if saved is not None:
+                os.environ["TORCH_FR_DUMP_TEMP_FILE"] = saved
         self._participants: int | None = None
 
     def gather(self) -> int:
         """Before the first step of groups started together: quorums without healing until all
         of them are in one, or `start_wait` seconds have passed (a group whose node is slow to
         start, or lost, joins later and heals). Otherwise the first group up trains alone and
-        every other one heals from it. Every member of a quorum sees the same participants, so
-        they leave together. The groups that will train the first step."""
+        every other one heals from it. Every member of a quorum sees the same members, so they
+        leave together. The groups in the last quorum.
+
+        Members, not participants: without healing torchft counts as participants only the
+        groups at the newest step, so groups resumed from checkpoints of different steps would
+        wait out `start_wait` in full; the ones behind heal at the first step's quorum."""
         deadline = time.monotonic() + self.group.start_wait
         while True:
             self.manager.start_quorum(allow_heal=False)
-            participants = self.manager.num_participants()
-            if participants >= self.group.count or time.monotonic() >= deadline:
-                return participants
+            members = max(self.manager.num_participants(), self._members())
+            if members >= self.group.count or time.monotonic() >= deadline:
+                return members
             time.sleep(0.5)
+
+    def _members(self) -> int:
+        """The groups in the quorum just formed: torchft configures its process group with all
+        of them (0 where that failed; torchft then reports the error at the step's commit)."""
+        try:
+            return self._pg.size()
+        except (AssertionError, AttributeError):  # not configured: no parent process group
+            return 0
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """`optimizer` behind torchft's wrapper: zero_grad starts the step's quorum, step()
@@ -210,8 +232,10 @@ class Replication:
 
     def gradient_sync(self, model: nn.Module) -> None:
         """Every gradient averaged over the groups in this step's quorum (a healing group's
-        counts as zero), in one flat tensor: one cross-node collective per step."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        counts as zero), in one flat tensor: one cross-node collective per step. Sharded
+        gradients (FSDP2's) are this rank's shards, averaged with the same rank's of the other
+        groups."""
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([grad.reshape(-1) for grad in grads])
@@ -220,6 +244,12 @@ class Replication:
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+    def resumed(self, step: int) -> None:
+        """This group resumed from its own checkpoint of `step`: torchft's step count is that
+        step, so that at the first quorum a group behind the newest heals from it (and this one
+        from a group ahead)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def committed(self) -> int:
         """The steps committed: torchft's step count, which a healed group takes from its peer."""
@@ -252,3 +282,109 @@ class Replication:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def check_job(planned_world_size: int | None, world_size: int, grad_scaler: bool = False) -> None:
+    """What replica groups do not run with, said in one line: the workloads' common refusals."""
+    if planned_world_size not in (None, world_size):
+        raise UserError(
+            f"replica groups do not continue on fewer ranks than planned "
+            f"({PLANNED_WORLD_VARIABLE}): they go on without the lost group",
+            hint=f"unset {PLANNED_WORLD_VARIABLE}",
+        )
+    if grad_scaler:
+        raise UserError(
+            "--precision fp16 with replica groups: the loss scaler skips an optimizer "
+            "step torchft must commit on every group alike",
+            hint="--precision bf16 (or fp32)",
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's part on this rank (a view of it), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _shard_like(parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """An optimizer state's shard received from a peer, as this rank's optimizer keeps it for
+    `parameter`: sharded alike on its device (a DTensor for FSDP2's), or a scalar on the CPU
+    (AdamW's step count)."""
+    from torch.distributed.tensor import DTensor
+
+    if value.dim() == 0:
+        return value.detach().cpu().clone()
+    value = value.to(_local(parameter).device).clone()
+    if isinstance(parameter, DTensor):
+        return DTensor.from_local(
+            value, parameter.device_mesh, parameter.placements, run_check=False
+        )
+    return value
+
+
+class Shards:
+    """FT=1 for a training loop of its own over sharded parameters (training.fsdp's FSDP2):
+    the state a healing group receives is each rank's own shards of the parameters and of the
+    optimizer's state, plain tensors. torchft heals every rank from the same rank of a live
+    group, and every node's ranks shard alike, so the shards fit.
+
+    The loop starts each step with `optimizer.zero_grad()` (the step's quorum), averages its
+    gradients with `gradient_sync` after backward, steps, and asks `after_step` whether the
+    step counts and from which step it goes on (a group that healed takes its peer's)."""
+
+    def __init__(
+        self,
+        group: ReplicaGroup,
+        device: torch.device,
+        optimizer: torch.optim.Optimizer,
+        learning_rate: Callable[[int], float],
+    ):
+        self.inner, self.learning_rate = optimizer, learning_rate
+        # The optimizer's own parameters: FSDP2's sharded ones. A peer may ask for the state
+        # mid-forward, while the module's attributes are the gathered, unsharded tensors.
+        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.step = 0  # the step being trained: what a healing peer takes
+        self.healed = False
+        self.replication = Replication(group, device, self._state, self._load)
+        self.optimizer = self.replication.optimizer(optimizer)
+
+    def _state(self) -> dict:
+        parameters = self.parameters
+        return {
+            "parameters": [_local(p).detach() for p in parameters],
+            "optimizer": [
+                {name: _local(value) for name, value in self.inner.state.get(p, {}).items()}
+                for p in parameters
+            ],
+            "step": self.step,
+        }
+
+    def _load(self, state: dict) -> None:
+        parameters = self.parameters
+        shapes = [tuple(_local(p).shape) for p in parameters]
+        if [tuple(t.shape) for t in state["parameters"]] != shapes:
+            raise UserError(
+                "a live group's shards do not fit this group's: the nodes run different "
+                "numbers of ranks",
+                hint="the same number of ranks on every node (NPROC_PER_NODE)",
+            )
+        with torch.no_grad():
+            for parameter, shard in zip(parameters, state["parameters"], strict=True):
+                _local(parameter).copy_(shard)
+        for parameter, values in zip(parameters, state["optimizer"], strict=True):
+            self.inner.state[parameter] = {
+                name: _shard_like(parameter, value) for name, value in values.items()
+            }
+        self.step = state["step"]
+        # The peer's optimizer holds the rate of its step before: this step's, as it steps it.
+        for param_group in self.inner.param_groups:
+            param_group["lr"] = self.learning_rate(self.step)
+        self.healed = True
+
+    def after_step(self, step: int) -> tuple[int, bool, bool]:
+        """After `optimizer.step()` of step `step` (0-based): the step trained (the peer's
+        where this group healed in it), whether it was committed, whether this group healed."""
+        healed, self.healed = self.healed, False
+        step = self.step if healed else step
+        return step, self.replication.committed() != step, healed

@@ -133,25 +133,7 @@ class Trainer:
         self.config, self.env, self.model, self.splits = config, env, model, splits
         self.batch, self.numerics, self.gradient_sync = batch_per_rank, numerics, gradient_sync
         if replica_group is not None:
-            if planned_world_size not in (None, env.world_size):
-                raise UserError(
-                    f"replica groups do not continue on fewer ranks than planned "
-                    f"({PLANNED_WORLD_VARIABLE}): they go on without the lost group",
-                    hint=f"unset {PLANNED_WORLD_VARIABLE}",
-                )
-            if config.checkpoint.checkpoint_dir:
-                raise UserError(
-                    "--checkpoint-dir with replica groups is not supported yet: a group "
-                    "that joins late takes the state from a live peer, and durable checkpoints "
-                    "of the groups are still to come",
-                    hint="no --checkpoint-dir, or a job without replica groups",
-                )
-            if numerics.grad_scaler:
-                raise UserError(
-                    "--precision fp16 with replica groups: the loss scaler skips an optimizer "
-                    "step torchft must commit on every group alike",
-                    hint="--precision bf16 (or fp32)",
-                )
+            replicas.check_job(planned_world_size, env.world_size, numerics.grad_scaler)
             data_rank, data_world = replica_group.data_position(env.rank, env.world_size)
             self.virtual = VirtualRanks(data_rank, data_world, data_world)
         else:
@@ -381,6 +363,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         run = self.config.run
         resumed_from = self.resume()
+        if self.replication is not None and resumed_from:
+            self.replication.resumed(resumed_from)
         if self.virtual.active:
             say(self.env, self.virtual.describe(self.batch))
         run_dir = Path(run.run_dir)
@@ -421,7 +405,8 @@ class Trainer:
     def _train(self, progress: metrics.Progress, run_dir: Path) -> float:
         """Every step to the last: the seconds they took."""
         replication = self.replication
-        if replication is not None and replication.group.start_wait > 0 and not self.position.step:
+        if replication is not None and replication.group.start_wait > 0:
+            # Groups started together, at step 0 or each from its own newest checkpoint.
             replication.gather()
         started = time.perf_counter()
         self._pace_from = self.position.step + 1

@@ -460,7 +460,7 @@ def check_fsdp2_dcp(job: Job) -> str:
 def check_compile(job: Job) -> str:
     from torch._inductor import config as inductor_config
 
-    from torch_multinode.training.fsdp import compile_problem
+    from torch_multinode.training.settings.compile_check import compile_problem
 
     problem = compile_problem(job.device)
     if problem is not None:  # its hint's way out, "leave out --compile", is training.fsdp's

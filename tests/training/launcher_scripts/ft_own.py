@@ -21,7 +21,7 @@ manager = Manager(
     ),
     state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
     replica_id=f"group{group}",
-    hostname=os.environ["TMN_REPLICA_ADDRESS"],  # the lighthouse: TORCHFT_LIGHTHOUSE
+    hostname=os.environ["TMN_REPLICA_ADDRESS"],  # this node; the lighthouse: TORCHFT_LIGHTHOUSE
 )
 ddp = DistributedDataParallel(manager, model)
 optimizer = OptimizerWrapper(manager, inner)
