@@ -85,7 +85,9 @@ class Launcher:
         self.versions: dict[str, dict[str, str]] = {}
         self.drift: dict[str, list[str]] = {}
         # a slow rank's node, probed for its cause (launch.stragglers)
-        self.stragglers = stragglers.Stragglers(self.job.probe, self.job.interface, emit)
+        self.stragglers = stragglers.Stragglers(
+            self.job.probe, self.job.interface, emit, ours=not stragglers.watched(self.spec)
+        )
 
     def _ssh_way(self) -> Way:
         """Over SSH: one world (launch.over_ssh), or one replica group per node for FT=1

@@ -19,8 +19,8 @@ TIMEOUT = 10  # seconds a node gets to print its ranks' waits
 
 def watcher(job: RunningJob, watch: stragglers.Stragglers) -> list[threading.Thread]:
     """The reader of the ranks' waits (`read`, not started): none for one node, where there is
-    nothing to compare, nor for our workloads, whose ranks measure none (stragglers.watched)."""
-    if len(job.hosts) < 2 or not stragglers.watched(job.spec):
+    nothing to compare."""
+    if len(job.hosts) < 2:
         return []
     return [threading.Thread(target=read, args=(job, watch), daemon=True)]
 

@@ -5,9 +5,11 @@
   totals, the launcher reads them every PACE_INTERVAL seconds: `paces`): the node whose ranks
   wait least while the other nodes' wait most is the one they wait for. A job where every node
   waits in collectives most of the time is held by the network: every node is probed, and the
-  one whose link is the cause, if one alone is, is named. Where our workload speaks, it alone
-  does (it says more); a job on one node compares nothing (ranks sharing a loaded CPU are not
-  stragglers).
+  one whose link is the cause, if one alone is, is named. Our workloads measure their waits
+  too, for that case only: a slow link slows no rank's own work, so their own split sees
+  nothing, while who is slow by its own work is theirs to say (they say more). Once our
+  workload has named a slow rank, the waits say nothing more; a job on one node compares
+  nothing (ranks sharing a loaded CPU are not stragglers).
 
 Then the node is probed for the why (launch.causes), and the launcher's line naming the node and
 its cause is said once, and again only when the node or the cause changes; every such line
@@ -61,9 +63,9 @@ class Pace:
 
 
 def watched(spec: JobSpec) -> bool:
-    """Whether the job's ranks measure their waits (training.distributed.waits, started by our
-    sitecustomize on its import path): a script or module of the user's. Our workloads say who
-    is slow themselves, with their per-step split, and start no such measure."""
+    """Whether the job runs a script or module of the user's, whose ranks measure their waits
+    because our sitecustomize (on its import path) starts the measure. Our workloads start it
+    themselves (training.distributed.parallel.start) and say who is slow by their own split."""
     module = job_module(spec)
     ours = module.startswith(f"{TOOL_PACKAGE}.") and module != LEGACY_SHIM
     return spec.script is not None or not ours
@@ -125,15 +127,17 @@ def slowest(shares: dict[str, float]) -> tuple[str, float, float] | None:
 class Stragglers:
     """The straggler a job's output names, probed for its cause. `probe(node)`: the output of
     `script()` run on that node (raising where it cannot be reached); `interface(node)`: its
-    compute interface. Each probe runs in a thread of its own, one per node at a time."""
+    compute interface. Each probe runs in a thread of its own, one per node at a time. `ours`:
+    the job is one of our workloads, whose waits are read for the network's case only."""
 
     def __init__(
         self,
         probe: Callable[[str], str],
         interface: Callable[[str], str],
         emit: Callable[[str], None],
+        ours: bool = False,
     ):
-        self.probe, self.interface, self.emit = probe, interface, emit
+        self.probe, self.interface, self.emit, self.ours = probe, interface, emit, ours
         self.said: list[str] = []  # every line said, for the run's record
         self._last: tuple[str, str] | None = None  # (node, kind) last said
         self._probing: set[str] = set()
@@ -158,13 +162,13 @@ class Stragglers:
 
     def paces(self, now: dict[int, Pace]) -> None:
         """Read the ranks' totals (parse_paces) of one reading; a node the others waited for in
-        this window and the one before is probed, and so is every node of a job held by the
-        network."""
+        this window and the one before is probed (not in our workloads, which say it), and so is
+        every node of a job held by the network."""
         before, self._paces = self._paces, {**self._paces, **now}
         if self._workload:
             return
         shares = wait_shares(before, now)
-        found = slowest(shares)
+        found = None if self.ours else slowest(shares)
         if found is not None:
             node, share, others = found
             if self._candidate == node:

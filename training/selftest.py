@@ -84,6 +84,10 @@ CHECKS = (
         "flight-recorder",
         "this rank's Flight Recorder trace (a hang report's) holds its collective",
     ),
+    Check(
+        "nccl-waits",
+        "the straggler watch's waits: NCCL's collectives timed on the GPU, read from the trace",
+    ),
     Check("data-parallel", "nn.DataParallel over the node's GPUs equals one GPU"),
     Check(
         "model-parallel",

@@ -34,7 +34,9 @@ def reading(at: float, shares: dict[int, tuple[str, float]], collectives: int) -
     }
 
 
-def watcher(answers: dict[str, str]) -> tuple[stragglers.Stragglers, list[str], list[str]]:
+def watcher(
+    answers: dict[str, str], ours: bool = False
+) -> tuple[stragglers.Stragglers, list[str], list[str]]:
     said: list[str] = []
     probed: list[str] = []
 
@@ -42,7 +44,8 @@ def watcher(answers: dict[str, str]) -> tuple[stragglers.Stragglers, list[str], 
         probed.append(node)
         return answers.get(node, CALM)
 
-    return stragglers.Stragglers(probe, lambda node: "eth1", said.append), said, probed
+    watch = stragglers.Stragglers(probe, lambda node: "eth1", said.append, ours=ours)
+    return watch, said, probed
 
 
 def test_the_node_the_others_wait_for_is_found_from_each_ranks_own_window():
@@ -125,6 +128,13 @@ def test_an_even_job_a_passing_slowness_and_our_workloads_own_warning_say_nothin
         watch.paces(reading(10 + 20 * step, slow, 10 + 40 * step))
     watch.join(10)
     assert probed == ["node2"] and len(said) == 1 and "rank 1's own work" in said[0]
+    # Nor, in our workload, for a node the others wait for before it speaks: that is its own
+    # split's to say, with the numbers of each rank's own work.
+    watch, said, probed = watcher({"node2": THROTTLED}, ours=True)
+    for step in range(4):
+        watch.paces(reading(10 + 20 * step, slow, 10 + 40 * step))
+    watch.join(10)
+    assert said == [] and probed == []
 
 
 def test_a_job_held_by_the_network_names_the_one_node_whose_link_is_shaped():
@@ -139,6 +149,13 @@ def test_a_job_held_by_the_network_names_the_one_node_whose_link_is_shaped():
         "time or more, and its link is the one that holds them; cause: network: eth1 is shaped "
         "(tbf at 50Mbit, tc)"
     ]
+    # The same in a job of our workload, whose waits are read for this case (a slow link slows
+    # no rank's own work, which is all its own split sees).
+    watch, said_ours, _ = watcher({"node2": SHAPED}, ours=True)
+    for step in range(3):
+        watch.paces(reading(10 + 20 * step, bound, 10 + 40 * step))
+    watch.join(10)
+    assert said_ours == said
     # Two nodes whose links are shaped alike: which one holds the job is not known, and not said.
     watch, said, _ = watcher({"node1": SHAPED, "node2": SHAPED})
     for step in range(3):
@@ -341,7 +358,8 @@ def test_the_launcher_reads_a_scripts_waits_on_every_node_and_names_the_straggle
     """The real launcher on fake nodes (no traffic), readings every 0.05 s instead of 20: each
     node prints its rank's totals, node1's rank waiting 90 % of the time and node2's 5 %; the
     launcher names node2 with the cause its probe found, and the result keeps it. A job of our
-    workload (it says who is slow itself) reads nothing."""
+    workload reads them too, and names nothing from them but a link that holds every node (it
+    says who is slow by its own work itself)."""
     from tests.fakes import FakeNodes
     from tests.helpers import inventory_text, node
     from torch_multinode.cluster.inventory_read import parse as parse_inventory
@@ -396,7 +414,11 @@ def test_the_launcher_reads_a_scripts_waits_on_every_node_and_names_the_straggle
     ], said
     assert result.stragglers == (named[0].removeprefix("[launcher] "),)
     assert reads["n1"] >= 3 and reads["n2"] >= 3
-    # Our workload: no reading at all.
+    # Our workload: the same readings, and nothing said from them.
     said.clear()
-    _, nodes = run(JobSpec(run_id="tmn-ours"))
-    assert not [command for _, command in nodes.commands if "pace-rank-" in command]
+    before = dict(reads)
+    result, nodes = run(JobSpec(run_id="tmn-ours"))
+    assert result.exit_code == 0, said
+    assert reads["n1"] >= before["n1"] + 3 and reads["n2"] >= before["n2"] + 3
+    assert not [line for line in said if "is the straggler" in line], said
+    assert result.stragglers == ()

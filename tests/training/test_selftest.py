@@ -5,6 +5,7 @@ The GPU-only decisions (NCCL's transport, the 2-GPU checks) with torch.cuda fake
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import socket
@@ -48,6 +49,7 @@ def test_make_selftest_passes_locally_with_the_gpu_checks_skipped_with_reasons()
     # the hang report's trace, read back from gloo's recorder (NCCL's on a GPU node)
     assert re.search(r"\(gloo:all_reduce #\d+\)$", _row(out, "flight-recorder")), out
     assert re.match(r"SKIPPED +- +one node's disk", _row(out, "fsdp2-replicas")), out
+    assert re.match(r"SKIPPED +- +gloo's waits are timed by its hooks", _row(out, "nccl-waits"))
     assert "selftest passed on 1 node(s)" in out
     assert not ERROR_LINE.search(out), out
 
@@ -497,3 +499,63 @@ def test_replicas_on_two_nodes_disks_are_copied_and_a_wiped_one_restored(tmp_pat
     # What the checks wrote on each disk is gone (torchrun's own directory stays).
     for disk in disks:
         assert [p.name for p in disk.iterdir() if not p.name.startswith("torchelastic_")] == []
+
+
+def test_the_nccl_waits_check_reads_its_collectives_timed_from_the_trace(tmp_path, monkeypatch):
+    """The GPU-only check, on what it would read: NCCL's Flight Recorder entries in the fields an
+    H200 wrote (`record_id`, `state`, `process_group`, `input_sizes`, `duration_ms`). Its three
+    all_reduces are marked completed by the watchdog a moment after the GPU finishes them, so
+    the check reads again until they are; entries never timed fail it with the remedy."""
+    from torch_multinode.training.distributed import flight
+
+    job = _job(tmp_path, "cpu", ["node1", "node2"])
+    job.gather = lambda value: [value]  # type: ignore[method-assign]  # one rank here
+    monkeypatch.setattr(checks.dist, "get_backend", lambda: "nccl")
+    issued: list[list[int]] = []
+    monkeypatch.setattr(checks.dist, "all_reduce", lambda tensor: issued.append(list(tensor.shape)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(checks, "WAITS_READ_FOR", 2.0)
+    monkeypatch.setattr(checks.time, "sleep", lambda seconds: None)
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "1")
+    reads = []
+
+    def entry(record: int, size: int, state: str, duration: float | None) -> dict:
+        timed = {"duration_ms": duration} if duration is not None else {}
+        return {
+            "record_id": record,
+            "state": state,
+            "is_p2p": False,
+            "process_group": ["0", "default_pg"],
+            "input_sizes": [[size]],
+            **timed,
+        }
+
+    def trace(backend=None) -> bytes:
+        reads.append(backend)
+        done = len(reads) >= 2  # the watchdog has retired them by the second read
+        entries = [entry(40, 7, "completed", 0.5)]  # another check's, not counted
+        entries += [
+            entry(41 + i, checks.WAITS_MARK_SIZE, "completed" if done else "started", 0.25)
+            for i in range(3)
+        ]
+        return json.dumps({"entries": entries}).encode()
+
+    monkeypatch.setattr(flight, "trace_json", trace)
+    assert checks.check_waits(job) == "3 collectives timed, 0.75 ms"
+    assert issued == [[checks.WAITS_MARK_SIZE]] * 3 and reads == ["nccl", "nccl"]
+
+    def untimed(backend=None) -> bytes:
+        entries = [entry(41 + i, checks.WAITS_MARK_SIZE, "completed", None) for i in range(3)]
+        return json.dumps({"entries": entries}).encode()
+
+    monkeypatch.setattr(flight, "trace_json", untimed)
+    with pytest.raises(checks.Failed, match="holds 0 timed, completed collective") as failed:
+        checks.check_waits(job)
+    assert "TORCH_NCCL_ENABLE_TIMING=1" in failed.value.remedy
+    # Timing off in the job's environment, or gloo: skipped, saying why.
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "0")
+    with pytest.raises(checks.Skip, match="TORCH_NCCL_ENABLE_TIMING is off"):
+        checks.check_waits(job)
+    monkeypatch.setattr(checks.dist, "get_backend", lambda: "gloo")
+    with pytest.raises(checks.Skip, match="gloo's waits are timed by its hooks"):
+        checks.check_waits(job)

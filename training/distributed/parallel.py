@@ -29,7 +29,7 @@ from torch import nn
 
 from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.jobenv import BACKEND_VARIABLE, NODE_NAME_VARIABLE
-from torch_multinode.training.distributed import flight
+from torch_multinode.training.distributed import flight, waits
 from torch_multinode.training.settings.config import batch_fits
 from torch_multinode.training.settings.console import emit
 
@@ -184,8 +184,10 @@ def bound_device(device: torch.device) -> dict[str, torch.device]:
 
 
 def start(env: DistEnv, timeout_seconds: float = 600, bind: bool = True) -> None:
-    """Join the process group (a no-op for a single unlaunched process), and serve the Flight
-    Recorder's trace to the launcher (training.distributed.flight).
+    """Join the process group (a no-op for a single unlaunched process), serve the Flight
+    Recorder's trace to the launcher (training.distributed.flight) and measure this rank's waits
+    in collectives (training.distributed.waits: the launcher names a job the network holds from
+    them; our workloads name a slow rank from their own split of the step).
 
     `bind=False` for a process whose model spans two GPUs (training.model_parallel): a group
     bound to one GPU refuses a collective on any other ("Attempt to perform collective on
@@ -199,6 +201,7 @@ def start(env: DistEnv, timeout_seconds: float = 600, bind: bool = True) -> None
             **(bound_device(env.device) if bind else {}),
         )
         flight.start()  # the trace, written when the launcher asks (a hang)
+        waits.start()  # written every few seconds to the run directory (none outside a job)
 
 
 def stop(synchronize: bool = False) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch import nn
 
 from torch_multinode.cluster import durable, nccl_transport
 from torch_multinode.training.checkpointing import checkpoint
-from torch_multinode.training.distributed import flight, parallel
+from torch_multinode.training.distributed import flight, parallel, waits
 
 if TYPE_CHECKING:
     from torch_multinode.training.selftesting.nccl_log import NcclLog
@@ -538,6 +539,50 @@ def check_flight_recorder(job: Job) -> str:
     return f"{newest.get('profiling_name')} #{newest.get('collective_seq_id')}"
 
 
+WAITS_MARK_SIZE = 11  # the waits check's all_reduces: a size no other check uses
+WAITS_READ_FOR = 10.0  # seconds the watchdog gets to mark the collectives completed
+
+
+def check_waits(job: Job) -> str:
+    """The straggler watch's measure of a rank's waits in collectives under NCCL
+    (training.distributed.waits, as its writer reads it every few seconds): NCCL's Flight Recorder
+    holds the default group's collectives just done, completed and timed on the GPU
+    (TORCH_NCCL_ENABLE_TIMING=1, which the launcher sets on nodes with GPUs). Under gloo the
+    measure is its hooks', which the tests run."""
+    if not job.env.launched:
+        raise Skip("one process without a process group: no collective to time")
+    if str(dist.get_backend()) != "nccl":
+        raise Skip("gloo's waits are timed by its hooks (the CPU path, run by the tests)")
+    if os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") in ("", "0"):
+        raise Skip("TORCH_NCCL_ENABLE_TIMING is off in this job: the watch reads no NCCL times")
+    tensor = torch.ones(WAITS_MARK_SIZE, device=job.device)
+    for _ in range(3):
+        dist.all_reduce(tensor)
+    torch.cuda.synchronize(job.device)
+    seconds, count = 0.0, 0
+    problem: BaseException | None = None
+    try:  # every rank meets below, whatever this one found
+        deadline = time.monotonic() + WAITS_READ_FOR
+        while True:  # the watchdog marks an entry completed, with its duration, a moment later
+            entries = json.loads(flight.trace_json("nccl")).get("entries", [])
+            marked = [e for e in entries if e.get("input_sizes") == [[WAITS_MARK_SIZE]]]
+            seconds, count, _ = waits.nccl_durations({"entries": marked}, -1)
+            if count >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if count < 3:
+            problem = Failed(
+                f"NCCL's Flight Recorder holds {count} timed, completed collective(s) of the "
+                f"default group after 3 all_reduces and {WAITS_READ_FOR:g} s",
+                "TORCH_NCCL_ENABLE_TIMING=1 and TORCH_FR_BUFFER_SIZE=256 in the job's environment "
+                "(the launcher's defaults); " + DEBUG_REMEDY,
+            )
+    except Exception as error:  # torch's private dump API changed, or the dump failed
+        problem = error
+    job.agree(problem)
+    return f"{count} collectives timed, {seconds * 1000:.2f} ms"
+
+
 RUNS: dict[str, Callable[[Job], object]] = {
     "device": check_device,
     "comm-in-node": check_comm_in_node,
@@ -549,4 +594,5 @@ RUNS: dict[str, Callable[[Job], object]] = {
     "fsdp2-dcp": check_fsdp2_dcp,
     "compile": check_compile,
     "flight-recorder": check_flight_recorder,
+    "nccl-waits": check_waits,
 }

@@ -263,6 +263,7 @@ SELFTEST_CHECKS = (
     "fsdp2-replicas",
     "compile",
     "flight-recorder",
+    "nccl-waits",
     "data-parallel",
     "model-parallel",
 )
