@@ -17,6 +17,7 @@ from torch_multinode.bench import (
     ft,
     hang,
     jobs,
+    latency,
     lock,
     measure,
     network,
@@ -49,6 +50,7 @@ SECTIONS = (
     "dependencies",
     "detector",
     "ft",
+    "stragglers",
 )
 # Sections that start nodes of their own (rebuild) or need none (flight, detector): the others
 # share one simulated cluster, brought up only when one of them runs.
@@ -221,7 +223,7 @@ def _on_the_bench_cluster(
         if "launcher" in only:
             data["launcher"] = jobs.measure_launcher(inventory, FIRST_STEP, args.reps, progress)
         containers = None  # 2 nodes provisioned for jobs in containers, once for both
-        if {"editloop", "image", "dependencies"} & set(only):
+        if {"editloop", "image", "dependencies", "stragglers"} & set(only):
             containers = measure.provision_containers(inventory, args.training_image, progress)
         if "editloop" in only:
             assert containers is not None  # provisioned above for this section
@@ -229,6 +231,12 @@ def _on_the_bench_cluster(
         if "dependencies" in only:
             assert containers is not None  # provisioned above for this section
             data["dependencies"] = jobs.measure_dependencies(containers, args.reps, progress)
+        if "stragglers" in only:
+            assert containers is not None  # provisioned above for this section
+            train = Path(sys.executable).parent / "train"
+            data["stragglers"] = latency.measure_latency(
+                containers, config, args.reps, progress, train, args.out / "stragglers"
+            )
         if "slurm" in only:
             data["slurm"] = jobs.measure_slurm(inventory, FIRST_STEP, args.reps, progress)
         if "fsdp" in only:

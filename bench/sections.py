@@ -346,3 +346,24 @@ def ft_lines(found: dict) -> list[str]:
         "- step time without a fault, FT=1 / plain DDP (steps 10 to 60): "
         f"{spread(found['overhead'], '{:.3f}')} (target 1.05)",
     ]
+
+
+def latency_lines(found: dict) -> list[str]:
+    """Section 19: the straggler watch's latency, from a slowdown to its line."""
+    seconds = found["seconds"]
+    return [
+        "",
+        "## 19. The straggler watch's latency (2 nodes, in containers)",
+        "",
+        "Each rep: our workload (training.ddp) and a user's own script (an all_reduce in a "
+        f"loop), a minute even, then node2's compute link shaped to {found['rate']} until node2 "
+        "is named for it, then the link freed and node2's job container held to "
+        f"{found['held']['ours']} CPU (our workload) or {found['held']['script']} (the script) "
+        "until it is named again. Seconds from the change to the launcher's line "
+        f"(target {found['target']:g} s):",
+        f"- our workload, the link: {spread(seconds['ours_network'], '{:.0f}')} s; the CPU: "
+        f"{spread(seconds['ours_cpu'], '{:.0f}')} s",
+        f"- a user's script, the link: {spread(seconds['script_network'], '{:.0f}')} s; the CPU: "
+        f"{spread(seconds['script_cpu'], '{:.0f}')} s",
+        f"- the worst of the four / {found['target']:g} s: {spread(found['ratio'], '{:.2f}')}",
+    ]

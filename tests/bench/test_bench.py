@@ -11,6 +11,7 @@ from torch_multinode.bench import (
     ft,
     hang,
     jobs,
+    latency,
     lock,
     measure,
     nodeloss,
@@ -729,3 +730,99 @@ def test_ft_figures_are_the_next_committed_step_the_steps_redone_and_the_heal(tm
     assert "- death to the survivors' next step, FT=1: 11.2 (11.2 to 11.2, n=1) s" in text
     assert "- steps done again, FT=1: 1 (1 to 1, n=1); restart path: 3 (3 to 3, n=1)" in text
     assert "ft" in cli.SECTIONS
+
+
+# A stand-in for the launcher's job: its lines as a real job's, node2 named for its link once the
+# link is shaped and for its CPU once its job container is held (the flags the fakes below
+# write); it ends on SIGINT, as the launcher does.
+FAKE_JOB = """\
+import os, signal, sys, time
+flags = sys.argv[1]
+signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+print("[launcher] job tmn-lat-1: 2 nodes", flush=True)
+print("[node1] step    20/100000  loss 2.0", flush=True)
+said = set()
+while True:
+    for flag, line in (
+        ("shaped", "node2 is the straggler: every node's ranks wait ...; cause: network: eth1 is "
+                   "shaped (tbf at 200Kbit, tc)"),
+        ("held", "node2 is the straggler: rank 1's own work takes 90 ms a step ...; cause: CPU "
+                 "throttled by the job's container's cgroup quota (0.1 CPU, 80% of periods)"),
+    ):
+        if flag not in said and os.path.exists(os.path.join(flags, flag)):
+            time.sleep(0.3)
+            print("[launcher] " + line, flush=True)
+            said.add(flag)
+    time.sleep(0.05)
+"""
+
+
+def test_the_latency_section_times_each_slowdown_to_its_line_and_frees_the_link(
+    tmp_path, monkeypatch
+):
+    """Section 19's job driven against a stand-in launcher: the link shaped, then freed before
+    the CPU is held (in the job's own container, named from the run ID); the seconds from each
+    change to its line; the report's figure and lines."""
+    import sys
+
+    from torch_multinode.sim import nodes as sim
+
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    done: list[tuple] = []
+
+    def shape_link(container: str, link: str | None) -> None:
+        done.append(("shape", container, link))
+        if link is not None:
+            (flags / "shaped").touch()
+
+    def docker(*args: str, **_: object) -> None:
+        done.append(("docker", *args))
+        (flags / "held").touch()
+
+    monkeypatch.setattr(sim, "shape_link", shape_link)
+    monkeypatch.setattr(sim, "docker", docker)
+    monkeypatch.setattr(latency, "EVEN_SECONDS", 0.2)
+    (tmp_path / "job.py").write_text(FAKE_JOB)
+    config = sim.SimConfig("tmnlat", "172.29.99.0/24", tmp_path / "state", "172.30.99.0/24")
+    command = [sys.executable, str(tmp_path / "job.py"), str(flags)]
+    seconds = latency.one_job(command, "ours", config)
+    assert set(seconds) == {"network", "cpu"}
+    assert all(0.3 <= value < 10 for value in seconds.values()), seconds
+    node2 = config.container(2)
+    assert done == [
+        ("shape", node2, latency.SHAPED_RATE),
+        ("shape", node2, None),  # freed before the CPU is held
+        ("docker", "exec", node2, "docker", "update", "--cpus", "0.1", "tmn-lat-1-node2"),
+    ], done
+    # A line on the even cluster fails the section, saying it.
+    monkeypatch.setattr(latency, "EVEN_SECONDS", 1.0)
+    (flags / "shaped").touch()
+    with pytest.raises(RuntimeError, match="said on an even cluster"):
+        latency.one_job(command, "ours", config)
+
+    data = {
+        **bench_data(),
+        "stragglers": {
+            "target": 120.0,
+            "rate": "200kbit",
+            "held": latency.HELD_CPUS,
+            "seconds": {
+                "ours_network": spread(50.0),
+                "ours_cpu": spread(30.0),
+                "script_network": spread(62.0),
+                "script_cpu": spread(70.0),
+            },
+            "ratio": spread(70.0 / 120),
+        },
+    }
+    found = report.figures(data)
+    assert found["straggler_latency"] == pytest.approx(70 / 120)
+    assert report.meets("straggler_latency", found["straggler_latency"]) == "meets"
+    report.write(data, tmp_path)
+    text = (tmp_path / "bench.md").read_text()
+    assert "## 19. The straggler watch's latency (2 nodes, in containers)" in text
+    assert (
+        "- a user's script, the link: 62 (62 to 62, n=1) s; the CPU: 70 (70 to 70, n=1) s" in text
+    )
+    assert "stragglers" in cli.SECTIONS

@@ -1,0 +1,168 @@
+"""19. The straggler watch's latency (issue 55): seconds from a slowdown to the launcher's line
+naming the node and its cause, against LATENCY_TARGET, on 2 nodes in the training image
+(launch_mode: container) behind the bench's link. In each rep, two jobs: our workload
+(training.ddp) and a user's own script (an all_reduce in a loop, nothing of ours in it). Each
+runs even for a while, then node2's compute link is shaped far below the other's (`tc`,
+SHAPED_RATE) until the line names it with cause network; the link freed, node2's job container
+is held to a fraction of a core (`docker update --cpus`) until the line names it with cause CPU.
+
+Who is slow comes from our workload's own split of its step (the CPU case in our workload), or
+from the ranks' waits in collectives read every stragglers.PACE_INTERVAL seconds (the rest); a
+node is named after two windows in a row, then probed for causes.WINDOW seconds. What the watch
+costs a step is section 17's."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from torch_multinode.bench.measure import REPO_ROOT, Progress, Series
+from torch_multinode.cluster.containers import container_name
+from torch_multinode.sim import nodes as sim
+
+LATENCY_TARGET = 120.0  # seconds from the slowdown to the line
+SHAPED_RATE = "200kbit"
+HELD_CPUS = {"ours": "0.1", "script": "0.02"}
+EVEN_SECONDS = 60.0  # the even cluster first: three readings of the waits
+WAIT_LIMIT = 300.0  # a line that never comes fails the section, not the bench's whole run
+# Our workload with steps big enough that a held rank loses well over 20 ms a step (the test's).
+OURS = (
+    "--model tiny --image-size 32 --train-samples 256 --val-samples 128 --global-batch-size 64 "
+    "--workers 0 --log-every 5 --steps 100000"
+).split()
+# A user's own script: a little work (5 ms of CPU, 15 ms waiting as for a GPU) and an
+# all_reduce, forever; a line every 200 rounds.
+SCRIPT = """\
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+torch.set_num_threads(1)
+tensor, rounds = torch.ones(1000), 0
+while True:
+    begun = time.process_time()
+    while time.process_time() - begun < 0.005:
+        pass
+    time.sleep(0.015)
+    dist.all_reduce(tensor)
+    rounds += 1
+    if rounds % 200 == 0 and dist.get_rank() == 0:
+        print(f"round {rounds}", flush=True)
+"""
+_RUN_ID = re.compile(r"^\[launcher\] job ([^:\s]+):")
+_NAMED = re.compile(r"^\[launcher\] node2 is the straggler: .*; cause: (\w+)")
+_STARTED = {"ours": re.compile(r"^\[node1\] step +20/"), "script": re.compile(r"^\[node1\] round")}
+
+
+class _Job:
+    """A launcher's job, its lines read in a thread of their own, each timed."""
+
+    def __init__(self, command: list[str]):
+        self.proc = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append((time.monotonic(), line))
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def first(self, pattern: re.Pattern, since: float, what: str) -> tuple[float, str]:
+        """The time and text of the first line after `since` that matches."""
+
+        def found() -> tuple[float, str] | None:
+            return next(
+                ((at, line) for at, line in self.lines if at >= since and pattern.search(line)),
+                None,
+            )
+
+        with self.changed:
+            self.changed.wait_for(
+                lambda: found() is not None or self.proc.poll() is not None, WAIT_LIMIT
+            )
+            hit = found()
+        if hit is None:
+            tail = "".join(line for _, line in self.lines[-20:])
+            raise RuntimeError(f"stragglers: never saw {what}:\n{tail}")
+        return hit
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def one_job(command: list[str], kind: str, config: sim.SimConfig) -> dict[str, float]:
+    """Seconds from node2's link shaped to the line naming it (network), then from its job
+    container held to the line naming it (cpu). Nothing is said while the job is even."""
+    job = _Job(command)
+    node2 = config.container(2)
+    try:
+        begun, _ = job.first(_STARTED[kind], 0.0, "the job's first steps")
+        time.sleep(max(0.0, begun + EVEN_SECONDS - time.monotonic()))
+        early = [line for _, line in job.lines if "is the straggler" in line]
+        if early:
+            raise RuntimeError(f"stragglers: said on an even cluster: {early[0].strip()}")
+        run_id = next(m[1] for _, line in job.lines if (m := _RUN_ID.search(line)))
+        shaped = time.monotonic()
+        sim.shape_link(node2, SHAPED_RATE)
+        try:
+            at, line = job.first(_NAMED, shaped, "node2 named for its link")
+        finally:
+            sim.shape_link(node2, None)
+        network = at - shaped
+        if _NAMED.search(line)[1] != "network":  # type: ignore[index]  # matched above
+            raise RuntimeError(f"stragglers: named for another cause: {line.strip()}")
+        held = time.monotonic()
+        job_container = container_name(run_id, "node2")
+        sim.docker("exec", node2, "docker", "update", "--cpus", HELD_CPUS[kind], job_container)
+        at, line = job.first(
+            re.compile(r"^\[launcher\] node2 is the straggler: .*CPU"), held, "CPU"
+        )
+        return {"network": network, "cpu": at - held}
+    finally:
+        job.stop()
+
+
+def measure_latency(
+    inventory: Path, config: sim.SimConfig, reps: int, progress: Progress, train: Path, work: Path
+) -> dict:
+    """`reps` times, each our workload's job and a user script's (`work`: a directory for it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    script = work / "loop.py"
+    script.write_text(SCRIPT)
+    base = [str(train), "-i", str(inventory), "--nnodes", "2"]
+    commands = {"ours": [*base, "--", *OURS], "script": [*base, "--script", str(script)]}
+    found: dict[str, list[float]] = {}
+    for rep in range(reps):
+        for kind, command in commands.items():
+            seconds = one_job(command, kind, config)
+            for cause, value in seconds.items():
+                found.setdefault(f"{kind}_{cause}", []).append(value)
+            progress(
+                f"stragglers: rep {rep + 1}/{reps}, {kind}: named {seconds['network']:.0f} s after "
+                f"the link was shaped, {seconds['cpu']:.0f} s after the CPU was held"
+            )
+    worst = [max(values) for values in zip(*found.values(), strict=True)]
+    return {
+        "target": LATENCY_TARGET,
+        "rate": SHAPED_RATE,
+        "held": HELD_CPUS,
+        "seconds": {key: Series(values).as_dict() for key, values in found.items()},
+        "ratio": Series([value / LATENCY_TARGET for value in worst]).as_dict(),
+    }
