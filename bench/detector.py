@@ -12,13 +12,13 @@ numbers (parallel.share: one all_reduce), paid once every --log-every steps. Tha
 over the step with the detector off is the second figure, steady where the paired ratio is
 noise.
 
-The second part (bench/waits_cost.py) is the cost of what the launcher starts in a user's own
-script instead: the measure of its waits in collectives.
+The second part (bench/waits_cost.py) is the cost of the measure of a rank's waits in
+collectives, which the launcher starts in a user's own script and our workloads start in theirs
+(for a job the network holds).
 
 What it leaves out: the launcher's side (reading the ranks' lines, and probing a node only when
 one is named: nothing while the ranks are even) costs the ranks nothing; the latency from a
-slowdown to the launcher's line is measured by the straggler test in containers
-(tests/training/test_node_loss.py), not here.
+slowdown to the launcher's line is section 19's (bench/latency.py), on the bench's cluster.
 """
 
 from __future__ import annotations
