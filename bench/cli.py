@@ -235,7 +235,14 @@ def _on_the_bench_cluster(
             assert containers is not None  # provisioned above for this section
             train = Path(sys.executable).parent / "train"
             data["stragglers"] = latency.measure_latency(
-                containers, config, args.reps, progress, train, args.out / "stragglers", args.quick
+                containers,
+                config,
+                args.link,
+                args.reps,
+                progress,
+                train,
+                args.out / "stragglers",
+                args.quick,
             )
         if "slurm" in only:
             data["slurm"] = jobs.measure_slurm(inventory, FIRST_STEP, args.reps, progress)

@@ -1,6 +1,6 @@
 """19. The straggler watch's latency (issue 55): seconds from a slowdown to the launcher's line
 naming the node and its cause, against LATENCY_TARGET, on 2 nodes in the training image
-(launch_mode: container) behind the bench's link. In each rep, two jobs: our workload
+(launch_mode: container), their links unshaped for it. In each rep, two jobs: our workload
 (training.ddp) and a user's own script (an all_reduce in a loop, nothing of ours in it). Each
 runs even first, and nothing may be said then (five minutes in the first rep, a minute after),
 then node2's compute link is shaped far below the other's (`tc`,
@@ -58,7 +58,8 @@ while True:
         print(f"round {rounds}", flush=True)
 """
 _RUN_ID = re.compile(r"^\[launcher\] job ([^:\s]+):")
-_NAMED = re.compile(r"^\[launcher\] node2 is the straggler: .*; cause: (\w+)")
+_LINK = re.compile(r"^\[launcher\] node2 is the straggler: .*; cause: network: \S+ is shaped")
+_CPU = re.compile(r"^\[launcher\] node2 is the straggler: .*; cause: CPU throttled")
 _STARTED = {"ours": re.compile(r"^\[node1\] step +20/"), "script": re.compile(r"^\[node1\] round")}
 
 
@@ -111,11 +112,16 @@ class _Job:
 
 
 def one_job(
-    command: list[str], kind: str, config: sim.SimConfig, even: float | None = None
+    command: list[str],
+    kind: str,
+    config: sim.SimConfig,
+    link: str | None,
+    even: float | None = None,
 ) -> dict[str, float]:
     """Seconds from node2's link shaped to the line naming it (network), then from its job
-    container held to the line naming it (cpu). Nothing may be said in the `even` seconds
-    before (EVEN_SECONDS by default)."""
+    container held to the line naming it (cpu); node2's link is given back its `link` (the
+    bench's) in between. Nothing may be said in the `even` seconds before (EVEN_SECONDS by
+    default). A line for another cause meanwhile (a loaded host's) is waited past."""
     job = _Job(command)
     node2 = config.container(2)
     try:
@@ -129,19 +135,14 @@ def one_job(
         shaped = time.monotonic()
         sim.shape_link(node2, SHAPED_RATE)
         try:
-            at, line = job.first(_NAMED, shaped, "node2 named for its link")
+            linked, _ = job.first(_LINK, shaped, "node2 named for its shaped link")
         finally:
-            sim.shape_link(node2, None)
-        network = at - shaped
-        if _NAMED.search(line)[1] != "network":  # type: ignore[index]  # matched above
-            raise RuntimeError(f"stragglers: named for another cause: {line.strip()}")
+            sim.shape_link(node2, link)
         held = time.monotonic()
         job_container = container_name(run_id, "node2")
         sim.docker("exec", node2, "docker", "update", "--cpus", HELD_CPUS[kind], job_container)
-        at, line = job.first(
-            re.compile(r"^\[launcher\] node2 is the straggler: .*CPU"), held, "CPU"
-        )
-        return {"network": network, "cpu": at - held}
+        throttled, _ = job.first(_CPU, held, "node2 named for its CPU quota")
+        return {"network": linked - shaped, "cpu": throttled - held}
     finally:
         job.stop()
 
@@ -149,6 +150,7 @@ def one_job(
 def measure_latency(
     inventory: Path,
     config: sim.SimConfig,
+    link: str | None,
     reps: int,
     progress: Progress,
     train: Path,
@@ -156,7 +158,28 @@ def measure_latency(
     quick: bool = False,
 ) -> dict:
     """`reps` times, each our workload's job and a user script's (`work`: a directory for it);
-    the first rep's jobs run even for EVEN_FIRST seconds (not under `quick`)."""
+    the first rep's jobs run even for EVEN_FIRST seconds (not under `quick`). The two nodes'
+    links are unshaped for the section and given back `link` (the bench's) after it: with every
+    link shaped alike, which one holds a job is not known, and not said (launch.stragglers)."""
+    nodes = [config.container(index) for index in (1, 2)]
+    for node in nodes:
+        sim.shape_link(node, None)
+    try:
+        return _measure(inventory, config, reps, progress, train, work, quick)
+    finally:
+        for node in nodes:
+            sim.shape_link(node, link)
+
+
+def _measure(
+    inventory: Path,
+    config: sim.SimConfig,
+    reps: int,
+    progress: Progress,
+    train: Path,
+    work: Path,
+    quick: bool,
+) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     script = work / "loop.py"
     script.write_text(SCRIPT)
@@ -166,7 +189,7 @@ def measure_latency(
     for rep in range(reps):
         for kind, command in commands.items():
             even = EVEN_FIRST if rep == 0 and not quick else EVEN_SECONDS
-            seconds = one_job(command, kind, config, even)
+            seconds = one_job(command, kind, config, None, even)
             for cause, value in seconds.items():
                 found.setdefault(f"{kind}_{cause}", []).append(value)
             progress(

@@ -786,20 +786,20 @@ def test_the_latency_section_times_each_slowdown_to_its_line_and_frees_the_link(
     (tmp_path / "job.py").write_text(FAKE_JOB)
     config = sim.SimConfig("tmnlat", "172.29.99.0/24", tmp_path / "state", "172.30.99.0/24")
     command = [sys.executable, str(tmp_path / "job.py"), str(flags)]
-    seconds = latency.one_job(command, "ours", config)
+    seconds = latency.one_job(command, "ours", config, "1gbit")
     assert set(seconds) == {"network", "cpu"}
     assert all(0.3 <= value < 10 for value in seconds.values()), seconds
     node2 = config.container(2)
     assert done == [
         ("shape", node2, latency.SHAPED_RATE),
-        ("shape", node2, None),  # freed before the CPU is held
+        ("shape", node2, "1gbit"),  # the bench's link again before the CPU is held
         ("docker", "exec", node2, "docker", "update", "--cpus", "0.1", "tmn-lat-1-node2"),
     ], done
     # A line on the even cluster fails the section, saying it.
     monkeypatch.setattr(latency, "EVEN_SECONDS", 1.0)
     (flags / "shaped").touch()
     with pytest.raises(RuntimeError, match="said on an even cluster"):
-        latency.one_job(command, "ours", config)
+        latency.one_job(command, "ours", config, "1gbit")
 
     data = {
         **bench_data(),
