@@ -44,7 +44,14 @@ def test_selftest_passes_on_two_nodes_in_containers(provisioned, cluster_selftes
         assert _row(out, "ddp-checkpoint", node).startswith("PASS"), out
         assert _row(out, "amp-bf16", node).startswith("PASS"), out
         assert re.match(r"SKIPPED +- +1 rank on this node", _row(out, "comm-in-node", node)), out
-        for gpu_only in ("amp-fp16", "data-parallel", "model-parallel", "nccl-transport"):
+        gpu_only_checks = (
+            "amp-fp16",
+            "data-parallel",
+            "model-parallel",
+            "nccl-transport",
+            "nccl-waits",
+        )
+        for gpu_only in gpu_only_checks:
             assert re.match(r"SKIPPED +- +\S", _row(out, gpu_only, node)), out
     assert "[node1] selftest passed on 2 node(s)" in out, out
     assert not ERROR_LINE.search(out), out
