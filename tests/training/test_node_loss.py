@@ -36,6 +36,7 @@ from tests.training.conftest import (
 )
 from tests.training.references import SMALL, progress
 from tests.training.test_faults import _on_node, _summary, _wait_for
+from torch_multinode.bench.latency import SCRIPT as OWN_SCRIPT
 from torch_multinode.cluster.containers import container_name
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT
 from torch_multinode.cluster.inventory_read import load
@@ -54,6 +55,12 @@ GO_ON_WITH_TWO = ("--restarts", "1", "--restart-wait", "10", "--min-nodes", "2")
 _LOSS = re.compile(r"step +(\d+)/\d+ +loss ([0-9.]+)")
 # What a loaded host (two cores shared by every test) does to any simulated node.
 LOADED_HOST = re.compile(r"cause: (CPU contention \(load |network: TCP retransmits )")
+# node2 named for its link shaped to 200 kbit/s, every node waiting on it (issue 55).
+SHAPED_LINK_LINE = re.compile(
+    r"node2 is the straggler: every node's ranks wait in collectives \d+% of the time or "
+    r"more, and its link is the one that holds them; cause: network: eth1 is shaped \(tbf "
+    r"at 200Kbit, tc\)"
+)
 
 
 # 48 samples a step: 16 per rank on 3 nodes, 5 steps an epoch; a loss line every step.
@@ -407,12 +414,7 @@ def test_a_slow_link_then_a_node_held_to_a_fraction_of_a_core_are_named_with_the
     assert all(LOADED_HOST.search(text) for text in others), others
     named = [text for text in lines if text.startswith("node2 is the straggler")]
     assert len(named) == 2, lines
-    assert re.fullmatch(
-        r"node2 is the straggler: every node's ranks wait in collectives \d+% of the time or "
-        r"more, and its link is the one that holds them; cause: network: eth1 is shaped \(tbf "
-        r"at 200Kbit, tc\)",
-        named[0],
-    ), named[0]
+    assert SHAPED_LINK_LINE.fullmatch(named[0]), named[0]
     assert re.fullmatch(
         r"node2 is the straggler: rank 1's own work takes \d+ ms a step, the "
         r"others' \d+ ms, and every rank waits for it; cause: CPU throttled by the job's "
@@ -425,28 +427,6 @@ def test_a_slow_link_then_a_node_held_to_a_fraction_of_a_core_are_named_with_the
     kept = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())["stragglers"]
     assert [text for text in kept if text.startswith("node2 ")] == named
     assert all(LOADED_HOST.search(text) for text in kept if text not in named), kept
-
-
-# A user's own script, knowing nothing of ours: a little work (5 ms of CPU, then 15 ms waiting as
-# for a GPU) and an all_reduce, forever; a line every 200 rounds.
-OWN_SCRIPT = """\
-import time
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-torch.set_num_threads(1)
-tensor, rounds = torch.ones(1000), 0
-while True:
-    begun = time.process_time()
-    while time.process_time() - begun < 0.005:
-        pass
-    time.sleep(0.015)
-    dist.all_reduce(tensor)
-    rounds += 1
-    if rounds % 200 == 0 and dist.get_rank() == 0:
-        print(f"round {rounds}", flush=True)
-"""
 
 
 @pytest.mark.extended
@@ -466,7 +446,7 @@ def test_a_users_own_script_is_named_for_a_slow_link_then_a_core_held(sim3, star
     node2 = cluster.config.container(2)
     project = tmp_path / "own"
     project.mkdir()
-    (project / "loop.py").write_text(OWN_SCRIPT)
+    (project / "loop.py").write_text(OWN_SCRIPT)  # bench section 19's too
     process = start("--nnodes", "2", "--script", str(project / "loop.py"))
     output = TimedOutput(process, time.monotonic())
     output.first("[node1] round 200", timeout=400)
@@ -496,12 +476,7 @@ def test_a_users_own_script_is_named_for_a_slow_link_then_a_core_held(sim3, star
     assert all(LOADED_HOST.search(t) for t in others), (others, output.stamped[-4000:])
     named = [t for t in lines if t.startswith("node2 is the straggler")]  # each said once
     assert len(named) == 2, output.stamped[-4000:]
-    assert re.fullmatch(
-        r"node2 is the straggler: every node's ranks wait in collectives \d+% of the time or "
-        r"more, and its link is the one that holds them; cause: network: eth1 is shaped \(tbf "
-        r"at 200Kbit, tc\)",
-        named[0],
-    ), named[0]
+    assert SHAPED_LINK_LINE.fullmatch(named[0]), named[0]
     assert re.fullmatch(
         r"node2 is the straggler: the other nodes' ranks wait in collectives \d+% of the time, "
         r"its own \d+%: every rank waits for it; cause: CPU throttled by the job's container's "
