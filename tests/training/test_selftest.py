@@ -517,6 +517,7 @@ def test_the_nccl_waits_check_reads_its_collectives_timed_from_the_trace(tmp_pat
     monkeypatch.setattr(checks, "WAITS_READ_FOR", 2.0)
     monkeypatch.setattr(checks.time, "sleep", lambda seconds: None)
     monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "1")
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "256")
     reads = []
 
     def entry(record: int, size: int, state: str, duration: float | None) -> dict:
@@ -552,7 +553,11 @@ def test_the_nccl_waits_check_reads_its_collectives_timed_from_the_trace(tmp_pat
     with pytest.raises(checks.Failed, match="holds 0 timed, completed collective") as failed:
         checks.check_waits(job)
     assert "TORCH_NCCL_ENABLE_TIMING=1" in failed.value.remedy
-    # Timing off in the job's environment, or gloo: skipped, saying why.
+    # The Flight Recorder off, timing off in the job's environment, or gloo: skipped, saying why.
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    with pytest.raises(checks.Skip, match="the Flight Recorder is off"):
+        checks.check_waits(job)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "256")
     monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "0")
     with pytest.raises(checks.Skip, match="TORCH_NCCL_ENABLE_TIMING is off"):
         checks.check_waits(job)

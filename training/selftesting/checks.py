@@ -555,6 +555,8 @@ def check_waits(job: Job) -> str:
         raise Skip("gloo's waits are timed by its hooks (the CPU path, run by the tests)")
     if os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") in ("", "0"):
         raise Skip("TORCH_NCCL_ENABLE_TIMING is off in this job: the watch reads no NCCL times")
+    if not os.environ.get("TORCH_FR_BUFFER_SIZE", "").strip("0"):
+        raise Skip("the Flight Recorder is off (TORCH_FR_BUFFER_SIZE unset or 0)")
     tensor = torch.ones(WAITS_MARK_SIZE, device=job.device)
     for _ in range(3):
         dist.all_reduce(tensor)
