@@ -393,14 +393,12 @@ def test_a_slow_link_then_a_node_held_to_a_fraction_of_a_core_are_named_with_the
     run_id = run_id_in(even)
     sim.shape_link(node2, "200kbit")
     try:  # two readings of the waits (stragglers.PACE_INTERVAL apart), then the probes' 5 s
-        linked = _wait_for(
-            process, re.compile(r"^\[launcher\] node2 is the straggler: "), limit=240
-        )
+        linked = _wait_for(process, re.compile(r"cause: network: eth1 is shaped"), limit=420)
     finally:
         sim.shape_link(node2, None)
     sim.docker("exec", node2, "docker", "update", "--cpus", "0.1", container_name(run_id, "node2"))
     seen = _wait_for(
-        process, re.compile(r"^\[launcher\] node2 is the straggler: rank 1's own work"), limit=240
+        process, re.compile(r"^\[launcher\] node2 is the straggler: rank 1's own work"), limit=420
     )
     process.send_signal(signal.SIGINT)  # while node2 is still held: its cause is unchanged
     rest, _ = process.communicate(timeout=180)
@@ -412,7 +410,10 @@ def test_a_slow_link_then_a_node_held_to_a_fraction_of_a_core_are_named_with_the
     lines = [text.removeprefix("[launcher] ") for text in (linked + seen).splitlines()]
     others = [t for t in lines if " is the straggler: " in t and not t.startswith("node2 ")]
     assert all(LOADED_HOST.search(text) for text in others), others
+    # node2 too may be named for a loaded host between the two (CI's cores are shared).
     named = [text for text in lines if text.startswith("node2 is the straggler")]
+    loaded = [text for text in named if LOADED_HOST.search(text)]
+    named = [text for text in named if text not in loaded]
     assert len(named) == 2, lines
     assert SHAPED_LINK_LINE.fullmatch(named[0]), named[0]
     assert re.fullmatch(
@@ -422,10 +423,10 @@ def test_a_slow_link_then_a_node_held_to_a_fraction_of_a_core_are_named_with_the
         named[1],
     ), named[1]
     # Not said again while each cause holds, then in the summary and the run's record.
-    assert rest.count("node2 is the straggler") == 2, rest[-3000:]
+    assert rest.count("node2 is the straggler") == 2 + len(loaded), rest[-3000:]
     assert all(f"Straggler: {line}" in rest for line in named), rest[-3000:]
     kept = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())["stragglers"]
-    assert [text for text in kept if text.startswith("node2 ")] == named
+    assert [t for t in kept if t.startswith("node2 ") and t not in loaded] == named
     assert all(LOADED_HOST.search(text) for text in kept if text not in named), kept
 
 
@@ -457,7 +458,7 @@ def test_a_users_own_script_is_named_for_a_slow_link_then_a_core_held(sim3, star
     run_id = run_id_in(output.text)
     sim.shape_link(node2, "200kbit")
     try:  # within 120 s is the target; the limit only keeps a hung job from holding the test
-        output.first("cause: network: eth1 is shaped", timeout=shaped + 240)
+        output.first("cause: network: eth1 is shaped", timeout=shaped + 420)
     finally:
         sim.shape_link(node2, None)
     output.mark("node2 held")
