@@ -1,6 +1,6 @@
 """Simulated nodes that own their network, as real machines do: booted by systemd, with a network
-stack from Debian's packages (netplan with systemd-networkd, NetworkManager, or ifupdown), and a
-compute NIC that no engine addresses.
+stack from Debian's packages (netplan with systemd-networkd, netplan with NetworkManager,
+NetworkManager alone, or ifupdown), and a compute NIC that no engine addresses.
 
 The default simulated nodes get both addresses from Docker, so no stack on them could ever set
 one. Here only the management interface (eth0, where the controller's SSH and Ansible reach the
@@ -41,6 +41,8 @@ SYSTEMD_IMAGE = "torch-multinode/sim-systemd:test"
 STACKS = {
     "netplan": "netplan.io udev dbus",
     "networkmanager": "network-manager dbus",
+    # Ubuntu Desktop's: netplan, rendering for the NetworkManager that runs beside it.
+    "netplan-networkmanager": "netplan.io network-manager udev dbus",
     "ifupdown": "ifupdown dbus",
     "none": "dbus",
 }

@@ -2,10 +2,11 @@
 users' nodes run, and proves it.
 
 One cluster of systemd-booted nodes that own their compute link (sim/owned_network.py): a pair
-per stack (node1 and node2 netplan, node3 and node4 NetworkManager, node5 and node6 ifupdown),
+per stack (node1 and node2 netplan with systemd-networkd, node3 and node4 NetworkManager, node5
+and node6 ifupdown, node7 and node8 netplan with NetworkManager as Ubuntu Desktop has them),
 Debian's own packages of each, every compute NIC (eth1, no engine addresses it) on one bridge
 this test creates with the controller's side of the link on it, and no route back to the
-controller but that link. Every playbook run takes all six nodes at once, as a user's mixed
+controller but that link. Every playbook run takes all eight nodes at once, as a user's mixed
 cluster would be taken; each stack's tests read what its pair shows. In order:
 
 - `--check` names each node's stack and changes nothing (no file, no address);
@@ -14,8 +15,8 @@ cluster would be taken; each stack's tests read what its pair shows. In order:
   1500) and, its compute NIC being its only route out, the gateway and resolvers it is given
   (the controller's side of the link); each pair pings each other over them, and node1 the
   other first nodes with 9000-byte frames; `make netcheck` passes on the first node of each
-  stack (over those frames), and a 3-node job trains on the second nodes (gloo on eth1), its
-  ranks meeting at node2's compute address;
+  stack (over those frames, two stacks at a time), and a 4-node job trains on the second nodes
+  (gloo on eth1), its ranks meeting at node2's compute address;
 - a second run changes nothing and does not bounce any link (eth1's carrier changes the same);
 - a reboot of each pair's second node (the container restarted, systemd shutting down and
   booting) keeps its address;
@@ -46,7 +47,7 @@ import yaml
 from tests.ansible.conftest import node_sh, recap_of
 from tests.conftest import REPO_ROOT, make
 from tests.helpers import run_id_in
-from tests.training.conftest import TINY, with_values
+from tests.training.conftest import TINY
 from torch_multinode.sim import owned_network
 from torch_multinode.sim.nodes import SimConfig
 
@@ -56,20 +57,25 @@ FILES = {
     "netplan": "/etc/netplan/60-torch-multinode-compute.yaml",
     "networkmanager": "/etc/NetworkManager/system-connections/torch-multinode-compute.nmconnection",
     "ifupdown": "/etc/network/interfaces.d/60-torch-multinode-compute",
+    "netplan-networkmanager": "/etc/netplan/60-torch-multinode-compute.yaml",
 }
 SAID = {
     "netplan": "with netplan (rendered for systemd-networkd)",
     "networkmanager": "with NetworkManager (nmcli, profile torch-multinode-compute)",
     "ifupdown": "with ifupdown",
+    "netplan-networkmanager": "with netplan (rendered for NetworkManager)",
 }
+# The stack as the role names it (netplan, whatever it renders for).
+ROLE_STACK = {stack: stack.split("-")[0] for stack in FILES}
 # Where each stack shows the resolvers it applied to eth1: networkd's and NetworkManager's own
 # view of the link. ifupdown hands them to resolvconf, which these nodes, like Debian 12's
 # default install, do not have (the role's README says so): there, the gateway only.
 RESOLVERS = {
     "netplan": "networkctl status eth1 | sed -n 's/^ *DNS: *//p'",
     "networkmanager": "nmcli -g IP4.DNS device show eth1",
+    "netplan-networkmanager": "nmcli -g IP4.DNS device show eth1",
 }
-# Long enough for a node that answers to be confirmed on two loaded cores with six nodes in
+# Long enough for a node that answers to be confirmed on two loaded cores with eight nodes in
 # the run (the role waits up to half of it for the node, a quarter for SSH on the new address).
 CONFIRM_TIMEOUT = 60
 JUMBO = 9000  # each stack's first node's MTU (the bridge's ports take it: owned_network)
@@ -85,9 +91,6 @@ USER_NETPLAN = "/etc/netplan/01-user.yaml"
 BROKEN_USER_NETPLAN = (
     "network:\\n  version: 2\\n  ethernets:\\n    eth0:\\n      dhcp-four: true\\n"
 )
-# TINY's arguments for three ranks: 16 samples a rank, where its global batch of 32 would not
-# divide.
-THREE_RANKS = with_values(TINY, global_batch_size="48")
 
 
 def addresses(container: str) -> list[str]:
@@ -130,7 +133,7 @@ def controller_reaches(address: str) -> bool:
 
 @dataclass
 class ClusterRun:
-    """What the six nodes showed, in the order it happened; a stack's tests read its pair."""
+    """What the eight nodes showed, in the order it happened; a stack's tests read its pair."""
 
     config: SimConfig
     compute: dict[str, str]
@@ -144,7 +147,7 @@ class ClusterRun:
     gateway: str
     routes: dict[str, str]
     resolvers: dict[str, str]
-    netcheck: subprocess.CompletedProcess
+    netchecks: list[subprocess.CompletedProcess]
     train: subprocess.CompletedProcess
     rerun: subprocess.CompletedProcess
     carriers_before: dict[str, str]
@@ -243,18 +246,23 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
         pinged[first] = pings(names[first], compute[second])
         pinged[second] = pings(names[second], compute[first])
     # netcheck on the first node of each stack, a job on the second: every node's address
-    # carries real traffic, each stack's beside the others', at the torch imports of three nodes
-    # at a time (six at once outlasted netcheck's probe on two loaded cores).
-    firsts_inventory, seconds_inventory = (
-        _subset(document, hosts, [pair(stack)[which] for stack in FILES], tmp / f"nodes-{which}")
-        for which in (0, 1)
-    )
-    netcheck = make("netcheck", f"INVENTORY={firsts_inventory}", timeout=600)
+    # carries real traffic, each stack's beside another's. netcheck takes the first nodes two
+    # stacks at a time, at the torch imports of two nodes at once (six at once outlasted its
+    # probe on two loaded cores).
+    netchecks = [
+        make(
+            "netcheck",
+            f"INVENTORY={_subset(document, hosts, half, tmp / ('firsts-' + '-'.join(half)))}",
+            timeout=600,
+        )
+        for half in (firsts[:2], firsts[2:])
+    ]
+    seconds_inventory = _subset(document, hosts, seconds, tmp / "seconds")
     train = make(
         "train",
         f"INVENTORY={seconds_inventory}",
         f"NNODES={len(FILES)}",
-        "ARGS=" + " ".join([*THREE_RANKS, "--steps", "2"]),
+        "ARGS=" + " ".join([*TINY, "--steps", "2"]),
         timeout=900,
     )
     if "[launcher] job " in train.stdout:
@@ -337,7 +345,7 @@ def _run_cluster(config: SimConfig, tmp: Path) -> ClusterRun:
         gateway,
         routes,
         resolvers,
-        netcheck,
+        netchecks,
         train,
         rerun,
         carriers_before,
@@ -434,15 +442,16 @@ def test_a_gateway_and_resolvers_given_are_applied_where_the_compute_nic_is_the_
 
 
 def test_netcheck_passes_and_a_job_on_every_stacks_nodes_trains_over_the_addresses(cluster_run):
-    assert cluster_run.netcheck.returncode == 0, _said(cluster_run.netcheck)
-    assert "ready: 0 FAIL" in cluster_run.netcheck.stdout
+    for netcheck in cluster_run.netchecks:
+        assert netcheck.returncode == 0, _said(netcheck)
+        assert "ready: 0 FAIL" in netcheck.stdout
     train = cluster_run.train
     assert train.returncode == 0, _said(train)
-    # The ranks on node4 (NetworkManager) and node6 (ifupdown) met node2's at its compute
-    # address, which only netplan gave it.
+    # The ranks on node4 (NetworkManager), node6 (ifupdown) and node8 (netplan for
+    # NetworkManager) met node2's at its compute address, which only netplan gave it.
     assert f"{cluster_run.compute['node2']}:" in train.stdout, _said(train)
     assert "step 2/2" in train.stdout, _said(train)
-    for name in ("node2", "node4", "node6"):
+    for name in ("node2", "node4", "node6", "node8"):
         assert f"[{name}]" in train.stdout, (name, _said(train))
 
 
@@ -469,7 +478,7 @@ def test_an_address_that_cuts_the_node_off_is_rolled_back_by_the_node(stack_run)
     assert run.returncode != 0, _said(run)
     text = " ".join(run.stdout.split())
     assert (
-        f"host '{cut}': the new {stack_run.stack} configuration was not confirmed "
+        f"host '{cut}': the new {ROLE_STACK[stack_run.stack]} configuration was not confirmed "
         f"({stack_run.compute[cut]} on eth1 did not answer within {CONFIRM_TIMEOUT} s), so "
         "the node rolled back to its previous configuration by itself"
     ) in text, _said(run)
