@@ -84,6 +84,10 @@ class Cause:
     kind: str
     """cpu, gpu, memory, network, disk, data, unknown."""
     text: str
+    shared: bool = False
+    """A symptom the slow node's peers show as much as it does (TCP retransmits: a link that
+    drops a node's packets makes every node sending to it resend), where the others are the
+    node's own (its interface shaped, its errors)."""
 
 
 def script(interface: str, container: str | None = None) -> str:
@@ -289,7 +293,8 @@ def _retransmits(first: Sample, second: Sample, _interface: str) -> Cause | None
     sent = second.tcp[0] - first.tcp[0]
     again = second.tcp[1] - first.tcp[1]
     if sent > 0 and again / sent >= RETRANSMIT_SHARE:
-        return Cause("network", f"network: TCP retransmits {again / sent:.1%} of its segments")
+        text = f"network: TCP retransmits {again / sent:.1%} of its segments"
+        return Cause("network", text, shared=True)
     return None
 
 

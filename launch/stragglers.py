@@ -230,7 +230,10 @@ class Stragglers:
         self._say(node, who, self._cause(node))
 
     def _look_links(self, nodes: list[str], share: float) -> None:
-        """Every node probed at once; the one node whose cause is its network, if one alone."""
+        """Every node probed at once; the one node whose cause is its network, if one alone:
+        its own link's (shaped, or with errors) before retransmits, which the nodes sending to
+        a slow link show as well: with both counted, a job held by one shaped link named no one
+        while its peers resent what that link dropped."""
         found: dict[str, causes.Cause] = {}
 
         def look(node: str) -> None:
@@ -242,6 +245,9 @@ class Stragglers:
         for thread in threads:
             thread.join(causes.WINDOW + 60)
         links = [n for n in nodes if n in found and found[n].kind == "network"]
+        own = [n for n in links if not found[n].shared]
+        if own:
+            links = own
         if len(links) == 1:
             who = (
                 f"every node's ranks wait in collectives {share:.0%} of the time or more, "

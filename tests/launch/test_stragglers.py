@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import REPO_ROOT, run_cli
-from tests.launch.test_causes import SLOW_WARNING
+from tests.launch.test_causes import SLOW_WARNING, SNMP, sample
 from tests.launch.test_causes import THROTTLED_NODE as THROTTLED
 from torch_multinode.cluster import durable
 from torch_multinode.cluster.jobenv import PACE_FILE
@@ -24,6 +24,11 @@ from torch_multinode.training.distributed import waits
 
 SHAPED = "@@first\n@@second\n@@qdisc\nqdisc tbf 1: root rate 50Mbit burst 4Kb\n"
 CALM = "@@first\n@@second\n"
+# A node that resent 5 % of its TCP segments in the probe's window.
+RESENT = (
+    f"@@first\n{sample(snmp=SNMP.format(insegs=10, out=1000, again=10))}"
+    f"@@second\n{sample(snmp=SNMP.format(insegs=10, out=11000, again=510))}"
+)
 
 
 def reading(at: float, shares: dict[int, tuple[str, float]], collectives: int) -> dict:
@@ -156,6 +161,28 @@ def test_a_job_held_by_the_network_names_the_one_node_whose_link_is_shaped():
         watch.paces(reading(10 + 20 * step, bound, 10 + 40 * step))
     watch.join(10)
     assert said_ours == said
+    # The shaped link's peers resend what it drops: their retransmits are the link's symptom,
+    # not a second cause, so the one node whose own link is shaped is still named.
+    watch, said_resent, _ = watcher({"node1": RESENT, "node2": SHAPED, "node3": RESENT})
+    for step in range(3):
+        watch.paces(reading(10 + 20 * step, bound, 10 + 40 * step))
+    watch.join(10)
+    assert said_resent == said
+    # Where retransmits are all there is, one node alone with them is named...
+    watch, said, _ = watcher({"node3": RESENT})
+    for step in range(3):
+        watch.paces(reading(10 + 20 * step, bound, 10 + 40 * step))
+    watch.join(10)
+    assert [line.split("; cause: ")[1] for line in said] == [
+        "network: TCP retransmits 5.0% of its segments"
+    ]
+    assert said[0].startswith("[launcher] node3 is the straggler: ")
+    # ...and two with them are not.
+    watch, said, _ = watcher({"node1": RESENT, "node3": RESENT})
+    for step in range(3):
+        watch.paces(reading(10 + 20 * step, bound, 10 + 40 * step))
+    watch.join(10)
+    assert said == []
     # Two nodes whose links are shaped alike: which one holds the job is not known, and not said.
     watch, said, _ = watcher({"node1": SHAPED, "node2": SHAPED})
     for step in range(3):
