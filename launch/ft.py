@@ -56,12 +56,6 @@ def check(
             f"FT=1 runs {', '.join(WORKLOADS)} or your own script, not {spec.module}",
             hint="MODULE=training.ddp (or training.fsdp), or without FT=1 RESTARTS=N",
         )
-    if spec.module == "training.fsdp" and spec.script is None and "--checkpoint-dir" in spec.args:
-        raise UserError(
-            "--checkpoint-dir with FT=1 is not offered for training.fsdp yet: its groups keep "
-            "the model alive between them, not on disk",
-            hint="MODULE=training.ddp for FT=1 with --checkpoint-dir, or training.fsdp without FT=1",
-        )
     return replace(
         spec,
         fault_tolerant=True,

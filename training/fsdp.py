@@ -231,12 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     data = (env.rank, env.world_size)  # this rank's share of each step's batch, of how many
     if group is not None:
         replicas.check_job(planned, env.world_size, numerics.grad_scaler)
-        if config.checkpoint.checkpoint_dir:
-            raise UserError(
-                "--checkpoint-dir with replica groups is not offered for training.fsdp yet: "
-                "its groups keep the model alive between them, not on disk",
-                hint="training.ddp for FT=1 with --checkpoint-dir, or training.fsdp without FT=1",
-            )
         data = group.data_position(env.rank, env.world_size)
         planned = data[1]
     batch = parallel.per_rank_batch(config.optim.global_batch_size, env, planned)
@@ -299,14 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         paused = config.checkpoint.checkpoint_pause_step
         held = config.checkpoint.hold_after_step
         store = Checkpoints(
-            Path(config.checkpoint.checkpoint_dir),
+            checkpoint_directory(config.checkpoint.checkpoint_dir, group),
             env,
             config.checkpoint.keep,
             node,
             pause=None if paused is None else (paused, config.checkpoint.checkpoint_pause_rank),
             hold=None if held is None else (held, config.checkpoint.hold_rank),
         )
-        if config.checkpoint.replicate and env.launched:
+        if group is not None:
+            console.say(env, f"checkpoints    this replica group's own, in {store.directory}")
+        elif config.checkpoint.replicate and env.launched:
             pause = config.checkpoint.replication_pause_step
             store.replication = replicate.Replication(
                 store,
@@ -318,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         start_step = resumed or 0
         if own is not None:
             checkpoint.restore_rng_states(own["rng"], env.device)
+        if shards is not None and resumed:
+            # torchft's step count is this group's: a group behind the newest heals at the
+            # first quorum, from a group ahead.
+            shards.step = resumed
+            shards.replication.resumed(resumed)
 
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
@@ -333,6 +334,17 @@ def main(argv: list[str] | None = None) -> int:
         store.replication.wait()  # the last checkpoint's copy
     finish(config, env, model, shape, source, result, start_step, numerics, export)
     return 0
+
+
+def checkpoint_directory(given: str, group: replicas.ReplicaGroup | None) -> Path:
+    """Where this job's distributed checkpoints go. With replica groups (FT=1) each group
+    holds the whole model, sharded over its own ranks, and writes its checkpoints as a job of
+    its own: in a directory of its own (`group-<index>` in the one given), as two groups'
+    steps in one directory on storage every node sees would be written over each other. A
+    group resumes its own newest complete step; torchft makes the newest among the groups the
+    resume point (the others heal from it)."""
+    directory = Path(given)
+    return directory if group is None else directory / f"group-{group.index}"
 
 
 def continuing(global_batch: int, world_size: int, planned: int) -> str:
@@ -374,7 +386,8 @@ def train(
     inner = optimizer
     if shards is not None:
         optimizer, progress.scope = shards.optimizer, "this group"
-        if shards.replication.group.start_wait > 0 and not start_step:
+        if shards.replication.group.start_wait > 0:
+            # Groups started together, at step 0 or each from its own newest checkpoint.
             shards.replication.gather()
     model.train()
     clock.start()
@@ -436,7 +449,8 @@ def train(
         if store is not None and (done % config.checkpoint.checkpoint_every == 0 or done == total):
             clock.stop()
             own = {"position": {"step": done}, "rng": checkpoint.rng_states(env.device)}
-            console.say(env, store.save(done, model, optimizer, own, info))
+            # The optimizer itself, not torchft's wrapper (whose step() is a commit).
+            console.say(env, store.save(done, model, inner, own, info))
             clock.start()
         if run.step_delay > 0:
             clock.stop()

@@ -111,12 +111,6 @@ def test_an_ft_job_succeeds_when_the_groups_left_end_well_and_fails_when_none_is
             0,
             "FT=1 runs training.ddp, training.fsdp or your own",
         ),
-        (
-            JobSpec(module="training.fsdp", args=("--checkpoint-dir", "c")),
-            "ssh",
-            0,
-            "--checkpoint-dir with FT=1 is not offered for training.fsdp yet",
-        ),
     ],
 )
 def test_what_ft_refuses_is_one_error_naming_what_to_do_instead(
@@ -129,6 +123,9 @@ def test_what_ft_refuses_is_one_error_naming_what_to_do_instead(
 
 
 def test_ft_sets_the_spec_and_min_nodes_is_its_quorums_minimum():
+    # training.fsdp's checkpoints included: each group writes its own (training.fsdp).
+    fsdp = JobSpec(module="training.fsdp", args=("--checkpoint-dir", "c"))
+    assert ft.check(True, fsdp, "ssh", 0, None).fault_tolerant
     spec = ft.check(True, JobSpec(), "ssh", 2, 2, 30.0)
     assert (spec.fault_tolerant, spec.min_groups) == (True, 2)
     assert (spec.group_restarts, spec.restart_wait) == (2, 30.0)

@@ -25,6 +25,7 @@ from tests.training.conftest import (
 from tests.training.references import SMALL, STEPS, reference
 from tests.training.test_replicas import LOOPBACK, group_environment, kill_group, start_group
 from torch_multinode.launch import lighthouse
+from torch_multinode.training.settings.config import STOP_EXIT_CODE
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # four ranks at once: not beside the other fsdp runs
 LONG = 300  # steps: the survivor still trains when the group started again has joined
@@ -103,3 +104,87 @@ def test_a_group_of_fsdp_ranks_killed_mid_run_heals_from_its_peers_shards(tmp_pa
     healed = re.search(r"healed from a peer: at step (\d+)", rejoined.text)
     assert healed and KILLED_AT < int(healed.group(1)) < LONG, rejoined.stamped
     assert _digest(survivor.text) == _digest(rejoined.text), (survivor.stamped, rejoined.stamped)
+
+
+def _checkpointing_group(index: int, url: str, tmp_path, *args: str, start_wait: float):
+    """training.fsdp as group `index` of 2, two ranks, checkpoints every 4 steps in `ck`: one
+    directory for both groups, as storage every node sees would be."""
+    arguments = (*with_values(SMALL, steps="16", log_every="1"), "--step-delay", "0.2")
+    return _group(
+        index,
+        url,
+        tmp_path,
+        *arguments,
+        "--checkpoint-dir",
+        "ck",
+        "--checkpoint-every",
+        "4",
+        *args,
+        start_wait=start_wait,
+    )
+
+
+def test_fsdp_groups_checkpoints_survive_a_group_killed_mid_write_and_a_rerun_goes_on_from_the_newest(
+    tmp_path,
+):
+    """Durable checkpoints of training.fsdp with FT=1: each group writes its own (DCP, its two
+    ranks' shards) in a directory of its own, ck/group-<index>. Group 1 is killed while it
+    writes step 8 (its files written, before the step takes its name); group 0 goes on alone
+    and stops after step 12. Run again, each group resumes from the newest step complete in its
+    own directory (group 0: 12; group 1: 4, its step 8 never loaded) and torchft makes the
+    newest the resume point: group 1 heals from group 0 at its first step, and both end on one
+    set of parameters."""
+    started = time.monotonic()
+    with lighthouse.running(LOOPBACK, free_port(), 1, tmp_path / "lighthouse.log") as url:
+        first = [
+            _checkpointing_group(0, url, tmp_path, "--stop-after-step", "12", start_wait=120),
+            _checkpointing_group(1, url, tmp_path, "--checkpoint-pause-step", "8", start_wait=120),
+        ]
+        outputs = [TimedOutput(process, started) for process in first]
+        try:
+            outputs[1].first("checkpoint step 8: its files written", timeout=300)
+            kill_group(first[1])
+            outputs[1].mark("killed while writing step 8")
+            outputs[0].end(timeout=300)
+        finally:
+            for process in first:
+                if process.poll() is None:
+                    kill_group(process)
+        assert f"exitcode  : {STOP_EXIT_CODE}" in outputs[0].text, outputs[0].stamped
+        assert "stopping after step 12 (--stop-after-step)" in outputs[0].text
+        assert "1 of 2 replica groups train" in outputs[0].text, outputs[0].stamped
+        assert "checkpoints    this replica group's own, in ck/group-0" in outputs[0].text
+        # Their newest steps differ (12 and 4): one quorum as soon as both are in it.
+        again = [_checkpointing_group(i, url, tmp_path, start_wait=600) for i in range(2)]
+        rerun = [TimedOutput(process, started) for process in again]
+        try:
+            for output in rerun:
+                output.end(timeout=300)
+        finally:
+            for process in again:
+                if process.poll() is None:
+                    kill_group(process)
+    assert [p.returncode for p in again] == [0, 0], [output.stamped for output in rerun]
+    assert "resuming from step 12" in rerun[0].text, rerun[0].stamped
+    assert "resuming from step 4" in rerun[1].text, rerun[1].stamped
+    healed = re.search(r"healed from a peer: at step (\d+)", rerun[1].text)
+    assert healed and int(healed.group(1)) == 13, rerun[1].stamped
+    assert "healed from a peer" not in rerun[0].text, rerun[0].stamped
+    assert _steps(rerun[0].text, 16) == [13, 14, 15, 16], rerun[0].stamped
+    assert _digest(rerun[0].text) == _digest(rerun[1].text)
+    # Group 1's step 8 never took its name (its files were swept at the rerun's start); each
+    # group's directory holds its newest three complete steps, the last one's among them.
+    held = {
+        index: sorted(
+            path.name
+            for path in (tmp_path / "ck" / f"group-{index}").iterdir()
+            if re.fullmatch(r"\.?step-\d{8}(\.tmp)?", path.name)
+        )
+        for index in range(2)
+    }
+    assert held == {
+        0: ["step-00000008", "step-00000012", "step-00000016"],
+        1: ["step-00000004", "step-00000016"],
+    }
+    for index in range(2):
+        assert (tmp_path / "ck" / f"group-{index}" / "step-00000016" / "manifest.pt").is_file()

@@ -91,8 +91,10 @@ def ft3(sim3):
 @pytest.mark.sim
 def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_processes(ft3):
     """training.fsdp: FSDP2 within a node (one rank here), torchft across, 4 sequences a rank a
-    step. (training.ddp's survivors keep their processes in the restarts test below.)"""
+    step, each group's durable checkpoints every 10 steps in a directory of its own on its
+    node's disk. (training.ddp's survivors keep their processes in the restarts test below.)"""
     cluster, inventory = ft3
+    directory = f"ft-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
     with launches(*ft3) as start:
         process = start(
             "--ft",
@@ -104,6 +106,10 @@ def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_proce
             str(STEPS),
             "--step-delay",
             "0.3",
+            "--checkpoint-dir",
+            directory,
+            "--checkpoint-every",
+            "10",
         )
         seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
         run_id = run_id_in(seen)
@@ -124,6 +130,15 @@ def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_proce
     ), summary
     record = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
     assert any(change.startswith("node3 lost at step") for change in record["nodes_changed"])
+    # The survivors' groups each hold their last steps, complete (the manifest is written
+    # last, before the rename), in their own directory.
+    for index in (1, 2):
+        group = f"{DEFAULT_CHECKPOINT_ROOT}/{directory}/group-{index - 1}"
+        listed = on_node(cluster, index, f"ls -A {group}").split()
+        assert [name for name in listed if name.startswith("step-")] == [
+            f"step-{step:08d}" for step in (20, 30, STEPS)
+        ], (index, listed)
+        assert on_node(cluster, index, f"ls {group}/step-{STEPS:08d}/manifest.pt").strip()
     # Nothing of the job is left: not on the survivors, not the lighthouse here.
     nodes = load(inventory)
     assert leftovers(nodes, run_id, nodes.hosts[:2]) == {"node1": "", "node2": ""}

@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -165,31 +164,6 @@ def _digest(text: str) -> str:
     found = re.findall(r"\[rank 0\] parameters sha256 ([0-9a-f]{64})", text)
     assert len(found) == 1, text
     return found[0]
-
-
-def test_checkpoints_of_fsdp_groups_are_refused_in_one_line_for_now(tmp_path):
-    """training.fsdp's durable checkpoints with replica groups are still to come: a run asking
-    for them stops before it trains, saying so."""
-    environ = run_environment(
-        {LIGHTHOUSE_VARIABLE: "http://127.0.0.1:1", REPLICA_GROUP_VARIABLE: "0"}
-        | {REPLICA_GROUPS_VARIABLE: "2"}
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "torch_multinode.training.fsdp", "--checkpoint-dir", "ck"],
-        cwd=tmp_path,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode != 0
-    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
-    assert errors == [
-        "Error: --checkpoint-dir with replica groups is not offered for training.fsdp yet: its "
-        "groups keep the model alive between them, not on disk (try training.ddp for FT=1 with "
-        "--checkpoint-dir, or training.fsdp without FT=1)"
-    ], done.stderr
-    assert not (tmp_path / "ck").exists()
 
 
 def _checkpointing_group(index: int, url: str, tmp_path, *args: str, start_wait: float):
