@@ -64,9 +64,12 @@ _STARTED = {"ours": re.compile(r"^\[node1\] step +20/"), "script": re.compile(r"
 
 
 class _Job:
-    """A launcher's job, its lines read in a thread of their own, each timed."""
+    """A launcher's job, its lines read in a thread of their own, each timed and kept in `log`
+    (seconds since the start before each)."""
 
-    def __init__(self, command: list[str]):
+    def __init__(self, command: list[str], log: Path):
+        self.started = time.monotonic()
+        self.log = log.open("w")
         self.proc = subprocess.Popen(
             command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -77,11 +80,19 @@ class _Job:
     def _read(self) -> None:
         assert self.proc.stdout is not None  # stdout=PIPE
         for line in self.proc.stdout:
+            at = time.monotonic()
+            self.log.write(f"{at - self.started:8.1f} {line}")
+            self.log.flush()
             with self.changed:
-                self.lines.append((time.monotonic(), line))
+                self.lines.append((at, line))
                 self.changed.notify_all()
         with self.changed:
             self.changed.notify_all()
+
+    def mark(self, what: str) -> None:
+        """A line of the bench's own in the log, at its time."""
+        self.log.write(f"{time.monotonic() - self.started:8.1f} ---- {what}\n")
+        self.log.flush()
 
     def first(self, pattern: re.Pattern, since: float, what: str) -> tuple[float, str]:
         """The time and text of the first line after `since` that matches."""
@@ -104,11 +115,14 @@ class _Job:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.mark("Ctrl-C")
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=180)
             except subprocess.TimeoutExpired:
+                self.mark("still running 180 s after Ctrl-C: killed")
                 self.proc.kill()
+        self.mark(f"ended, exit {self.proc.wait()}")
 
 
 def one_job(
@@ -116,13 +130,15 @@ def one_job(
     kind: str,
     config: sim.SimConfig,
     link: str | None,
+    log: Path,
     even: float | None = None,
 ) -> dict[str, float]:
     """Seconds from node2's link shaped to the line naming it (network), then from its job
     container held to the line naming it (cpu); node2's link is given back its `link` (the
     bench's) in between. Nothing may be said in the `even` seconds before (EVEN_SECONDS by
-    default). A line for another cause meanwhile (a loaded host's) is waited past."""
-    job = _Job(command)
+    default). A line for another cause meanwhile (a loaded host's) is waited past. The job's
+    output goes to `log`, with the bench's own changes marked."""
+    job = _Job(command, log)
     node2 = config.container(2)
     try:
         begun, _ = job.first(_STARTED[kind], 0.0, "the job's first steps")
@@ -133,12 +149,14 @@ def one_job(
             raise RuntimeError(f"stragglers: said on an even cluster: {early[0].strip()}")
         run_id = next(m[1] for _, line in job.lines if (m := _RUN_ID.search(line)))
         shaped = time.monotonic()
+        job.mark(f"node2's link shaped to {SHAPED_RATE}")
         sim.shape_link(node2, SHAPED_RATE)
         try:
             linked, _ = job.first(_LINK, shaped, "node2 named for its shaped link")
         finally:
             sim.shape_link(node2, link)
         held = time.monotonic()
+        job.mark(f"node2's link freed; its job container held to {HELD_CPUS[kind]} CPU")
         job_container = container_name(run_id, "node2")
         sim.docker("exec", node2, "docker", "update", "--cpus", HELD_CPUS[kind], job_container)
         throttled, _ = job.first(_CPU, held, "node2 named for its CPU quota")
@@ -189,7 +207,7 @@ def _measure(
     for rep in range(reps):
         for kind, command in commands.items():
             even = EVEN_FIRST if rep == 0 and not quick else EVEN_SECONDS
-            seconds = one_job(command, kind, config, None, even)
+            seconds = one_job(command, kind, config, None, work / f"{kind}-{rep + 1}.log", even)
             for cause, value in seconds.items():
                 found.setdefault(f"{kind}_{cause}", []).append(value)
             progress(

@@ -786,7 +786,7 @@ def test_the_latency_section_times_each_slowdown_to_its_line_and_frees_the_link(
     (tmp_path / "job.py").write_text(FAKE_JOB)
     config = sim.SimConfig("tmnlat", "172.29.99.0/24", tmp_path / "state", "172.30.99.0/24")
     command = [sys.executable, str(tmp_path / "job.py"), str(flags)]
-    seconds = latency.one_job(command, "ours", config, "1gbit")
+    seconds = latency.one_job(command, "ours", config, "1gbit", tmp_path / "ours-1.log")
     assert set(seconds) == {"network", "cpu"}
     assert all(0.3 <= value < 10 for value in seconds.values()), seconds
     node2 = config.container(2)
@@ -795,11 +795,20 @@ def test_the_latency_section_times_each_slowdown_to_its_line_and_frees_the_link(
         ("shape", node2, "1gbit"),  # the bench's link again before the CPU is held
         ("docker", "exec", node2, "docker", "update", "--cpus", "0.1", "tmn-lat-1-node2"),
     ], done
+    # The job's output is kept, with the bench's changes and the job's end marked.
+    kept = (tmp_path / "ours-1.log").read_text()
+    marks = [line.split(" ---- ")[1] for line in kept.splitlines() if " ---- " in line]
+    assert marks[:2] == [
+        f"node2's link shaped to {latency.SHAPED_RATE}",
+        "node2's link freed; its job container held to 0.1 CPU",
+    ], kept
+    assert marks[-1].startswith("ended, exit "), kept
+    assert "[launcher] job tmn-lat-1:" in kept, kept
     # A line on the even cluster fails the section, saying it.
     monkeypatch.setattr(latency, "EVEN_SECONDS", 1.0)
     (flags / "shaped").touch()
     with pytest.raises(RuntimeError, match="said on an even cluster"):
-        latency.one_job(command, "ours", config, "1gbit")
+        latency.one_job(command, "ours", config, "1gbit", tmp_path / "ours-2.log")
 
     data = {
         **bench_data(),
