@@ -14,7 +14,9 @@ noise.
 
 The second part (bench/waits_cost.py) is the cost of the measure of a rank's waits in
 collectives, which the launcher starts in a user's own script and our workloads start in theirs
-(for a job the network holds).
+(for a job the network holds; training.ddp only with its detector on). Our workload's figure is
+the sum: its own work per step, and that measure's cost per asynchronous collective times the
+step's collectives.
 
 What it leaves out: the launcher's side (reading the ranks' lines, and probing a node only when
 one is named: nothing while the ranks are even) costs the ranks nothing; the latency from a
@@ -158,5 +160,13 @@ def measure_detector(reps: int, progress: Progress, quick: bool = False) -> dict
     progress("detector: the measure of waits a user's script gets, on and off...")
     waits = waits_cost.measure_waits(reps, progress, gpu_count, nproc, quick=quick)
     found["waits"] = {**waits, "target": DETECTOR_TARGET}
+    # Our workload's whole detector, on by default: its own work as above, and the measure of
+    # its waits in collectives (for a slow link) that it starts with it, whose cost is the
+    # second part's per asynchronous collective times the same DDP step's collectives.
+    waits_us = max(waits["async_cost_us"]["median"], 0.0) * waits["collectives_per_step"]["median"]
+    found["waits_us_per_step"] = waits_us
+    found["total_work_ratio"] = Series(
+        [1 + (us + waits_us) / 1e6 / off for us, off in zip(per_step, off_steps, strict=True)]
+    ).as_dict()
     found["load_after"] = os.getloadavg()[0]
     return found

@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     config = arguments.ddp(argv, batch_world)
     env = parallel.read_env()
     batch, numerics = prepare(config, env, "ddp", batch_world)
-    parallel.start(env)
+    # The measure of waits in collectives is the detector's too (a slow link): off with it.
+    parallel.start(env, measure_waits=config.run.slow_rank_factor > 0)
     model, splits = build(config, env, numerics)
     ddp_settings = config.ddp
     if ddp_settings.static_graph and planned is not None and planned > env.world_size:

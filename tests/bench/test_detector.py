@@ -37,6 +37,8 @@ def section(step_on=(0.0504, 0.0506, 0.0500), step_off=(0.0500, 0.0500, 0.0500))
         "work_us_per_step": spread(16.1, 15.8, 17.3),
         "work_ratio": spread(1.00032, 1.00032, 1.00035),
         "waits": waits_section(),
+        "waits_us_per_step": 5.6,
+        "total_work_ratio": spread(1.0005, 1.0005, 1.0006),
     }
 
 
@@ -105,6 +107,10 @@ def test_the_two_settings_differ_only_in_the_factor_and_alternate(monkeypatch):
     assert found["work_ratio"]["values"] == pytest.approx([1 + 20e-6 / 0.064] * 3)
     assert said[-2] == "detector: its own work, rep 3/3: 5.0 us of timing a step, 150 us a gather"
     assert said[0].startswith("detector: s per DDP step, rep 1/3: on 0.0646 s, off 0.0640 s")
+    # Our workload's whole detector: that work, and its measure of waits, 4.0 us an
+    # asynchronous collective (the median) times 1.4 a step.
+    assert found["waits_us_per_step"] == pytest.approx(5.6)
+    assert found["total_work_ratio"]["values"] == pytest.approx([1 + 25.6e-6 / 0.064] * 3)
 
 
 def test_the_report_sets_the_step_ratio_against_the_1_percent_target(tmp_path):
@@ -118,7 +124,13 @@ def test_the_report_sets_the_step_ratio_against_the_1_percent_target(tmp_path):
     assert "## 17. The straggler detector's cost (this machine, no cluster)" in text
     assert "with `--slow-rank-factor 1.5` (on, the default" in text and "`0` (off" in text
     assert "- on / off: 1.008 (1.000 to 1.012, n=3); +0.8 % of step time: meets the target" in text
-    assert "| 1.000 | <= 1.01 | meets |" in text  # the work alone
+    assert "| 1.000 | <= 1.01 | meets |" in text  # the work and the measure of waits
+    assert found["detector_work"] == pytest.approx(1.0005)
+    assert (
+        "Our workload's whole detector (its own work, and the measure of its waits it starts "
+        "with it: 5.6 us a step, the asynchronous cost above times the step's collectives), "
+        "over the step off: 1.0005 (1.0005 to 1.0006, n=3); " in " ".join(text.split())
+    )
     assert "us a step timing it, 120 (118 to 130, n=3) us a gather; per step 16.1" in text
     assert "- (the step off + that work) / the step off: 1.0003 (1.0003 to 1.0004" in text
     assert json.loads((tmp_path / "bench.json").read_text())["figures"]["detector_step"] == (

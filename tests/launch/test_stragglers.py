@@ -16,6 +16,7 @@ from pathlib import Path
 from tests.conftest import REPO_ROOT, run_cli
 from tests.launch.test_causes import SLOW_WARNING, SNMP, sample
 from tests.launch.test_causes import THROTTLED_NODE as THROTTLED
+from tests.training.conftest import TINY
 from torch_multinode.cluster import durable
 from torch_multinode.cluster.jobenv import PACE_FILE
 from torch_multinode.launch import stragglers
@@ -449,3 +450,26 @@ def test_the_launcher_reads_a_scripts_waits_on_every_node_and_names_the_straggle
     assert reads["n1"] >= before["n1"] + 3 and reads["n2"] >= before["n2"] + 3
     assert not [line for line in said if "is the straggler" in line], said
     assert result.stragglers == ()
+
+
+def test_our_workload_measures_its_waits_with_its_detector_and_not_without(tmp_path):
+    """training.ddp starts the measure of its waits (for a slow link) with its own detector:
+    with `--slow-rank-factor 0` neither runs, and no rank writes its totals."""
+    done = run_cli(
+        "train",
+        "--nproc-per-node",
+        "2",
+        "--",
+        *TINY,
+        "--steps",
+        "3",
+        "--slow-rank-factor",
+        "0",
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 3/3" in done.stdout, done.stdout
+    run_dir = Path(re.search(r"^Run directory: (\S+)", done.stdout, re.M).group(1))
+    assert run_dir.is_dir() and not list(run_dir.glob(PACE_FILE.format(rank="*"))), sorted(
+        run_dir.iterdir()
+    )

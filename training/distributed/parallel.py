@@ -183,11 +183,14 @@ def bound_device(device: torch.device) -> dict[str, torch.device]:
     return {"device_id": device} if device.type == "cuda" else {}
 
 
-def start(env: DistEnv, timeout_seconds: float = 600, bind: bool = True) -> None:
+def start(
+    env: DistEnv, timeout_seconds: float = 600, bind: bool = True, measure_waits: bool = True
+) -> None:
     """Join the process group (a no-op for a single unlaunched process), serve the Flight
     Recorder's trace to the launcher (training.distributed.flight) and measure this rank's waits
     in collectives (training.distributed.waits: the launcher names a job the network holds from
-    them; our workloads name a slow rank from their own split of the step).
+    them; our workloads name a slow rank from their own split of the step); `measure_waits=False`
+    where the job's straggler detection is off (training.ddp's --slow-rank-factor 0).
 
     `bind=False` for a process whose model spans two GPUs (training.model_parallel): a group
     bound to one GPU refuses a collective on any other ("Attempt to perform collective on
@@ -201,7 +204,8 @@ def start(env: DistEnv, timeout_seconds: float = 600, bind: bool = True) -> None
             **(bound_device(env.device) if bind else {}),
         )
         flight.start()  # the trace, written when the launcher asks (a hang)
-        waits.start()  # written every few seconds to the run directory (none outside a job)
+        if measure_waits:
+            waits.start()  # written every few seconds to the run directory (none outside a job)
 
 
 def stop(synchronize: bool = False) -> None:

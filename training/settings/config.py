@@ -179,7 +179,8 @@ class RunConfig:
     )
     slow_rank_factor: float = doc(
         "every --log-every steps, warn about a rank whose own time per step (everything but "
-        "waiting for the others) exceeds this many times the other ranks' median; 0: never",
+        "waiting for the others) exceeds this many times the other ranks' median; 0: never "
+        "(nor is the time in collectives measured, from which the launcher names a slow link)",
         1.5,
     )
 
