@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import signal
 import sys
 import time
 from pathlib import Path
@@ -280,6 +281,12 @@ def _on_the_bench_cluster(
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Started in the background by a shell without job control (`bench ... &` in a
+        # script, nohup): SIGINT ignored, and every launcher it starts would ignore the Ctrl-C
+        # section 19 stops its jobs with (they ran on, and the next job was refused: the port
+        # still theirs). A handler of our own is reset to the default in each child.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return at_the_edge(_run, args)
 
 

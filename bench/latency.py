@@ -89,6 +89,22 @@ class _Job:
         with self.changed:
             self.changed.notify_all()
 
+    def said_within(self, text: str, until: float) -> str | None:
+        """The first line holding `text` before the time `until` (waited for, not past it), or
+        None: a line on the even cluster ends the section at once."""
+
+        def found() -> str | None:
+            return next((line for _, line in self.lines if text in line), None)
+
+        with self.changed:
+            self.changed.wait_for(
+                lambda: (
+                    found() is not None or self.proc.poll() is not None or time.monotonic() >= until
+                ),
+                max(0.0, until - time.monotonic()),
+            )
+            return found()
+
     def mark(self, what: str) -> None:
         """A line of the bench's own in the log, at its time."""
         self.log.write(f"{time.monotonic() - self.started:8.1f} ---- {what}\n")
@@ -143,10 +159,9 @@ def one_job(
     try:
         begun, _ = job.first(_STARTED[kind], 0.0, "the job's first steps")
         even = EVEN_SECONDS if even is None else even
-        time.sleep(max(0.0, begun + even - time.monotonic()))
-        early = [line for _, line in job.lines if "is the straggler" in line]
-        if early:
-            raise RuntimeError(f"stragglers: said on an even cluster: {early[0].strip()}")
+        early = job.said_within("is the straggler", begun + even)
+        if early is not None:
+            raise RuntimeError(f"stragglers: said on an even cluster: {early.strip()}")
         run_id = next(m[1] for _, line in job.lines if (m := _RUN_ID.search(line)))
         shaped = time.monotonic()
         job.mark(f"node2's link shaped to {SHAPED_RATE}")
