@@ -190,10 +190,11 @@ def measure_latency(
     work: Path,
     quick: bool = False,
 ) -> dict:
-    """`reps` times, each our workload's job and a user script's (`work`: a directory for it);
-    the first rep's jobs run even for EVEN_FIRST seconds (not under `quick`). The two nodes'
-    links are unshaped for the section and given back `link` (the bench's) after it: with every
-    link shaped alike, which one holds a job is not known, and not said (launch.stragglers)."""
+    """`reps` times, each our workload's job and a user script's (`work`: a directory for the
+    script's project and every job's log); the first rep's jobs run even for EVEN_FIRST seconds
+    (not under `quick`). The two nodes' links are unshaped for the section and given back
+    `link` (the bench's) after it: with every link shaped alike, which one holds a job is not
+    known, and not said (launch.stragglers)."""
     nodes = [config.container(index) for index in (1, 2)]
     for node in nodes:
         sim.shape_link(node, None)
@@ -213,8 +214,10 @@ def _measure(
     work: Path,
     quick: bool,
 ) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    script = work / "loop.py"
+    # The script's project (what the launcher sends) apart from the jobs' logs, which grow
+    # while a job's project is sent.
+    script = work / "project" / "loop.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(SCRIPT)
     base = [str(train), "-i", str(inventory), "--nnodes", "2"]
     commands = {"ours": [*base, "--", *OURS], "script": [*base, "--script", str(script)]}
