@@ -372,8 +372,8 @@ def latency_lines(found: dict) -> list[str]:
         "",
         "Each rep: our workload (training.ddp) and a user's own script (an all_reduce in a "
         f"loop), even for {found['even_first']:g} s in the first rep and {found['even']:g} s in "
-        "the others with nothing said, then node2's compute link shaped to {found['rate']} until node2 "
-        "is named for it, then the link freed and node2's job container held to "
+        f"the others with nothing said, then node2's compute link shaped to {found['rate']} "
+        "until node2 is named for it, then the link freed and node2's job container held to "
         f"{found['held']['ours']} CPU (our workload) or {found['held']['script']} (the script) "
         "until it is named again. Seconds from the change to the launcher's line "
         f"(target {found['target']:g} s):",

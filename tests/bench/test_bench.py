@@ -834,6 +834,7 @@ def test_the_latency_section_times_each_slowdown_to_its_line_and_frees_the_link(
     text = (tmp_path / "bench.md").read_text()
     assert "## 19. The straggler watch's latency (2 nodes, in containers)" in text
     assert "even for 300 s in the first rep and 60 s in the others with nothing said" in text
+    assert "node2's compute link shaped to 200kbit until node2 is named for it" in text
     assert (
         "- a user's script, the link: 62 (62 to 62, n=1) s; the CPU: 70 (70 to 70, n=1) s" in text
     )
