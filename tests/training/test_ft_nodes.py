@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
+import time
 import uuid
 
 import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.helpers import leftovers, no_containers_left, on_node, run_id_in
-from tests.training.conftest import TINY, kill_node, launches, with_values
+from tests.training.conftest import TINY, TimedOutput, kill_node, launches, with_values
 from tests.training.references import SMALL
 from tests.training.test_faults import _summary, _wait_for
 from torch_multinode.cluster.inventory import DEFAULT_CHECKPOINT_ROOT, DEFAULT_LIGHTHOUSE_PORT
@@ -256,4 +258,104 @@ def test_ft_a_spare_takes_a_lost_nodes_group_and_heals_from_a_peer(ft3):
     assert summary[0].startswith(f"Job {run_id} succeeded after "), summary
     assert re.search(r"^  node3 +exit 0$", text, re.M), summary
     no_containers_left(cluster, (1, 3), run_id)
+    assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
+
+
+_FULL_DIGEST = re.compile(r"^\[node(\d)\] (?:\[rank 0\] )?parameters +sha256 ([0-9a-f]{64})$", re.M)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("module", ["training.ddp", "training.fsdp"])
+def test_ft_a_group_lost_before_its_first_checkpoint_then_ctrl_c_keeps_every_complete_step(
+    ft3, module
+):
+    """FT=1 with durable checkpoints every 12 steps on each node's disk. node3 killed at node1's
+    step 2, ten steps before any checkpoint, and left dead: it holds no file of the job. Ctrl-C
+    at the launcher once node1 has passed step 12: exit 130, the run `interrupted`, nothing of
+    the job left on the survivors nor the lighthouse here, and each survivor's step 12 whole.
+    Run again with node3 back: node1's and node2's groups resume from step 12, node3's finds
+    none and heals from a peer at the first step, and the three end on one set of parameters,
+    each node holding the last step."""
+    cluster, inventory = ft3
+    steps = 60  # long enough to be running still when Ctrl-C comes after step 14
+    directory = f"ft-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
+    workload = (
+        [*THREE, "--no-tensorboard"]
+        if module == "training.ddp"
+        else with_values(SMALL, global_batch_size="12", log_every="1")
+    )
+    arguments = [
+        "--ft",
+        "--module",
+        module,
+        "--",
+        *workload,
+        "--steps",
+        str(steps),
+        "--step-delay",
+        "0.3",
+        "--checkpoint-dir",
+        directory,
+        "--checkpoint-every",
+        "12",
+    ]
+
+    def held(index: int) -> list[str]:
+        """The job's complete steps on node `index`'s disk, by name (a file a rank for
+        training.ddp, a directory a group for training.fsdp)."""
+        root = f"{DEFAULT_CHECKPOINT_ROOT}/{directory}"
+        if module == "training.fsdp":
+            root += f"/group-{index - 1}"
+        listed = on_node(cluster, index, f"ls -A {root} 2>/dev/null; true").split()
+        return sorted(name for name in listed if name.startswith("step-"))
+
+    def complete(step: int, index: int) -> str:
+        if module == "training.fsdp":
+            return f"step-{step:08d}"
+        return f"step-{step:08d}-rank-{index - 1:05d}.pt"
+
+    with launches(*ft3) as start:
+        process = start(*arguments)
+        seen = _wait_for(process, re.compile(r"^\[node1\] step +2/"))
+        run_id = run_id_in(seen)
+        output = kill_node(process, cluster.config.container(3))  # and left dead
+        output.first("[launcher] node3 lost at step", timeout=120)
+        output.first(f"[node1] step 14/{steps} ", timeout=300)
+        process.send_signal(signal.SIGINT)
+        output.mark("Ctrl-C")
+        output.end(timeout=120)
+    text = seen + output.text
+    assert process.returncode == 130, output.stamped[-4000:]
+    # The unlucky moment as meant: node3 never reached the first checkpoint's step.
+    node3 = [int(step) for name, step in _STEP.findall(text) if name == "3"]
+    assert max(node3, default=0) < 12, output.stamped[-4000:]
+    assert f"Job {run_id} interrupted" in text, output.stamped[-4000:]
+    record = json.loads((REPO_ROOT / ".runs" / run_id / "run.json").read_text())
+    assert record["result"] == "interrupted", record["result"]
+    nodes = load(inventory)
+    assert leftovers(nodes, run_id, nodes.hosts[:2]) == {"node1": "", "node2": ""}
+    no_containers_left(cluster, (1, 2), run_id)
+    assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
+    for index in (1, 2):
+        assert complete(12, index) in held(index), (index, held(index))
+    _all_back(ft3)
+    assert held(3) == [], held(3)  # killed ten steps before its first checkpoint
+
+    with launches(*ft3) as start:
+        again = start(*arguments)
+        rerun = TimedOutput(again, time.monotonic())
+        rerun.end(timeout=600)
+    text = rerun.text
+    assert again.returncode == 0, rerun.stamped[-5000:]
+    for node in ("node1", "node2"):
+        assert re.search(rf"^\[{node}\] (?:\[rank 0\] )?resuming from step 12", text, re.M), (
+            rerun.stamped[:5000]
+        )
+    assert re.search(r"^\[node3\] (?:\[rank 0\] )?no checkpoints in ", text, re.M), text[:5000]
+    healed = re.findall(r"^\[node3\] healed from a peer: at step (\d+) with the others", text, re.M)
+    assert healed == ["13"], rerun.stamped[-5000:]
+    digests = dict(_FULL_DIGEST.findall(text))
+    assert sorted(digests) == ["1", "2", "3"] and len(set(digests.values())) == 1, digests
+    for index in (1, 2, 3):
+        assert complete(steps, index) in held(index), (index, held(index))
     assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
