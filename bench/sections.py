@@ -163,8 +163,8 @@ def detector_lines(found: dict) -> list[str]:
         f"{verdict(found['work_ratio']['median'], found['target'])}",
         *waits_lines(found.get("waits")),
         *total_lines(found),
-        "- not here: the latency from a slowdown to the launcher's line (the straggler test in "
-        "containers holds it under its 180 s wait; issue 55 asks for 120 s)",
+        "- not here: the latency from a slowdown to the launcher's line (section 19, on the "
+        "bench's cluster)",
     ]
 
 
