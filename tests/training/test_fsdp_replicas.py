@@ -23,9 +23,14 @@ from tests.training.conftest import (
     with_values,
 )
 from tests.training.references import SMALL, STEPS, reference
-from tests.training.test_replicas import LOOPBACK, group_environment, kill_group, start_group
+from tests.training.test_replicas import (
+    LOOPBACK,
+    group_environment,
+    kill_group,
+    killed_mid_write_then_run_again,
+    start_group,
+)
 from torch_multinode.launch import lighthouse
-from torch_multinode.training.settings.config import STOP_EXIT_CODE
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # four ranks at once: not beside the other fsdp runs
 LONG = 300  # steps: the survivor still trains when the group started again has joined
@@ -134,42 +139,9 @@ def test_fsdp_groups_checkpoints_survive_a_group_killed_mid_write_and_a_rerun_go
     own directory (group 0: 12; group 1: 4, its step 8 never loaded) and torchft makes the
     newest the resume point: group 1 heals from group 0 at its first step, and both end on one
     set of parameters."""
-    started = time.monotonic()
-    with lighthouse.running(LOOPBACK, free_port(), 1, tmp_path / "lighthouse.log") as url:
-        first = [
-            _checkpointing_group(0, url, tmp_path, "--stop-after-step", "12", start_wait=120),
-            _checkpointing_group(1, url, tmp_path, "--checkpoint-pause-step", "8", start_wait=120),
-        ]
-        outputs = [TimedOutput(process, started) for process in first]
-        try:
-            outputs[1].first("checkpoint step 8: its files written", timeout=300)
-            kill_group(first[1])
-            outputs[1].mark("killed while writing step 8")
-            outputs[0].end(timeout=300)
-        finally:
-            for process in first:
-                if process.poll() is None:
-                    kill_group(process)
-        assert f"exitcode  : {STOP_EXIT_CODE}" in outputs[0].text, outputs[0].stamped
-        assert "stopping after step 12 (--stop-after-step)" in outputs[0].text
-        assert "1 of 2 replica groups train" in outputs[0].text, outputs[0].stamped
-        assert "checkpoints    this replica group's own, in ck/group-0" in outputs[0].text
-        # Their newest steps differ (12 and 4): one quorum as soon as both are in it.
-        again = [_checkpointing_group(i, url, tmp_path, start_wait=600) for i in range(2)]
-        rerun = [TimedOutput(process, started) for process in again]
-        try:
-            for output in rerun:
-                output.end(timeout=300)
-        finally:
-            for process in again:
-                if process.poll() is None:
-                    kill_group(process)
-    assert [p.returncode for p in again] == [0, 0], [output.stamped for output in rerun]
-    assert "resuming from step 12" in rerun[0].text, rerun[0].stamped
+    first, rerun = killed_mid_write_then_run_again(_checkpointing_group, tmp_path, 300)
+    assert "checkpoints    this replica group's own, in ck/group-0" in first[0].text
     assert "resuming from step 4" in rerun[1].text, rerun[1].stamped
-    healed = re.search(r"healed from a peer: at step (\d+)", rerun[1].text)
-    assert healed and int(healed.group(1)) == 13, rerun[1].stamped
-    assert "healed from a peer" not in rerun[0].text, rerun[0].stamped
     assert _steps(rerun[0].text, 16) == [13, 14, 15, 16], rerun[0].stamped
     assert _digest(rerun[0].text) == _digest(rerun[1].text)
     # Group 1's step 8 never took its name (its files were swept at the rerun's start); each

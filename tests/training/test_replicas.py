@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -196,18 +197,40 @@ def test_groups_checkpoints_survive_a_group_killed_mid_write_and_a_rerun_goes_on
     on its own disk (group 0: 12; group 1: 4, its step 8 never loaded) and torchft makes the
     newest the resume point: group 1 heals from group 0 at its first step, and both end on one
     set of parameters."""
+    _, rerun = killed_mid_write_then_run_again(_checkpointing_group, tmp_path, 240)
+    assert "resuming from step 4" in rerun[1].text, rerun[1].stamped
+    assert _steps16(rerun[0].text) == [13, 14, 15, 16], rerun[0].stamped
+    assert _digest(rerun[0].text) == _digest(rerun[1].text)
+    # Group 1's file of step 8 never got its name; group 0 holds every step to the last.
+    assert not list((tmp_path / "ck1").glob("step-00000008-*.pt")), sorted(
+        path.name for path in (tmp_path / "ck1").iterdir()
+    )
+    assert list((tmp_path / "ck0").glob("step-00000016-*.pt"))
+
+
+def killed_mid_write_then_run_again(
+    group: Callable[..., subprocess.Popen], tmp_path, timeout: float
+) -> tuple[list[TimedOutput], list[TimedOutput]]:
+    """The checkpoint tests' scenario with FT=1, for either workload (`group(index, url,
+    tmp_path, *args, start_wait=)` starts one with checkpoints every 4 steps): group 1 killed
+    in its pause inside step 8's write, group 0 alone until it stops after step 12; then both
+    run again to step 16. Their newest steps differ (12 and 4): one quorum as soon as both are
+    in it, not after the start wait (600 s, past what this waits for them). What both runs
+    said; what every such run must show is checked here: group 0 stopped as asked and trained
+    alone, and in the second run each group ended well, group 0 from step 12, group 1 healed
+    from it at step 13."""
     started = time.monotonic()
     with lighthouse.running(LOOPBACK, free_port(), 1, tmp_path / "lighthouse.log") as url:
         first = [
-            _checkpointing_group(0, url, tmp_path, "--stop-after-step", "12", start_wait=120),
-            _checkpointing_group(1, url, tmp_path, "--checkpoint-pause-step", "8", start_wait=120),
+            group(0, url, tmp_path, "--stop-after-step", "12", start_wait=120),
+            group(1, url, tmp_path, "--checkpoint-pause-step", "8", start_wait=120),
         ]
         outputs = [TimedOutput(process, started) for process in first]
         try:
-            outputs[1].first("checkpoint step 8: ", timeout=240)
+            outputs[1].first("checkpoint step 8: ", timeout=timeout)
             kill_group(first[1])
             outputs[1].mark("killed while writing step 8")
-            outputs[0].end(timeout=240)
+            outputs[0].end(timeout=timeout)
         finally:
             for process in first:
                 if process.poll() is None:
@@ -216,30 +239,21 @@ def test_groups_checkpoints_survive_a_group_killed_mid_write_and_a_rerun_goes_on
         assert f"exitcode  : {STOP_EXIT_CODE}" in outputs[0].text, outputs[0].stamped
         assert "stopping after step 12 (--stop-after-step)" in outputs[0].text
         assert "1 of 2 replica groups train" in outputs[0].text, outputs[0].stamped
-        # Their newest steps differ (12 and 4): they are one quorum as soon as both are in it,
-        # not after the start wait (600 s, past what this test waits for them).
-        again = [_checkpointing_group(i, url, tmp_path, start_wait=600) for i in range(2)]
+        again = [group(index, url, tmp_path, start_wait=600) for index in range(2)]
         rerun = [TimedOutput(process, started) for process in again]
         try:
             for output in rerun:
-                output.end(timeout=240)
+                output.end(timeout=timeout)
         finally:
             for process in again:
                 if process.poll() is None:
                     kill_group(process)
     assert [p.returncode for p in again] == [0, 0], [output.stamped for output in rerun]
     assert "resuming from step 12" in rerun[0].text, rerun[0].stamped
-    assert "resuming from step 4" in rerun[1].text, rerun[1].stamped
     healed = re.search(r"healed from a peer: at step (\d+)", rerun[1].text)
     assert healed and int(healed.group(1)) == 13, rerun[1].stamped
     assert "healed from a peer" not in rerun[0].text, rerun[0].stamped
-    assert _steps16(rerun[0].text) == [13, 14, 15, 16], rerun[0].stamped
-    assert _digest(rerun[0].text) == _digest(rerun[1].text)
-    # Group 1's file of step 8 never got its name; group 0 holds every step to the last.
-    assert not list((tmp_path / "ck1").glob("step-00000008-*.pt")), sorted(
-        path.name for path in (tmp_path / "ck1").iterdir()
-    )
-    assert list((tmp_path / "ck0").glob("step-00000016-*.pt"))
+    return outputs, rerun
 
 
 def _steps16(text: str) -> list[int]:
