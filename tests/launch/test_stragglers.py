@@ -452,7 +452,7 @@ def test_the_launcher_reads_a_scripts_waits_on_every_node_and_names_the_straggle
     assert result.stragglers == ()
 
 
-def test_our_workload_measures_its_waits_with_its_detector_and_not_without(tmp_path):
+def test_our_workload_measures_its_waits_with_its_detector_and_not_without():
     """training.ddp starts the measure of its waits (for a slow link) with its own detector:
     with `--slow-rank-factor 0` neither runs, and no rank writes its totals."""
     done = run_cli(
