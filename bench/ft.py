@@ -27,8 +27,8 @@ from torch_multinode.sim import nodes as sim
 from torch_multinode.training.distributed.replicas import DEFAULT_TIMEOUT
 
 FT_NODES = 3
-# The job of section 15 without its checkpoints (FT=1 refuses --checkpoint-dir), long enough
-# for node3 to come back and heal while the others train.
+# The job of section 15 without its checkpoints (FT=1's groups survive a loss without them),
+# long enough for node3 to come back and heal while the others train.
 JOB = [*nodeloss.JOB[: nodeloss.JOB.index("--steps")], "--steps", "200", "--step-delay", "0.3"]
 # Without a fault, no delay: the steps' own time, as the overhead target is stated.
 PLAIN = [*nodeloss.JOB[: nodeloss.JOB.index("--steps")], "--steps", "60"]
