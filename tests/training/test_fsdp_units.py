@@ -12,6 +12,7 @@ import torch
 
 from tests.training.conftest import run_main
 from torch_multinode.training import fsdp
+from torch_multinode.training.loop import fsdp_report
 from torch_multinode.training.modeling import gpt
 from torch_multinode.training.settings import compile_check
 
@@ -135,14 +136,14 @@ def test_an_unknown_gpu_says_so_and_reports_no_mfu(monkeypatch):
     env = types.SimpleNamespace(device=torch.device("cuda:0"), world_size=1)
     numerics = Numerics(torch.bfloat16, False, True, "bf16")
     row: dict = {}
-    lines = fsdp.gpu_lines(config, env, GPT2_SMALL, numerics, 1000.0, [2**30], row)
+    lines = fsdp_report.gpu_lines(config, env, GPT2_SMALL, numerics, 1000.0, [2**30], row)
     assert lines[1] == (
         "MFU            unknown: no bf16 peak TFLOP/s known for NVIDIA RTX A1000 (give "
         "--peak-tflops)"
     )
     assert "mfu" not in row
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    lines = fsdp.gpu_lines(config, env, GPT2_SMALL, numerics, 1000.0, [2**30], row)
+    lines = fsdp_report.gpu_lines(config, env, GPT2_SMALL, numerics, 1000.0, [2**30], row)
     assert lines[1].startswith("MFU            ") and "of 312 TFLOP/s per GPU at bf16" in lines[1]
     assert row["mfu"] == pytest.approx(1000 * gpt.flops_per_token(GPT2_SMALL) / 312e12)
 

@@ -8,4 +8,6 @@ and learning rate from trainer, model_parallel and pipeline their synthetic imag
     metrics        progress lines, TensorBoard scalars and the profiler
     virtual_ranks  which planned ranks a rank plays where a job continues on fewer ranks than it
                    was planned for (TMN_PLANNED_WORLD_SIZE)
+    fsdp_report    what fsdp measures and says: bytes held, its clock, header, progress lines,
+                   the summary, its BENCH row and the exported model
 """
