@@ -75,7 +75,8 @@ class _Job:
         )
         self.lines: list[tuple[float, str]] = []
         self.changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None  # stdout=PIPE
@@ -89,29 +90,11 @@ class _Job:
         with self.changed:
             self.changed.notify_all()
 
-    def said_within(self, text: str, until: float) -> str | None:
-        """The first line holding `text` before the time `until` (waited for, not past it), or
-        None: a line on the even cluster ends the section at once."""
-
-        def found() -> str | None:
-            return next((line for _, line in self.lines if text in line), None)
-
-        with self.changed:
-            self.changed.wait_for(
-                lambda: (
-                    found() is not None or self.proc.poll() is not None or time.monotonic() >= until
-                ),
-                max(0.0, until - time.monotonic()),
-            )
-            return found()
-
-    def mark(self, what: str) -> None:
-        """A line of the bench's own in the log, at its time."""
-        self.log.write(f"{time.monotonic() - self.started:8.1f} ---- {what}\n")
-        self.log.flush()
-
-    def first(self, pattern: re.Pattern, since: float, what: str) -> tuple[float, str]:
-        """The time and text of the first line after `since` that matches."""
+    def _matching(
+        self, pattern: re.Pattern, since: float, until: float
+    ) -> tuple[float, str] | None:
+        """The time and text of the first line after `since` that matches, waited for until
+        the time `until` or the job's end; None if none came."""
 
         def found() -> tuple[float, str] | None:
             return next(
@@ -121,9 +104,25 @@ class _Job:
 
         with self.changed:
             self.changed.wait_for(
-                lambda: found() is not None or self.proc.poll() is not None, WAIT_LIMIT
+                lambda: found() is not None or self.proc.poll() is not None,
+                max(0.0, until - time.monotonic()),
             )
-            hit = found()
+            return found()
+
+    def said_within(self, text: str, until: float) -> str | None:
+        """The first line holding `text` before the time `until` (waited for, not past it), or
+        None: a line on the even cluster ends the section at once."""
+        hit = self._matching(re.compile(re.escape(text)), 0.0, until)
+        return None if hit is None else hit[1]
+
+    def mark(self, what: str) -> None:
+        """A line of the bench's own in the log, at its time."""
+        self.log.write(f"{time.monotonic() - self.started:8.1f} ---- {what}\n")
+        self.log.flush()
+
+    def first(self, pattern: re.Pattern, since: float, what: str) -> tuple[float, str]:
+        """The time and text of the first line after `since` that matches."""
+        hit = self._matching(pattern, since, time.monotonic() + WAIT_LIMIT)
         if hit is None:
             tail = "".join(line for _, line in self.lines[-20:])
             raise RuntimeError(f"stragglers: never saw {what}:\n{tail}")
@@ -138,7 +137,10 @@ class _Job:
             except subprocess.TimeoutExpired:
                 self.mark("still running 180 s after Ctrl-C: killed")
                 self.proc.kill()
+        self.reader.join(timeout=30)  # the job's last lines in the log before it closes
         self.mark(f"ended, exit {self.proc.wait()}")
+        if not self.reader.is_alive():  # else a child of the job still holds its output open
+            self.log.close()
 
 
 def one_job(
