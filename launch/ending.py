@@ -282,6 +282,20 @@ def exceptions(lines: list[str]) -> list[Raised]:
     return found
 
 
+def own_words(lines: list[str]) -> str | None:
+    """Why a node's ranks ended, in their own words and one line: the last one-line error a
+    worker printed (`Error: ...`, with its remedy), else the exception a rank died of that is no
+    peer's consequence; None where they said neither (killed, say). An FT=1 job's lost group."""
+    errors = [line for line in lines if _WORKER_ERROR.match(line)]
+    if errors:
+        return _WORKER_PREFIX.sub("", errors[-1]).strip()
+    cause, _ = cause_and_knock_ons(exceptions(lines))
+    return f"raised {cause.said()}" if cause is not None else None
+
+
+_WORKER_PREFIX = re.compile(r"^\s*(\[rank\d+\]:\s*)?")
+
+
 def cause_and_knock_ons(raised: list[Raised]) -> tuple[Raised | None, list[Raised]]:
     """The root cause (the first exception that is no peer's consequence) and the knock-on
     errors, one per rank."""

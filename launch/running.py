@@ -16,6 +16,7 @@ from torch_multinode.cluster.errors import UserError
 from torch_multinode.cluster.execution import Nodes, Session
 from torch_multinode.cluster.inventory import Host
 from torch_multinode.launch import causes
+from torch_multinode.launch.ending import own_words
 from torch_multinode.launch.groups import Groups
 from torch_multinode.launch.progress import Progress
 from torch_multinode.launch.spec import Emit, JobResult, JobSpec, NodeOutcome
@@ -80,7 +81,11 @@ class RunningJob:
             outcome.unreachable = outcome.unreachable or unreachable
             if self.groups is not None and self.first_failure is None:
                 code = outcome.exit_code
-                why = outcome.error or (f"exit {code}" if code not in (None, 0) else None)
+                why = (
+                    outcome.error
+                    or own_words(list(outcome.tail))
+                    or (f"exit {code}" if code not in (None, 0) else None)
+                )
                 if self.groups.lose(name, why):
                     if self.ended():
                         self.done.set()

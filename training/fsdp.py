@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         "seed": config.run.seed,
     }
     if config.checkpoint.checkpoint_dir:
+
+        def hook_rank(rank: int | None) -> int | None:
+            """A test hook's rank, the job's: with FT=1 counted across the groups."""
+            return rank if group is None else group.own_rank(rank, env.world_size)
+
         paused = config.checkpoint.checkpoint_pause_step
         held = config.checkpoint.hold_after_step
         store = Checkpoints(
@@ -206,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             env,
             config.checkpoint.keep,
             node,
-            pause=None if paused is None else (paused, config.checkpoint.checkpoint_pause_rank),
-            hold=None if held is None else (held, config.checkpoint.hold_rank),
+            pause=None
+            if paused is None
+            else (paused, hook_rank(config.checkpoint.checkpoint_pause_rank)),
+            hold=None if held is None else (held, hook_rank(config.checkpoint.hold_rank)),
         )
         if group is not None:
             console.say(env, f"checkpoints    this replica group's own, in {store.directory}")

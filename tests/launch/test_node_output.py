@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from torch_multinode.launch.ending import own_words
 from torch_multinode.launch.node_output import PROGRESS_EVERY, NodeOutput
 
 
@@ -275,3 +276,17 @@ def test_a_log_on_a_full_disk_ends_there_said_once_and_every_line_still_shows():
     assert [line for line in rig.emitted if line.startswith("[launcher]")] == [stop]
     steps = [line for line in rig.emitted if not line.startswith("[launcher]")]
     assert steps == shown(*(f"step {step}/2000 {'x' * 40}" for step in range(1, 2001)))
+
+
+def test_a_nodes_own_words_are_its_last_error_line_else_the_exception_it_died_of():
+    """What an FT=1 job's launcher says of a group it lost (launch.ending.own_words)."""
+    error = "Error: cannot write checkpoint step 8 to /c: No space left on device (try x)"
+    assert own_words(["step 7/12", f"[rank0]: {error}", "exit"]) == error
+    traceback = [
+        "Traceback (most recent call last):",
+        '  File "/w/train.py", line 42, in <module>',
+        "    main()",
+        "ValueError: bad batch",
+    ]
+    assert own_words(traceback) == "raised ValueError: bad batch (at /w/train.py:42)"
+    assert own_words(["step 7/12"]) is None

@@ -143,8 +143,19 @@ def test_ft_without_an_inventory_is_one_error_line():
     )
 
 
+@pytest.mark.parametrize(
+    "last_words, code, why",
+    [
+        ((), 137, "exit 137"),  # killed: nothing said
+        (
+            ("Error: cannot write checkpoint step 12 to /c: No space left on device (try x)",),
+            1,
+            "Error: cannot write checkpoint step 12 to /c: No space left on device (try x)",
+        ),
+    ],
+)
 def test_an_ft_run_gives_each_node_its_group_and_goes_on_without_the_one_that_dies(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, last_words, code, why
 ):
     """Over fake nodes, with torchft's lighthouse really started on loopback: every node's
     torchrun is its own (nnodes 1, its own rendezvous), with its group and the lighthouse's URL;
@@ -162,8 +173,10 @@ def test_an_ft_run_gives_each_node_its_group_and_goes_on_without_the_one_that_di
         for step in range(1, 13):
             out.write(f"step {step:3d}/20  loss 1.0\n")
         if host.name == "node3":
+            for line in last_words:
+                out.write(line + "\n")
             node3_gone.set()
-            return 137
+            return code
         node3_gone.wait(10)
         for step in range(13, 21):
             out.write(f"step {step:3d}/20  loss 1.0\n")
@@ -176,11 +189,13 @@ def test_an_ft_run_gives_each_node_its_group_and_goes_on_without_the_one_that_di
     result = Launcher(three, spec, said.append, project=project, nodes=nodes).run()
     assert result.exit_code == 0, said
     assert result.groups_lost == ("node3",)
+    # Why, in the group's own words where it said any.
     assert (
-        "[launcher] node3 lost at step 12: continuing on node1, node2 (2 of 3 groups) (exit 137)"
+        f"[launcher] node3 lost at step 12: continuing on node1, node2 (2 of 3 groups) ({why})"
         in said
     )
     assert result.nodes_changed[0].startswith("node3 lost at step 12: continuing on node1, node2")
+    assert result.nodes_changed[0].endswith(f"; {why}"), result.nodes_changed
     assert sorted(jobs) == ["node1", "node2", "node3"]
     for index, name in enumerate(sorted(jobs)):
         command = jobs[name]

@@ -94,7 +94,9 @@ def ft3(sim3):
 def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_processes(ft3):
     """training.fsdp: FSDP2 within a node (one rank here), torchft across, 4 sequences a rank a
     step, each group's durable checkpoints every 10 steps in a directory of its own on its
-    node's disk. (training.ddp's survivors keep their processes in the restarts test below.)"""
+    node's disk. node3 is killed inside its write of step 20 (its files written, the step not
+    yet named): its disk keeps step 10 whole and step 20 only as the write it was. (training.ddp's
+    survivors keep their processes in the restarts test below.)"""
     cluster, inventory = ft3
     directory = f"ft-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
     with launches(*ft3) as start:
@@ -112,11 +114,13 @@ def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_proce
             directory,
             "--checkpoint-every",
             "10",
+            *_NODE3_PAUSES_IN_STEP_20,
         )
         seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
         run_id = run_id_in(seen)
         before = {index: _pids(cluster, index, run_id) for index in (1, 2)}
         assert all(before.values()), before
+        seen += _wait_for(process, _PAUSED_IN_STEP_20)
         output = kill_node(process, cluster.config.container(3))  # and left dead
         output.first("[node1] step 30/", timeout=300)  # well after the loss
         after = {index: _pids(cluster, index, run_id) for index in (1, 2)}
@@ -146,7 +150,19 @@ def test_ft_a_node_killed_and_left_dead_costs_the_others_seconds_not_their_proce
     assert leftovers(nodes, run_id, nodes.hosts[:2]) == {"node1": "", "node2": ""}
     no_containers_left(cluster, (1, 2), run_id)
     assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
+    # node3's disk, its node back: step 10 whole, step 20 never named a step.
+    _all_back(ft3)
+    group = f"{DEFAULT_CHECKPOINT_ROOT}/{directory}/group-2"
+    listed = on_node(cluster, 3, f"ls -A {group}").split()
+    assert [name for name in listed if name.startswith("step-")] == ["step-00000010"], listed
+    assert ".step-00000020.tmp" in listed, listed
+    assert on_node(cluster, 3, f"ls {group}/step-00000010/manifest.pt").strip()
 
+
+# node3's group (the job's rank 2: one rank a node) pauses inside its write of step 20, its
+# files written and the step not yet named: the moment it is killed in.
+_NODE3_PAUSES_IN_STEP_20 = ("--checkpoint-pause-step", "20", "--checkpoint-pause-rank", "2")
+_PAUSED_IN_STEP_20 = re.compile(r"^\[node3\] (?:\[rank 0\] )?checkpoint step 20: .*pausing")
 
 # Each group's whole digest: training.ddp's every rank says it, training.fsdp's summary (rank 0).
 _DIGEST = re.compile(r"^\[node(\d)\] (?:\[rank \d+\] )?parameters +sha256 ([0-9a-f]{64})$", re.M)
@@ -154,11 +170,12 @@ _DIGEST = re.compile(r"^\[node(\d)\] (?:\[rank \d+\] )?parameters +sha256 ([0-9a
 
 @pytest.mark.sim
 def test_ft_with_restarts_a_node_brought_back_heals_from_a_peer_and_the_job_ends_whole(ft3):
-    """RESTARTS=1: node3 killed after step 12, its container started again while the others go
-    on; the launcher starts its group again once it answers, it heals from a live peer and
-    trains with the others to the end: the three groups end on one set of parameters. Each
-    group keeps durable checkpoints on its node's disk: node3's group, started again, resumes
-    from its own newest (step 10) before it heals, and every node ends holding the last step."""
+    """RESTARTS=1: node3 killed inside its write of step 20 (its file written, not yet named),
+    its container started again while the others go on; the launcher starts its group again
+    once it answers, it heals from a live peer and trains with the others to the end: the three
+    groups end on one set of parameters. Each group keeps durable checkpoints on its node's
+    disk: node3's group, started again, resumes from its own newest complete step (10, never
+    the write cut short) before it heals, and every node ends holding the last step."""
     cluster, _ = ft3
     steps = 240  # the others' steps while node3 restarts, is waited for and heals
     directory = f"ft-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
@@ -180,11 +197,13 @@ def test_ft_with_restarts_a_node_brought_back_heals_from_a_peer_and_the_job_ends
             directory,
             "--checkpoint-every",
             "10",
+            *_NODE3_PAUSES_IN_STEP_20,
         )
         seen = _wait_for(process, re.compile(r"^\[node1\] step +12/"))
         run_id = run_id_in(seen)
         before = {index: _pids(cluster, index, run_id) for index in (1, 2)}
         assert all(before.values()), before
+        seen += _wait_for(process, _PAUSED_IN_STEP_20)
         output = kill_node(process, cluster.config.container(3))
         output.first("[launcher] node3 lost at step", timeout=120)
         sim.up(3, None, cluster.config)  # node3's container started again
@@ -357,3 +376,93 @@ def test_ft_a_group_lost_before_its_first_checkpoint_then_ctrl_c_keeps_every_com
     for index in (1, 2, 3):
         assert complete(steps, index) in held(index), (index, held(index))
     assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("module", ["training.ddp", "training.fsdp"])
+def test_ft_a_full_disk_ends_that_nodes_group_with_one_line_and_keeps_its_last_step(ft3, module):
+    """FT=1 with durable checkpoints every 4 steps on each node's disk, node2's a small
+    filesystem of its own (mounted on the node, seen by the job's container through its mount
+    of the checkpoint root). A first job writes step 4 on every node; node2's filesystem is then
+    filled up. Run again, every group resumes from step 4, and node2's write of step 8 fails:
+    its group ends with one line naming the directory, the launcher says node2 lost with that
+    line (and again in the summary), node1's and node3's groups train to the end (exit 0), and
+    node2's disk holds step 4 whole beside the filler, nothing of step 8."""
+    cluster, _ = ft3
+    name = f"ft-full-{uuid.uuid4().hex[:8]}"
+    mounted = f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
+    directory = mounted if module == "training.ddp" else f"{mounted}/group-1"
+    workload = (
+        [*THREE, "--no-tensorboard"]
+        if module == "training.ddp"
+        else with_values(SMALL, global_batch_size="12", log_every="1")
+    )
+
+    def run(steps: int) -> tuple[subprocess.Popen, TimedOutput]:
+        with launches(*ft3) as start:
+            process = start(
+                "--ft",
+                "--module",
+                module,
+                "--",
+                *workload,
+                "--steps",
+                str(steps),
+                "--checkpoint-dir",
+                name,
+                "--checkpoint-every",
+                "4",
+            )
+            output = TimedOutput(process, time.monotonic())
+            output.end(timeout=600)
+        return process, output
+
+    def held() -> list[str]:
+        return on_node(cluster, 2, f"ls -A {directory}").split()
+
+    step_4 = "step-00000004" if module == "training.fsdp" else "step-00000004-rank-00001.pt"
+    on_node(cluster, 2, f"mkdir -p {mounted} && mount -t tmpfs -o size=2m tmpfs {mounted}")
+    try:
+        first, output = run(4)
+        assert first.returncode == 0, output.stamped[-4000:]
+        assert step_4 in held(), held()
+        on_node(cluster, 2, f"dd if=/dev/zero of={mounted}/filler bs=4k 2>/dev/null", check=False)
+        before = on_node(cluster, 2, f"cd {directory} && find {step_4} -type f | xargs sha256sum")
+
+        full, output = run(12)
+        text = output.text
+        assert full.returncode == 0, output.stamped[-5000:]
+        for node in ("node1", "node2", "node3"):
+            assert re.search(rf"^\[{node}\] (?:\[rank 0\] )?resuming from step 4", text, re.M), (
+                output.stamped[:5000]
+            )
+        (error,) = re.findall(
+            rf"^\[node2\] (?:\[rank 0\] )?(Error: cannot write checkpoint step 8 to "
+            rf"{re.escape(directory)}: No space left on device.*)$",
+            text,
+            re.M,
+        )
+        assert "(try freeing space there" in error, error
+        (lost,) = re.findall(r"^\[launcher\] node2 lost at step 8: (.*)$", text, re.M)
+        assert lost.startswith("continuing on node1, node3 (2 of 3 groups)"), lost
+        assert "No space left on device" in lost, lost
+        for node in ("1", "3"):
+            done = [int(step) for name_, step in _STEP.findall(text) if name_ == node]
+            assert done[-1] == 12, (node, done[-10:])
+        summary = _summary(text)
+        assert summary[0].startswith("Job ") and " succeeded after " in summary[0], summary
+        assert any(
+            line.startswith("Nodes: node2 lost at step 8") and "No space left on device" in line
+            for line in summary
+        ), summary
+        # Step 4 as it was, byte for byte; step 8 never under a step's name (training.ddp
+        # removes its temporary file; training.fsdp's temporary directory goes at its next start).
+        cut_short = [".step-00000008.tmp"] if module == "training.fsdp" else []
+        assert sorted(entry for entry in held() if entry != "filler") == [*cut_short, step_4]
+        after = on_node(cluster, 2, f"cd {directory} && find {step_4} -type f | xargs sha256sum")
+        assert after == before
+        assert "filler" in on_node(cluster, 2, f"ls -A {mounted}").split()
+    finally:
+        on_node(cluster, 2, f"umount {mounted}; rm -rf {mounted}", check=False)
+        for index in (1, 3):
+            on_node(cluster, index, f"rm -rf {mounted}", check=False)

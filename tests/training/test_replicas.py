@@ -69,6 +69,9 @@ def test_no_replica_variables_is_no_replication_and_partial_ones_are_refused():
     assert group == replicas.ReplicaGroup(2, 3, "http://127.0.0.1:1", 1, 10.0, "n3")
     # Rank 1 of a node's 2: the third group's share comes after the others'.
     assert group.data_position(1, 2) == (5, 6)
+    # A test hook's rank is the job's, counted across the groups: rank 5 of 6 is this group's
+    # rank 1; rank 1 is another group's.
+    assert [group.own_rank(rank, 2) for rank in (5, 4, 1, None)] == [1, 0, -1, None]
 
 
 def test_a_lighthouse_that_cannot_bind_is_one_error_line(tmp_path):

@@ -82,6 +82,16 @@ class ReplicaGroup:
         """This rank's (rank, world size) in the data: its group's share, then its own."""
         return self.index * world_size + rank, self.count * world_size
 
+    def own_rank(self, job_rank: int | None, world_size: int) -> int | None:
+        """Rank `job_rank` of the whole job (counted across the groups, as the data shares are:
+        group index x ranks a node + rank) as this group's ranks number it: its rank here, -1
+        where it is another group's; None (every rank) stays None. What the test hooks that
+        name a rank (--checkpoint-pause-rank) compare with their own rank."""
+        if job_rank is None:
+            return None
+        first = self.index * world_size
+        return job_rank - first if first <= job_rank < first + world_size else -1
+
 
 def read(environ: Mapping[str, str] | None = None) -> ReplicaGroup | None:
     """The replica group the launcher gave this process, or None where it gave none (no FT)."""

@@ -317,11 +317,10 @@ class Trainer:
 
     def save(self) -> None:
         step, settings = self.position.step, self.config.checkpoint
-        pause = None
-        if settings.checkpoint_pause_step == step and settings.checkpoint_pause_rank in (
-            None,
-            self.env.rank,
-        ):
+        pause, pause_rank = None, settings.checkpoint_pause_rank
+        if self.replication is not None:  # the job's rank, counted across the groups
+            pause_rank = self.replication.group.own_rank(pause_rank, self.env.world_size)
+        if settings.checkpoint_pause_step == step and pause_rank in (None, self.env.rank):
 
             def pause(temporary: Path) -> None:
                 say_every_rank(

@@ -146,7 +146,8 @@ class CheckpointConfig:
         "and the rename (a write to interrupt)"
     )
     checkpoint_pause_rank: int | None = doc(
-        "test hook: only this rank pauses in --checkpoint-pause-step (default: every rank)"
+        "test hook: only this rank pauses in --checkpoint-pause-step (default: every rank; "
+        "with FT=1 the job's rank, counted across the groups)"
     )
 
 

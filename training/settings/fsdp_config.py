@@ -126,14 +126,16 @@ class DCPConfig:
         "per checkpoint directory, so that a restart writes on"
     )
     checkpoint_pause_rank: int | None = doc(
-        "test hook: only this rank pauses in --checkpoint-pause-step (default: every rank)"
+        "test hook: only this rank pauses in --checkpoint-pause-step (default: every rank; "
+        "with FT=1 the job's rank, counted across the groups)"
     )
     hold_after_step: int | None = doc(
         "test hook: once this step is done, --hold-rank sleeps 120 s (a node to kill between "
         "checkpoints); once per --checkpoint-dir, so that a restart goes on"
     )
     hold_rank: int | None = doc(
-        "test hook: only this rank sleeps after --hold-after-step (default: every rank)"
+        "test hook: only this rank sleeps after --hold-after-step (default: every rank; with "
+        "FT=1 the job's rank, counted across the groups)"
     )
     replication_pause_step: int | None = doc(
         "test hook: the copy of this step's checkpoint to the next node pauses 120 s once its "
