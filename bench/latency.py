@@ -17,11 +17,11 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 from torch_multinode.bench.measure import REPO_ROOT, Progress, Series
+from torch_multinode.bench.timed import TimedOutput
 from torch_multinode.cluster.containers import container_name
 from torch_multinode.sim import nodes as sim
 
@@ -64,82 +64,43 @@ _STARTED = {"ours": re.compile(r"^\[node1\] step +20/"), "script": re.compile(r"
 
 
 class _Job:
-    """A launcher's job, its lines read in a thread of their own, each timed and kept in `log`
-    (seconds since the start before each)."""
+    """A launcher's job, its lines read in a thread of their own (bench.timed), each timed and
+    kept in `log` (seconds since the start before each)."""
 
     def __init__(self, command: list[str], log: Path):
-        self.started = time.monotonic()
         self.log = log.open("w")
         self.proc = subprocess.Popen(
             command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        self.lines: list[tuple[float, str]] = []
-        self.changed = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None  # stdout=PIPE
-        for line in self.proc.stdout:
-            at = time.monotonic()
-            self.log.write(f"{at - self.started:8.1f} {line}")
-            self.log.flush()
-            with self.changed:
-                self.lines.append((at, line))
-                self.changed.notify_all()
-        with self.changed:
-            self.changed.notify_all()
-
-    def _matching(
-        self, pattern: re.Pattern, since: float, until: float
-    ) -> tuple[float, str] | None:
-        """The time and text of the first line after `since` that matches, waited for until
-        the time `until` or the job's end; None if none came."""
-
-        def found() -> tuple[float, str] | None:
-            return next(
-                ((at, line) for at, line in self.lines if at >= since and pattern.search(line)),
-                None,
-            )
-
-        with self.changed:
-            self.changed.wait_for(
-                lambda: found() is not None or self.proc.poll() is not None,
-                max(0.0, until - time.monotonic()),
-            )
-            return found()
+        self.output = TimedOutput(self.proc, time.monotonic(), self.log)
 
     def said_within(self, text: str, until: float) -> str | None:
-        """The first line holding `text` before the time `until` (waited for, not past it), or
-        None: a line on the even cluster ends the section at once."""
-        hit = self._matching(re.compile(re.escape(text)), 0.0, until)
+        """The first line holding `text` before `until` seconds into the job (waited for, not
+        past it), or None: a line on the even cluster ends the section at once."""
+        hit = self.output.matching(text, timeout=until - self.output.now())
         return None if hit is None else hit[1]
 
-    def mark(self, what: str) -> None:
-        """A line of the bench's own in the log, at its time."""
-        self.log.write(f"{time.monotonic() - self.started:8.1f} ---- {what}\n")
-        self.log.flush()
-
     def first(self, pattern: re.Pattern, since: float, what: str) -> tuple[float, str]:
-        """The time and text of the first line after `since` that matches."""
-        hit = self._matching(pattern, since, time.monotonic() + WAIT_LIMIT)
+        """The time (seconds into the job) and text of the first line from `since` seconds on
+        that matches."""
+        hit = self.output.matching(pattern, since, WAIT_LIMIT)
         if hit is None:
-            tail = "".join(line for _, line in self.lines[-20:])
+            tail = "".join(line for _, line in self.output.lines[-20:])
             raise RuntimeError(f"stragglers: never saw {what}:\n{tail}")
         return hit
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.mark("Ctrl-C")
+            self.output.mark("Ctrl-C")
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=180)
             except subprocess.TimeoutExpired:
-                self.mark("still running 180 s after Ctrl-C: killed")
+                self.output.mark("still running 180 s after Ctrl-C: killed")
                 self.proc.kill()
-        self.reader.join(timeout=30)  # the job's last lines in the log before it closes
-        self.mark(f"ended, exit {self.proc.wait()}")
-        if not self.reader.is_alive():  # else a child of the job still holds its output open
+        self.output.reader.join(timeout=30)  # the job's last lines in the log before it closes
+        self.output.mark(f"ended, exit {self.proc.wait()}")
+        if not self.output.reader.is_alive():  # else a child of the job still holds its output
             self.log.close()
 
 
@@ -164,16 +125,16 @@ def one_job(
         early = job.said_within("is the straggler", begun + even)
         if early is not None:
             raise RuntimeError(f"stragglers: said on an even cluster: {early.strip()}")
-        run_id = next(m[1] for _, line in job.lines if (m := _RUN_ID.search(line)))
-        shaped = time.monotonic()
-        job.mark(f"node2's link shaped to {SHAPED_RATE}")
+        run_id = next(m[1] for _, line in job.output.lines if (m := _RUN_ID.search(line)))
+        shaped = job.output.now()
+        job.output.mark(f"node2's link shaped to {SHAPED_RATE}")
         sim.shape_link(node2, SHAPED_RATE)
         try:
             linked, _ = job.first(_LINK, shaped, "node2 named for its shaped link")
         finally:
             sim.shape_link(node2, link)
-        held = time.monotonic()
-        job.mark(f"node2's link freed; its job container held to {HELD_CPUS[kind]} CPU")
+        held = job.output.now()
+        job.output.mark(f"node2's link freed; its job container held to {HELD_CPUS[kind]} CPU")
         job_container = container_name(run_id, "node2")
         sim.docker("exec", node2, "docker", "update", "--cpus", HELD_CPUS[kind], job_container)
         throttled, _ = job.first(_CPU, held, "node2 named for its CPU quota")

@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import re
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from torch_multinode.bench.measure import REPO_ROOT, Progress, Series
+from torch_multinode.bench.timed import TimedOutput
 from torch_multinode.sim import nodes as sim
 
 NODELOSS_NODES = 3
 NODELOSS_GRACE = 10  # --restart-wait, seconds
 NODELOSS_BUDGET = NODELOSS_GRACE + 60
 KILL_AFTER = re.compile(r"^\[node1\] step +12/")  # step 10's checkpoint is on every node
+STEP_12_LIMIT = 1800.0  # seconds to step 12: the job's start (nodes checked, image there) too
 STEP_LINE = re.compile(r"\bstep +\d+/\d+\b")
 JOB = [
     "--model",
@@ -197,35 +198,23 @@ def killed_after_step_12(
     proc = subprocess.Popen(
         command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    before: list[str] = []
-    assert proc.stdout is not None  # stdout=PIPE
-    for line in proc.stdout:
-        before.append(line)
-        if KILL_AFTER.search(line):
-            break
-    else:
-        proc.wait()
-        raise RuntimeError("the job ended before step 12:\n" + "".join(before[-15:]))
-    lines: list[tuple[float, str]] = []
-    killed = time.monotonic()
-
-    def read() -> None:
-        assert proc.stdout is not None  # stdout=PIPE
-        for line in proc.stdout:
-            lines.append((time.monotonic() - killed, line))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    sim.docker("kill", config.container(3))
-    if then is not None:
-        then()
-    returned = time.monotonic() - killed
+    output = TimedOutput(proc, time.monotonic())
     try:
+        if output.matching(KILL_AFTER, timeout=STEP_12_LIMIT) is None:
+            raise RuntimeError("the job ended before step 12:\n" + output.text[-3000:])
+        killed = output.now()
+        sim.docker("kill", config.container(3))
+        if then is not None:
+            then()
+        returned = output.now() - killed
         proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
-    reader.join(timeout=30)
+    output.reader.join(timeout=30)
+    # The lines after step 12's, timed from the kill (any between the two at its moment).
+    cut = next(i for i, (_, line) in enumerate(output.lines) if KILL_AFTER.search(line))
+    lines = [(max(0.0, at - killed), line) for at, line in output.lines[cut + 1 :]]
     if proc.returncode != 0:
         tail = "".join(line for _, line in lines[-20:])
         raise RuntimeError(f"the job failed (exit {proc.returncode}):\n{tail}")

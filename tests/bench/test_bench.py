@@ -839,3 +839,36 @@ def test_the_latency_section_times_each_slowdown_to_its_line_and_frees_the_link(
         "- a user's script, the link: 62 (62 to 62, n=1) s; the CPU: 70 (70 to 70, n=1) s" in text
     )
     assert "stragglers" in cli.SECTIONS
+
+
+def test_the_node_loss_sections_reader_times_the_lines_after_step_12_from_the_kill(
+    tmp_path, monkeypatch
+):
+    """Sections 15 and 18's job (bench.nodeloss.killed_after_step_12) against a stand-in
+    launcher: node3 killed once node1's step-12 line came, `then` called after the kill, and
+    the lines after step 12's timed from the kill; a job that fails is one error."""
+    import sys
+
+    from torch_multinode.sim import nodes as sim
+
+    done: list[str] = []
+    monkeypatch.setattr(sim, "docker", lambda *args, **_: done.append(" ".join(args)))
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import sys, time\n"
+        "for step in range(1, 16):\n"
+        "    print(f'[node1] step {step:3d}/15', flush=True)\n"
+        "    time.sleep(0.3 if step >= 12 else 0)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    config = sim.SimConfig("tmnloss", "172.29.98.0/24", tmp_path / "state", "172.30.98.0/24")
+    lines, returned = nodeloss.killed_after_step_12(
+        [sys.executable, str(job), "0"], config, lambda: done.append("then")
+    )
+    assert done == [f"kill {config.container(3)}", "then"], done
+    assert [line.split()[2] for _, line in lines] == ["13/15", "14/15", "15/15"], lines
+    times = [at for at, _ in lines]
+    assert times == sorted(times) and 0.1 < times[0] < 1.0 and times[-1] < 3.0, times
+    assert 0 <= returned < 1.0, returned
+    with pytest.raises(RuntimeError, match=r"the job failed \(exit 3\)"):
+        nodeloss.killed_after_step_12([sys.executable, str(job), "3"], config)

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch_multinode.bench.timed import TimedOutput
 from torch_multinode.launch.spec import runnable_module
 from torch_multinode.sim import nodes as sim
 from torch_multinode.training.distributed import parallel
@@ -105,71 +105,6 @@ class Finished:
 
     def explain(self) -> str:
         return f"$ {' '.join(self.command)}\nexit {self.returncode}\n{self.stdout}\n{self.stderr}"
-
-
-class TimedOutput:
-    """A process's output (text mode, stderr merged), read from now on by a thread of its own,
-    each line timed from `since` (a time.monotonic()). Reading goes on while the test does
-    something slow, such as a `docker kill` that waits for Docker to unmount the dead container:
-    what the process did and when is then measured apart from how long the test's own step took."""
-
-    def __init__(self, process: subprocess.Popen, since: float):
-        self.process, self.since = process, since
-        self.lines: list[tuple[float, str]] = []
-        self.ended: float | None = None  # seconds from `since` to the end of the output
-        self.marks: list[tuple[float, str]] = []  # what the test did meanwhile, and when
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            with self._changed:
-                self.lines.append((time.monotonic() - self.since, line))
-                self._changed.notify_all()
-        with self._changed:
-            self.ended = time.monotonic() - self.since
-            self._changed.notify_all()
-
-    @property
-    def text(self) -> str:
-        with self._changed:
-            return "".join(line for _, line in self.lines)
-
-    def mark(self, what: str) -> None:
-        """Note that the test did `what` now, for `stamped`."""
-        with self._changed:
-            self.marks.append((time.monotonic() - self.since, f"--- {what} ---\n"))
-
-    @property
-    def stamped(self) -> str:
-        """Every line after the seconds since `since` when it arrived, the marks among them."""
-        with self._changed:
-            timed = sorted([*self.lines, *self.marks], key=lambda entry: entry[0])
-        return "".join(f"+{at:5.1f} s  {line}" for at, line in timed)
-
-    def first(self, text: str, timeout: float = 60) -> float:
-        """Seconds from `since` to the first line containing `text`."""
-
-        def found() -> float | None:
-            return next((at for at, line in self.lines if text in line), None)
-
-        with self._changed:
-            self._changed.wait_for(lambda: found() is not None or self.ended is not None, timeout)
-            at = found()
-        if at is None:
-            raise AssertionError(f"never saw {text!r}; output:\n{self.stamped[-4000:]}")
-        return at
-
-    def end(self, timeout: float = 60) -> float:
-        """Seconds from `since` to the end of the output; the process is waited for."""
-        with self._changed:
-            self._changed.wait_for(lambda: self.ended is not None, timeout)
-            ended = self.ended
-        if ended is None:
-            self.process.kill()
-            raise AssertionError(f"still running {timeout:g} s on, killed:\n{self.stamped[-4000:]}")
-        self.process.wait()
-        return ended
 
 
 @contextlib.contextmanager
