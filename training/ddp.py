@@ -121,7 +121,14 @@ def choose_comm_hook(
 
 def header(config, env, splits: data.Splits, model: nn.Module, trainer: Trainer) -> list[str]:
     batch, ranks = trainer.batch, trainer.virtual.planned  # the planned world's ranks
-    replication = [trainer.replication.describe()] if trainer.replication is not None else []
+    replication = []
+    if trainer.replication is not None:
+        replication = [
+            trainer.replication.describe(),
+            # Said before torch's own line, which comes with the first step.
+            "         DDP keeps one layout of buckets on every group (find_unused_parameters): "
+            "torch's warning that it found none unused is expected",
+        ]
     return [
         f"world    {env.describe()}",
         f"data     {splits.description}",
@@ -177,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             "--static-graph off: on fewer ranks than planned a rank plays several micro-batches "
             "under no_sync, which DDP's static graph does not allow",
         )
+    if replica_group is not None:
+        replicas.check_ddp(ddp_settings)
     if ddp_settings.comm_hook == "auto":
         hook = choose_comm_hook(config, env, model, splits, batch, numerics)
         ddp_settings = dataclasses.replace(ddp_settings, comm_hook=hook)
-    ddp_model = parallel.wrap_ddp(model, env, ddp_settings)
+    ddp_model = parallel.wrap_ddp(model, env, ddp_settings, fixed_buckets=replica_group is not None)
     trainer = Trainer(
         config,
         env,

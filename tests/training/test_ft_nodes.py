@@ -281,6 +281,32 @@ def test_ft_a_spare_takes_a_lost_nodes_group_and_heals_from_a_peer(ft3):
     assert not _listening(DEFAULT_LIGHTHOUSE_PORT)
 
 
+def _checkpointing(module: str, steps: int, directory: str, every: int, *more: str) -> list[str]:
+    """The launcher's arguments for an FT=1 job of `module` (training.ddp's tiny CNN or
+    training.fsdp's small GPT, a step line every step) of `steps` steps, durable checkpoints
+    every `every` steps in `directory` under each node's checkpoint root; `more` for the
+    workload."""
+    workload = (
+        [*THREE, "--no-tensorboard"]
+        if module == "training.ddp"
+        else with_values(SMALL, global_batch_size="12", log_every="1")
+    )
+    return [
+        "--ft",
+        "--module",
+        module,
+        "--",
+        *workload,
+        "--steps",
+        str(steps),
+        *more,
+        "--checkpoint-dir",
+        directory,
+        "--checkpoint-every",
+        str(every),
+    ]
+
+
 @pytest.mark.sim
 @pytest.mark.parametrize("module", ["training.ddp", "training.fsdp"])
 def test_ft_a_group_lost_before_its_first_checkpoint_then_ctrl_c_keeps_every_complete_step(
@@ -296,26 +322,7 @@ def test_ft_a_group_lost_before_its_first_checkpoint_then_ctrl_c_keeps_every_com
     cluster, inventory = ft3
     steps = 60  # long enough to be running still when Ctrl-C comes after step 14
     directory = f"ft-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
-    workload = (
-        [*THREE, "--no-tensorboard"]
-        if module == "training.ddp"
-        else with_values(SMALL, global_batch_size="12", log_every="1")
-    )
-    arguments = [
-        "--ft",
-        "--module",
-        module,
-        "--",
-        *workload,
-        "--steps",
-        str(steps),
-        "--step-delay",
-        "0.3",
-        "--checkpoint-dir",
-        directory,
-        "--checkpoint-every",
-        "12",
-    ]
+    arguments = _checkpointing(module, steps, directory, 12, "--step-delay", "0.3")
 
     def held(index: int) -> list[str]:
         """The job's complete steps on node `index`'s disk, by name (a file a rank for
@@ -392,27 +399,10 @@ def test_ft_a_full_disk_ends_that_nodes_group_with_one_line_and_keeps_its_last_s
     name = f"ft-full-{uuid.uuid4().hex[:8]}"
     mounted = f"{DEFAULT_CHECKPOINT_ROOT}/{name}"
     directory = mounted if module == "training.ddp" else f"{mounted}/group-1"
-    workload = (
-        [*THREE, "--no-tensorboard"]
-        if module == "training.ddp"
-        else with_values(SMALL, global_batch_size="12", log_every="1")
-    )
 
     def run(steps: int) -> tuple[subprocess.Popen, TimedOutput]:
         with launches(*ft3) as start:
-            process = start(
-                "--ft",
-                "--module",
-                module,
-                "--",
-                *workload,
-                "--steps",
-                str(steps),
-                "--checkpoint-dir",
-                name,
-                "--checkpoint-every",
-                "4",
-            )
+            process = start(*_checkpointing(module, steps, name, 4))
             output = TimedOutput(process, time.monotonic())
             output.end(timeout=600)
         return process, output

@@ -6,6 +6,7 @@ started again is tests/training/test_ft_nodes.py's, in the training image on 3 s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -41,7 +42,7 @@ from torch_multinode.cluster.jobenv import (
 )
 from torch_multinode.launch import lighthouse
 from torch_multinode.training.distributed import replicas
-from torch_multinode.training.settings.config import STOP_EXIT_CODE
+from torch_multinode.training.settings.config import STOP_EXIT_CODE, DDPConfig
 
 LOOPBACK = "127.0.0.1"
 STEPS = 300
@@ -72,6 +73,18 @@ def test_no_replica_variables_is_no_replication_and_partial_ones_are_refused():
     # A test hook's rank is the job's, counted across the groups: rank 5 of 6 is this group's
     # rank 1; rank 1 is another group's.
     assert [group.own_rank(rank, 2) for rank in (5, 4, 1, None)] == [1, 0, -1, None]
+
+
+def test_ddp_options_that_would_change_the_buckets_or_their_all_reduce_are_refused():
+    """Replica groups carry DDP's buckets across the nodes through torchft, one layout on every
+    group: no compression hook beside theirs, no static graph (it rebuilds the buckets)."""
+    plain = DDPConfig()
+    replicas.check_ddp(plain)  # the defaults run
+    with pytest.raises(UserError, match="--comm-hook fp16 with replica groups") as refused:
+        replicas.check_ddp(dataclasses.replace(plain, comm_hook="fp16"))
+    assert refused.value.hint == "--comm-hook none"
+    with pytest.raises(UserError, match="--static-graph with replica groups"):
+        replicas.check_ddp(dataclasses.replace(plain, static_graph=True))
 
 
 def test_a_lighthouse_that_cannot_bind_is_one_error_line(tmp_path):

@@ -310,8 +310,11 @@ def _check_hook(name: str) -> None:
         raise ValueError(f"comm hook {name!r} is not one of {', '.join(COMM_HOOKS)}")
 
 
-def wrap_ddp(model: nn.Module, env: DistEnv, config) -> nn.Module:
-    """DDP with the options of a DDPConfig and its gradient-compression hook registered."""
+def wrap_ddp(model: nn.Module, env: DistEnv, config, fixed_buckets: bool = False) -> nn.Module:
+    """DDP with the options of a DDPConfig and its gradient-compression hook registered.
+    `fixed_buckets`: the buckets keep the layout they start with (replica groups: every group
+    alike, training.distributed.replicas), through find_unused_parameters, which DDP rebuilds
+    its buckets without."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not env.launched:
@@ -323,6 +326,7 @@ def wrap_ddp(model: nn.Module, env: DistEnv, config) -> nn.Module:
         bucket_cap_mb=config.bucket_cap_mb,
         gradient_as_bucket_view=config.gradient_as_bucket_view,
         static_graph=config.static_graph,
+        find_unused_parameters=fixed_buckets,
     )
     register_comm_hook(ddp, config)
     return ddp

@@ -240,11 +240,47 @@ class Replication:
 
         return OptimizerWrapper(self.manager, optimizer)
 
+    def replicate(self, ddp: nn.Module) -> None:
+        """DDP's gradient buckets averaged over the groups in this step's quorum as each comes
+        ready in the backward pass: a comm hook in place of DDP's own all-reduce, averaging over
+        the node's ranks (DDP's process group) and then, through torchft, over the groups (a
+        healing group's counts as zero), as torchft's own DDP does for one rank a group. On a GPU
+        the collectives overlap the rest of the backward pass (the stream waits for them, not
+        the host); gloo's block the backward until they are done.
+
+        Every group must lay its buckets out alike, or a bucket would meet another group's
+        parameters: `ddp` is built with find_unused_parameters=True (wrap_ddp's fixed_buckets),
+        which keeps DDP from rebuilding them in the order of its first step (a group that joins
+        later would still have the first layout while the others had rebuilt theirs)."""
+        import torch.distributed as dist
+
+        node = ddp.process_group
+        ranks = dist.get_world_size(node)
+        manager = self.manager
+
+        # Unannotated: DDP checks a hook's annotations against the types themselves, which the
+        # strings of `from __future__ import annotations` are not.
+        def hook(_, bucket):
+            buffer = bucket.buffer()
+            if ranks > 1:
+                dist.all_reduce(buffer, group=node)
+                buffer.div_(ranks)
+            work = manager.allreduce(buffer)
+            # torchft 0.2.0 builds the chain of the work's callbacks (the division by the
+            # groups, an error or a timeout reported and the step not committed) in its wait,
+            # and its own DDP's hook returns the future that chain completes, as here. A step
+            # already lost gives a plain, completed future.
+            work.wait()
+            future = work.get_future()
+            return getattr(future, "_fut", None) or future
+
+        ddp.register_comm_hook(None, hook)
+
     def gradient_sync(self, model: nn.Module) -> None:
         """Every gradient averaged over the groups in this step's quorum (a healing group's
-        counts as zero), in one flat tensor: one cross-node collective per step. Sharded
-        gradients (FSDP2's) are this rank's shards, averaged with the same rank's of the other
-        groups."""
+        counts as zero), in one flat tensor after the backward pass: one cross-node collective
+        per step, for a loop without DDP (training.fsdp's). Sharded gradients (FSDP2's) are this
+        rank's shards, averaged with the same rank's of the other groups."""
         grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         if not grads:
             return
@@ -292,6 +328,24 @@ class Replication:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def check_ddp(settings: Any) -> None:
+    """What DDP does not run with under replica groups (its DDPConfig), said in one line: the
+    groups' hook carries the gradients, with a fixed layout of buckets."""
+    if settings.comm_hook != "none":
+        raise UserError(
+            f"--comm-hook {settings.comm_hook} with replica groups: torchft's all-reduce carries "
+            "the gradients across the nodes, uncompressed",
+            hint="--comm-hook none",
+        )
+    if settings.static_graph:
+        raise UserError(
+            "--static-graph with replica groups: DDP would rebuild its buckets after the first "
+            "step, and every group must keep the same layout (a group that joins later starts "
+            "with the first)",
+            hint="leave out --static-graph",
+        )
 
 
 def check_job(planned_world_size: int | None, world_size: int, grad_scaler: bool = False) -> None:

@@ -159,7 +159,7 @@ class Trainer:
             )
             self._inner_optimizer = self.optimizer
             self.optimizer = self.replication.optimizer(self.optimizer)
-            self.gradient_sync = _then(gradient_sync, self.replication.gradient_sync)
+            self.replication.replicate(model)  # bucket by bucket, in the backward pass
         self.scaler = torch.amp.GradScaler("cuda") if numerics.grad_scaler else None
         pin = env.device.type == "cuda"
         # One loader per planned rank this rank plays (just its own, unless ranks are missing),
@@ -577,15 +577,3 @@ class Trainer:
         model.train()
         correct_all, total_all = parallel.all_reduce_sum([correct, total], self.env)
         return correct_all / max(1, total_all), int(total_all)
-
-
-def _then(first: Callable[[nn.Module], None] | None, second: Callable[[nn.Module], None]):
-    """`first` (if any), then `second`."""
-    if first is None:
-        return second
-
-    def both(model: nn.Module) -> None:
-        first(model)
-        second(model)
-
-    return both
