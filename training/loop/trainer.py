@@ -159,7 +159,10 @@ class Trainer:
             )
             self._inner_optimizer = self.optimizer
             self.optimizer = self.replication.optimizer(self.optimizer)
-            self.replication.replicate(model)  # bucket by bucket, in the backward pass
+            if hasattr(model, "register_comm_hook"):  # DDP: bucket by bucket, in the backward
+                self.replication.replicate(model)
+            else:  # one process of its own, no DDP (not under torchrun): after the backward
+                self.gradient_sync = self.replication.gradient_sync
         self.scaler = torch.amp.GradScaler("cuda") if numerics.grad_scaler else None
         pin = env.device.type == "cuda"
         # One loader per planned rank this rank plays (just its own, unless ranks are missing),
