@@ -175,7 +175,7 @@ def failure_excerpt(lines: list[str], limit: int = EXCERPT_LINES) -> list[str]:
     return window + report
 
 
-_WORKER_ERROR = re.compile(r"\s*(\[rank\d+\]:\s*)?Error: ")
+_WORKER_ERROR = re.compile(r"\s*(\[rank\d+\]:\s*)?(?P<said>Error: )")
 CPP_FRAME = re.compile(r"\s*(\[rank\d+\]:\s*)?frame #\d+: ")  # a line of c10's C++ stacks
 
 
@@ -286,14 +286,11 @@ def own_words(lines: list[str]) -> str | None:
     """Why a node's ranks ended, in their own words and one line: the last one-line error a
     worker printed (`Error: ...`, with its remedy), else the exception a rank died of that is no
     peer's consequence; None where they said neither (killed, say). An FT=1 job's lost group."""
-    errors = [line for line in lines if _WORKER_ERROR.match(line)]
+    errors = [found for line in lines if (found := _WORKER_ERROR.match(line))]
     if errors:
-        return _WORKER_PREFIX.sub("", errors[-1]).strip()
+        return errors[-1].string[errors[-1].start("said") :].strip()
     cause, _ = cause_and_knock_ons(exceptions(lines))
     return f"raised {cause.said()}" if cause is not None else None
-
-
-_WORKER_PREFIX = re.compile(r"^\s*(\[rank\d+\]:\s*)?")
 
 
 def cause_and_knock_ons(raised: list[Raised]) -> tuple[Raised | None, list[Raised]]:
