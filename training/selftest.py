@@ -44,6 +44,7 @@ from torch_multinode.training.selftesting.checks import (
     Stopped,
 )
 from torch_multinode.training.selftesting.checks import RUNS as _RUNS
+from torch_multinode.training.selftesting.ft import check_ft_replicas
 from torch_multinode.training.selftesting.node_gpus import check_data_parallel, check_model_parallel
 from torch_multinode.training.selftesting.replicas import check_fsdp2_replicas
 from torch_multinode.training.settings import arguments, console
@@ -79,6 +80,10 @@ CHECKS = (
         "a step's shards copied to the next node beside the job's collectives; a wiped node "
         "gets them back on resume",
     ),
+    Check(
+        "ft-replicas",
+        "FT=1: torchft replicates DDP's gradients across groups (a rank each here); steps commit",
+    ),
     Check("compile", "torch.compile (inductor) builds and matches eager, forward and backward"),
     Check(
         "flight-recorder",
@@ -98,6 +103,7 @@ CHECK_NAMES = tuple(check.name for check in CHECKS)
 RUNS = {
     **_RUNS,
     "fsdp2-replicas": check_fsdp2_replicas,
+    "ft-replicas": check_ft_replicas,
     "data-parallel": check_data_parallel,
     "model-parallel": check_model_parallel,
 }

@@ -42,6 +42,8 @@ def test_selftest_passes_on_two_nodes_in_containers(provisioned, cluster_selftes
         assert _row(out, "fsdp2-replicas", node).startswith("PASS"), out
         assert "node2's wiped copy restored from node1" in _row(out, "fsdp2-replicas", node), out
         assert _row(out, "ddp-checkpoint", node).startswith("PASS"), out
+        # torchft across the nodes' ranks, its lighthouse in node1's container
+        assert "3 steps committed by 2 groups" in _row(out, "ft-replicas", node), out
         assert _row(out, "amp-bf16", node).startswith("PASS"), out
         assert re.match(r"SKIPPED +- +1 rank on this node", _row(out, "comm-in-node", node)), out
         gpu_only_checks = (

@@ -49,6 +49,8 @@ def test_make_selftest_passes_locally_with_the_gpu_checks_skipped_with_reasons()
     # the hang report's trace, read back from gloo's recorder (NCCL's on a GPU node)
     assert re.search(r"\(gloo:all_reduce #\d+\)$", _row(out, "flight-recorder")), out
     assert re.match(r"SKIPPED +- +one node's disk", _row(out, "fsdp2-replicas")), out
+    # FT=1's path: each rank a replica group, torchft averaging across them
+    assert re.search(r"^PASS .*\(3 steps committed by 2 groups, within ", _row(out, "ft-replicas"))
     assert re.match(r"SKIPPED +- +gloo's waits are timed by its hooks", _row(out, "nccl-waits"))
     assert "selftest passed on 1 node(s)" in out
     assert not ERROR_LINE.search(out), out

@@ -151,7 +151,11 @@ class Replication:
         device: torch.device,
         state: Callable[[], dict],
         load: Callable[[dict], None],
+        store: tuple[str, int] | None = None,
     ):
+        """`store`: the (address, port) of a TCPStore of this group's alone, its only rank being
+        this process (make selftest's ft-replicas check, where every rank is a group); by
+        default the group is this torchrun's ranks, and its store torchrun's."""
         # torchft's Rust side logs every quorum and commit at INFO: its warnings only, unless
         # the user asks for more.
         os.environ.setdefault("RUST_LOG", "warn")
@@ -198,6 +202,16 @@ class Replication:
                 replica_id=group.replica_id,
                 hostname=group.address,
                 checkpoint_transport=Transport(timeout=timeout, num_chunks=0),
+                **(
+                    {}
+                    if store is None
+                    else {
+                        "store_addr": store[0],
+                        "store_port": store[1],
+                        "rank": 0,
+                        "world_size": 1,
+                    }
+                ),
                 # Every group builds the same initial weights (one seed): step 0 needs no transfer.
                 # A group that joins later is behind the others' step and heals all the same.
                 init_sync=False,

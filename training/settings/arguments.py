@@ -261,6 +261,7 @@ SELFTEST_CHECKS = (
     "ddp-checkpoint",
     "fsdp2-dcp",
     "fsdp2-replicas",
+    "ft-replicas",
     "compile",
     "flight-recorder",
     "nccl-waits",
