@@ -10,7 +10,9 @@ container), behind the bench's link, side by side in each rep:
   every 5 steps), the same death to the first step of the restarted run, and the steps since
   the checkpoint it resumed from, done again;
 - without a fault: the same job with FT=1 and as plain DDP, its step time from step 10's line
-  to the last step's (the order alternating).
+  to the last step's (the order alternating); and the same with ResNet-18, whose step takes
+  hundreds of milliseconds as a real model's does, where the tiny model's step of about 26 ms
+  shows torchft's fixed cost a step (its quorum and commit, a few ms) as a large fraction.
 
 At the defaults the restart path waits --restart-wait 300 s where this one waits 10: its time
 there is reported as the measured one plus the 290 s more it would wait (derived, not run)."""
@@ -32,6 +34,16 @@ FT_NODES = 3
 JOB = [*nodeloss.JOB[: nodeloss.JOB.index("--steps")], "--steps", "200", "--step-delay", "0.3"]
 # Without a fault, no delay: the steps' own time, as the overhead target is stated.
 PLAIN = [*nodeloss.JOB[: nodeloss.JOB.index("--steps")], "--steps", "60"]
+# The same with training.ddp's default model, ResNet-18, at 32 px: 16 images a rank.
+REAL = [
+    "--model",
+    "resnet18",
+    "--image-size",
+    "32",
+    *PLAIN[PLAIN.index("--image-size") + 2 : PLAIN.index("--steps")],
+    "--steps",
+    "30",
+]
 DEATH_BUDGET = DEFAULT_TIMEOUT + 5  # the FT timeout + 5 s
 RESTART_FRACTION = 1 / 3  # of the restart path's time at the defaults
 OVERHEAD_BUDGET = 1.05
@@ -82,12 +94,12 @@ def restart_redone(lines: list[tuple[float, str]]) -> int | None:
     return None if resumed is None else newest - resumed
 
 
-def _plain(train: Path, inventory: Path, ft: bool) -> float:
-    """The job without a fault, with FT=1 or as plain DDP: seconds from step 10 to the last."""
+def _plain(train: Path, inventory: Path, ft: bool, job: list[str]) -> float:
+    """`job` without a fault, with FT=1 or as plain DDP: seconds from step 10 to the last."""
     lines = nodeloss.timed_job(
         [str(train), "-i", str(inventory), "--nnodes", str(FT_NODES)]
         + (["--ft"] if ft else [])
-        + ["--", *PLAIN],
+        + ["--", *job],
         "ft",
     )
     node1 = [(at, line.split("] ", 1)[1]) for at, line in lines if line.startswith("[node1] ")]
@@ -105,7 +117,9 @@ def measure_ft(
 ) -> dict:
     """`reps` times, side by side: the FT=1 loss and return, the restart path's loss, and the
     job without a fault with FT=1 and without (the order alternating)."""
-    death, redone, heal, restart, restart_steps, overhead = [], [], [], [], [], []
+    death, redone, heal, restart, restart_steps = [], [], [], [], []
+    overhead: list[float] = []
+    real: list[float] = []
     try:
         for rep in range(reps):
             lines, back = _ft_loss(train, inventory, config, nnodes, link)
@@ -117,20 +131,24 @@ def measure_ft(
             if took is None or steps is None:
                 raise RuntimeError("ft: the restart path's run had no step after the restart")
             plain: dict[bool, float] = {}
+            resnet: dict[bool, float] = {}
             for ft in (True, False) if rep % 2 == 0 else (False, True):
-                plain[ft] = _plain(train, inventory, ft)
+                plain[ft] = _plain(train, inventory, ft, PLAIN)
+                resnet[ft] = _plain(train, inventory, ft, REAL)
             death.append(after)
             redone.append(again)
             heal.append(healed)
             restart.append(took)
             restart_steps.append(steps)
             overhead.append(plain[True] / plain[False])
+            real.append(resnet[True] / resnet[False])
             progress(
                 f"ft: rep {rep + 1}/{reps}: death to the survivors' next step {after:.1f} s with "
                 f"FT=1 ({again} step(s) done again), {took:.1f} s on the restart path ({steps} "
                 f"done again); node3's return to its first committed step {healed:.1f} s; "
                 f"steps 10-60 without a fault {plain[True]:.1f} s with FT=1, "
-                f"{plain[False]:.1f} s without"
+                f"{plain[False]:.1f} s without; ResNet-18's steps 10-30 {resnet[True]:.1f} s with "
+                f"FT=1, {resnet[False]:.1f} s without"
             )
     finally:
         nodeloss._node3_back(nnodes, link, config)
@@ -151,4 +169,5 @@ def measure_ft(
         "heal_seconds": Series(heal).as_dict(),
         "heal_ratio": Series([s / HEAL_BUDGET for s in heal]).as_dict(),
         "overhead": Series(overhead).as_dict(),
+        "overhead_resnet": Series(real).as_dict(),
     }

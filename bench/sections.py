@@ -359,7 +359,8 @@ def ft_lines(found: dict) -> list[str]:
         "- node3's return (its engine answering) to its group's first committed step: "
         f"{spread(found['heal_seconds'], '{:.1f}')} s (target 60 s)",
         "- step time without a fault, FT=1 / plain DDP (steps 10 to 60): "
-        f"{spread(found['overhead'], '{:.3f}')} (target 1.05)",
+        f"{spread(found['overhead'], '{:.3f}')} (target 1.05); with ResNet-18 (steps 10 to "
+        f"30): {spread(found['overhead_resnet'], '{:.3f}') if 'overhead_resnet' in found else '-'}",
     ]
 
 

@@ -718,9 +718,11 @@ def test_ft_figures_are_the_next_committed_step_the_steps_redone_and_the_heal(tm
             "heal_seconds": series(18.0),
             "heal_ratio": series(0.3),
             "overhead": series(1.04),
+            "overhead_resnet": series(1.02),
         },
     }
     found = report.figures(data)
+    assert found["ft_overhead_resnet_3"] == pytest.approx(1.02)
     assert found["ft_death_3"] == pytest.approx(0.75)
     assert report.meets("ft_vs_restart_3", found["ft_vs_restart_3"]) == "meets"
     assert report.meets("ft_overhead_3", 1.2) != "meets"
@@ -729,6 +731,7 @@ def test_ft_figures_are_the_next_committed_step_the_steps_redone_and_the_heal(tm
     assert "## 18. FT=1 against the restart path (3 nodes, in containers)" in text
     assert "- death to the survivors' next step, FT=1: 11.2 (11.2 to 11.2, n=1) s" in text
     assert "- steps done again, FT=1: 1 (1 to 1, n=1); restart path: 3 (3 to 3, n=1)" in text
+    assert "with ResNet-18 (steps 10 to 30): 1.020 (1.020 to 1.020, n=1)" in text
     assert "ft" in cli.SECTIONS
 
 
