@@ -13,8 +13,10 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.conftest import REPO_ROOT
 from tests.helpers import SCRIPTS
@@ -85,6 +87,98 @@ def test_ddp_options_that_would_change_the_buckets_or_their_all_reduce_are_refus
     assert refused.value.hint == "--comm-hook none"
     with pytest.raises(UserError, match="--static-graph with replica groups"):
         replicas.check_ddp(dataclasses.replace(plain, static_graph=True))
+
+
+class _Manager:
+    """torchft's Manager as `Replication._across` asks it: this step's quorum and its errors
+    (wrap_future as torchft 0.2.0's: an error reported, the default value given)."""
+
+    def __init__(self, errored: bool = False, participating: bool = True):
+        self.failed, self.participating, self.reported = errored, participating, []
+
+    def errored(self) -> bool:
+        return self.failed
+
+    def wait_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 2
+
+    def is_participating(self) -> bool:
+        return self.participating
+
+    def report_error(self, error: Exception) -> None:
+        self.reported.append(error)
+
+    def wrap_future(self, future, default):
+        def swallowed(done):
+            try:
+                return done.value()
+            except Exception as error:
+                self.report_error(error)
+                return default
+
+        return future.then(swallowed)
+
+
+class _Gloo:
+    """The groups' process group: an all-reduce in flight until the test completes it with
+    the other group's tensor added, or fails it; or refused as it is issued."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.issued = refuse, []
+
+    def allreduce(self, tensors, options):
+        if self.refuse:
+            raise RuntimeError("the quorum's group is not configured")
+        future = torch.futures.Future()
+        self.issued.append((future, tensors[0], options.reduceOp))
+        return SimpleNamespace(get_future=lambda: future)
+
+
+def _across(manager: _Manager, gloo: _Gloo) -> Callable[[torch.Tensor], torch.futures.Future]:
+    replication = replicas.Replication.__new__(replicas.Replication)
+    replication.manager, replication._pg = manager, gloo
+    return replication._across
+
+
+def test_a_bucket_crosses_the_groups_while_the_backward_pass_goes_on():
+    """On the CPU the hook's all-reduce across the groups is issued and left in flight (the
+    backward pass goes on; torchft 0.2.0's own work would be waited for), its future averaging
+    over the participants once gloo's thread completes it; a failure in flight is reported to
+    the Manager (the step is then not committed) and the bucket given back as it was."""
+    manager, gloo = _Manager(), _Gloo()
+    bucket = torch.tensor([1.0, 2.0])
+    future = _across(manager, gloo)(bucket)
+    assert not future.done()  # in flight: nothing waited for
+    ((issued, tensor, op),) = gloo.issued
+    assert tensor is bucket and op == torch.distributed.ReduceOp.SUM
+    tensor += torch.tensor([3.0, 4.0])  # the other group's
+    issued.set_result([tensor])
+    assert future.wait().tolist() == [2.0, 3.0] and not manager.reported
+
+    failing = _Gloo()
+    future = _across(manager, failing)(torch.tensor([1.0]))
+    failing.issued[0][0].set_exception(RuntimeError("group1 timed out"))
+    assert future.wait().tolist() == [1.0]
+    (reported,) = manager.reported
+    assert "RuntimeError: group1 timed out" in str(reported), reported
+
+
+def test_a_bucket_of_a_lost_step_a_healing_group_or_an_unconfigured_group_sends_nothing_wrong():
+    # A step already lost: no collective, the bucket back at once.
+    gloo = _Gloo()
+    assert _across(_Manager(errored=True), gloo)(torch.tensor([5.0])).wait().tolist() == [5.0]
+    assert gloo.issued == []
+    # A healing group counts as zero in the others' sum.
+    bucket = torch.tensor([5.0])
+    _across(_Manager(participating=False), gloo)(bucket)
+    assert bucket.tolist() == [0.0] and len(gloo.issued) == 1
+    # Refused as it is issued: reported, the bucket back at once.
+    manager = _Manager()
+    future = _across(manager, _Gloo(refuse=True))(torch.tensor([5.0]))
+    assert future.done() and future.wait().tolist() == [5.0] and len(manager.reported) == 1
 
 
 def test_a_lighthouse_that_cannot_bind_is_one_error_line(tmp_path):

@@ -140,6 +140,13 @@ def read(environ: Mapping[str, str] | None = None) -> ReplicaGroup | None:
     return group
 
 
+def _completed(value: torch.Tensor) -> torch.futures.Future:
+    """A future already done with `value`: a bucket of a step already lost."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
 class Replication:
     """This group's torchft Manager and what the training loop asks of it: the optimizer that
     steps only on a committed step, the gradients averaged across groups, and the state a
@@ -258,9 +265,10 @@ class Replication:
         """DDP's gradient buckets averaged over the groups in this step's quorum as each comes
         ready in the backward pass: a comm hook in place of DDP's own all-reduce, averaging over
         the node's ranks (DDP's process group) and then, through torchft, over the groups (a
-        healing group's counts as zero), as torchft's own DDP does for one rank a group. On a GPU
-        the collectives overlap the rest of the backward pass (the stream waits for them, not
-        the host); gloo's block the backward until they are done.
+        healing group's counts as zero), as torchft's own DDP does for one rank a group. The
+        collectives across the groups overlap the rest of the backward pass, as DDP's own do: on
+        a GPU the stream waits for them, not the host; on the CPU gloo's thread completes them
+        (`_across`).
 
         Every group must lay its buckets out alike, or a bucket would meet another group's
         parameters: `ddp` is built with find_unused_parameters=True (wrap_ddp's fixed_buckets),
@@ -279,16 +287,51 @@ class Replication:
             if ranks > 1:
                 dist.all_reduce(buffer, group=node)
                 buffer.div_(ranks)
-            work = manager.allreduce(buffer)
+            if buffer.device.type == "cpu":
+                return self._across(buffer)
             # torchft 0.2.0 builds the chain of the work's callbacks (the division by the
             # groups, an error or a timeout reported and the step not committed) in its wait,
-            # and its own DDP's hook returns the future that chain completes, as here. A step
-            # already lost gives a plain, completed future.
+            # which on a GPU makes the stream wait, not the host; its own DDP's hook returns
+            # the future that chain completes, as here. A step already lost gives a plain,
+            # completed future.
+            work = manager.allreduce(buffer)
             work.wait()
             future = work.get_future()
             return getattr(future, "_fut", None) or future
 
         ddp.register_comm_hook(None, hook)
+
+    def _across(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """`tensor` averaged over the groups in this step's quorum, on the CPU, as torchft's
+        Manager.allreduce does it (a group not participating sends zeros, the sum is divided by
+        the participants, an error or a timeout is reported so that the step is not committed,
+        and a step already lost skips the rest), but returned as a future that gloo's thread
+        completes while the backward pass goes on, as DDP's own all-reduce does. torchft 0.2.0
+        chains its callbacks only in its work's `wait` (the chain's closures read the loop's
+        last node, right only on a completed work): waiting there would hold the backward pass
+        at every bucket until the bucket had crossed the network."""
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        manager = self.manager
+        if manager.errored():
+            return _completed(tensor)
+        manager.wait_quorum()
+        participants = manager.num_participants()
+        if not manager.is_participating():
+            tensor.zero_()
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        try:
+            work = self._pg.allreduce([tensor], options)
+        except Exception as error:  # as torchft's: this step is lost, the job goes on
+            manager.report_error(error)
+            return _completed(tensor)
+
+        def average(done: torch.futures.Future) -> torch.Tensor:
+            done.value()  # a failed all-reduce raises here, for wrap_future to report
+            return tensor.div_(participants)
+
+        return manager.wrap_future(work.get_future().then(average), tensor)
 
     def gradient_sync(self, model: nn.Module) -> None:
         """Every gradient averaged over the groups in this step's quorum (a healing group's
