@@ -320,7 +320,9 @@ def test_ft_a_group_lost_before_its_first_checkpoint_then_ctrl_c_keeps_every_com
     none and heals from a peer at the first step, and the three end on one set of parameters,
     each node holding the last step."""
     cluster, inventory = ft3
-    steps = 60  # long enough to be running still when Ctrl-C comes after step 14
+    # Running still when Ctrl-C comes after step 14 (22 steps of 0.3 s at least to go); a
+    # checkpoint at 12, 24 and the last.
+    steps = 36
     directory = f"ft-{uuid.uuid4().hex[:8]}"  # node-local, under the inventory's root
     arguments = _checkpointing(module, steps, directory, 12, "--step-delay", "0.3")
 
