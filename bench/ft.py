@@ -11,7 +11,7 @@ container), behind the bench's link, side by side in each rep:
   the checkpoint it resumed from, done again;
 - without a fault: the same job with FT=1 and as plain DDP, its step time from step 10's line
   to the last step's (the order alternating); and the same with ResNet-18, whose step takes
-  hundreds of milliseconds as a real model's does, where the tiny model's step of about 26 ms
+  hundreds of milliseconds as a real model's does, where the tiny model's step of about 25 ms
   shows torchft's fixed cost a step (its quorum and commit, a few ms) as a large fraction.
 
 At the defaults the restart path waits --restart-wait 300 s where this one waits 10: its time
