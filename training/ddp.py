@@ -21,7 +21,8 @@ from torch_multinode.cluster.jobenv import RUN_DIR_VARIABLE
 from torch_multinode.training.checkpointing.durable import write_atomically
 from torch_multinode.training.distributed import levers, parallel, replicas
 from torch_multinode.training.loop import data
-from torch_multinode.training.loop.trainer import Trainer, TrainResult, resolve_numerics
+from torch_multinode.training.loop.numerics import resolve_numerics
+from torch_multinode.training.loop.trainer import Trainer, TrainResult
 from torch_multinode.training.modeling import models
 from torch_multinode.training.settings import arguments, console
 from torch_multinode.training.settings import config as config_module

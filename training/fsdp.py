@@ -43,7 +43,7 @@ from torch_multinode.training.loop.fsdp_report import (
     held_bytes,
     report_progress,
 )
-from torch_multinode.training.loop.trainer import learning_rate, resolve_numerics
+from torch_multinode.training.loop.numerics import learning_rate, resolve_numerics
 from torch_multinode.training.modeling import gpt
 from torch_multinode.training.settings import arguments, compile_check, console
 from torch_multinode.training.settings.config import STOP_EXIT_CODE, DDPConfig

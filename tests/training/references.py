@@ -13,7 +13,7 @@ from torch.utils.data import DistributedSampler, default_collate
 from torch_multinode.training import pipeline
 from torch_multinode.training.fsdp import build_optimizer
 from torch_multinode.training.loop.data import SyntheticImages, build_splits
-from torch_multinode.training.loop.trainer import learning_rate
+from torch_multinode.training.loop.numerics import learning_rate
 from torch_multinode.training.modeling import gpt
 from torch_multinode.training.modeling.models import build_model
 from torch_multinode.training.settings import arguments

@@ -129,7 +129,7 @@ def test_the_peak_is_the_gpus_own_matched_by_its_exact_name(name, bf16, fp32):
 def test_an_unknown_gpu_says_so_and_reports_no_mfu(monkeypatch):
     """training.fsdp's report on a GPU the table does not know (the RTX A1000 is not an A100):
     no MFU figure in the line or the bench row, and --peak-tflops named."""
-    from torch_multinode.training.loop.trainer import Numerics
+    from torch_multinode.training.loop.numerics import Numerics
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A1000")
     config = types.SimpleNamespace(run=types.SimpleNamespace(peak_tflops=None))  # none given

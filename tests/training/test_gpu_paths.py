@@ -19,7 +19,7 @@ from torch_multinode.training import ddp, fsdp, model_parallel, spawn
 from torch_multinode.training.checkpointing import checkpoint
 from torch_multinode.training.distributed import parallel
 from torch_multinode.training.fixtures import init_methods
-from torch_multinode.training.loop.trainer import resolve_numerics
+from torch_multinode.training.loop.numerics import resolve_numerics
 from torch_multinode.training.settings.config import TrainConfig
 from torch_multinode.training.settings.config import parse as parse_config
 

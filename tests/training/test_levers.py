@@ -215,7 +215,7 @@ def test_powersgd_never_goes_with_fp16s_loss_scaling(monkeypatch, tmp_path):
     inf - inf from that step on, and every step after it would be skipped: asked for by name
     the pair is one error line, and auto leaves PowerSGD out under fp16."""
     from torch_multinode.training import ddp
-    from torch_multinode.training.loop.trainer import Numerics
+    from torch_multinode.training.loop.numerics import Numerics
     from torch_multinode.training.settings import config as config_module
     from torch_multinode.training.settings.config import TrainConfig
 

@@ -1,7 +1,8 @@
 """The training loop of ddp and manual_dp and what feeds and watches it; fsdp takes its numerics
-and learning rate from trainer, model_parallel and pipeline their synthetic images from data.
+and learning rate from numerics, model_parallel and pipeline their synthetic images from data.
 
-    trainer        steps, numerics, checkpoint and resume, validation, a slow rank named
+    trainer        steps, checkpoint and resume, validation, a slow rank named
+    numerics       --precision resolved for the device, the optimizer, the learning-rate schedule
     pace           the slow-rank detector's part in a rank: its own work per step timed, and which
                    ranks are slow against the others
     data           the data sets, synthetic and real, and their per-rank resumable samplers
