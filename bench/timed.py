@@ -88,10 +88,10 @@ class TimedOutput:
             )
             return found()
 
-    def first(self, wanted: str | re.Pattern, timeout: float = 60) -> float:
-        """Seconds from `since` to the first line holding `wanted`; an AssertionError with the
-        output where none came."""
-        hit = self.matching(wanted, timeout=timeout)
+    def first(self, wanted: str | re.Pattern, timeout: float = 60, after: float = 0.0) -> float:
+        """Seconds from `since` to the first line from `after` seconds on holding `wanted`; an
+        AssertionError with the output where none came within `timeout` seconds."""
+        hit = self.matching(wanted, after=after, timeout=timeout)
         if hit is None:
             raise AssertionError(f"never saw {wanted!r}; output:\n{self.stamped[-4000:]}")
         return hit[0]
