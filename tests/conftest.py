@@ -81,6 +81,14 @@ _GROUPS: dict[str, str] = {
     "tests/training/test_ft_nodes.py": "node_loss",  # FT=1 on it
     "tests/training/test_fsdp_cluster.py": "fsdp",  # a pair of its own, beside the loopback FSDP2
 }
+# The order in which xdist hands the groups out, each to the first worker free, before every
+# ungrouped test (each a unit of its own, which fills the workers' ends). Three start at once;
+# `static_ip` ends first (about 570 s) and its worker takes `node_loss`, whose cluster waits
+# for the training image that `image` builds meanwhile (about 560 s); `fsdp`'s then takes
+# `provisioning`. Left to xdist (largest group first: provisioning, image, fsdp), `node_loss`
+# went to the first worker free after 1,320 s, and its chain of 2,300 s ran alone at the end of
+# CI run 53 (6 minutes of its 62; docs/ci-time.md has the simulation behind this order).
+_GROUP_ORDER = ["fsdp", "image", "static_ip", "node_loss", "provisioning", "cuda_image"]
 
 
 def pytest_configure(config):
@@ -89,6 +97,8 @@ def pytest_configure(config):
     in every child: give ours back the terminal's default."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(config.option, "loadscopereorder"):  # xdist: the groups in _GROUP_ORDER's order
+        config.option.loadscopereorder = False
     # `make train` and `make selftest` write the launcher's code to EXIT_CODE, by default the
     # repository's .runs/exit-code. Each process of the run (xdist's workers) gets a file of its
     # own, so that a job of one worker never replaces the code the README's check reads there
@@ -109,6 +119,7 @@ def pytest_collection_modifyitems(config, items):
     # A group's worker runs its tests in this order. The FSDP2 matrix's pair waits for the CPU
     # twin's build (minutes, on another worker): its loopback FSDP2 jobs go first meanwhile.
     items.sort(key=lambda item: item.fspath.basename == "test_fsdp_cluster.py")  # stable
+    items.sort(key=_handed_out)  # the groups first, in _GROUP_ORDER's order
     # In CI nothing is skipped: the sim_factory fixture fails the run instead.
     ok, why = engine.engine_available()
     if ok or os.environ.get("CI"):
@@ -117,6 +128,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "sim" in item.keywords:
             item.add_marker(skip)
+
+
+def _handed_out(item: pytest.Item) -> int:
+    """Where `item`'s group stands in _GROUP_ORDER; an ungrouped test after them all."""
+    group = item.get_closest_marker("xdist_group")
+    name = group.args[0] if group is not None else None
+    return _GROUP_ORDER.index(name) if name in _GROUP_ORDER else len(_GROUP_ORDER)
 
 
 _UNGROUPED = pytest.StashKey[set]()

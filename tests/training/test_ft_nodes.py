@@ -308,7 +308,12 @@ def _checkpointing(module: str, steps: int, directory: str, every: int, *more: s
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("module", ["training.ddp", "training.fsdp"])
+@pytest.mark.parametrize(
+    # training.fsdp's is extended (make test-all): its FT=1 path stays in CI in the full-disk
+    # test below, its Ctrl-C during a checkpoint write in containers in test_fsdp_cluster.py.
+    "module",
+    ["training.ddp", pytest.param("training.fsdp", marks=pytest.mark.extended)],
+)
 def test_ft_a_group_lost_before_its_first_checkpoint_then_ctrl_c_keeps_every_complete_step(
     ft3, module
 ):
@@ -388,7 +393,12 @@ def test_ft_a_group_lost_before_its_first_checkpoint_then_ctrl_c_keeps_every_com
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("module", ["training.ddp", "training.fsdp"])
+@pytest.mark.parametrize(
+    # training.ddp's is extended (make test-all): its FT=1 path stays in CI in the Ctrl-C test
+    # above, its full checkpoint directory in containers in test_projects_in_containers.py.
+    "module",
+    [pytest.param("training.ddp", marks=pytest.mark.extended), "training.fsdp"],
+)
 def test_ft_a_full_disk_ends_that_nodes_group_with_one_line_and_keeps_its_last_step(ft3, module):
     """FT=1 with durable checkpoints every 4 steps on each node's disk, node2's a small
     filesystem of its own (mounted on the node, seen by the job's container through its mount
