@@ -162,6 +162,17 @@ def test_a_job_held_by_the_network_names_the_one_node_whose_link_is_shaped():
         watch.paces(reading(10 + 20 * step, bound, 10 + 40 * step))
     watch.join(10)
     assert said_ours == said
+    # And after our workload's own warning has named a node for its CPU, a link shaped later
+    # is still named from the waits (CI run 54: a loaded host's warning had silenced them).
+    answers = {"node2": THROTTLED}
+    watch, said_after, _ = watcher(answers)
+    watch.note("[node1] [rank 0] " + SLOW_WARNING.format(node="node2"))
+    watch.join(10)
+    answers["node2"] = SHAPED
+    for step in range(3):
+        watch.paces(reading(10 + 20 * step, bound, 10 + 40 * step))
+    watch.join(10)
+    assert said_after[1:] == said, said_after
     # The shaped link's peers resend what it drops: their retransmits are the link's symptom,
     # not a second cause, so the one node whose own link is shaped is still named.
     watch, said_resent, _ = watcher({"node1": RESENT, "node2": SHAPED, "node3": RESENT})
