@@ -7,9 +7,10 @@
   waits in collectives most of the time is held by the network: every node is probed, and the
   one whose link is the cause, if one alone is, is named. Our workloads measure their waits
   too, for that case only: a slow link slows no rank's own work, so their own split sees
-  nothing, while who is slow by its own work is theirs to say (they say more). Once our
-  workload has named a slow rank, the waits say nothing more; a job on one node compares
-  nothing (ranks sharing a loaded CPU are not stragglers).
+  nothing, while who is slow by its own work is theirs to say (they say more). A job whose
+  output carries our workloads' warning is read as ours from then on, the network's case
+  included; a job on one node compares nothing (ranks sharing a loaded CPU are not
+  stragglers).
 
 Then the node is probed for the why (launch.causes), and the launcher's line naming the node and
 its cause is said once, and again only when the node or the cause changes; every such line
@@ -143,7 +144,6 @@ class Stragglers:
         self._probing: set[str] = set()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._workload = False  # our workload's warnings seen: the waits say nothing more
         self._paces: dict[int, Pace] = {}  # the last reading
         self._candidate: str | None = None  # the last window's straggler, or COMM_BOUND's mark
 
@@ -152,7 +152,7 @@ class Stragglers:
         found = SLOW_LINE.search(line)
         if found is None:
             return
-        self._workload = True
+        self.ours = True  # its own split says who is slow; the waits, the network's case
         rank, own, others = int(found.group(1)), float(found.group(3)), float(found.group(4))
         who = (
             f"rank {rank}'s own work takes {own * 1000:.0f} ms a step, the others' "
@@ -166,10 +166,10 @@ class Stragglers:
         every node of a job held by the network."""
         before, self._paces = self._paces, {**self._paces, **now}
         shares = wait_shares(before, now)
-        # Once our workload has spoken, its own split says who is slow; the waits still say
-        # when every node is held by the network, which slows no rank's own work (CI run 54: a
-        # warning for a loaded host in the even minutes silenced the shaped link that followed).
-        found = None if self.ours or self._workload else slowest(shares)
+        # Not who the others wait for in our workload: its own split says that. The network's
+        # case holds for every job (CI run 54: our workload's warning for a loaded host, read
+        # as ending every use of the waits, silenced the shaped link that followed).
+        found = None if self.ours else slowest(shares)
         if found is not None:
             node, share, others = found
             if self._candidate == node:
